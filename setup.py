@@ -1,0 +1,37 @@
+"""slime_tis: rollout-policy importance sampling for Megatron RL with SGLang rollouts."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="slime_tis",
+    version="0.1.0",
+    description=(
+        "Training-inference mismatch correction (TIS/MIS, rejection sampling, diagnostics) "
+        "for Megatron-based RL with SGLang rollouts"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["slime_tis", "slime_tis.*"]),
+    # A range, never a pin: users bring their own (CUDA) torch build.
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        # Integration with megatron-core; 0.16.1 is the tested target (see README).
+        "megatron": ["megatron-core>=0.16.1,<0.20"],
+        "plot": ["matplotlib>=3.7"],
+        "example": ["megatron-core>=0.16.1,<0.20", "matplotlib>=3.7", "tqdm", "tensorboard"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "hypothesis>=6",
+            "ruff",
+            "megatron-core>=0.16.1,<0.20",
+            "matplotlib>=3.7",
+            "tqdm",
+            "tensorboard",
+        ],
+        # GPU-side pieces (transformer-engine, NVIDIA apex, sglang) are never required here;
+        # they are imported lazily by the code paths that use them.
+    },
+    entry_points={"console_scripts": ["slime-tis=slime_tis.cli:main"]},
+)
