@@ -1,0 +1,492 @@
+"""Log-prob dumps: rollout (SGLang) and training (Megatron) log-probs per response token, on disk.
+
+The layout is documented in ``docs/dump_format.md``; ``slime-tis diagnose`` reads it, the example job
+and the slime hooks write it. Two encodings, chosen by the file suffix:
+
+* ``.jsonl``: one JSON object per line. A line with ``"format": "slime_tis.logprob_dump"`` is a
+  header (optional, may repeat when several writers append); every other line is one sequence::
+
+      {"train_log_probs": [..R floats..], "rollout_log_probs": [..R..], "loss_mask": [..R 0/1..],
+       "step": 3, "sample_index": 17, "token_ids": [..R ints..], "reward": 1.0}
+
+  ``loss_mask`` defaults to all ones; ``step``, ``sample_index``, ``token_ids``, ``reward`` are
+  optional. NaN / +-inf are written as the tokens ``NaN`` / ``Infinity`` / ``-Infinity`` (what
+  Python's ``json`` emits and reads); ``null`` is read as NaN. Appending is a plain file append.
+* ``.pt``: ``torch.save`` of one dict in the packed layout of the core::
+
+      {"format": "slime_tis.logprob_dump", "version": 1,
+       "train_log_probs": float32 [T], "rollout_log_probs": float32 [T], "loss_mask": bool [T],
+       "cu_seqlens": int64 [n+1], "step": int64 [n], "sample_index": int64 [n],
+       "token_ids": int64 [T] or None, "reward": float32 [n] or None, "meta": dict}
+
+  Appending re-reads and re-writes the file (fine for diagnostics-sized dumps; use ``.jsonl`` to
+  append every step of a long run).
+
+Missing per-sequence integers are stored as ``-1`` and missing rewards as NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LogprobDump",
+    "read_logprob_dump",
+    "records_from_packed",
+    "records_from_samples",
+    "write_logprob_dump",
+    "write_packed_dump",
+]
+
+FORMAT_NAME = "slime_tis.logprob_dump"
+FORMAT_VERSION = 1
+_SUFFIXES = (".jsonl", ".pt")
+
+
+@dataclass
+class LogprobDump:
+    """A dump in the packed layout (n sequences, T tokens in all).
+
+    Attributes:
+        train_log_probs: ``[T]`` float32, the trainer's log-probs (``lp_old`` or ``sg(lp_theta)``).
+        rollout_log_probs: ``[T]`` float32, SGLang's log-probs of the same tokens.
+        loss_mask: ``[T]`` bool, 1 = trainable token.
+        cu_seqlens: ``[n + 1]`` int64 sequence boundaries.
+        step: ``[n]`` int64 training step of each sequence (``-1`` unknown).
+        sample_index: ``[n]`` int64 sample id within its step (``-1`` unknown).
+        token_ids: ``[T]`` int64 or None.
+        reward: ``[n]`` float32 or None (NaN where unknown).
+        meta: header fields (free-form, e.g. ``{"train_policy": "old", "temperature": 1.0}``).
+    """
+
+    train_log_probs: Tensor
+    rollout_log_probs: Tensor
+    loss_mask: Tensor
+    cu_seqlens: Tensor
+    step: Tensor
+    sample_index: Tensor
+    token_ids: Tensor | None = None
+    reward: Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_seq(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.train_log_probs.numel())
+
+    @property
+    def lengths(self) -> Tensor:
+        """``[n]`` int64 response lengths (all tokens, masked or not)."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def valid_lengths(self) -> Tensor:
+        """``[n]`` int64 number of tokens with ``loss_mask = 1`` per sequence."""
+        seq_id = torch.repeat_interleave(torch.arange(self.n_seq), self.lengths)
+        out = torch.zeros(self.n_seq, dtype=torch.int64)
+        return out.index_add_(0, seq_id, self.loss_mask.to(torch.int64))
+
+    def select(self, seq_keep: Tensor) -> LogprobDump:
+        """The sub-dump of the sequences where ``seq_keep [n]`` (bool) is true."""
+        seq_keep = seq_keep.to(torch.bool)
+        tok_keep = torch.repeat_interleave(seq_keep, self.lengths)
+        lengths = self.lengths[seq_keep]
+        cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lengths, 0)
+        return LogprobDump(
+            train_log_probs=self.train_log_probs[tok_keep],
+            rollout_log_probs=self.rollout_log_probs[tok_keep],
+            loss_mask=self.loss_mask[tok_keep],
+            cu_seqlens=cu,
+            step=self.step[seq_keep],
+            sample_index=self.sample_index[seq_keep],
+            token_ids=None if self.token_ids is None else self.token_ids[tok_keep],
+            reward=None if self.reward is None else self.reward[seq_keep],
+            meta=dict(self.meta),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# record helpers
+# ----------------------------------------------------------------------------------------------
+def _as_list(x: Any, name: str, i: int) -> list:
+    if isinstance(x, Tensor):
+        return x.detach().to("cpu").reshape(-1).tolist()  # host-sync-ok (writing a dump)
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    raise ValueError(f"record {i}: {name} must be a list or a 1-D tensor, got {type(x).__name__}")
+
+
+def records_from_packed(
+    train_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    step: int | Sequence[int] | Tensor | None = None,
+    sample_index: Sequence[int] | Tensor | None = None,
+    token_ids: Tensor | None = None,
+    reward: Sequence[float] | Tensor | None = None,
+) -> list[dict[str, Any]]:
+    """Split packed ``[T]`` tensors (core layout) into per-sequence records for :func:`write_logprob_dump`.
+
+    ``step`` is one int for the whole batch or one per sequence. Host-side helper (copies to CPU).
+    """
+    cu = cu_seqlens.detach().to("cpu", torch.int64).tolist()  # host-sync-ok (writing a dump)
+    n = len(cu) - 1
+    tl = train_log_probs.detach().float().cpu()
+    rl = rollout_log_probs.detach().float().cpu()
+    lm = loss_mask.detach().cpu()
+    ids = None if token_ids is None else token_ids.detach().cpu()
+    steps = _per_seq(step, n, "step")
+    idx = _per_seq(sample_index, n, "sample_index")
+    rew = _per_seq(reward, n, "reward")
+    out = []
+    for i in range(n):
+        a, b = cu[i], cu[i + 1]
+        rec: dict[str, Any] = {
+            "train_log_probs": tl[a:b].tolist(),
+            "rollout_log_probs": rl[a:b].tolist(),
+            "loss_mask": [int(v) for v in (lm[a:b] != 0).tolist()],
+        }
+        if steps is not None:
+            rec["step"] = int(steps[i])
+        if idx is not None:
+            rec["sample_index"] = int(idx[i])
+        if ids is not None:
+            rec["token_ids"] = ids[a:b].tolist()
+        if rew is not None:
+            rec["reward"] = float(rew[i])
+        out.append(rec)
+    return out
+
+
+def records_from_samples(
+    train_log_probs: Sequence[Tensor],
+    rollout_log_probs: Sequence[Tensor],
+    loss_masks: Sequence[Tensor] | None = None,
+    *,
+    step: int | Sequence[int] | None = None,
+    sample_index: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
+    """Per-sample lists of full-length ``[R_i]`` tensors (slime's layout, CP already gathered) -> records."""
+    if len(train_log_probs) != len(rollout_log_probs):
+        raise ValueError(
+            f"train_log_probs has {len(train_log_probs)} samples, rollout_log_probs has {len(rollout_log_probs)}"
+        )
+    n = len(train_log_probs)
+    if loss_masks is not None and len(loss_masks) != n:
+        raise ValueError(f"loss_masks has {len(loss_masks)} samples, expected {n}")
+    steps = _per_seq(step, n, "step")
+    idx = _per_seq(sample_index, n, "sample_index")
+    out = []
+    for i in range(n):
+        rec: dict[str, Any] = {
+            "train_log_probs": _as_list(train_log_probs[i], "train_log_probs", i),
+            "rollout_log_probs": _as_list(rollout_log_probs[i], "rollout_log_probs", i),
+        }
+        if loss_masks is not None:
+            rec["loss_mask"] = [int(v != 0) for v in _as_list(loss_masks[i], "loss_mask", i)]
+        if steps is not None:
+            rec["step"] = int(steps[i])
+        if idx is not None:
+            rec["sample_index"] = int(idx[i])
+        out.append(rec)
+    return out
+
+
+def _per_seq(value: Any, n: int, name: str) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        value = value.detach().cpu().reshape(-1).tolist()  # host-sync-ok (writing a dump)
+    if isinstance(value, (int, float)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries, expected one per sequence ({n})")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# normalisation of records
+# ----------------------------------------------------------------------------------------------
+def _float(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def _normalise(rec: Mapping[str, Any], i: int) -> dict[str, Any]:
+    if not isinstance(rec, Mapping):
+        raise TypeError(f"record {i} must be a mapping, got {type(rec).__name__}")
+    for key in ("train_log_probs", "rollout_log_probs"):
+        if key not in rec:
+            raise ValueError(f"record {i} has no '{key}' (keys: {sorted(rec)})")
+    train = [_float(v) for v in _as_list(rec["train_log_probs"], "train_log_probs", i)]
+    rollout = [_float(v) for v in _as_list(rec["rollout_log_probs"], "rollout_log_probs", i)]
+    if len(train) != len(rollout):
+        raise ValueError(
+            f"record {i}: train_log_probs has {len(train)} tokens but rollout_log_probs has {len(rollout)}"
+        )
+    mask = rec.get("loss_mask")
+    mask = [1] * len(train) if mask is None else [int(bool(v)) for v in _as_list(mask, "loss_mask", i)]
+    if len(mask) != len(train):
+        raise ValueError(f"record {i}: loss_mask has {len(mask)} entries but the log-probs have {len(train)}")
+    ids = rec.get("token_ids")
+    if ids is not None:
+        ids = [int(v) for v in _as_list(ids, "token_ids", i)]
+        if len(ids) != len(train):
+            raise ValueError(f"record {i}: token_ids has {len(ids)} entries but the log-probs have {len(train)}")
+    reward = rec.get("reward")
+    return {
+        "train_log_probs": train,
+        "rollout_log_probs": rollout,
+        "loss_mask": mask,
+        "step": int(rec.get("step", -1) if rec.get("step") is not None else -1),
+        "sample_index": int(rec.get("sample_index", -1) if rec.get("sample_index") is not None else -1),
+        "token_ids": ids,
+        "reward": None if reward is None else float(reward),
+    }
+
+
+def _pack(recs: list[dict[str, Any]], meta: dict[str, Any]) -> LogprobDump:
+    lengths = [len(r["train_log_probs"]) for r in recs]
+    cu = torch.zeros(len(recs) + 1, dtype=torch.int64)
+    if recs:
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+
+    def cat(key: str, dtype: torch.dtype) -> Tensor:
+        flat = [v for r in recs for v in r[key]]
+        return torch.tensor(flat, dtype=dtype)
+
+    have_ids = bool(recs) and all(r["token_ids"] is not None for r in recs)
+    have_reward = any(r["reward"] is not None for r in recs)
+    return LogprobDump(
+        train_log_probs=cat("train_log_probs", torch.float32),
+        rollout_log_probs=cat("rollout_log_probs", torch.float32),
+        loss_mask=cat("loss_mask", torch.bool),
+        cu_seqlens=cu,
+        step=torch.tensor([r["step"] for r in recs], dtype=torch.int64),
+        sample_index=torch.tensor([r["sample_index"] for r in recs], dtype=torch.int64),
+        token_ids=cat("token_ids", torch.int64) if have_ids else None,
+        reward=(
+            torch.tensor([math.nan if r["reward"] is None else r["reward"] for r in recs], dtype=torch.float32)
+            if have_reward
+            else None
+        ),
+        meta=meta,
+    )
+
+
+def _records_of(dump: LogprobDump) -> list[dict[str, Any]]:
+    recs = records_from_packed(
+        dump.train_log_probs,
+        dump.rollout_log_probs,
+        dump.loss_mask,
+        dump.cu_seqlens,
+        step=dump.step,
+        sample_index=dump.sample_index,
+        token_ids=dump.token_ids,
+        reward=dump.reward,
+    )
+    for r in recs:
+        if r.get("reward") is not None and math.isnan(r["reward"]):
+            del r["reward"]
+    return recs
+
+
+def _suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise ValueError(f"dump path must end in .jsonl or .pt, got {str(path)!r}")
+    return suffix
+
+
+# ----------------------------------------------------------------------------------------------
+# write / read
+# ----------------------------------------------------------------------------------------------
+def write_logprob_dump(
+    path: str | os.PathLike,
+    records: Iterable[Mapping[str, Any]] | LogprobDump,
+    *,
+    append: bool = False,
+    meta: Mapping[str, Any] | None = None,
+) -> int:
+    """Write (or append) per-sequence records to ``path`` (``.jsonl`` or ``.pt``); return the count written.
+
+    Each record is a mapping with ``train_log_probs`` and ``rollout_log_probs`` (lists or 1-D
+    tensors of the same length ``R``), and optionally ``loss_mask`` ``[R]``, ``step``,
+    ``sample_index``, ``token_ids`` ``[R]``, ``reward``. ``meta`` goes into the header (e.g.
+    ``{"train_policy": "old", "algorithm": 2, "temperature": 1.0}``). Raises ``ValueError`` naming the
+    record and field on malformed input. Parent directories are created.
+    """
+    path = Path(path)
+    suffix = _suffix(path)
+    if isinstance(records, LogprobDump):
+        meta = {**records.meta, **(meta or {})}
+        records = _records_of(records)
+    recs = [_normalise(r, i) for i, r in enumerate(records)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **(dict(meta) if meta else {})}
+    if suffix == ".jsonl":
+        new_file = not append or not path.exists() or path.stat().st_size == 0
+        with open(path, "a" if append else "w", encoding="utf-8") as f:
+            if new_file or meta:
+                f.write(json.dumps(header) + "\n")
+            for r in recs:
+                line = {k: v for k, v in r.items() if v is not None and not (k in ("step", "sample_index") and v < 0)}
+                f.write(json.dumps(line) + "\n")
+        return len(recs)
+    old_recs: list[dict[str, Any]] = []
+    old_meta: dict[str, Any] = {}
+    if append and path.exists():
+        old = read_logprob_dump(path)
+        old_recs = [_normalise(r, i) for i, r in enumerate(_records_of(old))]
+        old_meta = old.meta
+    dump = _pack(old_recs + recs, {**old_meta, **(dict(meta) if meta else {})})
+    payload = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "train_log_probs": dump.train_log_probs,
+        "rollout_log_probs": dump.rollout_log_probs,
+        "loss_mask": dump.loss_mask,
+        "cu_seqlens": dump.cu_seqlens,
+        "step": dump.step,
+        "sample_index": dump.sample_index,
+        "token_ids": dump.token_ids,
+        "reward": dump.reward,
+        "meta": dump.meta,
+    }
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return len(recs)
+
+
+def write_packed_dump(
+    path: str | os.PathLike,
+    *,
+    train_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    step: int | Sequence[int] | Tensor | None = None,
+    sample_index: Sequence[int] | Tensor | None = None,
+    token_ids: Tensor | None = None,
+    reward: Sequence[float] | Tensor | None = None,
+    append: bool = True,
+    meta: Mapping[str, Any] | None = None,
+) -> int:
+    """Convenience: :func:`records_from_packed` + :func:`write_logprob_dump` (appends by default)."""
+    recs = records_from_packed(
+        train_log_probs,
+        rollout_log_probs,
+        loss_mask,
+        cu_seqlens,
+        step=step,
+        sample_index=sample_index,
+        token_ids=token_ids,
+        reward=reward,
+    )
+    return write_logprob_dump(path, recs, append=append, meta=meta)
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    recs: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise TypeError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            if obj.get("format") is not None:
+                if obj["format"] != FORMAT_NAME:
+                    raise ValueError(f"{path}:{lineno}: unknown format {obj['format']!r} (expected {FORMAT_NAME!r})")
+                if int(obj.get("version", 1)) > FORMAT_VERSION:
+                    raise ValueError(f"{path}:{lineno}: dump version {obj['version']} is newer than {FORMAT_VERSION}")
+                meta.update({k: v for k, v in obj.items() if k not in ("format", "version")})
+                continue
+            try:
+                recs.append(_normalise(obj, len(recs)))
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+    return recs, meta
+
+
+def _read_pt(path: Path) -> LogprobDump:
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path}: not a {FORMAT_NAME} file (missing or wrong 'format' key)")
+    if int(obj.get("version", 1)) > FORMAT_VERSION:
+        raise ValueError(f"{path}: dump version {obj['version']} is newer than {FORMAT_VERSION}")
+    for key in ("train_log_probs", "rollout_log_probs", "loss_mask", "cu_seqlens"):
+        if not isinstance(obj.get(key), Tensor):
+            raise TypeError(f"{path}: '{key}' must be a tensor")
+    cu = obj["cu_seqlens"].to(torch.int64)
+    n = cu.numel() - 1
+    t = obj["train_log_probs"].numel()
+    if obj["rollout_log_probs"].numel() != t or obj["loss_mask"].numel() != t or int(cu[-1]) != t:
+        raise ValueError(
+            f"{path}: inconsistent lengths: train {t}, rollout {obj['rollout_log_probs'].numel()}, "
+            f"loss_mask {obj['loss_mask'].numel()}, cu_seqlens[-1] {int(cu[-1])}"
+        )
+    step = obj.get("step")
+    idx = obj.get("sample_index")
+    return LogprobDump(
+        train_log_probs=obj["train_log_probs"].float(),
+        rollout_log_probs=obj["rollout_log_probs"].float(),
+        loss_mask=obj["loss_mask"].to(torch.bool),
+        cu_seqlens=cu,
+        step=step.to(torch.int64) if isinstance(step, Tensor) else torch.full((n,), -1, dtype=torch.int64),
+        sample_index=idx.to(torch.int64) if isinstance(idx, Tensor) else torch.full((n,), -1, dtype=torch.int64),
+        token_ids=obj.get("token_ids"),
+        reward=obj.get("reward"),
+        meta=dict(obj.get("meta") or {}),
+    )
+
+
+def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> LogprobDump:
+    """Read one dump file, or several (concatenated in order), into one :class:`LogprobDump`.
+
+    Raises ``ValueError`` with the file (and line, for ``.jsonl``) on malformed content and
+    ``FileNotFoundError`` for a missing file.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    recs: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for p in paths:
+        p = Path(p)
+        suffix = _suffix(p)
+        if not p.exists():
+            raise FileNotFoundError(f"dump file not found: {str(p)!r}")
+        if suffix == ".jsonl":
+            r, m = _read_jsonl(p)
+        else:
+            d = _read_pt(p)
+            if len(paths) == 1:
+                return d
+            r, m = [_normalise(x, i) for i, x in enumerate(_records_of(d))], d.meta
+        recs.extend(r)
+        for k, v in m.items():
+            meta.setdefault(k, v)
+    return _pack(recs, meta)
