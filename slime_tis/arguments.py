@@ -1,0 +1,139 @@
+"""Command-line flags of slime_tis, as an argparse extension.
+
+``add_tis_arguments(parser)`` takes and returns the parser, so it can be passed directly as
+Megatron's ``extra_args_provider``. Options the host parser already defines (slime defines
+``--use-tis``, ``--use-rollout-logprobs``, ``--eps-clip``, ``--eps-clip-high``, ``--eps-clip-c``)
+are reused, never redefined, so argparse's conflict error cannot fire.
+
+Every option defaults to ``None`` ("not given") so that ``--tis-preset NAME`` can be expanded first
+and explicit flags override it; the help text states the effective default. Switches
+(``--use-tis``, ``--use-rollout-log-probs``, ``--tis-batch-normalize``) can be turned on by a flag or
+a preset, never off.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from slime_tis.config import FLAG_OF, LEVELS, LOSS_AGGS, MODES
+from slime_tis.presets import PRESETS, preset_fields
+
+__all__ = ["add_tis_arguments", "config_fields_from_args"]
+
+#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
+DESTS_OF: dict[str, tuple[str, ...]] = {
+    "use_rollout_log_probs": ("use_rollout_log_probs", "use_rollout_logprobs"),
+    "use_tis": ("use_tis",),
+    "mode": ("tis_mode",),
+    "level": ("tis_level",),
+    "upper": ("tis_upper_bound",),
+    "lower": ("tis_lower_bound",),
+    "rs_level": ("tis_rs_level",),
+    "rs_upper": ("tis_rs_upper_bound",),
+    "rs_lower": ("tis_rs_lower_bound",),
+    "veto_threshold": ("tis_veto_threshold",),
+    "batch_normalize": ("tis_batch_normalize",),
+    "rejected_denominator": ("tis_rejected_denominator",),
+    "loss_agg": ("tis_loss_agg",),
+    "eps_clip": ("eps_clip",),
+    "eps_clip_high": ("eps_clip_high",),
+    "dual_clip_c": ("eps_clip_c",),
+    "safety_bound": ("tis_safety_bound",),
+}
+SWITCHES = ("use_rollout_log_probs", "use_tis", "batch_normalize")
+
+
+def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
+    """(option strings, dest, add_argument kwargs) of every flag."""
+    levels = list(LEVELS)
+    return [
+        (["--use-rollout-log-probs", "--use-rollout-logprobs"], "use_rollout_log_probs",
+         dict(action="store_true", default=None,
+              help="Use the rollout engine's (SGLang) log-probs as pi_old and skip the Megatron recompute "
+                   "(algorithm 1; with --use-tis algorithm 3). Default: off.")),
+        (["--use-tis"], "use_tis",
+         dict(action="store_true", default=None,
+              help="Apply importance weights against the rollout policy (algorithm 2; with "
+                   "--use-rollout-log-probs algorithm 3). Default: off.")),
+        (["--tis-mode"], "tis_mode",
+         dict(choices=list(MODES), default=None,
+              help="How the ratio r becomes a weight: truncate w=min(r,upper); clip w=clamp(r,lower,upper); "
+                   "mask w=r and reject units outside [lower,upper]. Default: truncate.")),
+        (["--tis-level"], "tis_level",
+         dict(choices=levels, default=None,
+              help="Ratio level: token (per token), sequence (product over the sequence), geometric "
+                   "(geometric mean over the sequence). Default: token.")),
+        (["--tis-upper-bound"], "tis_upper_bound",
+         dict(type=float, default=None,
+              help="Upper bound on r=pi_train/pi_rollout. Default: 2.0; 1.001 for --tis-mode mask at "
+                   "--tis-level geometric.")),
+        (["--tis-lower-bound"], "tis_lower_bound",
+         dict(type=float, default=None, help="Lower bound on r (clip and mask modes). Default: 1/upper.")),
+        (["--tis-rs-level"], "tis_rs_level",
+         dict(choices=levels, default=None,
+              help="Rejection sampling at this level, independent of --tis-mode. Default: off.")),
+        (["--tis-rs-upper-bound"], "tis_rs_upper_bound",
+         dict(type=float, default=None,
+              help="Rejection-sampling upper bound on r. Default: 2.0; 1.001 at geometric level.")),
+        (["--tis-rs-lower-bound"], "tis_rs_lower_bound",
+         dict(type=float, default=None, help="Rejection-sampling lower bound on r. Default: 1/rs-upper.")),
+        (["--tis-veto-threshold"], "tis_veto_threshold",
+         dict(type=float, default=None,
+              help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1), with or without "
+                   "rejection sampling. Default: off.")),
+        (["--tis-batch-normalize"], "tis_batch_normalize",
+         dict(action="store_true", default=None,
+              help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
+                   "per step; algorithm 3: per micro-batch over DPxCP). Default: off.")),
+        (["--tis-rejected-denominator"], "tis_rejected_denominator",
+         dict(choices=["keep", "drop"], default=None,
+              help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). "
+                   "Default: keep.")),
+        (["--tis-loss-agg"], "tis_loss_agg",
+         dict(choices=list(LOSS_AGGS), default=None, help="Loss aggregation over the global batch. Default: token-mean.")),
+        (["--eps-clip"], "eps_clip",
+         dict(type=float, default=None, help="PPO clip epsilon (low side). Default: 0.2.")),
+        (["--eps-clip-high"], "eps_clip_high",
+         dict(type=float, default=None, help="PPO clip epsilon, high side. Default: = --eps-clip.")),
+        (["--eps-clip-c"], "eps_clip_c",
+         dict(type=float, default=None, help="Dual-clip constant c > 1 for negative advantages. Default: off.")),
+        (["--tis-safety-bound"], "tis_safety_bound",
+         dict(type=float, default=None, help="Log-quantities are clamped to [-B, B] before exp. Default: 20.")),
+        (["--tis-preset"], "tis_preset",
+         dict(choices=list(PRESETS), default=None,
+              help="Expand a named preset; explicit flags override it. Presets: "
+                   + "; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()))),
+    ]
+
+
+def add_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the slime_tis flags to ``parser`` (reusing any it already defines) and return it."""
+    existing = parser._option_string_actions  # argparse keeps every registered option string here
+    existing_dests = {a.dest for a in parser._actions}
+    group = parser.add_argument_group("slime_tis (rollout importance sampling)")
+    for strings, dest, kwargs in _option_specs():
+        free = [s for s in strings if s not in existing]
+        if not free or (dest in existing_dests and len(free) < len(strings)):
+            continue  # the host already defines this option: reuse it
+        group.add_argument(*free, dest=dest, **kwargs)
+    return parser
+
+
+def config_fields_from_args(args: Any) -> dict[str, Any]:
+    """``TISConfig`` fields from a namespace: preset first, then every flag that was given."""
+    preset = getattr(args, "tis_preset", None)
+    fields: dict[str, Any] = preset_fields(preset) if preset else {}
+    for field, dests in DESTS_OF.items():
+        values = [getattr(args, d) for d in dests if getattr(args, d, None) is not None]
+        if field in SWITCHES:
+            if any(bool(v) for v in values):
+                fields[field] = True
+            else:
+                fields.setdefault(field, False)
+        elif values:
+            fields[field] = values[0]
+    return fields
+
+
+assert set(DESTS_OF) == set(FLAG_OF), "every TISConfig field needs a flag"

@@ -1,0 +1,148 @@
+"""``compute_tis``: importance weights, keep mask and diagnostics for one packed micro-batch.
+
+Pipeline (all detached, vectorised over the packed tokens, one context-parallel reduction)::
+
+    l_t      = lp_train_t - lp_rollout_t                       (valid tokens; non-finite -> sequence rejected)
+    L_u      = level log-ratio (token / sequence sum / geometric mean)           -- core.ratios
+    w_u      = truncate / clip / mask of exp(clamp(L_u, -B, B))                  -- core.weights
+    keep_t   = valid and not rejected (mask mode, RS, veto, non-finite)          -- core.rejection
+    w_u     *= n_kept_units / sum_{kept u} w_u      (if batch_normalize)
+    w_t      = w_{u(t)}  (0 at invalid tokens and tokens of non-finite sequences)
+    stats    = tis/* diagnostics on the original mask                            -- core.diagnostics
+
+Algorithms 0 and 1 apply no weight (``w = 1``); algorithm 0 rejects nothing but non-finite data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slime_tis.config import TISConfig
+from slime_tis.core.diagnostics import tis_statistics
+from slime_tis.core.metrics import MetricStats
+from slime_tis.core.packing import check_packed, sequence_ids
+from slime_tis.core.ratios import PackedRatios, packed_ratios
+from slime_tis.core.reducer import LocalReducer, Reducer
+from slime_tis.core.rejection import find_rejections
+from slime_tis.core.weights import bounded_weights
+
+__all__ = ["TISResult", "compute_tis", "as_valid_mask"]
+
+
+@dataclass
+class TISResult:
+    """Output of :func:`compute_tis` for one micro-batch (shapes ``[T]`` unless noted).
+
+    Attributes:
+        weights: float32 applied importance weights, detached; 0 at invalid tokens and at tokens
+            of non-finite sequences; unchanged by rejection.
+        keep_mask: bool, valid tokens that survived every rejection rule.
+        stats: ``tis.*`` statistics (see ``slime_tis.core.metrics``).
+        norm_sum, norm_count: scalar float32 tensors, this micro-batch's (local, unreduced) sum of
+            the unnormalised weights over kept units and the number of kept units. Summed over all
+            micro-batches and ranks they give the global batch-normalisation factor
+            ``norm_count / norm_sum`` (units are sequences at sequence/geometric level: reduce
+            those over data-parallel ranks only).
+        ratios: the per-token / per-sequence log-ratio bookkeeping (for losses and adapters).
+    """
+
+    weights: Tensor
+    keep_mask: Tensor
+    stats: MetricStats
+    norm_sum: Tensor
+    norm_count: Tensor
+    ratios: PackedRatios
+
+
+def as_valid_mask(loss_mask: Tensor) -> Tensor:
+    """Loss mask as bool (any nonzero entry is a trainable token)."""
+    return loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+
+
+def compute_tis(
+    config: TISConfig,
+    lp_train: Tensor,
+    lp_rollout: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    reducer: Reducer | None = None,
+    batch_norm_factor: Tensor | float | None = None,
+    extra_finite: tuple[Tensor, ...] = (),
+) -> TISResult:
+    """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
+
+    Args:
+        config: the validated configuration.
+        lp_train: ``[T]`` log-probs of the training-side policy (pi_old in algorithms 0 and 2,
+            sg(pi_theta) in algorithms 1 and 3); any float dtype, computed in float32, detached.
+        lp_rollout: ``[T]`` rollout-engine (SGLang) log-probs.
+        loss_mask: ``[T]`` bool or 0/1 mask of trainable tokens.
+        cu_seqlens: ``[n_seq + 1]`` integer offsets of the packed sequences.
+        reducer: distributed reductions (default: single process).
+        batch_norm_factor: a precomputed global factor (algorithm 2 computes it once per step from
+            ``norm_count / norm_sum``); ``None`` with ``batch_normalize`` normalises over this call's
+            data reduced over ``reducer`` (algorithm 3: per micro-batch over DP x CP).
+        extra_finite: more ``[T]`` tensors whose non-finite valid entries reject their sequence.
+
+    Raises:
+        ValueError: on shape, length, device or dtype mismatches (naming the tensors).
+    """
+    reducer = reducer or LocalReducer()
+    n_tokens = check_packed(
+        {"lp_train": lp_train, "lp_rollout": lp_rollout, "loss_mask": loss_mask,
+         **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)}},
+        cu_seqlens,
+    )
+    for name, t in (("lp_train", lp_train), ("lp_rollout", lp_rollout)):
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor of log-probs, got {t.dtype}")
+    device = lp_train.device
+    valid = as_valid_mask(loss_mask)
+    n_seq = cu_seqlens.numel() - 1
+    seq_id = sequence_ids(cu_seqlens, n_tokens, device)
+
+    with torch.no_grad():
+        ratios = packed_ratios(
+            lp_train.detach(), lp_rollout.detach(), valid, seq_id, n_seq, reducer,
+            veto_threshold=config.veto_threshold if config.algorithm != 0 else None,
+            extra_finite=tuple(t.detach() for t in extra_finite),
+        )
+        rejection = find_rejections(config, ratios)
+        per_seq_units = config.level != "token"
+        level_log = ratios.level_log_ratio(config.level)
+        if config.applies_weights:
+            unit_weights = bounded_weights(
+                config.mode, level_log, config.lower_bound, config.upper_bound, config.safety_bound
+            )
+        else:
+            unit_weights = torch.ones_like(level_log)
+        kept_units = (ratios.seq_ok & ~rejection.seq_rejected) if per_seq_units else rejection.keep
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        norm_sum = torch.where(kept_units, unit_weights, zero).sum()
+        norm_count = kept_units.float().sum()
+
+        factor: Tensor | None = None
+        if config.batch_normalize:
+            if batch_norm_factor is None:
+                total = reducer.batch_sum(torch.stack([norm_sum, norm_count]), per_sequence=per_seq_units)
+                factor = normalisation_factor(total[0], total[1])
+            else:
+                factor = torch.as_tensor(batch_norm_factor, dtype=torch.float32, device=device).reshape(())
+            unit_weights = unit_weights * factor
+
+        token_weights = unit_weights[seq_id] if per_seq_units else unit_weights
+        token_weights = torch.where(ratios.token_ok, token_weights, zero)
+        stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, factor)
+
+    return TISResult(token_weights, rejection.keep, stats, norm_sum, norm_count, ratios)
+
+
+def normalisation_factor(weight_sum: Tensor, unit_count: Tensor) -> Tensor:
+    """Batch-normalisation factor ``count / sum`` (1 when nothing is kept): mean weight becomes 1."""
+    ok = weight_sum > 0
+    return torch.where(ok, unit_count / torch.where(ok, weight_sum, torch.ones_like(weight_sum)),
+                       torch.ones_like(weight_sum))

@@ -1,0 +1,199 @@
+"""Diagnostics as reducible statistics, and the formulas that turn them into metrics.
+
+A metric such as ``tis/kl = mean_t (lp_rollout - lp_train)`` is a ratio of two sums. Averaging
+per-micro-batch or per-rank means would be wrong (unequal token counts), and a mean of per-rank
+minima is not a minimum. So the core returns :class:`MetricStats`: raw sums, minima and maxima,
+which are merged across micro-batches (``merge``), reduced across ranks with the right operator
+(``reduce``: SUM / MIN / MAX, one collective per operator) and only then turned into metrics
+(``finalize``). Everything stays a tensor until the logger reads it: no host sync.
+
+Two kinds of sums: ``token_sums`` (token-domain, summed over data x context parallel ranks) and
+``seq_sums`` (one value per sequence, replicated on every context-parallel rank, summed over data
+parallel ranks only).
+
+Metric definitions (``tis/`` prefix; D = valid tokens of sequences without non-finite values,
+S = such sequences, r_t = exp(clamp(l_t, -B, B)), "units" = tokens at token level, sequences at
+sequence/geometric level, with level log-ratio L_u and applied weight w_u):
+
+=========================  ==========================================================================
+kl                         mean_{t in D} (lp_rollout_t - lp_train_t)
+k3_kl                      mean_{t in D} (r_t - 1 - log r_t)
+chi2_token                 mean_{t in D} r_t^2 - 1
+chi2_seq                   mean_{i in S} exp(2 clamp(sum_{t in i} l_t, -B, B)) - 1
+training_log_ppl           mean_{i in S} (-mean_{t in i} lp_train_t)
+training_ppl               mean_{i in S} exp(clamp(-mean_{t in i} lp_train_t, -B, B))
+rollout_log_ppl/_ppl       the same with lp_rollout
+log_ppl_diff               mean_{i in S} (mean_t lp_rollout_t - mean_t lp_train_t)
+log_ppl_abs_diff           mean_{i in S} |mean_t lp_rollout_t - mean_t lp_train_t|
+ppl_ratio                  mean_{i in S} exp(clamp(mean_t lp_rollout_t - mean_t lp_train_t, -B, B))
+ratio_mean / ratio_std     mean / std of exp(clamp(L_u, -B, B)) over units, before bounds
+ratio_min / ratio_max      exp(min_u L_u) / exp(max_u L_u): true extremes, unclamped (float64)
+weight_mean/min/max        of applied weights w_u over kept units (after bounds and batch-norm)
+ess                        (sum_u w_u)^2 / (n_kept_units * sum_u w_u^2) over kept units
+truncate_fraction          units with L_u > log(upper) / units           (truncate mode)
+clip_fraction_low/high     units with L_u < log(lower) / > log(upper)    (clip mode)
+mask_fraction_low/high     units rejected below / above the bounds       (mask mode)
+rs_fraction_low/high       rejection-sampling units rejected below / above, over its units
+veto_seq_fraction          sequences vetoed / |S|
+nonfinite_seq_fraction     sequences with a non-finite value / sequences with valid tokens
+rejected_token_fraction    valid tokens rejected for any reason / valid tokens
+rejected_seq_fraction      sequences rejected as a whole (non-finite, veto, sequence-level rule)
+                           / sequences with valid tokens
+batch_norm_factor          mean of the applied batch-normalisation factors
+num_tokens / num_seqs      valid tokens / sequences with valid tokens
+=========================  ==========================================================================
+
+``policy/`` metrics (over kept tokens): ``clipfrac`` (PPO clip active), ``dual_clipfrac``,
+``ppo_kl`` = mean(lp_anchor - lp_theta) with anchor = pi_old (alg 0, 2) or pi_rollout (alg 1, 3),
+``kept_token_fraction``, ``nonfinite_seq_fraction``.
+Empty domains give 0 (never NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from slime_tis.core.reducer import Reducer
+
+__all__ = ["MetricStats", "masked_min", "masked_max", "column_sums"]
+
+
+def masked_min(x: Tensor, mask: Tensor) -> Tensor:
+    """Minimum of ``x`` over ``mask`` (float32 scalar); ``+inf`` for an empty mask."""
+    inf = torch.full((1,), float("inf"), dtype=torch.float32, device=x.device)
+    return torch.cat([torch.where(mask, x.float(), inf), inf]).amin()
+
+
+def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """Maximum of ``x`` over ``mask`` (float32 scalar); ``-inf`` for an empty mask."""
+    return -masked_min(-x, mask)
+
+
+def column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Sum several same-shaped columns in one pass: ``{name: column.sum()}`` (float32 scalars)."""
+    if not columns:
+        return {}
+    sums = torch.stack([c.float() for c in columns.values()], dim=-1).sum(dim=0)
+    return dict(zip(columns, sums.unbind(0)))
+
+
+@dataclass
+class MetricStats:
+    """Reducible statistics (see module docstring). All values are scalar tensors."""
+
+    token_sums: dict[str, Tensor] = field(default_factory=dict)
+    seq_sums: dict[str, Tensor] = field(default_factory=dict)
+    mins: dict[str, Tensor] = field(default_factory=dict)
+    maxs: dict[str, Tensor] = field(default_factory=dict)
+
+    def merge(self, other: MetricStats) -> MetricStats:
+        """Combine two micro-batches (or two sources): sums add, minima min, maxima max."""
+
+        def combine(a: dict[str, Tensor], b: dict[str, Tensor], op: Callable[[Tensor, Tensor], Tensor]):
+            out = dict(a)
+            for k, v in b.items():
+                out[k] = op(out[k], v) if k in out else v
+            return out
+
+        return MetricStats(
+            combine(self.token_sums, other.token_sums, torch.add),
+            combine(self.seq_sums, other.seq_sums, torch.add),
+            combine(self.mins, other.mins, torch.minimum),
+            combine(self.maxs, other.maxs, torch.maximum),
+        )
+
+    def reduce(self, reducer: Reducer) -> MetricStats:
+        """Reduce across ranks: one collective per non-empty group (keys sorted, so ranks agree)."""
+
+        def apply(d: dict[str, Tensor], fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+            if not d:
+                return {}
+            keys = sorted(d)
+            stacked = fn(torch.stack([d[k].detach().float() for k in keys]))
+            return dict(zip(keys, stacked.unbind(0)))
+
+        return MetricStats(
+            apply(self.token_sums, lambda x: reducer.batch_sum(x, per_sequence=False)),
+            apply(self.seq_sums, lambda x: reducer.batch_sum(x, per_sequence=True)),
+            apply(self.mins, reducer.batch_min),
+            apply(self.maxs, reducer.batch_max),
+        )
+
+    def detach(self) -> MetricStats:
+        """A copy whose tensors are detached clones (safe from in-place scaling by a schedule)."""
+
+        def det(d: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {k: v.detach().clone() for k, v in d.items()}
+
+        return MetricStats(det(self.token_sums), det(self.seq_sums), det(self.mins), det(self.maxs))
+
+    def finalize(self) -> dict[str, Tensor]:
+        """Metric values (float64 scalar tensors) from the statistics present."""
+        v: dict[str, Tensor] = {
+            k: t.double() for d in (self.token_sums, self.seq_sums, self.mins, self.maxs) for k, t in d.items()
+        }
+        out: dict[str, Tensor] = {}
+        for name, num, den, offset in _RATIO_METRICS:
+            if num in v and den in v:
+                out[name] = _div(v[num], v[den]) + offset * (v[den] > 0)
+        if "tis.ratio_sum" in v:
+            n = v["tis.n_units"]
+            mean = _div(v["tis.ratio_sum"], n)
+            out["tis/ratio_std"] = (_div(v["tis.ratio_sq_sum"], n) - mean * mean).clamp(min=0).sqrt()
+        for name, key in (("tis/ratio_min", "tis.log_ratio_min"), ("tis/ratio_max", "tis.log_ratio_max")):
+            if key in v:
+                out[name] = torch.where(torch.isfinite(v[key]), v[key].exp(), torch.zeros_like(v[key]))
+        for name in ("tis/weight_min", "tis/weight_max"):
+            key = "tis." + name.split("/")[1]
+            if key in v:
+                out[name] = torch.where(torch.isfinite(v[key]), v[key], torch.zeros_like(v[key]))
+        if "tis.w_sum" in v:
+            out["tis/ess"] = _div(v["tis.w_sum"] ** 2, v["tis.n_kept_units"] * v["tis.w_sq_sum"])
+        for name, key in (("tis/num_tokens", "tis.n_tok_valid"), ("tis/num_seqs", "tis.n_seq_valid")):
+            if key in v:
+                out[name] = v[key]
+        return out
+
+
+def _div(num: Tensor, den: Tensor) -> Tensor:
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+# (metric, numerator key, denominator key, offset added when the denominator is non-empty)
+_RATIO_METRICS: list[tuple[str, str, str, float]] = [
+    ("tis/kl", "tis.kl_sum", "tis.n_tok", 0.0),
+    ("tis/k3_kl", "tis.k3_sum", "tis.n_tok", 0.0),
+    ("tis/chi2_token", "tis.r2_sum", "tis.n_tok", -1.0),
+    ("tis/chi2_seq", "tis.chi2_seq_sum", "tis.n_seq", -1.0),
+    ("tis/training_log_ppl", "tis.train_log_ppl_sum", "tis.n_seq", 0.0),
+    ("tis/training_ppl", "tis.train_ppl_sum", "tis.n_seq", 0.0),
+    ("tis/rollout_log_ppl", "tis.rollout_log_ppl_sum", "tis.n_seq", 0.0),
+    ("tis/rollout_ppl", "tis.rollout_ppl_sum", "tis.n_seq", 0.0),
+    ("tis/log_ppl_diff", "tis.log_ppl_diff_sum", "tis.n_seq", 0.0),
+    ("tis/log_ppl_abs_diff", "tis.log_ppl_abs_diff_sum", "tis.n_seq", 0.0),
+    ("tis/ppl_ratio", "tis.ppl_ratio_sum", "tis.n_seq", 0.0),
+    ("tis/ratio_mean", "tis.ratio_sum", "tis.n_units", 0.0),
+    ("tis/weight_mean", "tis.w_sum", "tis.n_kept_units", 0.0),
+    ("tis/truncate_fraction", "tis.truncate_count", "tis.n_units", 0.0),
+    ("tis/clip_fraction_low", "tis.clip_low_count", "tis.n_units", 0.0),
+    ("tis/clip_fraction_high", "tis.clip_high_count", "tis.n_units", 0.0),
+    ("tis/mask_fraction_low", "tis.mask_low_count", "tis.n_units", 0.0),
+    ("tis/mask_fraction_high", "tis.mask_high_count", "tis.n_units", 0.0),
+    ("tis/rs_fraction_low", "tis.rs_low_count", "tis.n_rs_units", 0.0),
+    ("tis/rs_fraction_high", "tis.rs_high_count", "tis.n_rs_units", 0.0),
+    ("tis/veto_seq_fraction", "tis.veto_count", "tis.n_seq", 0.0),
+    ("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", "tis.n_seq_valid", 0.0),
+    ("tis/rejected_token_fraction", "tis.n_tok_rejected", "tis.n_tok_valid", 0.0),
+    ("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid", 0.0),
+    ("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls", 0.0),
+    ("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", 0.0),
+    ("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", 0.0),
+    ("policy/ppo_kl", "policy.ppo_kl_sum", "policy.n_tok_kept", 0.0),
+    ("policy/kept_token_fraction", "policy.n_tok_kept", "policy.n_tok_valid", 0.0),
+    ("policy/nonfinite_seq_fraction", "policy.n_seq_nonfinite", "policy.n_seq_valid", 0.0),
+]

@@ -1,0 +1,122 @@
+"""Packed-sequence layout: validation, segment ids, segment sums, padded <-> packed conversion.
+
+The one internal layout of slime_tis is Megatron's THD packing: every per-token quantity is a
+1-D tensor of ``T`` tokens (all sequences concatenated) and ``cu_seqlens`` is an integer tensor of
+length ``n_seq + 1`` with ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == T``. Sequence ``i`` owns
+tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``; zero-length sequences are allowed (a context-parallel
+rank may hold no token of a sequence).
+
+Everything here is vectorised: a sequence id per token comes from ``searchsorted`` (no host sync,
+no Python loop over sequences) and segment sums from ``index_add_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "check_packed",
+    "sequence_ids",
+    "segment_sum",
+    "padded_to_packed",
+    "packed_to_padded",
+]
+
+
+def check_packed(tensors: Mapping[str, Tensor | None], cu_seqlens: Tensor) -> int:
+    """Validate packed per-token tensors against ``cu_seqlens``; return the token count ``T``.
+
+    Checks (all from metadata, no device sync): every tensor is 1-D with the same length ``T`` and on
+    the same device as the first; ``cu_seqlens`` is a 1-D integer tensor with at least one entry.
+    When ``cu_seqlens`` lives on the CPU its contents are checked too (starts at 0, non-decreasing,
+    ends at ``T``); on an accelerator that check would force a host sync and is left to the caller
+    who built it.
+
+    Raises:
+        ValueError: naming the offending tensor(s), their shapes, dtypes or devices.
+    """
+    present = {name: t for name, t in tensors.items() if t is not None}
+    if not present:
+        raise ValueError("no per-token tensors given")
+    for name, t in present.items():
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1:
+            raise ValueError(
+                f"{name} must be a packed 1-D tensor [T], got shape {tuple(t.shape)}; "
+                "convert padded [B, L] batches with slime_tis.padded_to_packed"
+            )
+    first_name, first = next(iter(present.items()))
+    n_tokens = first.shape[0]
+    for name, t in present.items():
+        if t.shape[0] != n_tokens:
+            shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in present.items())
+            raise ValueError(f"length mismatch: {name} has {t.shape[0]} tokens, {first_name} has {n_tokens} ({shapes})")
+        if t.device != first.device:
+            raise ValueError(f"device mismatch: {name} is on {t.device}, {first_name} is on {first.device}")
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        shape = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens must be a 1-D tensor of length n_seq + 1, got {shape}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+    if cu_seqlens.device.type == "cpu":
+        c = cu_seqlens
+        if int(c[0]) != 0 or int(c[-1]) != n_tokens or bool((c[1:] < c[:-1]).any()):  # host-sync-ok (CPU tensor)
+            raise ValueError(
+                f"cu_seqlens must start at 0, be non-decreasing and end at T={n_tokens}; "
+                f"got first={int(c[0])}, last={int(c[-1])}"  # host-sync-ok (CPU tensor)
+            )
+    return n_tokens
+
+
+def sequence_ids(cu_seqlens: Tensor, n_tokens: int, device: torch.device) -> Tensor:
+    """Sequence index of every token: ``seq_id[t] = i`` for ``cu_seqlens[i] <= t < cu_seqlens[i+1]``.
+
+    Shape ``[T]`` int64, computed with ``searchsorted`` (no host sync; zero-length sequences skipped).
+    """
+    boundaries = cu_seqlens[1:].to(device=device, dtype=torch.int64)
+    positions = torch.arange(n_tokens, device=device, dtype=torch.int64)
+    return torch.searchsorted(boundaries, positions, right=True)
+
+
+def segment_sum(values: Tensor, seq_id: Tensor, n_seq: int) -> Tensor:
+    """Per-sequence sums: ``out[i, ...] = sum_{t: seq_id[t] = i} values[t, ...]``.
+
+    ``values`` is ``[T]`` or ``[T, k]``; the result is ``[n_seq]`` or ``[n_seq, k]`` in the dtype of
+    ``values``.
+    """
+    out = torch.zeros((n_seq, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    return out.index_add_(0, seq_id, values)
+
+
+def padded_to_packed(padded: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Convert a right-padded ``[B, L]`` tensor to packed form, keeping each row's first ``len_b`` tokens.
+
+    ``len_b`` is the position after the last nonzero entry of row ``b`` of ``mask`` (so interior
+    zeros, e.g. tool tokens, stay in the packed sequence with mask 0). Returns ``(packed [T],
+    cu_seqlens [B+1] int32)``. Test/edge helper: it syncs to size the output.
+    """
+    if padded.shape != mask.shape or padded.dim() != 2:
+        raise ValueError(f"padded and mask must both be [B, L], got {tuple(padded.shape)} and {tuple(mask.shape)}")
+    n_cols = mask.shape[1]
+    col = torch.arange(1, n_cols + 1, device=mask.device)
+    lengths = ((mask != 0) * col).amax(dim=1) if n_cols else torch.zeros(mask.shape[0], dtype=torch.long)
+    keep = torch.arange(n_cols, device=mask.device)[None, :] < lengths[:, None]
+    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return padded[keep], cu
+
+
+def packed_to_padded(packed: Tensor, cu_seqlens: Tensor, max_len: int | None = None, fill: float = 0.0) -> Tensor:
+    """Inverse of :func:`padded_to_packed`: scatter a packed ``[T]`` tensor into ``[n_seq, max_len]``."""
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    width = int(lengths.max()) if max_len is None and lengths.numel() else int(max_len or 0)  # host-sync-ok
+    seq_id = sequence_ids(cu, packed.shape[0], packed.device)
+    pos = torch.arange(packed.shape[0], device=packed.device) - cu[:-1].to(packed.device)[seq_id]
+    out = torch.full((lengths.numel(), width), fill, dtype=packed.dtype, device=packed.device)
+    out[seq_id, pos] = packed
+    return out
