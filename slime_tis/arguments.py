@@ -91,7 +91,8 @@ def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
               help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). "
                    "Default: keep.")),
         (["--tis-loss-agg"], "tis_loss_agg",
-         dict(choices=list(LOSS_AGGS), default=None, help="Loss aggregation over the global batch. Default: token-mean.")),
+         dict(choices=list(LOSS_AGGS), default=None,
+              help="Loss aggregation over the global batch. Default: token-mean.")),
         (["--eps-clip"], "eps_clip",
          dict(type=float, default=None, help="PPO clip epsilon (low side). Default: 0.2.")),
         (["--eps-clip-high"], "eps_clip_high",

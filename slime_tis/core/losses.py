@@ -34,7 +34,7 @@ from slime_tis.config import TISConfig
 from slime_tis.core.correction import TISResult, as_valid_mask, compute_tis
 from slime_tis.core.metrics import MetricStats, column_sums
 from slime_tis.core.packing import check_packed, segment_sum, sequence_ids
-from slime_tis.core.ratios import PackedRatios, packed_ratios
+from slime_tis.core.ratios import packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
 
 __all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
