@@ -1,0 +1,73 @@
+"""SGLang ``/generate`` responses -> aligned rollout log-prob tensors (+ the top-p/top-k guard).
+
+Typical use (one request per sample, ``return_logprob`` on)::
+
+    from slime_tis.sglang import generate_request, parse_generate_response, collate
+
+    req = generate_request(prompt_ids, {"temperature": 1.0, "max_new_tokens": 256})  # checks top-p
+    resp = requests.post(f"{url}/generate", json=req).json()
+    sample = parse_generate_response(resp)          # RolloutTokens: token_ids, rollout_log_probs, loss_mask
+    batch = collate([sample, ...])                  # packed [T] tensors + cu_seqlens + sglang/* metrics
+
+Streaming: ``merge_stream_chunks(lines)`` first; multi-turn with tool tokens: ``TrajectoryBuilder``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .response import RolloutTokens, SGLangLogprobError, parse_generate_response
+from .sampling import (
+    ENV_RENORMALIZED,
+    SamplingCheck,
+    TruncatedSamplingWarning,
+    check_sampling_params,
+    reset_sampling_warnings,
+)
+from .stream import iter_stream_chunks, merge_stream_batch, merge_stream_chunks
+from .trajectory import PackedRollouts, TrajectoryBuilder, collate
+
+__all__ = [
+    "ENV_RENORMALIZED",
+    "PackedRollouts",
+    "RolloutTokens",
+    "SGLangLogprobError",
+    "SamplingCheck",
+    "TrajectoryBuilder",
+    "TruncatedSamplingWarning",
+    "check_sampling_params",
+    "collate",
+    "generate_request",
+    "iter_stream_chunks",
+    "merge_stream_batch",
+    "merge_stream_chunks",
+    "parse_generate_response",
+    "reset_sampling_warnings",
+]
+
+
+def generate_request(
+    input_ids: Sequence[int],
+    sampling_params: Mapping[str, Any] | None = None,
+    *,
+    stream: bool = False,
+    renormalized_logprobs: bool | None = None,
+) -> dict[str, Any]:
+    """The JSON body of an SGLang ``/generate`` request that returns output-token log-probs.
+
+    Sets ``return_logprob = True`` and ``logprob_start_len = -1`` (output tokens only) and checks the
+    sampling params for the top-p/top-k/min-p bias (warns once, see :func:`check_sampling_params`).
+    """
+    ids = [int(t) for t in input_ids]
+    if not ids:
+        raise ValueError("input_ids must contain at least one prompt token, got an empty list")
+    params = dict(sampling_params or {})
+    check_sampling_params(params, renormalized_logprobs=renormalized_logprobs)
+    return {
+        "input_ids": ids,
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": bool(stream),
+    }

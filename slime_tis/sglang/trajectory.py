@@ -1,0 +1,151 @@
+"""Multi-turn trajectories and batching of parsed SGLang responses.
+
+A multi-turn (agentic) response is the concatenation, after the prompt, of the tokens the model
+generated in each turn (trainable, log-probs from ``output_token_logprobs``) and of the tokens the
+tool/environment inserted between turns (not trainable: ``loss_mask = 0``, no rollout log-prob,
+stored as 0.0 and ignored). This is slime's ``Sample.append_response_tokens`` convention.
+
+:func:`collate` packs a batch into the core's layout (``[T]`` tensors + ``cu_seqlens``) and counts
+rejections: ``sglang/rejected_seq_fraction`` (any reason), ``sglang/misaligned_seq_fraction``
+(length/alignment errors: whole sequence masked) and ``sglang/nonfinite_seq_fraction``
+(None/NaN/inf/positive log-probs: NaN placed so that the core rejects the sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .response import OnError, RolloutTokens, SGLangLogprobError, parse_generate_response
+
+__all__ = ["PackedRollouts", "TrajectoryBuilder", "collate"]
+
+
+class TrajectoryBuilder:
+    """Build one multi-turn response, turn by turn.
+
+    Example::
+
+        traj = TrajectoryBuilder()
+        traj.add_response(resp_turn_1)             # generated: mask 1, SGLang log-probs
+        traj.add_tokens(tool_output_ids)           # environment: mask 0
+        traj.add_response(resp_turn_2)
+        sample = traj.build()                      # RolloutTokens over the whole response
+
+    A rejected turn rejects the whole trajectory (its reasons are prefixed with the turn number).
+    """
+
+    def __init__(
+        self,
+        *,
+        on_error: OnError = "reject",
+        sampling_params: Mapping[str, Any] | None = None,
+        renormalized_logprobs: bool | None = None,
+    ) -> None:
+        self.on_error = on_error
+        self.sampling_params = sampling_params
+        self.renormalized_logprobs = renormalized_logprobs
+        self._parts: list[RolloutTokens] = []
+        self._turn = 0
+
+    def add_response(self, response: Mapping[str, Any]) -> RolloutTokens:
+        """Append one ``/generate`` response (non-streaming, or merged with ``merge_stream_chunks``)."""
+        parsed = parse_generate_response(
+            response,
+            on_error=self.on_error,
+            sampling_params=self.sampling_params,
+            renormalized_logprobs=self.renormalized_logprobs,
+        )
+        parsed.reasons = [f"turn {self._turn}: {r}" for r in parsed.reasons]
+        self._turn += 1
+        self._parts.append(parsed)
+        return parsed
+
+    def add_tokens(self, token_ids: Sequence[int] | Tensor) -> None:
+        """Append tool/environment tokens: ``loss_mask = 0``, no rollout log-prob (0.0, ignored)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        n = ids.numel()
+        self._parts.append(
+            RolloutTokens(
+                token_ids=ids,
+                rollout_log_probs=torch.zeros(n, dtype=torch.float32),
+                loss_mask=torch.zeros(n, dtype=torch.float32),
+            )
+        )
+
+    def build(self) -> RolloutTokens:
+        """The whole response so far as one :class:`RolloutTokens`."""
+        if not self._parts:
+            raise SGLangLogprobError("empty trajectory: add at least one response")
+        parts = self._parts
+        out = RolloutTokens(
+            token_ids=torch.cat([p.token_ids for p in parts]),
+            rollout_log_probs=torch.cat([p.rollout_log_probs for p in parts]),
+            loss_mask=torch.cat([p.loss_mask for p in parts]),
+            rejected=any(p.rejected for p in parts),
+            misaligned=any(p.misaligned for p in parts),
+            nonfinite=any(p.nonfinite for p in parts),
+            reasons=[r for p in parts for r in p.reasons],
+        )
+        if out.misaligned:
+            # one misaligned turn shifts every later token: nothing of this trajectory is trustworthy
+            out.loss_mask.zero_()
+        return out
+
+
+@dataclass
+class PackedRollouts:
+    """A batch of responses in the core's packed layout.
+
+    Attributes:
+        token_ids: ``[T]`` int64. rollout_log_probs: ``[T]`` float32. loss_mask: ``[T]`` float32.
+        cu_seqlens: ``[n + 1]`` int64. rejected: ``[n]`` bool. reasons: per sequence, a list of str.
+        metrics: ``sglang/*`` fractions (scalar float32 tensors).
+    """
+
+    token_ids: Tensor
+    rollout_log_probs: Tensor
+    loss_mask: Tensor
+    cu_seqlens: Tensor
+    rejected: Tensor
+    reasons: list[list[str]] = field(default_factory=list)
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def per_sample(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """slime-style per-sample lists ``(token_ids, rollout_log_probs, loss_masks)``."""
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()  # host-sync-ok (CPU, data prep)
+        return (
+            list(self.token_ids.split(lengths)),
+            list(self.rollout_log_probs.split(lengths)),
+            list(self.loss_mask.split(lengths)),
+        )
+
+
+def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
+    """Pack parsed responses into ``[T]`` tensors + ``cu_seqlens`` and count the rejections."""
+    n = len(samples)
+    if n == 0:
+        raise ValueError("collate needs at least one sample, got an empty list")
+    lengths = torch.tensor([s.length for s in samples], dtype=torch.int64)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lengths, 0)
+    rejected = torch.tensor([s.rejected for s in samples], dtype=torch.bool)
+    misaligned = torch.tensor([s.misaligned for s in samples], dtype=torch.bool)
+    nonfinite = torch.tensor([s.nonfinite for s in samples], dtype=torch.bool)
+    return PackedRollouts(
+        token_ids=torch.cat([s.token_ids for s in samples]),
+        rollout_log_probs=torch.cat([s.rollout_log_probs for s in samples]),
+        loss_mask=torch.cat([s.loss_mask for s in samples]),
+        cu_seqlens=cu,
+        rejected=rejected,
+        reasons=[list(s.reasons) for s in samples],
+        metrics={
+            "sglang/rejected_seq_fraction": rejected.float().mean(),
+            "sglang/misaligned_seq_fraction": misaligned.float().mean(),
+            "sglang/nonfinite_seq_fraction": nonfinite.float().mean(),
+        },
+    )
