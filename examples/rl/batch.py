@@ -1,0 +1,131 @@
+"""From SGLang-shaped responses to the padded training batch the megatron hook consumes.
+
+One code path for every backend (embedded engine, HTTP server, real SGLang): the responses are parsed by
+:func:`parse_responses` (token ids are taken from ``output_token_logprobs``, never re-tokenised), rewards
+are computed by the task, GRPO advantages per prompt group, and everything is laid out as ``[N, S]``
+right-padded rows (``N`` sequences, ``S = prompt + max_new_tokens``).
+
+Row layout, for sequence ``i`` with prompt length ``P`` and ``R_i`` response tokens::
+
+    tokens[i]        = prompt (P) | response (R_i) | pad (0)
+    labels[i, s]     = tokens[i, s + 1]                       (Megatron "labels": token predicted at s)
+    loss_mask[i, s]  = 1  iff  P - 1 <= s < P - 1 + R_i        (positions that predict a response token)
+    rollout_lp[i, s] = SGLang log-prob of labels[i, s] where loss_mask, else 0
+    advantages[i, s] = A_i (GRPO, broadcast over the row)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from examples.rl.task import DigitTask
+
+
+@dataclass
+class RolloutBatch:
+    """A step's global batch (identical on every rank after the broadcast).
+
+    tokens, labels: ``[N, S]`` int64; loss_mask: ``[N, S]`` bool; rollout_log_probs, advantages: ``[N, S]``
+    float32; rewards, response_lengths, sglang_rejected: ``[N]``; prompts: ``[N, P]`` int64.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    response_lengths: torch.Tensor
+    prompts: torch.Tensor
+    sglang_rejected: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, start: int, stop: int) -> RolloutBatch:
+        """Sequences ``start:stop`` (a data-parallel shard or a micro-batch)."""
+        return RolloutBatch(**{k: getattr(self, k)[start:stop] for k in self.__dataclass_fields__})
+
+    def to_payload(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, torch.Tensor]) -> RolloutBatch:
+        return cls(**payload)
+
+
+def parse_responses(responses: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None) -> Any:
+    """Parse ``/generate`` responses with the plugin's SGLang parser into a packed
+    :class:`slime_tis.sglang.PackedRollouts` (token ids from ``output_token_logprobs``; misaligned or
+    non-finite responses are marked rejected and counted in ``sglang/*`` metrics, never silently used)."""
+    from slime_tis.sglang import collate, parse_generate_response
+
+    if sampling_params is not None:
+        from slime_tis.sglang import check_sampling_params
+
+        check_sampling_params(sampling_params)  # warns once about the top-p / top-k log-prob bias
+    return collate([parse_generate_response(r) for r in responses])
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, *, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantages ``[N]`` for rewards ``[N]`` laid out as consecutive groups of ``group_size``:
+    ``A_i = (r_i - mean_g) / (std_g + eps)`` (population std; ``std_normalize=False``: ``r_i - mean_g``)."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards are not a whole number of groups of {group_size}")
+    r = rewards.float().view(-1, group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if std_normalize:
+        centred = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def build_batch(
+    task: DigitTask, prompts: torch.Tensor, packed: Any, group_size: int, *, std_normalize: bool = True
+) -> RolloutBatch:
+    """Lay out parsed responses (``PackedRollouts`` with ``n`` sequences) for ``prompts [n, P]`` (each
+    prompt repeated ``group_size`` times consecutively)."""
+    n, plen = prompts.shape
+    cu = packed.cu_seqlens
+    if cu.numel() - 1 != n:
+        raise ValueError(f"got {cu.numel() - 1} parsed responses for {n} prompts")
+    lengths = (cu[1:] - cu[:-1]).long()
+    rmax = task.max_new_tokens
+    if int(lengths.max()) > rmax:  # host-sync-ok (input validation, outside the loss)
+        raise ValueError(f"a response has {int(lengths.max())} tokens, more than max_new_tokens={rmax}")
+    seq_len = plen + rmax
+    # scatter the packed [T] response tensors into [n, rmax] (vectorised)
+    seq_id = torch.repeat_interleave(torch.arange(n), lengths)
+    offset = torch.arange(cu[-1]) - cu[:-1].repeat_interleave(lengths)
+    resp = torch.zeros(n, rmax, dtype=torch.long)
+    resp_lp = torch.zeros(n, rmax, dtype=torch.float32)
+    resp_mask = torch.zeros(n, rmax, dtype=torch.bool)
+    resp[seq_id, offset] = packed.token_ids.long()
+    resp_lp[seq_id, offset] = packed.rollout_log_probs.float()
+    resp_mask[seq_id, offset] = packed.loss_mask > 0
+    tokens = torch.cat([prompts, resp], dim=1)
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    loss_mask = torch.zeros(n, seq_len, dtype=torch.bool)
+    loss_mask[:, plen - 1 : plen - 1 + rmax] = resp_mask
+    rollout_lp = torch.zeros(n, seq_len, dtype=torch.float32)
+    rollout_lp[:, plen - 1 : plen - 1 + rmax] = resp_lp
+    responses = [t.tolist() for t in packed.token_ids.split(lengths.tolist())]  # host data for the reward
+    rewards = task.rewards(prompts, responses)
+    adv = grpo_advantages(rewards, group_size, std_normalize=std_normalize)
+    return RolloutBatch(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss_mask,
+        rollout_log_probs=rollout_lp,
+        advantages=adv.view(-1, 1).expand(n, seq_len).contiguous(),
+        rewards=rewards,
+        response_lengths=lengths,
+        prompts=prompts,
+        sglang_rejected=packed.rejected.float(),
+    )

@@ -1,0 +1,290 @@
+"""The tiny policy: a megatron-core GPT for training and a plain-torch KV-cache decoder for rollouts.
+
+Both read the same weights. The megatron model is configured to be exactly GPT-2 (learned absolute
+positions, LayerNorm eps 1e-5, tanh-GELU MLP of width 4h, biases, tied input/output embeddings), so its
+weights export to the Hugging Face GPT-2 layout (``transformer.h.{i}.attn.c_attn.weight`` ...). That
+layout is the rollout engine's weight format: the embedded :class:`KVCacheGPT` reads it, and a real
+SGLang server loads it via ``/update_weights_from_disk`` (see :mod:`examples.rl.weight_sync`).
+
+Tensor shapes: hidden ``h``, heads ``n``, head dim ``d = h / n``, vocab ``V``.
+Megatron fused QKV is ``[n * 3d, h]`` grouped per head (``[q_j; k_j; v_j]`` for head j, no GQA);
+GPT-2 ``c_attn`` is a Conv1D ``[h, 3h]`` laid out ``[Q | K | V]`` (all heads of Q first).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+GELU_TANH = functools.partial(F.gelu, approximate="tanh")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the tiny GPT (shared by trainer and rollout engine)."""
+
+    vocab_size: int = 16
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    max_seq_len: int = 16
+    layernorm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+
+    def to_hf_config(self, eos_token_id: int) -> dict:
+        """A Hugging Face ``config.json`` (GPT2LMHeadModel) describing the same network."""
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": self.vocab_size,
+            "n_positions": self.max_seq_len,
+            "n_embd": self.hidden_size,
+            "n_layer": self.num_layers,
+            "n_head": self.num_heads,
+            "n_inner": 4 * self.hidden_size,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": self.layernorm_eps,
+            "tie_word_embeddings": True,
+            "bos_token_id": eos_token_id,
+            "eos_token_id": eos_token_id,
+            "torch_dtype": "float32",
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# megatron-core side
+# --------------------------------------------------------------------------------------------------
+def build_megatron_gpt(
+    cfg: ModelConfig, *, tp: int = 1, pp: int = 1, use_cpu_initialization: bool = True
+) -> torch.nn.Module:
+    """Build this rank's pipeline stage of the GPT (``parallel_state`` must be initialised).
+
+    The parallel sizes are also written into the ``TransformerConfig`` (a mismatch silently builds all
+    layers on every stage, gotcha G1 in notes_megatron_cpu.md).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if cfg.num_layers % pp:
+        raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by the pipeline size ({pp})")
+    tcfg = TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        ffn_hidden_size=4 * cfg.hidden_size,
+        activation_func=GELU_TANH,
+        layernorm_epsilon=cfg.layernorm_eps,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=use_cpu_initialization,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+    )
+    return GPTModel(
+        config=tcfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_seq_len,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def export_local_gpt2_weights(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """This pipeline stage's weights in GPT-2 naming (fp32 CPU copies, global layer indices)."""
+    gpt = _unwrap(model)
+    n, d, h = cfg.num_heads, cfg.hidden_size // cfg.num_heads, cfg.hidden_size
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, t: torch.Tensor) -> None:
+        out[name] = t.detach().to(device="cpu", dtype=torch.float32).clone()
+
+    if getattr(gpt, "pre_process", False):
+        put("transformer.wte.weight", gpt.embedding.word_embeddings.weight)
+        put("transformer.wpe.weight", gpt.embedding.position_embeddings.weight)
+    for layer in gpt.decoder.layers:
+        i = layer.layer_number - 1  # megatron layer numbers are global and 1-based
+        p = f"transformer.h.{i}."
+        put(p + "ln_1.weight", layer.input_layernorm.weight)
+        put(p + "ln_1.bias", layer.input_layernorm.bias)
+        qkv_w = layer.self_attention.linear_qkv.weight.view(n, 3, d, h)  # [head, q/k/v, d, h]
+        qkv_b = layer.self_attention.linear_qkv.bias.view(n, 3, d)
+        put(p + "attn.c_attn.weight", qkv_w.permute(1, 0, 2, 3).reshape(3 * h, h).t())
+        put(p + "attn.c_attn.bias", qkv_b.permute(1, 0, 2).reshape(3 * h))
+        put(p + "attn.c_proj.weight", layer.self_attention.linear_proj.weight.t())
+        put(p + "attn.c_proj.bias", layer.self_attention.linear_proj.bias)
+        put(p + "ln_2.weight", layer.pre_mlp_layernorm.weight)
+        put(p + "ln_2.bias", layer.pre_mlp_layernorm.bias)
+        put(p + "mlp.c_fc.weight", layer.mlp.linear_fc1.weight.t())
+        put(p + "mlp.c_fc.bias", layer.mlp.linear_fc1.bias)
+        put(p + "mlp.c_proj.weight", layer.mlp.linear_fc2.weight.t())
+        put(p + "mlp.c_proj.bias", layer.mlp.linear_fc2.bias)
+    if getattr(gpt, "post_process", False):
+        put("transformer.ln_f.weight", gpt.decoder.final_layernorm.weight)
+        put("transformer.ln_f.bias", gpt.decoder.final_layernorm.bias)
+    return out
+
+
+def gather_gpt2_weights(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full GPT-2-layout weights, assembled from all pipeline stages (collective over the PP group).
+
+    Tensor parallelism is not supported by this exporter (the example runs TP=1).
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() != 1:
+        raise ValueError(
+            f"tensor_model_parallel_size={ps.get_tensor_model_parallel_world_size()} is not supported by "
+            "the example's weight export; use --pp or --dp"
+        )
+    local = export_local_gpt2_weights(model, cfg)
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return local
+    parts: list[dict[str, torch.Tensor] | None] = [None] * ps.get_pipeline_model_parallel_world_size()
+    torch.distributed.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
+    full: dict[str, torch.Tensor] = {}
+    for part in parts:
+        full.update(part or {})
+    return full
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face GPT-2 checkpoint on disk (what /update_weights_from_disk loads)
+# --------------------------------------------------------------------------------------------------
+def save_hf_checkpoint(
+    path: str, weights: dict[str, torch.Tensor], cfg: ModelConfig, eos_token_id: int
+) -> None:
+    """Write ``config.json`` + ``pytorch_model.bin`` (GPT-2 layout; ``lm_head`` tied to ``wte``)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_config(eos_token_id), f, indent=1)
+    tmp = os.path.join(path, "pytorch_model.bin.tmp")
+    torch.save({k: v.contiguous() for k, v in weights.items()}, tmp)
+    os.replace(tmp, os.path.join(path, "pytorch_model.bin"))
+
+
+def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a checkpoint written by :func:`save_hf_checkpoint`."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        num_layers=hf["n_layer"],
+        hidden_size=hf["n_embd"],
+        num_heads=hf["n_head"],
+        max_seq_len=hf["n_positions"],
+        layernorm_eps=hf["layer_norm_epsilon"],
+    )
+    weights = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    return cfg, weights
+
+
+# --------------------------------------------------------------------------------------------------
+# inference side: plain-torch GPT-2 with a KV cache
+# --------------------------------------------------------------------------------------------------
+class KVCacheGPT:
+    """GPT-2 forward with an incremental KV cache, in an arbitrary dtype (bfloat16 by default).
+
+    This is deliberately a different numerical path from training (megatron-core, float32, full
+    sequence): weights and activations are rounded to ``dtype``, attention runs one query token at a
+    time against the cache, and only the final logits are upcast to float32 (as inference engines do).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        missing = [k for k in _expected_keys(cfg) if k not in weights]
+        if missing:
+            raise ValueError(f"weights are missing {len(missing)} GPT-2 keys, e.g. {missing[:3]}")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        self.w.setdefault("lm_head.weight", self.w["transformer.wte.weight"])
+
+    def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(
+            x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.layernorm_eps
+        )
+
+    @torch.no_grad()
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int, cache: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> tuple[torch.Tensor, list]:
+        """Run ``tokens [B, L]`` at positions ``start_pos..start_pos+L-1`` given the cache of the
+        previous ``start_pos`` positions. Returns float32 logits ``[B, L, V]`` and the extended cache
+        (per layer ``(k, v)`` each ``[B, n, start_pos + L, d]``)."""
+        cfg, w = self.cfg, self.w
+        b, length = tokens.shape
+        n, d = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+        if start_pos + length > cfg.max_seq_len:
+            raise ValueError(f"sequence length {start_pos + length} exceeds max_seq_len {cfg.max_seq_len}")
+        pos = torch.arange(start_pos, start_pos + length, device=self.device)
+        x = w["transformer.wte.weight"][tokens] + w["transformer.wpe.weight"][pos]
+        new_cache = []
+        for i in range(cfg.num_layers):
+            p = f"transformer.h.{i}."
+            a = self._ln(x, p + "ln_1")
+            qkv = a @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+            q, k, v = (t.view(b, length, n, d).transpose(1, 2) for t in qkv.split(cfg.hidden_size, dim=-1))
+            if cache is not None:
+                k = torch.cat([cache[i][0], k], dim=2)
+                v = torch.cat([cache[i][1], v], dim=2)
+            new_cache.append((k, v))
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)  # [B, n, L, start_pos + L]
+            qpos = pos.view(-1, 1)
+            kpos = torch.arange(start_pos + length, device=self.device).view(1, -1)
+            scores = scores.masked_fill(kpos > qpos, float("-inf"))
+            att = torch.softmax(scores.float(), dim=-1).to(self.dtype) @ v
+            att = att.transpose(1, 2).reshape(b, length, cfg.hidden_size)
+            x = x + att @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+            m = self._ln(x, p + "ln_2")
+            m = GELU_TANH(m @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
+            x = x + m @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+        x = self._ln(x, "transformer.ln_f")
+        logits = (x @ w["lm_head.weight"].t()).float()
+        return logits, new_cache
+
+
+def _expected_keys(cfg: ModelConfig) -> list[str]:
+    keys = [
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+    ]
+    for i in range(cfg.num_layers):
+        p = f"transformer.h.{i}."
+        for name in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            keys += [p + name + ".weight", p + name + ".bias"]
+    return keys
+
+
+def config_dict(cfg: ModelConfig) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,226 @@
+"""Embedded rollout engine: SGLang ``/generate`` semantics on the plain-torch KV-cache decoder.
+
+Requests and responses have the shape of SGLang's native ``/generate`` API with ``return_logprob``:
+
+request::
+
+    {"input_ids": [[...], ...] or [...],
+     "sampling_params": {"temperature": 1.0, "max_new_tokens": 5, "stop_token_ids": [11],
+                         "top_p": 1.0, "top_k": -1, "sampling_seed": 1234},
+     "return_logprob": true}
+
+response (one dict per prompt; a list when ``input_ids`` is a list of lists)::
+
+    {"text": "", "output_ids": [7, 3, 11],
+     "meta_info": {"id": "...", "prompt_tokens": 5, "completion_tokens": 3,
+                   "finish_reason": {"type": "stop", "matched": 11} | {"type": "length", "length": 5},
+                   "output_token_logprobs": [[logprob, token_id, None], ...]}}
+
+As in SGLang, the reported log-prob is ``log_softmax(logits / temperature)`` of the sampled token over
+the full vocabulary (top-p/top-k change what is sampled, not the reported log-prob), and the stop
+token is included in ``output_ids`` / ``output_token_logprobs``.
+
+Numerics: bfloat16 incremental decoding (``dtype``), optionally with Gaussian logit noise of std
+``logit_noise`` added before sampling (a stronger, controllable training/inference mismatch; the noisy
+logits define the behaviour policy, so the reported log-probs are exact for what was sampled).
+Sampling is reproducible: with ``sampling_seed`` the same request gives the same response.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from examples.rl.model import KVCacheGPT, ModelConfig, load_hf_checkpoint
+
+_request_ids = itertools.count()
+
+
+class EngineNotReadyError(RuntimeError):
+    """``generate`` was called before any weights were loaded."""
+
+
+class EmbeddedEngine:
+    """In-process rollout engine (one weight version; staleness is handled by the weight sync).
+
+    Args:
+        cfg: architecture (must match the weights pushed later).
+        dtype: decode dtype (``torch.bfloat16`` default; ``torch.float32`` removes the bf16 mismatch).
+        logit_noise: std of Gaussian noise added to the decode logits (0 = off).
+        device: where decoding runs.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        logit_noise: float = 0.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if logit_noise < 0:
+            raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
+        self.cfg, self.dtype, self.logit_noise, self.device = cfg, dtype, float(logit_noise), device
+        self._model: KVCacheGPT | None = None
+        self._lock = threading.Lock()
+        self.weight_version = 0
+
+    # ------------------------------------------------------------------ weight updates
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """In-process weight update (tensors are copied and cast to the decode dtype)."""
+        model = KVCacheGPT(self.cfg, weights, dtype=self.dtype, device=self.device)
+        with self._lock:
+            self._model = model
+            self.weight_version += 1
+
+    def update_weights_from_disk(self, model_path: str) -> dict[str, Any]:
+        """SGLang ``/update_weights_from_disk`` semantics: load a checkpoint directory written by
+        :func:`examples.rl.model.save_hf_checkpoint`; returns ``{"success", "message"}``."""
+        try:
+            cfg, weights = load_hf_checkpoint(model_path)
+            if cfg != self.cfg:
+                return {"success": False, "message": f"architecture {cfg} does not match engine {self.cfg}"}
+            self.load_weights(weights)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            return {"success": False, "message": f"failed to load weights from {model_path!r}: {e}"}
+        return {"success": True, "message": f"loaded {model_path}", "weight_version": self.weight_version}
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, request: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """Serve one ``/generate`` request (see module docstring)."""
+        with self._lock:
+            model = self._model
+        if model is None:
+            raise EngineNotReadyError("no weights loaded yet; push weights with update_weights first")
+        ids = request.get("input_ids")
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"input_ids must be a non-empty list of token ids or of lists, got {type(ids)}")
+        single = not isinstance(ids[0], list)
+        prompts = [ids] if single else ids
+        sp = dict(request.get("sampling_params") or {})
+        params = _SamplingParams.parse(sp)
+        if not request.get("return_logprob", False):
+            raise ValueError("the embedded engine only serves return_logprob=true requests")
+        gen = torch.Generator().manual_seed(params.seed)
+        out = [None] * len(prompts)
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):  # group prompts of equal length into one batch (host data)
+            by_len.setdefault(len(p), []).append(i)
+        for length in sorted(by_len):
+            rows = by_len[length]
+            results = self._decode(
+                model, torch.tensor([prompts[i] for i in rows], dtype=torch.long), params, gen
+            )
+            for i, res in zip(rows, results):
+                out[i] = res
+        return out[0] if single else out
+
+    def _decode(
+        self, model: KVCacheGPT, prompts: torch.Tensor, p: _SamplingParams, gen: torch.Generator
+    ) -> list[dict[str, Any]]:
+        """Incremental decoding of a batch of equal-length prompts ``[B, P]``."""
+        b, plen = prompts.shape
+        max_new = min(p.max_new_tokens, self.cfg.max_seq_len - plen)
+        logits, cache = model.forward(prompts.to(model.device), 0, None)
+        last = logits[:, -1]
+        tokens = torch.zeros(b, max_new, dtype=torch.long)
+        logps = torch.zeros(b, max_new, dtype=torch.float32)
+        done = torch.zeros(b, dtype=torch.bool)
+        lengths = torch.full((b,), max_new, dtype=torch.long)
+        stop = torch.tensor(p.stop_token_ids, dtype=torch.long)
+        for t in range(max_new):
+            if self.logit_noise > 0:
+                last = last + self.logit_noise * torch.randn(last.shape, generator=gen).to(last.device)
+            scaled = last.float().cpu() / p.temperature
+            logp_full = torch.log_softmax(scaled, dim=-1)
+            probs = _filter_probs(logp_full.exp(), p.top_p, p.top_k)
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            tokens[:, t] = tok
+            logps[:, t] = logp_full.gather(1, tok[:, None]).squeeze(1)
+            hit = torch.isin(tok, stop) & ~done
+            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+            done |= hit
+            if bool(done.all()) or t == max_new - 1:  # host-sync-ok (engine control flow)
+                break
+            logits, cache = model.forward(tok[:, None].to(model.device), plen + t, cache)
+            last = logits[:, -1]
+        out = []
+        for i in range(b):  # build per-prompt JSON-able responses (host data)
+            n = int(lengths[i])
+            ids = tokens[i, :n].tolist()
+            stopped = bool(done[i])
+            out.append(
+                {
+                    "text": "",
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": f"embedded-{next(_request_ids)}",
+                        "prompt_tokens": plen,
+                        "completion_tokens": n,
+                        "finish_reason": (
+                            {"type": "stop", "matched": ids[-1]}
+                            if stopped
+                            else {"type": "length", "length": n}
+                        ),
+                        "output_token_logprobs": [
+                            [lp, tid, None] for lp, tid in zip(logps[i, :n].tolist(), ids)
+                        ],
+                    },
+                }
+            )
+        return out
+
+
+class _SamplingParams:
+    """Validated subset of SGLang's sampling parameters that the engine honours."""
+
+    def __init__(
+        self,
+        temperature: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> None:
+        self.temperature, self.max_new_tokens, self.stop_token_ids = (
+            temperature,
+            max_new_tokens,
+            stop_token_ids,
+        )
+        self.top_p, self.top_k, self.seed = top_p, top_k, seed
+
+    @classmethod
+    def parse(cls, sp: dict[str, Any]) -> _SamplingParams:
+        temperature = float(sp.get("temperature", 1.0))
+        if temperature <= 0:
+            raise ValueError(
+                f"sampling_params.temperature must be > 0 (greedy is not served), got {temperature}"
+            )
+        max_new = int(sp.get("max_new_tokens", 16))
+        if max_new < 1:
+            raise ValueError(f"sampling_params.max_new_tokens must be >= 1, got {max_new}")
+        top_p = float(sp.get("top_p", 1.0))
+        if not 0 < top_p <= 1:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+        top_k = int(sp.get("top_k", -1))
+        seed = sp.get("sampling_seed")
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)  # host-sync-ok
+        return cls(temperature, max_new, [int(t) for t in sp.get("stop_token_ids") or []], top_p, top_k, seed)
+
+
+def _filter_probs(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering of ``probs [B, V]``; returns unnormalised kept mass."""
+    if top_k > 0:
+        kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[:, -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+        keep_sorted = before < top_p * probs.sum(-1, keepdim=True)
+        keep = torch.zeros_like(keep_sorted).scatter(1, idx, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs

@@ -1,0 +1,401 @@
+"""The main job: GRPO on the digit task with megatron-core, rollouts from an SGLang-protocol engine,
+and the slime_tis correction injected through its public Megatron hook.
+
+Single process::
+
+    python -m examples.rl.train --run-dir runs/alg2 --use-tis            # algorithm 2 (decoupled PPO + TIS)
+
+Two processes (pipeline parallel 2, or data parallel 2 with ``--pp 1``)::
+
+    torchrun --nproc-per-node 2 -m examples.rl.train --pp 2 --run-dir runs/pp2 --use-tis
+
+The algorithm is chosen by the plugin's flags only: none = 0 (PPO), ``--use-rollout-log-probs`` = 1,
+``--use-tis`` = 2, both = 3; ``--tis-mode/--tis-level/...`` as documented in the plugin's README.
+Everything the correction does happens inside ``tis_forward_backward_func`` (the "two-line change").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from examples.rl.task import EOS, TRANSFORMS, DigitTask
+
+DEFAULT_RUN_DIR = "runs/example"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from slime_tis.arguments import add_tis_arguments
+
+    p = argparse.ArgumentParser(
+        prog="python -m examples.rl.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("run")
+    g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="logs, checkpoints and dumps go here")
+    g.add_argument("--steps", type=int, default=50, help="number of RL steps (one optimizer step each)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--save-interval", type=int, default=0, help="checkpoint every N steps (0 = only at the end)"
+    )
+    g.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
+    g.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar")
+    g.add_argument(
+        "--dump-interval",
+        type=int,
+        default=5,
+        help="write rollout/training log-probs to RUN_DIR/logprobs.jsonl every N steps (0 = never)",
+    )
+    g = p.add_argument_group("task and model")
+    g.add_argument("--num-digits", type=int, default=4)
+    g.add_argument("--transform", choices=TRANSFORMS, default="reverse")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-heads", type=int, default=4)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--prompts-per-step", type=int, default=16)
+    g.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group)")
+    g.add_argument("--num-microbatches", type=int, default=2, help="micro-batches per step and DP rank")
+    g.add_argument("--no-adv-std-normalize", action="store_true", help="GRPO advantages without std scaling")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (the rest of the world is DP)")
+    g = p.add_argument_group("rollout")
+    g.add_argument(
+        "--sglang-url",
+        default=None,
+        help="send /generate to this SGLang server instead of the embedded engine; weights are "
+        "pushed via /update_weights_from_disk from RUN_DIR/engine_weights",
+    )
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-lag", type=int, default=0, help="sample from the policy of k steps ago")
+    g.add_argument(
+        "--engine-dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="embedded engine decode dtype (bfloat16 = the default training/inference mismatch)",
+    )
+    g.add_argument(
+        "--rollout-logit-noise",
+        type=float,
+        default=0.0,
+        help="embedded engine: Gaussian noise std added to decode logits (stronger mismatch)",
+    )
+    add_tis_arguments(p)
+    return p
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    for name in ("steps", "prompts_per_step", "group_size", "num_microbatches", "pp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    dp = world_size // args.pp
+    n = args.prompts_per_step * args.group_size
+    if n % (dp * args.num_microbatches):
+        raise ValueError(
+            f"prompts-per-step x group-size = {n} sequences must be divisible by "
+            f"DP size ({dp}) x --num-microbatches ({args.num_microbatches})"
+        )
+    if args.sglang_url and (args.engine_dtype != "bfloat16" or args.rollout_logit_noise):
+        raise ValueError(
+            "--engine-dtype / --rollout-logit-noise configure the embedded engine; "
+            "with --sglang-url configure the server instead"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from examples.rl.dist import init_distributed, shutdown
+
+    info = init_distributed(pp=args.pp, seed=args.seed)
+    try:
+        validate(args, info.world_size)
+        Trainer(args, info).run()
+    finally:
+        shutdown()
+    return 0
+
+
+class Trainer:
+    """Wires task, model, optimizer, rollout backend, hook, logging and checkpoints together."""
+
+    def __init__(self, args: argparse.Namespace, info: Any) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from examples.rl.model import ModelConfig, build_megatron_gpt
+        from slime_tis import TISConfig
+        from slime_tis.megatron import tis_forward_backward_func
+
+        self.args, self.info = args, info
+        self.task = DigitTask(num_digits=args.num_digits, transform=args.transform)
+        self.mcfg = ModelConfig(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_heads=args.num_heads,
+            max_seq_len=max(16, self.task.max_seq_len),
+        )
+        self.tis_cfg = TISConfig.from_args(args)
+        self.layout = {"world_size": info.world_size, "pp": args.pp}
+
+        torch.manual_seed(args.seed)
+        model = build_megatron_gpt(self.mcfg, pp=args.pp).to(info.device)
+        tcfg = model.config
+        self.model = DistributedDataParallel(
+            config=tcfg,
+            module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+        )
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                weight_decay=0.0,
+                clip_grad=args.clip_grad,
+                adam_beta1=0.9,
+                adam_beta2=0.99,
+                use_distributed_optimizer=False,
+            ),
+            [self.model],
+        )
+        # ---- the plugin: one line wraps megatron's schedule (flags were added in build_parser) ----
+        self.forward_backward = tis_forward_backward_func(
+            get_forward_backward_func(), self.tis_cfg, temperature=args.rollout_temperature
+        )
+        self.backend, self.sync = self._make_rollout_backend() if info.is_engine_rank else (None, None)
+
+    # ------------------------------------------------------------------ rollout side (engine rank)
+    def _make_rollout_backend(self) -> tuple[Any, Any]:
+        from examples.rl.http_client import SGLangClient
+        from examples.rl.rollout_engine import EmbeddedEngine
+        from examples.rl.weight_sync import DiskWeightSync, InProcessWeightSync, LaggedWeightSync
+
+        a = self.args
+        if a.sglang_url:
+            client = SGLangClient(a.sglang_url)
+            client.wait_healthy()
+            inner = DiskWeightSync(client, os.path.join(a.run_dir, "engine_weights"), self.mcfg, EOS)
+            return client, LaggedWeightSync(inner, a.rollout_lag)
+        engine = EmbeddedEngine(
+            self.mcfg,
+            dtype=getattr(torch, a.engine_dtype),
+            logit_noise=a.rollout_logit_noise,
+            device=self.info.device,
+        )
+        return engine, LaggedWeightSync(InProcessWeightSync(engine), a.rollout_lag)
+
+    def _push_weights(self, step: int) -> None:
+        from examples.rl.model import gather_gpt2_weights
+
+        weights = gather_gpt2_weights(self.model, self.mcfg)  # collective over the PP group
+        if self.sync is not None:
+            self.sync.push(weights, step)
+
+    def _rollout(self, step: int) -> Any:
+        """Engine rank collects the batch; every rank receives it (broadcast from global rank 0)."""
+        from examples.rl.batch import RolloutBatch
+        from examples.rl.rollout import RolloutSettings, collect_rollout
+
+        a = self.args
+        payload = [None]
+        if self.info.is_engine_rank:
+            settings = RolloutSettings(
+                a.prompts_per_step,
+                a.group_size,
+                a.rollout_temperature,
+                a.rollout_top_p,
+                a.rollout_top_k,
+                a.seed,
+                not a.no_adv_std_normalize,
+            )
+            payload = [collect_rollout(self.backend, self.task, settings, step).to_payload()]
+        if self.info.world_size > 1:
+            torch.distributed.broadcast_object_list(payload, src=0)
+        return RolloutBatch.from_payload(payload[0])
+
+    # ------------------------------------------------------------------ training side
+    def _micro_batches(self, batch: Any) -> tuple[list[dict[str, Any]], int]:
+        from slime_tis.megatron import TISBatch
+
+        n, seq = batch.tokens.shape
+        shard = n // self.info.dp_size
+        mbs = shard // self.args.num_microbatches
+        dev = self.info.device
+        pos = torch.arange(seq, device=dev).view(1, -1)
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=dev), 1).view(1, 1, seq, seq)
+        items = []
+        for m in range(self.args.num_microbatches):
+            lo = self.info.dp_rank * shard + m * mbs
+            mb = batch.rows(lo, lo + mbs)
+            items.append(
+                {
+                    "tokens": mb.tokens.to(dev),
+                    "position_ids": pos.expand(mbs, seq),
+                    "attention_mask": causal,
+                    "tis": TISBatch.from_padded(
+                        mb.labels.to(dev),
+                        mb.loss_mask.to(dev),
+                        mb.advantages.to(dev),
+                        mb.rollout_log_probs.to(dev),
+                    ),
+                    "rows": mb,
+                }
+            )
+        return items, mbs
+
+    @staticmethod
+    def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, None]:
+        item = next(data_iterator)
+        return model(item["tokens"], item["position_ids"], item["attention_mask"]), None
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch = self._rollout(step)
+        t_rollout = time.perf_counter() - t0
+        items, mbs = self._micro_batches(batch)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(items),
+            model=[self.model],
+            num_microbatches=len(items),
+            seq_length=batch.tokens.shape[1],
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics = {
+            k: float(v) for k, v in self.forward_backward.last_metrics.items()
+        }  # host-sync-ok (logging)
+        if self._dump_now(step):
+            self._dump(step, items)
+        self._push_weights(step + 1)
+        metrics.update(
+            {
+                "reward": float(batch.rewards.mean()),  # host-sync-ok (logging)
+                "reward_std": float(batch.rewards.std()),  # host-sync-ok
+                "response_len": float(batch.response_lengths.float().mean()),  # host-sync-ok
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "update_skipped": float(not ok),
+                "rollout_time_s": t_rollout,
+                "step_time_s": time.perf_counter() - t0,
+            }
+        )
+        return metrics
+
+    def _dump_now(self, step: int) -> bool:
+        k = self.args.dump_interval
+        return k > 0 and (step % k == 0 or step == self.args.steps - 1) and self.tis_cfg.needs_old_log_probs
+
+    def _dump(self, step: int, items: list[dict[str, Any]]) -> None:
+        """Append this step's rollout and training (lp_old) log-probs to RUN_DIR/logprobs.jsonl
+        (gathered over DP onto the logging rank); the file is ``slime-tis diagnose`` input."""
+        from megatron.core import parallel_state as ps
+
+        from slime_tis.dump import write_logprob_dump
+
+        if not ps.is_pipeline_last_stage():
+            return
+        records = []
+        for it in items:
+            rows, lp_old = it["rows"], it["tis"].old_log_probs
+            if lp_old is None:
+                return
+            lp_old = lp_old.detach().float().cpu().view(rows.tokens.shape)
+            for i in range(rows.tokens.shape[0]):  # per-sequence records (host data, dump only)
+                m = rows.loss_mask[i]
+                records.append(
+                    {
+                        "train_log_probs": lp_old[i][m].tolist(),
+                        "rollout_log_probs": rows.rollout_log_probs[i][m].tolist(),
+                        "token_ids": rows.labels[i][m].tolist(),
+                        "reward": float(rows.rewards[i]),
+                        "step": step,
+                    }
+                )
+        gathered: list[Any] = [None] * self.info.dp_size
+        if self.info.dp_size > 1:
+            torch.distributed.all_gather_object(gathered, records, group=ps.get_data_parallel_group())
+        else:
+            gathered = [records]
+        if self.info.is_logging_rank:
+            flat = [r for part in gathered for r in part]
+            for j, r in enumerate(flat):
+                r["sample_index"] = j
+            write_logprob_dump(
+                os.path.join(self.args.run_dir, "logprobs.jsonl"),
+                flat,
+                append=True,
+                meta={
+                    "train_policy": "old",
+                    "algorithm": self.tis_cfg.algorithm,
+                    "temperature": self.args.rollout_temperature,
+                    "writer": "examples.rl.train",
+                },
+            )
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> None:
+        from examples.rl import checkpoint
+        from examples.rl.run_log import RunLogger
+
+        a, info = self.args, self.info
+        start = 0
+        if a.resume:
+            found = checkpoint.latest_step(a.run_dir)
+            if found is None:
+                raise FileNotFoundError(f"--resume given but {a.run_dir}/checkpoints/latest does not exist")
+            extra = checkpoint.load(a.run_dir, found, self.model, self.optimizer, self.layout)
+            start = found
+        if info.is_logging_rank or info.is_engine_rank:
+            os.makedirs(a.run_dir, exist_ok=True)
+        if info.rank == 0:
+            print(self.tis_cfg.describe(), flush=True)
+            with open(os.path.join(a.run_dir, "args.json"), "w", encoding="utf-8") as f:
+                json.dump(
+                    {**vars(a), "algorithm": self.tis_cfg.algorithm, "world_size": info.world_size},
+                    f,
+                    indent=1,
+                )
+        if a.resume and self.sync is not None:
+            self.sync.load_state_dict(extra["lag"], start)
+        elif not a.resume:
+            self._push_weights(0)
+        log = RunLogger(
+            a.run_dir,
+            enabled=info.is_logging_rank,
+            total_steps=a.steps,
+            start_step=start,
+            progress=not a.no_progress,
+        )
+        try:
+            for step in range(start, a.steps):
+                metrics = self.train_step(step)
+                log.log(step, metrics)
+                done = step + 1
+                if (a.save_interval and done % a.save_interval == 0) or done == a.steps:
+                    extra = {"lag": self.sync.state_dict()} if self.sync is not None else {}
+                    checkpoint.save(a.run_dir, done, self.model, self.optimizer, self.layout, extra)
+        finally:
+            log.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
