@@ -85,12 +85,12 @@ def _check_number(field: str, value: Any, allow_none: bool = True) -> None:
 
 
 def _check_bounds(lower_field: str, lower: float, upper_field: str, upper: float) -> None:
+    if upper < 1:
+        raise _bad(upper_field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
     if lower <= 0:
         raise _bad(lower_field, lower, "ratio bounds must be > 0")
     if lower >= upper:
         raise _bad(lower_field, lower, f"must be < {FLAG_OF[upper_field]} = {upper!r}")
-    if upper < 1:
-        raise _bad(upper_field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
     if lower > 1:
         raise _bad(lower_field, lower, "bounds must include 1 (lower <= 1); bounds are on r = pi_train/pi_rollout")
 

@@ -27,7 +27,7 @@ log_ppl_diff               mean_{i in S} (mean_t lp_rollout_t - mean_t lp_train_
 log_ppl_abs_diff           mean_{i in S} |mean_t lp_rollout_t - mean_t lp_train_t|
 ppl_ratio                  mean_{i in S} exp(clamp(mean_t lp_rollout_t - mean_t lp_train_t, -B, B))
 ratio_mean / ratio_std     mean / std of exp(clamp(L_u, -B, B)) over units, before bounds
-ratio_min / ratio_max      exp(min_u L_u) / exp(max_u L_u): true extremes, unclamped (float64)
+ratio_min / ratio_max      exp(min_u L_u) / exp(max_u L_u): true extremes, unclamped up to e^700 (float64)
 weight_mean/min/max        of applied weights w_u over kept units (after bounds and batch-norm)
 ess                        (sum_u w_u)^2 / (n_kept_units * sum_u w_u^2) over kept units
 truncate_fraction          units with L_u > log(upper) / units           (truncate mode)
@@ -146,7 +146,8 @@ class MetricStats:
             out["tis/ratio_std"] = (_div(v["tis.ratio_sq_sum"], n) - mean * mean).clamp(min=0).sqrt()
         for name, key in (("tis/ratio_min", "tis.log_ratio_min"), ("tis/ratio_max", "tis.log_ratio_max")):
             if key in v:
-                out[name] = torch.where(torch.isfinite(v[key]), v[key].exp(), torch.zeros_like(v[key]))
+                # unclamped up to e^+-700, where float64 stays finite
+                out[name] = torch.where(torch.isfinite(v[key]), v[key].clamp(-700, 700).exp(), torch.zeros_like(v[key]))
         for name in ("tis/weight_min", "tis/weight_max"):
             key = "tis." + name.split("/")[1]
             if key in v:
