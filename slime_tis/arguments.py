@@ -16,32 +16,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from slime_tis.config import FLAG_OF, LEVELS, LOSS_AGGS, MODES
-from slime_tis.presets import PRESETS, preset_fields
+from slime_tis.config import LEVELS, LOSS_AGGS, MODES, config_fields_from_args
+from slime_tis.presets import PRESETS
 
 __all__ = ["add_tis_arguments", "config_fields_from_args"]
 
-#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
-DESTS_OF: dict[str, tuple[str, ...]] = {
-    "use_rollout_log_probs": ("use_rollout_log_probs", "use_rollout_logprobs"),
-    "use_tis": ("use_tis",),
-    "mode": ("tis_mode",),
-    "level": ("tis_level",),
-    "upper": ("tis_upper_bound",),
-    "lower": ("tis_lower_bound",),
-    "rs_level": ("tis_rs_level",),
-    "rs_upper": ("tis_rs_upper_bound",),
-    "rs_lower": ("tis_rs_lower_bound",),
-    "veto_threshold": ("tis_veto_threshold",),
-    "batch_normalize": ("tis_batch_normalize",),
-    "rejected_denominator": ("tis_rejected_denominator",),
-    "loss_agg": ("tis_loss_agg",),
-    "eps_clip": ("eps_clip",),
-    "eps_clip_high": ("eps_clip_high",),
-    "dual_clip_c": ("eps_clip_c",),
-    "safety_bound": ("tis_safety_bound",),
-}
-SWITCHES = ("use_rollout_log_probs", "use_tis", "batch_normalize")
 
 
 def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
@@ -119,22 +98,3 @@ def add_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
             continue  # the host already defines this option: reuse it
         group.add_argument(*free, dest=dest, **kwargs)
     return parser
-
-
-def config_fields_from_args(args: Any) -> dict[str, Any]:
-    """``TISConfig`` fields from a namespace: preset first, then every flag that was given."""
-    preset = getattr(args, "tis_preset", None)
-    fields: dict[str, Any] = preset_fields(preset) if preset else {}
-    for field, dests in DESTS_OF.items():
-        values = [getattr(args, d) for d in dests if getattr(args, d, None) is not None]
-        if field in SWITCHES:
-            if any(bool(v) for v in values):
-                fields[field] = True
-            else:
-                fields.setdefault(field, False)
-        elif values:
-            fields[field] = values[0]
-    return fields
-
-
-assert set(DESTS_OF) == set(FLAG_OF), "every TISConfig field needs a flag"

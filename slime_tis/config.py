@@ -27,7 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF"]
+from slime_tis.presets import preset_fields
+
+__all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "config_fields_from_args"]
 
 MODES = ("truncate", "clip", "mask")
 LEVELS = ("token", "sequence", "geometric")
@@ -57,6 +59,29 @@ FLAG_OF = {
     "dual_clip_c": "--eps-clip-c",
     "safety_bound": "--tis-safety-bound",
 }
+
+#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
+DESTS_OF: dict[str, tuple[str, ...]] = {
+    "use_rollout_log_probs": ("use_rollout_log_probs", "use_rollout_logprobs"),
+    "use_tis": ("use_tis",),
+    "mode": ("tis_mode",),
+    "level": ("tis_level",),
+    "upper": ("tis_upper_bound",),
+    "lower": ("tis_lower_bound",),
+    "rs_level": ("tis_rs_level",),
+    "rs_upper": ("tis_rs_upper_bound",),
+    "rs_lower": ("tis_rs_lower_bound",),
+    "veto_threshold": ("tis_veto_threshold",),
+    "batch_normalize": ("tis_batch_normalize",),
+    "rejected_denominator": ("tis_rejected_denominator",),
+    "loss_agg": ("tis_loss_agg",),
+    "eps_clip": ("eps_clip",),
+    "eps_clip_high": ("eps_clip_high",),
+    "dual_clip_c": ("eps_clip_c",),
+    "safety_bound": ("tis_safety_bound",),
+}
+SWITCHES = ("use_rollout_log_probs", "use_tis", "batch_normalize")
+assert set(DESTS_OF) == set(FLAG_OF), "every TISConfig field needs a flag"
 
 ALGORITHM_NAMES = {
     0: "standard PPO (old = Megatron recompute)",
@@ -240,15 +265,11 @@ class TISConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> TISConfig:
         """A named preset (see ``slime_tis.presets.PRESETS``), with explicit fields overriding it."""
-        from slime_tis.presets import preset_fields
-
         return cls(**{**preset_fields(name), **overrides})
 
     @classmethod
     def from_args(cls, args: Any) -> TISConfig:
         """Build from an argparse namespace produced with ``slime_tis.arguments.add_tis_arguments``."""
-        from slime_tis.arguments import config_fields_from_args
-
         return cls(**config_fields_from_args(args))
 
     def replace(self, **changes: Any) -> TISConfig:
@@ -274,3 +295,19 @@ class TISConfig:
         lines.append(f"  ppo clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] dual_clip_c={self.dual_clip_c} "
                      f"safety_bound={self.safety_bound:g}")
         return "\n".join(lines)
+
+
+def config_fields_from_args(args: Any) -> dict[str, Any]:
+    """``TISConfig`` fields from a namespace: preset first, then every flag that was given."""
+    preset = getattr(args, "tis_preset", None)
+    fields: dict[str, Any] = preset_fields(preset) if preset else {}
+    for field, dests in DESTS_OF.items():
+        values = [getattr(args, d) for d in dests if getattr(args, d, None) is not None]
+        if field in SWITCHES:
+            if any(bool(v) for v in values):
+                fields[field] = True
+            else:
+                fields.setdefault(field, False)
+        elif values:
+            fields[field] = values[0]
+    return fields
