@@ -22,7 +22,7 @@ class GenerateBackend(Protocol):
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     group_size: int = 8
     temperature: float = 1.0
     top_p: float = 1.0

@@ -32,7 +32,7 @@ TRANSFORMS = ("copy", "reverse", "increment", "sort")
 class DigitTask:
     """The task definition: ``num_digits`` per prompt and the ``transform`` to apply."""
 
-    num_digits: int = 4
+    num_digits: int = 3
     transform: str = "reverse"
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write rollout/training log-probs to RUN_DIR/logprobs.jsonl every N steps (0 = never)",
     )
     g = p.add_argument_group("task and model")
-    g.add_argument("--num-digits", type=int, default=4)
+    g.add_argument("--num-digits", type=int, default=3)
     g.add_argument("--transform", choices=TRANSFORMS, default="reverse")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--prompts-per-step", type=int, default=16)
+    g.add_argument("--prompts-per-step", type=int, default=32)
     g.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group)")
     g.add_argument("--num-microbatches", type=int, default=2, help="micro-batches per step and DP rank")
     g.add_argument("--no-adv-std-normalize", action="store_true", help="GRPO advantages without std scaling")
@@ -269,6 +269,8 @@ class Trainer:
         batch = self._rollout(step)
         t_rollout = time.perf_counter() - t0
         items, mbs = self._micro_batches(batch)
+        dump = self._dump_now(step)
+        extra_lp = self._recompute_for_dump(items, mbs, batch.tokens.shape[1]) if dump else None
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.forward_backward(
@@ -284,8 +286,8 @@ class Trainer:
         metrics = {
             k: float(v) for k, v in self.forward_backward.last_metrics.items()
         }  # host-sync-ok (logging)
-        if self._dump_now(step):
-            self._dump(step, items)
+        if dump:
+            self._dump(step, items, extra_lp)
         self._push_weights(step + 1)
         metrics.update(
             {
@@ -302,9 +304,35 @@ class Trainer:
 
     def _dump_now(self, step: int) -> bool:
         k = self.args.dump_interval
-        return k > 0 and (step % k == 0 or step == self.args.steps - 1) and self.tis_cfg.needs_old_log_probs
+        return k > 0 and (step % k == 0 or step == self.args.steps - 1)
 
-    def _dump(self, step: int, items: list[dict[str, Any]]) -> None:
+    def _recompute_for_dump(
+        self, items: list[dict[str, Any]], mbs: int, seq: int
+    ) -> list[torch.Tensor] | None:
+        """Algorithms 1 and 3 skip the old-log-prob pass; for a dump step run the plugin's forward-only
+        recompute so the dump holds the trainer's log-probs at this step's parameters (= pi_old)."""
+        if self.tis_cfg.needs_old_log_probs:
+            return None  # the hook fills TISBatch.old_log_probs itself
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from slime_tis.megatron.recompute import recompute_log_probs
+
+        last = ps.is_pipeline_last_stage()
+        return recompute_log_probs(
+            get_forward_backward_func(),
+            self._forward_step,
+            items,
+            [self.model],
+            batches=[it["tis"] for it in items] if last else None,
+            num_microbatches=len(items),
+            vpp=False,
+            temperature=self.args.rollout_temperature,
+            seq_length=seq,
+            micro_batch_size=mbs,
+        )
+
+    def _dump(self, step: int, items: list[dict[str, Any]], extra_lp: list[torch.Tensor] | None) -> None:
         """Append this step's rollout and training (lp_old) log-probs to RUN_DIR/logprobs.jsonl
         (gathered over DP onto the logging rank); the file is ``slime-tis diagnose`` input."""
         from megatron.core import parallel_state as ps
@@ -314,8 +342,9 @@ class Trainer:
         if not ps.is_pipeline_last_stage():
             return
         records = []
-        for it in items:
-            rows, lp_old = it["rows"], it["tis"].old_log_probs
+        for k, it in enumerate(items):
+            rows = it["rows"]
+            lp_old = it["tis"].old_log_probs if extra_lp is None else extra_lp[k]
             if lp_old is None:
                 return
             lp_old = lp_old.detach().float().cpu().view(rows.tokens.shape)

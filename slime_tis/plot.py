@@ -1,0 +1,173 @@
+"""``slime-tis plot RUN_DIR [RUN_DIR ...]``: training curves of one or more runs as a PNG.
+
+Each run directory holds ``metrics.jsonl`` (one JSON object per step with at least ``step``; written by
+the example job, ``examples/rl/train.py``). One panel per metric, every run overlaid in each panel
+(runs side by side per metric):
+
+* ``reward`` - mean sequence reward of the step's rollouts;
+* ``tis/kl`` - mean(lp_rollout - lp_train) over valid tokens;
+* ``tis/k3_kl`` - mean(r - 1 - log r), r = pi_train / pi_rollout per token;
+* ``grad_norm`` - global gradient norm before clipping;
+* ``tis/rejected_token_fraction`` - fraction of valid tokens rejected (mask mode, RS, veto, non-finite).
+
+A metric absent from a run is skipped for that run (e.g. algorithm 0 without rollout log-probs).
+``--smooth k`` draws a trailing moving average of ``k`` steps over the raw curve. Uses matplotlib's
+Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Sequence
+
+DEFAULT_METRICS = ("reward", "tis/kl", "tis/k3_kl", "grad_norm", "tis/rejected_token_fraction")
+TITLES = {
+    "reward": "reward",
+    "tis/kl": "tis/kl  (rollout vs train)",
+    "tis/k3_kl": "tis/k3_kl",
+    "grad_norm": "grad norm",
+    "tis/rejected_token_fraction": "rejected token fraction",
+}
+
+
+def read_run(run_dir: str) -> list[dict]:
+    """Rows of ``RUN_DIR/metrics.jsonl`` sorted by step (the last row of a repeated step wins)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run_dir!r} is not a run directory: {path} does not exist")
+    rows: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+            if "step" not in row:
+                raise ValueError(f"{path}:{n}: a metrics row needs a 'step' field")
+            rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def run_label(run_dir: str) -> str:
+    """The directory name, plus ``alg N`` when ``args.json`` records the algorithm."""
+    label = os.path.basename(os.path.normpath(run_dir))
+    try:
+        with open(os.path.join(run_dir, "args.json"), encoding="utf-8") as f:
+            alg = json.load(f).get("algorithm")
+        if alg is not None:
+            label += f" (alg {alg})"
+    except (OSError, json.JSONDecodeError):
+        pass
+    return label
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _moving_average(ys: list[float], k: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= k:
+            acc -= ys[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def plot_runs(
+    run_dirs: Sequence[str],
+    out: str,
+    *,
+    metrics: Sequence[str] = DEFAULT_METRICS,
+    smooth: int = 1,
+    title: str | None = None,
+) -> str:
+    """Write the PNG ``out`` and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not run_dirs:
+        raise ValueError("plot needs at least one run directory")
+    if smooth < 1:
+        raise ValueError(f"--smooth must be >= 1, got {smooth}")
+    runs = [(run_label(d), read_run(d)) for d in run_dirs]
+    ncols = min(3, len(metrics))
+    nrows = -(-len(metrics) // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.4 * nrows), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(metrics) :]:
+        ax.axis("off")
+    for ax, key in zip(axes, metrics):
+        drawn = False
+        for i, (label, rows) in enumerate(runs):
+            xs, ys = _series(rows, key)
+            if not xs:
+                continue
+            color = f"C{i % 10}"
+            if smooth > 1:
+                ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+                ax.plot(xs, _moving_average(ys, smooth), color=color, label=label, linewidth=1.6)
+            else:
+                ax.plot(xs, ys, color=color, label=label, linewidth=1.4)
+            drawn = True
+        ax.set_title(TITLES.get(key, key), fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key in ("tis/k3_kl", "grad_norm") and drawn:
+            ax.set_yscale("log")
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    handles, labels = [], []
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            break
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title)
+    legend_rows = -(-len(labels) // 4) if handles else 0
+    fig.tight_layout(rect=(0, 0.035 * legend_rows / nrows + 0.02, 1, 1))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slime-tis plot", description="Training curves of one or more runs as a PNG."
+    )
+    p.add_argument("run_dirs", nargs="+", help="run directories containing metrics.jsonl")
+    p.add_argument("-o", "--out", default=None, help="output PNG (default: curves.png in the first run dir)")
+    p.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric keys, one panel each")
+    p.add_argument("--smooth", type=int, default=1, help="moving-average window in steps (1 = raw)")
+    p.add_argument("--title", default=None)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry point (``slime-tis plot``); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    out = args.out or os.path.join(args.run_dirs[0], "curves.png")
+    try:
+        path = plot_runs(args.run_dirs, out, metrics=args.metrics, smooth=args.smooth, title=args.title)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"slime-tis plot: error: {e}")
+        return 2
+    print(f"wrote {path}")
+    return 0
