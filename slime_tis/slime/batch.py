@@ -1,0 +1,112 @@
+"""slime's per-sample micro-batch layout -> the core's packed layout (and back for loss masks).
+
+slime hands its hooks, per micro-batch, lists over samples of CP-local 1-D tensors (log-probs,
+advantages: this rank's zigzag chunks of each response, see :mod:`slime_tis.slime.layout`) and
+full-length loss masks. The core wants one packed ``[T_local]`` tensor per quantity plus
+``cu_seqlens`` of the local per-sample lengths (zero-length samples allowed: a CP rank may hold no
+response token of a sample; it still takes part in every per-sequence reduction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slime_tis.core import Reducer
+from slime_tis.slime.layout import local_response_index
+
+__all__ = ["SlimePacked", "pack_slime_batch"]
+
+
+@dataclass
+class SlimePacked:
+    """One micro-batch in packed form (all tensors on the device of the loss masks).
+
+    Attributes:
+        index: ``[T_local]`` int64 gather index into the concatenated full-length responses.
+        cu_seqlens: ``[n + 1]`` int64 boundaries of the local per-sample segments.
+        full_mask: ``[sum_i R_i]`` concatenated full-length loss masks (original dtype).
+        local_mask: ``[T_local]`` bool, this rank's part of the loss masks.
+        response_lengths: full response lengths ``R_i``.
+        local_lengths: ``[n]`` int64 (CPU) number of local tokens per sample.
+    """
+
+    index: Tensor
+    cu_seqlens: Tensor
+    full_mask: Tensor
+    local_mask: Tensor
+    response_lengths: list[int]
+    local_lengths: Tensor
+
+    def cat_local(self, name: str, tensors: Sequence[Tensor]) -> Tensor:
+        """Concatenate CP-local per-sample tensors after checking each length against the layout."""
+        if len(tensors) != len(self.response_lengths):
+            raise ValueError(
+                f"{name} has {len(tensors)} samples, loss_masks has {len(self.response_lengths)}"
+            )
+        got = [int(t.shape[0]) if t.dim() else -1 for t in tensors]
+        want = self.local_lengths.tolist()  # CPU tensor: no device sync
+        if got != want:
+            bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+            raise ValueError(
+                f"{name}[{bad}] has {got[bad]} tokens but this context-parallel rank holds {want[bad]} "
+                f"response tokens of sample {bad} (response_length {self.response_lengths[bad]}); "
+                "slime's per-sample log-probs must be CP-local (zigzag chunks), loss masks full length"
+            )
+        if not tensors:
+            return torch.zeros(0, device=self.full_mask.device)
+        return torch.cat(list(tensors))
+
+    def full_keep_masks(self, keep: Tensor, reducer: Reducer) -> list[Tensor]:
+        """Full-length per-sample loss masks with the rejected tokens zeroed, identical on all CP ranks.
+
+        Each rank scatters its local keep mask into the full-length layout and the CP group sums them
+        (every response position belongs to exactly one rank): one collective, taken by every CP rank
+        for every sample of the micro-batch.
+        """
+        kept = torch.zeros(self.full_mask.shape[0], dtype=torch.float32, device=self.full_mask.device)
+        kept[self.index] = keep.float()
+        kept = reducer.sequence_sum(kept.unsqueeze(1))[:, 0]
+        full = torch.where(kept > 0, self.full_mask, torch.zeros_like(self.full_mask))
+        return list(full.split(self.response_lengths))
+
+
+def pack_slime_batch(
+    loss_masks: Sequence[Tensor],
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    cp_rank: int,
+    cp_size: int,
+) -> SlimePacked:
+    """Index and masks of one slime micro-batch on this CP rank (see :class:`SlimePacked`)."""
+    n = len(loss_masks)
+    if n != len(total_lengths) or n != len(response_lengths):
+        raise ValueError(
+            f"loss_masks has {n} samples, total_lengths {len(total_lengths)}, response_lengths "
+            f"{len(response_lengths)}: they must agree"
+        )
+    resp = [int(r) for r in response_lengths]
+    got = [int(m.shape[0]) if m.dim() else -1 for m in loss_masks]
+    if got != resp:
+        bad = next(i for i, (g, r) in enumerate(zip(got, resp)) if g != r)
+        raise ValueError(
+            f"loss_masks[{bad}] has {got[bad]} entries but response_lengths[{bad}] = {resp[bad]}: "
+            "slime's loss masks are full-length (not CP-sliced)"
+        )
+    index_cpu, local_lengths = local_response_index(total_lengths, resp, cp_rank, cp_size)
+    device = loss_masks[0].device if n else torch.device("cpu")
+    full_mask = torch.cat(list(loss_masks)) if n else torch.zeros(0, device=device)
+    index = index_cpu.to(device, non_blocking=True)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(local_lengths, 0)
+    return SlimePacked(
+        index=index,
+        cu_seqlens=cu.to(device, non_blocking=True),
+        full_mask=full_mask,
+        local_mask=full_mask[index] != 0,
+        response_lengths=resp,
+        local_lengths=local_lengths,
+    )

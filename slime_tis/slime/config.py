@@ -1,0 +1,129 @@
+"""``TISConfig`` from slime's ``args`` namespace (flags + ``--custom-config-path`` YAML keys).
+
+slime has no flags for the plugin's options; they come as YAML keys that slime ``setattr``s onto
+``args`` (``--custom-config-path``), named after this package's argparse dests::
+
+    tis_mode, tis_level, tis_upper_bound, tis_lower_bound, tis_rs_level, tis_rs_upper_bound,
+    tis_rs_lower_bound, tis_veto_threshold, tis_batch_normalize, tis_rejected_denominator,
+    tis_loss_agg, tis_safety_bound, tis_preset
+
+The switches are slime's own flags: ``--use-tis`` (``args.use_tis``) and
+``--use-rollout-logprobs`` (``args.use_rollout_logprobs``).
+
+For a drop-in switch from slime's ``examples/train_infer_mismatch_helper/mis.yaml`` the mis.py keys
+are translated when the plugin's own keys are absent: ``use_rs`` + ``rs_level`` ->
+``tis_rs_level``; ``rs_lower_bound`` / ``rs_upper_bound`` -> rejection bounds (defaulting, as in
+mis.py, to the IS bounds); ``rs_veto_threshold`` -> ``tis_veto_threshold`` (only with ``use_rs``,
+as mis.py only vetoes inside RS). slime's vanilla-TIS flags ``--tis-clip`` / ``--tis-clip-low`` are
+not read.
+
+Loss aggregation is slime's: ``--calculate-per-token-loss`` is ``token-mean``, slime's default
+per-sample mean is ``seq-mean-token-mean``. A ``tis_loss_agg`` key that contradicts it raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from slime_tis.arguments import config_fields_from_args
+from slime_tis.config import TISConfig
+
+__all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
+
+logger = logging.getLogger("slime_tis.slime")
+
+_DESCRIBED: set[TISConfig] = set()
+
+# YAML keys read from args (their values form the cache key)
+_KEYS = (
+    "use_tis",
+    "use_rollout_logprobs",
+    "use_rollout_log_probs",
+    "tis_mode",
+    "tis_level",
+    "tis_upper_bound",
+    "tis_lower_bound",
+    "tis_rs_level",
+    "tis_rs_upper_bound",
+    "tis_rs_lower_bound",
+    "tis_veto_threshold",
+    "tis_batch_normalize",
+    "tis_rejected_denominator",
+    "tis_loss_agg",
+    "tis_safety_bound",
+    "tis_preset",
+    "eps_clip",
+    "eps_clip_high",
+    "eps_clip_c",
+    "use_rs",
+    "rs_level",
+    "rs_lower_bound",
+    "rs_upper_bound",
+    "rs_veto_threshold",
+    "calculate_per_token_loss",
+)
+_CACHE: dict[tuple, TISConfig] = {}
+
+
+def slime_loss_agg(args: Any) -> str:
+    """The aggregation slime applies: ``token-mean`` with ``--calculate-per-token-loss``, else
+    ``seq-mean-token-mean`` (slime's per-sample mean)."""
+    return "token-mean" if getattr(args, "calculate_per_token_loss", False) else "seq-mean-token-mean"
+
+
+def _mis_translation(args: Any, fields: dict[str, Any]) -> None:
+    if not getattr(args, "use_rs", False) or fields.get("rs_level") is not None:
+        return
+    rs_level = getattr(args, "rs_level", None)
+    if rs_level is None:
+        return
+    fields["rs_level"] = rs_level
+    lower = getattr(args, "rs_lower_bound", None)
+    upper = getattr(args, "rs_upper_bound", None)
+    # mis.py: rejection bounds default to the IS bounds
+    fields["rs_upper"] = upper if upper is not None else fields.get("upper")
+    fields["rs_lower"] = lower if lower is not None else fields.get("lower")
+    veto = getattr(args, "rs_veto_threshold", None)
+    if veto is not None and fields.get("veto_threshold") is None:
+        fields["veto_threshold"] = veto
+
+
+def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TISConfig:
+    """Build (and cache) the validated ``TISConfig`` of a slime run.
+
+    Args:
+        args: slime's namespace.
+        algorithm: force the algorithm (the REINFORCE + IS loss passes 3, since slime's flags cannot
+            combine ``--use-rollout-logprobs`` and ``--use-tis``); ``None`` derives it from the flags.
+
+    Raises:
+        ValueError: invalid options (naming the flag/key and value), or a ``tis_loss_agg`` key that
+            contradicts slime's aggregation.
+    """
+    key = (algorithm, *(repr(getattr(args, k, None)) for k in _KEYS))
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    fields = config_fields_from_args(args)
+    _mis_translation(args, fields)
+    agg = slime_loss_agg(args)
+    given = fields.get("loss_agg")
+    if given is not None and given != agg:
+        raise ValueError(
+            f"tis_loss_agg = {given!r} contradicts slime's aggregation {agg!r} "
+            f"(--calculate-per-token-loss = {bool(getattr(args, 'calculate_per_token_loss', False))}); "
+            "in slime the aggregation is chosen by --calculate-per-token-loss"
+        )
+    fields["loss_agg"] = agg
+    if algorithm is not None:
+        if algorithm not in (0, 1, 2, 3):
+            raise ValueError(f"algorithm must be 0, 1, 2 or 3, got {algorithm!r}")
+        fields["use_rollout_log_probs"] = bool(algorithm & 1)
+        fields["use_tis"] = bool(algorithm & 2)
+    cfg = TISConfig(**fields)
+    if cfg not in _DESCRIBED:
+        _DESCRIBED.add(cfg)
+        logger.info("%s", cfg.describe())
+    _CACHE[key] = cfg
+    return cfg

@@ -1,0 +1,145 @@
+"""slime's zigzag context-parallel layout of response tokens, and conversion to the packed layout.
+
+slime packs each sample (prompt + response, ``total_length`` tokens, of which ``response_length``
+are the response) for context parallelism of size ``cp`` by cutting it into ``2 cp`` chunks of
+``c = ceil(total_length / (2 cp))`` positions; CP rank ``r`` holds chunks ``r`` and ``2cp - 1 - r``::
+
+    chunk_0 = [r c, (r + 1) c)        chunk_1 = [(2cp - 1 - r) c, (2cp - r) c)
+
+The log-prob of response token ``j`` (0-based) is predicted by the logit at position
+``P - 1 + j`` (``P = total_length - response_length``), so rank ``r`` holds the response tokens
+
+    j in [max(s_k, P - 1), min(e_k, total_length - 1)) - (P - 1)      for (s_k, e_k) = chunk_0, chunk_1
+
+(an empty range when the bounds cross), chunk 0's tokens first. The union over ranks is every
+response token exactly once. This is ``get_logits_and_tokens_offset_with_cp`` /
+``slice_log_prob_with_cp`` of ``slime/backends/megatron_utils/cp_utils.py``, re-derived here.
+
+Per-sample log-prob lists in slime's loss hooks are CP-local (these ranges), loss masks are full
+length. :func:`local_response_index` turns the ranges of a whole micro-batch into one gather index
+into the concatenated full-length responses, built with vectorised CPU integer arithmetic (no
+Python loop over samples, no device sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "cp_response_ranges",
+    "local_response_index",
+    "response_logit_rows",
+    "slice_response_for_cp",
+]
+
+
+def _check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
+    if len(total_lengths) != len(response_lengths):
+        raise ValueError(
+            f"total_lengths has {len(total_lengths)} samples but response_lengths has {len(response_lengths)}"
+        )
+    for i, (t, r) in enumerate(zip(total_lengths, response_lengths)):
+        if not 0 <= r < t:
+            raise ValueError(
+                f"sample {i}: response_length = {r} must satisfy 0 <= response_length < total_length = {t} "
+                "(a prompt token precedes the response)"
+            )
+
+
+def cp_response_ranges(
+    total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int
+) -> Tensor:
+    """Response-index ranges of this CP rank: int64 ``[n, 2, 2]`` = ``(sample, chunk, (start, end))``.
+
+    Empty chunks are ``(0, 0)``. With ``cp_size == 1`` chunk 0 is the whole response, chunk 1 empty.
+    """
+    _check_lengths(total_lengths, response_lengths)
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank = {cp_rank} must lie in [0, cp_size = {cp_size})")
+    total = torch.as_tensor(list(total_lengths), dtype=torch.int64).reshape(-1)
+    resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
+    n = total.numel()
+    out = torch.zeros((n, 2, 2), dtype=torch.int64)
+    if cp_size == 1:
+        out[:, 0, 1] = resp
+        return out
+    first_logit = total - resp - 1  # P - 1
+    chunk = (total + 2 * cp_size - 1) // (2 * cp_size)
+    starts = torch.stack([cp_rank * chunk, (2 * cp_size - cp_rank - 1) * chunk], dim=1)
+    lo = torch.maximum(starts, first_logit[:, None])
+    hi = torch.minimum(starts + chunk[:, None], (total - 1)[:, None])
+    nonempty = lo < hi
+    out[:, :, 0] = torch.where(nonempty, lo - first_logit[:, None], 0)
+    out[:, :, 1] = torch.where(nonempty, hi - first_logit[:, None], 0)
+    return out
+
+
+def local_response_index(
+    total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int
+) -> tuple[Tensor, Tensor]:
+    """Gather index of this rank's response tokens in the concatenated full-length responses.
+
+    Returns ``(index [T_local] int64, local_lengths [n] int64)``, both on the CPU: with
+    ``full = torch.cat(full_length_tensors)``, ``full[index]`` is the CP-local packed layout (sample
+    by sample, chunk 0 then chunk 1), i.e. ``torch.cat`` of slime's CP-local per-sample tensors.
+    """
+    ranges = cp_response_ranges(total_lengths, response_lengths, cp_rank, cp_size)
+    resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
+    offsets = torch.cumsum(resp, 0) - resp  # start of each sample in the concatenation
+    seg_start = (ranges[:, :, 0] + offsets[:, None]).reshape(-1)  # [2n] segment starts, in order
+    seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)
+    total_local = int(seg_len.sum())
+    seg_first = torch.cumsum(seg_len, 0) - seg_len  # position of each segment in the output
+    index = torch.repeat_interleave(seg_start - seg_first, seg_len) + torch.arange(total_local)
+    return index, seg_len.reshape(-1, 2).sum(dim=1)
+
+
+def slice_response_for_cp(
+    x: Tensor, total_length: int, response_length: int, cp_rank: int, cp_size: int
+) -> Tensor:
+    """One full-length response tensor ``[R, ...]`` -> this rank's CP-local part (chunk 0 then chunk 1)."""
+    if x.shape[0] != response_length:
+        raise ValueError(f"x has {x.shape[0]} entries along dim 0 but response_length = {response_length}")
+    (s0, e0), (s1, e1) = cp_response_ranges([total_length], [response_length], cp_rank, cp_size)[0].tolist()
+    return torch.cat([x[s0:e0], x[s1:e1]], dim=0)
+
+
+def response_logit_rows(
+    total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int
+) -> tuple[Tensor, Tensor]:
+    """Rows of slime's packed local logits that predict this rank's response tokens, and the targets.
+
+    slime's packed logits ``[1, T_pad, V/TP]`` hold the samples back to back: without CP sample
+    ``i`` occupies rows ``[o_i, o_i + total_i)``; with zigzag CP each sample occupies ``2 c_i`` rows
+    on every rank (its chunk 0, then its chunk 1). The logit at global position ``g`` predicts
+    token ``g + 1``. Returns ``(rows [T_local], token_index [T_local])`` (int64, CPU), where
+    ``token_index`` indexes ``torch.cat(unconcat_tokens)`` (the full prompt + response token
+    sequences of the samples), in the CP-local order of :func:`local_response_index`.
+    """
+    ranges = cp_response_ranges(total_lengths, response_lengths, cp_rank, cp_size)  # [n, 2, 2]
+    total = torch.as_tensor(list(total_lengths), dtype=torch.int64).reshape(-1)
+    resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
+    first_logit = total - resp - 1  # P - 1: global position predicting response token 0
+    token_offset = torch.cumsum(total, 0) - total
+    if cp_size == 1:
+        row_base = torch.stack([token_offset + first_logit, torch.zeros_like(total)], dim=1)
+    else:
+        chunk = (total + 2 * cp_size - 1) // (2 * cp_size)
+        local_offset = torch.cumsum(2 * chunk, 0) - 2 * chunk
+        chunk_start = torch.stack([cp_rank * chunk, (2 * cp_size - cp_rank - 1) * chunk], dim=1)
+        row_base = (
+            local_offset[:, None]
+            + torch.stack([torch.zeros_like(chunk), chunk], dim=1)
+            + first_logit[:, None]
+            - chunk_start
+        )
+    tok_base = (token_offset + first_logit + 1)[:, None].expand(-1, 2)
+    seg_j0 = ranges[:, :, 0].reshape(-1)
+    seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)
+    seg = torch.repeat_interleave(torch.arange(seg_len.numel()), seg_len)
+    seg_first = torch.cumsum(seg_len, 0) - seg_len
+    j = seg_j0[seg] + torch.arange(seg.numel()) - seg_first[seg]
+    return row_base.reshape(-1)[seg] + j, tok_base.reshape(-1)[seg] + j

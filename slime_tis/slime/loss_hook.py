@@ -1,0 +1,168 @@
+"""slime ``--loss-type custom_loss --custom-loss-function-path slime_tis.slime.reinforce_is_loss``.
+
+Algorithm 3 (REINFORCE + IS against the rollout policy, no PPO clip), which slime's own flags
+forbid (``--use-rollout-logprobs`` and ``--use-tis`` are mutually exclusive)::
+
+    loss_t = -w_t * A_t * lp_theta_t,   w = sg(pi_theta / pi_rollout) at the configured level / mode
+
+computed by the core's :func:`slime_tis.policy_loss` (algorithm 3) on this micro-batch. slime's
+contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` with ``logits``
+``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
+
+* ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
+  (:func:`slime_tis.megatron.vocab_parallel_log_probs_and_entropy`) at the rows slime's layout
+  assigns to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
+* Aggregation is slime's: per-sample mean (``sum_i mean_{t in i}``, denominators = original valid
+  counts, or kept counts with ``tis_rejected_denominator: drop``) or, with
+  ``--calculate-per-token-loss``, the token sum that slime divides by its token count.
+* ``tis_batch_normalize`` normalises per micro-batch over DP x CP (the weights depend on theta);
+  every DP x CP rank must run the same number of micro-batches.
+* Entropy bonus (``--entropy-coef``) and KL loss (``--use-kl-loss``, ``--kl-loss-type`` k1 / k2 /
+  k3 / low_var_kl against ``ref_log_probs``) are added as slime's policy loss does, over kept tokens.
+* Metrics are scalars reduced with slime's ``sum_of_sample_mean`` (original masks), like slime's
+  own; the exact ``MetricStats`` go to :data:`slime_tis.slime.metrics.COLLECTOR`.
+
+Run it with ``--use-rollout-logprobs`` (no pi_old recompute is needed; without it slime recomputes
+pi_old, which this loss ignores, and a warning says so). slime's top-p replay
+(``--rollout-top-p < 1``) is not supported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.core import policy_loss
+from slime_tis.slime.batch import pack_slime_batch
+from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.layout import response_logit_rows
+from slime_tis.slime.metrics import COLLECTOR, token_metrics
+from slime_tis.slime.parallel import parallel_context
+
+__all__ = ["kl_penalty", "reinforce_is_loss"]
+
+logger = logging.getLogger("slime_tis.slime")
+_WARNED_RECOMPUTE = False
+
+
+def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimator of ``pi_theta`` from ``pi_ref`` (Schulman's k1/k2/k3), ``d = lp - lp_ref``::
+
+    k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d,   low_var_kl = clamp(k3, -10, 10)
+    """
+    d = lp.float() - lp_ref.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind in ("k3", "low_var_kl"):
+        k3 = torch.exp(-d) - 1.0 + d
+        return k3.clamp(-10.0, 10.0) if kind == "low_var_kl" else k3
+    raise ValueError(f"--kl-loss-type = {kind!r}: must be one of k1, k2, k3, low_var_kl")
+
+
+def _warn_recompute(args: Any) -> None:
+    global _WARNED_RECOMPUTE
+    if not getattr(args, "use_rollout_logprobs", False) and not _WARNED_RECOMPUTE:
+        _WARNED_RECOMPUTE = True
+        msg = (
+            "slime_tis.slime.reinforce_is_loss (algorithm 3) does not use pi_old: add --use-rollout-logprobs "
+            "so that slime skips the old-log-prob recompute"
+        )
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def reinforce_is_loss(
+    args: Any,
+    batch: dict[str, Any],
+    logits: Tensor,
+    sum_of_sample_mean: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """slime custom loss for algorithm 3 (module docstring). Returns ``(loss, metrics)``."""
+    cfg = tis_config_from_slime_args(args, algorithm=3)
+    if getattr(args, "rollout_top_p", 1.0) < 1.0:
+        raise ValueError(
+            f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss"
+        )
+    if cfg.rejected_denominator == "drop" and cfg.loss_agg == "token-mean":
+        raise ValueError(
+            "tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
+            "divides by the micro-batch's original token count; use the default per-sample mean or 'keep'"
+        )
+    if getattr(args, "use_unbiased_kl", False):
+        raise ValueError("--use-unbiased-kl is not supported by reinforce_is_loss")
+    if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
+        raise ValueError(
+            "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"
+        )
+    if logits.dim() != 3 or logits.shape[0] != 1:
+        raise ValueError(f"logits must be slime's packed [1, T, V/TP], got shape {tuple(logits.shape)}")
+    _warn_recompute(args)
+
+    ctx = parallel_context()
+    total, resp = batch["total_lengths"], batch["response_lengths"]
+    packed = pack_slime_batch(batch["loss_masks"], total, resp, ctx.cp_rank, ctx.cp_size)
+    rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size)
+    device = logits.device
+    rows, tok = rows.to(device, non_blocking=True), tok.to(device, non_blocking=True)
+    targets = torch.cat(list(batch["unconcat_tokens"])).to(device)[tok]
+    entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
+    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
+
+    lp_theta, entropy = vocab_parallel_log_probs_and_entropy(
+        logits[0][rows],
+        targets,
+        temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
+        with_entropy=entropy_coef != 0.0,
+    )
+    lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
+    advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
+
+    out = policy_loss(
+        cfg,
+        lp_theta,
+        None,
+        lp_rollout,
+        advantages,
+        packed.local_mask,
+        packed.cu_seqlens,
+        reducer=ctx.reducer,
+        denominator=1.0,
+    )
+    keep = out.keep_mask
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    pg_loss = out.loss
+    loss = pg_loss
+    metrics: dict[str, Tensor] = {"pg_loss": pg_loss.detach().clone()}
+    if entropy_coef != 0.0:
+        entropy_loss = sum_of_sample_mean(torch.where(keep, entropy, zero))
+        loss = loss - entropy_coef * entropy_loss
+        metrics["entropy_loss"] = entropy_loss.detach().clone()
+    if getattr(args, "use_kl_loss", False):
+        ref = packed.cat_local("ref_log_probs", batch["ref_log_probs"]).to(device)
+        kl_coef = float(getattr(args, "kl_loss_coef", 0.0) or 0.0)
+        kl_in = lp_theta if kl_coef != 0.0 else lp_theta.detach()
+        kl = kl_penalty(kl_in, ref.detach(), getattr(args, "kl_loss_type", "k1"))
+        kl_loss = sum_of_sample_mean(torch.where(keep & torch.isfinite(kl), kl, zero))
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach().clone()
+    if lp_theta.numel() == 0:  # keep every parameter in the graph (slime does the same)
+        loss = loss + 0.0 * logits.sum()
+    metrics["loss"] = loss.detach().clone()
+
+    assert out.tis is not None  # algorithm 3 always has rollout log-probs
+    tm = token_metrics(cfg, out.tis, None)
+    valid_ok = out.tis.ratios.token_ok
+    tm["ppo_kl"] = tm["tis/kl"]  # lp_rollout - sg(lp_theta): the anchor is pi_rollout in algorithm 3
+    tm["train_rollout_logprob_abs_diff"] = torch.where(valid_ok, (lp_theta.detach() - lp_rollout).abs(), zero)
+    for name, value in tm.items():
+        metrics[name] = sum_of_sample_mean(value).detach()
+    COLLECTOR.add(out.stats, tuple(id(t) for t in batch["rollout_log_probs"]), ctx.reducer)
+    return loss, metrics

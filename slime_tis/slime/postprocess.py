@@ -1,0 +1,129 @@
+"""slime ``--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data``.
+
+slime calls ``fn(args, rollout_id, rollout_data)`` in every training process after the old / ref
+log-probs and the advantages are computed and before the first training step of a rollout;
+``rollout_data`` holds this data-parallel rank's samples as per-sample lists (log-probs CP-local,
+``loss_masks`` full length). This hook sees the whole step, which the per-micro-batch loss hooks
+cannot, and does two things:
+
+1. **Global batch normalisation (algorithm 2, ``tis_batch_normalize: true``).** The weights
+   ``w = f(pi_old / pi_rollout)`` are fixed for the step, so the factor that rescales them to mean 1
+   over the kept units of the whole global batch is computed once here::
+
+       factor = (sum over DP ranks of kept units) / (sum over DP ranks of their unnormalised weights)
+
+   with the core's ``compute_tis`` (``norm_sum``, ``norm_count``) on every sample of this rank, then
+   one all-reduce (DP x CP for token units, DP for sequence units). The TIS hook multiplies the
+   weights by it. Here the global batch is the whole rollout, which is one optimizer step with
+   slime's default ``--num-steps-per-rollout 1``; with several steps per rollout the factor is
+   shared by the rollout's steps. slime's own ``mis.py`` normalises per micro-batch and rank.
+2. **Log-prob dump (``tis_dump_dir`` set).** Appends this rank's full responses (CP chunks
+   gathered) to ``<tis_dump_dir>/logprobs_dp<rank>.jsonl`` in the documented dump format
+   (``docs/dump_format.md``), for ``slime-tis diagnose``.
+
+Both need ``rollout_data['log_probs']`` (the recomputed ``pi_old``). slime skips that recompute in
+its fast path (one step per rollout, no KL, no ``--get-mismatch-metrics``); add
+``--get-mismatch-metrics`` to force it. Pipeline stages other than the last hold no log-probs and
+do nothing (the loss runs on the last stage).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.core import compute_tis, normalisation_factor
+from slime_tis.dump import records_from_samples, write_logprob_dump
+from slime_tis.slime.batch import SlimePacked, pack_slime_batch
+from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.parallel import ParallelContext, parallel_context
+from slime_tis.slime.state import STATE
+
+__all__ = ["gather_full_responses", "postprocess_rollout_data"]
+
+logger = logging.getLogger("slime_tis.slime")
+
+
+def gather_full_responses(packed: SlimePacked, local: Tensor, ctx: ParallelContext) -> list[Tensor]:
+    """CP-local packed ``[T_local]`` values -> full-length per-sample tensors (one CP all-reduce)."""
+    full = torch.zeros(packed.full_mask.shape[0], dtype=torch.float32, device=local.device)
+    full[packed.index] = local.float()
+    full = ctx.reducer.sequence_sum(full.unsqueeze(1))[:, 0]
+    return list(full.split(packed.response_lengths))
+
+
+def _needs_log_probs(args: Any, rollout_data: dict[str, Any], ctx: ParallelContext, what: str) -> bool:
+    if rollout_data.get("log_probs"):
+        return True
+    if not ctx.last_pp_stage:
+        return False
+    raise ValueError(
+        f"{what} needs rollout_data['log_probs'] (the pi_old recompute), which slime skipped "
+        "(fast path: one step per rollout without KL); add --get-mismatch-metrics to force the recompute"
+    )
+
+
+def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str, Any]) -> None:
+    """slime's rollout-data hook (module docstring). Modifies nothing in ``rollout_data``."""
+    cfg = tis_config_from_slime_args(args)
+    want_norm = cfg.batch_normalize and cfg.algorithm == 2
+    dump_dir = getattr(args, "tis_dump_dir", None)
+    STATE.clear()
+    if not want_norm and not dump_dir:
+        return
+    ctx = parallel_context()
+    if not _needs_log_probs(args, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
+        return
+    packed = pack_slime_batch(
+        rollout_data["loss_masks"],
+        rollout_data["total_lengths"],
+        rollout_data["response_lengths"],
+        ctx.cp_rank,
+        ctx.cp_size,
+    )
+    lp_old = packed.cat_local("log_probs", rollout_data["log_probs"]).to(packed.full_mask.device)
+    lp_rollout = packed.cat_local("rollout_log_probs", rollout_data["rollout_log_probs"]).to(lp_old.device)
+
+    if want_norm:
+        res = compute_tis(
+            cfg.replace(batch_normalize=False),
+            lp_old,
+            lp_rollout,
+            packed.local_mask,
+            packed.cu_seqlens,
+            reducer=ctx.reducer,
+        )
+        totals = ctx.reducer.batch_sum(
+            torch.stack([res.norm_sum, res.norm_count]), per_sequence=cfg.level != "token"
+        )
+        factor = normalisation_factor(totals[0], totals[1])
+        STATE.set_factor(rollout_id, factor, cfg)
+
+    if dump_dir:
+        train_full = gather_full_responses(packed, lp_old, ctx)
+        rollout_full = gather_full_responses(packed, lp_rollout, ctx)
+        if ctx.cp_rank == 0 and ctx.tp_rank == 0:
+            path = Path(dump_dir) / f"logprobs_dp{ctx.dp_rank}.jsonl"
+            recs = records_from_samples(
+                train_full,
+                rollout_full,
+                list(rollout_data["loss_masks"]),
+                step=int(rollout_id) if isinstance(rollout_id, int) else None,
+            )
+            rewards = rollout_data.get("rewards")
+            if rewards is not None and len(rewards) == len(recs):
+                for rec, rew in zip(recs, rewards):
+                    try:
+                        rec["reward"] = float(rew)
+                    except (TypeError, ValueError):
+                        pass
+            write_logprob_dump(
+                path,
+                recs,
+                append=True,
+                meta={"train_policy": "old", "algorithm": cfg.algorithm, "writer": "slime_tis.slime"},
+            )

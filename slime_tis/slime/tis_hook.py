@@ -1,0 +1,136 @@
+"""slime ``--custom-tis-function-path slime_tis.slime.compute_tis_for_slime``.
+
+slime calls it once per micro-batch inside ``policy_loss_function`` when ``--use-tis`` or
+``--get-mismatch-metrics`` is set::
+
+    pg_loss, modified_masks, metrics = fn(args, pg_loss=..., train_log_probs=..., rollout_log_probs=...,
+                                          loss_masks=..., total_lengths=..., response_lengths=...)
+
+* ``pg_loss``: ``[T_local]`` flat CP-local per-token PPO loss (already clipped);
+* ``train_log_probs`` / ``rollout_log_probs``: per-sample lists of CP-local ``[T_i]`` tensors
+  (slime's zigzag chunks; ``train`` = the recomputed ``pi_old``, or the detached current
+  log-probs when slime skipped the recompute);
+* ``loss_masks``: per-sample full-length ``[R_i]`` masks; ``total_lengths`` / ``response_lengths``.
+
+It returns the new flat ``pg_loss``, full-length masks with rejected tokens zeroed (slime rebuilds
+its reducer with them as numerators and the *original* per-sample counts as denominators) and a
+dict of flat CP-local token-shaped metrics (:func:`slime_tis.slime.metrics.token_metrics`).
+
+What it does, by slime's flags (``args.use_rollout_logprobs``, ``args.use_tis``):
+
+========================================  =========  =================================================
+flags                                     algorithm  effect
+========================================  =========  =================================================
+``--get-mismatch-metrics`` only           0          metrics only: ``pg_loss`` and masks unchanged
+``--use-rollout-logprobs`` + ``--get-mm`` 1          rejection only (RS, veto, mask mode, non-finite)
+``--use-tis``                             2          ``w * pg_loss`` + rejection, ``w`` from the core
+========================================  =========  =================================================
+
+Everything numeric is the core's :func:`slime_tis.compute_tis` on the packed CP-local tokens with
+the CP reducer, so sequence and geometric levels see full-sequence sums on every CP rank (one CP
+all-reduce per micro-batch for the sums, one for the full-length masks; every CP rank takes part
+for every sample, also with zero local tokens). Rejected tokens get zero loss by selection
+(``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)``
+reducer. ``tis_rejected_denominator: drop`` rescales each sample's loss by ``n_valid / n_kept``
+(exact under slime's per-sample mean; refused with ``--calculate-per-token-loss``, whose
+denominator is the micro-batch token count). Algorithm 2 with ``tis_batch_normalize`` uses the
+global factor computed before training by :func:`slime_tis.slime.postprocess_rollout_data`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.config import TISConfig
+from slime_tis.core import compute_tis, segment_sum
+from slime_tis.slime.batch import pack_slime_batch
+from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.metrics import COLLECTOR, token_metrics
+from slime_tis.slime.parallel import parallel_context
+from slime_tis.slime.state import STATE
+
+__all__ = ["compute_tis_for_slime"]
+
+
+def _batch_norm_factor(cfg: TISConfig) -> Tensor | None:
+    if not (cfg.batch_normalize and cfg.algorithm == 2):
+        return None
+    if STATE.batch_norm_factor is None or STATE.batch_norm_key != cfg:
+        raise RuntimeError(
+            "tis_batch_normalize with --use-tis (algorithm 2) normalises over the whole global batch, "
+            "which the per-micro-batch TIS hook cannot see: add "
+            "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"
+        )
+    return STATE.batch_norm_factor
+
+
+def compute_tis_for_slime(
+    args: Any,
+    *,
+    pg_loss: Tensor,
+    train_log_probs: Sequence[Tensor],
+    rollout_log_probs: Sequence[Tensor],
+    loss_masks: Sequence[Tensor],
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    **kwargs: Any,
+) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+    """slime's TIS-function contract (module docstring); returns ``(pg_loss, masks, metrics)``."""
+    cfg = tis_config_from_slime_args(args)
+    if cfg.algorithm == 3:
+        raise ValueError(
+            "use_tis and use_rollout_logprobs are both set (algorithm 3, REINFORCE + IS): slime's PPO loss "
+            "cannot express it; use --loss-type custom_loss --custom-loss-function-path "
+            "slime_tis.slime.reinforce_is_loss (see docs/slime.md)"
+        )
+    ctx = parallel_context()
+    packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)
+    lp_train = packed.cat_local("train_log_probs", train_log_probs)
+    lp_rollout = packed.cat_local("rollout_log_probs", rollout_log_probs)
+    if pg_loss.dim() != 1 or pg_loss.shape[0] != lp_train.shape[0]:
+        raise ValueError(
+            f"pg_loss has shape {tuple(pg_loss.shape)} but the CP-local log-probs have {lp_train.shape[0]} "
+            "tokens; slime passes a flat CP-local per-token loss"
+        )
+    factor = _batch_norm_factor(cfg)
+    # a non-finite pg_loss at a valid token (e.g. NaN advantages) rejects its sequence as well
+    extra = (pg_loss.detach(),) if cfg.algorithm != 0 else ()
+    res = compute_tis(
+        cfg,
+        lp_train,
+        lp_rollout,
+        packed.local_mask,
+        packed.cu_seqlens,
+        reducer=ctx.reducer,
+        batch_norm_factor=factor,
+        extra_finite=extra,
+    )
+    metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
+    if rollout_log_probs:
+        COLLECTOR.add(res.stats, tuple(id(t) for t in rollout_log_probs), ctx.reducer)
+
+    if cfg.algorithm == 0:  # --get-mismatch-metrics without correction: diagnostics only
+        return pg_loss, list(loss_masks), metrics
+
+    keep = res.keep_mask
+    zero = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
+    new_loss = pg_loss * res.weights.to(pg_loss.dtype) if cfg.applies_weights else pg_loss
+    if cfg.rejected_denominator == "drop":
+        if getattr(args, "calculate_per_token_loss", False):
+            raise ValueError(
+                "tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
+                "divides by the micro-batch's original token count; use the default per-sample mean or 'keep'"
+            )
+        n_seq = packed.cu_seqlens.numel() - 1
+        kept = ctx.reducer.sequence_sum(segment_sum(keep.float().unsqueeze(1), res.ratios.seq_id, n_seq))[
+            :, 0
+        ]
+        scale = res.ratios.seq_count / kept.clamp(min=1.0)  # per sample: n_valid / n_kept
+        new_loss = new_loss * scale[res.ratios.seq_id].to(pg_loss.dtype)
+    new_loss = torch.where(keep, new_loss, zero)
+    masks = packed.full_keep_masks(keep, ctx.reducer)
+    return new_loss, masks, metrics

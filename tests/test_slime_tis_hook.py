@@ -1,0 +1,175 @@
+"""``slime_tis.slime.compute_tis_for_slime`` called exactly as slime calls its TIS function (one process).
+
+The 2-process context-parallel version of these checks is tests/dist/test_slime_cp.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _slime_oracle import args_ns, make_batch, slime_sum_of_sample_mean
+
+from slime_tis import TISConfig, compute_tis
+from slime_tis.slime import compute_tis_for_slime, tis_config_from_slime_args
+from slime_tis.slime.state import STATE
+
+
+def call(args, b, pg=None):
+    pg = b.packed("pg_loss") if pg is None else pg
+    return compute_tis_for_slime(
+        args, pg_loss=pg, train_log_probs=b.train, rollout_log_probs=b.rollout, loss_masks=b.masks,
+        total_lengths=b.total_lengths, response_lengths=b.response_lengths,
+    )
+
+
+# ------------------------------------------------------------------ hand-derived example
+def tiny():
+    from _slime_oracle import SlimeBatch
+
+    return SlimeBatch(
+        prompt_lengths=[2, 3], response_lengths=[2, 1],
+        train=[torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])],
+        rollout=[torch.tensor([-1.5, -1.0]), torch.tensor([float("nan")])],
+        masks=[torch.tensor([1.0, 1.0]), torch.tensor([1.0])],
+        pg_loss=[torch.tensor([1.0, 2.0]), torch.tensor([3.0])], advantages=[], tokens=[],
+    )
+
+
+@pytest.mark.parametrize(
+    ("level", "w"),
+    [("token", [1.5, math.exp(-1.0)]), ("sequence", [math.exp(-0.5)] * 2), ("geometric", [math.exp(-0.25)] * 2)],
+)
+def test_hand_values_truncate(level, w):
+    b = tiny()  # sample A: l = [0.5, -1.0]; sample B: NaN rollout at a valid token -> rejected
+    args = args_ns(use_tis=True, tis_mode="truncate", tis_level=level, tis_upper_bound=1.5)
+    new, masks, metrics = call(args, b)
+    expect = [1.0 * w[0], 2.0 * w[1], 0.0]
+    assert new.tolist() == pytest.approx(expect, rel=1e-6)
+    assert [m.tolist() for m in masks] == [[1.0, 1.0], [0.0]]
+    # slime's per-sample mean with the modified numerator masks and the original denominators
+    loss = slime_sum_of_sample_mean(new, b, masks, 0, 1)
+    assert float(loss) == pytest.approx((expect[0] + expect[1]) / 2 + 0.0 / 1, rel=1e-6)
+    # metrics as slime reports them: per-sample means over the original masks
+    kl = slime_sum_of_sample_mean(metrics["tis/kl"], b, b.masks, 0, 1) / 2
+    assert float(kl) == pytest.approx(((-0.5) + 1.0) / 2 / 2, rel=1e-6)  # sample B contributes 0
+    assert float(slime_sum_of_sample_mean(metrics["tis/nonfinite_seq_fraction"], b, b.masks, 0, 1) / 2) == 0.5
+    assert all(bool(torch.isfinite(v).all()) for v in metrics.values())
+
+
+def test_token_mask_mode_drop_denominator_rescales_per_sample():
+    b = tiny()  # token ratios e^0.5 = 1.65 (kept, upper 2), e^-1 = 0.37 (rejected, lower 0.5)
+    keep_args = args_ns(use_tis=True, tis_mode="mask", tis_level="token")
+    drop_args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_rejected_denominator="drop")
+    new_k, masks_k, _ = call(keep_args, b)
+    new_d, masks_d, _ = call(drop_args, b)
+    assert [m.tolist() for m in masks_k] == [[1.0, 0.0], [0.0]]
+    w0 = math.exp(0.5)
+    assert float(slime_sum_of_sample_mean(new_k, b, masks_k, 0, 1)) == pytest.approx(w0 * 1.0 / 2, rel=1e-6)
+    assert float(slime_sum_of_sample_mean(new_d, b, masks_d, 0, 1)) == pytest.approx(w0 * 1.0 / 1, rel=1e-6)
+
+
+# ------------------------------------------------------------------ against the core on the packed batch
+CONFIGS = {
+    "a2_tok_trunc": dict(use_tis=True, tis_mode="truncate", tis_level="token", tis_upper_bound=1.3),
+    "a2_seq_clip_veto": dict(use_tis=True, tis_mode="clip", tis_level="sequence", tis_upper_bound=3.0,
+                             tis_veto_threshold=1e-3),
+    "a2_geo_mask_rs": dict(use_tis=True, tis_mode="mask", tis_level="geometric", tis_upper_bound=1.2,
+                           tis_rs_level="token", tis_rs_upper_bound=3.0),
+    "a1_seq_rs_veto": dict(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_rs_level="sequence",
+                           tis_rs_upper_bound=4.0, tis_veto_threshold=1e-3),
+    "a2_geo_drop": dict(use_tis=True, tis_mode="mask", tis_level="geometric", tis_upper_bound=1.1,
+                        tis_rejected_denominator="drop"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_core_on_the_packed_batch(name):
+    b = make_batch(3)
+    args = args_ns(**CONFIGS[name])
+    cfg = tis_config_from_slime_args(args)
+    pg = b.packed("pg_loss").requires_grad_(True)
+    new, masks, metrics = call(args, b, pg)
+
+    core_cfg = TISConfig(**{k: v for k, v in cfg.__dict__.items()})
+    ref = compute_tis(core_cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                      extra_finite=(b.packed("pg_loss"),))
+    w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
+    expect = torch.where(ref.keep_mask, b.packed("pg_loss") * w, torch.zeros(()))
+    if cfg.rejected_denominator == "drop":
+        kept = torch.zeros(len(b.masks)).index_add_(0, ref.ratios.seq_id, ref.keep_mask.float())
+        expect = expect * (ref.ratios.seq_count / kept.clamp(min=1))[ref.ratios.seq_id]
+    torch.testing.assert_close(new.detach(), expect, rtol=1e-6, atol=1e-7)
+    assert torch.equal(torch.cat(masks), b.packed("masks") * ref.keep_mask)
+    assert torch.isfinite(new).all()
+    new.sum().backward()  # NaN in pg_loss / log-probs at masked or rejected positions: no NaN gradient
+    assert torch.isfinite(pg.grad).all()
+    assert float(pg.grad[3]) == 0.0  # masked position with a NaN loss
+    torch.testing.assert_close(metrics["tis/weight"], ref.weights)
+    assert metrics["tis/rejected_token_fraction"].tolist() == (ref.ratios.valid & ~ref.keep_mask).float().tolist()
+    for v in metrics.values():
+        assert v.shape == new.shape and torch.isfinite(v).all()
+
+
+def test_metrics_only_run_changes_nothing():
+    b = make_batch(1)
+    args = args_ns(get_mismatch_metrics=True)  # algorithm 0: --get-mismatch-metrics without --use-tis
+    pg = b.packed("pg_loss")
+    new, masks, metrics = call(args, b, pg)
+    assert new is pg
+    assert all(m is o for m, o in zip(masks, b.masks))
+    assert "tis/kl" in metrics and "tis/weight" in metrics
+
+
+def test_use_tis_false_with_rollout_logprobs_applies_no_weight():
+    b = make_batch(2)
+    args = args_ns(use_rollout_logprobs=True, get_mismatch_metrics=True)  # algorithm 1: rejection only
+    new, masks, _ = call(args, b)
+    ref = compute_tis(TISConfig(use_rollout_log_probs=True), b.packed("train"), b.packed("rollout"),
+                      b.packed("masks"), b.cu_seqlens(), extra_finite=(b.packed("pg_loss"),))
+    expect = torch.where(ref.keep_mask, b.packed("pg_loss"), torch.zeros(()))
+    torch.testing.assert_close(new, expect)
+    assert not ref.keep_mask[sum(b.response_lengths[:2]):sum(b.response_lengths[:3])].any()  # NaN sample
+
+
+# ------------------------------------------------------------------ configuration from slime's args
+def test_mis_yaml_keys_are_translated():
+    args = args_ns(use_tis=True, tis_mode="truncate", tis_level="token", tis_upper_bound=2.0, tis_lower_bound=0.5,
+                   use_rs=True, rs_level="geometric", rs_veto_threshold=1e-4)
+    cfg = tis_config_from_slime_args(args)
+    assert cfg.rs_level == "geometric" and cfg.rs_upper_bound == 2.0 and cfg.rs_lower_bound == 0.5
+    assert cfg.veto_threshold == 1e-4
+    assert cfg.loss_agg == "seq-mean-token-mean"
+    no_rs = tis_config_from_slime_args(args_ns(use_tis=True, use_rs=False, rs_level="token", rs_veto_threshold=1e-4))
+    assert no_rs.rs_level is None and no_rs.veto_threshold is None  # mis.py vetoes only inside RS
+
+
+def test_bad_configurations_raise_clear_errors():
+    b = tiny()
+    with pytest.raises(ValueError, match="tis_loss_agg = 'token-mean' contradicts slime's aggregation"):
+        call(args_ns(use_tis=True, tis_loss_agg="token-mean"), b)
+    with pytest.raises(ValueError, match="custom-loss-function-path slime_tis.slime.reinforce_is_loss"):
+        call(args_ns(use_tis=True, use_rollout_logprobs=True), b)
+    with pytest.raises(ValueError, match="'drop' cannot be honoured with --calculate-per-token-loss"):
+        call(args_ns(use_tis=True, calculate_per_token_loss=True, tis_rejected_denominator="drop"), b)
+    with pytest.raises(ValueError, match=r"--tis-mode \(mode\) = 'bogus'"):
+        call(args_ns(use_tis=True, tis_mode="bogus"), b)
+    STATE.clear()
+    with pytest.raises(RuntimeError, match="--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"):
+        call(args_ns(use_tis=True, tis_batch_normalize=True), b)
+
+
+def test_layout_errors_name_the_sample():
+    b = tiny()
+    args = args_ns(use_tis=True)
+    with pytest.raises(ValueError, match=r"train_log_probs\[1\] has 2 tokens but this context-parallel rank holds 1"):
+        compute_tis_for_slime(args, pg_loss=b.packed("pg_loss"), train_log_probs=[b.train[0], torch.zeros(2)],
+                              rollout_log_probs=b.rollout, loss_masks=b.masks, total_lengths=b.total_lengths,
+                              response_lengths=b.response_lengths)
+    with pytest.raises(ValueError, match=r"loss_masks\[0\] has 1 entries but response_lengths\[0\] = 2"):
+        compute_tis_for_slime(args, pg_loss=b.packed("pg_loss"), train_log_probs=b.train,
+                              rollout_log_probs=b.rollout, loss_masks=[torch.ones(1), b.masks[1]],
+                              total_lengths=b.total_lengths, response_lengths=b.response_lengths)
+    with pytest.raises(ValueError, match=r"pg_loss has shape \(2,\) but the CP-local log-probs have 3 tokens"):
+        call(args, b, torch.zeros(2))
