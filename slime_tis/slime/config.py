@@ -26,8 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from slime_tis.arguments import config_fields_from_args
-from slime_tis.config import TISConfig
+from slime_tis.config import TISConfig, config_fields_from_args
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 

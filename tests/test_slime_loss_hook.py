@@ -1,0 +1,159 @@
+"""``slime_tis.slime.reinforce_is_loss`` (algorithm 3) called as slime calls a custom loss (one process).
+
+Oracle: per sample, the response logits are read at the rows slime's packing assigns (prompt + response
+back to back, the logit at position g predicts token g + 1), log-softmax of logits / T, then one core
+``policy_loss`` (algorithm 3) on the whole packed batch with slime's per-sample-mean aggregation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _slime_oracle import args_ns, make_batch, slime_sum_of_sample_mean
+
+from slime_tis import TISConfig, policy_loss
+from slime_tis.slime import reinforce_is_loss
+
+VOCAB = 11
+TEMP = 0.7
+
+
+def packed_logits(b, seed=0, pad=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, sum(b.total_lengths) + pad, VOCAB, generator=g).requires_grad_(True)
+
+
+def oracle_log_probs(b, logits):
+    rows, targets, off = [], [], 0
+    for t, r, toks in zip(b.total_lengths, b.response_lengths, b.tokens):
+        p = t - r
+        rows += [off + p - 1 + j for j in range(r)]
+        targets += toks[p:].tolist()
+        off += t
+    lp_all = torch.log_softmax(logits[0] / TEMP, dim=-1)
+    return lp_all[torch.tensor(rows)].gather(-1, torch.tensor(targets)[:, None]).squeeze(-1), lp_all[torch.tensor(rows)]
+
+
+def slime_batch(b):
+    return {"unconcat_tokens": b.tokens, "total_lengths": b.total_lengths, "response_lengths": b.response_lengths,
+            "loss_masks": b.masks, "advantages": b.advantages, "rollout_log_probs": b.rollout}
+
+
+def reducer_for(b):
+    return lambda x: slime_sum_of_sample_mean(x, b, b.masks, 0, 1)
+
+
+CONFIGS = {
+    "seq_trunc": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5),
+    "geo_mask_veto": dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.3, tis_veto_threshold=1e-3),
+    "tok_clip_bn": dict(tis_mode="clip", tis_level="token", tis_upper_bound=1.4, tis_batch_normalize=True),
+    "tok_mask_drop": dict(tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
+                          tis_rejected_denominator="drop"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_loss_and_gradient_match_core_oracle(name):
+    b = make_batch(5, vocab=VOCAB)
+    args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, **CONFIGS[name])
+    logits = packed_logits(b)
+    loss, metrics = reinforce_is_loss(args, slime_batch(b), logits, reducer_for(b))
+    loss.backward()
+    got_grad = logits.grad.clone()
+
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    lp, _ = oracle_log_probs(b, ref_logits)
+    fields = dict(mode=CONFIGS[name]["tis_mode"], level=CONFIGS[name]["tis_level"],
+                  upper=CONFIGS[name]["tis_upper_bound"], veto_threshold=CONFIGS[name].get("tis_veto_threshold"),
+                  batch_normalize=CONFIGS[name].get("tis_batch_normalize", False),
+                  rejected_denominator=CONFIGS[name].get("tis_rejected_denominator", "keep"))
+    cfg = TISConfig(use_rollout_log_probs=True, use_tis=True, loss_agg="seq-mean-token-mean", **fields)
+    out = policy_loss(cfg, lp, None, b.packed("rollout"), b.packed("advantages"), b.packed("masks"),
+                      b.cu_seqlens(), denominator=1.0)
+    out.loss.backward()
+    assert float(loss) == pytest.approx(float(out.loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(got_grad, ref_logits.grad, rtol=1e-5, atol=1e-7)
+    assert torch.isfinite(got_grad).all()
+    assert got_grad[0, -3:].abs().sum() == 0  # padding rows get no gradient
+    assert float(metrics["pg_loss"]) == pytest.approx(float(out.loss), rel=1e-5, abs=1e-7)
+    # ppo_kl reported as slime does: per-sample means of lp_rollout - lp_theta over the original masks
+    valid = out.tis.ratios.token_ok
+    kl_tok = torch.where(valid, b.packed("rollout") - lp.detach(), torch.zeros(()))
+    assert float(metrics["ppo_kl"]) == pytest.approx(float(reducer_for(b)(kl_tok)), rel=1e-5, abs=1e-7)
+
+
+def test_hand_computed_single_token():
+    """One sample, one response token: loss = -w A lp with w = min(exp(lp - lp_rollout), 1.5)."""
+    from _slime_oracle import SlimeBatch
+
+    tokens = [torch.tensor([1, 2])]
+    b = SlimeBatch([1], [1], [torch.zeros(1)], [torch.tensor([-1.5])], [torch.ones(1)], [torch.zeros(1)],
+                   [torch.tensor([2.0])], tokens)
+    logits = torch.zeros(1, 2, 4)
+    logits[0, 0, 2] = 1.0  # row 0 predicts token 2: lp = 1 - log(e + 3)
+    logits.requires_grad_(True)
+    args = args_ns(use_rollout_logprobs=True, tis_mode="truncate", tis_level="token", tis_upper_bound=1.5)
+    loss, _ = reinforce_is_loss(args, slime_batch(b), logits, reducer_for(b))
+    lp = 1.0 - torch.log(torch.tensor(torch.e + 3.0))
+    w = min(float(torch.exp(lp + 1.5)), 1.5)
+    assert float(loss) == pytest.approx(-w * 2.0 * float(lp), rel=1e-6)
+    loss.backward()
+    p = torch.softmax(logits.detach()[0, 0], -1)
+    expect = -w * 2.0 * (torch.nn.functional.one_hot(torch.tensor(2), 4).float() - p)
+    torch.testing.assert_close(logits.grad[0, 0], expect)
+
+
+def test_entropy_and_kl_terms():
+    b = make_batch(7, vocab=VOCAB)
+    ref_lp = [t - 0.1 for t in b.train]
+    batch = slime_batch(b) | {"ref_log_probs": ref_lp}
+    args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_mode="truncate", tis_level="token",
+                   entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
+    logits = packed_logits(b, seed=1)
+    loss, metrics = reinforce_is_loss(args, batch, logits, reducer_for(b))
+
+    lp, lp_rows = oracle_log_probs(b, logits.detach())
+    cfg = TISConfig(use_rollout_log_probs=True, use_tis=True, loss_agg="seq-mean-token-mean")
+    out = policy_loss(cfg, lp, None, b.packed("rollout"), b.packed("advantages"), b.packed("masks"),
+                      b.cu_seqlens(), denominator=1.0)
+    keep = out.keep_mask
+    ent = -(lp_rows.exp() * lp_rows).sum(-1)
+    d = lp - torch.cat(ref_lp)
+    k3 = torch.exp(-d) - 1 + d
+    zero = torch.zeros(())
+    ent_loss = reducer_for(b)(torch.where(keep, ent, zero))
+    kl_loss = reducer_for(b)(torch.where(keep, k3, zero))
+    assert float(metrics["entropy_loss"]) == pytest.approx(float(ent_loss), rel=1e-5)
+    assert float(metrics["kl_loss"]) == pytest.approx(float(kl_loss), rel=1e-5)
+    assert float(loss) == pytest.approx(float(out.loss - 0.01 * ent_loss + 0.1 * kl_loss), rel=1e-5)
+
+
+def test_per_token_loss_mode_returns_the_token_sum():
+    b = make_batch(8, vocab=VOCAB)
+    args = args_ns(use_rollout_logprobs=True, calculate_per_token_loss=True, tis_mode="truncate",
+                   rollout_temperature=TEMP)
+    logits = packed_logits(b, seed=2)
+    loss, _ = reinforce_is_loss(args, slime_batch(b), logits, lambda x: x.sum())
+    lp, _ = oracle_log_probs(b, logits.detach())
+    cfg = TISConfig(use_rollout_log_probs=True, use_tis=True, loss_agg="token-mean")
+    out = policy_loss(cfg, lp, None, b.packed("rollout"), b.packed("advantages"), b.packed("masks"),
+                      b.cu_seqlens(), denominator=1.0)
+    assert float(loss) == pytest.approx(float(out.loss), rel=1e-5)
+
+
+def test_errors_and_recompute_warning():
+    b = make_batch(9, vocab=VOCAB)
+    logits = packed_logits(b)
+    with pytest.warns(UserWarning, match="add --use-rollout-logprobs"):
+        reinforce_is_loss(args_ns(tis_mode="truncate"), slime_batch(b), logits, reducer_for(b))
+    with pytest.raises(ValueError, match=r"logits must be slime's packed \[1, T, V/TP\]"):
+        reinforce_is_loss(args_ns(use_rollout_logprobs=True), slime_batch(b), logits[0], reducer_for(b))
+    with pytest.raises(ValueError, match="top-p replay is not supported"):
+        reinforce_is_loss(args_ns(use_rollout_logprobs=True, rollout_top_p=0.9), slime_batch(b), logits,
+                          reducer_for(b))
+    with pytest.raises(ValueError, match="'drop' cannot be honoured with --calculate-per-token-loss"):
+        reinforce_is_loss(args_ns(use_rollout_logprobs=True, calculate_per_token_loss=True,
+                                  tis_rejected_denominator="drop"), slime_batch(b), logits, reducer_for(b))
+    with pytest.raises(ValueError, match="--kl-loss-type = 'k9'"):
+        reinforce_is_loss(args_ns(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_type="k9"),
+                          slime_batch(b) | {"ref_log_probs": b.train}, logits, reducer_for(b))
