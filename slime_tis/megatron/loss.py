@@ -1,0 +1,115 @@
+"""The ``loss_func`` megatron-core's schedules call on the last pipeline stage, and its return form.
+
+``make_loss_func(...)(logits)``:
+
+    lp_theta, H = vocab_parallel_log_probs_and_entropy(logits / temperature, labels)   [T] fp32
+    out         = policy_loss(cfg, lp_theta, lp_old, lp_rollout, A, mask, cu_seqlens,
+                              reducer, denominator=D, batch_norm_factor=f)             loss = local_sum / D
+
+and returns what the schedule expects, pre-compensating megatron's own scaling so that the final
+parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D`` (:class:`LossForm`):
+
+* ``calculate_per_token_loss=False``: 2-tuple ``(loss * M * g / cp, metrics)``. The schedule multiplies a
+  2-tuple loss by ``cp`` and divides it by ``M``; megatron DDP averages gradients over ``g = dp * cp``
+  ranks (``g = 1`` without megatron DDP).
+* ``calculate_per_token_loss=True``: 3-tuple ``(loss * N, n_local, metrics)``; megatron leaves the loss
+  alone, sums gradients and divides them by ``sum n_local = N`` in ``finalize_model_grads``.
+
+The metrics dict holds detached clones (the schedule scales the returned loss in place, gotcha G2);
+the micro-batch's ``MetricStats`` go to ``collector`` for one reduction after the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slime_tis.config import TISConfig
+from slime_tis.core import MetricStats, Reducer, policy_loss
+from slime_tis.core.correction import as_valid_mask
+from slime_tis.core.metrics import column_sums
+from slime_tis.megatron.batch import TISBatch
+from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
+from slime_tis.megatron.plan import StepPlan
+
+__all__ = ["LossForm", "loss_form_for", "make_loss_func", "logits_to_log_probs"]
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """How megatron will rescale the returned loss (see module docstring).
+
+    Attributes:
+        per_token: ``config.calculate_per_token_loss`` (3-tuple form) or not (2-tuple form).
+        num_microbatches: ``M``.
+        cp_size: context-parallel size (the schedule multiplies a 2-tuple loss by it).
+        grad_average: ranks megatron DDP averages gradients over (``dp * cp``; 1 without DDP).
+    """
+
+    per_token: bool
+    num_microbatches: int
+    cp_size: int
+    grad_average: int
+
+    @property
+    def two_tuple_scale(self) -> float:
+        return self.num_microbatches * self.grad_average / self.cp_size
+
+
+def loss_form_for(model_config, model_chunks: list, num_microbatches: int) -> LossForm:
+    """Read megatron's scaling conventions from the model config and wrapper (DDP or not)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
+    if per_token and getattr(model_config, "finalize_model_grads_func", None) is None:
+        raise ValueError("config.calculate_per_token_loss=True needs config.finalize_model_grads_func "
+                         "(megatron divides the gradients by the global token count there)")
+    ddp = any(isinstance(m, _BaseDataParallel) for m in model_chunks)
+    cp = ps.get_context_parallel_world_size()
+    g = ps.get_data_parallel_world_size(with_context_parallel=True) if ddp else 1
+    return LossForm(per_token=per_token, num_microbatches=num_microbatches, cp_size=cp, grad_average=g)
+
+
+def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, chunk_size: int,
+                        with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``."""
+    vp = logits.shape[-1]
+    flat = logits.reshape(-1, vp)
+    if flat.shape[0] != batch.num_tokens:
+        raise ValueError(
+            f"logits have {flat.shape[0]} positions ({tuple(logits.shape)}) but the micro-batch's TISBatch "
+            f"has {batch.num_tokens} tokens; build it with TISBatch.from_padded(..., cp_slice=True) for CP, "
+            "and return [B, S_local, V/TP] logits (model called without labels)")
+    return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=temperature,
+                                                chunk_size=chunk_size, with_entropy=with_entropy)
+
+
+def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossForm, reducer: Reducer, *,
+                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024
+                   ) -> Callable[[Tensor], tuple]:
+    """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring)."""
+
+    def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
+        lp, entropy = logits_to_log_probs(output_tensor, batch, temperature=temperature,
+                                          chunk_size=chunk_size, with_entropy=True)
+        out = policy_loss(cfg, lp, batch.old_log_probs, batch.rollout_log_probs, batch.advantages,
+                          batch.loss_mask, batch.cu_seqlens, reducer=reducer, denominator=plan.denominator,
+                          batch_norm_factor=plan.batch_norm_factor)
+        valid = as_valid_mask(batch.loss_mask)
+        zero = torch.zeros((), dtype=torch.float32, device=lp.device)
+        extra = MetricStats(token_sums={
+            "megatron.loss_sum": out.loss.detach().clone(),
+            **column_sums({"megatron.entropy_sum": torch.where(valid, entropy.detach(), zero)}),
+        })
+        collector.append(out.stats.merge(extra).detach())
+        metrics = {"loss": out.loss.detach().clone()}
+        if form.per_token:
+            n_local = valid.sum().to(torch.int)
+            return out.loss * plan.num_tokens, n_local, metrics
+        return out.loss * form.two_tuple_scale, metrics
+
+    return loss_func

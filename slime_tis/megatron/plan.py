@@ -1,0 +1,110 @@
+"""Step plan: the global quantities every micro-batch's loss needs, computed once before the first one.
+
+For the ``M`` micro-batches of one optimizer step on this rank (last pipeline stage) and the
+data-parallel (x context-parallel) ranks:
+
+    D  = sum_{ranks, micro-batches} loss_denominator(...)      global loss denominator
+         (token-mean: tokens, summed over DP x CP; seq-mean-*: sequences, completed over CP by
+          ``sequence_sum`` inside the core, then summed over DP only)
+    N  = sum_{ranks, micro-batches} #valid tokens              (DP x CP; used by the 3-tuple loss form)
+    f  = sum norm_count / sum norm_sum                          algorithm 2 batch normalisation
+         (units: tokens over DP x CP, or sequences over DP only)
+
+The loss of micro-batch ``k`` is then ``local_sum_k / D``, so the sum over micro-batches and ranks is
+the whole-batch loss whatever the micro-batch, DP, CP or PP sizes (SPEC "Loss aggregation").
+
+Keep masks (``--tis-rejected-denominator drop``) reproduce exactly what ``policy_loss`` will decide:
+the training-side log-probs are ``lp_old`` (algorithms 0, 2) or ``lp_theta`` at the step's parameters
+(algorithms 1, 3; obtained by a forward-only pass, see ``recompute``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slime_tis.config import TISConfig
+from slime_tis.core import Reducer, compute_tis, loss_denominator, normalisation_factor
+from slime_tis.core.correction import as_valid_mask
+from slime_tis.megatron.batch import TISBatch
+
+__all__ = ["StepPlan", "plan_step", "needs_pre_pass"]
+
+
+@dataclass
+class StepPlan:
+    """Global per-step quantities (scalar float32 tensors on the batch device; see module docstring)."""
+
+    denominator: Tensor
+    num_tokens: Tensor
+    batch_norm_factor: Tensor | None
+    num_microbatches: int
+
+
+def needs_pre_pass(cfg: TISConfig) -> bool:
+    """Algorithms 1 and 3 with ``drop`` and a rejecting rule need ``lp_theta`` of the whole step up front."""
+    return cfg.algorithm in (1, 3) and cfg.rejected_denominator == "drop" and cfg.rejects
+
+
+def _keep_mask(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer) -> Tensor:
+    """The keep mask ``policy_loss`` will use for this micro-batch (non-finite, mask mode, RS, veto)."""
+    alg = cfg.algorithm
+    lp_rollout = batch.rollout_log_probs if alg != 0 else lp_train
+    extra = (batch.advantages.float(),) + ((lp_train,) if alg == 2 else ())
+    return compute_tis(cfg, lp_train, lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
+                       extra_finite=extra).keep_mask
+
+
+def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
+              pre_log_probs: list[Tensor] | None = None) -> StepPlan:
+    """Global denominator, token count and (algorithm 2) batch-norm factor for one optimizer step.
+
+    Args:
+        batches: this rank's micro-batches of the step, with ``old_log_probs`` filled for algorithms 0, 2.
+        reducer: the distributed reducer (``MegatronReducer``); every rank of the DP x CP group calls
+            this function with the same number of micro-batches.
+        pre_log_probs: ``lp_theta`` at the step's parameters per micro-batch (only when
+            :func:`needs_pre_pass`).
+
+    Collectives: per micro-batch the core's CP ``sequence_sum`` where needed, then one ``batch_sum``
+    for the token domain and one for the sequence domain.
+    """
+    if not batches:
+        raise ValueError("plan_step needs at least one micro-batch")
+    alg = cfg.algorithm
+    device = batches[0].labels.device
+    drop = cfg.rejected_denominator == "drop"
+    seq_domain = cfg.loss_agg != "token-mean"
+    bn = alg == 2 and cfg.batch_normalize
+    bn_seq = cfg.level != "token"
+    den = torch.zeros((), dtype=torch.float32, device=device)
+    n_tok = torch.zeros((), dtype=torch.float32, device=device)
+    bn_sums = torch.zeros(2, dtype=torch.float32, device=device)
+    for k, b in enumerate(batches):
+        if alg in (0, 2) and b.old_log_probs is None:
+            raise ValueError(f"micro-batch {k}: algorithm {alg} needs old_log_probs (the recompute pass)")
+        if alg in (1, 2, 3) and b.rollout_log_probs is None:
+            raise ValueError(f"micro-batch {k}: algorithm {alg} needs rollout_log_probs in its TISBatch")
+        keep = None
+        if drop:
+            lp_train = b.old_log_probs if alg in (0, 2) else (pre_log_probs[k] if pre_log_probs else None)
+            if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
+                lp_train = b.rollout_log_probs
+            keep = _keep_mask(cfg, b, lp_train.float(), reducer)
+        den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)
+        n_tok = n_tok + as_valid_mask(b.loss_mask).float().sum()
+        if bn:
+            res = compute_tis(cfg, b.old_log_probs.float(), b.rollout_log_probs, b.loss_mask, b.cu_seqlens,
+                              reducer=reducer, extra_finite=(b.advantages.float(), b.old_log_probs.float()))
+            bn_sums = bn_sums + torch.stack([res.norm_sum, res.norm_count])
+    # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
+    den = reducer.batch_sum(den, per_sequence=seq_domain)
+    n_tok = reducer.batch_sum(n_tok)
+    factor = None
+    if bn:
+        total = reducer.batch_sum(bn_sums, per_sequence=bn_seq)
+        factor = normalisation_factor(total[0], total[1])
+    return StepPlan(denominator=den, num_tokens=n_tok, batch_norm_factor=factor,
+                    num_microbatches=len(batches))

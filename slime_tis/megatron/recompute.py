@@ -1,0 +1,90 @@
+"""Forward-only pass over a step's micro-batches that records ``log pi(labels)`` at the current parameters.
+
+Used for the old-log-prob recompute of algorithms 0 and 2 (``lp_old``, the "proximal" policy at the
+start of the step) and skipped for algorithms 1 and 3, which use the rollout log-probs instead (unless
+``--tis-rejected-denominator drop`` needs the step's kept-token count before the first backward, see
+``plan.needs_pre_pass``). It runs megatron's own schedule with ``forward_only=True`` under
+``torch.no_grad()``, so pipeline stages exchange activations exactly as in training; the log-probs
+(float32, logits divided by the rollout temperature) exist on the last stage only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.megatron.batch import TISBatch
+from slime_tis.megatron.loss import logits_to_log_probs
+
+__all__ = ["ReplayIterator", "recompute_log_probs"]
+
+
+class ReplayIterator(Iterator):
+    """Iterates over a materialised list of micro-batch items and remembers the last one handed out."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.index = -1
+
+    def __next__(self) -> Any:
+        if self.index + 1 >= len(self.items):
+            raise StopIteration
+        self.index += 1
+        return self.items[self.index]
+
+    @property
+    def last(self) -> Any:
+        return self.items[self.index] if self.index >= 0 else None
+
+
+def replay(items: list[Any] | list[list[Any]] | None, vpp: bool) -> Any:
+    """Fresh replay iterator(s) in the shape megatron expects (one per virtual stage when ``vpp``)."""
+    if items is None:
+        return None
+    if vpp:
+        return [ReplayIterator(chunk) if chunk is not None else None for chunk in items]
+    return ReplayIterator(items)
+
+
+def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any,
+                        model: Any, *,
+                        batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
+                        temperature: float = 1.0, chunk_size: int = 1024, **schedule_kwargs: Any
+                        ) -> list[Tensor] | None:
+    """``[lp_k [T_k] for each micro-batch k]`` on the last pipeline stage, ``None`` elsewhere.
+
+    Args:
+        forward_backward_func: megatron's schedule (``get_forward_backward_func()``).
+        forward_step_func: the launcher's ``forward_step(data_iterator, model)`` returning ``(logits, _)``.
+        items: the step's materialised micro-batch items (list, or list of lists for virtual stages).
+        batches: this rank's ``TISBatch`` per micro-batch (last stage), else ``None``.
+        schedule_kwargs: forwarded to the schedule (``seq_length``, ``micro_batch_size``, ...).
+    """
+    results: list[Tensor | None] = [None] * num_microbatches
+
+    def forward_step(data_iterator, model_chunk, *args):
+        output, _ = forward_step_func(data_iterator, model_chunk, *args)
+        index = data_iterator.index if isinstance(data_iterator, ReplayIterator) else None
+
+        def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
+            if batches is None or index is None:
+                raise RuntimeError("recompute: loss on a rank without TISBatch micro-batches "
+                                   "(not the last stage?)")
+            lp, _ = logits_to_log_probs(output_tensor, batches[index], temperature=temperature,
+                                        chunk_size=chunk_size, with_entropy=False)
+            results[index] = lp.detach()
+            return torch.zeros((), dtype=torch.float32, device=lp.device), {}
+
+        return output, loss_func
+
+    with torch.no_grad():
+        forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp), model=model,
+                              num_microbatches=num_microbatches, forward_only=True, **schedule_kwargs)
+    if batches is None:
+        return None
+    if any(r is None for r in results):
+        raise RuntimeError("recompute: the schedule did not compute the loss of every micro-batch")
+    return results  # type: ignore[return-value]

@@ -1,0 +1,145 @@
+"""torchrun entry point: run a list of (layout, case, micro-batch count) checks and write one JSON line each.
+
+    torchrun --nproc-per-node 2 tests/dist/megatron_worker.py --out DIR --plan main2
+
+Plans (which checks) are defined in ``PLANS``; every rank writes ``DIR/rank{r}.jsonl``. Process groups
+are initialised once (gloo) and model parallel is re-initialised per check, so the ~3 s import is paid
+once per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _harness import (  # noqa: E402
+    CASES,
+    LAYOUTS,
+    TEMPERATURE,
+    full_weights_and_log_probs,
+    init_distributed,
+    oracle_for,
+    run_case,
+    setup_parallel,
+)
+
+from slime_tis.megatron import MegatronReducer  # noqa: E402
+
+
+class NoCPReducer(MegatronReducer):
+    """Control: per-rank (unreduced) sequence sums under CP. The CP test must fail with it."""
+
+    def sequence_sum(self, x):
+        return x
+
+
+class MeanOfMinimaReducer(MegatronReducer):
+    """Control: a mean of per-rank minima / maxima instead of a true MIN / MAX."""
+
+    def _mean(self, x):
+        out = x.clone()
+        dist.all_reduce(out, group=self.dp_cp_group)
+        return out / self.dp_cp_size
+
+    def batch_min(self, x):
+        return self._mean(x)
+
+    def batch_max(self, x):
+        return self._mean(x)
+
+
+def _patched_fb(cfg):
+    """The user-facing patch: an 'existing launcher' that calls get_forward_backward_func() itself."""
+    import types
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from patches.megatron_forward_backward import tis_patch
+
+    launcher = types.SimpleNamespace(get_forward_backward_func=get_forward_backward_func)
+    with tis_patch(cfg, temperature=TEMPERATURE, chunk_size=5, modules=[launcher]):
+        fb = launcher.get_forward_backward_func()
+    assert launcher.get_forward_backward_func is get_forward_backward_func, "patch not undone on exit"
+    return fb
+
+
+def plan_checks(plan: str) -> list[dict]:
+    all_cases = list(CASES)
+    checks: list[dict] = []
+    if plan == "main2":
+        for layout in ("pp2", "tp2", "cp2", "dp2"):
+            for case in all_cases:
+                for m in (1, 4):
+                    checks.append(dict(layout=layout, case=case, M=m))
+        for layout in ("dp2_pt", "cp2_pt"):
+            for case in ("a0", "a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
+                checks.append(dict(layout=layout, case=case, M=2))
+        # controls and special situations
+        checks.append(dict(layout="cp2", case="a2_seq_mask_bn", M=2, tag="no_cp_reduce", reducer="nocp"))
+        checks.append(dict(layout="cp2", case="a3_geo_mask_veto_drop", M=2, tag="no_cp_reduce",
+                           reducer="nocp"))
+        checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2, tag="mean_of_minima", reducer="meanmin"))
+        # rank 1's first micro-batch (rows 2, 3 of dp=2, M=2) and all of rank 1's rows fully masked
+        checks.append(dict(layout="dp2", case="a3_tok_trunc_bn", M=2, tag="masked_mb", masked=(2, 3)))
+        checks.append(dict(layout="dp2", case="a2_seq_mask_bn", M=2, tag="masked_rank", masked=(2, 3, 6, 7)))
+        checks.append(dict(layout="cp2", case="a1_geo_mask_veto", M=2, tag="masked_mb", masked=(0, 1, 2, 3)))
+        checks.append(dict(layout="pp2", case="a2_tok_trunc", M=2, tag="patch", patch=True))
+    elif plan == "main4":
+        for layout in ("tp2pp2", "dp2cp2"):
+            for case in all_cases:
+                checks.append(dict(layout=layout, case=case, M=4 if layout == "tp2pp2" else 2))
+    elif plan == "smoke":
+        checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2))
+    else:
+        raise SystemExit(f"unknown plan {plan!r}")
+    return checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--plan", default="main2")
+    args = parser.parse_args()
+    init_distributed()
+    rank = dist.get_rank()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # 2 cores shared by every rank
+    weights, lp_full = full_weights_and_log_probs()  # initialises model parallel with TP=PP=CP=1
+    checks = sorted(plan_checks(args.plan), key=lambda c: list(LAYOUTS).index(c["layout"]))
+    oracles = [oracle_for(c["layout"], c["case"], c["M"], weights=weights, lp_full=lp_full,
+                          masked_rank_rows=tuple(c.get("masked", ()))) for c in checks]
+    reducers = {"nocp": NoCPReducer, "meanmin": MeanOfMinimaReducer}
+    current = None
+    with open(out / f"rank{rank}.jsonl", "w") as fh:
+        for check, ref in zip(checks, oracles):
+            t0 = time.perf_counter()
+            if LAYOUTS[check["layout"]] != current:
+                current = LAYOUTS[check["layout"]]
+                setup_parallel(current)
+            try:
+                res = run_case(check["layout"], check["case"], check["M"], weights=weights, lp_full=lp_full,
+                               ref=ref, reducer_factory=reducers.get(check.get("reducer")),
+                               masked_rank_rows=tuple(check.get("masked", ())),
+                               fb_factory=_patched_fb if check.get("patch") else None)
+            except Exception:  # report, keep going: the other checks still run (all ranks raise alike)
+                res = {"layout": check["layout"], "case": check["case"], "M": check["M"], "rank": rank,
+                       "error": traceback.format_exc()}
+            res["tag"] = check.get("tag", "")
+            res["seconds"] = time.perf_counter() - t0
+            fh.write(json.dumps(res) + "\n")
+            fh.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The example RL job in real processes: torchrun with 2 processes for each algorithm (finite loss,
+parameters change, bit-identical checkpoint resume), a 50-step run whose reward rises, a 2-"node"
+c10d rendezvous on localhost, and the --sglang-url HTTP path against the embedded engine's server."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+TIMING_KEYS = ("rollout_time_s", "step_time_s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _torchrun(train_args: list[str], *, nproc: int = 2, timeout: int = 240) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "examples.rl.train", "--no-progress", *train_args]
+    _check(subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout))
+
+
+def _python_train(train_args: list[str], timeout: int = 240) -> None:
+    cmd = [sys.executable, "-m", "examples.rl.train", "--no-progress", *train_args]
+    _check(subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout))
+
+
+def _rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _ckpt(run_dir, step: int, rank: int) -> dict:
+    path = os.path.join(run_dir, "checkpoints", f"step_{step:06d}", f"rank_{rank:03d}.pt")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _tensors(obj, prefix=""):
+    """Every tensor inside a nested state dict, keyed by its path."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}/{i}")
+
+
+CASES = {
+    "alg0-pp2": ["--pp", "2"],
+    "alg1-dp2": ["--use-rollout-log-probs"],
+    "alg2-pp2-lag1": ["--pp", "2", "--use-tis", "--rollout-lag", "1"],
+    "alg3-dp2-seq-clip": ["--use-rollout-log-probs", "--use-tis", "--tis-level", "sequence", "--tis-mode", "clip"],
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_process_training_and_bit_identical_resume(case, tmp_path):
+    common = ["--steps", "4", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4",
+              "--dump-interval", "0", *CASES[case]]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _torchrun(["--run-dir", str(full), *common])
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
+    (resumed / "checkpoints" / "latest").write_text("2")
+    _torchrun(["--run-dir", str(resumed), "--resume", *common])
+
+    rows = _rows(full)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    assert all(r["update_skipped"] == 0 for r in rows)
+    expected_alg = int(case[3])
+    with open(full / "args.json", encoding="utf-8") as f:
+        assert json.load(f)["algorithm"] == expected_alg
+    for rank in (0, 1):
+        at2, at4, again = _ckpt(full, 2, rank), _ckpt(full, 4, rank), _ckpt(resumed, 4, rank)
+        moved = [k for k, v in at4["model"].items() if isinstance(v, torch.Tensor) and not torch.equal(v, at2["model"][k])]
+        assert len(moved) >= 0.9 * sum(isinstance(v, torch.Tensor) for v in at4["model"].values()), "parameters did not train"
+        # resuming from step 2 reproduces step 4 bit for bit: model, optimizer state, lag history
+        a, b = dict(_tensors(at4)), dict(_tensors(again))
+        assert a.keys() == b.keys()
+        diff = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not diff, f"rank {rank}: resumed run differs in {diff[:5]}"
+    strip = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows[2:]]
+    assert [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in _rows(resumed)] == strip
+
+
+@pytest.mark.timeout(600)
+def test_fifty_step_run_raises_reward_and_writes_dump(tmp_path):
+    """Two processes (data parallel 2), algorithm 2 with the default bf16 engine: the reward of a
+    50-step run beats its initial reward clearly (random policy: 1/16 per digit)."""
+    run = tmp_path / "run"
+    _torchrun(["--run-dir", str(run), "--steps", "50", "--use-tis", "--dump-interval", "25"])
+    rewards = [r["reward"] for r in _rows(run)]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.15 and last > first + 0.15, (first, last)
+    from slime_tis.dump import read_logprob_dump
+
+    dump = read_logprob_dump(str(run / "logprobs.jsonl"))
+    assert sorted(set(dump.step.tolist())) == [0, 25, 49] and dump.n_seq == 3 * 256
+    assert torch.isfinite(dump.train_log_probs).all() and (dump.train_log_probs <= 0).all()
+    # bf16 decode vs fp32 training: close, not identical
+    gap = (dump.train_log_probs - dump.rollout_log_probs).abs()
+    assert 0 < gap.max() < 0.5
+
+
+@pytest.mark.timeout(300)
+def test_multinode_launch_two_torchrun_agents_c10d(tmp_path):
+    """Two torchrun agents as two "nodes" (one process each) meeting at a c10d rendezvous on
+    127.0.0.1, pipeline parallel across the nodes, train 3 steps."""
+    port, run = _free_port(), tmp_path / "mn"
+    procs = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "slime-tis-example-test", "-m", "examples.rl.train", "--no-progress",
+               "--run-dir", str(run), "--steps", "3", "--pp", "2", "--use-tis", "--prompts-per-step", "8",
+               "--group-size", "4", "--dump-interval", "0"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, f"{out[-2000:]}\n{err[-5000:]}"
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    with open(run / "args.json", encoding="utf-8") as f:
+        assert json.load(f)["world_size"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
+    """--sglang-url against the embedded engine served over HTTP: weights travel through
+    /update_weights_from_disk, rollouts through /generate, and the run equals the in-process one
+    (same seeds, same bf16 engine, exact weight copy)."""
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "examples.rl.http_server", "--port", str(port)], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        args = ["--steps", "3", "--use-tis", "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0"]
+        _python_train(["--run-dir", str(tmp_path / "http"), "--sglang-url", f"http://127.0.0.1:{port}", *args])
+        _python_train(["--run-dir", str(tmp_path / "embedded"), *args])
+        sys.path.insert(0, ROOT)
+        from examples.rl.http_client import SGLangClient as Client
+
+        info = Client(f"http://127.0.0.1:{port}")._call("GET", "/get_model_info")
+        assert info["weight_version"] == 4  # initial push + one per step
+        assert info["model_path"] == str(tmp_path / "http" / "engine_weights")
+    finally:
+        server.terminate()
+        try:
+            server.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    http, emb = _rows(tmp_path / "http"), _rows(tmp_path / "embedded")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
+    assert strip(http) == strip(emb)
+    assert os.path.isfile(tmp_path / "http" / "engine_weights" / "config.json")
