@@ -42,47 +42,12 @@ from slime_tis.core import LocalReducer, loss_denominator  # noqa: E402
 from slime_tis.megatron import TISBatch, tis_forward_backward_func  # noqa: E402
 from slime_tis.megatron.batch import cp_slice_padded  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plans import CASES, LAYOUTS, Layout  # noqa: E402
+
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 64, 16, 32, 2, 4
 GLOBAL_ROWS = 8
 TEMPERATURE = 0.8
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    per_token: bool = False  # config.calculate_per_token_loss (3-tuple loss form)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    def dp(self, world: int) -> int:
-        return world // self.world
-
-
-LAYOUTS = {
-    "pp2": Layout(pp=2), "tp2": Layout(tp=2), "cp2": Layout(cp=2), "dp2": Layout(),
-    "dp2_pt": Layout(per_token=True), "cp2_pt": Layout(cp=2, per_token=True),
-    "tp2pp2": Layout(tp=2, pp=2), "dp2cp2": Layout(cp=2), "single": Layout(),
-}
-
-CASES: dict[str, dict] = {
-    "a0": dict(),
-    "a1_geo_mask_veto": dict(use_rollout_log_probs=True, mode="mask", level="geometric", upper=1.3,
-                             veto_threshold=0.05),
-    "a2_tok_trunc": dict(use_tis=True, mode="truncate", level="token", upper=1.5),
-    "a2_seq_mask_bn": dict(use_tis=True, mode="mask", level="sequence", upper=3.0, batch_normalize=True,
-                           loss_agg="seq-mean-token-mean"),
-    "a2_geo_clip_drop_rs": dict(use_tis=True, mode="clip", level="geometric", upper=1.2, rs_level="sequence",
-                                rs_upper=4.0, rejected_denominator="drop", loss_agg="seq-mean-token-sum"),
-    "a3_geo_mask_veto_drop": dict(use_rollout_log_probs=True, use_tis=True, mode="mask", level="geometric",
-                                  upper=1.3, veto_threshold=0.05, rs_level="token", rs_upper=5.0,
-                                  rejected_denominator="drop"),
-    "a3_tok_trunc_bn": dict(use_rollout_log_probs=True, use_tis=True, mode="truncate", level="token",
-                            upper=1.5, batch_normalize=True),
-}
 
 
 def init_distributed() -> None:

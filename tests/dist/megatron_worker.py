@@ -21,8 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _harness import (  # noqa: E402
-    CASES,
-    LAYOUTS,
     TEMPERATURE,
     full_weights_and_log_probs,
     init_distributed,
@@ -30,6 +28,7 @@ from _harness import (  # noqa: E402
     run_case,
     setup_parallel,
 )
+from _plans import LAYOUTS, plan_checks  # noqa: E402
 
 from slime_tis.megatron import MegatronReducer  # noqa: E402
 
@@ -69,38 +68,6 @@ def _patched_fb(cfg):
         fb = launcher.get_forward_backward_func()
     assert launcher.get_forward_backward_func is get_forward_backward_func, "patch not undone on exit"
     return fb
-
-
-def plan_checks(plan: str) -> list[dict]:
-    all_cases = list(CASES)
-    checks: list[dict] = []
-    if plan == "main2":
-        for layout in ("pp2", "tp2", "cp2", "dp2"):
-            for case in all_cases:
-                for m in (1, 4):
-                    checks.append(dict(layout=layout, case=case, M=m))
-        for layout in ("dp2_pt", "cp2_pt"):
-            for case in ("a0", "a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
-                checks.append(dict(layout=layout, case=case, M=2))
-        # controls and special situations
-        checks.append(dict(layout="cp2", case="a2_seq_mask_bn", M=2, tag="no_cp_reduce", reducer="nocp"))
-        checks.append(dict(layout="cp2", case="a3_geo_mask_veto_drop", M=2, tag="no_cp_reduce",
-                           reducer="nocp"))
-        checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2, tag="mean_of_minima", reducer="meanmin"))
-        # rank 1's first micro-batch (rows 2, 3 of dp=2, M=2) and all of rank 1's rows fully masked
-        checks.append(dict(layout="dp2", case="a3_tok_trunc_bn", M=2, tag="masked_mb", masked=(2, 3)))
-        checks.append(dict(layout="dp2", case="a2_seq_mask_bn", M=2, tag="masked_rank", masked=(2, 3, 6, 7)))
-        checks.append(dict(layout="cp2", case="a1_geo_mask_veto", M=2, tag="masked_mb", masked=(0, 1, 2, 3)))
-        checks.append(dict(layout="pp2", case="a2_tok_trunc", M=2, tag="patch", patch=True))
-    elif plan == "main4":
-        for layout in ("tp2pp2", "dp2cp2"):
-            for case in all_cases:
-                checks.append(dict(layout=layout, case=case, M=4 if layout == "tp2pp2" else 2))
-    elif plan == "smoke":
-        checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2))
-    else:
-        raise SystemExit(f"unknown plan {plan!r}")
-    return checks
 
 
 def main() -> None:

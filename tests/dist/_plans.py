@@ -1,0 +1,90 @@
+"""What the torchrun checks run: parallel layouts, correction cases, and the check lists (no heavy imports).
+
+Shared by ``megatron_worker.py`` (inside torchrun) and ``test_megatron_dist.py`` (pytest collection), so
+the pytest process never imports megatron or the CPU shim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    per_token: bool = False  # config.calculate_per_token_loss (3-tuple loss form)
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world: int) -> int:
+        return world // self.model_parallel
+
+
+LAYOUTS = {
+    "pp2": Layout(pp=2), "tp2": Layout(tp=2), "cp2": Layout(cp=2), "dp2": Layout(),
+    "dp2_pt": Layout(per_token=True), "cp2_pt": Layout(cp=2, per_token=True),
+    "tp2pp2": Layout(tp=2, pp=2), "dp2cp2": Layout(cp=2),
+}
+
+#: TISConfig fields of each correction case (algorithms 0-3; token truncate, sequence mask, geometric
+#: mask with veto, clip, rejection sampling, batch normalisation, both denominators, all aggregations).
+CASES: dict[str, dict] = {
+    "a0": dict(),
+    "a1_geo_mask_veto": dict(use_rollout_log_probs=True, mode="mask", level="geometric", upper=1.3,
+                             veto_threshold=0.05),
+    "a2_tok_trunc": dict(use_tis=True, mode="truncate", level="token", upper=1.5),
+    "a2_seq_mask_bn": dict(use_tis=True, mode="mask", level="sequence", upper=3.0, batch_normalize=True,
+                           loss_agg="seq-mean-token-mean"),
+    "a2_geo_clip_drop_rs": dict(use_tis=True, mode="clip", level="geometric", upper=1.2, rs_level="sequence",
+                                rs_upper=4.0, rejected_denominator="drop", loss_agg="seq-mean-token-sum"),
+    "a3_geo_mask_veto_drop": dict(use_rollout_log_probs=True, use_tis=True, mode="mask", level="geometric",
+                                  upper=1.3, veto_threshold=0.05, rs_level="token", rs_upper=5.0,
+                                  rejected_denominator="drop"),
+    "a3_tok_trunc_bn": dict(use_rollout_log_probs=True, use_tis=True, mode="truncate", level="token",
+                            upper=1.5, batch_normalize=True),
+}
+
+NPROC = {"main2": 2, "main4": 4, "smoke": 2}
+
+
+def plan_checks(plan: str) -> list[dict]:
+    """The checks of a plan, each ``dict(layout, case, M[, tag, reducer, masked, patch])``."""
+    checks: list[dict] = []
+    if plan == "main2":
+        for layout in ("pp2", "tp2", "cp2", "dp2"):
+            for case in CASES:
+                for m in (1, 4):
+                    checks.append(dict(layout=layout, case=case, M=m))
+        for layout in ("dp2_pt", "cp2_pt"):
+            for case in ("a0", "a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
+                checks.append(dict(layout=layout, case=case, M=2))
+        # controls: the same checks with a deliberately broken reducer must FAIL
+        checks.append(dict(layout="cp2", case="a2_seq_mask_bn", M=2, tag="no_cp_reduce", reducer="nocp"))
+        checks.append(dict(layout="cp2", case="a3_geo_mask_veto_drop", M=2, tag="no_cp_reduce",
+                           reducer="nocp"))
+        checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2, tag="mean_of_minima", reducer="meanmin"))
+        # all-masked data: rank 1's first micro-batch (rows 2, 3 with dp=2, M=2); all of rank 1's rows;
+        # under CP=2 a whole global micro-batch
+        checks.append(dict(layout="dp2", case="a3_tok_trunc_bn", M=2, tag="masked_mb", masked=(2, 3)))
+        checks.append(dict(layout="dp2", case="a2_seq_mask_bn", M=2, tag="masked_rank", masked=(2, 3, 6, 7)))
+        checks.append(dict(layout="cp2", case="a1_geo_mask_veto", M=2, tag="masked_mb", masked=(0, 1, 2, 3)))
+        # the user-facing patch (patches/megatron_forward_backward.py) under PP=2
+        checks.append(dict(layout="pp2", case="a2_tok_trunc", M=2, tag="patch", patch=True))
+    elif plan == "main4":
+        for layout in ("tp2pp2", "dp2cp2"):
+            for case in CASES:
+                checks.append(dict(layout=layout, case=case, M=4 if layout == "tp2pp2" else 2))
+    elif plan == "smoke":
+        checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2))
+    else:
+        raise ValueError(f"unknown plan {plan!r}")
+    return checks
+
+
+def check_id(check: dict) -> str:
+    tag = f"-{check['tag']}" if check.get("tag") else ""
+    return f"{check['layout']}-{check['case']}-M{check['M']}{tag}"

@@ -1,0 +1,159 @@
+"""The megatron hook in real ``torchrun`` processes (gloo, CPU) against a single-process oracle.
+
+Each plan is one ``torchrun`` launch of ``megatron_worker.py`` (the ~3 s megatron import is paid once);
+every check in it becomes one test item here. A check runs one optimizer step of a tiny megatron-core
+GPT (local layer spec, megatron DDP, ``get_forward_backward_func``) through
+``tis_forward_backward_func`` under a parallel layout and compares, on every rank, with an oracle that
+runs the same weights and global batch as one process with plain autograd and one core ``policy_loss``
+call:
+
+* every parameter gradient (this rank's TP/PP shard) to 1e-5 relative (max-abs error / max-abs value);
+* the global loss (``last_metrics["loss"]``) and the sum of the per-micro-batch losses to 1e-5 relative;
+* every finalized ``tis/`` and ``policy/`` metric (true MIN / MAX across ranks included).
+
+Controls run the same checks with a deliberately broken reducer and must disagree with the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from _plans import NPROC, check_id, plan_checks  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+GRAD_RTOL = 1e-5
+LOSS_RTOL = 1e-5
+LAUNCH_TIMEOUT_S = 420
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(plan: str, out: Path) -> list[dict]:
+    """Run one torchrun launch; kill its whole process group on timeout (a hang fails, never blocks)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC[plan]),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(HERE / "megatron_worker.py"), "--out", str(out), "--plan", plan]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun plan {plan} timed out after {LAUNCH_TIMEOUT_S} s:\n{log[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun plan {plan} failed (rc={proc.returncode}):\n{log[-6000:]}")
+    results = []
+    for f in sorted(out.glob("rank*.jsonl")):
+        results += [json.loads(line) for line in f.read_text().splitlines()]
+    assert len(results) == NPROC[plan] * len(plan_checks(plan)), "missing results from some rank"
+    return results
+
+
+_CACHE: dict[str, list[dict]] = {}
+
+
+def _results(plan: str, tmp_path_factory) -> list[dict]:
+    if plan not in _CACHE:
+        _CACHE[plan] = _launch(plan, tmp_path_factory.mktemp(f"megatron_{plan}"))
+    return _CACHE[plan]
+
+
+def _of(results: list[dict], check: dict) -> list[dict]:
+    rows = [r for r in results if (r["layout"], r["case"], r["M"], r.get("tag", "")) ==
+            (check["layout"], check["case"], check["M"], check.get("tag", ""))]
+    for r in rows:
+        assert "error" not in r, f"rank {r['rank']} raised:\n{r['error']}"
+    return rows
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-6)
+
+
+def _metric_close(a: float, b: float) -> bool:
+    # float32 sums of ~100 terms (and std = sqrt(E[x^2] - E[x]^2)): absolute floor 1e-4
+    return abs(a - b) <= 1e-4 + 1e-5 * abs(b)
+
+
+def _assert_matches_oracle(rows: list[dict]) -> None:
+    for r in rows:
+        assert r["finite"], f"rank {r['rank']}: non-finite gradient"
+        assert r["n_params"] > 0
+        assert r["grad_err"] <= GRAD_RTOL, (
+            f"rank {r['rank']}: grad of {r['grad_err_param']} off by {r['grad_err']:.2e} relative")
+    last = [r for r in rows if r["last_stage"]]
+    assert last, "no last-stage rank reported"
+    for r in last:
+        assert _rel(r["loss"], r["oracle_loss"]) <= LOSS_RTOL, (r["loss"], r["oracle_loss"])
+        assert _rel(r["mb_loss_sum"], r["oracle_loss"]) <= LOSS_RTOL, (r["mb_loss_sum"], r["oracle_loss"])
+        assert not r["missing_metrics"], f"metrics missing from the hook: {r['missing_metrics']}"
+        bad = {k: (r["metrics"][k], v) for k, v in r["oracle_metrics"].items()
+               if not _metric_close(r["metrics"][k], v)}
+        assert not bad, f"rank {r['rank']}: metrics differ from the oracle (hook, oracle): {bad}"
+
+
+MAIN2 = [c for c in plan_checks("main2") if not c.get("reducer")]
+CONTROLS = [c for c in plan_checks("main2") if c.get("reducer")]
+MAIN4 = plan_checks("main4")
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("check", MAIN2, ids=check_id)
+def test_two_processes_match_single_process(check, tmp_path_factory):
+    """PP=2, TP=2, CP=2, DP=2 (both loss forms), algorithms 0-3, M = 1 and 4, masked data, the patch."""
+    _assert_matches_oracle(_of(_results("main2", tmp_path_factory), check))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("check", MAIN4, ids=check_id)
+def test_four_processes_match_single_process(check, tmp_path_factory):
+    """TP2 x PP2 and DP2 x CP2 on 4 processes."""
+    _assert_matches_oracle(_of(_results("main4", tmp_path_factory), check))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("check", [c for c in CONTROLS if c["reducer"] == "nocp"], ids=check_id)
+def test_sequence_level_needs_the_cp_reduction(check, tmp_path_factory):
+    """Sequence/geometric IS under CP=2 equals CP=1 (main checks) only thanks to the CP sequence_sum:
+    with per-rank (unreduced) sums the loss and gradients differ from the oracle."""
+    results = _results("main2", tmp_path_factory)
+    broken = _of(results, check)
+    assert max(r["grad_err"] for r in broken) > 1e-2
+    assert max(_rel(r["loss"], r["oracle_loss"]) for r in broken if r["last_stage"]) > 1e-3
+    _assert_matches_oracle(_of(results, {**check, "M": 4, "tag": ""}))  # the real reducer, same case
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_metric_extrema_are_true_min_max_across_dp(tmp_path_factory):
+    """DP=2: tis/ratio_min|max and weight_min|max equal the single-process extrema; a mean of per-rank
+    minima (the control reducer) does not."""
+    results = _results("main2", tmp_path_factory)
+    keys = ("tis/ratio_min", "tis/ratio_max", "tis/weight_min", "tis/weight_max")
+    real = [r for r in _of(results, dict(layout="dp2", case="a2_tok_trunc", M=4)) if r["last_stage"]]
+    control = [r for r in _of(results, dict(layout="dp2", case="a2_tok_trunc", M=2, tag="mean_of_minima"))
+               if r["last_stage"]]
+    for r in real:
+        for k in keys:
+            assert _rel(r["metrics"][k], r["oracle_metrics"][k]) <= 1e-5, (k, r["metrics"][k],
+                                                                            r["oracle_metrics"][k])
+    for r in control:
+        wrong = [k for k in keys if _rel(r["metrics"][k], r["oracle_metrics"][k]) > 1e-3]
+        assert "tis/ratio_min" in wrong and "tis/weight_min" in wrong, wrong
