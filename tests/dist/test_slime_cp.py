@@ -1,0 +1,224 @@
+"""slime hooks under 2-rank context parallelism (real torchrun processes, gloo, megatron parallel_state).
+
+Every rank gets slime's calling convention (per-sample lists of CP-local zigzag chunks, full-length
+loss masks, an args namespace) for the same global micro-batch, runs the hook, and the per-rank results
+put back together must equal the core on the unsplit batch (computed on every rank, no communication):
+
+* TIS hook: per-token loss, returned full-length masks (identical on both ranks), token metrics, slime's
+  per-sample-mean loss summed over CP ranks, and the exact ``MetricStats`` path reduced over DP x CP;
+* REINFORCE + IS custom loss: the loss summed over CP ranks and the gradient of the per-sample logits;
+* rollout-data hook: the global batch-normalisation factor, and the dump (full responses).
+
+The batch has a sample whose response lies entirely on CP rank 0 (rank 1 must still join every
+collective for it), one-token responses, tool tokens, NaN/inf traps and a catastrophic token.
+
+Run directly: ``python -m torch.distributed.run --nproc-per-node 2 tests/dist/test_slime_cp.py --out DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_slime_hooks_cp2(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(HERE), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["checks"], res
+        bad = {k: v for k, v in res["checks"].items() if not (v <= 2e-5)}
+        assert not bad, f"rank {rank}: errors above tolerance: {bad}"
+        assert res["rank1_local_tokens_of_sample1"] == 0
+
+
+# ------------------------------------------------------------------------------------------ worker
+def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.distributed as dist
+    from _cpu import cpu_shim  # noqa: F401  (megatron on a CPU-only torch)
+    from _slime_oracle import args_ns, make_batch, owner_layout, slime_sum_of_sample_mean
+    from megatron.core import parallel_state as ps
+
+    from slime_tis import TISConfig, compute_tis, policy_loss
+    from slime_tis.core import LocalReducer, normalisation_factor
+    from slime_tis.dump import read_logprob_dump
+    from slime_tis.slime import (
+        COLLECTOR,
+        compute_tis_for_slime,
+        postprocess_rollout_data,
+        reinforce_is_loss,
+        tis_config_from_slime_args,
+        token_metrics,
+    )
+    from slime_tis.slime.state import STATE
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(context_parallel_size=2)
+    cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+    assert cp == 2
+    b = make_batch(21, vocab=13)
+    checks: dict[str, float] = {}
+
+    def err(a: torch.Tensor, e: torch.Tensor) -> float:
+        a, e = a.double(), e.double()
+        same = (a == e) | (torch.isnan(a) & torch.isnan(e))  # equal values, infinities and NaNs
+        d = torch.where(same, torch.zeros_like(a), (a - e).abs())
+        if not torch.isfinite(d).all():
+            return float("inf")
+        scale = torch.where(torch.isfinite(e), e.abs(), torch.zeros_like(e)).max().clamp(min=1.0)
+        return float(d.max() / scale) if d.numel() else 0.0
+
+    def cp_sum(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().clone().double()
+        dist.all_reduce(x, group=ps.get_context_parallel_group())
+        return x
+
+    def full_core(cfg: TISConfig, **kw):
+        return compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                           reducer=LocalReducer(), **kw)
+
+    # ---------------------------------------------------------------- TIS hook
+    tis_cases = {
+        "a2_tok_trunc": dict(use_tis=True, tis_mode="truncate", tis_level="token", tis_upper_bound=1.3),
+        "a2_seq_clip_veto": dict(use_tis=True, tis_mode="clip", tis_level="sequence", tis_upper_bound=3.0,
+                                 tis_veto_threshold=1e-3),
+        "a2_geo_mask_rs_drop": dict(use_tis=True, tis_mode="mask", tis_level="geometric", tis_upper_bound=1.15,
+                                    tis_rs_level="sequence", tis_rs_upper_bound=5.0,
+                                    tis_rejected_denominator="drop"),
+        "a1_geo_mask": dict(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_mode="mask",
+                            tis_level="geometric", tis_upper_bound=1.2),
+        "a0_metrics": dict(get_mismatch_metrics=True),
+    }
+    for name, kw in tis_cases.items():
+        args = args_ns(**kw)
+        cfg = tis_config_from_slime_args(args)
+        pg_local = b.local_flat("pg_loss", cp_rank, cp)
+        new, masks, metrics = compute_tis_for_slime(
+            args, pg_loss=pg_local, train_log_probs=b.local("train", cp_rank, cp),
+            rollout_log_probs=b.local("rollout", cp_rank, cp), loss_masks=b.masks, total_lengths=b.total_lengths,
+            response_lengths=b.response_lengths)
+        ref = full_core(cfg, extra_finite=(b.packed("pg_loss"),) if cfg.algorithm else ())
+        if cfg.algorithm == 0:
+            exp_new, exp_masks = b.packed("pg_loss"), b.packed("masks")
+        else:
+            w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
+            exp_new = torch.where(ref.keep_mask, b.packed("pg_loss") * w, torch.zeros(()))
+            if cfg.rejected_denominator == "drop":
+                kept = torch.zeros(len(b.masks)).index_add_(0, ref.ratios.seq_id, ref.keep_mask.float())
+                exp_new = exp_new * (ref.ratios.seq_count / kept.clamp(min=1))[ref.ratios.seq_id]
+            exp_masks = b.packed("masks") * ref.keep_mask
+        full_new = cp_sum(b.scatter_local(torch.nan_to_num(new, nan=0.0), cp_rank, cp))
+        checks[f"{name}/pg_loss"] = err(full_new, torch.nan_to_num(exp_new, nan=0.0))
+        checks[f"{name}/masks"] = err(torch.cat(masks).double(), exp_masks.double())
+        other = torch.cat(masks).double().clone()
+        dist.all_reduce(other, group=ps.get_context_parallel_group())
+        checks[f"{name}/masks_same_on_ranks"] = err(other, 2 * torch.cat(masks).double())
+        ref_metrics = token_metrics(cfg, ref)
+        for key, value in metrics.items():
+            checks[f"{name}/{key}"] = err(cp_sum(b.scatter_local(value, cp_rank, cp)), ref_metrics[key])
+        loss_cp = cp_sum(slime_sum_of_sample_mean(torch.nan_to_num(new, nan=0.0), b, masks, cp_rank, cp))
+        loss_1 = slime_sum_of_sample_mean(torch.nan_to_num(exp_new, nan=0.0), b, list(exp_masks.split(
+            b.response_lengths)), 0, 1)
+        checks[f"{name}/slime_loss"] = err(loss_cp, loss_1)
+        exact = COLLECTOR.flush()
+        ref_exact = {k: float(v) for k, v in ref.stats.finalize().items()}
+        checks[f"{name}/exact_metric_keys"] = 0.0 if set(exact) == set(ref_exact) else float("inf")
+        for key, value in ref_exact.items():
+            checks[f"{name}/exact/{key}"] = err(torch.tensor(exact.get(key, float("nan"))), torch.tensor(value))
+
+    # ---------------------------------------------------------------- algorithm 3 custom loss
+    vocab, temp = 13, 0.9
+    gen = torch.Generator().manual_seed(5)
+    sample_logits = [torch.randn(t, vocab, generator=gen).requires_grad_(True) for t in b.total_lengths]
+    local_rows = []
+    for lg, t in zip(sample_logits, b.total_lengths):
+        c = -(-t // (2 * cp))
+        padded = torch.cat([lg, torch.zeros(2 * cp * c - t, vocab)])
+        local_rows += [padded[k * c:(k + 1) * c] for k in (cp_rank, 2 * cp - 1 - cp_rank)]
+    local_logits = torch.cat(local_rows + [torch.zeros(3, vocab)])[None]  # slime pads the packed batch
+    loss_cases = {
+        "a3_seq_trunc": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5),
+        "a3_geo_mask_veto_bn": dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.3,
+                                    tis_veto_threshold=1e-3, tis_batch_normalize=True),
+        "a3_tok_clip_drop": dict(tis_mode="clip", tis_level="token", tis_upper_bound=1.4,
+                                 tis_rejected_denominator="drop"),
+    }
+    batch = {"unconcat_tokens": b.tokens, "total_lengths": b.total_lengths, "response_lengths": b.response_lengths,
+             "loss_masks": b.masks, "advantages": b.local("advantages", cp_rank, cp),
+             "rollout_log_probs": b.local("rollout", cp_rank, cp)}
+    for name, kw in loss_cases.items():
+        args = args_ns(use_rollout_logprobs=True, rollout_temperature=temp, **kw)
+        for lg in sample_logits:
+            lg.grad = None
+        loss, _ = reinforce_is_loss(args, batch, local_logits,
+                                    lambda x: slime_sum_of_sample_mean(x, b, b.masks, cp_rank, cp))
+        loss.backward(retain_graph=True)
+        grads = torch.cat([lg.grad for lg in sample_logits])
+        # oracle: one process, whole batch
+        ref_logits = [lg.detach().clone().requires_grad_(True) for lg in sample_logits]
+        lps = []
+        for lg, t, r, toks in zip(ref_logits, b.total_lengths, b.response_lengths, b.tokens):
+            p = t - r
+            lps.append(torch.log_softmax(lg[p - 1:t - 1] / temp, -1).gather(-1, toks[p:, None]).squeeze(-1))
+        cfg = tis_config_from_slime_args(args, algorithm=3)
+        ref_out = policy_loss(cfg, torch.cat(lps), None, b.packed("rollout"), b.packed("advantages"),
+                              b.packed("masks"), b.cu_seqlens(), reducer=LocalReducer(), denominator=1.0)
+        ref_out.loss.backward()
+        checks[f"{name}/loss"] = err(cp_sum(loss), ref_out.loss.detach())
+        checks[f"{name}/grad"] = err(cp_sum(grads), torch.cat([lg.grad for lg in ref_logits]))
+        COLLECTOR.flush()
+
+    # ---------------------------------------------------------------- rollout-data hook
+    dump_dir = out / "dump"
+    for level in ("token", "sequence"):
+        args = args_ns(use_tis=True, tis_mode="truncate", tis_level=level, tis_upper_bound=1.5,
+                       tis_batch_normalize=True, tis_dump_dir=str(dump_dir) if level == "token" else None)
+        data = {"log_probs": b.local("train", cp_rank, cp), "rollout_log_probs": b.local("rollout", cp_rank, cp),
+                "loss_masks": b.masks, "total_lengths": b.total_lengths, "response_lengths": b.response_lengths}
+        postprocess_rollout_data(args, 7, data)
+        cfg = tis_config_from_slime_args(args)
+        ref = full_core(cfg.replace(batch_normalize=False))
+        checks[f"postprocess_{level}/factor"] = err(STATE.batch_norm_factor, normalisation_factor(
+            ref.norm_sum, ref.norm_count))
+    dist.barrier()
+    dump = read_logprob_dump(dump_dir / "logprobs_dp0.jsonl")
+    checks["dump/train"] = err(dump.train_log_probs, b.packed("train"))
+    checks["dump/rollout"] = err(dump.rollout_log_probs, b.packed("rollout"))
+    checks["dump/mask"] = err(dump.loss_mask.double(), (b.packed("masks") != 0).double())
+
+    n_local_1 = len(owner_layout(b.total_lengths[1], b.response_lengths[1], cp)[1])
+    result = {"checks": checks, "rank1_local_tokens_of_sample1": n_local_1}
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    _worker(Path(parser.parse_args().out))
