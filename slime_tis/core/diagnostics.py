@@ -51,7 +51,9 @@ def tis_statistics(
     }
 
     # ---- sequence domain
-    mean_diff = ratios.seq_mean_lp_rollout - ratios.seq_mean_lp_train
+    # mean_t lp_rollout - mean_t lp_train, from the well-conditioned log-ratio sum (differencing the two
+    # means would cancel most float32 digits on long sequences)
+    mean_diff = torch.where(seq_ok, -ratios.seq_log_ratio_sum / ratios.seq_count.clamp(min=1.0), zero)
     seq_log_sum = ratios.seq_log_ratio_sum.clamp(-bound, bound)
     seq: dict[str, Tensor] = {
         "tis.n_seq_valid": ratios.seq_has_tokens,
