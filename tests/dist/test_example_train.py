@@ -35,9 +35,21 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 
 def _torchrun(train_args: list[str], *, nproc: int = 2, timeout: int = 240) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "examples.rl.train", "--no-progress", *train_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "examples.rl.train",
+        "--no-progress",
+        *train_args,
+    ]
     _check(subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout))
 
 
@@ -79,8 +91,19 @@ CASES = {
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_process_training_and_bit_identical_resume(case, tmp_path):
-    common = ["--steps", "4", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4",
-              "--dump-interval", "0", *CASES[case]]
+    common = [
+        "--steps",
+        "4",
+        "--save-interval",
+        "2",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--dump-interval",
+        "0",
+        *CASES[case],
+    ]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _torchrun(["--run-dir", str(full), *common])
     (resumed / "checkpoints").mkdir(parents=True)
@@ -97,8 +120,12 @@ def test_two_process_training_and_bit_identical_resume(case, tmp_path):
         assert json.load(f)["algorithm"] == expected_alg
     for rank in (0, 1):
         at2, at4, again = _ckpt(full, 2, rank), _ckpt(full, 4, rank), _ckpt(resumed, 4, rank)
-        moved = [k for k, v in at4["model"].items() if isinstance(v, torch.Tensor) and not torch.equal(v, at2["model"][k])]
-        assert len(moved) >= 0.9 * sum(isinstance(v, torch.Tensor) for v in at4["model"].values()), "parameters did not train"
+        moved = [
+            k for k, v in at4["model"].items() if isinstance(v, torch.Tensor) and not torch.equal(v, at2["model"][k])
+        ]
+        assert len(moved) >= 0.9 * sum(isinstance(v, torch.Tensor) for v in at4["model"].values()), (
+            "parameters did not train"
+        )
         # resuming from step 2 reproduces step 4 bit for bit: model, optimizer state, lag history
         a, b = dict(_tensors(at4)), dict(_tensors(again))
         assert a.keys() == b.keys()
@@ -134,13 +161,42 @@ def test_multinode_launch_two_torchrun_agents_c10d(tmp_path):
     port, run = _free_port(), tmp_path / "mn"
     procs = []
     for node_rank in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "slime-tis-example-test", "-m", "examples.rl.train", "--no-progress",
-               "--run-dir", str(run), "--steps", "3", "--pp", "2", "--use-tis", "--prompts-per-step", "8",
-               "--group-size", "4", "--dump-interval", "0"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "slime-tis-example-test",
+            "-m",
+            "examples.rl.train",
+            "--no-progress",
+            "--run-dir",
+            str(run),
+            "--steps",
+            "3",
+            "--pp",
+            "2",
+            "--use-tis",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+            "--dump-interval",
+            "0",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     try:
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -161,8 +217,14 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
     /update_weights_from_disk, rollouts through /generate, and the run equals the in-process one
     (same seeds, same bf16 engine, exact weight copy)."""
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "examples.rl.http_server", "--port", str(port)], cwd=ROOT,
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "examples.rl.http_server", "--port", str(port)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         args = ["--steps", "3", "--use-tis", "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0"]
         _python_train(["--run-dir", str(tmp_path / "http"), "--sglang-url", f"http://127.0.0.1:{port}", *args])
