@@ -1,0 +1,105 @@
+"""The ``slime-tis`` console script.
+
+``slime-tis diagnose FILE [FILE ...]``: off-policy diagnostics of log-prob dumps
+(``docs/dump_format.md``): a table per percentile and per response-length bucket, a recommended
+configuration with its reasoning, and a histogram PNG of the per-token log-ratios.
+
+``slime-tis plot RUN_DIR [RUN_DIR ...]``: training curves of example-job runs (``slime_tis.plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
+    from slime_tis.arguments import add_tis_arguments
+
+    p = sub.add_parser("diagnose", help="diagnostics + recommendation from a log-prob dump",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", metavar="FILE", help="dump file(s), .jsonl or .pt (concatenated)")
+    p.add_argument("--png", default=None,
+                   help="histogram path (default: <first FILE without suffix>_logratio_hist.png)")
+    p.add_argument("--no-png", action="store_true", help="do not write the histogram")
+    p.add_argument("--json", default=None, help="also write every number of the report to this JSON file")
+    p.add_argument("--buckets", default=None,
+                   help="comma-separated response-length bucket edges, e.g. 64,256,1024 (default: quartiles)")
+    p.add_argument("--steps", default=None, help="only sequences of steps A:B (inclusive A, exclusive B; open ends ok)")
+    add_tis_arguments(p)  # the configuration whose metrics are reported (default: algorithm 2, token truncate 2)
+
+
+def _parse_steps(spec: str) -> tuple[int | None, int | None]:
+    try:
+        a, b = spec.split(":")
+        return (int(a) if a else None, int(b) if b else None)
+    except ValueError:
+        raise ValueError(f"--steps = {spec!r}: expected A:B with integers (either may be empty)") from None
+
+
+def _diagnose(ns: argparse.Namespace) -> int:
+    import torch
+
+    from slime_tis.config import TISConfig
+    from slime_tis.diagnose import diagnose, format_report, write_histogram
+    from slime_tis.dump import read_logprob_dump
+
+    dump = read_logprob_dump(ns.files)
+    if ns.steps:
+        lo, hi = _parse_steps(ns.steps)
+        keep = torch.ones(dump.n_seq, dtype=torch.bool)
+        if lo is not None:
+            keep &= dump.step >= lo
+        if hi is not None:
+            keep &= dump.step < hi
+        dump = dump.select(keep)
+        if dump.n_seq == 0:
+            raise ValueError(f"--steps = {ns.steps!r} selects no sequence")
+    edges = None
+    if ns.buckets:
+        try:
+            edges = [int(x) for x in ns.buckets.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--buckets = {ns.buckets!r}: expected comma-separated integers") from None
+    cfg = TISConfig.from_args(ns)
+    result = diagnose(dump, cfg if (cfg.use_tis or cfg.use_rollout_log_probs) else None, bucket_edges=edges)
+    print(format_report(result))
+    if not ns.no_png:
+        png = ns.png or str(Path(ns.files[0]).with_suffix("")) + "_logratio_hist.png"
+        n = write_histogram(dump, png)
+        print(f"\nhistogram of {n} per-token log-ratios: {png}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result.as_dict(), indent=1, allow_nan=True))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``slime-tis``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="slime-tis", description="rollout-correction tools for slime_tis")
+    sub = parser.add_subparsers(dest="command", metavar="{diagnose,plot}")
+    _diagnose_parser(sub)
+    sub.add_parser("plot", help="PNG curves of example-job run directories (see slime-tis plot --help)",
+                   add_help=False)
+    if argv[:1] == ["plot"]:
+        from slime_tis.plot import main as plot_main  # lazy: matplotlib only when plotting
+
+        return plot_main(argv[1:])
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return _diagnose(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"slime-tis diagnose: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

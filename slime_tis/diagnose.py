@@ -1,0 +1,305 @@
+"""``slime-tis diagnose``: off-policy diagnostics of a log-prob dump, and a configuration recommendation.
+
+Input: a dump (``docs/dump_format.md``) of rollout (SGLang) and training log-probs per response token.
+Every number comes from the core: :func:`slime_tis.compute_tis` on the packed dump (its ``tis/``
+metrics, and its per-token / per-sequence log-ratios for the percentiles).
+
+Report:
+
+1. **Overall** ``tis/`` metrics under the user's configuration (algorithm 2 if none is given).
+2. **Percentiles** (min, 1, 5, 25, 50, 75, 95, 99, max) of: the per-token log-ratio
+   ``l_t = lp_train - lp_rollout`` and ratio ``r_t``; the sequence log-ratio ``L = sum_t l_t``; the
+   geometric log-ratio ``L / n``; the per-sequence minimum token log-ratio (what the veto tests).
+3. **Response-length buckets** (valid tokens per sequence; default: quartile edges): sequences,
+   ``tis/kl``, ``tis/k3_kl``, ``tis/chi2_seq``, and the fraction of units outside the default bounds
+   at each level: token and sequence ``[0.5, 2]``, geometric ``[1/1.001, 1.001]``.
+4. **Recommendation** (mode / level / bounds / veto) with its reasoning, and the core's metrics
+   under it (rejected fractions, ess, weight mean).
+
+The rules of the recommendation (thresholds are stated in the reasons it prints):
+
+* negligible mismatch (``k3_kl < 1e-4`` and < 0.1% of tokens outside ``[0.5, 2]``): token-level
+  truncation at 2 is harmless; the correction barely acts;
+* sequence-level weights saturate (more than 20% of all sequences, or more than 50% of the longest
+  bucket, outside ``[0.5, 2]``: ``exp(sum_t l_t)`` explodes or vanishes with length, the "length
+  trap"): geometric-level masking, bound = 90th percentile of ``exp(|L / n|)`` (at least 1.001) so
+  that about 10% of sequences are rejected;
+* otherwise sequence-level truncation at 2 if at most 5% of sequences exceed it, else token-level
+  truncation at the 99th percentile of ``r_t`` (clamped to ``[1.5, 5]``);
+* a veto at 1e-4 when some sequence has a token with ``r_t < 1e-4`` (a catastrophic token);
+* batch normalisation when the recommended weights' mean is off 1 by more than 5%.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.config import TISConfig
+from slime_tis.core import compute_tis
+from slime_tis.core.correction import TISResult
+from slime_tis.dump import LogprobDump
+
+__all__ = [
+    "PERCENTILES",
+    "Diagnosis",
+    "Recommendation",
+    "diagnose",
+    "format_report",
+    "write_histogram",
+]
+
+PERCENTILES = (0.0, 1.0, 5.0, 25.0, 50.0, 75.0, 95.0, 99.0, 100.0)
+LEVEL_BOUNDS = {"token": (0.5, 2.0), "sequence": (0.5, 2.0), "geometric": (1.0 / 1.001, 1.001)}
+CATASTROPHIC = 1e-4
+
+
+@dataclass
+class Recommendation:
+    """A configuration and why. ``fields`` are ``TISConfig`` fields; ``flags`` the command line."""
+
+    fields: dict[str, Any]
+    reasons: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def flags(self) -> str:
+        names = {"mode": "--tis-mode", "level": "--tis-level", "upper": "--tis-upper-bound",
+                 "lower": "--tis-lower-bound", "veto_threshold": "--tis-veto-threshold"}
+        parts = ["--use-tis"]
+        for key, flag in names.items():
+            if self.fields.get(key) is not None:
+                parts.append(f"{flag} {self.fields[key]:g}" if isinstance(self.fields[key], float)
+                             else f"{flag} {self.fields[key]}")
+        if self.fields.get("batch_normalize"):
+            parts.append("--tis-batch-normalize")
+        return " ".join(parts)
+
+
+@dataclass
+class Diagnosis:
+    """Everything the report shows (plain numbers, JSON-serialisable via ``as_dict``)."""
+
+    n_seq: int
+    n_tokens: int
+    config: str
+    overall: dict[str, float]
+    percentiles: dict[str, list[float]]
+    buckets: list[dict[str, float]]
+    recommendation: Recommendation
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "n_seq": self.n_seq, "n_tokens": self.n_tokens, "config": self.config, "overall": self.overall,
+            "percentiles": {"q": list(PERCENTILES), **self.percentiles}, "buckets": self.buckets,
+            "recommendation": {"fields": self.recommendation.fields, "flags": self.recommendation.flags,
+                               "reasons": self.recommendation.reasons, "metrics": self.recommendation.metrics},
+        }
+
+
+def _run(cfg: TISConfig, dump: LogprobDump) -> TISResult:
+    return compute_tis(cfg, dump.train_log_probs, dump.rollout_log_probs, dump.loss_mask, dump.cu_seqlens)
+
+
+def _metrics(res: TISResult) -> dict[str, float]:
+    return {k: float(v) for k, v in res.stats.finalize().items()}  # host-sync-ok (offline tool)
+
+
+def _quantiles(x: Tensor) -> list[float]:
+    if x.numel() == 0:
+        return [math.nan] * len(PERCENTILES)
+    q = torch.tensor(PERCENTILES, dtype=torch.float64) / 100.0
+    return torch.quantile(x.double(), q).tolist()
+
+
+def _outside_fraction(dump: LogprobDump, level: str) -> float:
+    lower, upper = LEVEL_BOUNDS[level]
+    res = _run(TISConfig(use_tis=True, mode="clip", level=level, lower=lower, upper=upper), dump)
+    m = _metrics(res)
+    return m.get("tis/clip_fraction_low", 0.0) + m.get("tis/clip_fraction_high", 0.0)
+
+
+def _distributions(dump: LogprobDump) -> dict[str, Tensor]:
+    """Per-token and per-sequence log-ratio samples from the core's bookkeeping (finite domain)."""
+    rt = _run(TISConfig(use_tis=True), dump).ratios
+    tok = rt.log_ratio[rt.token_ok]
+    seq_sum = rt.seq_log_ratio_sum[rt.seq_ok]
+    seq_geo = rt.level_log_ratio("geometric")[rt.seq_ok]
+    big = torch.full_like(rt.log_ratio, float("inf"))
+    seq_min = torch.full((rt.seq_ok.numel(),), float("inf")).scatter_reduce(
+        0, rt.seq_id, torch.where(rt.token_ok, rt.log_ratio, big), reduce="amin")[rt.seq_ok]
+    return {"token log-ratio": tok, "token ratio": torch.exp(tok.double()), "sequence log-ratio": seq_sum,
+            "geometric log-ratio": seq_geo, "min token log-ratio": seq_min}
+
+
+def _bucket_edges(valid_lengths: Tensor, edges: list[int] | None) -> list[int]:
+    lengths = valid_lengths[valid_lengths > 0]
+    if edges is None:
+        if lengths.numel() == 0:
+            return [0, 1]
+        q = torch.quantile(lengths.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+        edges = sorted({int(math.ceil(v)) for v in q.tolist()})
+    top = int(lengths.max()) + 1 if lengths.numel() else 1
+    return sorted({1, *[e for e in edges if 1 < e < top], top})
+
+
+def _buckets(dump: LogprobDump, edges: list[int] | None) -> list[dict[str, float]]:
+    vl = dump.valid_lengths
+    out = []
+    bounds = _bucket_edges(vl, edges)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        sel = (vl >= lo) & (vl < hi)
+        if not bool(sel.any()):
+            continue
+        sub = dump.select(sel)
+        m = _metrics(_run(TISConfig(use_tis=True), sub))
+        out.append({
+            "len_lo": lo, "len_hi": hi - 1, "n_seq": int(sel.sum()), "mean_len": float(vl[sel].double().mean()),
+            "kl": m["tis/kl"], "k3_kl": m["tis/k3_kl"], "chi2_seq": m["tis/chi2_seq"],
+            "nonfinite_seq_fraction": m["tis/nonfinite_seq_fraction"],
+            **{f"out_{level}": _outside_fraction(sub, level) for level in LEVEL_BOUNDS},
+        })
+    return out
+
+
+def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Tensor],
+               buckets: list[dict[str, float]]) -> Recommendation:
+    reasons: list[str] = []
+    out_tok = _outside_fraction(dump, "token")
+    out_seq = _outside_fraction(dump, "sequence")
+    long_out_seq = buckets[-1]["out_sequence"] if buckets else 0.0
+    k3 = overall.get("tis/k3_kl", 0.0)
+    fields: dict[str, Any]
+    if k3 < 1e-4 and out_tok < 1e-3:
+        fields = dict(mode="truncate", level="token", upper=2.0)
+        reasons.append(f"negligible mismatch: k3_kl = {k3:.2e} < 1e-4 and {100 * out_tok:.3f}% of tokens have a "
+                       "ratio outside [0.5, 2]; token-level truncation at 2 is harmless (it rarely acts)")
+    elif out_seq > 0.2 or long_out_seq > 0.5:
+        geo = dists["geometric log-ratio"].abs()
+        upper = max(1.001, math.exp(float(torch.quantile(geo.double(), 0.9)))) if geo.numel() else 1.001
+        upper = math.ceil(upper * 1e4) / 1e4
+        fields = dict(mode="mask", level="geometric", upper=upper, lower=round(1.0 / upper, 6))
+        reasons.append(
+            f"sequence-level weights saturate: {100 * out_seq:.1f}% of sequences (and {100 * long_out_seq:.1f}% "
+            f"of the longest bucket, {buckets[-1]['len_lo'] if buckets else 0}+ tokens) have exp(sum_t l_t) outside "
+            "[0.5, 2]; the sequence ratio explodes or vanishes with length (T x KL), so sequence-level truncation "
+            "would clip almost every long sequence")
+        reasons.append(f"geometric-level masking with upper = {upper:g} (the 90th percentile of exp(|mean_t l_t|)) "
+                       "rejects about 10% of sequences, independent of their length")
+    else:
+        r = dists["token ratio"]
+        if out_seq <= 0.05:
+            fields = dict(mode="truncate", level="sequence", upper=2.0)
+            reasons.append(f"sequence ratios are mostly in range ({100 * out_seq:.1f}% outside [0.5, 2]): "
+                           "sequence-level truncated IS is the less biased estimator and does not saturate here")
+        else:
+            q99 = float(torch.quantile(r.double(), 0.99)) if r.numel() else 2.0
+            upper = round(min(5.0, max(1.5, q99)), 3)
+            fields = dict(mode="truncate", level="token", upper=upper)
+            reasons.append(f"{100 * out_seq:.1f}% of sequence ratios fall outside [0.5, 2] (too many to truncate at "
+                           f"sequence level, too few to call it a length trap): token-level truncation at the 99th "
+                           f"percentile of r_t ({q99:.3g}, clamped to [1.5, 5])")
+    seq_min = dists["min token log-ratio"]
+    n_cat = int((seq_min < math.log(CATASTROPHIC)).sum()) if seq_min.numel() else 0
+    if n_cat:
+        fields["veto_threshold"] = CATASTROPHIC
+        reasons.append(f"{n_cat} sequence(s) ({100 * n_cat / max(seq_min.numel(), 1):.2f}%) contain a catastrophic "
+                       f"token with r_t < {CATASTROPHIC:g}: veto them (--tis-veto-threshold {CATASTROPHIC:g})")
+    if overall.get("tis/nonfinite_seq_fraction", 0.0) > 0:
+        reasons.append(f"{100 * overall['tis/nonfinite_seq_fraction']:.2f}% of sequences have non-finite "
+                       "log-probs at valid tokens (rejected in training); check the SGLang parser's warnings")
+    cfg = TISConfig(use_tis=True, **fields)
+    rec = _metrics(_run(cfg, dump))
+    w_mean = rec.get("tis/weight_mean", 1.0)
+    if fields["mode"] != "mask" and abs(w_mean - 1.0) > 0.05:
+        fields["batch_normalize"] = True
+        reasons.append(f"the recommended weights average {w_mean:.3f} (off 1 by more than 5%): batch-normalise them")
+        rec = _metrics(_run(TISConfig(use_tis=True, **fields), dump))
+    keys = ("tis/rejected_token_fraction", "tis/rejected_seq_fraction", "tis/ess", "tis/weight_mean",
+            "tis/truncate_fraction", "tis/mask_fraction_low", "tis/mask_fraction_high", "tis/veto_seq_fraction")
+    return Recommendation(fields, reasons, {k: rec[k] for k in keys if k in rec})
+
+
+def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: list[int] | None = None) -> Diagnosis:
+    """Diagnostics of ``dump`` (module docstring). ``cfg``: the user's configuration for the overall
+    metrics (default: algorithm 2, token-level truncation at 2); algorithm 0/1 configs are evaluated
+    with ``use_tis=True`` so that the weight statistics exist."""
+    if dump.n_seq == 0:
+        raise ValueError("the dump holds no sequence")
+    cfg = cfg or TISConfig(use_tis=True)
+    if not cfg.use_tis:
+        cfg = cfg.replace(use_tis=True)
+    overall = _metrics(_run(cfg, dump))
+    dists = _distributions(dump)
+    buckets = _buckets(dump, bucket_edges)
+    return Diagnosis(
+        n_seq=dump.n_seq, n_tokens=int(dump.loss_mask.sum()), config=cfg.describe(), overall=overall,
+        percentiles={k: _quantiles(v) for k, v in dists.items()}, buckets=buckets,
+        recommendation=_recommend(dump, overall, dists, buckets),
+    )
+
+
+def _fmt(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "nan"
+    if v == 0 or 1e-3 <= abs(v) < 1e5:
+        return f"{v:.4f}"
+    return f"{v:.3e}"
+
+
+def format_report(d: Diagnosis) -> str:
+    """The text report printed by ``slime-tis diagnose``."""
+    lines = [f"slime-tis diagnose: {d.n_seq} sequences, {d.n_tokens} valid tokens", "", "configuration:", d.config,
+             "", "overall (core metrics under this configuration):"]
+    keys = ["tis/kl", "tis/k3_kl", "tis/chi2_token", "tis/chi2_seq", "tis/log_ppl_diff", "tis/ppl_ratio",
+            "tis/ratio_mean", "tis/ratio_std", "tis/ratio_min", "tis/ratio_max", "tis/ess", "tis/weight_mean",
+            "tis/truncate_fraction", "tis/clip_fraction_low", "tis/clip_fraction_high", "tis/mask_fraction_low",
+            "tis/mask_fraction_high", "tis/rejected_token_fraction", "tis/rejected_seq_fraction",
+            "tis/nonfinite_seq_fraction"]
+    lines += [f"  {k:<28} {_fmt(d.overall[k])}" for k in keys if k in d.overall]
+    head = "  " + f"{'quantity':<22}" + "".join(f"{('p' + format(q, 'g')):>11}" for q in PERCENTILES)
+    lines += ["", "percentiles (finite sequences, valid tokens):", head]
+    for name, vals in d.percentiles.items():
+        lines.append("  " + f"{name:<22}" + "".join(f"{_fmt(v):>11}" for v in vals))
+    lines += ["", "by response length (valid tokens):",
+              "  " + f"{'length':<13}{'seqs':>6}{'mean len':>10}{'kl':>11}{'k3_kl':>11}{'chi2_seq':>11}"
+              f"{'tok out':>9}{'seq out':>9}{'geo out':>9}"]
+    for b in d.buckets:
+        lines.append("  " + f"{str(b['len_lo']) + '-' + str(b['len_hi']):<13}{b['n_seq']:>6}{b['mean_len']:>10.1f}"
+                     f"{_fmt(b['kl']):>11}{_fmt(b['k3_kl']):>11}{_fmt(b['chi2_seq']):>11}"
+                     f"{100 * b['out_token']:>8.1f}%{100 * b['out_sequence']:>8.1f}%{100 * b['out_geometric']:>8.1f}%")
+    lines.append("  (out = fraction of units outside [0.5, 2] at token / sequence level, [1/1.001, 1.001] geometric)")
+    r = d.recommendation
+    lines += ["", "recommendation:", f"  {r.flags}"]
+    lines += [f"  - {why}" for why in r.reasons]
+    if r.metrics:
+        lines.append("  under it: " + ", ".join(f"{k.split('/')[1]}={_fmt(v)}" for k, v in r.metrics.items()))
+    return "\n".join(lines)
+
+
+def write_histogram(dump: LogprobDump, path: str, *, title: str | None = None) -> int:
+    """Histogram PNG of the per-token log-ratios ``l_t`` (valid tokens of finite sequences); returns
+    the number of tokens plotted. matplotlib's Agg backend: no display needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tok = _distributions(dump)["token log-ratio"].double().numpy()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if tok.size:
+        ax.hist(tok, bins=100, color="#3b6ea8")
+        ax.set_yscale("log")
+    for x in (math.log(0.5), math.log(2.0)):
+        ax.axvline(x, color="#c44e52", linestyle="--", linewidth=1)
+    ax.set_xlabel("per-token log-ratio  l = log pi_train - log pi_rollout")
+    ax.set_ylabel("tokens (log scale)")
+    ax.set_title(title or f"{tok.size} tokens; dashed: r = 0.5 and r = 2")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return int(tok.size)
