@@ -157,3 +157,28 @@ def test_errors_and_recompute_warning():
     with pytest.raises(ValueError, match="--kl-loss-type = 'k9'"):
         reinforce_is_loss(args_ns(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_type="k9"),
                           slime_batch(b) | {"ref_log_probs": b.train}, logits, reducer_for(b))
+
+
+def test_rollout_group_denominators_follow_slime():
+    """slime's ``rollout_mask_sums`` may give sibling samples of one rollout a shared denominator D_i."""
+    from slime_tis import compute_tis
+
+    b = make_batch(10, vocab=VOCAB)
+    n = [float(m.sum()) for m in b.masks]
+    denoms = torch.tensor([n[0] + n[1], n[0] + n[1], n[2], n[3] + n[4], n[3] + n[4], n[5]])
+    args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_mode="truncate", tis_level="geometric",
+                   tis_upper_bound=1.2)
+    logits = packed_logits(b, seed=3)
+    loss, _ = reinforce_is_loss(args, slime_batch(b) | {"rollout_mask_sums": denoms}, logits, reducer_for(b))
+    loss.backward()
+
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    lp, _ = oracle_log_probs(b, ref_logits)
+    cfg = TISConfig(use_rollout_log_probs=True, use_tis=True, mode="truncate", level="geometric", upper=1.2)
+    tis = compute_tis(cfg, lp.detach(), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                      extra_finite=(b.packed("advantages"),))
+    per_tok = torch.where(tis.keep_mask, -tis.weights * b.packed("advantages") * lp, torch.zeros(()))
+    expect = sum(x.sum() / d.clamp(min=1) for x, d in zip(per_tok.split(b.response_lengths), denoms))
+    expect.backward()
+    assert float(loss) == pytest.approx(float(expect), rel=1e-5)
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-7)

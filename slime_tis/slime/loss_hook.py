@@ -12,8 +12,9 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 * ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
   (:func:`slime_tis.megatron.vocab_parallel_log_probs_and_entropy`) at the rows slime's layout
   assigns to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
-* Aggregation is slime's: per-sample mean (``sum_i mean_{t in i}``, denominators = original valid
-  counts, or kept counts with ``tis_rejected_denominator: drop``) or, with
+* Aggregation is slime's: per-sample mean ``sum_i (1 / D_i) sum_{t in i} loss_t`` with slime's
+  denominators ``D_i = rollout_mask_sums[i]`` (the sample's original valid-token count, or the total of
+  its rollout group), or kept counts with ``tis_rejected_denominator: drop``; or, with
   ``--calculate-per-token-loss``, the token sum that slime divides by its token count.
 * ``tis_batch_normalize`` normalises per micro-batch over DP x CP (the weights depend on theta);
   every DP x CP rank must run the same number of micro-batches.
@@ -64,6 +65,31 @@ def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
         k3 = torch.exp(-d) - 1.0 + d
         return k3.clamp(-10.0, 10.0) if kind == "low_var_kl" else k3
     raise ValueError(f"--kl-loss-type = {kind!r}: must be one of k1, k2, k3, low_var_kl")
+
+
+def _denominator_scale(rollout_mask_sums: Any, packed: Any, device: torch.device) -> Tensor:
+    """``[T_local]`` factor ``n_i / max(D_i, 1)`` that turns the core's per-sample mean (over the sample's
+    own valid count ``n_i``) into slime's ``sum_t loss_t / max(D_i, 1)`` with ``D_i`` =
+    ``rollout_mask_sums[i]`` (the sample's valid count, or its rollout group's total).
+
+    Exact because the algorithm-3 loss ``-w A lp_theta`` is linear in the advantage and ``w`` does not
+    depend on it. Equal to 1 when ``D_i = n_i``.
+    """
+    if isinstance(rollout_mask_sums, Tensor):
+        denoms = rollout_mask_sums.reshape(-1)
+    else:
+        denoms = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums])
+    denoms = denoms.to(device=device, dtype=torch.float32)
+    n = len(packed.response_lengths)
+    if denoms.numel() != n:
+        raise ValueError(f"batch['rollout_mask_sums'] has {denoms.numel()} entries, expected one per sample ({n})")
+    sample_of_full = torch.repeat_interleave(torch.arange(n), torch.tensor(packed.response_lengths))
+    counts = torch.zeros(n, dtype=torch.float32, device=device).index_add_(
+        0, sample_of_full.to(device), (packed.full_mask != 0).float()
+    )
+    scale = torch.where(counts > 0, counts.clamp(min=1.0) / denoms.clamp(min=1.0), torch.ones_like(counts))
+    sample_of_local = torch.repeat_interleave(torch.arange(n), packed.local_lengths).to(device)
+    return scale[sample_of_local]
 
 
 def _warn_recompute(args: Any) -> None:
@@ -123,6 +149,8 @@ def reinforce_is_loss(
     )
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
+    if cfg.loss_agg == "seq-mean-token-mean" and batch.get("rollout_mask_sums") is not None:
+        advantages = advantages * _denominator_scale(batch["rollout_mask_sums"], packed, device)
 
     out = policy_loss(
         cfg,
