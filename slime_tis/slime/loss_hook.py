@@ -132,6 +132,8 @@ def reinforce_is_loss(
     _warn_recompute(args)
 
     ctx = parallel_context()
+    if ctx.cp_size > 1 and getattr(args, "allgather_cp", False):
+        raise ValueError("--allgather-cp: reinforce_is_loss reads slime's zigzag CP logits layout; use zigzag CP")
     total, resp = batch["total_lengths"], batch["response_lengths"]
     packed = pack_slime_batch(batch["loss_masks"], total, resp, ctx.cp_rank, ctx.cp_size)
     rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size)
