@@ -194,5 +194,5 @@ def reinforce_is_loss(
     tm["train_rollout_logprob_abs_diff"] = torch.where(valid_ok, (lp_theta.detach() - lp_rollout).abs(), zero)
     for name, value in tm.items():
         metrics[name] = sum_of_sample_mean(value).detach()
-    COLLECTOR.add(out.stats, tuple(id(t) for t in batch["rollout_log_probs"]), ctx.reducer)
+    COLLECTOR.add(out.stats, list(batch["rollout_log_probs"]), ctx.reducer)
     return loss, metrics

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,15 +127,20 @@ class ExactMetricsCollector:
 
     def __init__(self) -> None:
         self.stats: MetricStats | None = None
-        self._seen: set[tuple[int, ...]] = set()
+        self._seen: dict[tuple[int, ...], list[weakref.ref]] = {}
         self.last: dict[str, float] = {}
         self.reducer: Any = None
 
-    def add(self, stats: MetricStats, key: tuple[int, ...], reducer: Any) -> None:
-        """Add one micro-batch's statistics; a repeated ``key`` (loss recomputation) is ignored."""
-        if key in self._seen:
+    def add(self, stats: MetricStats, tensors: Sequence[Tensor], reducer: Any) -> None:
+        """Add one micro-batch's statistics, identified by its (live) input tensors: a call with the
+        very same tensor objects (the loss replayed by activation checkpointing) is ignored."""
+        key = tuple(id(t) for t in tensors)
+        refs = self._seen.get(key)
+        if refs is not None and all(r() is t for r, t in zip(refs, tensors)):
             return
-        self._seen.add(key)
+        if len(self._seen) > 4096:  # never flushed: forget micro-batches whose tensors are gone
+            self._seen = {k: v for k, v in self._seen.items() if all(r() is not None for r in v)}
+        self._seen[key] = [weakref.ref(t) for t in tensors]
         self.reducer = reducer
         detached = stats.detach()
         self.stats = detached if self.stats is None else self.stats.merge(detached)

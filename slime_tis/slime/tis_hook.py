@@ -111,7 +111,7 @@ def compute_tis_for_slime(
     )
     metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
     if rollout_log_probs:
-        COLLECTOR.add(res.stats, tuple(id(t) for t in rollout_log_probs), ctx.reducer)
+        COLLECTOR.add(res.stats, list(rollout_log_probs), ctx.reducer)
 
     if cfg.algorithm == 0:  # --get-mismatch-metrics without correction: diagnostics only
         return pg_loss, list(loss_masks), metrics
