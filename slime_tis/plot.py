@@ -149,9 +149,7 @@ def plot_runs(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="slime-tis plot", description="Training curves of one or more runs as a PNG."
-    )
+    p = argparse.ArgumentParser(prog="slime-tis plot", description="Training curves of one or more runs as a PNG.")
     p.add_argument("run_dirs", nargs="+", help="run directories containing metrics.jsonl")
     p.add_argument("-o", "--out", default=None, help="output PNG (default: curves.png in the first run dir)")
     p.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric keys, one panel each")

@@ -1,0 +1,93 @@
+"""slime_tis.plot (PNG curves of several runs) and examples.compare's table, on hand-written run logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from examples.compare import summarize, table  # noqa: E402
+from slime_tis.plot import main as plot_main  # noqa: E402
+from slime_tis.plot import read_run  # noqa: E402
+
+
+def _write_run(d, rows, algorithm=None, wall=None):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if algorithm is not None:
+        with open(os.path.join(d, "args.json"), "w", encoding="utf-8") as f:
+            json.dump({"algorithm": algorithm}, f)
+    if wall is not None:
+        with open(os.path.join(d, "wall_time.json"), "w", encoding="utf-8") as f:
+            json.dump({"wall_s": wall}, f)
+
+
+def _rows(n, reward0, slope, k3=None, gn=1.0, rej=0.0):
+    out = []
+    for s in range(n):
+        r = {"step": s, "reward": reward0 + slope * s, "grad_norm": gn + 0.1 * s, "loss": -0.01}
+        if k3 is not None:
+            r.update({"tis/k3_kl": k3 * (s + 1), "tis/kl": 0.001 * s, "tis/rejected_token_fraction": rej})
+        out.append(r)
+    return out
+
+
+def _png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_plot_several_runs_side_by_side(tmp_path, capsys):
+    a, b = tmp_path / "lag2-alg0-s0", tmp_path / "lag2-alg2-s0"
+    _write_run(a, _rows(10, 0.1, 0.01), algorithm=0)  # no tis/ metrics: skipped panels, not an error
+    _write_run(b, _rows(10, 0.1, 0.02, k3=1e-3, rej=0.05), algorithm=2)
+    out = tmp_path / "png" / "curves.png"
+    assert plot_main([str(a), str(b), "-o", str(out), "--smooth", "3"]) == 0
+    width, height = _png_size(out)
+    assert width > 1000 and height > 500  # 5 panels on a 3 x 2 grid
+    assert "wrote" in capsys.readouterr().out
+    assert plot_main([str(a)]) == 0 and os.path.isfile(a / "curves.png")  # default output location
+
+
+def test_plot_errors_name_the_problem(tmp_path, capsys):
+    assert plot_main([str(tmp_path / "nope")]) == 2
+    assert "is not a run directory" in capsys.readouterr().out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('{"reward": 1}\n')
+    assert plot_main([str(bad)]) == 2
+    assert "needs a 'step' field" in capsys.readouterr().out
+    _write_run(tmp_path / "ok", _rows(3, 0, 0))
+    with pytest.raises(SystemExit):
+        plot_main([str(tmp_path / "ok"), "--smooth", "x"])
+    assert plot_main([str(tmp_path / "ok"), "--smooth", "0"]) == 2
+
+
+def test_read_run_keeps_last_row_of_repeated_step(tmp_path):
+    _write_run(tmp_path, [{"step": 0, "reward": 0.1}, {"step": 1, "reward": 0.2}, {"step": 1, "reward": 0.3}])
+    assert [r["reward"] for r in read_run(str(tmp_path))] == [0.1, 0.3]
+
+
+def test_compare_summary_and_table(tmp_path):
+    d = tmp_path / "lag2-alg2-s0"
+    _write_run(d, _rows(10, 0.1, 0.01, k3=1e-3, rej=0.25), wall=12.0)
+    s = summarize(str(d))
+    assert s["final reward"] == pytest.approx(0.1 + 0.01 * 7)  # mean of steps 5..9
+    assert s["max tis/k3_kl"] == pytest.approx(1e-2) and s["max grad norm"] == pytest.approx(1.9)
+    assert s["rejected frac"] == pytest.approx(0.25) and s["wall s"] == 12.0
+    _write_run(tmp_path / "lag2-alg2-s1", _rows(10, 0.2, 0.01, k3=1e-3), wall=14.0)
+    md = table(str(tmp_path), ["lag2"], [0, 2], [0, 1])
+    lines = md.splitlines()
+    assert len(lines) == 3  # header, rule, one row (alg 0 has no runs)
+    assert lines[2].startswith("| lag2 | 2 | 0.220 ± 0.071 | 1.00e-02 ± 0.00e+00 |")
