@@ -45,11 +45,11 @@ def tis_patch(cfg: TISConfig, *, temperature: float = 1.0, chunk_size: int = 102
                                          chunk_size=chunk_size, **hook_kwargs)
 
     targets = [schedules, pp_pkg, *modules]
-    saved = []
-    for mod in targets:
+    for mod in targets:  # validate everything before changing anything
         if not hasattr(mod, _ATTR):
             raise ValueError(f"tis_patch: module {getattr(mod, '__name__', mod)!r} has no {_ATTR} to patch")
-        saved.append((mod, getattr(mod, _ATTR)))
+    saved = [(mod, getattr(mod, _ATTR)) for mod in targets]
+    for mod in targets:
         setattr(mod, _ATTR, hooked_get_forward_backward_func)
     try:
         yield

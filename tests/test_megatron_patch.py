@@ -1,0 +1,80 @@
+"""``patches/megatron_forward_backward.tis_patch`` against the real megatron-core modules, and the hook's
+argument checks. End to end (a PP=2 step through the patched function vs the oracle) runs in tests/dist
+(check ``pp2-a2_tok_trunc-M2-patch``)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root: patches/
+
+import megatron.core.pipeline_parallel as pp_pkg  # noqa: E402
+from megatron.core.pipeline_parallel import schedules  # noqa: E402
+
+from patches.megatron_forward_backward import tis_patch  # noqa: E402
+from slime_tis import TISConfig  # noqa: E402
+from slime_tis.megatron import TISForwardBackward, default_get_tis_batch, tis_forward_backward_func  # noqa: E402
+
+
+def test_patch_hooks_every_binding_and_restores_them():
+    original = schedules.get_forward_backward_func
+    launcher = types.SimpleNamespace(get_forward_backward_func=original)  # "from ... import get_forward_backward_func"
+    cfg = TISConfig(use_tis=True)
+    with tis_patch(cfg, temperature=0.7, chunk_size=64, modules=[launcher]):
+        for getter in (schedules.get_forward_backward_func, pp_pkg.get_forward_backward_func,
+                       launcher.get_forward_backward_func):
+            fb = getter(pp_size=1, vp_size=None)
+            assert isinstance(fb, TISForwardBackward)
+            assert fb.forward_backward_func is schedules.__dict__["forward_backward_no_pipelining"]
+            assert fb.cfg is cfg and fb.temperature == 0.7 and fb.chunk_size == 64
+        fb2 = launcher.get_forward_backward_func(pp_size=2, vp_size=None)
+        assert fb2.forward_backward_func is schedules.forward_backward_pipelining_without_interleaving
+    assert schedules.get_forward_backward_func is original
+    assert pp_pkg.get_forward_backward_func is original
+    assert launcher.get_forward_backward_func is original
+
+
+def test_patch_restores_on_error_and_rejects_modules_without_the_function():
+    original = schedules.get_forward_backward_func
+    with pytest.raises(RuntimeError, match="boom"), tis_patch(TISConfig()):
+        raise RuntimeError("boom")
+    assert schedules.get_forward_backward_func is original
+    with pytest.raises(ValueError, match="module 'x' has no get_forward_backward_func to patch"), \
+            tis_patch(TISConfig(), modules=[types.ModuleType("x")]):
+        pass
+    assert schedules.get_forward_backward_func is original
+
+
+def test_hook_arguments_are_checked():
+    with pytest.raises(ValueError, match="cfg must be a slime_tis.TISConfig, got dict"):
+        tis_forward_backward_func(schedules.forward_backward_no_pipelining, {"use_tis": True})
+    with pytest.raises(ValueError, match="temperature must be a number > 0 .* got 0"):
+        tis_forward_backward_func(schedules.forward_backward_no_pipelining, TISConfig(), temperature=0)
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got -3"):
+        tis_forward_backward_func(schedules.forward_backward_no_pipelining, TISConfig(), chunk_size=-3)
+
+
+def test_micro_batch_items_must_carry_a_tis_batch():
+    with pytest.raises(ValueError, match=r"item\['tis'\] = TISBatch\(...\) \(got dict with keys \['tokens'\]\)"):
+        default_get_tis_batch({"tokens": None})
+    with pytest.raises(ValueError, match=r"\(got tuple\)"):
+        default_get_tis_batch((1, 2))
+
+
+def test_forward_only_calls_pass_through_unchanged():
+    calls = []
+
+    def schedule(**kwargs):
+        calls.append(kwargs)
+        return ["ok"]
+
+    fb = tis_forward_backward_func(schedule, TISConfig(use_tis=True))
+    out = fb(forward_step_func=print, data_iterator=iter([1]), model=[], num_microbatches=1, forward_only=True,
+             seq_length=4, micro_batch_size=1)
+    assert out == ["ok"]
+    assert calls == [dict(forward_step_func=print, data_iterator=calls[0]["data_iterator"], model=[],
+                          num_microbatches=1, forward_only=True, seq_length=4, micro_batch_size=1)]
