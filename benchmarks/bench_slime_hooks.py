@@ -12,6 +12,21 @@ Measures, on one micro-batch of ``--samples`` responses of ``--response`` tokens
   against a plain ``log_softmax(logits).gather`` + REINFORCE loss forward + backward;
 * on CUDA, every hook call once more under ``torch.cuda.set_sync_debug_mode("error")``: any host
   synchronisation inside the hooks raises (reported as "host sync: none" when nothing did).
+
+Measured on one NVIDIA H100 (torch 2.11.0+cu130, medians of 10; 2026-11-22):
+
+=============================================  ============  ==============  ==============
+micro-batch                                    TIS hook      core alone      host sync
+=============================================  ============  ==============  ==============
+32 samples, 24,850 response tokens             3.0 ms        1.4-1.5 ms      none
+256 samples, 791,654 response tokens           5.4-5.7 ms    2.2-2.4 ms      none
+=============================================  ============  ==============  ==============
+
+REINFORCE+IS custom loss forward + backward (chunks of 4096 rows) vs a plain ``log_softmax(logits)
+.gather`` REINFORCE loss: 44.6 ms vs 20.9 ms (24,850 tokens, vocab 32,768; peak memory 12.10 vs
+13.14 GiB) and 107.5 ms vs 34.2 ms (791,654 tokens, vocab 2,048; 21.17 vs 25.21 GiB); host sync: none.
+The hook overhead over the core is the slime layout (concatenation, CP gather index expanded on the
+device from O(n) host integers, full-length keep masks) and the token-shaped metrics.
 """
 
 from __future__ import annotations
@@ -102,10 +117,11 @@ def main() -> None:
     tokens = [torch.randint(0, a.vocab, (t,), generator=g).to(dev) for t in total]
     adv = [torch.full((k,), float(torch.randn(1, generator=g)), device=dev) for k in lengths]
     batch = {"unconcat_tokens": tokens, "total_lengths": total, "response_lengths": lengths, "loss_masks": masks,
-             "advantages": adv, "rollout_log_probs": rollout}
+             "advantages": adv, "rollout_log_probs": rollout,
+             "rollout_mask_sums": torch.tensor(lengths, dtype=torch.float32, device=dev)}
     logits = torch.randn(1, sum(total), a.vocab, generator=g).to(dev).requires_grad_(True)
     args = SimpleNamespace(use_tis=False, use_rollout_logprobs=True, tis_mode="truncate", tis_level="sequence",
-                           calculate_per_token_loss=True, rollout_temperature=1.0, entropy_coef=0.0,
+                           calculate_per_token_loss=False, rollout_temperature=1.0, entropy_coef=0.0,
                            use_kl_loss=False, rollout_top_p=1.0)
     rows = torch.tensor([o + pr - 1 + j for o, k in zip(torch.cumsum(torch.tensor([0, *total[:-1]]), 0).tolist(),
                                                         lengths) for j in range(k)], device=dev)

@@ -96,10 +96,9 @@ def pack_slime_batch(
             f"loss_masks[{bad}] has {got[bad]} entries but response_lengths[{bad}] = {resp[bad]}: "
             "slime's loss masks are full-length (not CP-sliced)"
         )
-    index_cpu, local_lengths = local_response_index(total_lengths, resp, cp_rank, cp_size)
     device = loss_masks[0].device if n else torch.device("cpu")
+    index, local_lengths = local_response_index(total_lengths, resp, cp_rank, cp_size, device=device)
     full_mask = torch.cat(list(loss_masks)) if n else torch.zeros(0, device=device)
-    index = index_cpu.to(device, non_blocking=True)
     cu = torch.zeros(n + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(local_lengths, 0)
     return SlimePacked(

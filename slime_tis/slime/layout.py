@@ -77,24 +77,43 @@ def cp_response_ranges(
     return out
 
 
+def _segment_positions(seg_len: Tensor, device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+    """For segments of lengths ``seg_len`` (CPU int64), ``(segment id [N], offset in segment [N])`` on
+    ``device``, with ``N = seg_len.sum()`` known on the host (no device synchronisation)."""
+    total = int(seg_len.sum())
+    first = torch.cumsum(seg_len, 0) - seg_len
+    dev_len = _h2d(seg_len, device)
+    seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=device), dev_len, output_size=total)
+    return seg, torch.arange(total, device=device) - _h2d(first, device)[seg]
+
+
+def _h2d(t: Tensor, device: torch.device | str | None) -> Tensor:
+    """Host-to-device copy that does not block on the device (torch flags blocking copies as syncs)."""
+    return t if device is None else t.to(device, non_blocking=True)
+
+
 def local_response_index(
-    total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    cp_rank: int,
+    cp_size: int,
+    *,
+    device: torch.device | str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Gather index of this rank's response tokens in the concatenated full-length responses.
 
-    Returns ``(index [T_local] int64, local_lengths [n] int64)``, both on the CPU: with
+    Returns ``(index [T_local] int64 on device, local_lengths [n] int64 on the CPU)``: with
     ``full = torch.cat(full_length_tensors)``, ``full[index]`` is the CP-local packed layout (sample
-    by sample, chunk 0 then chunk 1), i.e. ``torch.cat`` of slime's CP-local per-sample tensors.
+    by sample, chunk 0 then chunk 1), i.e. ``torch.cat`` of slime's CP-local per-sample tensors. Only
+    ``O(n)`` integers are computed on the host; the index is expanded on ``device``.
     """
     ranges = cp_response_ranges(total_lengths, response_lengths, cp_rank, cp_size)
     resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
     offsets = torch.cumsum(resp, 0) - resp  # start of each sample in the concatenation
     seg_start = (ranges[:, :, 0] + offsets[:, None]).reshape(-1)  # [2n] segment starts, in order
     seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)
-    total_local = int(seg_len.sum())
-    seg_first = torch.cumsum(seg_len, 0) - seg_len  # position of each segment in the output
-    index = torch.repeat_interleave(seg_start - seg_first, seg_len) + torch.arange(total_local)
-    return index, seg_len.reshape(-1, 2).sum(dim=1)
+    seg, j = _segment_positions(seg_len, device)
+    return _h2d(seg_start, device)[seg] + j, seg_len.reshape(-1, 2).sum(dim=1)
 
 
 def slice_response_for_cp(
@@ -108,7 +127,12 @@ def slice_response_for_cp(
 
 
 def response_logit_rows(
-    total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    cp_rank: int,
+    cp_size: int,
+    *,
+    device: torch.device | str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Rows of slime's packed local logits that predict this rank's response tokens, and the targets.
 
@@ -117,7 +141,8 @@ def response_logit_rows(
     on every rank (its chunk 0, then its chunk 1). The logit at global position ``g`` predicts
     token ``g + 1``. Returns ``(rows [T_local], token_index [T_local])`` (int64, CPU), where
     ``token_index`` indexes ``torch.cat(unconcat_tokens)`` (the full prompt + response token
-    sequences of the samples), in the CP-local order of :func:`local_response_index`.
+    sequences of the samples), in the CP-local order of :func:`local_response_index`; on ``device``
+    (expanded there from ``O(n)`` host integers).
     """
     ranges = cp_response_ranges(total_lengths, response_lengths, cp_rank, cp_size)  # [n, 2, 2]
     total = torch.as_tensor(list(total_lengths), dtype=torch.int64).reshape(-1)
@@ -139,7 +164,6 @@ def response_logit_rows(
     tok_base = (token_offset + first_logit + 1)[:, None].expand(-1, 2)
     seg_j0 = ranges[:, :, 0].reshape(-1)
     seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)
-    seg = torch.repeat_interleave(torch.arange(seg_len.numel()), seg_len)
-    seg_first = torch.cumsum(seg_len, 0) - seg_len
-    j = seg_j0[seg] + torch.arange(seg.numel()) - seg_first[seg]
-    return row_base.reshape(-1)[seg] + j, tok_base.reshape(-1)[seg] + j
+    seg, off = _segment_positions(seg_len, device)
+    j = _h2d(seg_j0, device)[seg] + off
+    return _h2d(row_base.reshape(-1), device)[seg] + j, _h2d(tok_base.reshape(-1), device)[seg] + j

@@ -10,8 +10,9 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 ``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
 
 * ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
-  (:func:`slime_tis.megatron.vocab_parallel_log_probs_and_entropy`) at the rows slime's layout
-  assigns to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
+  (:func:`slime_tis.megatron.vocab_parallel_log_probs_and_entropy`, chunks of
+  ``--log-probs-chunk-size`` rows; slime's ``-1`` = one chunk) at the rows slime's layout assigns
+  to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
 * Aggregation is slime's: per-sample mean ``sum_i (1 / D_i) sum_{t in i} loss_t`` with slime's
   denominators ``D_i = rollout_mask_sums[i]`` (the sample's original valid-token count, or the total of
   its rollout group), or kept counts with ``tis_rejected_denominator: drop``; or, with
@@ -49,6 +50,7 @@ __all__ = ["kl_penalty", "reinforce_is_loss"]
 
 logger = logging.getLogger("slime_tis.slime")
 _WARNED_RECOMPUTE = False
+DEFAULT_CHUNK = 4096  # rows per log-softmax chunk when args has no --log-probs-chunk-size
 
 
 def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
@@ -79,16 +81,16 @@ def _denominator_scale(rollout_mask_sums: Any, packed: Any, device: torch.device
         denoms = rollout_mask_sums.reshape(-1)
     else:
         denoms = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums])
-    denoms = denoms.to(device=device, dtype=torch.float32)
+    denoms = denoms.to(device=device, dtype=torch.float32, non_blocking=True)
     n = len(packed.response_lengths)
     if denoms.numel() != n:
         raise ValueError(f"batch['rollout_mask_sums'] has {denoms.numel()} entries, expected one per sample ({n})")
     sample_of_full = torch.repeat_interleave(torch.arange(n), torch.tensor(packed.response_lengths))
     counts = torch.zeros(n, dtype=torch.float32, device=device).index_add_(
-        0, sample_of_full.to(device), (packed.full_mask != 0).float()
+        0, sample_of_full.to(device, non_blocking=True), (packed.full_mask != 0).float()
     )
     scale = torch.where(counts > 0, counts.clamp(min=1.0) / denoms.clamp(min=1.0), torch.ones_like(counts))
-    sample_of_local = torch.repeat_interleave(torch.arange(n), packed.local_lengths).to(device)
+    sample_of_local = torch.repeat_interleave(torch.arange(n), packed.local_lengths).to(device, non_blocking=True)
     return scale[sample_of_local]
 
 
@@ -136,17 +138,18 @@ def reinforce_is_loss(
         raise ValueError("--allgather-cp: reinforce_is_loss reads slime's zigzag CP logits layout; use zigzag CP")
     total, resp = batch["total_lengths"], batch["response_lengths"]
     packed = pack_slime_batch(batch["loss_masks"], total, resp, ctx.cp_rank, ctx.cp_size)
-    rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size)
     device = logits.device
-    rows, tok = rows.to(device, non_blocking=True), tok.to(device, non_blocking=True)
+    rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
     targets = torch.cat(list(batch["unconcat_tokens"])).to(device)[tok]
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
     from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
 
+    chunk = int(getattr(args, "log_probs_chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK)
     lp_theta, entropy = vocab_parallel_log_probs_and_entropy(
         logits[0][rows],
         targets,
         temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
+        chunk_size=chunk if chunk > 0 else max(int(rows.shape[0]), 1),  # slime: -1 = no chunking
         with_entropy=entropy_coef != 0.0,
     )
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
@@ -163,7 +166,7 @@ def reinforce_is_loss(
         packed.local_mask,
         packed.cu_seqlens,
         reducer=ctx.reducer,
-        denominator=1.0,
+        denominator=torch.ones((), device=device),  # a device tensor: a Python float would sync the host
     )
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)
