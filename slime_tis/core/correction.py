@@ -29,7 +29,7 @@ from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rejection import find_rejections
 from slime_tis.core.weights import bounded_weights
 
-__all__ = ["TISResult", "compute_tis", "as_valid_mask"]
+__all__ = ["TISResult", "compute_tis", "as_valid_mask", "scalar_tensor", "normalisation_factor"]
 
 
 @dataclass
@@ -131,7 +131,7 @@ def compute_tis(
                 total = reducer.batch_sum(torch.stack([norm_sum, norm_count]), per_sequence=per_seq_units)
                 factor = normalisation_factor(total[0], total[1])
             else:
-                factor = torch.as_tensor(batch_norm_factor, dtype=torch.float32, device=device).reshape(())
+                factor = scalar_tensor(batch_norm_factor, device)
             unit_weights = unit_weights * factor
 
         token_weights = unit_weights[seq_id] if per_seq_units else unit_weights
@@ -139,6 +139,14 @@ def compute_tis(
         stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, factor)
 
     return TISResult(token_weights, rejection.keep, stats, norm_sum, norm_count, ratios)
+
+
+def scalar_tensor(value: Tensor | float, device: torch.device) -> Tensor:
+    """A float32 0-d tensor on ``device``; a Python number is filled in place (``torch.as_tensor`` of a
+    number would copy host-to-device, a synchronising transfer on CUDA)."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 def normalisation_factor(weight_sum: Tensor, unit_count: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core.correction import TISResult, as_valid_mask, compute_tis
+from slime_tis.core.correction import TISResult, as_valid_mask, compute_tis, scalar_tensor
 from slime_tis.core.metrics import MetricStats, column_sums
 from slime_tis.core.packing import check_packed, segment_sum, sequence_ids
 from slime_tis.core.ratios import packed_ratios
@@ -207,7 +207,7 @@ def policy_loss(
     if denominator is None:
         local = loss_denominator(config, loss_mask, cu_seqlens, keep_mask=keep, reducer=reducer)
         denominator = reducer.batch_sum(local, per_sequence=config.loss_agg != "token-mean")
-    denominator = torch.as_tensor(denominator, dtype=torch.float32, device=theta.device).clamp(min=1.0)
+    denominator = scalar_tensor(denominator, theta.device).clamp(min=1.0)
     loss = numerator / denominator
 
     policy_columns = {
