@@ -103,6 +103,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         else:
             entropy = torch.zeros_like(log_probs)
         ctx.save_for_backward(logits, safe_idx, in_shard, log_z, entropy)
+        ctx.set_materialize_grads(False)  # an unused output (entropy for metrics only) costs no backward work
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         return log_probs, entropy
 

@@ -53,8 +53,9 @@ def _keep_mask(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reduc
     alg = cfg.algorithm
     lp_rollout = batch.rollout_log_probs if alg != 0 else lp_train
     extra = (batch.advantages.float(),) + ((lp_train,) if alg == 2 else ())
+    # batch_norm_factor=1.0: the keep mask does not depend on it, and it avoids a per-call all-reduce
     return compute_tis(cfg, lp_train, lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
-                       extra_finite=extra).keep_mask
+                       batch_norm_factor=1.0, extra_finite=extra).keep_mask
 
 
 def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
@@ -96,8 +97,10 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)
         n_tok = n_tok + as_valid_mask(b.loss_mask).float().sum()
         if bn:
+            # norm_sum / norm_count are the unnormalised sums (the factor given here is not applied to them)
             res = compute_tis(cfg, b.old_log_probs.float(), b.rollout_log_probs, b.loss_mask, b.cu_seqlens,
-                              reducer=reducer, extra_finite=(b.advantages.float(), b.old_log_probs.float()))
+                              reducer=reducer, batch_norm_factor=1.0,
+                              extra_finite=(b.advantages.float(), b.old_log_probs.float()))
             bn_sums = bn_sums + torch.stack([res.norm_sum, res.norm_count])
     # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
     den = reducer.batch_sum(den, per_sequence=seq_domain)

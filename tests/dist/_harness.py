@@ -45,7 +45,7 @@ from slime_tis.megatron.batch import cp_slice_padded  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plans import CASES, LAYOUTS, Layout  # noqa: E402
 
-VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 64, 16, 32, 2, 4
+VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 64, 16, 32, 4, 4
 GLOBAL_ROWS = 8
 TEMPERATURE = 0.8
 
@@ -66,24 +66,34 @@ def setup_parallel(layout: Layout) -> None:
         for pg in [pg for pg in list(world.pg_map) if pg is not dist.group.WORLD]:
             dist.destroy_process_group(pg)
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
                                  context_parallel_size=layout.cp, create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(1234)
 
 
-def build_model(layout: Layout, *, pre: bool | None = None, post: bool | None = None) -> GPTModel:
+def build_model(layout: Layout, *, pre: bool | None = None, post: bool | None = None,
+                vp_stage: int | None = None) -> GPTModel:
     """Tiny GPT with the local spec (CPU CP attention); parallel sizes also in the config (gotcha G1)."""
+    vpp = layout.vpp if layout.vpp > 1 else None
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp, calculate_per_token_loss=layout.per_token,
+        virtual_pipeline_model_parallel_size=vpp,
+        # gloo: batched P2P (batch_isend_irecv) with PP=2 sends activations and gradients to the same peer
+        # with the same tag and shape, and the interleaved schedule then receives them swapped (wrong
+        # activations for later micro-batches, silently). Unbatched P2P keeps the order. NCCL is unaffected.
+        batch_p2p_comm=vpp is None,
     )
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = CPUContextParallelAttention
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    pre_process=ps.is_pipeline_first_stage() if pre is None else pre,
-                    post_process=ps.is_pipeline_last_stage() if post is None else post,
-                    share_embeddings_and_output_weights=False)
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+                    if pre is None else pre,
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+                    if post is None else post,
+                    share_embeddings_and_output_weights=False, vp_stage=vp_stage)
 
 
 def global_name(model: torch.nn.Module, name: str) -> str:
@@ -255,17 +265,23 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
     assert ps.get_tensor_model_parallel_world_size() == layout.tp and ps.get_data_parallel_world_size() == dp
     rows = row_assignment(dp, ps.get_data_parallel_rank(), num_microbatches)
 
-    model = build_model(layout)
-    local_to_global = {}
+    chunks = ([build_model(layout, vp_stage=i) for i in range(layout.vpp)] if layout.vpp > 1
+              else [build_model(layout)])
+    params = []  # (local name, parameter, global name) over all model chunks
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            gname = global_name(model, name)
-            local_to_global[name] = gname
-            p.copy_(tp_shard(p, weights[gname]))
-    model.config.finalize_model_grads_func = finalize_model_grads
-    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
-    ddp.zero_grad_buffer()
+        for c, chunk in enumerate(chunks):
+            for name, p in chunk.named_parameters():
+                gname = global_name(chunk, name)
+                params.append((f"chunk{c}.{name}", p, gname))
+                p.copy_(tp_shard(p, weights[gname]))
+    ddps = []
+    for chunk in chunks:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        ddps.append(DistributedDataParallel(config=chunk.config, module=chunk,
+                                            ddp_config=DistributedDataParallelConfig(
+                                                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)))
+        ddps[-1].zero_grad_buffer()
 
     cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     items = []
@@ -281,16 +297,17 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
     reducer = reducer_factory() if reducer_factory else None
     fb = fb_factory(cfg) if fb_factory else tis_forward_backward_func(base_fb, cfg, temperature=TEMPERATURE,
                                                                       chunk_size=5, reducer=reducer)
-    out = fb(forward_step_func=forward_step, data_iterator=iter(items), model=[ddp],
+    data = [iter(items) for _ in chunks] if layout.vpp > 1 else iter(items)
+    out = fb(forward_step_func=forward_step, data_iterator=data, model=ddps,
              num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=len(rows[0]),
              forward_only=False)
 
     result = {"layout": layout_name, "case": case_name, "M": num_microbatches, "rank": dist.get_rank(),
               "last_stage": ps.is_pipeline_last_stage(), "grad_err": 0.0, "grad_err_param": None,
               "n_params": 0, "finite": True}
-    for name, p in model.named_parameters():
+    for name, p, gname in params:
         g = p.main_grad.float()
-        exp = tp_shard(p, ref.grads[local_to_global[name]]).float()
+        exp = tp_shard(p, ref.grads[gname]).float()
         err = float((g - exp).abs().max() / exp.abs().max().clamp(min=1e-8))
         result["finite"] &= bool(torch.isfinite(g).all())
         result["n_params"] += 1

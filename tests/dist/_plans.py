@@ -15,6 +15,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     per_token: bool = False  # config.calculate_per_token_loss (3-tuple loss form)
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B schedule)
 
     @property
     def model_parallel(self) -> int:
@@ -27,7 +28,7 @@ class Layout:
 LAYOUTS = {
     "pp2": Layout(pp=2), "tp2": Layout(tp=2), "cp2": Layout(cp=2), "dp2": Layout(),
     "dp2_pt": Layout(per_token=True), "cp2_pt": Layout(cp=2, per_token=True),
-    "tp2pp2": Layout(tp=2, pp=2), "dp2cp2": Layout(cp=2),
+    "pp2vpp2": Layout(pp=2, vpp=2), "tp2pp2": Layout(tp=2, pp=2), "dp2cp2": Layout(cp=2),
 }
 
 #: TISConfig fields of each correction case (algorithms 0-3; token truncate, sequence mask, geometric
@@ -59,6 +60,8 @@ def plan_checks(plan: str) -> list[dict]:
             for case in CASES:
                 for m in (1, 4):
                     checks.append(dict(layout=layout, case=case, M=m))
+        for case in CASES:  # interleaved schedule: a list of data iterators and model chunks
+            checks.append(dict(layout="pp2vpp2", case=case, M=4))
         for layout in ("dp2_pt", "cp2_pt"):
             for case in ("a0", "a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
                 checks.append(dict(layout=layout, case=case, M=2))
