@@ -152,6 +152,12 @@ def test_fifty_step_run_raises_reward_and_writes_dump(tmp_path):
     # bf16 decode vs fp32 training: close, not identical
     gap = (dump.train_log_probs - dump.rollout_log_probs).abs()
     assert 0 < gap.max() < 0.5
+    # the dump is `slime-tis diagnose` input; the curves are `slime-tis plot` input
+    from slime_tis.cli import main as cli
+
+    assert cli(["diagnose", str(run / "logprobs.jsonl")]) == 0
+    assert cli(["plot", str(run), "-o", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
 @pytest.mark.timeout(300)
