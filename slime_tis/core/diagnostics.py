@@ -110,6 +110,6 @@ def tis_statistics(
 
     seq_sums = column_sums(seq)
     if batch_norm_factor is not None:
-        seq_sums["tis.bn_factor_sum"] = batch_norm_factor.float().reshape(())
-        seq_sums["tis.bn_calls"] = torch.ones((), dtype=torch.float32, device=token_ok.device)
+        seq_sums["tis.bn_factor_sum"] = batch_norm_factor.double().reshape(())
+        seq_sums["tis.bn_calls"] = torch.ones((), dtype=torch.float64, device=token_ok.device)
     return MetricStats(token_sums=column_sums(tok), seq_sums=seq_sums, mins=mins, maxs=maxs)

@@ -74,10 +74,14 @@ def masked_max(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Sum several same-shaped columns in one pass: ``{name: column.sum()}`` (float32 scalars)."""
+    """Sum several same-shaped columns in one pass: ``{name: column.sum()}`` (float64 scalars).
+
+    Accumulating in float64 keeps second-moment metrics (``ratio_std = sqrt(E[x^2] - E[x]^2)``) and
+    differences of large sums exact to ~1e-12 relative; the columns themselves stay float32.
+    """
     if not columns:
         return {}
-    sums = torch.stack([c.float() for c in columns.values()], dim=-1).sum(dim=0)
+    sums = torch.stack([c.float() for c in columns.values()], dim=-1).sum(dim=0, dtype=torch.float64)
     return dict(zip(columns, sums.unbind(0)))
 
 
@@ -113,7 +117,7 @@ class MetricStats:
             if not d:
                 return {}
             keys = sorted(d)
-            stacked = fn(torch.stack([d[k].detach().float() for k in keys]))
+            stacked = fn(torch.stack([d[k].detach().double() for k in keys]))
             return dict(zip(keys, stacked.unbind(0)))
 
         return MetricStats(
