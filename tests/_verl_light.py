@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 from typing import Any
@@ -74,10 +75,19 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> frozenset[str]:
-    """Install the finder for the missing roots (idempotent); return the roots it covers."""
+    """Install the finder for the missing roots (idempotent); return the roots it covers.
+
+    With ``VERL_LIGHT_FORCE=1`` in the environment both roots are stubbed even when installed
+    (the finder then goes first on ``sys.meta_path``): for machines whose ``transformers`` is a
+    version verl 0.9.1 cannot import, e.g. the GPU image used for ``benchmarks/bench_correction.py``.
+    """
     for finder in sys.meta_path:
         if isinstance(finder, _PlaceholderFinder):
             return finder.roots
+    if os.environ.get("VERL_LIGHT_FORCE") == "1":
+        roots = frozenset(r for r in _CANDIDATE_ROOTS if r not in sys.modules)
+        sys.meta_path.insert(0, _PlaceholderFinder(roots))
+        return roots
     missing = frozenset(
         r for r in _CANDIDATE_ROOTS if r not in sys.modules and importlib.util.find_spec(r) is None
     )
