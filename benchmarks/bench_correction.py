@@ -36,6 +36,7 @@ import argparse
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -150,8 +151,14 @@ def environment(device: torch.device) -> str:
     except (OSError, StopIteration):
         pass
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu}"
+    try:
+        rev = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
     return (f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"{os.cpu_count()} cores visible; python {platform.python_version()}")
+            f"{os.cpu_count()} cores visible; python {platform.python_version()}"
+            + (f"; slime_tis at {rev}" if rev else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
