@@ -33,13 +33,13 @@ from hypothesis import strategies as st
 from slime_tis import MetricStats, TISConfig, compute_tis, loss_denominator, normalisation_factor, policy_loss
 
 PROPERTY_SETTINGS = settings(
-    max_examples=60,
+    max_examples=100,
     deadline=None,
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-SPLIT_SETTINGS = settings(PROPERTY_SETTINGS, max_examples=100)
+SPLIT_SETTINGS = settings(PROPERTY_SETTINGS, max_examples=200)
 
 FLOAT_TOL = dict(rtol=2e-5, atol=1e-6)
 
