@@ -383,10 +383,9 @@ def test_log_ppl_diff_is_accurate_for_long_sequences_with_small_mismatch() -> No
     Realistic bf16-vs-fp32 mismatch: 2048-token sequences, ``lp ~ U(-10, 0)``, ``l ~ 1e-3``. The
     metric is ``mean_i (mean_t lp_rollout - mean_t lp_train)``; computing it as the difference
     of two per-sequence mean log-probs (magnitude ~5, each a float32 sum of ~1e4) cancels almost
-    every significant digit (relative error ~3e-3 here; verl's own float32 value is off by ~2e-4).
-    The per-sequence log-ratio sum the core already has gives it to ~1e-6:
-    ``mean_t lp_rollout - mean_t lp_train = -seq_log_ratio_sum / n``.
-    Reported in docs/requests/core.md (fix in slime_tis/core/diagnostics.py, ``mean_diff``).
+    every significant digit (relative error ~3e-3 here before the fix; verl's own float32 value is off by
+    ~2e-4). The core now takes it from the per-sequence log-ratio sum, to ~1e-6:
+    ``mean_t lp_rollout - mean_t lp_train = -seq_log_ratio_sum / n`` (docs/requests/core.md item 1).
     """
     g = torch.Generator().manual_seed(0)
     lp_rollout = -10.0 * torch.rand(8, 2048, generator=g)
