@@ -1,10 +1,13 @@
 """Run the example job under several algorithms x mismatch settings and print a comparison table.
 
-    python -m examples.compare --algs 0 2 --mismatch lag2 --steps 50                 # quickstart
+    python -m examples.compare --algs 0 2-geo-mis --mismatch lag2 --steps 50         # quickstart
     python -m examples.compare --algs 0 1 2 3 --mismatch none bf16 lag2 --seeds 0 1 2  # results table
     python -m examples.compare --table-only --out-dir runs/compare ...                # re-print from logs
 
-Algorithms are selected by the plugin's flags only (``ALG_FLAGS``); mismatch settings (``MISMATCH``):
+Algorithms are selected by the plugin's flags only (``ALG_FLAGS``: ``0``-``3`` with default TIS settings =
+token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean masking with bounds
+[1/1.5, 1.5], the setting ``slime-tis diagnose`` recommends on this job's lag-2 dumps; ``2-tok-mis`` /
+``3-tok-mis`` = token-level masking at [0.5, 2]). Mismatch settings (``MISMATCH``):
 
 * ``none``  - engine decodes in float32 (same math as training up to summation order);
 * ``bf16``  - engine decodes in bfloat16 with a KV cache (the default training/inference mismatch);
@@ -27,11 +30,18 @@ import subprocess
 import sys
 import time
 
-ALG_FLAGS: dict[int, list[str]] = {
-    0: [],
-    1: ["--use-rollout-log-probs"],
-    2: ["--use-tis"],
-    3: ["--use-rollout-log-probs", "--use-tis"],
+GEO_MIS = ["--tis-mode", "mask", "--tis-level", "geometric", "--tis-upper-bound", "1.5"]
+TOKEN_MIS = ["--tis-mode", "mask", "--tis-level", "token"]
+#: algorithm variants: the plugin's flags only (the number is the algorithm; a suffix names the TIS settings)
+ALG_FLAGS: dict[str, list[str]] = {
+    "0": [],
+    "1": ["--use-rollout-log-probs"],
+    "2": ["--use-tis"],
+    "3": ["--use-rollout-log-probs", "--use-tis"],
+    "2-geo-mis": ["--use-tis", *GEO_MIS],
+    "3-geo-mis": ["--use-rollout-log-probs", "--use-tis", *GEO_MIS],
+    "2-tok-mis": ["--use-tis", *TOKEN_MIS],
+    "3-tok-mis": ["--use-rollout-log-probs", "--use-tis", *TOKEN_MIS],
 }
 MISMATCH: dict[str, list[str]] = {
     "none": ["--engine-dtype", "float32"],
@@ -43,11 +53,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = ("mismatch", "alg", "final reward", "max tis/k3_kl", "max grad norm", "rejected frac", "wall s")
 
 
-def run_dir(out_dir: str, mismatch: str, alg: int, seed: int) -> str:
+def run_dir(out_dir: str, mismatch: str, alg: str, seed: int) -> str:
     return os.path.join(out_dir, f"{mismatch}-alg{alg}-s{seed}")
 
 
-def launch(out_dir: str, mismatch: str, alg: int, seed: int, steps: int, nproc: int, extra: list[str]) -> float:
+def launch(out_dir: str, mismatch: str, alg: str, seed: int, steps: int, nproc: int, extra: list[str]) -> float:
     """Run one training job (a subprocess) and return its wall time in seconds."""
     d = run_dir(out_dir, mismatch, alg, seed)
     train = [
@@ -125,7 +135,7 @@ def _fmt(values: list[float], key: str) -> str:
     return f"{fmt.format(statistics.mean(finite))} ± {fmt.format(statistics.stdev(finite))}"
 
 
-def table(out_dir: str, mismatches: list[str], algs: list[int], seeds: list[int]) -> str:
+def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
     """A markdown table over the runs found in ``out_dir``."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for mm in mismatches:
@@ -137,7 +147,7 @@ def table(out_dir: str, mismatches: list[str], algs: list[int], seeds: list[int]
             ]
             if not sums:
                 continue
-            cells = [mm, str(alg)] + [_fmt([x[c] for x in sums], c) for c in COLUMNS[2:]]
+            cells = [mm, alg] + [_fmt([x[c] for x in sums], c) for c in COLUMNS[2:]]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -146,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m examples.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--algs", type=int, nargs="+", default=[0, 2], choices=sorted(ALG_FLAGS))
+    p.add_argument(
+        "--algs",
+        nargs="+",
+        default=["0", "2-geo-mis"],
+        choices=list(ALG_FLAGS),
+        help="algorithm variants (see ALG_FLAGS): 0-3, or 2/3 with -geo-mis / -tok-mis TIS settings",
+    )
     p.add_argument("--mismatch", nargs="+", default=["lag2"], choices=sorted(MISMATCH))
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=50)

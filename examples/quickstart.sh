@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The main job, from a fresh clone: create .venv, install slime_tis with the example extras, train
-# algorithm 0 (standard PPO) and algorithm 2 (decoupled PPO + token TIS) for 50 steps each under the
+# algorithm 0 (standard PPO) and algorithm 2 (decoupled PPO, geometric-mean masking) for 50 steps each under the
 # same seed and the same mismatch (bf16 rollout engine, rollouts 2 steps stale), print the comparison
 # table and write runs/quickstart/compare.png. Under 10 minutes on 2 CPU cores.
 #
 #   bash examples/quickstart.sh                  # defaults above
-#   MISMATCH=bf16 ALGS="0 3" bash examples/quickstart.sh
+#   MISMATCH=bf16 ALGS="0 3" bash examples/quickstart.sh     (variants: python -m examples.compare --help)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-ALGS=${ALGS:-"0 2"}
+ALGS=${ALGS:-"0 2-geo-mis"}
 MISMATCH=${MISMATCH:-lag2}
 STEPS=${STEPS:-50}
 OUT=${OUT:-runs/quickstart}

@@ -117,7 +117,7 @@ def plot_runs(
             xs, ys = _series(rows, key)
             if not xs:
                 continue
-            color = f"C{i % 10}"
+            color = f"C{i}" if len(runs) <= 10 else plt.get_cmap("tab20")(i % 20)
             if smooth > 1:
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
                 ax.plot(xs, _moving_average(ys, smooth), color=color, label=label, linewidth=1.6)

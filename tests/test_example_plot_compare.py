@@ -87,7 +87,7 @@ def test_compare_summary_and_table(tmp_path):
     assert s["max tis/k3_kl"] == pytest.approx(1e-2) and s["max grad norm"] == pytest.approx(1.9)
     assert s["rejected frac"] == pytest.approx(0.25) and s["wall s"] == 12.0
     _write_run(tmp_path / "lag2-alg2-s1", _rows(10, 0.2, 0.01, k3=1e-3), wall=14.0)
-    md = table(str(tmp_path), ["lag2"], [0, 2], [0, 1])
+    md = table(str(tmp_path), ["lag2"], ["0", "2"], [0, 1])
     lines = md.splitlines()
     assert len(lines) == 3  # header, rule, one row (alg 0 has no runs)
     assert lines[2].startswith("| lag2 | 2 | 0.220 ± 0.071 | 1.00e-02 ± 0.00e+00 |")
