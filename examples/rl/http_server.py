@@ -78,9 +78,7 @@ def make_handler(engine: EmbeddedEngine) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/update_weights_from_disk":
                 path = req.get("model_path")
                 if not isinstance(path, str):
-                    self._reply(
-                        400, {"success": False, "message": f"model_path must be a string, got {path!r}"}
-                    )
+                    self._reply(400, {"success": False, "message": f"model_path must be a string, got {path!r}"})
                     return
                 res = engine.update_weights_from_disk(path)
                 if res["success"]:
@@ -111,8 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-layers", type=int, default=ModelConfig.num_layers)
     p.add_argument("--hidden-size", type=int, default=ModelConfig.hidden_size)
     p.add_argument("--num-heads", type=int, default=ModelConfig.num_heads)
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=ModelConfig.max_seq_len,
+        help="positions (the trainer uses max(16, 2 * num_digits + 2))",
+    )
     args = p.parse_args(argv)
-    cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads)
+    cfg = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads, max_seq_len=args.max_seq_len
+    )
     engine = EmbeddedEngine(cfg, dtype=getattr(torch, args.dtype), logit_noise=args.logit_noise)
     if args.model_path:
         res = engine.update_weights_from_disk(args.model_path)
