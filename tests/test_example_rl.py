@@ -359,3 +359,35 @@ def test_megatron_export_matches_kv_cache_decoder():
     err, bf_err = map(float, out.stdout.split("ERR")[1].split())
     assert err < 1e-5
     assert 1e-4 < bf_err < 0.1
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--rollout-lag", "-1"], "--rollout-lag must be >= 0, got -1"),
+        (["--rollout-temperature", "0"], "--rollout-temperature must be > 0, got 0.0"),
+        (
+            ["--num-microbatches", "3"],
+            "256 sequences must be divisible by DP size \\(2\\) x --num-microbatches \\(3\\)",
+        ),
+        (["--sglang-url", "http://x", "--engine-dtype", "float32"], "configure the embedded engine"),
+    ],
+)
+def test_launcher_validates_arguments(argv, message):
+    from examples.rl.train import build_parser, validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(build_parser().parse_args(argv), world_size=2)
+
+
+def test_launcher_exposes_the_plugin_flags():
+    from examples.rl.train import build_parser
+    from slime_tis import TISConfig
+
+    args = build_parser().parse_args(
+        ["--use-rollout-log-probs", "--use-tis", "--tis-mode", "mask", "--tis-level", "geometric"]
+    )
+    cfg = TISConfig.from_args(args)
+    assert cfg.algorithm == 3 and cfg.mode == "mask" and cfg.level == "geometric"
+    assert TISConfig.from_args(build_parser().parse_args([])).algorithm == 0

@@ -41,9 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="logs, checkpoints and dumps go here")
     g.add_argument("--steps", type=int, default=50, help="number of RL steps (one optimizer step each)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument(
-        "--save-interval", type=int, default=0, help="checkpoint every N steps (0 = only at the end)"
-    )
+    g.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
     g.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
     g.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar")
     g.add_argument(
@@ -97,6 +95,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     for name in ("steps", "prompts_per_step", "group_size", "num_microbatches", "pp"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("save_interval", "dump_interval", "rollout_lag", "rollout_logit_noise"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.rollout_temperature <= 0:
+        raise ValueError(f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
     dp = world_size // args.pp
     n = args.prompts_per_step * args.group_size
     if n % (dp * args.num_microbatches):
@@ -283,9 +286,7 @@ class Trainer:
             forward_only=False,
         )
         ok, grad_norm, _ = self.optimizer.step()
-        metrics = {
-            k: float(v) for k, v in self.forward_backward.last_metrics.items()
-        }  # host-sync-ok (logging)
+        metrics = {k: float(v) for k, v in self.forward_backward.last_metrics.items()}  # host-sync-ok (logging)
         if dump:
             self._dump(step, items, extra_lp)
         self._push_weights(step + 1)
@@ -306,9 +307,7 @@ class Trainer:
         k = self.args.dump_interval
         return k > 0 and (step % k == 0 or step == self.args.steps - 1)
 
-    def _recompute_for_dump(
-        self, items: list[dict[str, Any]], mbs: int, seq: int
-    ) -> list[torch.Tensor] | None:
+    def _recompute_for_dump(self, items: list[dict[str, Any]], mbs: int, seq: int) -> list[torch.Tensor] | None:
         """Algorithms 1 and 3 skip the old-log-prob pass; for a dump step run the plugin's forward-only
         recompute so the dump holds the trainer's log-probs at this step's parameters (= pi_old)."""
         if self.tis_cfg.needs_old_log_probs:
