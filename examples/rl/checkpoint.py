@@ -51,9 +51,7 @@ def save(
     if rank == 0:
         with open(os.path.join(run_dir, "checkpoints", "latest.tmp"), "w", encoding="utf-8") as f:
             f.write(str(step))
-        os.replace(
-            os.path.join(run_dir, "checkpoints", "latest.tmp"), os.path.join(run_dir, "checkpoints", "latest")
-        )
+        os.replace(os.path.join(run_dir, "checkpoints", "latest.tmp"), os.path.join(run_dir, "checkpoints", "latest"))
     torch.distributed.barrier()
     return path
 
@@ -67,9 +65,7 @@ def latest_step(run_dir: str) -> int | None:
         return None
 
 
-def load(
-    run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, layout: dict[str, int]
-) -> dict[str, Any]:
+def load(run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, layout: dict[str, int]) -> dict[str, Any]:
     """Restore this rank's state saved at ``step``; returns the ``extra`` dict."""
     rank = torch.distributed.get_rank()
     path = os.path.join(_dir(run_dir, step), f"rank_{rank:03d}.pt")

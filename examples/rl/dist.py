@@ -64,11 +64,7 @@ def init_distributed(*, pp: int = 1, seed: int = 0) -> DistInfo:
         raise ValueError(f"world size {world} is not divisible by --pp {pp}")
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(seed)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return DistInfo(
         rank=torch.distributed.get_rank(),
         world_size=world,

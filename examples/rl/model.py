@@ -38,9 +38,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
-            )
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
 
     def to_hf_config(self, eos_token_id: int) -> dict:
         """A Hugging Face ``config.json`` (GPT2LMHeadModel) describing the same network."""
@@ -174,9 +172,7 @@ def gather_gpt2_weights(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, t
 # --------------------------------------------------------------------------------------------------
 # Hugging Face GPT-2 checkpoint on disk (what /update_weights_from_disk loads)
 # --------------------------------------------------------------------------------------------------
-def save_hf_checkpoint(
-    path: str, weights: dict[str, torch.Tensor], cfg: ModelConfig, eos_token_id: int
-) -> None:
+def save_hf_checkpoint(path: str, weights: dict[str, torch.Tensor], cfg: ModelConfig, eos_token_id: int) -> None:
     """Write ``config.json`` + ``pytorch_model.bin`` (GPT-2 layout; ``lm_head`` tied to ``wte``)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
@@ -229,9 +225,7 @@ class KVCacheGPT:
         self.w.setdefault("lm_head.weight", self.w["transformer.wte.weight"])
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.layer_norm(
-            x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.layernorm_eps
-        )
+        return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.layernorm_eps)
 
     @torch.no_grad()
     def forward(

@@ -36,9 +36,7 @@ def step_seed(seed: int, step: int, salt: int) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
 
 
-def make_request(
-    prompts: torch.Tensor, task: DigitTask, s: RolloutSettings, sampling_seed: int
-) -> dict[str, Any]:
+def make_request(prompts: torch.Tensor, task: DigitTask, s: RolloutSettings, sampling_seed: int) -> dict[str, Any]:
     """SGLang native ``/generate`` request for ``prompts [N, P]``."""
     return {
         "input_ids": prompts.tolist(),

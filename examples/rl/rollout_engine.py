@@ -111,9 +111,7 @@ class EmbeddedEngine:
             by_len.setdefault(len(p), []).append(i)
         for length in sorted(by_len):
             rows = by_len[length]
-            results = self._decode(
-                model, torch.tensor([prompts[i] for i in rows], dtype=torch.long), params, gen
-            )
+            results = self._decode(model, torch.tensor([prompts[i] for i in rows], dtype=torch.long), params, gen)
             for i, res in zip(rows, results):
                 out[i] = res
         return out[0] if single else out
@@ -161,13 +159,9 @@ class EmbeddedEngine:
                         "prompt_tokens": plen,
                         "completion_tokens": n,
                         "finish_reason": (
-                            {"type": "stop", "matched": ids[-1]}
-                            if stopped
-                            else {"type": "length", "length": n}
+                            {"type": "stop", "matched": ids[-1]} if stopped else {"type": "length", "length": n}
                         ),
-                        "output_token_logprobs": [
-                            [lp, tid, None] for lp, tid in zip(logps[i, :n].tolist(), ids)
-                        ],
+                        "output_token_logprobs": [[lp, tid, None] for lp, tid in zip(logps[i, :n].tolist(), ids)],
                     },
                 }
             )
@@ -197,9 +191,7 @@ class _SamplingParams:
     def parse(cls, sp: dict[str, Any]) -> _SamplingParams:
         temperature = float(sp.get("temperature", 1.0))
         if temperature <= 0:
-            raise ValueError(
-                f"sampling_params.temperature must be > 0 (greedy is not served), got {temperature}"
-            )
+            raise ValueError(f"sampling_params.temperature must be > 0 (greedy is not served), got {temperature}")
         max_new = int(sp.get("max_new_tokens", 16))
         if max_new < 1:
             raise ValueError(f"sampling_params.max_new_tokens must be >= 1, got {max_new}")

@@ -44,9 +44,7 @@ class RunLogger:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(
-                total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, desc="train"
-            )
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, desc="train")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

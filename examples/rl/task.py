@@ -73,9 +73,7 @@ class DigitTask:
     def rewards(self, prompts: torch.Tensor, responses: list[list[int]]) -> torch.Tensor:
         """Exact rewards ``[B]`` float32 (see module docstring) for generated token id lists."""
         if len(responses) != prompts.shape[0]:
-            raise ValueError(
-                f"responses has {len(responses)} entries but prompts has {prompts.shape[0]} rows"
-            )
+            raise ValueError(f"responses has {len(responses)} entries but prompts has {prompts.shape[0]} rows")
         n = self.num_digits
         padded = torch.full((len(responses), n), -1, dtype=torch.long)
         for i, resp in enumerate(responses):  # building a [B, n] table from ragged lists (host data)

@@ -75,9 +75,7 @@ class LaggedWeightSync:
     def load_state_dict(self, state: dict, step: int) -> None:
         """Restore the history and re-push the version the engine should hold now."""
         if state["lag"] != self.lag:
-            raise ValueError(
-                f"checkpoint was written with --rollout-lag {state['lag']}, resuming with {self.lag}"
-            )
+            raise ValueError(f"checkpoint was written with --rollout-lag {state['lag']}, resuming with {self.lag}")
         self.history = deque(state["history"], maxlen=self.lag + 1)
         if self.history:
             self.inner.push(self.history[0], step)
