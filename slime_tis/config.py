@@ -280,8 +280,9 @@ class TISConfig:
         """One block of text with the algorithm and every resolved bound, printed at start-up."""
         lines = [f"slime_tis: algorithm {self.algorithm}: {self.algorithm_name}"]
         if self.algorithm != 0 or self.use_tis:
-            lines.append(f"  tis: mode={self.mode} level={self.level} "
-                         f"bounds on r=pi_train/pi_rollout: lower={self.lower_bound:g} upper={self.upper_bound:g}"
+            bounds = (f"upper={self.upper_bound:g} (truncate: no lower bound)" if self.mode == "truncate"
+                      else f"lower={self.lower_bound:g} upper={self.upper_bound:g}")
+            lines.append(f"  tis: mode={self.mode} level={self.level} bounds on r=pi_train/pi_rollout: {bounds}"
                          + ("" if self.applies_weights else " (weights off: only mask-mode rejection acts)"))
         else:
             lines.append("  tis: off (diagnostics only when rollout log-probs are available)")
