@@ -23,13 +23,14 @@ from torch import Tensor
 from slime_tis.config import TISConfig
 from slime_tis.core.diagnostics import tis_statistics
 from slime_tis.core.metrics import MetricStats
-from slime_tis.core.packing import check_packed, sequence_ids
+from slime_tis.core.packing import check_packed
 from slime_tis.core.ratios import PackedRatios, packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rejection import find_rejections
+from slime_tis.core.segments import Segments, select, valid_bits
 from slime_tis.core.weights import bounded_weights
 
-__all__ = ["TISResult", "compute_tis", "as_valid_mask", "scalar_tensor", "normalisation_factor"]
+__all__ = ["TISResult", "compute_tis", "tis_on_segments", "as_valid_mask", "scalar_tensor", "normalisation_factor"]
 
 
 @dataclass
@@ -100,14 +101,27 @@ def compute_tis(
     for name, t in (("lp_train", lp_train), ("lp_rollout", lp_rollout)):
         if not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor of log-probs, got {t.dtype}")
-    device = lp_train.device
-    valid = as_valid_mask(loss_mask)
-    n_seq = cu_seqlens.numel() - 1
-    seq_id = sequence_ids(cu_seqlens, n_tokens, device)
+    segments = Segments(cu_seqlens, n_tokens, lp_train.device)
+    return tis_on_segments(config, lp_train, lp_rollout, as_valid_mask(loss_mask), segments, reducer,
+                           batch_norm_factor=batch_norm_factor, extra_finite=extra_finite)
 
+
+def tis_on_segments(
+    config: TISConfig,
+    lp_train: Tensor,
+    lp_rollout: Tensor,
+    valid: Tensor,
+    segments: Segments,
+    reducer: Reducer,
+    *,
+    batch_norm_factor: Tensor | float | None = None,
+    extra_finite: tuple[Tensor, ...] = (),
+) -> TISResult:
+    """:func:`compute_tis` on validated inputs: ``valid`` bool ``[T]`` and the batch's ``segments``."""
+    device = lp_train.device
     with torch.no_grad():
         ratios = packed_ratios(
-            lp_train.detach(), lp_rollout.detach(), valid, seq_id, n_seq, reducer,
+            lp_train.detach(), lp_rollout.detach(), valid, segments, reducer,
             veto_threshold=config.veto_threshold if config.algorithm != 0 else None,
             extra_finite=tuple(t.detach() for t in extra_finite),
         )
@@ -121,9 +135,9 @@ def compute_tis(
         else:
             unit_weights = torch.ones_like(level_log)
         kept_units = (ratios.seq_ok & ~rejection.seq_rejected) if per_seq_units else rejection.keep
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        norm_sum = torch.where(kept_units, unit_weights, zero).sum()
-        norm_count = kept_units.float().sum()
+        kept_weights = masked(kept_units, unit_weights)
+        norm_sum = kept_weights.sum()
+        norm_count = kept_units.sum(dtype=torch.float32)
 
         factor: Tensor | None = None
         if config.batch_normalize:
@@ -133,12 +147,25 @@ def compute_tis(
             else:
                 factor = scalar_tensor(batch_norm_factor, device)
             unit_weights = unit_weights * factor
+            kept_weights = kept_weights * factor
 
-        token_weights = unit_weights[seq_id] if per_seq_units else unit_weights
-        token_weights = torch.where(ratios.token_ok, token_weights, zero)
-        stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, factor)
+        if per_seq_units:  # w_{u(t)} at valid tokens of finite sequences
+            token_weights = select(ratios.valid_bits, segments.expand(masked(ratios.seq_ok, unit_weights)))
+        else:  # unit_weights is f(0) outside token_ok, where log_ratio is 0
+            token_weights = select(ratios.token_ok_bits, unit_weights)
+        stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, kept_weights, factor)
 
     return TISResult(token_weights, rejection.keep, stats, norm_sum, norm_count, ratios)
+
+
+def masked(mask: Tensor, x: Tensor) -> Tensor:
+    """``x`` where ``mask``, else 0 (a selection; float32 ``x``)."""
+    if x.dim() == 1 and x.numel() >= _SELECT_MIN:
+        return select(valid_bits(mask), x)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+_SELECT_MIN = 1 << 14  # below this, torch.where's one kernel beats building a bit mask first
 
 
 def scalar_tensor(value: Tensor | float, device: torch.device) -> Tensor:

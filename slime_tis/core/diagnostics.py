@@ -1,8 +1,19 @@
-"""The ``tis/`` statistics of one micro-batch, gathered in one pass per domain.
+"""The ``tis/`` statistics of one micro-batch.
 
 Builds the raw sums/minima/maxima that :class:`slime_tis.core.metrics.MetricStats` turns into the
 metrics documented there. The set of keys depends only on the configuration (never on the data),
 so every rank contributes the same keys to the cross-rank reduction.
+
+Token-domain sums (over this rank's valid tokens of finite sequences, summed over DP x CP) come
+from this rank's per-sequence partial sums ``ratios.seq_sums_local`` masked by the (reduced)
+sequence flags, plus one pass over the token log-ratios for the ratio moments::
+
+    lc = clamp(l, -B, B),  e = expm1(lc) = r - 1
+    k3:  sum (r - 1 - log r) = sum (e - lc)
+    r^2: sum r^2 = sum e^2 + 2 sum e + n          (no float32 rounding of r near 1)
+
+Sequence-domain sums (one value per sequence, replicated over CP) are column sums over the
+``[n_seq]`` per-sequence values. Ratio moments of sequence units use ``e = expm1(clamp(L))`` too.
 """
 
 from __future__ import annotations
@@ -11,12 +22,18 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core.metrics import MetricStats, column_sums, masked_max, masked_min
-from slime_tis.core.ratios import PackedRatios
+from slime_tis.core.metrics import MetricStats, masked_max, masked_min
+from slime_tis.core.ratios import ROW_LOG_RATIO, ROW_LP_ROLLOUT, ROW_VALID, PackedRatios
 from slime_tis.core.rejection import Rejection
 from slime_tis.core.weights import outside_bounds
 
 __all__ = ["tis_statistics"]
+
+F64 = torch.float64
+
+
+def _count(mask: Tensor) -> Tensor:
+    return torch.count_nonzero(mask).to(F64)
 
 
 def tis_statistics(
@@ -25,6 +42,7 @@ def tis_statistics(
     rejection: Rejection,
     unit_weights: Tensor,
     kept_units: Tensor,
+    kept_weights: Tensor,
     batch_norm_factor: Tensor | None,
 ) -> MetricStats:
     """Raw ``tis.*`` statistics (see ``slime_tis.core.metrics`` for the metric formulas).
@@ -32,44 +50,56 @@ def tis_statistics(
     Args:
         unit_weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
         kept_units: bool mask of units that survived rejection (same shape).
+        kept_weights: ``unit_weights`` on ``kept_units``, 0 elsewhere.
         batch_norm_factor: the factor applied (scalar tensor) or ``None`` when batch-norm is off.
     """
     bound = config.safety_bound
-    token_ok, seq_ok = ratios.token_ok, ratios.seq_ok
-    zero = torch.zeros((), dtype=torch.float32, device=token_ok.device)
+    seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
+    device = seq_ok.device
+    zero = torch.zeros((), dtype=F64, device=device)
 
-    # ---- token domain
-    log_r = ratios.log_ratio.clamp(-bound, bound)  # 0 outside token_ok
-    r_tok = torch.exp(log_r)
+    # ---- token domain (this rank's tokens)
+    local = ratios.seq_sums_local
+    local_all = local.sum(0)
+    local_ok = seq_ok.to(F64) @ local  # [k]: sums over the tokens of finite sequences
+    n_valid, n_tok = local_all[ROW_VALID], local_ok[ROW_VALID]
+    lc = ratios.log_ratio.clamp(-bound, bound)  # 0 outside token_ok
+    e = torch.expm1(lc)
+    e_sum = e.sum().to(F64)
+    e2_sum = torch.dot(e, e).to(F64)
     tok: dict[str, Tensor] = {
-        "tis.n_tok_valid": ratios.valid,
-        "tis.n_tok": token_ok,
-        "tis.n_tok_rejected": ratios.valid & ~rejection.keep,
-        "tis.kl_sum": ratios.lp_rollout - ratios.lp_train,
-        "tis.k3_sum": r_tok - 1.0 - log_r,  # exactly 0 where log_r = 0
-        "tis.r2_sum": torch.where(token_ok, r_tok * r_tok, zero),
+        "tis.n_tok_valid": n_valid,
+        "tis.n_tok": n_tok,
+        "tis.n_tok_rejected": n_valid - _count(rejection.keep),
+        "tis.kl_sum": -local_ok[ROW_LOG_RATIO],
+        "tis.k3_sum": torch.sub(e, lc, out=lc).sum().to(F64),  # sum (e - lc), exactly 0 where l = 0
+        "tis.r2_sum": e2_sum + 2.0 * e_sum + n_tok,
     }
 
     # ---- sequence domain
-    # mean_t lp_rollout - mean_t lp_train, from the well-conditioned log-ratio sum (differencing the two
+    full = ratios.seq_sums
+    count = full[:, ROW_VALID].clamp(min=1.0)
+    log_sum = torch.where(seq_ok, full[:, ROW_LOG_RATIO], zero)
+    lr_mean = torch.where(seq_ok, full[:, ROW_LP_ROLLOUT], zero) / count
+    # mean_t lp_rollout - mean_t lp_train from the well-conditioned log-ratio sum (differencing the two
     # means would cancel most float32 digits on long sequences)
-    mean_diff = torch.where(seq_ok, -ratios.seq_log_ratio_sum / ratios.seq_count.clamp(min=1.0), zero)
-    seq_log_sum = ratios.seq_log_ratio_sum.clamp(-bound, bound)
+    mean_diff = -log_sum / count
+    # exponents: training log-ppl (-mean_t lp_train), rollout log-ppl, log_ppl_diff, sum_t l (chi2_seq)
+    logs = torch.stack([mean_diff - lr_mean, -lr_mean, mean_diff, log_sum])
+    exps = torch.where(seq_ok, torch.exp(logs.clamp(-bound, bound) * _EXP_SCALE.to(device)), zero)
     seq: dict[str, Tensor] = {
-        "tis.n_seq_valid": ratios.seq_has_tokens,
+        "tis.n_seq_valid": has,
         "tis.n_seq": seq_ok,
         "tis.n_seq_nonfinite": ratios.seq_nonfinite,
-        "tis.n_seq_rejected": rejection.seq_rejected & ratios.seq_has_tokens,
-        "tis.train_log_ppl_sum": -ratios.seq_mean_lp_train,
-        "tis.train_ppl_sum": torch.where(seq_ok, torch.exp((-ratios.seq_mean_lp_train).clamp(-bound, bound)), zero),
-        "tis.rollout_log_ppl_sum": -ratios.seq_mean_lp_rollout,
-        "tis.rollout_ppl_sum": torch.where(
-            seq_ok, torch.exp((-ratios.seq_mean_lp_rollout).clamp(-bound, bound)), zero
-        ),
+        "tis.n_seq_rejected": rejection.seq_rejected & has,
+        "tis.train_log_ppl_sum": logs[0],
+        "tis.train_ppl_sum": exps[0],
+        "tis.rollout_log_ppl_sum": logs[1],
+        "tis.rollout_ppl_sum": exps[1],
         "tis.log_ppl_diff_sum": mean_diff,
         "tis.log_ppl_abs_diff_sum": mean_diff.abs(),
-        "tis.ppl_ratio_sum": torch.where(seq_ok, torch.exp(mean_diff.clamp(-bound, bound)), zero),
-        "tis.chi2_seq_sum": torch.where(seq_ok, torch.exp(2.0 * seq_log_sum), zero),
+        "tis.ppl_ratio_sum": exps[2],
+        "tis.chi2_seq_sum": exps[3],
     }
     if config.veto_threshold is not None:
         seq["tis.veto_count"] = ratios.seq_veto
@@ -77,39 +107,73 @@ def tis_statistics(
     # ---- level units: ratio before bounds, mode statistics, applied weights
     per_seq_units = config.level != "token"
     units = seq if per_seq_units else tok
-    unit_ok = ratios.unit_ok(config.level)
-    level_log = ratios.level_log_ratio(config.level)
-    r_unit = torch.where(unit_ok, torch.exp(level_log.clamp(-bound, bound)), zero)
-    units["tis.n_units"] = unit_ok
-    units["tis.ratio_sum"] = r_unit
-    units["tis.ratio_sq_sum"] = r_unit * r_unit
+    level_log = ratios.level_log_ratio(config.level)  # 0 outside the units' domain
+    if per_seq_units:
+        e_unit = torch.where(seq_ok, torch.expm1(level_log.to(F64).clamp(-bound, bound)), zero)
+        units["tis.n_units"] = seq_ok
+        units["tis.ratio_sum"] = e_unit + seq_ok
+        units["tis.ratio_sq_sum"] = e_unit * (e_unit + 2.0) + seq_ok
+    else:
+        units["tis.n_units"] = n_tok
+        units["tis.ratio_sum"] = e_sum + n_tok
+        units["tis.ratio_sq_sum"] = tok["tis.r2_sum"]
     if config.applies_weights and config.mode in ("truncate", "clip"):
         below, above = outside_bounds(level_log, config.lower_bound, config.upper_bound)
         if config.mode == "truncate":
-            units["tis.truncate_count"] = above & unit_ok
+            units["tis.truncate_count"] = above
         else:
-            units["tis.clip_low_count"] = below & unit_ok
-            units["tis.clip_high_count"] = above & unit_ok
+            units["tis.clip_low_count"] = below
+            units["tis.clip_high_count"] = above
     if rejection.mode_below is not None:
         units["tis.mask_low_count"] = rejection.mode_below
         units["tis.mask_high_count"] = rejection.mode_above
-    w_kept = torch.where(kept_units, unit_weights, zero)
     units["tis.n_kept_units"] = kept_units
-    units["tis.w_sum"] = w_kept
-    units["tis.w_sq_sum"] = w_kept * w_kept
+    units["tis.w_sum"] = kept_weights
+    units["tis.w_sq_sum"] = kept_weights * kept_weights if per_seq_units else torch.dot(kept_weights, kept_weights)
 
-    mins = {"tis.log_ratio_min": masked_min(level_log, unit_ok), "tis.weight_min": masked_min(unit_weights, kept_units)}
-    maxs = {"tis.log_ratio_max": masked_max(level_log, unit_ok), "tis.weight_max": masked_max(unit_weights, kept_units)}
+    mins = {"tis.log_ratio_min": masked_min(level_log, ratios.unit_ok(config.level)),
+            "tis.weight_min": masked_min(unit_weights, kept_units)}
+    maxs = {"tis.log_ratio_max": masked_max(level_log, ratios.unit_ok(config.level)),
+            "tis.weight_max": masked_max(unit_weights, kept_units)}
 
     # ---- rejection sampling units
     if config.rs_level is not None:
         rs_units = seq if config.rs_level != "token" else tok
-        rs_units["tis.n_rs_units"] = ratios.unit_ok(config.rs_level)
+        rs_units["tis.n_rs_units"] = seq_ok if config.rs_level != "token" else n_tok
         rs_units["tis.rs_low_count"] = rejection.rs_below
         rs_units["tis.rs_high_count"] = rejection.rs_above
 
-    seq_sums = column_sums(seq)
     if batch_norm_factor is not None:
-        seq_sums["tis.bn_factor_sum"] = batch_norm_factor.double().reshape(())
-        seq_sums["tis.bn_calls"] = torch.ones((), dtype=torch.float64, device=token_ok.device)
-    return MetricStats(token_sums=column_sums(tok), seq_sums=seq_sums, mins=mins, maxs=maxs)
+        seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
+        seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=device)
+    return MetricStats(token_sums=_token_sums(tok), seq_sums=_column_sums(seq), mins=mins, maxs=maxs)
+
+
+_EXP_SCALE = torch.tensor([[1.0], [1.0], [1.0], [2.0]], dtype=F64)  # chi2_seq: exp(2 clamp(sum_t l))
+
+
+def _token_sums(values: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Scalars as float64; ``[T]`` columns (bool counts or float32 values) summed."""
+    out = {}
+    for name, v in values.items():
+        if v.dim() == 0:
+            out[name] = v.to(F64)
+        elif v.dtype == torch.bool:
+            out[name] = _count(v)
+        else:
+            out[name] = v.sum().to(F64)
+    return out
+
+
+def _column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``[n_seq]`` columns summed in one reduction per dtype (float64 results); scalars passed through."""
+    out = {k: v.to(F64) for k, v in columns.items() if v.dim() == 0}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, v in columns.items():
+        if v.dim() == 1:
+            by_dtype.setdefault(v.dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        stacked = torch.stack([columns[k] for k in names])
+        sums = stacked.sum(1) if dtype == torch.bool else stacked.sum(1, dtype=F64)
+        out.update(zip(names, sums.to(F64).unbind(0)))
+    return {k: out[k] for k in columns}

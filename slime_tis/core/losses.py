@@ -31,11 +31,12 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core.correction import TISResult, as_valid_mask, compute_tis, scalar_tensor
+from slime_tis.core.correction import TISResult, as_valid_mask, scalar_tensor, tis_on_segments
 from slime_tis.core.metrics import MetricStats, column_sums
-from slime_tis.core.packing import check_packed, segment_sum, sequence_ids
+from slime_tis.core.packing import check_packed
 from slime_tis.core.ratios import packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
+from slime_tis.core.segments import Segments
 
 __all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
 
@@ -78,9 +79,11 @@ def ppo_clip_term(
     return torch.where(dual_active, floor, loss), clip_active, dual_active
 
 
-def _sequence_counts(mask: Tensor, seq_id: Tensor, n_seq: int, reducer: Reducer) -> Tensor:
-    """Per-sequence count of ``mask`` tokens ``[n_seq]``, completed over context parallelism."""
-    return reducer.sequence_sum(segment_sum(mask.float().unsqueeze(1), seq_id, n_seq))[:, 0]
+def _sequence_counts(mask: Tensor, segments: Segments, reducer: Reducer) -> Tensor:
+    """Per-sequence count of ``mask`` tokens ``[n_seq]`` float32, completed over context parallelism."""
+    buf = segments.row_buffer(1)
+    buf[0, : segments.n_tokens].copy_(mask.view(torch.uint8))
+    return reducer.sequence_sum(segments.sums(buf))[:, 0].float()
 
 
 def loss_denominator(
@@ -106,10 +109,10 @@ def loss_denominator(
             raise ValueError("rejected_denominator='drop' (--tis-rejected-denominator drop) needs keep_mask")
         mask = keep_mask
     if config.loss_agg == "token-mean":
-        return mask.float().sum()
+        return torch.count_nonzero(mask).float()
     n_tokens = check_packed({"loss_mask": loss_mask}, cu_seqlens)
-    seq_id = sequence_ids(cu_seqlens, n_tokens, mask.device)
-    return (_sequence_counts(mask, seq_id, cu_seqlens.numel() - 1, reducer) > 0).float().sum()
+    segments = Segments(cu_seqlens, n_tokens, mask.device)
+    return (_sequence_counts(mask, segments, reducer) > 0).sum(dtype=torch.float32)
 
 
 def policy_loss(
@@ -160,8 +163,7 @@ def policy_loss(
     adv = advantages.float().detach()
     old = lp_old.float().detach() if alg in (0, 2) else None
     valid = as_valid_mask(loss_mask)
-    seq_id = sequence_ids(cu_seqlens, n_tokens, theta.device)
-    n_seq = cu_seqlens.numel() - 1
+    segments = Segments(cu_seqlens, n_tokens, theta.device)
 
     tis: TISResult | None = None
     stats = MetricStats()
@@ -169,15 +171,15 @@ def policy_loss(
         lp_train = old if alg in (0, 2) else theta_detached
         extra = (adv,) if alg != 0 else ()
         extra = extra + ((theta_detached,) if alg == 2 else ())
-        tis = compute_tis(config, lp_train, lp_rollout, loss_mask, cu_seqlens, reducer=reducer,
-                          batch_norm_factor=batch_norm_factor, extra_finite=extra)
+        tis = tis_on_segments(config, lp_train, lp_rollout, valid, segments, reducer,
+                              batch_norm_factor=batch_norm_factor, extra_finite=extra)
         stats = stats.merge(tis.stats)
     if tis is not None and alg != 0:
         keep, weights, ratios = tis.keep_mask, tis.weights, tis.ratios
     else:  # algorithm 0: only non-finite inputs of its own loss reject (rollout data changes nothing)
         with torch.no_grad():
-            ratios = packed_ratios(old, theta_detached, valid, seq_id, n_seq, reducer, extra_finite=(adv,))
-        keep = valid & ratios.seq_ok[seq_id]
+            ratios = packed_ratios(old, theta_detached, valid, segments, reducer, extra_finite=(adv,))
+        keep = ratios.token_ok
         weights = torch.ones_like(theta_detached)
 
     zero = torch.zeros((), dtype=torch.float32, device=theta.device)
@@ -200,8 +202,8 @@ def policy_loss(
 
     if config.loss_agg == "seq-mean-token-mean":
         counts = ratios.seq_count if config.rejected_denominator == "keep" else _sequence_counts(
-            keep, seq_id, n_seq, reducer)
-        numerator = (per_token / counts.clamp(min=1.0)[seq_id]).sum()
+            keep, segments, reducer)
+        numerator = (per_token / segments.expand(counts.clamp(min=1.0))).sum()
     else:
         numerator = per_token.sum()
     if denominator is None:

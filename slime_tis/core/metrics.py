@@ -64,25 +64,30 @@ __all__ = ["MetricStats", "masked_min", "masked_max", "column_sums"]
 
 def masked_min(x: Tensor, mask: Tensor) -> Tensor:
     """Minimum of ``x`` over ``mask`` (float32 scalar); ``+inf`` for an empty mask."""
-    inf = torch.full((1,), float("inf"), dtype=torch.float32, device=x.device)
-    return torch.cat([torch.where(mask, x.float(), inf), inf]).amin()
+    inf = torch.full((), float("inf"), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return inf
+    return torch.where(mask, x.float(), inf).amin()
 
 
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     """Maximum of ``x`` over ``mask`` (float32 scalar); ``-inf`` for an empty mask."""
-    return -masked_min(-x, mask)
+    neg_inf = torch.full((), float("-inf"), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return neg_inf
+    return torch.where(mask, x.float(), neg_inf).amax()
 
 
 def column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Sum several same-shaped columns in one pass: ``{name: column.sum()}`` (float64 scalars).
+    """``{name: column.sum()}`` as float64 scalars, each column summed on its own (no ``[T, k]`` copy).
 
-    Accumulating in float64 keeps second-moment metrics (``ratio_std = sqrt(E[x^2] - E[x]^2)``) and
-    differences of large sums exact to ~1e-12 relative; the columns themselves stay float32.
+    Bool columns are counted exactly; float columns are accumulated in float64, which keeps
+    differences of large sums exact to ~1e-12 relative (the columns themselves stay float32).
     """
-    if not columns:
-        return {}
-    sums = torch.stack([c.float() for c in columns.values()], dim=-1).sum(dim=0, dtype=torch.float64)
-    return dict(zip(columns, sums.unbind(0)))
+    out = {}
+    for name, c in columns.items():
+        out[name] = torch.count_nonzero(c).to(torch.float64) if c.dtype == torch.bool else c.sum(dtype=torch.float64)
+    return out
 
 
 @dataclass
@@ -136,26 +141,29 @@ class MetricStats:
         return MetricStats(det(self.token_sums), det(self.seq_sums), det(self.mins), det(self.maxs))
 
     def finalize(self) -> dict[str, Tensor]:
-        """Metric values (float64 scalar tensors) from the statistics present."""
+        """Metric values (float64 scalar tensors) from the statistics present (a few vector ops)."""
         v: dict[str, Tensor] = {
             k: t.double() for d in (self.token_sums, self.seq_sums, self.mins, self.maxs) for k, t in d.items()
         }
         out: dict[str, Tensor] = {}
-        for name, num, den, offset in _RATIO_METRICS:
-            if num in v and den in v:
-                out[name] = _div(v[num], v[den]) + offset * (v[den] > 0)
+        present = [(name, num, den) for name, num, den in _RATIO_METRICS if num in v and den in v]
+        if present:
+            # chi2 = mean(x) - 1 on a non-empty domain: numerator sum(x) - count, so 0 stays 0 when empty
+            nums = torch.stack([v[num] - v[den] if num in _MINUS_ONE else v[num] for _, num, den in present])
+            values = _div(nums, torch.stack([v[den] for _, _, den in present]))
+            out.update(zip((name for name, _, _ in present), values.unbind(0)))
         if "tis.ratio_sum" in v:
             n = v["tis.n_units"]
             mean = _div(v["tis.ratio_sum"], n)
             out["tis/ratio_std"] = (_div(v["tis.ratio_sq_sum"], n) - mean * mean).clamp(min=0).sqrt()
-        for name, key in (("tis/ratio_min", "tis.log_ratio_min"), ("tis/ratio_max", "tis.log_ratio_max")):
-            if key in v:
-                # unclamped up to e^+-700, where float64 stays finite
-                out[name] = torch.where(torch.isfinite(v[key]), v[key].clamp(-700, 700).exp(), torch.zeros_like(v[key]))
-        for name in ("tis/weight_min", "tis/weight_max"):
-            key = "tis." + name.split("/")[1]
-            if key in v:
-                out[name] = torch.where(torch.isfinite(v[key]), v[key], torch.zeros_like(v[key]))
+        for pairs, log_space in ((_RATIO_EXTREMES, True), (_WEIGHT_EXTREMES, False)):
+            pairs = [(name, key) for name, key in pairs if key in v]
+            if not pairs:
+                continue
+            raw = torch.stack([v[key] for _, key in pairs])
+            # ratio extremes unclamped up to e^+-700, where float64 stays finite; empty domains (+-inf) give 0
+            value = raw.clamp(-700, 700).exp() if log_space else raw
+            out.update(zip((name for name, _ in pairs), torch.where(torch.isfinite(raw), value, 0.0).unbind(0)))
         if "tis.w_sum" in v:
             out["tis/ess"] = _div(v["tis.w_sum"] ** 2, v["tis.n_kept_units"] * v["tis.w_sq_sum"])
         for name, key in (("tis/num_tokens", "tis.n_tok_valid"), ("tis/num_seqs", "tis.n_seq_valid")):
@@ -169,36 +177,39 @@ def _div(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-# (metric, numerator key, denominator key, offset added when the denominator is non-empty)
-_RATIO_METRICS: list[tuple[str, str, str, float]] = [
-    ("tis/kl", "tis.kl_sum", "tis.n_tok", 0.0),
-    ("tis/k3_kl", "tis.k3_sum", "tis.n_tok", 0.0),
-    ("tis/chi2_token", "tis.r2_sum", "tis.n_tok", -1.0),
-    ("tis/chi2_seq", "tis.chi2_seq_sum", "tis.n_seq", -1.0),
-    ("tis/training_log_ppl", "tis.train_log_ppl_sum", "tis.n_seq", 0.0),
-    ("tis/training_ppl", "tis.train_ppl_sum", "tis.n_seq", 0.0),
-    ("tis/rollout_log_ppl", "tis.rollout_log_ppl_sum", "tis.n_seq", 0.0),
-    ("tis/rollout_ppl", "tis.rollout_ppl_sum", "tis.n_seq", 0.0),
-    ("tis/log_ppl_diff", "tis.log_ppl_diff_sum", "tis.n_seq", 0.0),
-    ("tis/log_ppl_abs_diff", "tis.log_ppl_abs_diff_sum", "tis.n_seq", 0.0),
-    ("tis/ppl_ratio", "tis.ppl_ratio_sum", "tis.n_seq", 0.0),
-    ("tis/ratio_mean", "tis.ratio_sum", "tis.n_units", 0.0),
-    ("tis/weight_mean", "tis.w_sum", "tis.n_kept_units", 0.0),
-    ("tis/truncate_fraction", "tis.truncate_count", "tis.n_units", 0.0),
-    ("tis/clip_fraction_low", "tis.clip_low_count", "tis.n_units", 0.0),
-    ("tis/clip_fraction_high", "tis.clip_high_count", "tis.n_units", 0.0),
-    ("tis/mask_fraction_low", "tis.mask_low_count", "tis.n_units", 0.0),
-    ("tis/mask_fraction_high", "tis.mask_high_count", "tis.n_units", 0.0),
-    ("tis/rs_fraction_low", "tis.rs_low_count", "tis.n_rs_units", 0.0),
-    ("tis/rs_fraction_high", "tis.rs_high_count", "tis.n_rs_units", 0.0),
-    ("tis/veto_seq_fraction", "tis.veto_count", "tis.n_seq", 0.0),
-    ("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", "tis.n_seq_valid", 0.0),
-    ("tis/rejected_token_fraction", "tis.n_tok_rejected", "tis.n_tok_valid", 0.0),
-    ("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid", 0.0),
-    ("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls", 0.0),
-    ("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", 0.0),
-    ("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", 0.0),
-    ("policy/ppo_kl", "policy.ppo_kl_sum", "policy.n_tok_kept", 0.0),
-    ("policy/kept_token_fraction", "policy.n_tok_kept", "policy.n_tok_valid", 0.0),
-    ("policy/nonfinite_seq_fraction", "policy.n_seq_nonfinite", "policy.n_seq_valid", 0.0),
+# (metric, numerator key, denominator key): metric = numerator / denominator, 0 on an empty domain
+_RATIO_METRICS: list[tuple[str, str, str]] = [
+    ("tis/kl", "tis.kl_sum", "tis.n_tok"),
+    ("tis/k3_kl", "tis.k3_sum", "tis.n_tok"),
+    ("tis/chi2_token", "tis.r2_sum", "tis.n_tok"),
+    ("tis/chi2_seq", "tis.chi2_seq_sum", "tis.n_seq"),
+    ("tis/training_log_ppl", "tis.train_log_ppl_sum", "tis.n_seq"),
+    ("tis/training_ppl", "tis.train_ppl_sum", "tis.n_seq"),
+    ("tis/rollout_log_ppl", "tis.rollout_log_ppl_sum", "tis.n_seq"),
+    ("tis/rollout_ppl", "tis.rollout_ppl_sum", "tis.n_seq"),
+    ("tis/log_ppl_diff", "tis.log_ppl_diff_sum", "tis.n_seq"),
+    ("tis/log_ppl_abs_diff", "tis.log_ppl_abs_diff_sum", "tis.n_seq"),
+    ("tis/ppl_ratio", "tis.ppl_ratio_sum", "tis.n_seq"),
+    ("tis/ratio_mean", "tis.ratio_sum", "tis.n_units"),
+    ("tis/weight_mean", "tis.w_sum", "tis.n_kept_units"),
+    ("tis/truncate_fraction", "tis.truncate_count", "tis.n_units"),
+    ("tis/clip_fraction_low", "tis.clip_low_count", "tis.n_units"),
+    ("tis/clip_fraction_high", "tis.clip_high_count", "tis.n_units"),
+    ("tis/mask_fraction_low", "tis.mask_low_count", "tis.n_units"),
+    ("tis/mask_fraction_high", "tis.mask_high_count", "tis.n_units"),
+    ("tis/rs_fraction_low", "tis.rs_low_count", "tis.n_rs_units"),
+    ("tis/rs_fraction_high", "tis.rs_high_count", "tis.n_rs_units"),
+    ("tis/veto_seq_fraction", "tis.veto_count", "tis.n_seq"),
+    ("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", "tis.n_seq_valid"),
+    ("tis/rejected_token_fraction", "tis.n_tok_rejected", "tis.n_tok_valid"),
+    ("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid"),
+    ("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls"),
+    ("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept"),
+    ("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept"),
+    ("policy/ppo_kl", "policy.ppo_kl_sum", "policy.n_tok_kept"),
+    ("policy/kept_token_fraction", "policy.n_tok_kept", "policy.n_tok_valid"),
+    ("policy/nonfinite_seq_fraction", "policy.n_seq_nonfinite", "policy.n_seq_valid"),
 ]
+_MINUS_ONE = {"tis.r2_sum", "tis.chi2_seq_sum"}  # chi2 = mean - 1: the numerator is sum - count
+_RATIO_EXTREMES = [("tis/ratio_min", "tis.log_ratio_min"), ("tis/ratio_max", "tis.log_ratio_max")]
+_WEIGHT_EXTREMES = [("tis/weight_min", "tis.weight_min"), ("tis/weight_max", "tis.weight_max")]

@@ -10,48 +10,128 @@ Levels::
 A token is *valid* if its loss mask is 1. A sequence is *non-finite* if any valid token has a
 non-finite ``l_t`` (NaN/inf in either log-prob, or in an extra tensor such as the advantages); it
 is then rejected and excluded from every diagnostic. Values at invalid positions are ignored
-entirely, even NaN: they are replaced by selection (``torch.where``), never by multiplication.
+entirely, even NaN: they are dropped by selection (``segments.select``), never by multiplication.
 
-All per-sequence partial sums are stacked into one ``[n_seq, k]`` tensor and completed with a
-single ``reducer.sequence_sum`` call (one context-parallel all-reduce per micro-batch).
+One token pass writes the rows of a ``[k, T]`` buffer (float64 for ``l``, whose per-sequence sum
+must not depend on the rest of the batch at float32 resolution; float32 for the others), each
+finite (non-finite values are replaced by 0 and counted in a row of their own)::
+
+    l      = sel(valid, lp_train) - sel(valid, lp_rollout)        (0 at invalid or non-finite tokens)
+    lr     = sel(valid, lp_rollout)                                (idem)
+    valid  = 1 at valid tokens
+    bad    = 1 at valid tokens where l or an extra tensor is non-finite
+    veto   = 1 where l < log v                                     (only with a veto threshold)
+
+Their per-sequence sums ``[n_seq, k]`` (float64, ``Segments.sums``) are completed over context
+parallelism with a single ``reducer.sequence_sum`` call (one all-reduce per micro-batch).
+``mean_t lp_train = (sum l + sum lr) / n`` follows without a row of its own.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
-from slime_tis.core.packing import segment_sum
 from slime_tis.core.reducer import Reducer
+from slime_tis.core.segments import Segments, select, valid_bits
 
-__all__ = ["PackedRatios", "packed_ratios"]
+__all__ = ["PackedRatios", "packed_ratios", "ROW_LOG_RATIO", "ROW_LP_ROLLOUT", "ROW_VALID", "ROW_NONFINITE"]
+
+ROW_LOG_RATIO, ROW_LP_ROLLOUT, ROW_VALID, ROW_NONFINITE, ROW_VETO = range(5)
 
 
-@dataclass
+def as_float32(t: Tensor) -> Tensor:
+    """``t`` as float32 (no copy when it already is)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 class PackedRatios:
     """Per-token and per-sequence log-ratio quantities of one packed micro-batch.
 
     Shapes: ``[T]`` per token, ``[n_seq]`` per sequence (full-sequence values, identical on every
-    context-parallel rank after the reduction).
+    context-parallel rank after the reduction). Per-sequence float tensors are float32 except the
+    raw sums ``seq_sums`` / ``seq_sums_local`` (float64 ``[n_seq, k]``, columns ``ROW_*``).
+
+    Attributes:
+        segments: the packed layout (sequence index per token, expansion, segment sums).
+        valid: ``[T]`` bool loss mask; valid_bits: the same as an int32 selection mask.
+        log_ratio_valid: ``[T]`` float32 ``l_t`` at valid tokens with finite ``l_t``, 0 elsewhere.
+        seq_sums: ``[n_seq, k]`` float64 per-sequence row sums, completed over context parallelism.
+        seq_sums_local: the same before the reduction (this rank's tokens only).
+        seq_log_ratio_sum: sum of ``l_t`` over valid tokens (0 unless ``seq_ok``).
+        seq_log_ratio_mean: the geometric-level ``L_i`` (0 unless ``seq_ok``).
+        seq_count: number of valid tokens. seq_has_tokens: at least one valid token.
+        seq_nonfinite: has valid tokens with a non-finite value. seq_ok: has valid tokens, all finite.
+        seq_veto: finite and some valid token has raw ratio < veto threshold.
+        seq_mean_lp_train, seq_mean_lp_rollout: per-sequence mean log-probs (0 unless ``seq_ok``).
+
+    Computed on first use: ``seq_id``, ``token_ok`` (valid and its sequence is ok: the diagnostic token
+    domain) and ``token_ok_bits``, ``log_ratio``, ``lp_train``, ``lp_rollout`` (``[T]``, 0 outside
+    ``token_ok``).
     """
 
-    seq_id: Tensor  # [T] int64
-    valid: Tensor  # [T] bool, loss mask
-    token_ok: Tensor  # [T] bool, valid and its sequence is finite (the diagnostic token domain)
-    log_ratio: Tensor  # [T] float32, raw l_t (0 outside token_ok)
-    lp_train: Tensor  # [T] float32, 0 outside token_ok
-    lp_rollout: Tensor  # [T] float32, 0 outside token_ok
-    seq_log_ratio_sum: Tensor  # [n_seq] float32, sum of l_t over valid tokens (finite sequences)
-    seq_count: Tensor  # [n_seq] float32, number of valid tokens
-    seq_has_tokens: Tensor  # [n_seq] bool, at least one valid token
-    seq_nonfinite: Tensor  # [n_seq] bool, has valid tokens with a non-finite value
-    seq_ok: Tensor  # [n_seq] bool, has valid tokens and all are finite
-    seq_veto: Tensor  # [n_seq] bool, finite and some valid token has raw ratio < veto threshold
-    seq_mean_lp_train: Tensor  # [n_seq] float32, 0 where not seq_ok
-    seq_mean_lp_rollout: Tensor  # [n_seq] float32, 0 where not seq_ok
+    def __init__(self, segments: Segments, valid: Tensor, bits: Tensor, lp_train: Tensor, lp_rollout: Tensor,
+                 log_ratio_valid: Tensor, local: Tensor, full: Tensor, has_veto: bool) -> None:
+        self.segments = segments
+        self.valid = valid
+        self.valid_bits = bits
+        self.log_ratio_valid = log_ratio_valid
+        self._lp_train = lp_train
+        self._lp_rollout = lp_rollout
+        self.seq_sums_local = local
+        self.seq_sums = full
+
+        count = full[:, ROW_VALID]
+        self.seq_has_tokens = count > 0
+        self.seq_nonfinite = self.seq_has_tokens & (full[:, ROW_NONFINITE] > 0)
+        self.seq_ok = self.seq_has_tokens & ~self.seq_nonfinite
+        zero = torch.zeros((), dtype=torch.float64, device=full.device)
+        denom = count.clamp(min=1.0)
+        log_sum = torch.where(self.seq_ok, full[:, ROW_LOG_RATIO], zero)
+        lr_sum = torch.where(self.seq_ok, full[:, ROW_LP_ROLLOUT], zero)
+        self.seq_count = count.float()
+        self.seq_log_ratio_sum = log_sum.float()
+        self.seq_log_ratio_mean = (log_sum / denom).float()
+        self.seq_mean_lp_rollout = (lr_sum / denom).float()
+        self.seq_mean_lp_train = ((lr_sum + log_sum) / denom).float()
+        self.seq_veto = (self.seq_ok & (full[:, ROW_VETO] > 0)) if has_veto else torch.zeros_like(self.seq_ok)
+
+    @property
+    def n_seq(self) -> int:
+        return self.segments.n_seq
+
+    @cached_property
+    def seq_id(self) -> Tensor:
+        """``[T]`` int64 sequence index of every token."""
+        return self.segments.index
+
+    @cached_property
+    def token_ok_bits(self) -> Tensor:
+        """``[T]`` int32 selection mask of ``token_ok`` (see ``segments.select``)."""
+        return self.segments.expand(valid_bits(self.seq_ok)).bitwise_and_(self.valid_bits)
+
+    @cached_property
+    def token_ok(self) -> Tensor:
+        """``[T]`` bool: valid and its sequence is ok."""
+        return self.token_ok_bits.bool()
+
+    @cached_property
+    def log_ratio(self) -> Tensor:
+        """``[T]`` float32 raw ``l_t`` on ``token_ok``, 0 elsewhere."""
+        return select(self.segments.expand(valid_bits(self.seq_ok)), self.log_ratio_valid)  # already 0 if invalid
+
+    @cached_property
+    def lp_train(self) -> Tensor:
+        """``[T]`` float32 training log-probs on ``token_ok``, 0 elsewhere."""
+        return torch.where(self.token_ok, self._lp_train, 0.0)
+
+    @cached_property
+    def lp_rollout(self) -> Tensor:
+        """``[T]`` float32 rollout log-probs on ``token_ok``, 0 elsewhere."""
+        return torch.where(self.token_ok, self._lp_rollout, 0.0)
 
     def level_log_ratio(self, level: str) -> Tensor:
         """Unclamped ``L`` per unit: ``[T]`` at token level, ``[n_seq]`` at sequence/geometric level."""
@@ -59,7 +139,7 @@ class PackedRatios:
             return self.log_ratio
         if level == "sequence":
             return self.seq_log_ratio_sum
-        return self.seq_log_ratio_sum / self.seq_count.clamp(min=1.0)
+        return self.seq_log_ratio_mean
 
     def unit_ok(self, level: str) -> Tensor:
         """Diagnostic domain of ``level``'s units: ``token_ok`` [T] or ``seq_ok`` [n_seq]."""
@@ -70,64 +150,45 @@ def packed_ratios(
     lp_train: Tensor,
     lp_rollout: Tensor,
     valid: Tensor,
-    seq_id: Tensor,
-    n_seq: int,
+    segments: Segments,
     reducer: Reducer,
     *,
     veto_threshold: float | None = None,
     extra_finite: tuple[Tensor, ...] = (),
 ) -> PackedRatios:
-    """Compute :class:`PackedRatios` (one ``reducer.sequence_sum`` call).
+    """Compute :class:`PackedRatios` (one token pass, one ``reducer.sequence_sum`` call).
 
     Args:
-        lp_train, lp_rollout: ``[T]`` log-probs (any float dtype; computed in float32).
+        lp_train, lp_rollout: ``[T]`` log-probs (any float dtype; computed in float32), detached.
         valid: ``[T]`` bool loss mask.
-        seq_id: ``[T]`` int64 sequence index of each token.
-        n_seq: number of sequences (``len(cu_seqlens) - 1``).
+        segments: the packed layout of the batch.
         reducer: completes per-sequence sums over context parallelism.
         veto_threshold: if set, flag sequences with a valid token whose raw ratio ``< v``
             (compared in log space: ``l_t < log v``).
         extra_finite: further ``[T]`` tensors that must be finite at valid tokens (e.g. advantages).
     """
-    lt = lp_train.float()
-    lr = lp_rollout.float()
-    diff = lt - lr  # NaN or +-inf whenever either input is
-    finite = torch.isfinite(diff)
+    lt, lr = as_float32(lp_train), as_float32(lp_rollout)
+    bits = valid_bits(valid)
+    n_tokens = segments.n_tokens
+    buf64 = segments.row_buffer(1, torch.float64)  # the log-ratio row: sums independent of the batch around
+    buf = segments.row_buffer(ROW_VETO - 1 + (veto_threshold is not None))
+    lr_valid, valid_row, bad = (buf[r - 1, :n_tokens] for r in (ROW_LP_ROLLOUT, ROW_VALID, ROW_NONFINITE))
+
+    select(bits, lr, out=lr_valid)
+    log_ratio = select(bits, lt).sub_(lr_valid)  # NaN or +-inf whenever either input is
+    torch.sub(log_ratio, log_ratio, out=bad)  # 0, or NaN where l is not finite
     for extra in extra_finite:
-        finite = finite & torch.isfinite(extra)
-    good = valid & finite
-    zero = torch.zeros((), dtype=torch.float32, device=lt.device)
-    log_ratio = torch.where(good, diff, zero)
-    lt_good = torch.where(good, lt, zero)
-    lr_good = torch.where(good, lr, zero)
-
-    columns = [log_ratio, valid.float(), (valid & ~finite).float(), lt_good, lr_good]
+        bad.add_(extra).sub_(extra)  # stays 0 where extra is finite, NaN elsewhere
+    bad.ne_(0.0)
+    if extra_finite:
+        select(bits, bad, out=bad)
+    log_ratio.nan_to_num_(0.0, 0.0, 0.0)
+    lr_valid.nan_to_num_(0.0, 0.0, 0.0)
+    valid_row.copy_(valid.view(torch.uint8))
     if veto_threshold is not None:
-        columns.append((good & (log_ratio < math.log(veto_threshold))).float())
-    per_seq = reducer.sequence_sum(segment_sum(torch.stack(columns, dim=1), seq_id, n_seq))
+        torch.lt(log_ratio, math.log(veto_threshold), out=buf[ROW_VETO - 1, :n_tokens])
+    buf64[0, :n_tokens].copy_(log_ratio)
 
-    seq_count = per_seq[:, 1]
-    seq_has_tokens = seq_count > 0
-    seq_nonfinite = seq_has_tokens & (per_seq[:, 2] > 0)
-    seq_ok = seq_has_tokens & ~seq_nonfinite
-    seq_zero = torch.zeros((), dtype=torch.float32, device=lt.device)
-    seq_log_ratio_sum = torch.where(seq_ok, per_seq[:, 0], seq_zero)
-    denom = seq_count.clamp(min=1.0)
-    seq_veto = seq_ok & (per_seq[:, 5] > 0) if veto_threshold is not None else torch.zeros_like(seq_ok)
-    token_ok = valid & seq_ok[seq_id]
-    return PackedRatios(
-        seq_id=seq_id,
-        valid=valid,
-        token_ok=token_ok,
-        log_ratio=torch.where(token_ok, log_ratio, zero),
-        lp_train=torch.where(token_ok, lt_good, zero),
-        lp_rollout=torch.where(token_ok, lr_good, zero),
-        seq_log_ratio_sum=seq_log_ratio_sum,
-        seq_count=seq_count,
-        seq_has_tokens=seq_has_tokens,
-        seq_nonfinite=seq_nonfinite,
-        seq_ok=seq_ok,
-        seq_veto=seq_veto,
-        seq_mean_lp_train=torch.where(seq_ok, per_seq[:, 3] / denom, seq_zero),
-        seq_mean_lp_rollout=torch.where(seq_ok, per_seq[:, 4] / denom, seq_zero),
-    )
+    local = torch.cat([segments.sums(buf64), segments.sums(buf)], dim=1)
+    full = reducer.sequence_sum(local)
+    return PackedRatios(segments, valid, bits, lt, lr, log_ratio, local, full, veto_threshold is not None)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
@@ -47,34 +46,35 @@ class Rejection:
     rs_above: Tensor | None
 
 
-def _to_tokens(unit_mask: Tensor, level: str, ratios: PackedRatios) -> Tensor:
-    return unit_mask if level == "token" else unit_mask[ratios.seq_id]
-
-
 def find_rejections(config: TISConfig, ratios: PackedRatios) -> Rejection:
-    """Apply every configured rejection rule to ``ratios`` (see module docstring)."""
-    token_reject = torch.zeros_like(ratios.valid)
+    """Apply every configured rejection rule to ``ratios`` (see module docstring).
+
+    Unit masks need no restriction to the diagnostic domain: ``ratios.level_log_ratio`` is 0 outside
+    it and every pair of bounds contains 1 (``lower <= 1 <= upper``), so ``L = 0`` is never outside them.
+    """
     seq_reject = ratios.seq_nonfinite | ratios.seq_veto
+    token_reject: Tensor | None = None
 
     mode_below = mode_above = rs_below = rs_above = None
     if config.mode == "mask" and config.algorithm != 0:
-        ok = ratios.unit_ok(config.level)
-        below, above = outside_bounds(ratios.level_log_ratio(config.level), config.lower_bound, config.upper_bound)
-        mode_below, mode_above = below & ok, above & ok
+        mode_below, mode_above = outside_bounds(
+            ratios.level_log_ratio(config.level), config.lower_bound, config.upper_bound
+        )
         if config.level == "token":
-            token_reject = token_reject | mode_below | mode_above
+            token_reject = mode_below | mode_above
         else:
             seq_reject = seq_reject | mode_below | mode_above
     if config.rs_level is not None:
-        ok = ratios.unit_ok(config.rs_level)
-        below, above = outside_bounds(
+        rs_below, rs_above = outside_bounds(
             ratios.level_log_ratio(config.rs_level), config.rs_lower_bound, config.rs_upper_bound
         )
-        rs_below, rs_above = below & ok, above & ok
         if config.rs_level == "token":
-            token_reject = token_reject | rs_below | rs_above
+            rs_reject = rs_below | rs_above
+            token_reject = rs_reject if token_reject is None else token_reject | rs_reject
         else:
             seq_reject = seq_reject | rs_below | rs_above
 
-    keep = ratios.valid & ~token_reject & ~_to_tokens(seq_reject, "sequence", ratios)
+    keep = ratios.valid & ~ratios.segments.expand(seq_reject)
+    if token_reject is not None:
+        keep = keep & ~token_reject
     return Rejection(keep, seq_reject, mode_below, mode_above, rs_below, rs_above)
