@@ -26,7 +26,7 @@ from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import check_packed
 from slime_tis.core.ratios import PackedRatios, packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
-from slime_tis.core.rejection import find_rejections
+from slime_tis.core.rejection import sequence_rejections, token_rejections
 from slime_tis.core.segments import Segments, select, valid_bits
 from slime_tis.core.weights import bounded_weights
 
@@ -125,19 +125,24 @@ def tis_on_segments(
             veto_threshold=config.veto_threshold if config.algorithm != 0 else None,
             extra_finite=tuple(t.detach() for t in extra_finite),
         )
-        rejection = find_rejections(config, ratios)
+        rejection = sequence_rejections(config, ratios)
+        kept_seq = ratios.seq_ok & ~rejection.seq_rejected
         per_seq_units = config.level != "token"
-        level_log = ratios.level_log_ratio(config.level)
-        if config.applies_weights:
-            unit_weights = bounded_weights(
-                config.mode, level_log, config.lower_bound, config.upper_bound, config.safety_bound
-            )
+        seq_weights = _unit_weights(config, ratios.level_log_ratio(config.level)) if per_seq_units else None
+
+        tokens = SequenceCode(segments, ratios.seq_ok, kept_seq, seq_weights, valid, ratios.valid_bits)
+        log_ratio = ratios.set_log_ratio(ratios.log_ratio_valid * tokens.ok)  # l_valid is finite: exact
+        token_rejections(config, log_ratio, rejection)
+        keep = tokens.kept
+        rejection.keep = keep if rejection.token_rejected is None else keep.logical_and_(~rejection.token_rejected)
+
+        if per_seq_units:
+            unit_weights, kept_units = seq_weights, kept_seq
         else:
-            unit_weights = torch.ones_like(level_log)
-        kept_units = (ratios.seq_ok & ~rejection.seq_rejected) if per_seq_units else rejection.keep
+            unit_weights, kept_units = _unit_weights(config, log_ratio), rejection.keep
         kept_weights = masked(kept_units, unit_weights)
         norm_sum = kept_weights.sum()
-        norm_count = kept_units.sum(dtype=torch.float32)
+        norm_count = torch.count_nonzero(kept_units).float()
 
         factor: Tensor | None = None
         if config.batch_normalize:
@@ -150,12 +155,44 @@ def tis_on_segments(
             kept_weights = kept_weights * factor
 
         if per_seq_units:  # w_{u(t)} at valid tokens of finite sequences
-            token_weights = select(ratios.valid_bits, segments.expand(masked(ratios.seq_ok, unit_weights)))
-        else:  # unit_weights is f(0) outside token_ok, where log_ratio is 0
-            token_weights = select(ratios.token_ok_bits, unit_weights)
+            token_weights = tokens.magnitude if factor is None else tokens.magnitude.mul_(factor)
+        else:  # unit_weights is f(0) at tokens outside token_ok, where log_ratio is 0
+            token_weights = select(ratios.valid_bits, unit_weights * tokens.ok)
         stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, kept_weights, factor)
 
     return TISResult(token_weights, rejection.keep, stats, norm_sum, norm_count, ratios)
+
+
+def _unit_weights(config: TISConfig, level_log: Tensor) -> Tensor:
+    """Bounded weights of the level log-ratios (ones when the algorithm applies no weights)."""
+    if not config.applies_weights:
+        return torch.ones_like(level_log)
+    return bounded_weights(config.mode, level_log, config.lower_bound, config.upper_bound, config.safety_bound)
+
+
+class SequenceCode:
+    """Per-sequence flags and weights broadcast to tokens with ONE expansion of a float32 code.
+
+    ``code_i = +m_i`` (kept), ``-m_i`` (finite but rejected) or ``-0.0`` (not ``seq_ok``), where
+    ``m_i = max(w_i, FLT_MIN) > 0`` is the sequence weight (1 at token level; ``w_i`` only differs
+    from ``m_i`` if ``exp(-B)`` underflows, i.e. for a safety bound above 87). Per token (exact):
+
+    * ``magnitude``: ``|code|`` at valid tokens, 0 elsewhere (the token weights before batch-norm);
+    * ``ok``: 1.0 at valid tokens of ``seq_ok`` sequences, else 0.0 (``sign(magnitude)``);
+    * ``kept``: bool, valid tokens of kept sequences (``code > 0``).
+    """
+
+    def __init__(self, segments: Segments, seq_ok: Tensor, kept_seq: Tensor, weights: Tensor | None,
+                 valid: Tensor, valid_bits: Tensor) -> None:
+        m = torch.ones_like(seq_ok, dtype=torch.float32) if weights is None else weights.clamp(min=_FLT_MIN)
+        code = torch.where(seq_ok, torch.where(kept_seq, m, -m), torch.full_like(m, -0.0))
+        expanded = segments.expand(code)
+        self.kept = torch.gt(expanded, 0.0).logical_and_(valid)
+        self.magnitude = select(valid_bits, expanded.abs_(), out=expanded)
+        self.ok = torch.sign(self.magnitude)
+
+
+_FLT_MIN = torch.finfo(torch.float32).tiny
 
 
 def masked(mask: Tensor, x: Tensor) -> Tensor:

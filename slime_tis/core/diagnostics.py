@@ -86,7 +86,9 @@ def tis_statistics(
     mean_diff = -log_sum / count
     # exponents: training log-ppl (-mean_t lp_train), rollout log-ppl, log_ppl_diff, sum_t l (chi2_seq)
     logs = torch.stack([mean_diff - lr_mean, -lr_mean, mean_diff, log_sum])
-    exps = torch.where(seq_ok, torch.exp(logs.clamp(-bound, bound) * _EXP_SCALE.to(device)), zero)
+    exponents = logs.clamp(-bound, bound)
+    exponents[3] *= 2.0  # chi2_seq: exp(2 clamp(sum_t l, -B, B))
+    exps = torch.where(seq_ok, exponents.exp_(), zero)
     seq: dict[str, Tensor] = {
         "tis.n_seq_valid": has,
         "tis.n_seq": seq_ok,
@@ -147,9 +149,6 @@ def tis_statistics(
         seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
         seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=device)
     return MetricStats(token_sums=_token_sums(tok), seq_sums=_column_sums(seq), mins=mins, maxs=maxs)
-
-
-_EXP_SCALE = torch.tensor([[1.0], [1.0], [1.0], [2.0]], dtype=F64)  # chi2_seq: exp(2 clamp(sum_t l))
 
 
 def _token_sums(values: dict[str, Tensor]) -> dict[str, Tensor]:

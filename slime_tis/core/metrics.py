@@ -143,7 +143,8 @@ class MetricStats:
     def finalize(self) -> dict[str, Tensor]:
         """Metric values (float64 scalar tensors) from the statistics present (a few vector ops)."""
         v: dict[str, Tensor] = {
-            k: t.double() for d in (self.token_sums, self.seq_sums, self.mins, self.maxs) for k, t in d.items()
+            k: t if t.dtype == torch.float64 else t.double()
+            for d in (self.token_sums, self.seq_sums, self.mins, self.maxs) for k, t in d.items()
         }
         out: dict[str, Tensor] = {}
         present = [(name, num, den) for name, num, den in _RATIO_METRICS if num in v and den in v]

@@ -6,8 +6,9 @@ length ``n_seq + 1`` with ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == T``. Se
 tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``; zero-length sequences are allowed (a context-parallel
 rank may hold no token of a sequence).
 
-Everything here is vectorised: a sequence id per token comes from ``searchsorted`` (no host sync,
-no Python loop over sequences) and segment sums from ``index_add_``.
+Everything here is vectorised: a sequence id per token comes from ``repeat_interleave`` with
+``output_size`` (no host sync, no Python loop over sequences) and segment sums from ``index_add_``
+(the core's own hot path uses ``slime_tis.core.segments``).
 """
 
 from __future__ import annotations
@@ -75,11 +76,11 @@ def check_packed(tensors: Mapping[str, Tensor | None], cu_seqlens: Tensor) -> in
 def sequence_ids(cu_seqlens: Tensor, n_tokens: int, device: torch.device) -> Tensor:
     """Sequence index of every token: ``seq_id[t] = i`` for ``cu_seqlens[i] <= t < cu_seqlens[i+1]``.
 
-    Shape ``[T]`` int64, computed with ``searchsorted`` (no host sync; zero-length sequences skipped).
+    Shape ``[T]`` int64: ``repeat_interleave(lengths, output_size=T)`` (no host sync given the size;
+    zero-length sequences are skipped).
     """
-    boundaries = cu_seqlens[1:].to(device=device, dtype=torch.int64)
-    positions = torch.arange(n_tokens, device=device, dtype=torch.int64)
-    return torch.searchsorted(boundaries, positions, right=True)
+    offsets = cu_seqlens.to(device=device, dtype=torch.int64)
+    return torch.repeat_interleave(offsets[1:] - offsets[:-1], output_size=n_tokens)
 
 
 def segment_sum(values: Tensor, seq_id: Tensor, n_seq: int) -> Tensor:

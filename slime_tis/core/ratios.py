@@ -66,11 +66,10 @@ class PackedRatios:
         seq_count: number of valid tokens. seq_has_tokens: at least one valid token.
         seq_nonfinite: has valid tokens with a non-finite value. seq_ok: has valid tokens, all finite.
         seq_veto: finite and some valid token has raw ratio < veto threshold.
-        seq_mean_lp_train, seq_mean_lp_rollout: per-sequence mean log-probs (0 unless ``seq_ok``).
 
-    Computed on first use: ``seq_id``, ``token_ok`` (valid and its sequence is ok: the diagnostic token
-    domain) and ``token_ok_bits``, ``log_ratio``, ``lp_train``, ``lp_rollout`` (``[T]``, 0 outside
-    ``token_ok``).
+    Computed on first use: ``seq_mean_lp_train``, ``seq_mean_lp_rollout`` (``[n_seq]``, 0 unless
+    ``seq_ok``), ``seq_id``, ``token_ok`` (valid and its sequence is ok: the diagnostic token domain),
+    ``log_ratio``, ``lp_train``, ``lp_rollout`` (``[T]``, 0 outside ``token_ok``).
     """
 
     def __init__(self, segments: Segments, valid: Tensor, bits: Tensor, lp_train: Tensor, lp_rollout: Tensor,
@@ -88,15 +87,10 @@ class PackedRatios:
         self.seq_has_tokens = count > 0
         self.seq_nonfinite = self.seq_has_tokens & (full[:, ROW_NONFINITE] > 0)
         self.seq_ok = self.seq_has_tokens & ~self.seq_nonfinite
-        zero = torch.zeros((), dtype=torch.float64, device=full.device)
-        denom = count.clamp(min=1.0)
-        log_sum = torch.where(self.seq_ok, full[:, ROW_LOG_RATIO], zero)
-        lr_sum = torch.where(self.seq_ok, full[:, ROW_LP_ROLLOUT], zero)
         self.seq_count = count.float()
+        log_sum = torch.where(self.seq_ok, full[:, ROW_LOG_RATIO], 0.0)
         self.seq_log_ratio_sum = log_sum.float()
-        self.seq_log_ratio_mean = (log_sum / denom).float()
-        self.seq_mean_lp_rollout = (lr_sum / denom).float()
-        self.seq_mean_lp_train = ((lr_sum + log_sum) / denom).float()
+        self.seq_log_ratio_mean = (log_sum / count.clamp(min=1.0)).float()
         self.seq_veto = (self.seq_ok & (full[:, ROW_VETO] > 0)) if has_veto else torch.zeros_like(self.seq_ok)
 
     @property
@@ -104,19 +98,27 @@ class PackedRatios:
         return self.segments.n_seq
 
     @cached_property
+    def seq_mean_lp_rollout(self) -> Tensor:
+        """``[n_seq]`` float32 mean rollout log-prob over valid tokens (0 unless ``seq_ok``)."""
+        return self._seq_mean(self.seq_sums[:, ROW_LP_ROLLOUT])
+
+    @cached_property
+    def seq_mean_lp_train(self) -> Tensor:
+        """``[n_seq]`` float32 mean training log-prob, ``(sum l + sum lp_rollout) / n`` (0 unless ``seq_ok``)."""
+        return self._seq_mean(self.seq_sums[:, ROW_LP_ROLLOUT] + self.seq_sums[:, ROW_LOG_RATIO])
+
+    def _seq_mean(self, total: Tensor) -> Tensor:
+        return torch.where(self.seq_ok, total / self.seq_sums[:, ROW_VALID].clamp(min=1.0), 0.0).float()
+
+    @cached_property
     def seq_id(self) -> Tensor:
         """``[T]`` int64 sequence index of every token."""
         return self.segments.index
 
     @cached_property
-    def token_ok_bits(self) -> Tensor:
-        """``[T]`` int32 selection mask of ``token_ok`` (see ``segments.select``)."""
-        return self.segments.expand(valid_bits(self.seq_ok)).bitwise_and_(self.valid_bits)
-
-    @cached_property
     def token_ok(self) -> Tensor:
         """``[T]`` bool: valid and its sequence is ok."""
-        return self.token_ok_bits.bool()
+        return self.segments.expand(self.seq_ok).logical_and_(self.valid)
 
     @cached_property
     def log_ratio(self) -> Tensor:
@@ -132,6 +134,11 @@ class PackedRatios:
     def lp_rollout(self) -> Tensor:
         """``[T]`` float32 rollout log-probs on ``token_ok``, 0 elsewhere."""
         return torch.where(self.token_ok, self._lp_rollout, 0.0)
+
+    def set_log_ratio(self, log_ratio: Tensor) -> Tensor:
+        """Store ``log_ratio`` (computed by the caller, e.g. from a sequence-code expansion) and return it."""
+        self.__dict__["log_ratio"] = log_ratio
+        return log_ratio
 
     def level_log_ratio(self, level: str) -> Tensor:
         """Unclamped ``L`` per unit: ``[T]`` at token level, ``[n_seq]`` at sequence/geometric level."""
@@ -189,6 +196,6 @@ def packed_ratios(
         torch.lt(log_ratio, math.log(veto_threshold), out=buf[ROW_VETO - 1, :n_tokens])
     buf64[0, :n_tokens].copy_(log_ratio)
 
-    local = torch.cat([segments.sums(buf64), segments.sums(buf)], dim=1)
+    local = segments.sums(buf64, buf)
     full = reducer.sequence_sum(local)
     return PackedRatios(segments, valid, bits, lt, lr, log_ratio, local, full, veto_threshold is not None)

@@ -25,7 +25,7 @@ from slime_tis.config import TISConfig
 from slime_tis.core.ratios import PackedRatios
 from slime_tis.core.weights import outside_bounds
 
-__all__ = ["Rejection", "find_rejections"]
+__all__ = ["Rejection", "find_rejections", "sequence_rejections", "token_rejections"]
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Rejection:
 
     ``keep``: ``[T]`` bool, valid tokens that survive every rule. ``seq_rejected``: ``[n_seq]`` bool,
     sequences rejected as a whole (non-finite, veto, or a sequence/geometric-level rule).
+    ``token_rejected``: ``[T]`` bool tokens rejected by a token-level rule, or ``None`` without one.
     ``mode_below/above`` and ``rs_below/above`` are per-unit masks (``[T]`` or ``[n_seq]``) restricted
     to the diagnostic domain, or ``None`` when the rule is off.
     """
@@ -44,37 +45,50 @@ class Rejection:
     mode_above: Tensor | None
     rs_below: Tensor | None
     rs_above: Tensor | None
+    token_rejected: Tensor | None = None
 
 
 def find_rejections(config: TISConfig, ratios: PackedRatios) -> Rejection:
-    """Apply every configured rejection rule to ``ratios`` (see module docstring).
+    """Apply every configured rejection rule to ``ratios`` (see module docstring)."""
+    rejection = sequence_rejections(config, ratios)
+    token_rejections(config, ratios.log_ratio, rejection)
+    keep = ratios.valid & ~ratios.segments.expand(rejection.seq_rejected)
+    rejection.keep = keep if rejection.token_rejected is None else keep & ~rejection.token_rejected
+    return rejection
+
+
+def sequence_rejections(config: TISConfig, ratios: PackedRatios) -> Rejection:
+    """The sequence-level rules (non-finite, veto, sequence/geometric mode and rejection sampling).
+
+    Returns a :class:`Rejection` whose ``keep`` is still unset (an empty tensor) and whose
+    token-level fields are filled by :func:`token_rejections`.
 
     Unit masks need no restriction to the diagnostic domain: ``ratios.level_log_ratio`` is 0 outside
     it and every pair of bounds contains 1 (``lower <= 1 <= upper``), so ``L = 0`` is never outside them.
     """
     seq_reject = ratios.seq_nonfinite | ratios.seq_veto
-    token_reject: Tensor | None = None
-
-    mode_below = mode_above = rs_below = rs_above = None
-    if config.mode == "mask" and config.algorithm != 0:
-        mode_below, mode_above = outside_bounds(
+    out = Rejection(seq_reject.new_empty(0), seq_reject, None, None, None, None)
+    if config.mode == "mask" and config.algorithm != 0 and config.level != "token":
+        out.mode_below, out.mode_above = outside_bounds(
             ratios.level_log_ratio(config.level), config.lower_bound, config.upper_bound
         )
-        if config.level == "token":
-            token_reject = mode_below | mode_above
-        else:
-            seq_reject = seq_reject | mode_below | mode_above
-    if config.rs_level is not None:
-        rs_below, rs_above = outside_bounds(
+        seq_reject = seq_reject | out.mode_below | out.mode_above
+    if config.rs_level is not None and config.rs_level != "token":
+        out.rs_below, out.rs_above = outside_bounds(
             ratios.level_log_ratio(config.rs_level), config.rs_lower_bound, config.rs_upper_bound
         )
-        if config.rs_level == "token":
-            rs_reject = rs_below | rs_above
-            token_reject = rs_reject if token_reject is None else token_reject | rs_reject
-        else:
-            seq_reject = seq_reject | rs_below | rs_above
+        seq_reject = seq_reject | out.rs_below | out.rs_above
+    out.seq_rejected = seq_reject
+    return out
 
-    keep = ratios.valid & ~ratios.segments.expand(seq_reject)
-    if token_reject is not None:
-        keep = keep & ~token_reject
-    return Rejection(keep, seq_reject, mode_below, mode_above, rs_below, rs_above)
+
+def token_rejections(config: TISConfig, log_ratio: Tensor, rejection: Rejection) -> None:
+    """The token-level rules on ``log_ratio`` (``[T]``, 0 outside the token domain), into ``rejection``."""
+    if config.mode == "mask" and config.algorithm != 0 and config.level == "token":
+        rejection.mode_below, rejection.mode_above = outside_bounds(log_ratio, config.lower_bound, config.upper_bound)
+        rejection.token_rejected = rejection.mode_below | rejection.mode_above
+    if config.rs_level == "token":
+        rejection.rs_below, rejection.rs_above = outside_bounds(log_ratio, config.rs_lower_bound, config.rs_upper_bound)
+        rs_reject = rejection.rs_below | rejection.rs_above
+        token = rejection.token_rejected
+        rejection.token_rejected = rs_reject if token is None else token | rs_reject

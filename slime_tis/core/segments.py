@@ -46,7 +46,8 @@ class Segments:
         self.lengths = self.offsets[1:] - self.offsets[:-1]
         self.chunk = _chunk_size(n_tokens, self.n_seq)
         self._index: Tensor | None = None
-        self._boundary_cache: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+        self._bounds: tuple[Tensor, Tensor] | None = None
+        self._plan: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
     def index(self) -> Tensor:
@@ -56,8 +57,28 @@ class Segments:
         return self._index
 
     def expand(self, values: Tensor) -> Tensor:
-        """Per-sequence ``values`` ``[n_seq]`` broadcast to their tokens: ``[T]``, ``out[t] = values[seq_id[t]]``."""
-        return values.index_select(0, self.index)
+        """Per-sequence ``values`` ``[n_seq]`` broadcast to their tokens: ``[T]``, ``out[t] = values[seq_id[t]]``.
+
+        On an accelerator one ``index_select``. On the CPU, where ``index_select`` is a gather that
+        does not scale with threads, a broadcast per chunk of ``C`` tokens (the value of the chunk's
+        first token) followed by an exact rewrite of the chunks that hold a sequence boundary.
+        """
+        if values.device.type != "cpu" or self.n_tokens == 0:
+            return values.index_select(0, self.index)
+        first, rows, row_seq = self._broadcast_plan()
+        out = values.index_select(0, first).unsqueeze(1).repeat(1, self.chunk)  # [n_chunks, C]
+        out.index_copy_(0, rows, values.index_select(0, row_seq.view(-1)).view(-1, self.chunk))
+        return out.view(-1)[: self.n_tokens]
+
+    def _broadcast_plan(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Sequence of each chunk's first token, the chunks holding a boundary, their tokens' sequences."""
+        if self._plan is None:
+            chunk, index = self.chunk, self.index
+            n_chunks = -(-self.n_tokens // chunk)
+            rows = torch.div(self.offsets, chunk, rounding_mode="floor").clamp_(max=max(n_chunks - 1, 0))
+            positions = (rows[:, None] * chunk + torch.arange(chunk, device=self.device)).clamp_(max=self.n_tokens - 1)
+            self._plan = index[::chunk], rows, index[positions]
+        return self._plan
 
     def row_buffer(self, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
         """A ``[k, T_pad]`` buffer for :meth:`sums`: write row ``r`` into ``buf[r, :T]``.
@@ -69,38 +90,44 @@ class Segments:
         buf[:, self.n_tokens:].zero_()
         return buf
 
-    def sums(self, buf: Tensor) -> Tensor:
-        """Per-sequence sums ``[n_seq, k]`` (float64) of the finite rows of ``buf`` (from :meth:`row_buffer`).
+    def sums(self, *bufs: Tensor) -> Tensor:
+        """Per-sequence sums ``[n_seq, k]`` (float64) of the finite rows of ``bufs`` (from :meth:`row_buffer`),
+        their rows in order.
 
-        Chunk and partial-chunk sums are taken in ``buf``'s dtype. With float32 rows a sequence's sum
-        depends (at float32 rounding) on where the batch's chunk grid falls; rows whose sums must not
-        depend on the rest of the batch (the log-ratio sum behind sequence weights and rejection) go
-        in a float64 buffer, where that dependence is far below float32 resolution.
+        Chunk and partial-chunk sums are taken in each buffer's dtype. With float32 rows a sequence's
+        sum depends (at float32 rounding) on where the batch's chunk grid falls; rows whose sums must
+        not depend on the rest of the batch (the log-ratio sum behind sequence weights and rejection)
+        go in a float64 buffer, where that dependence is far below float32 resolution.
         """
-        k, padded = buf.shape
         chunk = self.chunk
-        ones = torch.ones(chunk, dtype=buf.dtype, device=buf.device)
-        prefix = torch.zeros((k, padded // chunk + 1), dtype=torch.float64, device=buf.device)
-        torch.cumsum((buf.view(-1, chunk) @ ones).view(k, -1), 1, dtype=torch.float64, out=prefix[:, 1:])
-        first, before = self._boundaries(buf.dtype)
-        partial = (buf.view(k, -1, chunk).index_select(1, first) * before).sum(2)  # [k, n_seq + 1]
-        at_boundary = prefix.index_select(1, first) + partial
+        first, before = self._boundaries()
+        k = sum(buf.shape[0] for buf in bufs)
+        prefix = torch.zeros((k, bufs[0].shape[1] // chunk + 1), dtype=torch.float64, device=self.device)
+        partial = torch.empty((k, self.n_seq + 1), dtype=torch.float64, device=self.device)
+        row = 0
+        for buf in bufs:
+            rows = slice(row, row + buf.shape[0])
+            chunk_sums = (buf.view(-1, chunk) @ torch.ones(chunk, dtype=buf.dtype, device=self.device))
+            torch.cumsum(chunk_sums.view(buf.shape[0], -1), 1, dtype=torch.float64, out=prefix[rows, 1:])
+            torch.sum(buf.view(buf.shape[0], -1, chunk).index_select(1, first) * before, 2, out=partial[rows])
+            row += buf.shape[0]
+        at_boundary = partial.add_(prefix.index_select(1, first))  # the prefix sum at each offset
         return (at_boundary[:, 1:] - at_boundary[:, :-1]).T.contiguous()
 
-    def _boundaries(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Chunk index of every offset ``b`` and a ``[n_seq + 1, C]`` mask of the chunk's tokens before ``b``."""
-        if dtype not in self._boundary_cache:
+    def _boundaries(self) -> tuple[Tensor, Tensor]:
+        """Chunk index of every offset ``b`` and a ``[n_seq + 1, C]`` float mask of the chunk's tokens before ``b``."""
+        if self._bounds is None:
             chunk = self.chunk
             first = torch.div(self.offsets, chunk, rounding_mode="floor")
-            within = (self.offsets - first * chunk).to(dtype)  # tokens of the chunk before b
-            positions = torch.arange(chunk, dtype=dtype, device=self.device)
-            self._boundary_cache[dtype] = first, (within[:, None] - positions).clamp_(0.0, 1.0)
-        return self._boundary_cache[dtype]
+            within = (self.offsets - first * chunk).float()  # tokens of the chunk before b
+            positions = torch.arange(chunk, dtype=torch.float32, device=self.device)
+            self._bounds = first, (within[:, None] - positions).clamp_(0.0, 1.0)
+        return self._bounds
 
 
 def valid_bits(valid: Tensor) -> Tensor:
     """``[T]`` int32 selection mask: all bits set (-1) at valid tokens, 0 elsewhere (see :func:`select`)."""
-    return valid.to(torch.int32).neg_()
+    return torch.mul(valid.view(torch.int8), -1, out=torch.empty(valid.shape, dtype=torch.int32, device=valid.device))
 
 
 def select(bits: Tensor, x: Tensor, out: Tensor | None = None) -> Tensor:
