@@ -36,6 +36,45 @@ def _count(mask: Tensor) -> Tensor:
     return torch.count_nonzero(mask).to(F64)
 
 
+class _Sums:
+    """Named statistics of one domain: scalars, bool columns (counted) and float columns (summed).
+
+    Token-domain columns (``[T]``, ``per_column=True``) are reduced as they arrive, one reduction
+    each; sequence-domain columns (``[n_seq]``) are stacked and reduced together.
+    """
+
+    def __init__(self, per_column: bool) -> None:
+        self.per_column = per_column
+        self.scalars: dict[str, Tensor] = {}
+        self.counts: dict[str, Tensor] = {}
+        self.values: dict[str, Tensor] = {}
+        self.order: list[str] = []
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.scalars[name]
+
+    def __setitem__(self, name: str, value: Tensor) -> None:
+        self.order.append(name)
+        if value.dim() == 0:
+            self.scalars[name] = value if value.dtype == F64 else value.to(F64)
+        elif self.per_column:
+            self.scalars[name] = _count(value) if value.dtype == torch.bool else value.sum().to(F64)
+        elif value.dtype == torch.bool:
+            self.counts[name] = value
+        else:
+            self.values[name] = value
+
+    def totals(self) -> dict[str, Tensor]:
+        """Every statistic as a float64 scalar: one reduction for all counts, one for all float columns."""
+        out = dict(self.scalars)
+        if self.counts:
+            out.update(zip(self.counts, torch.stack(list(self.counts.values())).sum(1).to(F64).unbind(0)))
+        if self.values:
+            stacked = torch.stack([v.to(F64) for v in self.values.values()])
+            out.update(zip(self.values, stacked.sum(1).unbind(0)))
+        return {name: out[name] for name in self.order}
+
+
 def tis_statistics(
     config: TISConfig,
     ratios: PackedRatios,
@@ -66,15 +105,14 @@ def tis_statistics(
     lc = ratios.log_ratio.clamp(-bound, bound)  # 0 outside token_ok
     e = torch.expm1(lc)
     e_sum = e.sum().to(F64)
-    e2_sum = torch.dot(e, e).to(F64)
-    tok: dict[str, Tensor] = {
-        "tis.n_tok_valid": n_valid,
-        "tis.n_tok": n_tok,
-        "tis.n_tok_rejected": n_valid - _count(rejection.keep),
-        "tis.kl_sum": -local_ok[ROW_LOG_RATIO],
-        "tis.k3_sum": torch.sub(e, lc, out=lc).sum().to(F64),  # sum (e - lc), exactly 0 where l = 0
-        "tis.r2_sum": e2_sum + 2.0 * e_sum + n_tok,
-    }
+    e2_sum = torch.dot(e, e).to(F64)  # torch.dot: one fused pass
+    tok = _Sums(per_column=True)
+    tok["tis.n_tok_valid"] = n_valid
+    tok["tis.n_tok"] = n_tok
+    tok["tis.n_tok_rejected"] = n_valid - _count(rejection.keep)
+    tok["tis.kl_sum"] = -local_ok[ROW_LOG_RATIO]
+    tok["tis.k3_sum"] = torch.sub(e, lc, out=lc).sum()  # sum (e - lc), exactly 0 where l = 0
+    tok["tis.r2_sum"] = e2_sum + 2.0 * e_sum + n_tok
 
     # ---- sequence domain
     full = ratios.seq_sums
@@ -89,20 +127,19 @@ def tis_statistics(
     exponents = logs.clamp(-bound, bound)
     exponents[3] *= 2.0  # chi2_seq: exp(2 clamp(sum_t l, -B, B))
     exps = torch.where(seq_ok, exponents.exp_(), zero)
-    seq: dict[str, Tensor] = {
-        "tis.n_seq_valid": has,
-        "tis.n_seq": seq_ok,
-        "tis.n_seq_nonfinite": ratios.seq_nonfinite,
-        "tis.n_seq_rejected": rejection.seq_rejected & has,
-        "tis.train_log_ppl_sum": logs[0],
-        "tis.train_ppl_sum": exps[0],
-        "tis.rollout_log_ppl_sum": logs[1],
-        "tis.rollout_ppl_sum": exps[1],
-        "tis.log_ppl_diff_sum": mean_diff,
-        "tis.log_ppl_abs_diff_sum": mean_diff.abs(),
-        "tis.ppl_ratio_sum": exps[2],
-        "tis.chi2_seq_sum": exps[3],
-    }
+    seq = _Sums(per_column=False)
+    seq["tis.n_seq_valid"] = has
+    seq["tis.n_seq"] = seq_ok
+    seq["tis.n_seq_nonfinite"] = ratios.seq_nonfinite
+    seq["tis.n_seq_rejected"] = rejection.seq_rejected & has
+    seq["tis.train_log_ppl_sum"] = logs[0]
+    seq["tis.train_ppl_sum"] = exps[0]
+    seq["tis.rollout_log_ppl_sum"] = logs[1]
+    seq["tis.rollout_ppl_sum"] = exps[1]
+    seq["tis.log_ppl_diff_sum"] = mean_diff
+    seq["tis.log_ppl_abs_diff_sum"] = mean_diff.abs()
+    seq["tis.ppl_ratio_sum"] = exps[2]
+    seq["tis.chi2_seq_sum"] = exps[3]
     if config.veto_threshold is not None:
         seq["tis.veto_count"] = ratios.seq_veto
 
@@ -148,31 +185,4 @@ def tis_statistics(
     if batch_norm_factor is not None:
         seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
         seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=device)
-    return MetricStats(token_sums=_token_sums(tok), seq_sums=_column_sums(seq), mins=mins, maxs=maxs)
-
-
-def _token_sums(values: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Scalars as float64; ``[T]`` columns (bool counts or float32 values) summed."""
-    out = {}
-    for name, v in values.items():
-        if v.dim() == 0:
-            out[name] = v.to(F64)
-        elif v.dtype == torch.bool:
-            out[name] = _count(v)
-        else:
-            out[name] = v.sum().to(F64)
-    return out
-
-
-def _column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``[n_seq]`` columns summed in one reduction per dtype (float64 results); scalars passed through."""
-    out = {k: v.to(F64) for k, v in columns.items() if v.dim() == 0}
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, v in columns.items():
-        if v.dim() == 1:
-            by_dtype.setdefault(v.dtype, []).append(name)
-    for dtype, names in by_dtype.items():
-        stacked = torch.stack([columns[k] for k in names])
-        sums = stacked.sum(1) if dtype == torch.bool else stacked.sum(1, dtype=F64)
-        out.update(zip(names, sums.to(F64).unbind(0)))
-    return {k: out[k] for k in columns}
+    return MetricStats(token_sums=tok.totals(), seq_sums=seq.totals(), mins=mins, maxs=maxs)

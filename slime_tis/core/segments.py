@@ -66,8 +66,8 @@ class Segments:
         if values.device.type != "cpu" or self.n_tokens == 0:
             return values.index_select(0, self.index)
         first, rows, row_seq = self._broadcast_plan()
-        out = values.index_select(0, first).unsqueeze(1).repeat(1, self.chunk)  # [n_chunks, C]
-        out.index_copy_(0, rows, values.index_select(0, row_seq.view(-1)).view(-1, self.chunk))
+        out = values.index_select(0, first).unsqueeze(1).expand(-1, self.chunk).contiguous()  # [n_chunks, C]
+        out.index_copy_(0, rows, values.index_select(0, row_seq).view(-1, self.chunk))
         return out.view(-1)[: self.n_tokens]
 
     def _broadcast_plan(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -77,7 +77,7 @@ class Segments:
             n_chunks = -(-self.n_tokens // chunk)
             rows = torch.div(self.offsets, chunk, rounding_mode="floor").clamp_(max=max(n_chunks - 1, 0))
             positions = (rows[:, None] * chunk + torch.arange(chunk, device=self.device)).clamp_(max=self.n_tokens - 1)
-            self._plan = index[::chunk], rows, index[positions]
+            self._plan = index[::chunk].contiguous(), rows, index.index_select(0, positions.view(-1))
         return self._plan
 
     def row_buffer(self, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
