@@ -34,9 +34,9 @@ from slime_tis.config import TISConfig
 from slime_tis.core.correction import TISResult, as_valid_mask, scalar_tensor, tis_on_segments
 from slime_tis.core.metrics import MetricStats, column_sums
 from slime_tis.core.packing import check_packed
-from slime_tis.core.ratios import packed_ratios
+from slime_tis.core.ratios import ROW_VALID, as_float32, packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
-from slime_tis.core.segments import Segments
+from slime_tis.core.segments import Segments, select, valid_bits
 
 __all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
 
@@ -68,8 +68,9 @@ def ppo_clip_term(
     ``loss_t = min(loss_t, -c A)``.
     """
     rho = torch.exp(log_ratio.clamp(-safety_bound, safety_bound))
-    unclipped = -advantages * rho
-    clipped = -advantages * rho.clamp(1.0 - eps_low, 1.0 + eps_high)
+    neg_advantages = -advantages
+    unclipped = neg_advantages * rho
+    clipped = neg_advantages * rho.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
     if dual_clip_c is None:
@@ -102,16 +103,24 @@ def loss_denominator(
     ``reducer.sequence_sum``; sum it over micro-batches and data-parallel ranks only.
     ``rejected_denominator="drop"`` needs ``keep_mask``.
     """
-    reducer = reducer or LocalReducer()
-    mask = as_valid_mask(loss_mask)
-    if config.rejected_denominator == "drop":
-        if keep_mask is None:
-            raise ValueError("rejected_denominator='drop' (--tis-rejected-denominator drop) needs keep_mask")
-        mask = keep_mask
+    if config.rejected_denominator == "drop" and keep_mask is None:
+        raise ValueError("rejected_denominator='drop' (--tis-rejected-denominator drop) needs keep_mask")
+    valid = as_valid_mask(loss_mask)
+    if config.loss_agg == "token-mean":
+        return _local_denominator(config, valid, keep_mask, None, reducer or LocalReducer())
+    n_tokens = check_packed({"loss_mask": loss_mask}, cu_seqlens)
+    segments = Segments(cu_seqlens, n_tokens, valid.device)
+    return _local_denominator(config, valid, keep_mask, segments, reducer or LocalReducer())
+
+
+def _local_denominator(config: TISConfig, valid: Tensor, keep: Tensor | None, segments: Segments | None,
+                       reducer: Reducer, seq_has_tokens: Tensor | None = None) -> Tensor:
+    """:func:`loss_denominator` on validated inputs (``seq_has_tokens``: the reduced flags, if known)."""
+    mask = keep if config.rejected_denominator == "drop" else valid
     if config.loss_agg == "token-mean":
         return torch.count_nonzero(mask).float()
-    n_tokens = check_packed({"loss_mask": loss_mask}, cu_seqlens)
-    segments = Segments(cu_seqlens, n_tokens, mask.device)
+    if mask is valid and seq_has_tokens is not None:
+        return seq_has_tokens.sum(dtype=torch.float32)
     return (_sequence_counts(mask, segments, reducer) > 0).sum(dtype=torch.float32)
 
 
@@ -160,8 +169,8 @@ def policy_loss(
 
     theta = lp_theta.float()
     theta_detached = theta.detach()
-    adv = advantages.float().detach()
-    old = lp_old.float().detach() if alg in (0, 2) else None
+    adv = as_float32(advantages.detach())
+    old = as_float32(lp_old.detach()) if alg in (0, 2) else None
     valid = as_valid_mask(loss_mask)
     segments = Segments(cu_seqlens, n_tokens, theta.device)
 
@@ -182,15 +191,17 @@ def policy_loss(
         keep = ratios.token_ok
         weights = torch.ones_like(theta_detached)
 
+    # Selection before any arithmetic: at tokens that are not kept every input below is 0, so each
+    # per-token loss there is +-0 with zero gradient, and a NaN at such a token cannot reach the loss.
     zero = torch.zeros((), dtype=torch.float32, device=theta.device)
+    keep_bits = valid_bits(keep)
     theta_safe = torch.where(keep, theta, zero)  # gradient flows only into kept tokens
-    adv_safe = torch.where(keep, adv, zero)
-    anchor = old if alg in (0, 2) else lp_rollout.float().detach()
-    anchor_safe = torch.where(keep, anchor, zero)
+    adv_safe = select(keep_bits, adv)
+    anchor = old if alg in (0, 2) else as_float32(lp_rollout.detach())
+    anchor_safe = select(keep_bits, anchor)
+    clip_active = dual_active = None
     if alg == 3:
-        w = torch.where(keep, weights, zero)
-        per_token = -w * adv_safe * theta_safe
-        clip_active = dual_active = None
+        per_token = -weights * adv_safe * theta_safe  # weights are finite (0 outside valid finite tokens)
     else:
         per_token, clip_active, dual_active = ppo_clip_term(
             theta_safe - anchor_safe, adv_safe, config.eps_clip, config.eps_high, config.dual_clip_c,
@@ -198,7 +209,6 @@ def policy_loss(
         )
         if alg == 2:
             per_token = weights * per_token
-    per_token = torch.where(keep, per_token, zero)
 
     if config.loss_agg == "seq-mean-token-mean":
         counts = ratios.seq_count if config.rejected_denominator == "keep" else _sequence_counts(
@@ -207,22 +217,23 @@ def policy_loss(
     else:
         numerator = per_token.sum()
     if denominator is None:
-        local = loss_denominator(config, loss_mask, cu_seqlens, keep_mask=keep, reducer=reducer)
+        local = _local_denominator(config, valid, keep, segments, reducer, ratios.seq_has_tokens)
         denominator = reducer.batch_sum(local, per_sequence=config.loss_agg != "token-mean")
     denominator = scalar_tensor(denominator, theta.device).clamp(min=1.0)
     loss = numerator / denominator
 
-    policy_columns = {
-        "policy.n_tok_valid": valid,
-        "policy.n_tok_kept": keep,
-        "policy.ppo_kl_sum": (anchor_safe - theta_detached.where(keep, zero)),
+    f64 = torch.float64
+    token_sums = {
+        "policy.n_tok_valid": ratios.seq_sums_local[:, ROW_VALID].sum(),
+        "policy.n_tok_kept": torch.count_nonzero(keep).to(f64),
+        "policy.ppo_kl_sum": (anchor_safe - theta_safe.detach()).sum().to(f64),
     }
-    if clip_active is not None:
-        policy_columns["policy.clip_count"] = clip_active & keep
+    if clip_active is not None:  # both are False wherever the token is not kept (all inputs 0 there)
+        token_sums["policy.clip_count"] = torch.count_nonzero(clip_active).to(f64)
         if config.dual_clip_c is not None:
-            policy_columns["policy.dual_clip_count"] = dual_active & keep
+            token_sums["policy.dual_clip_count"] = torch.count_nonzero(dual_active).to(f64)
     policy_stats = MetricStats(
-        token_sums=column_sums(policy_columns),
+        token_sums=token_sums,
         seq_sums=column_sums({"policy.n_seq_valid": ratios.seq_has_tokens,
                               "policy.n_seq_nonfinite": ratios.seq_nonfinite}),
     )

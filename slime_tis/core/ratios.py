@@ -185,7 +185,7 @@ def packed_ratios(
     log_ratio = select(bits, lt).sub_(lr_valid)  # NaN or +-inf whenever either input is
     torch.sub(log_ratio, log_ratio, out=bad)  # 0, or NaN where l is not finite
     for extra in extra_finite:
-        bad.add_(extra).sub_(extra)  # stays 0 where extra is finite, NaN elsewhere
+        bad.add_(extra, alpha=0.0)  # + 0 * extra: stays 0 where extra is finite, NaN elsewhere
     bad.ne_(0.0)
     if extra_finite:
         select(bits, bad, out=bad)
