@@ -83,3 +83,20 @@ def test_dump_is_written_in_the_documented_format(tmp_path):
     torch.testing.assert_close(dump.rollout_log_probs, torch.cat([b.packed("rollout")] * 2), equal_nan=True)
     assert dump.loss_mask.tolist() == (torch.cat([b.packed("masks")] * 2) != 0).tolist()
     assert dump.meta["train_policy"] == "old" and dump.meta["algorithm"] == 2
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batch_norm_factor_leaves_out_samples_with_non_finite_advantages(level):
+    """A sample whose advantages are non-finite at a valid token is rejected by the loss, so the
+    rollout-level batch-norm factor leaves it out as well (``extra_finite`` = the advantages)."""
+    b = make_batch(14)
+    b.advantages[5][1] = float("nan")
+    kw = dict(use_tis=True, tis_mode="truncate", tis_level=level, tis_upper_bound=1.5, tis_batch_normalize=True)
+    postprocess_rollout_data(args_ns(**kw), 7, {**rollout_data(b), "advantages": b.advantages})
+    cfg = TISConfig(use_tis=True, mode="truncate", level=level, upper=1.5)
+    ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                      extra_finite=(b.packed("advantages"),))
+    expected = ref.norm_count / ref.norm_sum
+    torch.testing.assert_close(STATE.batch_norm_factor.reshape(()), expected.reshape(()), rtol=1e-6, atol=0)
+    without = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens())
+    assert float(without.norm_count) > float(ref.norm_count)  # the NaN sample did count without the check

@@ -89,6 +89,9 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     lp_rollout = packed.cat_local("rollout_log_probs", rollout_data["rollout_log_probs"]).to(lp_old.device)
 
     if want_norm:
+        # sequences with non-finite advantages are rejected by the loss as well: leave them out here too
+        advantages = rollout_data.get("advantages")
+        extra = () if advantages is None else (packed.cat_local("advantages", advantages).to(lp_old.device),)
         res = compute_tis(
             cfg.replace(batch_normalize=False),
             lp_old,
@@ -96,6 +99,7 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
             packed.local_mask,
             packed.cu_seqlens,
             reducer=ctx.reducer,
+            extra_finite=extra,
         )
         totals = ctx.reducer.batch_sum(
             torch.stack([res.norm_sum, res.norm_count]), per_sequence=cfg.level != "token"
