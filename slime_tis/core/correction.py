@@ -171,24 +171,22 @@ def _unit_weights(config: TISConfig, level_log: Tensor) -> Tensor:
 
 
 class SequenceCode:
-    """Per-sequence flags and weights broadcast to tokens with ONE expansion of a float32 code.
+    """Per-sequence flags and weights broadcast to tokens (two cheap expansions, exact decoding).
 
-    ``code_i = +m_i`` (kept), ``-m_i`` (finite but rejected) or ``-0.0`` (not ``seq_ok``), where
-    ``m_i = max(w_i, FLT_MIN) > 0`` is the sequence weight (1 at token level; ``w_i`` only differs
-    from ``m_i`` if ``exp(-B)`` underflows, i.e. for a safety bound above 87). Per token (exact):
+    ``m_i = max(w_i, FLT_MIN)`` on ``seq_ok`` sequences and 0 elsewhere, with ``w_i`` the sequence
+    weight (1 at token level; ``w_i`` differs from ``m_i`` only if ``exp(-B)`` underflows, i.e. for a
+    safety bound above 87). Per token:
 
-    * ``magnitude``: ``|code|`` at valid tokens, 0 elsewhere (the token weights before batch-norm);
+    * ``magnitude``: ``m`` at valid tokens, 0 elsewhere (the token weights before batch-norm);
     * ``ok``: 1.0 at valid tokens of ``seq_ok`` sequences, else 0.0 (``sign(magnitude)``);
-    * ``kept``: bool, valid tokens of kept sequences (``code > 0``).
+    * ``kept``: bool, valid tokens of kept sequences.
     """
 
     def __init__(self, segments: Segments, seq_ok: Tensor, kept_seq: Tensor, weights: Tensor | None,
                  valid: Tensor, valid_bits: Tensor) -> None:
-        m = torch.ones_like(seq_ok, dtype=torch.float32) if weights is None else weights.clamp(min=_FLT_MIN)
-        code = torch.where(seq_ok, torch.where(kept_seq, m, -m), torch.full_like(m, -0.0))
-        expanded = segments.expand(code)
-        self.kept = torch.gt(expanded, 0.0).logical_and_(valid)
-        self.magnitude = select(valid_bits, expanded.abs_(), out=expanded)
+        m = seq_ok.float() if weights is None else torch.where(seq_ok, weights.clamp(min=_FLT_MIN), 0.0)
+        self.kept = segments.expand(kept_seq).logical_and_(valid)
+        self.magnitude = select(valid_bits, segments.expand(m))
         self.ok = torch.sign(self.magnitude)
 
 
