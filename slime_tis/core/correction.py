@@ -1,6 +1,6 @@
 """``compute_tis``: importance weights, keep mask and diagnostics for one packed micro-batch.
 
-Pipeline (all detached, vectorised over the packed tokens, one context-parallel reduction)::
+Formulas (all detached; B the safety bound)::
 
     l_t      = lp_train_t - lp_rollout_t                       (valid tokens; non-finite -> sequence rejected)
     L_u      = level log-ratio (token / sequence sum / geometric mean)           -- core.ratios
@@ -9,6 +9,13 @@ Pipeline (all detached, vectorised over the packed tokens, one context-parallel 
     w_u     *= n_kept_units / sum_{kept u} w_u      (if batch_normalize)
     w_t      = w_{u(t)}  (0 at invalid tokens and tokens of non-finite sequences)
     stats    = tis/* diagnostics on the original mask                            -- core.diagnostics
+
+Order of work (two phases over the ``T`` tokens, one context-parallel reduction):
+
+1. token pass + per-sequence sums (``ratios.packed_ratios``), one ``reducer.sequence_sum``;
+2. sequence-level rules and weights on ``[n_seq]`` arrays;
+3. one broadcast of the per-sequence flags and weights to the tokens (``SequenceCode``), then the
+   token-level rules, the token weights and the token-domain moments.
 
 Algorithms 0 and 1 apply no weight (``w = 1``); algorithm 0 rejects nothing but non-finite data.
 """
