@@ -107,9 +107,9 @@ class Segments:
         row = 0
         for buf in bufs:
             rows = slice(row, row + buf.shape[0])
-            chunk_sums = (buf.view(-1, chunk) @ torch.ones(chunk, dtype=buf.dtype, device=self.device))
-            torch.cumsum(chunk_sums.view(buf.shape[0], -1), 1, dtype=torch.float64, out=prefix[rows, 1:])
-            torch.sum(buf.view(buf.shape[0], -1, chunk).index_select(1, first) * before, 2, out=partial[rows])
+            chunk_sums = buf.view(-1, chunk) @ torch.ones(chunk, dtype=buf.dtype, device=self.device)
+            prefix[rows, 1:] = torch.cumsum(chunk_sums.view(buf.shape[0], -1), 1, dtype=torch.float64)
+            partial[rows] = (buf.view(buf.shape[0], -1, chunk).index_select(1, first) * before).sum(2)
             row += buf.shape[0]
         at_boundary = partial.add_(prefix.index_select(1, first))  # the prefix sum at each offset
         return (at_boundary[:, 1:] - at_boundary[:, :-1]).T.contiguous()
