@@ -71,13 +71,26 @@ class Segments:
         return out.view(-1)[: self.n_tokens]
 
     def _broadcast_plan(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Sequence of each chunk's first token, the chunks holding a boundary, their tokens' sequences."""
+        """Sequence of each chunk's first token, the chunks holding an offset, and their tokens' sequences.
+
+        ``seq(p) = #{ends <= p}`` with ``ends = cu[1:]``: per chunk start from a histogram of the
+        ends' chunks, inside a gathered chunk from a running count of the ends it holds.
+        """
         if self._plan is None:
-            chunk, index = self.chunk, self.index
+            chunk, n_seq = self.chunk, self.n_seq
             n_chunks = -(-self.n_tokens // chunk)
-            rows = torch.div(self.offsets, chunk, rounding_mode="floor").clamp_(max=max(n_chunks - 1, 0))
-            positions = (rows[:, None] * chunk + torch.arange(chunk, device=self.device)).clamp_(max=self.n_tokens - 1)
-            self._plan = index[::chunk].contiguous(), rows, index.index_select(0, positions.view(-1))
+            ends = self.offsets[1:]
+            ones = torch.ones_like(ends)
+            at_or_before = torch.zeros(n_chunks + 1, dtype=torch.int64, device=self.device)
+            at_or_before.index_add_(0, torch.div(ends + chunk - 1, chunk, rounding_mode="floor"), ones)
+            first = at_or_before.cumsum_(0)[:n_chunks]  # ends <= j C
+            marks = torch.zeros(n_chunks * chunk + 1, dtype=torch.int32, device=self.device)
+            marks.index_add_(0, ends, ones.to(torch.int32))
+            rows = torch.div(self.offsets, chunk, rounding_mode="floor").clamp_(max=n_chunks - 1)
+            window = marks[: n_chunks * chunk].view(n_chunks, chunk).index_select(0, rows)
+            counts = window.cumsum_(1)  # ends at or before each token of the chunk, from its start
+            row_seq = (counts - counts[:, :1]).add_(first.index_select(0, rows)[:, None])
+            self._plan = first, rows, row_seq.clamp_(max=n_seq - 1).view(-1)  # padding tokens: any valid index
         return self._plan
 
     def row_buffer(self, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
