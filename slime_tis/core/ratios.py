@@ -17,7 +17,7 @@ must not depend on the rest of the batch at float32 resolution; float32 for the 
 finite (non-finite values are replaced by 0 and counted in a row of their own)::
 
     l      = sel(valid, lp_train) - sel(valid, lp_rollout)        (0 at invalid or non-finite tokens)
-    lr     = sel(valid, lp_rollout)                                (idem)
+    lr     = sel(valid, lp_rollout)                                (0 at invalid tokens and where non-finite)
     valid  = 1 at valid tokens
     bad    = 1 at valid tokens where l or an extra tensor is non-finite
     veto   = 1 where l < log v                                     (only with a veto threshold)

@@ -6,14 +6,16 @@ needed on that layout, both vectorised and free of host syncs:
 * **segment sums** of several ``[T]`` rows at once: ``S[i, r] = sum_{cu[i] <= t < cu[i+1]} x_r[t]``,
   float64 ``[n_seq, k]``. ``torch.segment_reduce`` and ``index_add_`` are scalar loops on the CPU
   (about 1 ms per row of 5e5 tokens, 10x a plain ``sum``), so the sums come from prefix sums taken
-  at chunk granularity: with chunks of ``C`` tokens, ``Q[j] = sum of chunk j`` (a memory-bound
-  reduction of the ``[k, T/C, C]`` view), ``P[b] = sum_{j < b // C} Q[j] + sum_{t = C(b // C)}^{b-1} x[t]``
+  at chunk granularity: with chunks of ``C`` tokens, ``Q[j] = sum of chunk j`` (one GEMV of the
+  ``[k T/C, C]`` view with ones), ``P[b] = sum_{j < b // C} Q[j] + sum_{t = C(b // C)}^{b-1} x[t]``
   (float64 cumulative sum of ``Q`` plus the partial chunk up to ``b``, read from one gathered chunk
   per boundary) and ``S[i] = P[cu[i+1]] - P[cu[i]]``. Work is ``O(k (T + n_seq C))``; zero-length
   sequences give exactly 0. The rows must be finite (a NaN would spread through ``P`` into later
   sequences): callers sanitise them and count non-finite values in a row of their own.
-* **expansion** of per-sequence values to tokens: ``v[seq_id]`` with ``seq_id`` from
-  ``repeat_interleave(lengths, output_size=T)`` (built once, shared by every expansion).
+* **expansion** of per-sequence values to tokens, ``out[t] = v[seq_id[t]]``: on an accelerator an
+  ``index_select`` with ``seq_id = repeat_interleave(lengths, output_size=T)`` (built once); on the
+  CPU, where that gather is slow and does not scale with threads, each chunk of ``C`` tokens gets the
+  value of its first token and the chunks holding a boundary are rewritten exactly.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ __all__ = ["Segments", "valid_bits", "select"]
 
 
 def _chunk_size(n_tokens: int, n_seq: int) -> int:
-    """Chunk length ``C``: 64 for long sequences, 16 for short ones (the gathered partial chunks cost
-    ``O(n_seq C)``, the chunk sums ``O(T)`` nearly independently of ``C``)."""
+    """Chunk length ``C``: 64 for sequences of 1024+ tokens on average, 32 from 256, else 16 (the
+    gathered partial chunks cost ``O(n_seq C)``, the chunk sums ``O(T)`` nearly independently of ``C``)."""
     return 64 if n_tokens >= 1024 * max(n_seq, 1) else (32 if n_tokens >= 256 * max(n_seq, 1) else 16)
 
 
