@@ -48,7 +48,7 @@ class Segments:
         self.lengths = self.offsets[1:] - self.offsets[:-1]
         self.chunk = _chunk_size(n_tokens, self.n_seq)
         self._index: Tensor | None = None
-        self._bounds: tuple[Tensor, Tensor] | None = None
+        self._bounds: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
         self._plan: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
@@ -115,28 +115,28 @@ class Segments:
         go in a float64 buffer, where that dependence is far below float32 resolution.
         """
         chunk = self.chunk
-        first, before = self._boundaries()
-        k = sum(buf.shape[0] for buf in bufs)
-        prefix = torch.zeros((k, bufs[0].shape[1] // chunk + 1), dtype=torch.float64, device=self.device)
-        partial = torch.empty((k, self.n_seq + 1), dtype=torch.float64, device=self.device)
-        row = 0
+        first, before, previous, has_previous = self._boundaries()
+        at_boundary = []  # the prefix sum sum_{t < b} x[t] at every offset b, per buffer
         for buf in bufs:
-            rows = slice(row, row + buf.shape[0])
-            chunk_sums = buf.view(-1, chunk) @ torch.ones(chunk, dtype=buf.dtype, device=self.device)
-            prefix[rows, 1:] = torch.cumsum(chunk_sums.view(buf.shape[0], -1), 1, dtype=torch.float64)
-            partial[rows] = (buf.view(buf.shape[0], -1, chunk).index_select(1, first) * before).sum(2)
-            row += buf.shape[0]
-        at_boundary = partial.add_(prefix.index_select(1, first))  # the prefix sum at each offset
-        return (at_boundary[:, 1:] - at_boundary[:, :-1]).T.contiguous()
+            k = buf.shape[0]
+            ones = torch.ones(chunk, dtype=buf.dtype, device=self.device)  # sums over C: a GEMV beats .sum(-1)
+            chunk_prefix = torch.cumsum((buf.view(-1, chunk) @ ones).view(k, -1), 1, dtype=torch.float64)
+            window = buf.view(k, -1, chunk).index_select(1, first).mul_(before)  # chunk tokens before b
+            whole_chunks = chunk_prefix.index_select(1, previous).mul_(has_previous)  # chunks before b's
+            at_boundary.append(whole_chunks.add_((window.view(-1, chunk) @ ones).view(k, -1)))
+        prefix = torch.cat(at_boundary) if len(at_boundary) > 1 else at_boundary[0]
+        return (prefix[:, 1:] - prefix[:, :-1]).T.contiguous()
 
-    def _boundaries(self) -> tuple[Tensor, Tensor]:
-        """Chunk index of every offset ``b`` and a ``[n_seq + 1, C]`` float mask of the chunk's tokens before ``b``."""
+    def _boundaries(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per offset ``b``: its chunk ``j = b // C``, a ``[n_seq + 1, C]`` float mask of that chunk's tokens
+        before ``b``, the index ``j - 1`` of the last whole chunk before it (clamped) and ``j > 0`` (float64)."""
         if self._bounds is None:
             chunk = self.chunk
             first = torch.div(self.offsets, chunk, rounding_mode="floor")
             within = (self.offsets - first * chunk).float()  # tokens of the chunk before b
             positions = torch.arange(chunk, dtype=torch.float32, device=self.device)
-            self._bounds = first, (within[:, None] - positions).clamp_(0.0, 1.0)
+            before = (within[:, None] - positions).clamp_(0.0, 1.0)
+            self._bounds = first, before, (first - 1).clamp_(min=0), (first > 0).double()
         return self._bounds
 
 
