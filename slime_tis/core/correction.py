@@ -138,15 +138,20 @@ def tis_on_segments(
         seq_weights = _unit_weights(config, ratios.level_log_ratio(config.level)) if per_seq_units else None
 
         tokens = SequenceCode(segments, ratios.seq_ok, kept_seq, seq_weights, valid, ratios.valid_bits)
-        log_ratio = ratios.set_log_ratio(ratios.log_ratio_valid * tokens.ok)  # l_valid is finite: exact
-        token_rejections(config, log_ratio, rejection)
+        bound = config.safety_bound
+        if per_seq_units and config.rs_level != "token":  # no token-level rule: l_t itself is not needed
+            clamped = ratios.log_ratio_valid.clamp(-bound, bound).mul_(tokens.ok)  # finite: exact selection
+        else:
+            log_ratio = ratios.set_log_ratio(ratios.log_ratio_valid * tokens.ok)
+            token_rejections(config, log_ratio, rejection)
+            clamped = log_ratio.clamp(-bound, bound)
         keep = tokens.kept
         rejection.keep = keep if rejection.token_rejected is None else keep.logical_and_(~rejection.token_rejected)
 
         if per_seq_units:
             unit_weights, kept_units = seq_weights, kept_seq
         else:
-            unit_weights, kept_units = _unit_weights(config, log_ratio), rejection.keep
+            unit_weights, kept_units = _unit_weights(config, ratios.log_ratio), rejection.keep
         kept_weights = masked(kept_units, unit_weights)
         norm_sum = kept_weights.sum()
         norm_count = torch.count_nonzero(kept_units).float()
@@ -165,7 +170,7 @@ def tis_on_segments(
             token_weights = tokens.magnitude if factor is None else tokens.magnitude.mul_(factor)
         else:  # unit_weights is f(0) at tokens outside token_ok, where log_ratio is 0
             token_weights = select(ratios.valid_bits, unit_weights * tokens.ok)
-        stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, kept_weights, factor)
+        stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, kept_weights, factor, clamped)
 
     return TISResult(token_weights, rejection.keep, stats, norm_sum, norm_count, ratios)
 

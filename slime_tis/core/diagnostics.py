@@ -83,6 +83,7 @@ def tis_statistics(
     kept_units: Tensor,
     kept_weights: Tensor,
     batch_norm_factor: Tensor | None,
+    clamped_log_ratio: Tensor | None = None,
 ) -> MetricStats:
     """Raw ``tis.*`` statistics (see ``slime_tis.core.metrics`` for the metric formulas).
 
@@ -91,6 +92,8 @@ def tis_statistics(
         kept_units: bool mask of units that survived rejection (same shape).
         kept_weights: ``unit_weights`` on ``kept_units``, 0 elsewhere.
         batch_norm_factor: the factor applied (scalar tensor) or ``None`` when batch-norm is off.
+        clamped_log_ratio: ``clamp(l_t, -B, B)`` on ``token_ok``, 0 elsewhere (``[T]``, overwritten);
+            computed from ``ratios.log_ratio`` when not given.
     """
     bound = config.safety_bound
     seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
@@ -102,7 +105,7 @@ def tis_statistics(
     local_all = local.sum(0)
     local_ok = seq_ok.to(F64) @ local  # [k]: sums over the tokens of finite sequences
     n_valid, n_tok = local_all[ROW_VALID], local_ok[ROW_VALID]
-    lc = ratios.log_ratio.clamp(-bound, bound)  # 0 outside token_ok
+    lc = ratios.log_ratio.clamp(-bound, bound) if clamped_log_ratio is None else clamped_log_ratio
     e = torch.expm1(lc)
     e_sum = e.sum().to(F64)
     e2_sum = torch.dot(e, e).to(F64)  # torch.dot: one fused pass
