@@ -1,0 +1,62 @@
+"""GPU check of the pure core: ``policy_loss`` forward + backward + metric merge/finalize makes no host sync.
+
+    python benchmarks/gpu_check_core.py          # CUDA only; exits 0 with a message elsewhere
+
+Runs every algorithm with rejection, veto, batch-norm, drop denominators and the three levels on a 200k-token
+packed batch under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call raises) and prints one
+line per configuration.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slime_tis import TISConfig, policy_loss  # noqa: E402
+
+CONFIGS = [
+    TISConfig(),
+    TISConfig(use_rollout_log_probs=True, mode="mask", rs_level="token", veto_threshold=1e-4),
+    TISConfig(use_tis=True, level="sequence", mode="clip", batch_normalize=True, loss_agg="seq-mean-token-mean"),
+    TISConfig(use_tis=True, level="token", mode="mask", rejected_denominator="drop", rs_level="geometric"),
+    TISConfig(use_rollout_log_probs=True, use_tis=True, level="geometric", mode="mask", upper=1.05,
+              veto_threshold=1e-4, batch_normalize=True),
+]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check_core: CUDA is not available; skipping (exit 0).")
+        return 0
+    dev, n_tok, n_seq = "cuda", 200_000, 400
+    g = torch.Generator(device=dev).manual_seed(0)
+    cu = torch.arange(0, n_tok + 1, n_tok // n_seq, device=dev)
+    lp_rollout = -torch.rand(n_tok, device=dev, generator=g) * 3
+    lp_old = lp_rollout + 0.05 * torch.randn(n_tok, device=dev, generator=g)
+    adv = torch.randn(n_tok, device=dev, generator=g)
+    mask = torch.rand(n_tok, device=dev, generator=g) < 0.9
+    failures = 0
+    for cfg in CONFIGS:
+        theta = (lp_old + 0.01 * torch.randn(n_tok, device=dev, generator=g)).requires_grad_(True)
+        policy_loss(cfg, theta, lp_old, lp_rollout, adv, mask, cu)  # warm-up (allocator, kernels)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = policy_loss(cfg, theta, lp_old, lp_rollout, adv, mask, cu, denominator=1000.0)
+            out.loss.backward()
+            out.stats.merge(out.stats).finalize()
+            print(f"algorithm {cfg.algorithm} {cfg.mode}/{cfg.level}: no host sync")
+        except RuntimeError as exc:
+            failures += 1
+            print(f"algorithm {cfg.algorithm} {cfg.mode}/{cfg.level}: HOST SYNC: {str(exc).splitlines()[0]}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
