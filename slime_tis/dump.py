@@ -148,10 +148,10 @@ def records_from_packed(
     """
     cu = cu_seqlens.detach().to("cpu", torch.int64).tolist()  # host-sync-ok (writing a dump)
     n = len(cu) - 1
-    tl = train_log_probs.detach().float().cpu()
-    rl = rollout_log_probs.detach().float().cpu()
-    lm = loss_mask.detach().cpu()
-    ids = None if token_ids is None else token_ids.detach().cpu()
+    tl = train_log_probs.detach().float().cpu()  # host-sync-ok (dump file)
+    rl = rollout_log_probs.detach().float().cpu()  # host-sync-ok (dump file)
+    lm = loss_mask.detach().cpu()  # host-sync-ok (dump file)
+    ids = None if token_ids is None else token_ids.detach().cpu()  # host-sync-ok (dump file)
     steps = _per_seq(step, n, "step")
     idx = _per_seq(sample_index, n, "sample_index")
     rew = _per_seq(reward, n, "reward")
@@ -159,16 +159,16 @@ def records_from_packed(
     for i in range(n):
         a, b = cu[i], cu[i + 1]
         rec: dict[str, Any] = {
-            "train_log_probs": tl[a:b].tolist(),
-            "rollout_log_probs": rl[a:b].tolist(),
-            "loss_mask": [int(v) for v in (lm[a:b] != 0).tolist()],
+            "train_log_probs": tl[a:b].tolist(),  # host-sync-ok (dump file)
+            "rollout_log_probs": rl[a:b].tolist(),  # host-sync-ok (dump file)
+            "loss_mask": [int(v) for v in (lm[a:b] != 0).tolist()],  # host-sync-ok (dump file)
         }
         if steps is not None:
             rec["step"] = int(steps[i])
         if idx is not None:
             rec["sample_index"] = int(idx[i])
         if ids is not None:
-            rec["token_ids"] = ids[a:b].tolist()
+            rec["token_ids"] = ids[a:b].tolist()  # host-sync-ok (dump file)
         if rew is not None:
             rec["reward"] = float(rew[i])
         out.append(rec)

@@ -48,7 +48,7 @@ class SlimePacked:
                 f"{name} has {len(tensors)} samples, loss_masks has {len(self.response_lengths)}"
             )
         got = [int(t.shape[0]) if t.dim() else -1 for t in tensors]
-        want = self.local_lengths.tolist()  # CPU tensor: no device sync
+        want = self.local_lengths.tolist()  # host-sync-ok (CPU tensor: no device sync)
         if got != want:
             bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
             raise ValueError(

@@ -122,7 +122,8 @@ def slice_response_for_cp(
     """One full-length response tensor ``[R, ...]`` -> this rank's CP-local part (chunk 0 then chunk 1)."""
     if x.shape[0] != response_length:
         raise ValueError(f"x has {x.shape[0]} entries along dim 0 but response_length = {response_length}")
-    (s0, e0), (s1, e1) = cp_response_ranges([total_length], [response_length], cp_rank, cp_size)[0].tolist()
+    ranges = cp_response_ranges([total_length], [response_length], cp_rank, cp_size)[0]
+    (s0, e0), (s1, e1) = ranges.tolist()  # host-sync-ok (CPU tensor of Python ints)
     return torch.cat([x[s0:e0], x[s1:e1]], dim=0)
 
 
