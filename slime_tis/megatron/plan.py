@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import Reducer, compute_tis, loss_denominator, normalisation_factor
+from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator, normalisation_factor
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.megatron.batch import TISBatch
 
@@ -48,14 +48,16 @@ def needs_pre_pass(cfg: TISConfig) -> bool:
     return cfg.algorithm in (1, 3) and cfg.rejected_denominator == "drop" and cfg.rejects
 
 
-def _keep_mask(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer) -> Tensor:
-    """The keep mask ``policy_loss`` will use for this micro-batch (non-finite, mask mode, RS, veto)."""
+def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer) -> TISResult:
+    """The correction ``policy_loss`` will compute for this micro-batch: its keep mask (non-finite, mask
+    mode, RS, veto) and its unnormalised batch-norm sums, from one ``compute_tis`` call."""
     alg = cfg.algorithm
     lp_rollout = batch.rollout_log_probs if alg != 0 else lp_train
     extra = (batch.advantages.float(),) + ((lp_train,) if alg == 2 else ())
-    # batch_norm_factor=1.0: the keep mask does not depend on it, and it avoids a per-call all-reduce
+    # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
+    # per-call all-reduce
     return compute_tis(cfg, lp_train, lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
-                       batch_norm_factor=1.0, extra_finite=extra).keep_mask
+                       batch_norm_factor=1.0, extra_finite=extra)
 
 
 def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
@@ -89,18 +91,17 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         if alg in (1, 2, 3) and b.rollout_log_probs is None:
             raise ValueError(f"micro-batch {k}: algorithm {alg} needs rollout_log_probs in its TISBatch")
         keep = None
+        res = None
         if drop:
             lp_train = b.old_log_probs if alg in (0, 2) else (pre_log_probs[k] if pre_log_probs else None)
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs
-            keep = _keep_mask(cfg, b, lp_train.float(), reducer)
+            res = _step_correction(cfg, b, lp_train.float(), reducer)
+            keep = res.keep_mask
         den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)
         n_tok = n_tok + as_valid_mask(b.loss_mask).float().sum()
-        if bn:
-            # norm_sum / norm_count are the unnormalised sums (the factor given here is not applied to them)
-            res = compute_tis(cfg, b.old_log_probs.float(), b.rollout_log_probs, b.loss_mask, b.cu_seqlens,
-                              reducer=reducer, batch_norm_factor=1.0,
-                              extra_finite=(b.advantages.float(), b.old_log_probs.float()))
+        if bn:  # algorithm 2: the same call as for drop (lp_train = pi_old), made once
+            res = res if res is not None else _step_correction(cfg, b, b.old_log_probs.float(), reducer)
             bn_sums = bn_sums + torch.stack([res.norm_sum, res.norm_count])
     # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
     den = reducer.batch_sum(den, per_sequence=seq_domain)
