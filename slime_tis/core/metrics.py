@@ -59,7 +59,7 @@ from torch import Tensor
 
 from slime_tis.core.reducer import Reducer
 
-__all__ = ["MetricStats", "masked_min", "masked_max", "column_sums"]
+__all__ = ["MetricStats", "safe_ratio", "masked_min", "masked_max", "column_sums"]
 
 
 def masked_min(x: Tensor, mask: Tensor) -> Tensor:
@@ -151,12 +151,12 @@ class MetricStats:
         if present:
             # chi2 = mean(x) - 1 on a non-empty domain: numerator sum(x) - count, so 0 stays 0 when empty
             nums = torch.stack([v[num] - v[den] if num in _MINUS_ONE else v[num] for _, num, den in present])
-            values = _div(nums, torch.stack([v[den] for _, _, den in present]))
+            values = safe_ratio(nums, torch.stack([v[den] for _, _, den in present]))
             out.update(zip((name for name, _, _ in present), values.unbind(0)))
         if "tis.ratio_sum" in v:
             n = v["tis.n_units"]
-            mean = _div(v["tis.ratio_sum"], n)
-            out["tis/ratio_std"] = (_div(v["tis.ratio_sq_sum"], n) - mean * mean).clamp(min=0).sqrt()
+            mean = safe_ratio(v["tis.ratio_sum"], n)
+            out["tis/ratio_std"] = (safe_ratio(v["tis.ratio_sq_sum"], n) - mean * mean).clamp(min=0).sqrt()
         for pairs, log_space in ((_RATIO_EXTREMES, True), (_WEIGHT_EXTREMES, False)):
             pairs = [(name, key) for name, key in pairs if key in v]
             if not pairs:
@@ -166,14 +166,15 @@ class MetricStats:
             value = raw.clamp(-700, 700).exp() if log_space else raw
             out.update(zip((name for name, _ in pairs), torch.where(torch.isfinite(raw), value, 0.0).unbind(0)))
         if "tis.w_sum" in v:
-            out["tis/ess"] = _div(v["tis.w_sum"] ** 2, v["tis.n_kept_units"] * v["tis.w_sq_sum"])
+            out["tis/ess"] = safe_ratio(v["tis.w_sum"] ** 2, v["tis.n_kept_units"] * v["tis.w_sq_sum"])
         for name, key in (("tis/num_tokens", "tis.n_tok_valid"), ("tis/num_seqs", "tis.n_seq_valid")):
             if key in v:
                 out[name] = v[key]
         return out
 
 
-def _div(num: Tensor, den: Tensor) -> Tensor:
+def safe_ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den``, and 0 where ``den <= 0`` (an empty domain gives 0, never NaN)."""
     ok = den > 0
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 

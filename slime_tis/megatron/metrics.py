@@ -15,14 +15,9 @@ import torch
 from torch import Tensor
 
 from slime_tis.core import MetricStats, Reducer
+from slime_tis.core.metrics import safe_ratio
 
 __all__ = ["aggregate_metrics"]
-
-
-def _ratio(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den``, 0 for an empty domain (never NaN)."""
-    ok = den > 0
-    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
 def aggregate_metrics(stats: list[MetricStats], reducer: Reducer) -> dict[str, Tensor]:
@@ -38,6 +33,6 @@ def aggregate_metrics(stats: list[MetricStats], reducer: Reducer) -> dict[str, T
     if "megatron.loss_sum" in sums:
         out["loss"] = sums["megatron.loss_sum"].double()
     if "megatron.entropy_sum" in sums and "policy.n_tok_valid" in sums:
-        out["policy/entropy"] = _ratio(sums["megatron.entropy_sum"].double(),
+        out["policy/entropy"] = safe_ratio(sums["megatron.entropy_sum"].double(),
                                        sums["policy.n_tok_valid"].double())
     return {k: v.to(torch.float64) for k, v in out.items()}
