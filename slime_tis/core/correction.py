@@ -23,11 +23,13 @@ Algorithms 0 and 1 apply no weight (``w = 1``); algorithm 0 rejects nothing but 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
+from slime_tis.core import native
 from slime_tis.core.diagnostics import tis_statistics
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import check_packed
@@ -130,21 +132,17 @@ def tis_on_segments(
         ratios = packed_ratios(
             lp_train.detach(), lp_rollout.detach(), valid, segments, reducer,
             veto_threshold=config.veto_threshold if config.algorithm != 0 else None,
-            extra_finite=tuple(t.detach() for t in extra_finite),
+            extra_finite=tuple(t.detach() for t in extra_finite), moments_bound=config.safety_bound,
         )
         rejection = sequence_rejections(config, ratios)
         kept_seq = ratios.seq_ok & ~rejection.seq_rejected
         per_seq_units = config.level != "token"
         seq_weights = _unit_weights(config, ratios.level_log_ratio(config.level)) if per_seq_units else None
 
-        tokens = SequenceCode(segments, ratios.seq_ok, kept_seq, seq_weights, valid, ratios.valid_bits)
-        bound = config.safety_bound
-        if per_seq_units and config.rs_level != "token":  # no token-level rule: l_t itself is not needed
-            clamped = ratios.log_ratio_valid.clamp(-bound, bound).mul_(tokens.ok)  # finite: exact selection
-        else:
+        tokens = SequenceCode(segments, ratios.seq_ok, kept_seq, seq_weights, valid)
+        if not per_seq_units or config.rs_level == "token" or ratios.needs_token_log_ratio:  # l_t on token_ok
             log_ratio = ratios.set_log_ratio(ratios.log_ratio_valid * tokens.ok)
             token_rejections(config, log_ratio, rejection)
-            clamped = log_ratio.clamp(-bound, bound)
         keep = tokens.kept
         rejection.keep = keep if rejection.token_rejected is None else keep.logical_and_(~rejection.token_rejected)
 
@@ -170,7 +168,7 @@ def tis_on_segments(
             token_weights = tokens.magnitude if factor is None else tokens.magnitude.mul_(factor)
         else:  # unit_weights is f(0) at tokens outside token_ok, where log_ratio is 0
             token_weights = select(ratios.valid_bits, unit_weights * tokens.ok)
-        stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, kept_weights, factor, clamped)
+        stats = tis_statistics(config, ratios, rejection, unit_weights, kept_units, kept_weights, factor)
 
     return TISResult(token_weights, rejection.keep, stats, norm_sum, norm_count, ratios)
 
@@ -183,23 +181,29 @@ def _unit_weights(config: TISConfig, level_log: Tensor) -> Tensor:
 
 
 class SequenceCode:
-    """Per-sequence flags and weights broadcast to tokens (two cheap expansions, exact decoding).
+    """Per-sequence flags and weights broadcast to tokens (one fused pass on the CPU, exact decoding).
 
     ``m_i = max(w_i, FLT_MIN)`` on ``seq_ok`` sequences and 0 elsewhere, with ``w_i`` the sequence
     weight (1 at token level; ``w_i`` differs from ``m_i`` only if ``exp(-B)`` underflows, i.e. for a
     safety bound above 87). Per token:
 
     * ``magnitude``: ``m`` at valid tokens, 0 elsewhere (the token weights before batch-norm);
-    * ``ok``: 1.0 at valid tokens of ``seq_ok`` sequences, else 0.0 (``sign(magnitude)``);
-    * ``kept``: bool, valid tokens of kept sequences.
+    * ``kept``: bool, valid tokens of kept sequences;
+    * ``ok`` (on first use): 1.0 at valid tokens of ``seq_ok`` sequences, else 0.0 (``sign(magnitude)``).
     """
 
     def __init__(self, segments: Segments, seq_ok: Tensor, kept_seq: Tensor, weights: Tensor | None,
-                 valid: Tensor, valid_bits: Tensor) -> None:
+                 valid: Tensor) -> None:
         m = seq_ok.float() if weights is None else torch.where(seq_ok, weights.clamp(min=_FLT_MIN), 0.0)
-        self.kept = segments.expand(kept_seq).logical_and_(valid)
-        self.magnitude = select(valid_bits, segments.expand(m))
-        self.ok = torch.sign(self.magnitude)
+        if native.enabled(m):
+            self.magnitude, self.kept = native.expand(segments.offsets, valid, m, kept_seq)
+        else:
+            self.kept = segments.expand(kept_seq).logical_and_(valid)
+            self.magnitude = select(valid_bits(valid), segments.expand(m))
+
+    @cached_property
+    def ok(self) -> Tensor:
+        return torch.sign(self.magnitude)
 
 
 _FLT_MIN = torch.finfo(torch.float32).tiny

@@ -6,7 +6,7 @@ so every rank contributes the same keys to the cross-rank reduction.
 
 Token-domain sums (over this rank's valid tokens of finite sequences, summed over DP x CP) come
 from this rank's per-sequence partial sums ``ratios.seq_sums_local`` masked by the (reduced)
-sequence flags, plus one pass over the token log-ratios for the ratio moments::
+sequence flags, and the ratio moments from ``ratios.token_moments()``::
 
     lc = clamp(l, -B, B),  e = expm1(lc) = r - 1
     k3:  sum (r - 1 - log r) = sum (e - lc)
@@ -83,7 +83,6 @@ def tis_statistics(
     kept_units: Tensor,
     kept_weights: Tensor,
     batch_norm_factor: Tensor | None,
-    clamped_log_ratio: Tensor | None = None,
 ) -> MetricStats:
     """Raw ``tis.*`` statistics (see ``slime_tis.core.metrics`` for the metric formulas).
 
@@ -92,8 +91,8 @@ def tis_statistics(
         kept_units: bool mask of units that survived rejection (same shape).
         kept_weights: ``unit_weights`` on ``kept_units``, 0 elsewhere.
         batch_norm_factor: the factor applied (scalar tensor) or ``None`` when batch-norm is off.
-        clamped_log_ratio: ``clamp(l_t, -B, B)`` on ``token_ok``, 0 elsewhere (``[T]``, overwritten);
-            computed from ``ratios.log_ratio`` when not given.
+
+    ``ratios`` must come from ``packed_ratios(..., moments_bound=config.safety_bound)``.
     """
     bound = config.safety_bound
     seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
@@ -105,16 +104,13 @@ def tis_statistics(
     local_all = local.sum(0)
     local_ok = seq_ok.to(F64) @ local  # [k]: sums over the tokens of finite sequences
     n_valid, n_tok = local_all[ROW_VALID], local_ok[ROW_VALID]
-    lc = ratios.log_ratio.clamp(-bound, bound) if clamped_log_ratio is None else clamped_log_ratio
-    e = torch.expm1(lc)
-    e_sum = e.sum().to(F64)
-    e2_sum = torch.dot(e, e).to(F64)  # torch.dot: one fused pass
+    e_sum, e2_sum, k3_sum = ratios.token_moments().unbind(0)
     tok = _Sums(per_column=True)
     tok["tis.n_tok_valid"] = n_valid
     tok["tis.n_tok"] = n_tok
     tok["tis.n_tok_rejected"] = n_valid - _count(rejection.keep)
     tok["tis.kl_sum"] = -local_ok[ROW_LOG_RATIO]
-    tok["tis.k3_sum"] = torch.sub(e, lc, out=lc).sum()  # sum (e - lc), exactly 0 where l = 0
+    tok["tis.k3_sum"] = k3_sum  # sum (e - lc), exactly 0 where l = 0
     tok["tis.r2_sum"] = e2_sum + 2.0 * e_sum + n_tok
 
     # ---- sequence domain
