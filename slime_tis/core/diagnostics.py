@@ -108,7 +108,11 @@ def tis_statistics(
     tok = _Sums(per_column=True)
     tok["tis.n_tok_valid"] = n_valid
     tok["tis.n_tok"] = n_tok
-    tok["tis.n_tok_rejected"] = n_valid - _count(rejection.keep)
+    if rejection.token_rejected is None:  # kept tokens = the valid tokens of kept sequences
+        n_kept = (seq_ok & ~rejection.seq_rejected).to(F64) @ local[:, ROW_VALID]
+    else:
+        n_kept = _count(rejection.keep)
+    tok["tis.n_tok_rejected"] = n_valid - n_kept
     tok["tis.kl_sum"] = -local_ok[ROW_LOG_RATIO]
     tok["tis.k3_sum"] = k3_sum  # sum (e - lc), exactly 0 where l = 0
     tok["tis.r2_sum"] = e2_sum + 2.0 * e_sum + n_tok

@@ -8,7 +8,8 @@ kernels in ``token_pass.c`` replace the hot ones when the tensors live on the CP
   ``e^2``, ``e - lc`` of the diagnostics) in one pass over the tokens;
 * :func:`expand` — per-sequence weight and keep flag broadcast to the valid tokens.
 
-The library is plain C (vector extensions, pthreads; no Python or torch headers), compiled on first
+The library is plain C (vector extensions, one thread: a second one measured no faster, the pass is
+close to memory-bound; no Python or torch headers), compiled on first
 use with the system C compiler (``$CC``, default ``cc``, about a second) into a cache directory and
 loaded with ``ctypes``. On an accelerator, or when the library cannot be built, the torch path runs;
 both are tested against each other (``tests/test_core_native.py``).
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 N_COLUMNS = 8  # columns of sequence_sums: slime_tis.core.ratios.ROW_*
 MAX_EXTRA = 8
 _SOURCE = Path(__file__).with_name("token_pass.c")
-_MIN_TOKENS_PER_THREAD = 1 << 15  # below this a second thread costs more than it saves
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -63,7 +63,7 @@ def _mode() -> str:
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wno-psabi"]
+    flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-Wno-psabi"]
     if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
     return flags
@@ -108,7 +108,7 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.slime_tis_sequence_sums.argtypes = [i64, i64, p, p, p, p, i64, p, ctypes.c_int32, ctypes.c_float,
-                                            ctypes.c_float, ctypes.c_int32, p]
+                                            ctypes.c_float, p]
     lib.slime_tis_sequence_sums.restype = ctypes.c_int
     lib.slime_tis_expand.argtypes = [i64, i64, p, p, p, p, p, p]
     lib.slime_tis_expand.restype = None
@@ -190,11 +190,10 @@ def sequence_sums(
     n_seq, n_tokens = cu.numel() - 1, lt.numel()
     out = torch.empty((max(n_seq, 0), N_COLUMNS), dtype=torch.float64)
     extra_ptrs = (ctypes.c_void_p * max(len(ex), 1))(*[_ptr(e) for e in ex])
-    threads = max(1, min(torch.get_num_threads(), n_tokens // _MIN_TOKENS_PER_THREAD))
     rc = lib.slime_tis_sequence_sums(
         n_seq, n_tokens, _ptr(cu), _ptr(lt), _ptr(lr), _ptr(v), len(ex), extra_ptrs,
         int(log_veto is not None), float(log_veto if log_veto is not None else 0.0),
-        float(moments_bound or 0.0), threads, _ptr(out),
+        float(moments_bound or 0.0), _ptr(out),
     )
     if rc != 0:
         raise RuntimeError(f"slime_tis_sequence_sums failed ({rc})")

@@ -1,16 +1,15 @@
 /*
  * Fused CPU token passes of the correction core (loaded by slime_tis/core/native/__init__.py).
  *
- * Plain C with GCC/Clang vector extensions, no Python or torch headers: built on first use with the
- * system C compiler and called through ctypes on contiguous CPU tensors. The torch implementation in
+ * Plain C with GCC/Clang vector extensions (AVX intrinsics where available), single-threaded, no
+ * Python or torch headers: built on first use with the system C compiler and called through ctypes
+ * on contiguous CPU tensors. The torch implementation in
  * slime_tis/core/ratios.py is the reference; tests/test_core_native.py checks that both agree.
  *
  * Layout: sequence s owns tokens [cu[s], cu[s+1]) of a packed batch of n_tokens tokens. Offsets are
  * clamped to [previous offset, n_tokens], so a malformed cu never reads outside the inputs.
- * Threads: sequences are split into n_threads ranges of about equal token count (pthreads).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -18,34 +17,53 @@
 #define LANES 8
 #define FLUSH 64 /* vector steps between float -> double flushes (512 tokens) */
 #define MAX_EXTRA 8
-#define MAX_THREADS 64
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint8_t vb __attribute__((vector_size(LANES)));
 
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+static inline vi finite_v(vf x) { return ((vi)x & 0x7f800000) != 0x7f800000; } /* false for NaN, +-inf */
+#if defined(__AVX__)
+#include <immintrin.h>
+/* One instruction each (the generic forms below take two or three); operands are never NaN here. */
+static inline vf select_v(vi mask, vf a, vf b) { return (vf)_mm256_blendv_ps((__m256)b, (__m256)a, (__m256)mask); }
+static inline vf min_v(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
+static inline vf max_v(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline int all_zero(vi mask) { return _mm256_testz_si256((__m256i)mask, (__m256i)mask); }
+#else
 static inline vf select_v(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 static inline vf min_v(vf a, vf b) { return select_v(a < b, a, b); }
 static inline vf max_v(vf a, vf b) { return select_v(a > b, a, b); }
-static inline vi finite_v(vf x) { return ((vi)x & 0x7f800000) != 0x7f800000; } /* false for NaN, +-inf */
-static inline vf ones_where(vi mask) { return select_v(mask, splat(1.0f), splat(0.0f)); }
+static inline int all_zero(vi mask) {
+    int32_t any = 0;
+    for (int j = 0; j < LANES; ++j) any |= mask[j];
+    return any == 0;
+}
+#endif
 
-/* expm1(x) in float32 for |x| <= 88 (larger x gives +inf, smaller gives -1).
- * x = k ln2 + r with k = round(x / ln2), |r| <= ln2 / 2; expm1(r) by its Taylor series to r^7
- * (truncation < 2e-8 relative); expm1(x) = 2^k expm1(r) + (2^k - 1), which is exactly expm1(r) for
- * k = 0 (1 * p + 0), so there is no cancellation near 0. */
-static inline vf expm1_v(vf x) {
-    const vf big = splat(12582912.0f); /* 1.5 * 2^23: (y + big) - big rounds y to the nearest integer */
-    const vf k = (x * splat(1.44269504f) + big) - big;
-    const vf r = (x - k * splat(0.693145752f)) - k * splat(1.42860677e-6f);
-    /* expm1(r) = r + r^2 (1/2 + r/6 + r^2/24 + r^3/120 + r^4/720 + r^5/5040), Estrin's scheme */
+/* expm1(r) for |r| <= ln2 / 2 by its Taylor series to r^7 (truncation < 2e-8 relative):
+ * r + r^2 (1/2 + r/6 + r^2/24 + r^3/120 + r^4/720 + r^5/5040), Estrin's scheme. */
+static inline vf expm1_reduced(vf r) {
     const vf r2 = r * r;
     const vf r4 = r2 * r2;
     const vf q01 = splat(1.0f / 6.0f) * r + splat(0.5f);
     const vf q23 = splat(1.0f / 120.0f) * r + splat(1.0f / 24.0f);
     const vf q45 = splat(1.0f / 5040.0f) * r + splat(1.0f / 720.0f);
-    const vf p = (q01 + r2 * q23 + r4 * q45) * r2 + r;
+    return (q01 + r2 * q23 + r4 * q45) * r2 + r;
+}
+
+/* expm1(x) in float32 for |x| <= 88 (larger x gives +inf, smaller gives -1).
+ * x = k ln2 + r with k = round(x / ln2), |r| <= ln2 / 2; expm1(x) = 2^k expm1(r) + (2^k - 1), which
+ * is exactly expm1(r) for k = 0 (1 * p + 0), so there is no cancellation near 0. When every lane has
+ * |x| < 0.34 (k = 0, r = x: the usual case, train/rollout log-ratios are small) the reduction is
+ * skipped; the result is bit-identical. */
+static inline vf expm1_v(vf x) {
+    if (all_zero((x > splat(0.34f)) | (x < splat(-0.34f)))) return expm1_reduced(x);
+    const vf big = splat(12582912.0f); /* 1.5 * 2^23: (y + big) - big rounds y to the nearest integer */
+    const vf k = (x * splat(1.44269504f) + big) - big;
+    const vf r = (x - k * splat(0.693145752f)) - k * splat(1.42860677e-6f);
+    const vf p = expm1_reduced(r);
     const vi kc = __builtin_convertvector(max_v(min_v(k, splat(127.0f)), splat(-127.0f)), vi);
     const vf two = (vf)((kc + 127) << 23); /* 2^k, and 0 for k = -127 (x < -88: expm1 = -1) */
     return select_v(x > splat(88.7f), splat(INFINITY), two * p + (two - splat(1.0f)));
@@ -84,7 +102,7 @@ static inline void accumulate(const SumsArgs *a, vf lt, vf lr, vi valid, vi extr
     acc->lp_rollout += where_v(valid & finite_v(lr), lr);
     acc->valid += valid;
     acc->nonfinite += valid & ~(finite & extra_finite);
-    if (a->has_veto) acc->veto += lf < splat(a->log_veto);
+    if (a->has_veto) acc->veto += valid & (lf < splat(a->log_veto));
     if (a->has_moments) {
         const vf lc = max_v(min_v(lf, splat(a->bound)), splat(-a->bound));
         const vf e = expm1_v(lc);
@@ -94,21 +112,68 @@ static inline void accumulate(const SumsArgs *a, vf lt, vf lr, vi valid, vi extr
     }
 }
 
-static inline double lane_sum_f(vf x) {
-    double total = 0.0;
-    for (int j = 0; j < LANES; ++j) total += (double)x[j];
-    return total;
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+typedef double vd4 __attribute__((vector_size(4 * sizeof(double))));
+typedef int32_t vi4 __attribute__((vector_size(4 * sizeof(int32_t))));
+
+static inline double lane_sum_f(vf x) { /* the LANES floats summed in double */
+    vf4 lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    const vd4 sum = __builtin_convertvector(lo, vd4) + __builtin_convertvector(hi, vd4);
+    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
 
-static inline double lane_count(vi x) {
-    int64_t total = 0;
-    for (int j = 0; j < LANES; ++j) total -= x[j];
-    return (double)total;
+static inline double lane_count(vi x) { /* minus the sum of the LANES int32 (comparison results are -1) */
+    vi4 lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    const vi4 sum = lo + hi;
+    return -(double)((sum[0] + sum[1]) + (sum[2] + sum[3]));
 }
 
-static void sums_range(const SumsArgs *a, int64_t s_begin, int64_t s_end) {
-    int64_t start = clamp_offset(a->cu[s_begin], 0, a->n_tokens);
-    for (int64_t s = s_begin; s < s_end; ++s) {
+/* The LANES tokens from t: whole-vector loads wherever LANES tokens remain in the batch (lanes at or
+ * past `end` belong to the next sequence and are masked out of `valid`), element copies only for the
+ * batch's last tokens. Masked lanes contribute nothing: every column is selected by `valid`. */
+static inline void load_step(const SumsArgs *a, int64_t t, int64_t end, vf *lt, vf *lr, vi *valid,
+                             vi *extra_finite) {
+    static const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7};
+    vb v8;
+    *extra_finite = (vi){-1, -1, -1, -1, -1, -1, -1, -1};
+    if (t + LANES <= a->n_tokens) {
+        memcpy(lt, a->lp_train + t, sizeof *lt);
+        memcpy(lr, a->lp_rollout + t, sizeof *lr);
+        memcpy(&v8, a->valid + t, LANES);
+        for (int64_t j = 0; j < a->n_extra; ++j) {
+            vf x;
+            memcpy(&x, a->extras[j] + t, sizeof x);
+            *extra_finite &= finite_v(x);
+        }
+    } else {
+        const int64_t n = end - t; /* < LANES: end <= n_tokens */
+        float b1[LANES] = {0}, b2[LANES] = {0};
+        uint8_t b3[LANES] = {0};
+        memcpy(b1, a->lp_train + t, (size_t)n * sizeof(float));
+        memcpy(b2, a->lp_rollout + t, (size_t)n * sizeof(float));
+        memcpy(b3, a->valid + t, (size_t)n);
+        memcpy(lt, b1, sizeof *lt);
+        memcpy(lr, b2, sizeof *lr);
+        memcpy(&v8, b3, LANES);
+        for (int64_t j = 0; j < a->n_extra; ++j) {
+            float bx[LANES] = {0};
+            vf x;
+            memcpy(bx, a->extras[j] + t, (size_t)n * sizeof(float));
+            memcpy(&x, bx, sizeof x);
+            *extra_finite &= finite_v(x);
+        }
+    }
+    *valid = __builtin_convertvector(v8, vi) != 0;
+    if (end - t < LANES) *valid &= lane_index < (int32_t)(end - t);
+}
+
+static void sums_all(const SumsArgs *a, int64_t n_seq) {
+    int64_t start = clamp_offset(a->cu[0], 0, a->n_tokens);
+    for (int64_t s = 0; s < n_seq; ++s) {
         const int64_t end = clamp_offset(a->cu[s + 1], start, a->n_tokens);
         double total[N_COLUMNS] = {0};
         int64_t t = start;
@@ -117,36 +182,8 @@ static void sums_range(const SumsArgs *a, int64_t s_begin, int64_t s_end) {
             memset(&acc, 0, sizeof acc);
             for (int step = 0; step < FLUSH && t < end; ++step, t += LANES) {
                 vf lt, lr;
-                vi valid, extra_finite = (vi){-1, -1, -1, -1, -1, -1, -1, -1};
-                vb v8;
-                if (t + LANES <= end) {
-                    memcpy(&lt, a->lp_train + t, sizeof lt);
-                    memcpy(&lr, a->lp_rollout + t, sizeof lr);
-                    memcpy(&v8, a->valid + t, LANES);
-                    for (int64_t j = 0; j < a->n_extra; ++j) {
-                        vf x;
-                        memcpy(&x, a->extras[j] + t, sizeof x);
-                        extra_finite &= finite_v(x);
-                    }
-                } else { /* tail: missing lanes are invalid tokens with zero log-probs */
-                    const int64_t n = end - t;
-                    float b1[LANES] = {0}, b2[LANES] = {0};
-                    uint8_t b3[LANES] = {0};
-                    memcpy(b1, a->lp_train + t, (size_t)n * sizeof(float));
-                    memcpy(b2, a->lp_rollout + t, (size_t)n * sizeof(float));
-                    memcpy(b3, a->valid + t, (size_t)n);
-                    memcpy(&lt, b1, sizeof lt);
-                    memcpy(&lr, b2, sizeof lr);
-                    memcpy(&v8, b3, LANES);
-                    for (int64_t j = 0; j < a->n_extra; ++j) {
-                        float bx[LANES] = {0};
-                        vf x;
-                        memcpy(bx, a->extras[j] + t, (size_t)n * sizeof(float));
-                        memcpy(&x, bx, sizeof x);
-                        extra_finite &= finite_v(x);
-                    }
-                }
-                valid = __builtin_convertvector(v8, vi) != 0;
+                vi valid, extra_finite;
+                load_step(a, t, end, &lt, &lr, &valid, &extra_finite);
                 accumulate(a, lt, lr, valid, extra_finite, &acc);
             }
             total[0] += lane_sum_f(acc.log_ratio);
@@ -163,29 +200,6 @@ static void sums_range(const SumsArgs *a, int64_t s_begin, int64_t s_end) {
     }
 }
 
-typedef struct {
-    const SumsArgs *args;
-    int64_t s_begin, s_end;
-} SumsJob;
-
-static void *sums_job(void *p) {
-    const SumsJob *job = (const SumsJob *)p;
-    sums_range(job->args, job->s_begin, job->s_end);
-    return NULL;
-}
-
-/* First sequence of part `part` of `parts`: the first s with cu[s] >= part * T / parts. */
-static int64_t split_point(const int64_t *cu, int64_t n_seq, int64_t n_tokens, int64_t part, int64_t parts) {
-    const int64_t target = n_tokens / parts * part;
-    int64_t lo = 0, hi = n_seq;
-    while (lo < hi) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (cu[mid] < target) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
 /* Per-sequence sums over valid tokens into out[n_seq][N_COLUMNS] (double), per token with
  * l = lp_train - lp_rollout (float32) and v = valid:
  *   col 0  l           where v and l is finite, else 0 (call it l')
@@ -199,33 +213,12 @@ static int64_t split_point(const int64_t *cu, int64_t n_seq, int64_t n_tokens, i
 int slime_tis_sequence_sums(int64_t n_seq, int64_t n_tokens, const int64_t *cu, const float *lp_train,
                             const float *lp_rollout, const uint8_t *valid, int64_t n_extra,
                             const float *const *extras, int32_t has_veto, float log_veto, float bound,
-                            int32_t n_threads, double *out) {
+                            double *out) {
     if (n_extra > MAX_EXTRA) return -1;
     SumsArgs a = {n_tokens, cu, lp_train, lp_rollout, valid, n_extra, {0}, has_veto, bound > 0.0f,
                   log_veto, bound, out};
     for (int64_t j = 0; j < n_extra; ++j) a.extras[j] = extras[j];
-    memset(out, 0, (size_t)n_seq * N_COLUMNS * sizeof(double));
-    int64_t parts = n_threads < 1 ? 1 : (n_threads > MAX_THREADS ? MAX_THREADS : n_threads);
-    if (parts > n_seq) parts = n_seq;
-    if (parts <= 1) {
-        if (n_seq > 0) sums_range(&a, 0, n_seq);
-        return 0;
-    }
-    pthread_t threads[MAX_THREADS];
-    SumsJob jobs[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t p = 0; p < parts; ++p) {
-        jobs[p].args = &a;
-        jobs[p].s_begin = p == 0 ? 0 : split_point(cu, n_seq, n_tokens, p, parts);
-        jobs[p].s_end = p == parts - 1 ? n_seq : split_point(cu, n_seq, n_tokens, p + 1, parts);
-    }
-    for (int64_t p = 1; p < parts; ++p)
-        started[p] = pthread_create(&threads[p], NULL, sums_job, &jobs[p]) == 0;
-    sums_job(&jobs[0]);
-    for (int64_t p = 1; p < parts; ++p) {
-        if (started[p]) pthread_join(threads[p], NULL);
-        else sums_job(&jobs[p]); /* no thread: do the part here */
-    }
+    if (n_seq > 0) sums_all(&a, n_seq);
     return 0;
 }
 
