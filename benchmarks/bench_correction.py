@@ -25,6 +25,7 @@ Run (CPU, 2 threads)::
     .venv/bin/python benchmarks/bench_correction.py --write docs/bench_correction.md --label cpu-ci
     .venv/bin/python benchmarks/bench_correction.py --device cuda  # GPU check
     .venv/bin/python benchmarks/bench_correction.py --profile --shapes "256x2048 (long)"
+    SLIME_TIS_NATIVE=0 .venv/bin/python benchmarks/bench_correction.py   # the torch path alone
 
 ``--write FILE`` replaces only the block ``<!-- bench:LABEL:start/end -->`` of FILE (LABEL defaults
 to the device type), so the hand-written analysis around it survives a re-run.
@@ -51,6 +52,7 @@ import _verl_light  # noqa: E402,F401  (stubs ray/transformers before verl is im
 import verl.trainer.ppo.rollout_corr_helper as rc  # noqa: E402
 
 from slime_tis import TISConfig, compute_tis, padded_to_packed  # noqa: E402
+from slime_tis.core import native  # noqa: E402
 
 CONFIG = TISConfig(use_tis=True, mode="truncate", level="sequence", upper=2.0, rs_level="geometric")
 VERL_KWARGS = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
@@ -156,8 +158,9 @@ def environment(device: torch.device) -> str:
                              text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = ""
+    fused = "on" if device.type == "cpu" and native.available() else "off"
     return (f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"{os.cpu_count()} cores visible; python {platform.python_version()}"
+            f"{os.cpu_count()} cores visible; python {platform.python_version()}; fused CPU kernels {fused}"
             + (f"; slime_tis at {rev}" if rev else ""))
 
 
@@ -219,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.write is not None:
         flags = " ".join(argv if argv is not None else sys.argv[1:])
-        command = f"python benchmarks/bench_correction.py {flags}".strip()
+        prefix = f"SLIME_TIS_NATIVE={os.environ['SLIME_TIS_NATIVE']} " if "SLIME_TIS_NATIVE" in os.environ else ""
+        command = f"{prefix}python benchmarks/bench_correction.py {flags}".strip()
         body = render_markdown(table, verdicts, env, command, args)
         write_section(args.write, args.label or device.type, body)
         print(f"wrote {args.write}")
