@@ -1,6 +1,8 @@
-"""Pure-torch correction core: packed sequences in, weights / masks / losses / statistics out.
+"""Correction core: packed sequences in, weights / masks / losses / statistics out.
 
-No Megatron, slime or SGLang import anywhere below this package.
+Device-agnostic torch; on CPU tensors the token pass runs in an optional fused C kernel
+(``slime_tis.core.native``), with the torch code as its reference and fallback. No Megatron, slime or
+SGLang import anywhere below this package.
 """
 
 from slime_tis.core.correction import TISResult, compute_tis, normalisation_factor
