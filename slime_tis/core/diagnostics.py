@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core.metrics import MetricStats, masked_max, masked_min
+from slime_tis.core.metrics import MetricStats, masked_extremes
 from slime_tis.core.ratios import ROW_LOG_RATIO, ROW_LP_ROLLOUT, ROW_VALID, PackedRatios
 from slime_tis.core.rejection import Rejection
 from slime_tis.core.weights import outside_bounds
@@ -101,17 +101,16 @@ def tis_statistics(
 
     # ---- token domain (this rank's tokens)
     local = ratios.seq_sums_local
-    local_all = local.sum(0)
-    local_ok = seq_ok.to(F64) @ local  # [k]: sums over the tokens of finite sequences
-    n_valid, n_tok = local_all[ROW_VALID], local_ok[ROW_VALID]
-    e_sum, e2_sum, k3_sum = ratios.token_moments().unbind(0)
+    # [3, k] column sums over: all sequences, finite sequences, kept sequences (one GEMM)
+    domains = torch.stack([torch.ones_like(seq_ok), seq_ok, seq_ok & ~rejection.seq_rejected]).to(F64) @ local
+    n_valid, n_tok = domains[0, ROW_VALID], domains[1, ROW_VALID]
+    local_ok = domains[1]
+    e_sum, e2_sum, k3_sum = ratios.token_moments(local_ok).unbind(0)
     tok = _Sums(per_column=True)
     tok["tis.n_tok_valid"] = n_valid
     tok["tis.n_tok"] = n_tok
-    if rejection.token_rejected is None:  # kept tokens = the valid tokens of kept sequences
-        n_kept = (seq_ok & ~rejection.seq_rejected).to(F64) @ local[:, ROW_VALID]
-    else:
-        n_kept = _count(rejection.keep)
+    # kept tokens = the valid tokens of kept sequences, less those of a token-level rule
+    n_kept = domains[2, ROW_VALID] if rejection.token_rejected is None else _count(rejection.keep)
     tok["tis.n_tok_rejected"] = n_valid - n_kept
     tok["tis.kl_sum"] = -local_ok[ROW_LOG_RATIO]
     tok["tis.k3_sum"] = k3_sum  # sum (e - lc), exactly 0 where l = 0
@@ -173,10 +172,10 @@ def tis_statistics(
     units["tis.w_sum"] = kept_weights
     units["tis.w_sq_sum"] = kept_weights * kept_weights if per_seq_units else torch.dot(kept_weights, kept_weights)
 
-    mins = {"tis.log_ratio_min": masked_min(level_log, ratios.unit_ok(config.level)),
-            "tis.weight_min": masked_min(unit_weights, kept_units)}
-    maxs = {"tis.log_ratio_max": masked_max(level_log, ratios.unit_ok(config.level)),
-            "tis.weight_max": masked_max(unit_weights, kept_units)}
+    lows, highs = masked_extremes(torch.stack([level_log.float(), unit_weights.float()]),
+                                  torch.stack([ratios.unit_ok(config.level), kept_units]))
+    mins = dict(zip(("tis.log_ratio_min", "tis.weight_min"), lows.unbind(0)))
+    maxs = dict(zip(("tis.log_ratio_max", "tis.weight_max"), highs.unbind(0)))
 
     # ---- rejection sampling units
     if config.rs_level is not None:

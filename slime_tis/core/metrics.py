@@ -59,23 +59,21 @@ from torch import Tensor
 
 from slime_tis.core.reducer import Reducer
 
-__all__ = ["MetricStats", "safe_ratio", "masked_min", "masked_max", "column_sums"]
+__all__ = ["MetricStats", "safe_ratio", "masked_extremes", "column_sums"]
 
 
-def masked_min(x: Tensor, mask: Tensor) -> Tensor:
-    """Minimum of ``x`` over ``mask`` (float32 scalar); ``+inf`` for an empty mask."""
-    inf = torch.full((), float("inf"), dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
-        return inf
-    return torch.where(mask, x.float(), inf).amin()
+def masked_extremes(values: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-wise minimum and maximum of ``values`` ``[k, n]`` over ``masks`` ``[k, n]`` (bool).
 
-
-def masked_max(x: Tensor, mask: Tensor) -> Tensor:
-    """Maximum of ``x`` over ``mask`` (float32 scalar); ``-inf`` for an empty mask."""
-    neg_inf = torch.full((), float("-inf"), dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
-        return neg_inf
-    return torch.where(mask, x.float(), neg_inf).amax()
+    Returns two float32 ``[k]`` tensors; a row with an empty mask gives ``+inf`` / ``-inf``.
+    """
+    k, n = values.shape
+    if n == 0:
+        inf = torch.full((k,), float("inf"), dtype=torch.float32, device=values.device)
+        return inf, -inf
+    values = values.float()
+    inf = torch.full((), float("inf"), dtype=torch.float32, device=values.device)
+    return torch.where(masks, values, inf).amin(1), torch.where(masks, values, -inf).amax(1)
 
 
 def column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:

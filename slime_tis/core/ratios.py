@@ -163,13 +163,17 @@ class PackedRatios:
         """``[T]`` float32 rollout log-probs on ``token_ok``, 0 elsewhere."""
         return torch.where(self.token_ok, self._lp_rollout, 0.0)
 
-    def token_moments(self) -> Tensor:
+    def token_moments(self, local_ok: Tensor | None = None) -> Tensor:
         """``[3]`` float64 ``(sum e, sum e^2, sum (e - lc))`` over ``token_ok`` (this rank's tokens), with
-        ``lc = clamp(l, -B, B)``, ``e = expm1(lc)`` and ``B`` the ``moments_bound`` of :func:`packed_ratios`."""
+        ``lc = clamp(l, -B, B)``, ``e = expm1(lc)`` and ``B`` the ``moments_bound`` of :func:`packed_ratios`.
+
+        ``local_ok``: ``seq_ok @ seq_sums_local`` (``[N_COLUMNS]``) if the caller has it already."""
         if self.moments_bound is None:
             raise ValueError("token_moments needs packed_ratios(..., moments_bound=B)")
         if self.moment_columns:
-            return self.seq_ok.to(torch.float64) @ self.seq_sums_local[:, ROW_E:ROW_K3 + 1]
+            if local_ok is None:
+                local_ok = self.seq_ok.to(torch.float64) @ self.seq_sums_local
+            return local_ok[ROW_E:ROW_K3 + 1]
         lc = self.log_ratio.clamp(-self.moments_bound, self.moments_bound)
         e = torch.expm1(lc)
         return torch.stack([e.sum(), torch.dot(e, e), torch.sub(e, lc, out=lc).sum()]).to(torch.float64)
