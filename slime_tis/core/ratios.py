@@ -67,24 +67,27 @@ class PackedRatios:
 
     Shapes: ``[T]`` per token, ``[n_seq]`` per sequence (full-sequence values, identical on every
     context-parallel rank after the reduction). Per-sequence float tensors are float32 except the
-    raw sums ``seq_sums`` / ``seq_sums_local`` (float64 ``[n_seq, N_COLUMNS]``, columns ``ROW_*``).
+    raw sums ``seq_sums`` / ``seq_sums_local`` (float64 ``[n_seq, N_COLUMNS]``, columns ``ROW_*``); the
+    columns are finite (the token pass sanitises them), so masking by a product is a selection.
 
     Attributes:
         segments: the packed layout (sequence index per token, expansion, segment sums).
         valid: ``[T]`` bool loss mask.
         seq_sums: ``[n_seq, N_COLUMNS]`` float64 per-sequence row sums, completed over context parallelism.
         seq_sums_local: the same before the reduction (this rank's tokens only).
-        seq_log_ratio_sum: sum of ``l_t`` over valid tokens (0 unless ``seq_ok``).
-        seq_log_ratio_mean: the geometric-level ``L_i`` (0 unless ``seq_ok``).
-        seq_count: number of valid tokens. seq_has_tokens: at least one valid token.
+        seq_has_tokens: at least one valid token.
         seq_nonfinite: has valid tokens with a non-finite value. seq_ok: has valid tokens, all finite.
         seq_veto: finite and some valid token has raw ratio < veto threshold.
 
-    Computed on first use: ``valid_bits`` (``valid`` as an int32 selection mask), ``log_ratio_valid``
-    (``[T]`` float32 ``l_t`` at valid tokens with finite ``l_t``, 0 elsewhere), ``seq_mean_lp_train``,
-    ``seq_mean_lp_rollout`` (``[n_seq]``, 0 unless ``seq_ok``), ``seq_id``,
-    ``token_ok`` (valid and its sequence is ok: the diagnostic token domain), ``log_ratio``,
-    ``lp_train``, ``lp_rollout`` (``[T]``, 0 outside ``token_ok``).
+    Computed on first use:
+
+    * ``[n_seq]``: ``seq_log_ratio_sum`` (sum of ``l_t`` over valid tokens, 0 unless ``seq_ok``),
+      ``seq_log_ratio_mean`` (the geometric-level ``L_i``), ``seq_count`` (valid tokens),
+      ``seq_mean_lp_train``, ``seq_mean_lp_rollout`` (0 unless ``seq_ok``);
+    * ``[T]``: ``valid_bits`` (``valid`` as an int32 selection mask), ``log_ratio_valid`` (float32 ``l_t``
+      at valid tokens with finite ``l_t``, 0 elsewhere), ``seq_id``, ``token_ok`` (valid and its sequence
+      is ok: the diagnostic token domain), ``log_ratio``, ``lp_train``, ``lp_rollout`` (0 outside
+      ``token_ok``).
     """
 
     def __init__(self, segments: Segments, valid: Tensor, lp_train: Tensor, lp_rollout: Tensor,
@@ -101,15 +104,26 @@ class PackedRatios:
         self.seq_sums_local = local
         self.seq_sums = full
 
-        count = full[:, ROW_VALID]
-        self.seq_has_tokens = count > 0
+        self.seq_has_tokens = full[:, ROW_VALID] > 0
         self.seq_nonfinite = self.seq_has_tokens & (full[:, ROW_NONFINITE] > 0)
         self.seq_ok = self.seq_has_tokens & ~self.seq_nonfinite
-        self.seq_count = count.float()
-        log_sum = torch.where(self.seq_ok, full[:, ROW_LOG_RATIO], 0.0)
-        self.seq_log_ratio_sum = log_sum.float()
-        self.seq_log_ratio_mean = (log_sum / count.clamp(min=1.0)).float()
         self.seq_veto = (self.seq_ok & (full[:, ROW_VETO] > 0)) if has_veto else torch.zeros_like(self.seq_ok)
+
+    @cached_property
+    def seq_count(self) -> Tensor:
+        """``[n_seq]`` float32 number of valid tokens."""
+        return self.seq_sums[:, ROW_VALID].float()
+
+    @cached_property
+    def seq_log_ratio_sum(self) -> Tensor:
+        """``[n_seq]`` float32 sum of ``l_t`` over valid tokens (0 unless ``seq_ok``): the sequence-level ``L_i``."""
+        return (self.seq_sums[:, ROW_LOG_RATIO] * self.seq_ok).float()  # finite column: a selection
+
+    @cached_property
+    def seq_log_ratio_mean(self) -> Tensor:
+        """``[n_seq]`` float32 geometric-level ``L_i`` (0 unless ``seq_ok``)."""
+        full = self.seq_sums
+        return (full[:, ROW_LOG_RATIO] * self.seq_ok / full[:, ROW_VALID].clamp(min=1.0)).float()
 
     @property
     def n_seq(self) -> int:
