@@ -210,6 +210,23 @@ def test_without_compiler_auto_falls_back_and_required_raises(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_unwritable_cache_builds_in_the_temp_dir(tmp_path):
+    """A cache path that cannot be a directory (here: under a regular file) falls back to $TMPDIR."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    code = """
+        from slime_tis.core import native
+        assert native.available()
+        print(native._lib._name)
+    """
+    done = _python(code, SLIME_TIS_NATIVE="1", SLIME_TIS_CACHE=str(blocker / "cache"), TMPDIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "cannot write" in done.stderr and str(blocker / "cache") in done.stderr
+    built = Path(done.stdout.strip())
+    assert built.parent.parent == tmp_path and built.parent.name.startswith("slime_tis-") and built.exists()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
 def test_concurrent_first_builds_share_one_library(tmp_path):
     """Ranks starting together on an empty cache each build atomically and all load a whole library."""
     code = """

@@ -18,7 +18,8 @@ Environment:
     ``SLIME_TIS_NATIVE``: ``auto`` (default: use it if it builds, else warn once and use torch),
     ``0`` (never), ``1`` (required: raise if it cannot be built).
     ``SLIME_TIS_CACHE``: directory of the compiled library (default ``$XDG_CACHE_HOME/slime_tis`` or
-    ``~/.cache/slime_tis``). The file name holds a hash of the source, compiler and flags, so nodes
+    ``~/.cache/slime_tis``; if it cannot be written, a per-user directory under the system temp dir).
+    The file name holds a hash of the source, compiler and flags, so nodes
     with different CPUs sharing a home directory do not share a binary built for the wrong one.
 """
 
@@ -101,10 +102,23 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
+def _fallback_dir() -> Path:
+    """A per-user directory under the system temp dir, for when the cache directory is not writable."""
+    return Path(tempfile.gettempdir()) / f"slime_tis-{getattr(os, 'getuid', lambda: 0)()}"
+
+
 def _load() -> ctypes.CDLL:
     path = library_path()
     if not path.exists():
-        _build(path)
+        try:
+            _build(path)
+        except OSError as err:  # the cache directory cannot be created or written (a compile error is not an OSError)
+            fallback = _fallback_dir() / path.name
+            log.warning("slime_tis: cannot write %s (%s); building the CPU kernels in %s", path.parent, err,
+                        fallback.parent)
+            path = fallback
+            if not path.exists():
+                _build(path)
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.slime_tis_sequence_sums.argtypes = [i64, i64, p, p, p, p, i64, p, ctypes.c_int32, ctypes.c_float,
