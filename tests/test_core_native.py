@@ -124,6 +124,21 @@ def test_malformed_offsets_never_read_outside_the_batch():
     assert keep.tolist() == [True] * 10
 
 
+def test_wrong_lengths_dtypes_or_devices_raise_before_the_c_code():
+    cu = _layout([2, 3])
+    lt, valid = torch.zeros(5), torch.ones(5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"lp_rollout must be a 1-D torch.float32 CPU tensor of 5 elements.*\(4,\)"):
+        native.sequence_sums(lt, torch.zeros(4), valid, cu)
+    with pytest.raises(ValueError, match=r"extras\[0\] must be a 1-D torch.float32 .* got \(5,\) torch.float64"):
+        native.sequence_sums(lt, lt, valid, cu, (torch.zeros(5, dtype=torch.float64),))
+    with pytest.raises(ValueError, match=r"offsets must be a 1-D torch.int64"):
+        native.sequence_sums(lt, lt, valid, cu.int())
+    with pytest.raises(ValueError, match=r"value must be a 1-D torch.float32 CPU tensor of 2 elements"):
+        native.expand(cu, valid, torch.zeros(3), torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"valid must be a 1-D torch.bool"):
+        native.expand(cu, valid.float(), torch.zeros(2), torch.ones(2, dtype=torch.bool))
+
+
 def test_expand_zeroes_invalid_tokens():
     cu = _layout([3, 0, 4])
     valid = torch.tensor([1, 0, 1, 1, 1, 0, 1], dtype=torch.bool)

@@ -164,6 +164,15 @@ def _ptr(t: Tensor) -> int:
     return t.data_ptr()
 
 
+def _checked(name: str, t: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    """``t`` as a contiguous CPU tensor, after checking what the C code relies on (a wrong length or
+    device there would be an out-of-bounds read, not an exception)."""
+    if t.device.type != "cpu" or t.dim() != 1 or t.numel() != numel or t.dtype != dtype:
+        raise ValueError(f"{name} must be a 1-D {dtype} CPU tensor of {numel} elements for the fused CPU kernel, "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return t.contiguous()
+
+
 def sequence_sums(
     lp_train: Tensor,
     lp_rollout: Tensor,
@@ -192,16 +201,13 @@ def sequence_sums(
         raise NativeBuildError("the fused CPU kernels are not available")
     if len(extras) > MAX_EXTRA:
         raise ValueError(f"at most {MAX_EXTRA} extra tensors, got {len(extras)}")
-    lt, lr = lp_train.contiguous(), lp_rollout.contiguous()
-    v = valid.contiguous().view(torch.uint8)
-    cu = offsets.contiguous()
-    ex = [e.contiguous() for e in extras]
-    for name, t in (("lp_train", lt), ("lp_rollout", lr), *((f"extras[{i}]", e) for i, e in enumerate(ex))):
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32 for the fused CPU kernel, got {t.dtype}")
-    if cu.dtype != torch.int64:
-        raise ValueError(f"offsets must be int64, got {cu.dtype}")
-    n_seq, n_tokens = cu.numel() - 1, lt.numel()
+    n_tokens = lp_train.numel()
+    cu = _checked("offsets", offsets, max(offsets.numel(), 1), torch.int64)
+    lt = _checked("lp_train", lp_train, n_tokens, torch.float32)
+    lr = _checked("lp_rollout", lp_rollout, n_tokens, torch.float32)
+    v = _checked("valid", valid, n_tokens, torch.bool).view(torch.uint8)
+    ex = [_checked(f"extras[{i}]", e, n_tokens, torch.float32) for i, e in enumerate(extras)]
+    n_seq = cu.numel() - 1
     out = torch.empty((max(n_seq, 0), N_COLUMNS), dtype=torch.float64)
     extra_ptrs = (ctypes.c_void_p * max(len(ex), 1))(*[_ptr(e) for e in ex])
     rc = lib.slime_tis_sequence_sums(
@@ -223,13 +229,13 @@ def expand(offsets: Tensor, valid: Tensor, value: Tensor, keep: Tensor) -> tuple
     lib = _library()
     if lib is None:
         raise NativeBuildError("the fused CPU kernels are not available")
-    cu = offsets.contiguous()
-    v = valid.contiguous().view(torch.uint8)
-    val = value.contiguous().float()
-    kp = keep.contiguous().view(torch.uint8)
-    n_tokens = v.numel()
+    n_tokens, n_seq = valid.numel(), max(offsets.numel(), 1) - 1
+    cu = _checked("offsets", offsets, n_seq + 1, torch.int64)
+    v = _checked("valid", valid, n_tokens, torch.bool).view(torch.uint8)
+    val = _checked("value", value, n_seq, torch.float32)
+    kp = _checked("keep", keep, n_seq, torch.bool).view(torch.uint8)
     out_value = torch.empty(n_tokens, dtype=torch.float32)
     out_keep = torch.empty(n_tokens, dtype=torch.bool)
-    lib.slime_tis_expand(cu.numel() - 1, n_tokens, _ptr(cu), _ptr(v), _ptr(val), _ptr(kp), _ptr(out_value),
+    lib.slime_tis_expand(n_seq, n_tokens, _ptr(cu), _ptr(v), _ptr(val), _ptr(kp), _ptr(out_value),
                          _ptr(out_keep.view(torch.uint8)))
     return out_value, out_keep
