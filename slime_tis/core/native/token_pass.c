@@ -3,8 +3,8 @@
  *
  * Plain C with GCC/Clang vector extensions (AVX intrinsics where available), single-threaded, no
  * Python or torch headers: built on first use with the system C compiler and called through ctypes
- * on contiguous CPU tensors. The torch implementation in
- * slime_tis/core/ratios.py is the reference; tests/test_core_native.py checks that both agree.
+ * on contiguous CPU tensors. The torch implementation in slime_tis/core/ratios.py is the reference;
+ * tests/test_core_native.py checks that both agree.
  *
  * Layout: sequence s owns tokens [cu[s], cu[s+1]) of a packed batch of n_tokens tokens. Offsets are
  * clamped to [previous offset, n_tokens], so a malformed cu never reads outside the inputs.
