@@ -12,10 +12,11 @@ Formulas (all detached; B the safety bound)::
 
 Order of work (two phases over the ``T`` tokens, one context-parallel reduction):
 
-1. token pass + per-sequence sums (``ratios.packed_ratios``), one ``reducer.sequence_sum``;
+1. token pass + per-sequence sums (``ratios.packed_ratios``; on CPU tensors one fused pass that also
+   sums the token-domain ratio moments), one ``reducer.sequence_sum``;
 2. sequence-level rules and weights on ``[n_seq]`` arrays;
 3. one broadcast of the per-sequence flags and weights to the tokens (``SequenceCode``), then the
-   token-level rules, the token weights and the token-domain moments.
+   token-level rules, the token weights and, on the torch path, the token-domain moments.
 
 Algorithms 0 and 1 apply no weight (``w = 1``); algorithm 0 rejects nothing but non-finite data.
 """
