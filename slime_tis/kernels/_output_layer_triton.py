@@ -1,0 +1,143 @@
+"""Triton kernels of the fused output layer (see :mod:`slime_tis.kernels.output_layer` for the formulas).
+
+Imported lazily (only on the Triton path). Two kernels, both walking logit tiles ``[BT, BV]`` that are
+computed from ``hidden [T, H]`` and ``weight [Vp, H]`` with float32 accumulation and never stored:
+
+* ``_stats_kernel``: one program per block of ``BT`` rows; online over the vocabulary tiles it keeps,
+  per row, ``m`` (running max of ``x = z / tau``), ``s = sum exp(x - m)``, ``t = sum exp(x - m)(x - m)``
+  and ``x_y`` (the target's ``x`` when the target is in this shard, else 0); writes ``[T, 4]`` float32.
+* ``_dlogits_kernel``: one program per ``[BT, BV]`` tile of a vocabulary chunk; recomputes ``x`` and writes
+  ``d lp-and-entropy / d z`` for the tile into the chunk buffer (the two GEMMs that follow are torch's).
+
+Rows are visited in the order ``rows[i]`` (active rows first); blocks whose first index is at or past
+``n_active`` (device scalar, read in the kernel: no host sync) skip the matmul: masked rows cost nothing.
+
+Loop bounds (``Vp``, ``H``, the chunk width) are compile-time constants: fixed by the model, so one
+compilation per model (two with a ragged last chunk); data-dependent work is skipped with ``if``, never a
+runtime loop bound (the Triton 3.6 interpreter cannot take one with numpy >= 2.4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_NEG = -1.0e30  # finite "minus infinity": exp(_NEG - m) == 0 and 0 * (_NEG - m) == 0 (no NaN)
+
+
+@triton.jit
+def _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H: tl.constexpr,
+                BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+    """``z[i, j] = sum_k hidden[rows[i], k] * weight[cols[j], k]`` in float32."""
+    acc = tl.zeros((BT, BV), dtype=tl.float32)
+    for k0 in range(0, H, BH):
+        ks = k0 + tl.arange(0, BH)
+        k_ok = ks < H
+        a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=active[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, out_ptr,
+                  T, vocab_start, temperature, stride_h, stride_w, Vp: tl.constexpr, H: tl.constexpr,
+                  BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    idx = pid * BT + tl.arange(0, BT)
+    in_range = idx < T
+    n_active = tl.load(n_active_ptr)
+    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
+    active = in_range & (idx < n_active)
+    target = tl.load(y_ptr + rows, mask=active, other=-1) - vocab_start
+    m = tl.full((BT,), _NEG, dtype=tl.float32)
+    s = tl.zeros((BT,), dtype=tl.float32)
+    t = tl.zeros((BT,), dtype=tl.float32)
+    xy = tl.zeros((BT,), dtype=tl.float32)
+    if pid * BT < n_active:  # a block of masked rows does no work
+        for v0 in range(0, Vp, BV):
+            cols = v0 + tl.arange(0, BV)
+            col_ok = cols < Vp
+            z = _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H, BT, BV, BH, PRECISION)
+            x = tl.where(col_ok[None, :], z / temperature, _NEG)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            alpha = tl.exp(m - m_new)
+            d = x - m_new[:, None]
+            e = tl.exp(d)
+            t = alpha * (t + (m - m_new) * s) + tl.sum(e * d, axis=1)
+            s = alpha * s + tl.sum(e, axis=1)
+            m = m_new
+            hit = cols[None, :] == target[:, None]
+            xy += tl.sum(tl.where(hit, x, 0.0), axis=1)
+    out = out_ptr + rows * 4
+    tl.store(out + 0, m, mask=in_range)
+    tl.store(out + 1, s, mask=in_range)
+    tl.store(out + 2, t, mask=in_range)
+    tl.store(out + 3, xy, mask=in_range)
+
+
+@triton.jit
+def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, log_z_ptr, ent_ptr, g_lp_ptr, g_h_ptr, d_ptr,
+                    T, col_start, vocab_start, temperature, stride_h, stride_w, stride_d,
+                    Vp: tl.constexpr, H: tl.constexpr, chunk_cols: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    idx = pid_t * BT + tl.arange(0, BT)
+    in_range = idx < T
+    n_active = tl.load(n_active_ptr)
+    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
+    active = in_range & (idx < n_active)
+    local = pid_v * BV + tl.arange(0, BV)          # column inside the chunk
+    cols = col_start + local                         # column of this shard
+    col_ok = (local < chunk_cols) & (cols < Vp)
+    z = tl.zeros((BT, BV), dtype=tl.float32)
+    if pid_t * BT < n_active:  # a block of masked rows does no matmul (and writes zeros)
+        z = _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H, BT, BV, BH, PRECISION)
+    log_z = tl.load(log_z_ptr + rows, mask=active, other=0.0)
+    ent = tl.load(ent_ptr + rows, mask=active, other=0.0)
+    g_lp = tl.load(g_lp_ptr + rows, mask=active, other=0.0)
+    g_h = tl.load(g_h_ptr + rows, mask=active, other=0.0)
+    target = tl.load(y_ptr + rows, mask=active, other=-1) - vocab_start
+    log_p = z / temperature - log_z[:, None]
+    p = tl.exp(tl.minimum(log_p, 0.0))
+    # d/dx: g_lp ([v = y] - p) - g_H p (log p + H); d/dz = d/dx / tau
+    g = -p * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
+    g += tl.where(cols[None, :] == target[:, None], g_lp[:, None], 0.0)
+    g = tl.where(active[:, None] & col_ok[None, :], g / temperature, 0.0)
+    ptrs = d_ptr + rows[:, None] * stride_d + local[None, :]
+    tl.store(ptrs, g.to(d_ptr.dtype.element_ty), mask=in_range[:, None] & (local < chunk_cols)[None, :])
+
+
+def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
+    """Tile sizes ``(BT, BV, BH)`` and the dot precision (IEEE float32 for float32 inputs, never TF32)."""
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    if hidden.is_cuda:
+        return 64, 128, 64, precision
+    return 16, 16, 16, precision  # the interpreter: smallest tl.dot shape, fastest
+
+
+def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature: float) -> torch.Tensor:
+    """``[T, 4]`` float32: per row ``(m, s, t, x_y)`` of this vocabulary shard (see module docstring)."""
+    n_tok, h = hidden.shape
+    out = torch.empty(n_tok, 4, dtype=torch.float32, device=hidden.device)
+    bt, bv, bh, precision = _blocks(hidden)
+    _stats_kernel[(triton.cdiv(n_tok, bt),)](
+        hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
+        hidden.stride(0), weight.stride(0), Vp=weight.shape[0], H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision)
+    return out
+
+
+def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, col_start: int,
+            vocab_start: int, temperature: float) -> torch.Tensor:
+    """Fill ``out [T, C]`` with ``d/dz`` of columns ``[col_start, col_start + C)``; returns ``out``."""
+    n_tok, h = hidden.shape
+    chunk_cols = out.shape[1]
+    bt, bv, bh, precision = _blocks(hidden)
+    grid = (triton.cdiv(n_tok, bt), triton.cdiv(chunk_cols, bv))
+    _dlogits_kernel[grid](
+        hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
+        temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
+        chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision)
+    return out
