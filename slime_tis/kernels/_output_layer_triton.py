@@ -36,6 +36,9 @@ def _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H:
         k_ok = ks < H
         a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=active[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if PRECISION == "ieee":  # float32 inputs (and the interpreter, whose bf16 tl.dot is wrong): exact fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     return acc
 
@@ -111,11 +114,16 @@ def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, log_z_ptr, ent_
 
 
 def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
-    """Tile sizes ``(BT, BV, BH)`` and the dot precision (IEEE float32 for float32 inputs, never TF32)."""
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    """Tile sizes ``(BT, BV, BH)`` and the dot precision.
+
+    CUDA: bf16/fp16 tiles go to the tensor cores as they are (products exact, float32 accumulation); float32
+    tiles use IEEE float32, never TF32. Interpreter (CPU): tiles are upcast to float32 first (the same
+    products and accumulation; triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly) and are the
+    smallest ``tl.dot`` shape, the fastest to interpret.
+    """
     if hidden.is_cuda:
-        return 64, 128, 64, precision
-    return 16, 16, 16, precision  # the interpreter: smallest tl.dot shape, fastest
+        return 64, 128, 64, ("ieee" if hidden.dtype == torch.float32 else "tf32")
+    return 16, 16, 16, "ieee"
 
 
 def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature: float) -> torch.Tensor:
