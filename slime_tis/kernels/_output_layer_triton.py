@@ -71,7 +71,7 @@ def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, out_ptr,
             t = alpha * (t + (m - m_new) * s) + tl.sum(e * d, axis=1)
             s = alpha * s + tl.sum(e, axis=1)
             m = m_new
-            hit = cols[None, :] == target[:, None]
+            hit = (cols[None, :] == target[:, None]) & col_ok[None, :]
             xy += tl.sum(tl.where(hit, x, 0.0), axis=1)
     out = out_ptr + rows * 4
     tl.store(out + 0, m, mask=in_range)

@@ -61,6 +61,23 @@ def _tp_size(layer) -> int:
     return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; backward makes the incoming gradient contiguous.
+
+    megatron's ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` in place and
+    returns ``grad``: for a non-contiguous gradient (ours arrives through ``GPTModel``'s ``transpose(0, 1)``)
+    the sum lands in a temporary and is lost. The stock linear always hands it a contiguous gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def _input_region(layer, x: Tensor) -> Tensor:
     """What ``ColumnParallelLinear`` feeds its matmul: SP all-gather, or identity whose grad is all-reduced."""
     from megatron.core.tensor_parallel.mappings import (
@@ -68,10 +85,12 @@ def _input_region(layer, x: Tensor) -> Tensor:
         gather_from_sequence_parallel_region,
     )
     if layer.sequence_parallel:
-        return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=layer.tp_group)
-    if _tp_size(layer) > 1:
-        return copy_to_tensor_model_parallel_region(x, group=layer.tp_group)
-    return x
+        x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=layer.tp_group)
+    elif _tp_size(layer) > 1:
+        x = copy_to_tensor_model_parallel_region(x, group=layer.tp_group)
+    else:
+        return x
+    return _ContiguousGrad.apply(x)
 
 
 def _hidden_passthrough(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output=None):
