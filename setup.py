@@ -31,6 +31,8 @@ setup(
             "matplotlib>=3.7",
             "tqdm",
             "tensorboard",
+            # the Triton kernels' tests run in its CPU interpreter (TRITON_INTERPRET=1)
+            "triton==3.6.0",
         ],
         # GPU-side pieces (transformer-engine, NVIDIA apex, sglang) are never required here;
         # they are imported lazily by the code paths that use them.

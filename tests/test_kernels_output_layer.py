@@ -160,3 +160,10 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         fused_log_probs_and_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long),
                                     backend="triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_benchmark_exits_clearly_without_cuda():
+    proc = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_output_layer.py"), "--tokens", "8"],
+                          capture_output=True, text=True, timeout=120, cwd=HERE.parent)
+    assert proc.returncode == 2 and "CUDA is not available" in proc.stderr, proc.stderr[-2000:]

@@ -35,7 +35,8 @@ def _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H:
         ks = k0 + tl.arange(0, BH)
         k_ok = ks < H
         a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=active[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :],  # V*H may exceed 2**31
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if PRECISION == "ieee":  # float32 inputs (and the interpreter, whose bf16 tl.dot is wrong): exact fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
