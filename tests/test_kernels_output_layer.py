@@ -167,3 +167,15 @@ def test_benchmark_exits_clearly_without_cuda():
     proc = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_output_layer.py"), "--tokens", "8"],
                           capture_output=True, text=True, timeout=120, cwd=HERE.parent)
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_kernels_compile_for_h100_without_a_gpu():
+    """The interpreter skips the compiler: compile both kernels (bf16, launch tile sizes) to an sm_90 cubin.
+
+    (float32 compiles too, but its IEEE dot takes ptxas ~40 s on the shared CI box.)
+    """
+    pytest.importorskip("triton.backends.nvidia")
+    from slime_tis.kernels._output_layer_triton import compile_for_cuda
+    shared = compile_for_cuda(torch.bfloat16, hidden_size=4096, vocab_shard=152064, chunk=8192)
+    assert set(shared) == {"stats", "dlogits"}
+    assert all(0 < b <= 228 * 1024 for b in shared.values()), shared  # H100: 228 KiB shared memory per SM

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG = -1.0e30  # finite "minus infinity": exp(_NEG - m) == 0 and 0 * (_NEG - m) == 0 (no NaN)
+CUDA_BLOCKS = (64, 128, 64)  # (BT, BV, BH) on CUDA: untuned (no GPU was available when this was written)
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp(_NEG - m) == 0 and 0 * (_NEG - m) == 0 (no NaN)
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
     smallest ``tl.dot`` shape, the fastest to interpret.
     """
     if hidden.is_cuda:
-        return 64, 128, 64, ("ieee" if hidden.dtype == torch.float32 else "tf32")
+        return (*CUDA_BLOCKS, "ieee" if hidden.dtype == torch.float32 else "tf32")
     return 16, 16, 16, "ieee"
 
 
@@ -149,4 +150,36 @@ def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out,
         hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
         temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
         chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision)
+    return out
+
+
+def compile_for_cuda(dtype: torch.dtype, hidden_size: int, vocab_shard: int, chunk: int, arch: int = 90) -> dict:
+    """Compile both kernels ahead of time for ``sm_<arch>`` with the CUDA launch configuration; no GPU needed.
+
+    Catches what the interpreter does not check (non-constexpr globals, type unification in ``if``, layout
+    and shared-memory limits) down to the cubin. Returns ``{kernel: shared memory bytes}``.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    probe = torch.empty(0, dtype=dtype, device="meta")
+    bt, bv, bh = CUDA_BLOCKS
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[probe.dtype]
+    common = {"h_ptr": ptr, "w_ptr": ptr, "y_ptr": "*i64", "rows_ptr": "*i64", "n_active_ptr": "*i32"}
+    blocks = {"BT": bt, "BV": bv, "BH": bh, "PRECISION": precision, "Vp": vocab_shard, "H": hidden_size}
+    sigs = {
+        "stats": (_stats_kernel, {**common, "out_ptr": "*fp32", "T": "i32", "vocab_start": "i32",
+                                  "temperature": "fp32", "stride_h": "i32", "stride_w": "i32"}, blocks),
+        "dlogits": (_dlogits_kernel, {**common, "log_z_ptr": "*fp32", "ent_ptr": "*fp32", "g_lp_ptr": "*fp32",
+                                      "g_h_ptr": "*fp32", "d_ptr": ptr, "T": "i32", "col_start": "i32",
+                                      "vocab_start": "i32", "temperature": "fp32", "stride_h": "i32",
+                                      "stride_w": "i32", "stride_d": "i32"}, {**blocks, "chunk_cols": chunk}),
+    }
+    out = {}
+    for name, (fn, sig, const) in sigs.items():
+        sig = {**sig, **{k: "constexpr" for k in const}}
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                target=GPUTarget("cuda", arch, 32))
+        out[name] = kernel.metadata.shared
     return out
