@@ -3,9 +3,10 @@
 Imported lazily (only on the Triton path). Two kernels, both walking logit tiles ``[BT, BV]`` that are
 computed from ``hidden [T, H]`` and ``weight [Vp, H]`` with float32 accumulation and never stored:
 
-* ``_stats_kernel``: one program per block of ``BT`` rows; online over the vocabulary tiles it keeps,
-  per row, ``m`` (running max of ``x = z / tau``), ``s = sum exp(x - m)``, ``t = sum exp(x - m)(x - m)``
-  and ``x_y`` (the target's ``x`` when the target is in this shard, else 0); writes ``[T, 4]`` float32.
+* ``_stats_kernel``: one program per (block of ``BT`` rows, vocabulary split); online over the split's
+  vocabulary tiles it keeps, per row, ``m`` (running max of ``x = z / tau``), ``s = sum exp(x - m)``,
+  ``t = sum exp(x - m)(x - m)`` and ``x_y`` (the target's ``x`` when the target is in the split, else 0);
+  writes ``[splits, T, 4]`` float32 (merged by the caller). Splits keep the GPU busy when ``T`` is small.
 * ``_dlogits_kernel``: one program per ``[BT, BV]`` tile of a vocabulary chunk; recomputes ``x`` and writes
   ``d lp-and-entropy / d z`` for the tile into the chunk buffer (the two GEMMs that follow are torch's).
 
@@ -47,9 +48,13 @@ def _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H:
 
 @triton.jit
 def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, out_ptr,
-                  T, vocab_start, temperature, stride_h, stride_w, Vp: tl.constexpr, H: tl.constexpr,
+                  T, vocab_start, temperature, stride_h, stride_w, tiles_per_split,
+                  Vp: tl.constexpr, H: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    lo = split * tiles_per_split * BV
+    hi = lo + tiles_per_split * BV
     idx = pid * BT + tl.arange(0, BT)
     in_range = idx < T
     n_active = tl.load(n_active_ptr)
@@ -61,21 +66,23 @@ def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, out_ptr,
     t = tl.zeros((BT,), dtype=tl.float32)
     xy = tl.zeros((BT,), dtype=tl.float32)
     if pid * BT < n_active:  # a block of masked rows does no work
-        for v0 in range(0, Vp, BV):
-            cols = v0 + tl.arange(0, BV)
-            col_ok = cols < Vp
-            z = _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H, BT, BV, BH, PRECISION)
-            x = tl.where(col_ok[None, :], z / temperature, _NEG)
-            m_new = tl.maximum(m, tl.max(x, axis=1))
-            alpha = tl.exp(m - m_new)
-            d = x - m_new[:, None]
-            e = tl.exp(d)
-            t = alpha * (t + (m - m_new) * s) + tl.sum(e * d, axis=1)
-            s = alpha * s + tl.sum(e, axis=1)
-            m = m_new
-            hit = (cols[None, :] == target[:, None]) & col_ok[None, :]
-            xy += tl.sum(tl.where(hit, x, 0.0), axis=1)
-    out = out_ptr + rows * 4
+        for v0 in range(0, Vp, BV):  # compile-time bound; tiles outside this split are skipped
+            if (v0 >= lo) & (v0 < hi):
+                cols = v0 + tl.arange(0, BV)
+                col_ok = cols < Vp
+                z = _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H, BT, BV, BH,
+                                PRECISION)
+                x = tl.where(col_ok[None, :], z / temperature, _NEG)
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                alpha = tl.exp(m - m_new)
+                d = x - m_new[:, None]
+                e = tl.exp(d)
+                t = alpha * (t + (m - m_new) * s) + tl.sum(e * d, axis=1)
+                s = alpha * s + tl.sum(e, axis=1)
+                m = m_new
+                hit = (cols[None, :] == target[:, None]) & col_ok[None, :]
+                xy += tl.sum(tl.where(hit, x, 0.0), axis=1)
+    out = out_ptr + split * T * 4 + rows * 4
     tl.store(out + 0, m, mask=in_range)
     tl.store(out + 1, s, mask=in_range)
     tl.store(out + 2, t, mask=in_range)
@@ -128,14 +135,27 @@ def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
     return 16, 16, 16, "ieee"
 
 
+def _num_splits(hidden: torch.Tensor, n_row_blocks: int, n_tiles: int) -> int:
+    """Vocabulary splits: ~4 programs per SM on CUDA (a power of two); 2 on the interpreter (tests the merge)."""
+    if not hidden.is_cuda:
+        return min(2, n_tiles)
+    want = triton.cdiv(4 * torch.cuda.get_device_properties(hidden.device).multi_processor_count, n_row_blocks)
+    return max(1, min(triton.next_power_of_2(want), n_tiles))
+
+
 def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature: float) -> torch.Tensor:
-    """``[T, 4]`` float32: per row ``(m, s, t, x_y)`` of this vocabulary shard (see module docstring)."""
+    """``[splits, T, 4]`` float32: per split and row ``(m, s, t, x_y)`` of this shard (module docstring)."""
     n_tok, h = hidden.shape
-    out = torch.empty(n_tok, 4, dtype=torch.float32, device=hidden.device)
+    vp = weight.shape[0]
     bt, bv, bh, precision = _blocks(hidden)
-    _stats_kernel[(triton.cdiv(n_tok, bt),)](
+    n_tiles = triton.cdiv(vp, bv)
+    splits = _num_splits(hidden, triton.cdiv(n_tok, bt), n_tiles)
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, tiles_per_split)
+    out = torch.empty(splits, n_tok, 4, dtype=torch.float32, device=hidden.device)
+    _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
         hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
-        hidden.stride(0), weight.stride(0), Vp=weight.shape[0], H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision)
+        hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision)
     return out
 
 
@@ -170,7 +190,8 @@ def compile_for_cuda(dtype: torch.dtype, hidden_size: int, vocab_shard: int, chu
     blocks = {"BT": bt, "BV": bv, "BH": bh, "PRECISION": precision, "Vp": vocab_shard, "H": hidden_size}
     sigs = {
         "stats": (_stats_kernel, {**common, "out_ptr": "*fp32", "T": "i32", "vocab_start": "i32",
-                                  "temperature": "fp32", "stride_h": "i32", "stride_w": "i32"}, blocks),
+                                  "temperature": "fp32", "stride_h": "i32", "stride_w": "i32",
+                                  "tiles_per_split": "i32"}, blocks),
         "dlogits": (_dlogits_kernel, {**common, "log_z_ptr": "*fp32", "ent_ptr": "*fp32", "g_lp_ptr": "*fp32",
                                       "g_h_ptr": "*fp32", "d_ptr": ptr, "T": "i32", "col_start": "i32",
                                       "vocab_start": "i32", "temperature": "fp32", "stride_h": "i32",

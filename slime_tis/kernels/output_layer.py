@@ -119,6 +119,14 @@ def _torch_dlogits(hidden, weight, targets, active, log_z, ent, g_lp, g_h, out, 
 
 
 # ------------------------------------------------------------------------------------------------ autograd
+def _merge_splits(parts: Tensor) -> Tensor:
+    """``[S, T, 4]`` statistics of disjoint vocabulary splits -> ``[T, 4]`` of their union (same rescaling)."""
+    m, s, t, xy = parts.unbind(2)
+    big_m = m.amax(dim=0)
+    scale = torch.exp(m - big_m)
+    return torch.stack([big_m, (scale * s).sum(0), (scale * (t + (m - big_m) * s)).sum(0), xy.sum(0)], dim=1)
+
+
 def _combine(local: Tensor, active: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
     """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)`` with one MAX and one SUM all-reduce."""
     m, s, t, xy = local.unbind(1)
@@ -150,7 +158,7 @@ class _FusedOutputLayer(torch.autograd.Function):
             # Active rows first (stable: the order among them is kept), no host sync.
             rows = torch.argsort((~active).to(torch.int8), stable=True)
             n_active = active.sum(dtype=torch.int32)
-            local = tk.stats(hidden, weight, targets, rows, n_active, vocab_start, temperature)
+            local = _merge_splits(tk.stats(hidden, weight, targets, rows, n_active, vocab_start, temperature))
         else:
             rows = n_active = None
             local = _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk)
