@@ -160,11 +160,13 @@ def output_weight(model) -> Tensor:
 def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float = 1.0,
                     loss_mask: Tensor | None = None, backend: str = "auto",
                     chunk_size: int = 8192) -> tuple[Tensor, Tensor]:
-    """``(log_probs [B, S], entropy [B, S])`` float32 from the hidden states a fused-mode model returned.
+    """``(log_probs, entropy)`` float32, shaped like ``labels``, from the hidden states a fused-mode model returned.
 
-    ``hidden [B, S, H]`` (CP-local, like the logits it replaces), ``labels [B, S]`` global token ids. The
-    vocabulary is split over the output layer's TP group (one MAX and one SUM all-reduce of ``[B*S]`` /
-    ``[B*S, 3]``); the hidden-state gradient is summed over TP by the input region of the model's forward.
+    ``hidden [B, S, H]`` (CP-local, like the logits it replaces); ``labels`` global token ids, ``[B, S]`` or
+    flat ``[B*S]`` (a ``TISBatch``'s ``labels``; ``loss_mask`` shaped alike). The vocabulary is split over the
+    output layer's TP group (one MAX and one SUM all-reduce of ``[B*S]`` / ``[B*S, 3]``); the hidden-state
+    gradient is summed over TP by the input region of the model's forward. ``hidden`` is cast to the weight's
+    dtype first (megatron's ``Float16Module`` hands the last stage's output back as float32).
     """
     gpt = _unwrap(model)
     if getattr(gpt.output_layer, _MODE_ATTR, None) != "fused":
@@ -173,6 +175,14 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
     layer = gpt.output_layer
     group = layer.tp_group if _tp_size(layer) > 1 else None
     weight = output_weight(gpt)
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not end with the hidden size {weight.shape[1]}: "
+                         "is the model's forward returning logits (use_fused_output_layer not applied)?")
+    if labels.dim() == 1:
+        if hidden.numel() // hidden.shape[-1] != labels.numel():
+            raise ValueError(f"hidden {tuple(hidden.shape)} has {hidden.numel() // hidden.shape[-1]} positions "
+                             f"but labels has {labels.numel()}")
+        hidden = hidden.reshape(-1, hidden.shape[-1])
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     with torch.autocast(hidden.device.type, enabled=False):

@@ -126,8 +126,13 @@ def check_gpt(tied: bool, backend: str) -> dict:
     ref = grads()
     assert use_fused_output_layer(model) == 1 and output_layer_mode(model) == "fused"
     hidden = model(tokens, pos, None)
-    lp1, ent1 = fused_log_probs(model, hidden, labels, temperature=TEMPERATURE, loss_mask=mask, backend=backend,
-                                chunk_size=16)
+    if tied:  # flat labels and mask, as a TISBatch carries them
+        lp1, ent1 = fused_log_probs(model, hidden, labels.reshape(-1), temperature=TEMPERATURE,
+                                    loss_mask=mask.reshape(-1), backend=backend, chunk_size=16)
+        lp1, ent1 = lp1.view(ROWS, SEQ), ent1.view(ROWS, SEQ)
+    else:
+        lp1, ent1 = fused_log_probs(model, hidden, labels, temperature=TEMPERATURE, loss_mask=mask,
+                                    backend=backend, chunk_size=16)
     ((lp1 * w_lp + ent1 * w_ent) * mask).sum().backward()
     got = grads()
     restore_output_layer(model)
