@@ -177,6 +177,31 @@ def check_fp32_head() -> dict:
             "err_fp32": float((lp_fp32.double() - lp64).abs().max())}
 
 
+def check_errors() -> dict:
+    """Misuse of the glue is a clear ValueError: fused log-probs on a stock model, switching modes blindly."""
+    from slime_tis.megatron.output_layer import (
+        fused_log_probs,
+        restore_output_layer,
+        use_fp32_lm_head,
+        use_fused_output_layer,
+    )
+    _setup_tp2()
+    model = _gpt(False)
+    tokens, pos, labels, _, _, _ = _batch()
+    out = {}
+    for name, fn in {
+        "not_fused": lambda: fused_log_probs(model, model(tokens, pos, None), labels),
+        "mode_conflict": lambda: (use_fp32_lm_head(model), use_fused_output_layer(model)),
+    }.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    restore_output_layer(model)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -187,7 +212,7 @@ def main() -> None:
               "gpt_untied_torch": lambda: check_gpt(False, "torch"),
               "gpt_tied_torch": lambda: check_gpt(True, "torch"),
               "gpt_tied_triton": lambda: check_gpt(True, "triton"),
-              "fp32_head": check_fp32_head}
+              "fp32_head": check_fp32_head, "errors": check_errors}
     for name, fn in checks.items():
         try:
             results[name] = fn()

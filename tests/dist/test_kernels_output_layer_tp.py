@@ -8,7 +8,8 @@ imported in interpreter mode); every check becomes one test item here:
 * a tiny megatron-core ``GPTModel`` at TP=2, untied and tied embeddings: the fused mode
   (``use_fused_output_layer`` + ``fused_log_probs``) reproduces the stock path (logits +
   ``vocab_parallel_log_probs_and_entropy``): values and every parameter gradient;
-* the float32 LM head on a bf16 model: float32 logits, log-prob error vs float64 far below bf16 logits'.
+* the float32 LM head on a bf16 model: float32 logits, log-prob error vs float64 far below bf16 logits';
+* misuse of the glue (fused log-probs from a stock model, switching modes) raises a clear error.
 
 Tolerances: everything is float32 except the fp32-head check: 1e-5 absolute on values (|lp| < 10), 1e-5
 relative (max-abs) on gradients (float32 rounding of O(H) and O(V) sums, summed over 2 ranks).
@@ -89,3 +90,9 @@ def test_fp32_lm_head_keeps_logits_float32_and_is_more_accurate(results):
         assert row["zmax"] > 5, row
         # float32 logits from the same bf16 operands: float32 rounding only (~1e-6) vs bf16 rounding of |z|
         assert row["err_fp32"] <= 1e-4 and row["err_fp32"] * 10 <= row["err_bf16"], row
+
+
+def test_glue_misuse_is_a_clear_error(results):
+    for row in _of(results, "errors"):
+        assert "use_fused_output_layer" in row["not_fused"], row
+        assert "already in mode 'fp32'" in row["mode_conflict"], row
