@@ -170,15 +170,31 @@ def test_benchmark_exits_clearly_without_cuda():
 
 
 def test_kernels_compile_for_h100_without_a_gpu():
-    """The interpreter skips the compiler: compile both kernels (bf16, launch tile sizes) to an sm_90 cubin.
+    """The interpreter skips the compiler: build both kernels (bf16, launch configuration) to an sm_90 cubin.
 
-    (float32 compiles too, but its IEEE dot takes ptxas ~40 s on the shared CI box.)
+    Also checks the build is a sane one: loads pipelined into shared memory (async copies), within the H100's
+    228 KiB of shared memory, and no register spills (ptxas -v). (float32 builds too, but its IEEE dot takes
+    ptxas ~40 s on the shared CI box.)
     """
     pytest.importorskip("triton.backends.nvidia")
+    import triton
+
     from slime_tis.kernels._output_layer_triton import compile_for_cuda
-    shared = compile_for_cuda(torch.bfloat16, hidden_size=4096, vocab_shard=152064, chunk=8192)
-    assert set(shared) == {"stats", "dlogits"}
-    assert all(0 < b <= 228 * 1024 for b in shared.values()), shared  # H100: 228 KiB shared memory per SM
+    kernels = compile_for_cuda(torch.bfloat16, hidden_size=4096, vocab_shard=152064, chunk=8192)
+    assert set(kernels) == {"stats", "dlogits"}
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    for name, kernel in kernels.items():
+        assert 0 < kernel.metadata.shared <= 228 * 1024, (name, kernel.metadata.shared)
+        assert kernel.asm["ttgir"].count("async_copy_global_to_local") > 0, name
+        if ptxas.exists():
+            ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"slime_tis_{os.getpid()}_{name}.ptx"
+            ptx.write_text(kernel.asm["ptx"])
+            try:
+                info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
+                                      capture_output=True, text=True, timeout=120).stderr
+            finally:
+                ptx.unlink()
+            assert " 0 bytes spill stores" in info, (name, info)
 
 
 def test_no_tensor_the_size_of_the_logits_is_ever_allocated():

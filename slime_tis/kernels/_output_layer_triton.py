@@ -24,7 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-CUDA_BLOCKS = (64, 128, 64)  # (BT, BV, BH) on CUDA: untuned (no GPU was available when this was written)
+# CUDA launch: 128 x 128 x 64 tiles, 8 warps, 3 stages (the usual H100 Triton GEMM shape). Not timed (no GPU
+# when written); chosen so that the sm_90 build (see compile_for_cuda) pipelines its loads and spills nothing.
+CUDA_BLOCKS = (128, 128, 64)  # (BT, BV, BH)
+CUDA_LAUNCH = {"num_warps": 8, "num_stages": 3}
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp(_NEG - m) == 0 and 0 * (_NEG - m) == 0 (no NaN)
 
 
@@ -122,6 +125,10 @@ def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, log_z_ptr, ent_
     tl.store(ptrs, g.to(d_ptr.dtype.element_ty), mask=in_range[:, None] & (local < chunk_cols)[None, :])
 
 
+def _launch_options(hidden: torch.Tensor) -> dict:
+    return CUDA_LAUNCH if hidden.is_cuda else {}
+
+
 def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
     """Tile sizes ``(BT, BV, BH)`` and the dot precision.
 
@@ -155,7 +162,8 @@ def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature
     out = torch.empty(splits, n_tok, 4, dtype=torch.float32, device=hidden.device)
     _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
         hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
-        hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision)
+        hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision,
+        **_launch_options(hidden))
     return out
 
 
@@ -169,7 +177,7 @@ def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out,
     _dlogits_kernel[grid](
         hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
         temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
-        chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision)
+        chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
     return out
 
 
@@ -177,7 +185,9 @@ def compile_for_cuda(dtype: torch.dtype, hidden_size: int, vocab_shard: int, chu
     """Compile both kernels ahead of time for ``sm_<arch>`` with the CUDA launch configuration; no GPU needed.
 
     Catches what the interpreter does not check (non-constexpr globals, type unification in ``if``, layout
-    and shared-memory limits) down to the cubin. Returns ``{kernel: shared memory bytes}``.
+    and shared-memory limits) down to the cubin. Pointers and strides carry the 16-divisibility a real
+    launch specialises on (tensors from the caching allocator, ``H % 16 == 0``), so the build is the one a
+    GPU would run. Returns ``{kernel name: compiled kernel}`` (``.asm["ptx"|"ttgir"|"cubin"]``, ``.metadata``).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -199,8 +209,9 @@ def compile_for_cuda(dtype: torch.dtype, hidden_size: int, vocab_shard: int, chu
     }
     out = {}
     for name, (fn, sig, const) in sigs.items():
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig)
+                 if sig[arg].startswith("*") or arg.startswith("stride")}
         sig = {**sig, **{k: "constexpr" for k in const}}
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
-                                target=GPUTarget("cuda", arch, 32))
-        out[name] = kernel.metadata.shared
+        out[name] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                                   target=GPUTarget("cuda", arch, 32), options=CUDA_LAUNCH)
     return out
