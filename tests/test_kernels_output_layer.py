@@ -243,3 +243,13 @@ def test_gradient_of_entropy_only():
     ent_r.sum().backward()
     assert float((hidden.grad.double() - h64.grad).abs().max()) <= 1e-5 * float(h64.grad.abs().max())
     assert float((weight.grad.double() - w64.grad).abs().max()) <= 1e-5 * float(w64.grad.abs().max())
+
+
+def test_empty_micro_batch():
+    hidden = torch.randn(0, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    lp, ent = fused_log_probs_and_entropy(hidden, weight, torch.zeros(0, dtype=torch.long), backend="torch",
+                                          chunk_size=16)
+    (lp.sum() + ent.sum()).backward()
+    assert lp.shape == ent.shape == (0,) and hidden.grad.shape == (0, 16)
+    assert float(weight.grad.abs().sum()) == 0.0
