@@ -23,7 +23,12 @@ cannot, and does two things:
 
 Both need ``rollout_data['log_probs']`` (the recomputed ``pi_old``). slime skips that recompute in
 its fast path (one step per rollout, no KL, no ``--get-mismatch-metrics``); add
-``--get-mismatch-metrics`` to force it. Pipeline stages other than the last hold no log-probs and
+``--get-mismatch-metrics`` to force it.
+
+3. **Rollout membership.** Registers each sample's rollout (``rollout_data['rollout_ids']``) for the loss
+   hooks, which need it for ``tis_rejected_denominator: drop`` (:mod:`slime_tis.slime.rollouts`).
+
+Pipeline stages other than the last hold no log-probs and
 do nothing (the loss runs on the last stage).
 """
 
@@ -67,12 +72,19 @@ def _needs_log_probs(args: Any, rollout_data: dict[str, Any], ctx: ParallelConte
     )
 
 
+def uses_reinforce_is_loss(args: Any) -> bool:
+    """Whether slime's loss is this package's algorithm-3 custom loss (``--loss-type custom_loss``)."""
+    path = str(getattr(args, "custom_loss_function_path", None) or "")
+    return getattr(args, "loss_type", None) == "custom_loss" and path.endswith("reinforce_is_loss")
+
+
 def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str, Any]) -> None:
     """slime's rollout-data hook (module docstring). Modifies nothing in ``rollout_data``."""
-    cfg = tis_config_from_slime_args(args)
+    cfg = tis_config_from_slime_args(args, algorithm=3 if uses_reinforce_is_loss(args) else None)
     want_norm = cfg.batch_normalize and cfg.algorithm == 2
     dump_dir = getattr(args, "tis_dump_dir", None)
     STATE.clear()
+    STATE.rollouts.register(rollout_data.get("loss_masks") or [], rollout_data.get("rollout_ids"))
     if not want_norm and not dump_dir:
         return
     ctx = parallel_context()
