@@ -27,6 +27,9 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 * Metrics are scalars reduced with slime's ``sum_of_sample_mean`` (original masks), like slime's
   own; the exact ``MetricStats`` go to :data:`slime_tis.slime.metrics.COLLECTOR`.
 
+* ``tis_record_train_log_probs: true`` records the detached ``lp_theta`` of every sample for slime's
+  ``--save-debug-train-data`` dump and this package's dump (:mod:`slime_tis.slime.record`).
+
 Run it with ``--use-rollout-logprobs`` (no pi_old recompute is needed; without it slime recomputes
 pi_old, which this loss ignores, and a warning says so). slime's top-p replay
 (``--rollout-top-p < 1``) is not supported here.
@@ -48,6 +51,7 @@ from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
 from slime_tis.slime.parallel import parallel_context
+from slime_tis.slime.record import RECORDER, recording_enabled
 from slime_tis.slime.rollouts import rollout_part_counts
 from slime_tis.slime.state import STATE
 
@@ -170,6 +174,8 @@ def reinforce_is_loss(
         chunk_size=chunk if chunk > 0 else max(int(rows.shape[0]), 1),  # slime: -1 = no chunking
         with_entropy=entropy_coef != 0.0,
     )
+    if recording_enabled(args):  # detached device copies only; written outside the loss
+        RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
     # slime's aggregation as per-token coefficients on the (linear) advantages, then one token sum

@@ -25,7 +25,10 @@ Both need ``rollout_data['log_probs']`` (the recomputed ``pi_old``). slime skips
 its fast path (one step per rollout, no KL, no ``--get-mismatch-metrics``); add
 ``--get-mismatch-metrics`` to force it.
 
-3. **Rollout membership.** Registers each sample's rollout (``rollout_data['rollout_ids']``) for the loss
+3. **Recorded training log-probs (algorithm 3, ``tis_record_train_log_probs: true``).** Writes the
+   previous rollout's log-probs recorded by the custom loss (:mod:`slime_tis.slime.record`) and starts
+   recording this one; the pi_old dump above is then skipped when slime ran no recompute.
+4. **Rollout membership.** Registers each sample's rollout (``rollout_data['rollout_ids']``) for the loss
    hooks, which need it for ``tis_rejected_denominator: drop`` (:mod:`slime_tis.slime.rollouts`).
 
 Pipeline stages other than the last hold no log-probs and
@@ -46,6 +49,7 @@ from slime_tis.dump import records_from_samples, write_logprob_dump
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.parallel import ParallelContext, parallel_context
+from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.state import STATE
 
 __all__ = ["gather_full_responses", "postprocess_rollout_data"]
@@ -68,7 +72,8 @@ def _needs_log_probs(args: Any, rollout_data: dict[str, Any], ctx: ParallelConte
         return False
     raise ValueError(
         f"{what} needs rollout_data['log_probs'] (the pi_old recompute), which slime skipped "
-        "(fast path: one step per rollout without KL); add --get-mismatch-metrics to force the recompute"
+        "(fast path: one step per rollout without KL, or --use-rollout-logprobs); add --get-mismatch-metrics to "
+        "force the recompute, or, with the algorithm-3 custom loss, tis_record_train_log_probs: true"
     )
 
 
@@ -83,11 +88,19 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     cfg = tis_config_from_slime_args(args, algorithm=3 if uses_reinforce_is_loss(args) else None)
     want_norm = cfg.batch_normalize and cfg.algorithm == 2
     dump_dir = getattr(args, "tis_dump_dir", None)
+    flush_recorded_train_log_probs(args)  # the previous rollout's recorded training log-probs (algorithm 3)
     STATE.clear()
     STATE.rollouts.register(rollout_data.get("loss_masks") or [], rollout_data.get("rollout_ids"))
+    recording = recording_enabled(args)
+    if recording:
+        RECORDER.start_rollout(rollout_id, rollout_data)
+    else:
+        RECORDER.clear()
     if not want_norm and not dump_dir:
         return
     ctx = parallel_context()
+    if not want_norm and recording and not rollout_data.get("log_probs"):
+        return  # no pi_old: the dump gets the training log-probs the custom loss records
     if not _needs_log_probs(args, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
         return
     packed = pack_slime_batch(
