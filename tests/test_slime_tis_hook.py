@@ -227,6 +227,38 @@ def test_drop_with_a_rollout_split_across_micro_batches():
     assert float(total) == pytest.approx(float(expect), rel=1e-5)
 
 
+@pytest.mark.parametrize("name", ["a2_tok_mask", "a1_geo_mask"])
+def test_drop_is_exact_for_split_rollouts_when_pi_old_was_recomputed(name):
+    """slime recomputed pi_old (rollout_data['log_probs'], the tensors the hook gets as train_log_probs): the
+    rollout-data hook counts each rollout's kept tokens before training, and the micro-batches' losses add up
+    to the exact rollout means, also for rollouts split across micro-batches. With other train_log_probs
+    tensors (slime's detached current log-probs) the hook falls back to the per-part rule."""
+    b = make_batch(6)
+    b.rollout_ids = [0, 1, 1, 2, 2, 3]  # rollouts 1 and 2 are split across the two micro-batches
+    args = args_ns(tis_rejected_denominator="drop", **AGENTIC[name])
+    cfg = tis_config_from_slime_args(args)
+    postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train})
+
+    def step_loss(train):
+        total = torch.zeros(())
+        for idx in ([0, 1, 3], [2, 4, 5]):
+            mb = b.subset(idx)
+            new, masks, _ = compute_tis_for_slime(
+                args, pg_loss=mb.packed("pg_loss"), train_log_probs=[train[i] for i in idx],
+                rollout_log_probs=mb.rollout, loss_masks=mb.masks, total_lengths=mb.total_lengths,
+                response_lengths=mb.response_lengths)
+            total = total + slime_sum_of_sample_mean(new, mb, masks, 0, 1)
+        return total
+
+    ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                      extra_finite=(b.packed("pg_loss"),))
+    w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
+    exact = rollout_mean(b.packed("pg_loss") * w, ref.keep_mask, b, "drop")
+    assert float(step_loss(b.train)) == pytest.approx(float(exact), rel=1e-5)
+    fallback = float(step_loss([t.clone() for t in b.train]))
+    assert fallback != pytest.approx(float(exact), rel=1e-3)  # the parts keep different fractions here
+
+
 # ------------------------------------------------------------------ configuration from slime's args
 def test_mis_yaml_keys_are_translated():
     args = args_ns(use_tis=True, tis_mode="truncate", tis_level="token", tis_upper_bound=2.0, tis_lower_bound=0.5,

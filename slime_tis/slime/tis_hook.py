@@ -33,8 +33,10 @@ for every sample, also with zero local tokens). Rejected tokens get zero loss by
 (``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)``
 reducer. slime divides each rollout's token sum by ``rollout_mask_sums`` = ``N_g``, its valid-token
 count over all its samples (``keep``); ``tis_rejected_denominator: drop`` makes that the rollout's kept
-count by scaling the loss of the part ``P`` of rollout ``g`` in this micro-batch by ``n_P / k_P`` (valid /
-kept tokens of the part, all CP ranks), see :mod:`slime_tis.slime.rollouts`; it needs the rollout ids
+count ``K_g``: the loss is scaled by ``N_g / K_g`` with the counts taken from pi_old before training (when
+``train_log_probs`` are slime's pi_old), else, for the part ``P`` of rollout ``g`` in this micro-batch, by
+``n_P / k_P`` (valid / kept tokens of the part, all CP ranks), see :mod:`slime_tis.slime.rollouts`; it needs
+the rollout ids
 registered by :func:`slime_tis.slime.postprocess_rollout_data` and is refused with
 ``--calculate-per-token-loss`` (whose denominator is the step's original token count).
 Algorithm 2 with ``tis_batch_normalize`` uses the
@@ -133,9 +135,12 @@ def compute_tis_for_slime(
     new_loss = pg_loss * res.weights.to(pg_loss.dtype) if cfg.applies_weights else pg_loss
     masks = packed.full_keep_masks(keep, ctx.reducer)
     if groups is not None:
-        # slime divides the part P of rollout g by N_g; drop wants N_g k_P / n_P: scale by n_P / k_P
-        n_part, k_part = rollout_part_counts(packed, masks, groups)
-        scale = n_part / k_part.clamp(min=1.0)
+        counts = STATE.rollouts.rollout_counts(loss_masks, train_log_probs)
+        if counts is not None:  # decisions from pi_old: the rollout's kept count K_g, counted before training
+            scale = counts[:, 0] / counts[:, 1].clamp(min=1.0)  # slime divides by N_g
+        else:  # the part P of rollout g in this micro-batch: D_P = N_g k_P / n_P
+            n_part, k_part = rollout_part_counts(packed, masks, groups)
+            scale = n_part / k_part.clamp(min=1.0)
         new_loss = new_loss * scale[packed.local_sample_index()].to(pg_loss.dtype)
     new_loss = torch.where(keep, new_loss, zero)
     return new_loss, masks, metrics
