@@ -7,7 +7,9 @@ put back together must equal the core on the unsplit batch (computed on every ra
 * TIS hook: per-token loss, returned full-length masks (identical on both ranks), token metrics, slime's
   per-sample-mean loss summed over CP ranks, and the exact ``MetricStats`` path reduced over DP x CP;
 * REINFORCE + IS custom loss: the loss summed over CP ranks and the gradient of the per-sample logits;
-* rollout-data hook: the global batch-normalisation factor, and the dump (full responses).
+* rollout-data hook: the global batch-normalisation factor, and the dump (full responses);
+* then, re-initialised as DP = 2: ``drop`` with rollouts whose samples lie on different DP ranks (kept counts
+  summed over DP by the rollout-data hook), the DP-summed loss equals the rollout means.
 
 The batch has a sample whose response lies entirely on CP rank 0 (rank 1 must still join every
 collective for it), one-token responses, tool tokens, NaN/inf traps and a catastrophic token; its six
@@ -236,6 +238,28 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
     checks["dump/train"] = err(dump.train_log_probs, b.packed("train"))
     checks["dump/rollout"] = err(dump.rollout_log_probs, b.packed("rollout"))
     checks["dump/mask"] = err(dump.loss_mask.double(), (b.packed("masks") != 0).double())
+
+    # ---------------------------------------------------------------- DP = 2: rollouts split across DP ranks
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()  # the same 2 processes as DP = 2, CP = 1
+    dp_group = ps.get_data_parallel_group()
+    part = [0, 2, 4] if ps.get_data_parallel_rank() == 0 else [1, 3, 5]  # rollouts 0 and 2 span both ranks
+    mb = b.subset(part)
+    data = mb.rollout_data() | {"log_probs": mb.train, "partition": part, "raw_reward": [0.0] * len(b.masks)}
+    for denominator in ("keep", "drop"):
+        args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
+                       tis_rejected_denominator=denominator)
+        cfg = tis_config_from_slime_args(args)
+        postprocess_rollout_data(args, 0, data)  # drop: counts each rollout's kept tokens over both DP ranks
+        new, masks, _ = compute_tis_for_slime(
+            args, pg_loss=mb.packed("pg_loss"), train_log_probs=mb.train, rollout_log_probs=mb.rollout,
+            loss_masks=mb.masks, total_lengths=mb.total_lengths, response_lengths=mb.response_lengths)
+        loss = slime_sum_of_sample_mean(new, mb, masks, 0, 1).detach().double()  # N_g of the whole rollout
+        dist.all_reduce(loss, group=dp_group)
+        ref = full_core(cfg, extra_finite=(b.packed("pg_loss"),))
+        checks[f"dp2_{denominator}/loss"] = err(loss, rollout_mean(b.packed("pg_loss") * ref.weights, ref.keep_mask,
+                                                                   b, denominator).double())
+        COLLECTOR.flush()
 
     n_local_1 = len(owner_layout(b.total_lengths[1], b.response_lengths[1], cp)[1])
     result = {"checks": checks, "rank1_local_tokens_of_sample1": n_local_1}
