@@ -63,7 +63,9 @@ def test_recorded_log_probs_reach_the_dump_outside_the_loss(tmp_path):
     assert len(read_logprob_dump(tmp_path / "logprobs_theta_dp0.jsonl").train_log_probs) == sum(b.response_lengths)
 
 
-def test_recording_feeds_slimes_own_capture(tmp_path, monkeypatch):
+@pytest.mark.parametrize("opts", [dict(tis_record_train_log_probs=True), dict(tis_record_train_log_probs=False,
+                                                                           save_debug_train_data="/x/{rollout_id}.pt")])
+def test_recording_feeds_slimes_own_capture(tmp_path, monkeypatch, opts):
     """slime keys its capture by ``batch['partition']`` (global rollout positions) and keeps the first value."""
     captured: dict[int, torch.Tensor] = {}
 
@@ -78,7 +80,7 @@ def test_recording_feeds_slimes_own_capture(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "slime.backends.megatron_utils.loss", fake)
     sys.modules["slime.backends.megatron_utils"].loss = fake
 
-    b, args = setup(tmp_path, tis_dump_dir=None)
+    b, args = setup(tmp_path, tis_dump_dir=None, **opts)
     mb = b.subset([1, 4])
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(1, sum(mb.total_lengths), VOCAB, generator=g)

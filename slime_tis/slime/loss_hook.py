@@ -27,8 +27,9 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 * Metrics are scalars reduced with slime's ``sum_of_sample_mean`` (original masks), like slime's
   own; the exact ``MetricStats`` go to :data:`slime_tis.slime.metrics.COLLECTOR`.
 
-* ``tis_record_train_log_probs: true`` records the detached ``lp_theta`` of every sample for slime's
-  ``--save-debug-train-data`` dump and this package's dump (:mod:`slime_tis.slime.record`).
+* The detached ``lp_theta`` of every sample goes to slime's ``--save-debug-train-data`` capture (as
+  slime's own policy loss does) and, with ``tis_record_train_log_probs: true``, to this package's dump
+  (:mod:`slime_tis.slime.record`).
 
 Run it with ``--use-rollout-logprobs`` (no pi_old recompute is needed; without it slime recomputes
 pi_old, which this loss ignores, and a warning says so). slime's top-p replay
@@ -174,7 +175,7 @@ def reinforce_is_loss(
         chunk_size=chunk if chunk > 0 else max(int(rows.shape[0]), 1),  # slime: -1 = no chunking
         with_entropy=entropy_coef != 0.0,
     )
-    if recording_enabled(args):  # detached device copies only; written outside the loss
+    if recording_enabled(args) or getattr(args, "save_debug_train_data", None):  # device copies; written later
         RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)

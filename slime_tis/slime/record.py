@@ -11,7 +11,8 @@ The values go to
 
 * slime's own capture (``_maybe_capture_log_probs`` of ``slime/backends/megatron_utils/loss.py`` at
   THUDM/slime 624b824, active when ``--save-debug-train-data`` is set and slime skipped the recompute):
-  slime's train dump then carries per-sample ``log_probs``;
+  slime's train dump then carries per-sample ``log_probs``. This also happens without the option
+  whenever ``--save-debug-train-data`` is set, as with slime's own policy loss;
 * this package's dump (needs the rollout-data hook), written outside the loss: when ``tis_dump_dir``
   is set, the rollout-data hook of the next rollout (or :func:`flush_recorded_train_log_probs` after
   the last one) gathers the CP chunks and appends the previous rollout's samples to
