@@ -90,7 +90,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int,
-                group: dist.ProcessGroup | None, vocab_start: int, with_entropy: bool):
+                group: dist.ProcessGroup | None, vocab_start: int, with_entropy: bool, keep: Tensor | None):
         n_tok, vp = logits.shape
         tp = _group_size(group)
         # Global row maximum of x = z / tau (tau > 0, so max(z) / tau); detached shift, any value works.
@@ -124,14 +124,17 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             entropy = torch.log(sum_exp) - sums[:, 2] / sum_exp
         else:
             entropy = torch.zeros_like(log_probs)
-        ctx.save_for_backward(logits, safe_idx, in_shard, log_z, entropy)
+        if keep is not None:  # rows outside the mask: 0 (whatever their logits hold), zero gradient rows
+            log_probs = torch.where(keep, log_probs, 0.0)
+            entropy = torch.where(keep, entropy, 0.0)
+        ctx.save_for_backward(logits, safe_idx, in_shard, log_z, entropy, keep)
         ctx.set_materialize_grads(False)  # an unused output (entropy for metrics only) costs no backward work
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_lp: Tensor | None, grad_h: Tensor | None):
-        logits, safe_idx, in_shard, log_z, entropy = ctx.saved_tensors
+        logits, safe_idx, in_shard, log_z, entropy, keep = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         n_tok = logits.shape[0]
         grad_logits = torch.empty_like(logits)
@@ -155,9 +158,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             y.scatter_add_(1, safe_idx[start:end, None], hit[:, None])
             if temperature != 1.0:
                 y.div_(temperature)
+            if keep is not None:
+                y.masked_fill_(~keep[start:end, None], 0.0)
             grad_logits[start:end].copy_(y)
             del y
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None
 
 
 def vocab_parallel_log_probs_and_entropy(
@@ -228,11 +233,8 @@ def vocab_parallel_log_probs_and_entropy(
             flat_logits, flat_targets, temperature=float(temperature), group=group, vocab_start=tp_rank * vp,
             with_entropy=with_entropy, row_mask=flat_mask)
     else:
+        keep = None if flat_mask is None else flat_mask != 0
         lp, ent = _VocabParallelLogProbEntropy.apply(
-            flat_logits, flat_targets, float(temperature), chunk_size, group, tp_rank * vp, with_entropy
+            flat_logits, flat_targets, float(temperature), chunk_size, group, tp_rank * vp, with_entropy, keep
         )
-        if flat_mask is not None:
-            keep = flat_mask != 0
-            lp = torch.where(keep, lp, 0.0)
-            ent = torch.where(keep, ent, 0.0)
     return lp.view(lead), (ent.view(lead) if with_entropy else None)
