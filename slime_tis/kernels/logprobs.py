@@ -184,7 +184,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, row_mask: Tensor | None, temperature: float,
                 group: dist.ProcessGroup | None, tp_size: int, vocab_start: int, with_entropy: bool,
-                block_v: int):
+                block_v: int, num_warps: int):
         n_tok, vp = logits.shape
         out = [torch.empty(n_tok, dtype=torch.float32, device=logits.device) for _ in range(3 if tp_size == 1 else 4)]
         if n_tok:
@@ -192,7 +192,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
                 logits, logits.stride(0), targets, row_mask if row_mask is not None else targets, *out[:3],
                 out[-1], vocab_start, 1.0 / temperature, n_cols=vp,
                 HAS_MASK=row_mask is not None, WITH_ENTROPY=with_entropy, FINAL=tp_size == 1,
-                BLOCK_V=block_v, num_warps=_num_warps(block_v))
+                BLOCK_V=block_v, num_warps=num_warps)
         if tp_size == 1:
             log_probs, entropy, log_z = out
         else:
@@ -203,8 +203,8 @@ class _FusedLogProbEntropy(torch.autograd.Function):
                 entropy = torch.where(keep, entropy, 0.0)
         ctx.save_for_backward(logits, targets, row_mask, log_z, entropy)  # [T] vectors besides the logits
         ctx.set_materialize_grads(False)  # an unused output costs no backward work
-        ctx.temperature, ctx.vocab_start, ctx.with_entropy, ctx.block_v = (temperature, vocab_start,
-                                                                           with_entropy, block_v)
+        ctx.temperature, ctx.vocab_start, ctx.with_entropy = temperature, vocab_start, with_entropy
+        ctx.block_v, ctx.num_warps = block_v, num_warps
         return log_probs, entropy
 
     @staticmethod
@@ -221,8 +221,8 @@ class _FusedLogProbEntropy(torch.autograd.Function):
                 row_mask if row_mask is not None else targets, log_z, entropy, g_lp, g_h,
                 ctx.vocab_start, 1.0 / ctx.temperature, n_cols=vp,
                 HAS_MASK=row_mask is not None, HAS_GLP=grad_lp is not None, HAS_GH=use_h,
-                BLOCK_V=ctx.block_v, num_warps=_num_warps(ctx.block_v))
-        return grad, None, None, None, None, None, None, None, None
+                BLOCK_V=ctx.block_v, num_warps=ctx.num_warps)
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 def fused_log_probs_and_entropy(
@@ -235,6 +235,7 @@ def fused_log_probs_and_entropy(
     with_entropy: bool = True,
     row_mask: Tensor | None = None,
     block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)`` (Triton, see module doc).
 
@@ -249,6 +250,7 @@ def fused_log_probs_and_entropy(
         row_mask: ``[T]`` optional; rows where it is 0/False cost no work and get ``lp = H = 0`` and a zero
             gradient row.
         block_v: columns per loop step (a power of two; default :func:`default_block_v`).
+        num_warps: warps per row program (default 8 for blocks of >= 2048 columns, else 4).
 
     Returns:
         ``(log_probs [T], entropy [T])`` float32, differentiable with respect to ``logits``.
@@ -268,4 +270,5 @@ def fused_log_probs_and_entropy(
     if mask is not None and mask.shape[0] != logits.shape[0]:
         raise ValueError(f"row_mask must have {logits.shape[0]} entries, got {tuple(row_mask.shape)}")
     return _FusedLogProbEntropy.apply(logits, targets.to(torch.int64).contiguous(), mask, float(temperature),
-                                      group, tp_size, int(vocab_start), bool(with_entropy), int(block_v))
+                                      group, tp_size, int(vocab_start), bool(with_entropy), int(block_v),
+                                      int(num_warps or _num_warps(block_v)))
