@@ -248,7 +248,8 @@ def test_kernels_compile_for_h100():
     cases = [(k._lp_fwd_kernel, fwd_sig, dict(HAS_MASK=m, WITH_ENTROPY=e, FINAL=f))
              for m, e, f in [(True, True, True), (False, False, False)]]
     cases += [(k._lp_bwd_kernel, bwd_sig, dict(HAS_MASK=True, HAS_GLP=True, HAS_GH=True)),
-              (k._lp_bwd_kernel, bwd_sig, dict(HAS_MASK=False, HAS_GLP=True, HAS_GH=False))]
+              (k._lp_bwd_kernel, bwd_sig, dict(HAS_MASK=False, HAS_GLP=True, HAS_GH=False)),
+              (k._lp_bwd_kernel, bwd_sig, dict(HAS_MASK=False, HAS_GLP=False, HAS_GH=True))]
     for fn, sig, flags in cases:
         src = ASTSource(fn=fn, signature=sig, constexprs=dict(n_cols=32000, BLOCK_V=block, **flags),
                         attrs={(i,): aligned for i in range(4)})
