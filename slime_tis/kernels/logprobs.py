@@ -21,7 +21,8 @@ Tensor-parallel rank ``r`` holds the logit columns ``[vocab_start, vocab_start +
 
 Rows with ``row_mask == 0`` are neither read nor computed: their log-prob and entropy are 0 and their
 gradient row is written as zeros. The only ``[T, V/TP]`` tensor is the gradient itself; everything else
-is ``O(T)`` (float32 ``[T]`` vectors, ``[T, 4]`` partials at TP > 1). No host synchronisation.
+is ``O(T)`` (float32 ``[T]`` vectors: outputs, the saved ``logZ``, four partials at TP > 1). No host
+synchronisation.
 
 This module imports triton at its top; import it lazily (``slime_tis.megatron.logprobs`` does).
 Run on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is first imported.
