@@ -304,3 +304,23 @@ def test_triton_impl_on_cpu_without_interpreter_is_a_clear_error():
         pytest.skip("CPU-only check")
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         lp_and_entropy(torch.randn(2, 4), torch.zeros(2, dtype=torch.long), tp_group=None, impl="triton")
+
+
+def test_works_without_triton():
+    """triton unimportable: the CPU path never imports the kernels, and impl="triton" names the problem."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # `import triton` now raises ImportError
+        "import torch\n"
+        "from slime_tis.megatron import vocab_parallel_log_probs_and_entropy as f\n"
+        "lp, ent = f(torch.randn(3, 7), torch.tensor([0, 1, 6]), tp_group=None)\n"
+        "assert torch.isfinite(lp).all() and 'slime_tis.kernels.logprobs' not in sys.modules\n"
+        "try:\n"
+        "    f(torch.randn(3, 7), torch.tensor([0, 1, 6]), tp_group=None, impl='triton')\n"
+        "except ValueError as err:\n"
+        "    assert 'needs triton installed' in str(err), err\n"
+        "else:\n"
+        "    raise AssertionError('impl=triton without triton did not raise')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
