@@ -4,7 +4,7 @@ Public API::
 
     tis_forward_backward_func(get_forward_backward_func(), cfg, temperature=...)   the hook
     TISBatch                               per-micro-batch RL fields (packed, CP-local)
-    vocab_parallel_log_probs_and_entropy   chunked fp32 log-probs / entropy from vocab-parallel logits
+    vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (Triton on CUDA)
     MegatronReducer                        the core's Reducer on parallel_state groups
     plan_step, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces
 

@@ -76,7 +76,11 @@ def loss_form_for(model_config, model_chunks: list, num_microbatches: int) -> Lo
 
 def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, chunk_size: int,
                         with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``."""
+    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``.
+
+    Positions outside ``batch.loss_mask`` (prompts, padding) are skipped: their log-prob and entropy are 0 and
+    their logit gradient is zero (the Triton kernels on CUDA do no work for them; see docs/kernels.md).
+    """
     vp = logits.shape[-1]
     flat = logits.reshape(-1, vp)
     if flat.shape[0] != batch.num_tokens:
@@ -85,7 +89,8 @@ def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, 
             f"has {batch.num_tokens} tokens; build it with TISBatch.from_padded(..., cp_slice=True) for CP, "
             "and return [B, S_local, V/TP] logits (model called without labels)")
     return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=temperature,
-                                                chunk_size=chunk_size, with_entropy=with_entropy)
+                                                chunk_size=chunk_size, with_entropy=with_entropy,
+                                                row_mask=batch.loss_mask)
 
 
 def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossForm, reducer: Reducer, *,
