@@ -7,7 +7,8 @@ Every method computes, from ``hidden [T, H]`` and ``weight [V, H]`` (bf16, TP=1)
 targets, then the gradient of a weighted sum with respect to ``hidden`` and ``weight``:
 
 * ``unfused``: ``logits = hidden @ weight^T`` (bf16 GEMM, bf16 logits ``[T, V]``), then
-  ``slime_tis.megatron.vocab_parallel_log_probs_and_entropy`` (chunked float32 log-softmax, with entropy);
+  ``slime_tis.megatron.vocab_parallel_log_probs_and_entropy`` (on CUDA: the Triton log-prob + entropy
+  kernels of ``slime_tis/kernels/logprobs.py``);
 * ``fused`` (ours): ``slime_tis.kernels.output_layer.fused_log_probs_and_entropy`` (Triton; with entropy);
 * ``liger``: ``liger_kernel``'s ``LigerFusedLinearCrossEntropyLoss`` (cross-entropy only, no entropy);
 * ``cce``: ``cut_cross_entropy.linear_cross_entropy`` (cross-entropy only, no entropy).
