@@ -253,3 +253,25 @@ def test_empty_micro_batch():
     (lp.sum() + ent.sum()).backward()
     assert lp.shape == ent.shape == (0,) and hidden.grad.shape == (0, 16)
     assert float(weight.grad.abs().sum()) == 0.0
+
+
+def test_works_without_triton():
+    """triton unimportable: the torch path never imports the kernels; backend='triton' names the problem."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # `import triton` now raises ImportError
+        "import torch\n"
+        "from slime_tis.kernels.output_layer import fused_log_probs_and_entropy as f\n"
+        "h, w, y = torch.randn(3, 8), torch.randn(10, 8), torch.tensor([0, 1, 9])\n"
+        "lp, ent = f(h, w, y)\n"
+        "assert torch.isfinite(lp).all() and 'slime_tis.kernels._output_layer_triton' not in sys.modules\n"
+        "try:\n"
+        "    f(h, w, y, backend='triton')\n"
+        "except ValueError as err:\n"
+        "    assert 'needs triton installed' in str(err), err\n"
+        "else:\n"
+        "    raise AssertionError('backend=triton without triton did not raise')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=HERE.parent, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -29,8 +29,8 @@ Rows outside ``loss_mask`` give ``lp = H = 0`` and zero gradients; on the Triton
 last (a stable sort, no host sync) and their row blocks skip the matmuls.
 
 Backends: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``"torch"`` (the reference: the same
-chunked float32 algorithm in torch; the semantics, and the CPU path). ``"auto"``: Triton on CUDA, torch
-otherwise.
+chunked float32 algorithm in torch; the semantics, and the CPU path). ``"auto"``: Triton on CUDA when triton
+imports, torch otherwise. This module imports triton only on the Triton path.
 """
 
 from __future__ import annotations
@@ -62,11 +62,22 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton" and not _triton_available():
+        raise ValueError("backend='triton' needs triton installed (pip install triton); backend='torch' works "
+                         "without it")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                          f"imported (tensors are on {device})")
