@@ -351,14 +351,26 @@ def logged_by_megatron_lm(out: list[dict]) -> dict[str, float]:
     return {k: float(v) for k, v in logged.items()}
 
 
+def _schedule_passing_a_keyword(schedule):
+    def wrapped(*, forward_step_func, **kwargs):
+        def with_keyword(data_iterator, model, *args):
+            return forward_step_func(data_iterator, model, *args, return_schedule_plan=False)
+
+        return schedule(forward_step_func=with_keyword, **kwargs)
+
+    return wrapped
+
+
 def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights: dict[str, torch.Tensor],
              lp_full: torch.Tensor, ref: Oracle, reducer_factory=None, masked_rank_rows: tuple[int, ...] = (),
              fb_factory=None, tp0_data: bool = False, average_in_collective: bool = False,
-             opaque_wrapper: bool = False) -> dict:
+             opaque_wrapper: bool = False, schedule_keyword: bool = False) -> dict:
     """Run one (layout, case, M) under the current model-parallel layout; this rank's errors vs ``ref``.
 
     ``tp0_data``: only TP rank 0 gets a data iterator (Megatron-LM's default); ``opaque_wrapper``: the DDP
-    chunks are hidden behind a wrapper the hook cannot read (the call must raise).
+    chunks are hidden behind a wrapper the hook cannot read (the call must raise); ``schedule_keyword``: the
+    schedule calls ``forward_step_func(it, model, return_schedule_plan=False)`` (as megatron's combined 1F1B
+    schedule does with ``True``) and the launcher's ``forward_step`` must receive it on every call.
     """
     layout = LAYOUTS[layout_name]
     cfg = TISConfig(**CASES[case_name])
@@ -369,11 +381,18 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
     ddps, params = build_ddp_chunks(layout, weights, average_in_collective=average_in_collective)
     items = make_items(batch, rows)
     base_fb = get_forward_backward_func()
+    seen_keywords: list = []
+    if schedule_keyword:
+        base_fb = _schedule_passing_a_keyword(base_fb)
     reducer = reducer_factory() if reducer_factory else None
     fb = fb_factory(cfg) if fb_factory else tis_forward_backward_func(base_fb, cfg, temperature=TEMPERATURE,
                                                                       chunk_size=5, reducer=reducer)
     data = [iter(items) for _ in ddps] if layout.vpp > 1 else iter(items)
     step = forward_step
+    if schedule_keyword:
+        def step(data_iterator, model, **kwargs):
+            seen_keywords.append(kwargs)
+            return forward_step(data_iterator, model)
     if tp0_data:
         step = forward_step_tp0_data
         if ps.get_tensor_model_parallel_rank() != 0:
@@ -384,7 +403,8 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
              forward_only=False)
 
     result = {"layout": layout_name, "case": case_name, "M": num_microbatches, "rank": dist.get_rank(),
-              "last_stage": ps.is_pipeline_last_stage(), **grad_errors(params, ref.grads)}
+              "last_stage": ps.is_pipeline_last_stage(), **grad_errors(params, ref.grads),
+              "seen_keywords": seen_keywords}
     if ps.is_pipeline_last_stage():
         metrics = {k: float(v) for k, v in fb.last_metrics.items()} if hasattr(fb, "last_metrics") else {}
         logged = logged_by_megatron_lm(out)

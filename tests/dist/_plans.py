@@ -103,6 +103,8 @@ def plan_checks(plan: str) -> list[dict]:
             checks.append(dict(layout="single", case=case, M=2, tag="supplied", kind="supplied"))
         # control: the old per-step recompute on the same two steps (rho = 1 in step 2): must disagree
         checks.append(dict(layout="single", case="a0", M=2, tag="per_step_control", kind="per_step_control"))
+        # a schedule that passes return_schedule_plan= to forward_step (recompute pass and training)
+        checks.append(dict(layout="single", case="a0", M=2, tag="keyword", keyword=True))
     elif plan == "smoke":
         checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2))
     else:

@@ -123,7 +123,7 @@ def _assert_matches_oracle(rows: list[dict]) -> None:
 MAIN2 = [c for c in plan_checks("main2") if not c.get("reducer") and not c.get("kind") and not c.get("opaque")]
 CONTROLS = [c for c in plan_checks("main2") if c.get("reducer")]
 ROLLOUT2 = [c for c in plan_checks("main2") if c.get("kind")]
-ONE = [c for c in plan_checks("one") if c["kind"] != "per_step_control"]
+ONE = [c for c in plan_checks("one") if c.get("kind") in ("rollout", "supplied")]
 MAIN4 = plan_checks("main4")
 
 
@@ -228,3 +228,13 @@ def test_unknown_data_parallel_wrapper_is_an_error(tmp_path_factory):
     assert len(rows) == 2
     for r in rows:
         assert "error" in r and "grad_average=" in r["error"] and "OpaqueWrapper" in r["error"], r.get("error")
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_schedule_keywords_reach_the_launchers_forward_step(tmp_path_factory):
+    """Megatron's combined 1F1B schedule calls forward_step(it, model, return_schedule_plan=True): the hook's
+    wrappers (recompute pass and training) forward every keyword unchanged; the step still matches the oracle."""
+    rows = _of(_results("one", tmp_path_factory), dict(layout="single", case="a0", M=2, tag="keyword"))
+    _assert_matches_oracle(rows)
+    for r in rows:
+        assert r["seen_keywords"] == [{"return_schedule_plan": False}] * 4  # M = 2: recompute + training
