@@ -364,13 +364,15 @@ def _schedule_passing_a_keyword(schedule):
 def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights: dict[str, torch.Tensor],
              lp_full: torch.Tensor, ref: Oracle, reducer_factory=None, masked_rank_rows: tuple[int, ...] = (),
              fb_factory=None, tp0_data: bool = False, average_in_collective: bool = False,
-             opaque_wrapper: bool = False, schedule_keyword: bool = False) -> dict:
+             opaque_wrapper: bool = False, schedule_keyword: bool = False,
+             no_rollout_dp_rank: int | None = None) -> dict:
     """Run one (layout, case, M) under the current model-parallel layout; this rank's errors vs ``ref``.
 
     ``tp0_data``: only TP rank 0 gets a data iterator (Megatron-LM's default); ``opaque_wrapper``: the DDP
     chunks are hidden behind a wrapper the hook cannot read (the call must raise); ``schedule_keyword``: the
     schedule calls ``forward_step_func(it, model, return_schedule_plan=False)`` (as megatron's combined 1F1B
-    schedule does with ``True``) and the launcher's ``forward_step`` must receive it on every call.
+    schedule does with ``True``) and the launcher's ``forward_step`` must receive it on every call;
+    ``no_rollout_dp_rank``: that DP rank's items carry no rollout log-probs (algorithm 0, diagnostics optional).
     """
     layout = LAYOUTS[layout_name]
     cfg = TISConfig(**CASES[case_name])
@@ -380,6 +382,9 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
     rows = row_assignment(dp, ps.get_data_parallel_rank(), num_microbatches)
     ddps, params = build_ddp_chunks(layout, weights, average_in_collective=average_in_collective)
     items = make_items(batch, rows)
+    if no_rollout_dp_rank == ps.get_data_parallel_rank():
+        for it in items:
+            it["tis"].rollout_log_probs = None
     base_fb = get_forward_backward_func()
     seen_keywords: list = []
     if schedule_keyword:

@@ -88,6 +88,8 @@ def plan_checks(plan: str) -> list[dict]:
         # gradient averaging read from megatron DDP with average_in_collective; an opaque wrapper must raise
         checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2, tag="avg_in_collective", avg_coll=True))
         checks.append(dict(layout="dp2", case="a0", M=2, tag="opaque_wrapper", opaque=True))
+        # algorithm 0 with rollout log-probs on DP rank 0 only: no hang (a clear error or the right step)
+        checks.append(dict(layout="dp2", case="a0", M=2, tag="no_rollout_rank1", no_rollout_dp_rank=1))
         # several optimizer steps per rollout: pi_old once per rollout, clip active in step 2
         for layout in ("pp2", "dp2"):
             for case in ROLLOUT_CASES:
