@@ -116,3 +116,17 @@ def test_hook_options_are_checked():
         tis_forward_backward_func(base, TISConfig(), pi_old="step")
     with pytest.raises(ValueError, match="grad_average must be a number > 0 .* got 0"):
         tis_forward_backward_func(base, TISConfig(), grad_average=0)
+
+
+def test_micro_batch_index_counts_per_model_chunk_through_wrappers():
+    """The hook's loss finds its micro-batch by counting forward_step calls per model chunk; the combined 1F1B
+    schedule passes the unwrapped GPTModel where the other schedules pass the DDP wrapper: one count."""
+    import torch
+
+    from slime_tis.megatron.recompute import MicroBatchCounter
+
+    inner, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    wrapper = torch.nn.Module()
+    wrapper.module = inner
+    counter = MicroBatchCounter()
+    assert [counter.next_index(m) for m in (wrapper, inner, other, wrapper, other)] == [0, 1, 0, 2, 1]

@@ -25,13 +25,18 @@ __all__ = ["ReplayIterator", "MicroBatchCounter", "recompute_log_probs", "replay
 class MicroBatchCounter:
     """Micro-batch index of each ``forward_step`` call: megatron runs every model chunk's forward over the
     micro-batches in order 0, 1, ..., so the ``n``-th call with a given chunk is micro-batch ``n``. Works
-    where the data iterator is ``None`` (tensor-parallel ranks > 0 in Megatron-LM) or not ours."""
+    where the data iterator is ``None`` (tensor-parallel ranks > 0 in Megatron-LM) or not ours. Chunks are
+    keyed by the innermost module (``.module`` unwrapped): the combined 1F1B schedule passes the unwrapped
+    model where the others pass the DDP wrapper."""
 
     def __init__(self) -> None:
         self._calls: dict[int, int] = {}
 
     def next_index(self, model_chunk: Any) -> int:
-        key = id(model_chunk)
+        inner = model_chunk
+        while isinstance(getattr(inner, "module", None), torch.nn.Module):
+            inner = inner.module
+        key = id(inner)
         index = self._calls.get(key, 0)
         self._calls[key] = index + 1
         return index
