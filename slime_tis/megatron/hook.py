@@ -133,7 +133,7 @@ class TISForwardBackward:
         form = loss_form_for(get_model_config(chunks[0]), chunks, num_microbatches, grad_average=self.grad_average)
         batches: list[TISBatch] | None = None
         if is_last:
-            last_items = items[-1] if vpp else items
+            last_items = None if items is None else (items[-1] if vpp else items)
             local = [self.get_tis_batch(it) for it in last_items] if last_items is not None else None
             batches = tis_batches_on_this_tp_rank(local, broadcast=self.broadcast_over_tp)
         reducer = self.reducer or MegatronReducer()

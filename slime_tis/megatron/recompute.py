@@ -60,6 +60,8 @@ def materialise(data_iterator: Any, num_microbatches: int, vpp: bool) -> Any:
                                  f"num_microbatches={num_microbatches} items") from None
         return items
 
+    if data_iterator is None:
+        return None
     if vpp:
         if not isinstance(data_iterator, list):
             raise ValueError("with several model chunks (virtual pipeline stages) data_iterator must be a list "

@@ -92,12 +92,16 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
     is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
     for step in range(num_steps):
         lo, hi = step * num_microbatches, (step + 1) * num_microbatches
-        step_items = ([c[lo:hi] if c is not None else None for c in items] if vpp
-                      else (items[lo:hi] if items is not None else None))
+        if items is None:
+            step_items = None
+        elif vpp:
+            step_items = [c[lo:hi] if c is not None else None for c in items]
+        else:
+            step_items = items[lo:hi]
         local: list[TISBatch] | None = None
         batches: list[TISBatch] | None = None
         if is_last:
-            last_items = step_items[-1] if vpp else step_items
+            last_items = None if step_items is None else (step_items[-1] if vpp else step_items)
             local = [get_tis_batch(it) for it in last_items] if last_items is not None else None
             batches = tis_batches_on_this_tp_rank(local, broadcast=broadcast_over_tp)
         lps: list[Tensor] | None = recompute_log_probs(
