@@ -298,3 +298,41 @@ def test_top_p_warning_offers_sampling_logprobs_and_option_silences_it():
     assert body["return_sampling_mask"] is True and body["return_logprob"] is True
     traj = TrajectoryBuilder(rollout_logprobs="sampling")
     assert not traj.add_response(outs[-1]).rejected
+
+
+# ------------------------------------------------------------------ SSE lines produced by SGLang 0.5.23's own code
+def real_streams():
+    """``tests/_sglang_streams_0_5_23.json`` (see its ``_source``): captured from SGLang 0.5.23's
+    ``TokenizerManager._handle_batch_output`` + ``dumps_json``, serialised after every batch was handled."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "_sglang_streams_0_5_23.json").read_text())
+
+
+@pytest.mark.parametrize("mode", ["cumulative", "incremental"])
+def test_real_sglang_batched_stream(mode):
+    lines = real_streams()[mode]
+    if mode == "cumulative":  # the race is in the capture: 4 entries under output_token_logprobs_length = 2
+        assert '"output_token_logprobs_length":2' in lines[0] and lines[0].count(",null]") == 4
+    ma, mb = merge_stream_batch(lines)
+    sa, sb = parse_generate_response(ma), parse_generate_response(mb)
+    assert not sa.rejected, sa.reasons
+    assert sa.token_ids.tolist() == [11, 12, 13, 2] and sa.rollout_log_probs.tolist() == [-0.5, -1.0, -2.0, -0.75]
+    assert ma["stream"] == {"chunks": 3, "done": True, "ahead": 2 if mode == "cumulative" else 0}
+    assert sb.rejected and sb.finish_error == "aborted" and sb.token_ids.tolist() == [21, 22, 23]
+    assert sb.reasons == ["SGLang aborted the request (finish_reason abort: message 'Aborted')",
+                          "1 None log-prob(s) at generated token(s) 2"]
+    cut = merge_stream_batch(lines[:4])  # connection lost before the finishing chunks
+    assert [parse_generate_response(m).finish_error for m in cut] == ["unfinished", "unfinished"]
+    b = collate([sa, sb, *(parse_generate_response(m) for m in cut)])
+    assert b.metrics["sglang/unfinished_seq_fraction"].item() == 0.5
+    assert b.metrics["sglang/aborted_seq_fraction"].item() == 0.25
+
+
+def test_real_sglang_sampling_logprobs_stream():
+    m = merge_stream_chunks(real_streams()["sampling_selected"])
+    s = parse_generate_response(m, rollout_logprobs="sampling")
+    assert not s.rejected and s.token_ids.tolist() == [11, 12, 14]
+    assert s.rollout_log_probs.tolist() == pytest.approx([-0.3, 0.0, -0.9], abs=1e-7)
+    assert parse_generate_response(m).rollout_log_probs.tolist() == [-0.5, -0.5, -0.75]
