@@ -118,7 +118,7 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
     Masked positions get ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
     (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits.
     """
-    from slime_tis.megatron.output_layer import fused_log_probs, output_layer_mode
+    from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
 
     if output_layer == "fused":
         if model_chunk is None:
@@ -126,7 +126,7 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
         lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=temperature,
                                       loss_mask=batch.loss_mask)
         return lp, (entropy if with_entropy else None)
-    if model_chunk is not None and output_layer_mode(model_chunk) == "fused":
+    if model_chunk is not None and returns_hidden_states(model_chunk):
         raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "
                          "but the hook was built without fused_output_layer=True (--tis-fused-output-layer)")
     return logits_to_log_probs(output_tensor, batch, temperature=temperature, chunk_size=chunk_size,

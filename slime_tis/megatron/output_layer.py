@@ -33,7 +33,7 @@ from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
            "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "resolve_output_layer_mode",
-           "output_layer_mode_during"]
+           "output_layer_mode_during", "returns_hidden_states"]
 
 #: the hook's output-layer modes: ``None`` (the model as built: logits), ``"fused"``, ``"fp32"``
 OUTPUT_LAYER_MODES = (None, "fused", "fp32")
@@ -186,6 +186,16 @@ def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
         yield
     finally:
         restore_output_layer(model)
+
+
+def returns_hidden_states(model) -> bool:
+    """Whether a chunk of ``model`` has its output layer in fused mode (reads the marker only; never raises,
+    also for models this glue refuses, e.g. with multi-token prediction)."""
+    for chunk in _chunks(model):
+        layer = getattr(_unwrap(chunk), "output_layer", None)
+        if layer is not None and getattr(layer, _MODE_ATTR, None) == "fused":
+            return True
+    return False
 
 
 def output_weight(model) -> Tensor:

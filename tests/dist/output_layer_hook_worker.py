@@ -12,6 +12,7 @@ Every rank writes ``DIR/rank{r}.jsonl``, one JSON line per check; ``test_megatro
   ``forward_step`` saw on the last stage in each pass (last dimension: hidden size or vocabulary shard), the
   model's output-layer mode after the calls. ``..._auto`` adds a fused step whose pi_old comes from the hook's
   per-call recompute (default ``pi_old="auto"``).
+* ``misuse``: a model switched behind the hook's back (error messages), or by the launcher itself.
 * ``fp32_<layout>``: a bf16 GPT (no DDP; output weight x40 so bf16 logit rounding matters): pi_old and a step
   in three modes (stock bf16 logits, ``fp32_lm_head``, ``fused``): the dtypes the launcher's ``forward_step``
   saw in the pi_old pass and in the training step, and pi_old differences between the modes.
@@ -204,6 +205,30 @@ def check_fp32(layout_name: str, lp_full: torch.Tensor) -> dict:
     return out
 
 
+def check_misuse(weights: dict, lp_full: torch.Tensor) -> dict:
+    """A model switched behind the hook's back: hidden states never read as logits; modes never mixed."""
+    from slime_tis.megatron.output_layer import restore_output_layer, use_fp32_lm_head, use_fused_output_layer
+
+    batch = make_global_batch(lp_full)
+    rows = row_assignment(1, 0, M)
+    ddps, _ = build_ddp_chunks(LAYOUTS["single"], weights)
+    out = {}
+    for name, switch, fused in (("fused_model_plain_hook", use_fused_output_layer, False),
+                                ("fp32_model_fused_hook", use_fp32_lm_head, True)):
+        switch(ddps)
+        try:
+            _one_run(ddps, make_items(batch, rows), len(rows[0]), fused=fused, rollout_pass=False)
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+        restore_output_layer(ddps)
+    use_fused_output_layer(ddps)  # the launcher switched it itself, hook in the same mode: stays switched
+    _one_run(ddps, make_items(batch, rows), len(rows[0]), fused=True, rollout_pass=False)
+    out["kept_launchers_mode"] = output_layer_mode(ddps)
+    restore_output_layer(ddps)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -215,7 +240,7 @@ def main() -> None:
     if world == 1:
         checks = [("fused_single_untied_auto", "single", dict(tied=False, auto=True)),
                   ("fused_single_tied", "single", dict(tied=True, auto=False)),
-                  ("fp32_single", "single", None)]
+                  ("fp32_single", "single", None), ("misuse", "single", "misuse")]
     else:
         checks = [("fused_tp2_untied", "tp2", dict(tied=False, auto=False)),
                   ("fused_tp2_tied_auto", "tp2", dict(tied=True, auto=True)),
@@ -228,8 +253,12 @@ def main() -> None:
                 setup_parallel(LAYOUTS[layout_name])
                 current = layout_name
             try:
-                res = check_fp32(layout_name, lp_full) if kw is None else check_fused(layout_name, weights,
-                                                                                      lp_full, **kw)
+                if kw == "misuse":
+                    res = check_misuse(weights, lp_full)
+                elif kw is None:
+                    res = check_fp32(layout_name, lp_full)
+                else:
+                    res = check_fused(layout_name, weights, lp_full, **kw)
             except Exception:  # reported per check (all ranks raise alike); the others still run
                 res = {"error": traceback.format_exc()}
             res["name"] = name

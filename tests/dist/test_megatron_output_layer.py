@@ -10,6 +10,8 @@ NaN / veto traps, algorithm 2 token truncate, 2 micro-batches) through ``tis_for
   both passes (the unfused run: ``[..., V/TP]`` logits), and the model is back to its stock output layer after
   the calls; the per-call recompute (``pi_old="auto"``) in fused mode gives the same step;
 * tied embeddings (the output weight is the embedding's) alike, at TP=1 and TP=2;
+* a model switched to fused mode behind the hook's back is an error (never hidden states read as logits), a
+  model in the other mode too; one the launcher switched to the hook's own mode stays switched;
 * ``fp32_lm_head=True`` on a bf16 model: float32 logits in the pi_old pass and in the training step (stock:
   bf16 in both), its pi_old equal to the fused one (both: float32 logits of the same bf16 operands) while the
   stock bf16 logits' pi_old differs by far more.
@@ -132,3 +134,12 @@ def test_fp32_lm_head_gives_float32_logits_in_both_passes(nproc, name, tmp_path_
             assert r["mode_after"] is None and r["grad_finite"] and math.isfinite(r["loss"]), (mode, r)
         assert row["pi_old_fp32_vs_fused"] <= 1e-4, row
         assert row["pi_old_stock_vs_fused"] >= 10 * max(row["pi_old_fp32_vs_fused"], 1e-5), row
+
+
+def test_a_model_switched_behind_the_hooks_back_is_an_error(tmp_path_factory):
+    (row,) = _rows(1, "misuse", tmp_path_factory)
+    # hidden states never read as logits (they would give finite, wrong log-probs over H "classes")
+    assert "returns hidden states" in row["fused_model_plain_hook"], row
+    assert "--tis-fused-output-layer" in row["fused_model_plain_hook"], row
+    assert "already in mode 'fp32'" in row["fp32_model_fused_hook"], row
+    assert row["kept_launchers_mode"] == "fused", row  # switched by the launcher: left switched
