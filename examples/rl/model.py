@@ -207,6 +207,12 @@ class KVCacheGPT:
     This is deliberately a different numerical path from training (megatron-core, float32, full
     sequence): weights and activations are rounded to ``dtype``, attention runs one query token at a
     time against the cache, and only the final logits are upcast to float32 (as inference engines do).
+
+    ``quant`` (``"none"`` or a scheme of :mod:`examples.rl.quant`): the four linear weights of every block
+    are stored as int8 / fp8 codes + float32 scales and dequantized on the fly (``W_hat = q * s`` rounded
+    to ``dtype``) in every forward. ``lm_head_fp32``: the output projection reads the float32 weight and
+    the hidden state upcast to float32, ``logits = float32(h) @ W_lm^T`` in float32 (the inference-side
+    LM-head fix; everything before it stays in ``dtype``).
     """
 
     def __init__(
@@ -216,13 +222,30 @@ class KVCacheGPT:
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        quant: str = "none",
+        lm_head_fp32: bool = False,
     ) -> None:
+        from examples.rl.quant import ENGINE_QUANT_CHOICES, is_quantized_linear, quantize
+
         missing = [k for k in _expected_keys(cfg) if k not in weights]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} GPT-2 keys, e.g. {missing[:3]}")
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        if quant not in ENGINE_QUANT_CHOICES:
+            raise ValueError(f"quant must be one of {ENGINE_QUANT_CHOICES}, got {quant!r}")
+        self.cfg, self.dtype, self.device, self.quant = cfg, dtype, torch.device(device), quant
+        lm_head = weights.get("lm_head.weight", weights["transformer.wte.weight"])
+        self.lm_head32 = lm_head.to(device=self.device, dtype=torch.float32) if lm_head_fp32 else None
+        self.q = {}
+        if quant != "none":
+            self.q = {k: quantize(v.to(self.device), quant) for k, v in weights.items() if is_quantized_linear(k)}
+        self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items() if k not in self.q}
         self.w.setdefault("lm_head.weight", self.w["transformer.wte.weight"])
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The weight the engine multiplies with: ``self.w[name]``, or the on-the-fly dequantized
+        ``codes * scale`` in ``dtype`` for a quantized linear layer."""
+        q = self.q.get(name)
+        return self.w[name] if q is None else q.dequantize(self.dtype)
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.layernorm_eps)
@@ -245,7 +268,7 @@ class KVCacheGPT:
         for i in range(cfg.num_layers):
             p = f"transformer.h.{i}."
             a = self._ln(x, p + "ln_1")
-            qkv = a @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+            qkv = a @ self.weight(p + "attn.c_attn.weight") + w[p + "attn.c_attn.bias"]
             q, k, v = (t.view(b, length, n, d).transpose(1, 2) for t in qkv.split(cfg.hidden_size, dim=-1))
             if cache is not None:
                 k = torch.cat([cache[i][0], k], dim=2)
@@ -257,12 +280,15 @@ class KVCacheGPT:
             scores = scores.masked_fill(kpos > qpos, float("-inf"))
             att = torch.softmax(scores.float(), dim=-1).to(self.dtype) @ v
             att = att.transpose(1, 2).reshape(b, length, cfg.hidden_size)
-            x = x + att @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+            x = x + att @ self.weight(p + "attn.c_proj.weight") + w[p + "attn.c_proj.bias"]
             m = self._ln(x, p + "ln_2")
-            m = GELU_TANH(m @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
-            x = x + m @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+            m = GELU_TANH(m @ self.weight(p + "mlp.c_fc.weight") + w[p + "mlp.c_fc.bias"])
+            x = x + m @ self.weight(p + "mlp.c_proj.weight") + w[p + "mlp.c_proj.bias"]
         x = self._ln(x, "transformer.ln_f")
-        logits = (x @ w["lm_head.weight"].t()).float()
+        if self.lm_head32 is not None:
+            logits = x.float() @ self.lm_head32.t()
+        else:
+            logits = (x @ w["lm_head.weight"].t()).float()
         return logits, new_cache
 
 
