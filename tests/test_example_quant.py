@@ -166,3 +166,23 @@ def test_int8_and_fp8_rollouts_carry_more_mismatch_than_bf16_alone(seed):
     assert 1e-6 < bf16 < 1e-3
     assert int8 > 1.5 * bf16, (bf16, int8)
     assert fp8 > 3 * int8, (int8, fp8)
+
+
+# ------------------------------------------------------------------------------ float32 LM head
+def test_fp32_lm_head_is_a_float32_matmul_of_the_upcast_hidden_state():
+    w = random_weights()
+    tok = torch.randint(0, 16, (4, 10), generator=torch.Generator().manual_seed(2))
+    fp32_head = KVCacheGPT(CFG, w, dtype=torch.bfloat16, lm_head_fp32=True)
+    bf16_head = KVCacheGPT(CFG, w, dtype=torch.bfloat16)
+    x, _ = fp32_head.hidden(tok, 0, None)
+    x2, _ = bf16_head.hidden(tok, 0, None)
+    assert x.dtype == torch.bfloat16 and torch.equal(x, x2)  # the trunk is unchanged
+    wte = w["transformer.wte.weight"]
+    got = fp32_head.forward(tok, 0, None)[0]
+    torch.testing.assert_close(got, x.float() @ wte.t(), rtol=0, atol=0)
+    old = bf16_head.forward(tok, 0, None)[0]
+    torch.testing.assert_close(old, (x @ wte.to(torch.bfloat16).t()).float(), rtol=0, atol=0)
+    # against the float32 model, the float32 head removes the head's own rounding: smaller logit error
+    ref = KVCacheGPT(CFG, w, dtype=torch.float32).forward(tok, 0, None)[0]
+    err_fp32, err_bf16 = (got - ref).abs().mean(), (old - ref).abs().mean()
+    assert err_fp32 < err_bf16, (err_fp32, err_bf16)

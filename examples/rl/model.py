@@ -257,6 +257,22 @@ class KVCacheGPT:
         """Run ``tokens [B, L]`` at positions ``start_pos..start_pos+L-1`` given the cache of the
         previous ``start_pos`` positions. Returns float32 logits ``[B, L, V]`` and the extended cache
         (per layer ``(k, v)`` each ``[B, n, start_pos + L, d]``)."""
+        x, new_cache = self.hidden(tokens, start_pos, cache)
+        return self.lm_head(x), new_cache
+
+    @torch.no_grad()
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[B, L, V]`` from the final hidden state ``x [B, L, h]`` (in ``dtype``):
+        ``float32(x @ W_lm^T)`` in ``dtype``, or ``float32(x) @ float32(W_lm)^T`` with ``lm_head_fp32``."""
+        if self.lm_head32 is not None:
+            return x.float() @ self.lm_head32.t()
+        return (x @ self.w["lm_head.weight"].t()).float()
+
+    @torch.no_grad()
+    def hidden(
+        self, tokens: torch.Tensor, start_pos: int, cache: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> tuple[torch.Tensor, list]:
+        """The transformer up to and including the final LayerNorm: ``[B, L, h]`` in ``dtype``, and the cache."""
         cfg, w = self.cfg, self.w
         b, length = tokens.shape
         n, d = cfg.num_heads, cfg.hidden_size // cfg.num_heads
@@ -284,12 +300,7 @@ class KVCacheGPT:
             m = self._ln(x, p + "ln_2")
             m = GELU_TANH(m @ self.weight(p + "mlp.c_fc.weight") + w[p + "mlp.c_fc.bias"])
             x = x + m @ self.weight(p + "mlp.c_proj.weight") + w[p + "mlp.c_proj.bias"]
-        x = self._ln(x, "transformer.ln_f")
-        if self.lm_head32 is not None:
-            logits = x.float() @ self.lm_head32.t()
-        else:
-            logits = (x @ w["lm_head.weight"].t()).float()
-        return logits, new_cache
+        return self._ln(x, "transformer.ln_f"), new_cache
 
 
 def _expected_keys(cfg: ModelConfig) -> list[str]:
