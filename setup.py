@@ -21,7 +21,8 @@ setup(
         # Integration with megatron-core; 0.16.1 is the tested target (see README).
         "megatron": ["megatron-core>=0.16.1,<0.20"],
         "plot": ["matplotlib>=3.7"],
-        "example": ["megatron-core>=0.16.1,<0.20", "matplotlib>=3.7", "tqdm", "tensorboard"],
+        # psutil: megatron's dist_checkpointing writer; safetensors: the engine-weight export
+        "example": ["megatron-core>=0.16.1,<0.20", "matplotlib>=3.7", "tqdm", "tensorboard", "psutil", "safetensors"],
         "test": [
             "pytest>=8",
             "pytest-timeout",
@@ -31,6 +32,10 @@ setup(
             "matplotlib>=3.7",
             "tqdm",
             "tensorboard",
+            "psutil",
+            "safetensors",
+            # a real Hugging Face client for the exported engine weights (GPT2LMHeadModel); CPU-only, no torch pin
+            "transformers>=4.40",
         ],
         # GPU-side pieces (transformer-engine, NVIDIA apex, sglang) are never required here;
         # they are imported lazily by the code paths that use them.

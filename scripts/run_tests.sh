@@ -16,7 +16,9 @@ fi
 # constraints.txt pins torch==2.13.0 (the local CPU wheel; never the multi-GB CUDA build) and
 # megatron-core==0.16.1. setup.py itself only asks for a torch range.
 "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
-# verl 0.9.1 is a test oracle only: no deps (ray/transformers are stubbed in tests/_verl_light.py).
+# verl 0.9.1 is a test oracle only: no deps (ray is stubbed in tests/_verl_light.py; transformers, pinned by
+# constraints.txt to a version verl imports, comes with the test extras: the tests load the example's exported
+# Hugging Face checkpoint with it).
 "$VENV/bin/pip" install -q --no-deps verl==0.9.1
 "$VENV/bin/pip" install -q -c constraints.txt tensordict omegaconf codetiming orjson
 

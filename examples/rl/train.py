@@ -412,7 +412,7 @@ class Trainer:
             found = checkpoint.latest_step(a.run_dir)
             if found is None:
                 raise FileNotFoundError(f"--resume given but {a.run_dir}/checkpoints/latest does not exist")
-            extra = checkpoint.load(a.run_dir, found, self.model, self.optimizer, self.layout)
+            extra = checkpoint.load(a.run_dir, found, self.model, self.optimizer, load_extra=self.sync is not None)
             start = found
         if info.is_logging_rank or info.is_engine_rank:
             os.makedirs(a.run_dir, exist_ok=True)
@@ -441,7 +441,7 @@ class Trainer:
                 log.log(step, metrics)
                 done = step + 1
                 if (a.save_interval and done % a.save_interval == 0) or done == a.steps:
-                    extra = {"lag": self.sync.state_dict()} if self.sync is not None else {}
+                    extra = {"lag": self.sync.state_dict()} if self.sync is not None else None
                     checkpoint.save(a.run_dir, done, self.model, self.optimizer, self.layout, extra)
         finally:
             log.close()
