@@ -57,6 +57,7 @@ class ModelConfig:
             "bos_token_id": eos_token_id,
             "eos_token_id": eos_token_id,
             "torch_dtype": "float32",
+            "dtype": "float32",
         }
 
 
@@ -172,18 +173,29 @@ def gather_gpt2_weights(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, t
 # --------------------------------------------------------------------------------------------------
 # Hugging Face GPT-2 checkpoint on disk (what /update_weights_from_disk loads)
 # --------------------------------------------------------------------------------------------------
+WEIGHTS_FILE = "model.safetensors"
+
+
 def save_hf_checkpoint(path: str, weights: dict[str, torch.Tensor], cfg: ModelConfig, eos_token_id: int) -> None:
-    """Write ``config.json`` + ``pytorch_model.bin`` (GPT-2 layout; ``lm_head`` tied to ``wte``)."""
+    """Write a Hugging Face GPT-2 checkpoint: ``config.json`` + ``model.safetensors`` (float32, GPT-2 names;
+    ``lm_head`` is tied to ``wte`` and not stored). Loadable by ``GPT2LMHeadModel.from_pretrained`` and by
+    SGLang's ``/update_weights_from_disk``. The weights file is written to a temporary name and renamed."""
+    from safetensors.torch import save_file
+
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg.to_hf_config(eos_token_id), f, indent=1)
-    tmp = os.path.join(path, "pytorch_model.bin.tmp")
-    torch.save({k: v.contiguous() for k, v in weights.items()}, tmp)
-    os.replace(tmp, os.path.join(path, "pytorch_model.bin"))
+    tensors = {k: v.detach().to(device="cpu", dtype=torch.float32).contiguous() for k, v in weights.items()}
+    tensors.pop("lm_head.weight", None)  # tied (config.tie_word_embeddings); safetensors refuses shared storage
+    tmp = os.path.join(path, WEIGHTS_FILE + ".tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
 
 
 def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a checkpoint written by :func:`save_hf_checkpoint`."""
+    """Read a checkpoint written by :func:`save_hf_checkpoint` (``model.safetensors``)."""
+    from safetensors.torch import load_file
+
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
     cfg = ModelConfig(
@@ -194,7 +206,7 @@ def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         max_seq_len=hf["n_positions"],
         layernorm_eps=hf["layer_norm_epsilon"],
     )
-    weights = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    weights = load_file(os.path.join(path, WEIGHTS_FILE), device="cpu")
     return cfg, weights
 
 
