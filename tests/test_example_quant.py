@@ -187,3 +187,15 @@ def test_fp32_lm_head_is_a_float32_matmul_of_the_upcast_hidden_state():
     exact = x.double() @ wte.double().t()
     err_fp32, err_bf16 = (got.double() - exact).abs().max(), (old.double() - exact).abs().max()
     assert err_fp32 < 1e-5 < 1e-4 < err_bf16, (err_fp32, err_bf16)
+
+
+def test_measure_mismatch_summary_is_the_hooks_formula():
+    from examples.rl.measure_mismatch import summarize
+
+    log_r = torch.tensor([0.0, 0.1, -0.2, 1.0])
+    r = [1.0, 1.1051709, 0.8187308, 2.7182818]
+    m = summarize(log_r)
+    k3 = sum(ri - 1 - li for ri, li in zip(r, [0.0, 0.1, -0.2, 1.0])) / 4
+    assert m["tis/k3_kl"] == pytest.approx(k3, rel=1e-6)
+    assert m["tis/ratio_min"] == pytest.approx(0.8187308) and m["tis/ratio_max"] == pytest.approx(2.7182818)
+    assert m["outside [0.5, 2]"] == 0.25 and m["tokens"] == 4

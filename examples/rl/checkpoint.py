@@ -102,3 +102,14 @@ def load(run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, *, loa
     if not os.path.exists(extra_path):
         raise FileNotFoundError(f"checkpoint {path} has no {EXTRA_FILE} (rollout-lag history)")
     return torch.load(extra_path, map_location="cpu", weights_only=True)
+
+
+def load_model(run_dir: str, step: int, model: torch.nn.Module) -> None:
+    """Restore only the model weights saved at ``step`` (any layout; the optimizer state is not read)."""
+    from megatron.core import dist_checkpointing
+
+    path = _dir(run_dir, step)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
+    loaded = dist_checkpointing.load({"model": _unwrap(model).sharded_state_dict()}, path)
+    _unwrap(model).load_state_dict(loaded["model"])
