@@ -80,11 +80,10 @@ def run_dir(out_dir: str, mismatch: str, alg: str, seed: int) -> str:
     return os.path.join(out_dir, f"{mismatch}-alg{alg}-s{seed}")
 
 
-def launch(
-    out_dir: str, mismatch: str, alg: str, seed: int, steps: int, nproc: int, extra: list[str], jobs: int = 1
-) -> float:
-    """Run one training job (a subprocess) and return its wall time in seconds. With ``jobs`` runs in parallel
-    and no ``OMP_NUM_THREADS`` set, each process gets ``cpu_count // (jobs * nproc)`` threads (at least 1)."""
+def launch(out_dir: str, mismatch: str, alg: str, seed: int, steps: int, nproc: int, extra: list[str]) -> float:
+    """Run one training job (a subprocess) and return its wall time in seconds. Unless ``OMP_NUM_THREADS`` is
+    set, every process runs one thread: a run's numbers then do not depend on ``--jobs`` or the core count (the
+    thread count changes float32 reduction order, and a run's trajectory with it)."""
     d = run_dir(out_dir, mismatch, alg, seed)
     train = [
         "-m",
@@ -106,8 +105,7 @@ def launch(
         cmd = [sys.executable, *train]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    if jobs > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (jobs * nproc)))
+    env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -233,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def one(item: tuple[str, str, int]) -> str:
             mm, alg, seed = item
-            wall = launch(args.out_dir, mm, alg, seed, args.steps, args.nproc, extra, args.jobs)
+            wall = launch(args.out_dir, mm, alg, seed, args.steps, args.nproc, extra)
             return f"mismatch={mm} alg={alg} seed={seed}: {wall:.0f} s"
 
         t0 = time.perf_counter()
