@@ -69,8 +69,8 @@ def build_megatron_gpt(
 ) -> torch.nn.Module:
     """Build this rank's pipeline stage of the GPT (``parallel_state`` must be initialised).
 
-    The parallel sizes are also written into the ``TransformerConfig`` (a mismatch silently builds all
-    layers on every stage, gotcha G1 in notes_megatron_cpu.md).
+    The parallel sizes are also written into the ``TransformerConfig``: megatron-core reads the pipeline
+    size from there, and without it every stage silently builds all the layers.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
