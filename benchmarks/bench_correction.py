@@ -52,7 +52,6 @@ import _verl_light  # noqa: E402,F401  (stubs ray/transformers before verl is im
 import verl.trainer.ppo.rollout_corr_helper as rc  # noqa: E402
 
 from slime_tis import TISConfig, compute_tis, padded_to_packed  # noqa: E402
-from slime_tis.core import native  # noqa: E402
 
 CONFIG = TISConfig(use_tis=True, mode="truncate", level="sequence", upper=2.0, rs_level="geometric")
 VERL_KWARGS = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
@@ -158,9 +157,8 @@ def environment(device: torch.device) -> str:
                              text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = ""
-    fused = "on" if device.type == "cpu" and native.available() else "off"
     return (f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"{os.cpu_count()} cores visible; python {platform.python_version()}; fused CPU kernels {fused}"
+            f"{os.cpu_count()} cores visible; python {platform.python_version()}"
             + (f"; slime_tis at {rev}" if rev else ""))
 
 
