@@ -76,14 +76,19 @@ def offsets_valid(cu_seqlens: Tensor, n_tokens: int) -> Tensor:
     return (c[0] == 0) & (c[-1] == n_tokens) & (c[1:] >= c[:-1]).all()
 
 
+def assert_offsets_async(cu_seqlens: Tensor, n_tokens: int) -> None:
+    """The accelerator check: ``torch._assert_async`` of :func:`offsets_valid` (no host sync; on CUDA a
+    failure surfaces at a later kernel launch as a device-side assertion; on a CPU tensor it raises now)."""
+    torch._assert_async(offsets_valid(cu_seqlens, n_tokens))
+
+
 def check_offsets(cu_seqlens: Tensor, n_tokens: int) -> None:
     """Check ``cu_seqlens`` contents where it lives: a ``ValueError`` for a CPU tensor (no device
     involved), ``torch._assert_async`` on an accelerator (fails at a later kernel launch, no sync)."""
-    ok = offsets_valid(cu_seqlens, n_tokens)
     if cu_seqlens.device.type != "cpu":
-        torch._assert_async(ok)
+        assert_offsets_async(cu_seqlens, n_tokens)
         return
-    if not bool(ok):  # host-sync-ok (CPU tensor)
+    if not bool(offsets_valid(cu_seqlens, n_tokens)):  # host-sync-ok (CPU tensor)
         c = cu_seqlens
         raise ValueError(
             f"cu_seqlens must start at 0, be non-decreasing and end at T={n_tokens}; "
