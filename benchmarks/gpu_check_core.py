@@ -66,10 +66,10 @@ def bad_offsets_trip_device_assert() -> int:
     """A GPU cu_seqlens ending past T must fail (device-side assertion), in a child process."""
     import subprocess
 
-    code = ("import torch, sys; sys.path.insert(0, %r); from slime_tis import TISConfig, compute_tis; "
+    root = str(Path(__file__).resolve().parents[1])
+    code = (f"import torch, sys; sys.path.insert(0, {root!r}); from slime_tis import TISConfig, compute_tis; "
             "x = torch.zeros(10, device='cuda'); cu = torch.tensor([0, 4, 12], device='cuda'); "
-            "r = compute_tis(TISConfig(use_tis=True), x, x, x > -1, cu); torch.cuda.synchronize()"
-            % str(Path(__file__).resolve().parents[1]))
+            "r = compute_tis(TISConfig(use_tis=True), x, x, x > -1, cu); torch.cuda.synchronize()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     tripped = proc.returncode != 0 and "assert" in (proc.stderr + proc.stdout).lower()
     print(f"bad GPU cu_seqlens: {'device-side assertion (ok)' if tripped else 'NOT DETECTED'}")
