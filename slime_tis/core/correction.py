@@ -134,7 +134,7 @@ def correct(
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``seq_id`` int64 ``[T]``)."""
     with torch.no_grad():
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, seq_id, n_seq, reducer,
-                               bound=plan.bound, extra_finite=tuple(t.detach() for t in extra_finite),
+                               extra_finite=tuple(t.detach() for t in extra_finite),
                                rule_columns=rule_columns(plan))
         verdict = evaluate(plan, ratios)
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level))  # [T] or [n_seq]
@@ -153,5 +153,5 @@ def correct(
 
         per_token = weights[seq_id] if plan.per_sequence else weights
         token_weights = torch.where(ratios.token_ok, per_token, 0.0)
-        stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, factor)
+        stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, norm_count, factor)
     return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict)

@@ -1,8 +1,8 @@
 """The ``tis.*`` statistics of one micro-batch (sums, minima, maxima; metrics in ``core.metrics``).
 
 Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite
-sequences on this rank; summed over DP x CP) come from this rank's per-sequence partial sums over
-finite sequences::
+sequences on this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
+(0 outside D, where ``l = 0``)::
 
     kl_sum = -sum l,   k3_sum = sum (e - lc),   r2_sum = sum r^2 = sum e^2 + 2 sum e + n
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.core.metrics import MetricStats, masked_extremes
+from slime_tis.core.metrics import MetricStats
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, ratio_moments
 from slime_tis.core.rules import Verdict
@@ -29,8 +29,18 @@ F64 = torch.float64
 
 
 def _total(x: Tensor) -> Tensor:
-    """float64 sum of a bool (count) or float column."""
-    return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum(dtype=F64)
+    """Sum of a bool (count) or float column, as float64 (float32 columns are summed pairwise in float32:
+    ~1e-7 relative, well inside the metrics' needs, without a float64 copy of the column)."""
+    return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum().to(F64)
+
+
+def _extremes(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 (min, max) of ``x`` over ``mask``; ``(+inf, -inf)`` when the mask is empty."""
+    inf = torch.full((), float("inf"), device=x.device)
+    if x.numel() == 0:
+        return inf, -inf
+    x = x.float()
+    return torch.where(mask, x, inf).min(), torch.where(mask, x, -inf).max()
 
 
 def tis_statistics(
@@ -40,6 +50,7 @@ def tis_statistics(
     weights: Tensor,
     kept_units: Tensor,
     kept_weights: Tensor,
+    n_kept_units: Tensor,
     batch_norm_factor: Tensor | None,
 ) -> MetricStats:
     """Raw ``tis.*`` statistics.
@@ -48,22 +59,30 @@ def tis_statistics(
         weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
         kept_units: bool, units that survived rejection (same shape).
         kept_weights: ``weights`` on ``kept_units``, 0 elsewhere.
+        n_kept_units: 0-d count of ``kept_units``.
         batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
     """
     seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
     n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
     n_tok = ratios.local_total("valid", seq_ok)
-    e_sum, e2_sum = ratios.local_total("e", seq_ok), ratios.local_total("e2", seq_ok)
+    bound = plan.bound
+    _, e, k3 = ratio_moments(ratios.log_ratio, bound)
+    e_sum, e2_sum = _total(e), torch.dot(e, e).to(F64)
+    if not plan.per_sequence:  # token units: the kept units are the kept tokens
+        n_kept_tok = n_kept_units.to(F64)
+    elif verdict.token_rejected is None:  # valid tokens of the kept sequences
+        n_kept_tok = ratios.local_total("valid", kept_units)
+    else:
+        n_kept_tok = _total(verdict.keep)
     tok: dict[str, Tensor] = {
         "tis.n_tok_valid": n_valid,
         "tis.n_tok": n_tok,
-        "tis.n_tok_rejected": n_valid - _total(verdict.keep),
+        "tis.n_tok_rejected": n_valid - n_kept_tok,
         "tis.kl_sum": -ratios.local_total("l", seq_ok),
-        "tis.k3_sum": ratios.local_total("k3", seq_ok),
+        "tis.k3_sum": _total(k3),
         "tis.r2_sum": e2_sum + 2.0 * e_sum + n_tok,
     }
 
-    bound = plan.bound
     log_sum = ratios.column("l")  # float64, 0 unless seq_ok
     lr_mean = ratios.seq_mean_lp_rollout
     mean_diff = -log_sum / ratios.seq_count.to(F64).clamp(min=1.0)  # mean lp_rollout - mean lp_train
@@ -97,9 +116,9 @@ def tis_statistics(
         units["tis.n_units"] = n_tok
         units["tis.ratio_sum"] = e_sum + n_tok
         units["tis.ratio_sq_sum"] = tok["tis.r2_sum"]
-    units["tis.n_kept_units"] = _total(kept_units)
+    units["tis.n_kept_units"] = n_kept_units.to(F64)
     units["tis.w_sum"] = _total(kept_weights)
-    units["tis.w_sq_sum"] = _total(kept_weights * kept_weights)
+    units["tis.w_sq_sum"] = torch.dot(kept_weights, kept_weights).to(F64)
     if plan.rs_level is not None:
         rs_units = tok if plan.rs_level == "token" else seq
         rs_units["tis.n_rs_units"] = n_tok if plan.rs_level == "token" else seq["tis.n_seq"]
@@ -109,10 +128,9 @@ def tis_statistics(
         seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
         seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
 
-    lows, highs = masked_extremes(torch.stack([level_log.float(), weights.float()]),
-                                  torch.stack([ratios.unit_ok(plan.level), kept_units]))
-    mins = dict(zip(("tis.log_ratio_min", "tis.weight_min"), lows.unbind(0)))
-    maxs = dict(zip(("tis.log_ratio_max", "tis.weight_max"), highs.unbind(0)))
+    (lr_min, lr_max), (w_min, w_max) = _extremes(level_log, ratios.unit_ok(plan.level)), _extremes(weights, kept_units)
+    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min}
+    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max}
     return MetricStats(token_sums=tok, seq_sums=seq, mins=mins, maxs=maxs)
 
 

@@ -61,21 +61,7 @@ from torch import Tensor
 from slime_tis.core.reducer import Reducer
 from slime_tis.core.rules import RULES
 
-__all__ = ["MetricStats", "safe_ratio", "masked_extremes", "column_sums"]
-
-
-def masked_extremes(values: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
-    """Row-wise minimum and maximum of ``values`` ``[k, n]`` over ``masks`` ``[k, n]`` (bool).
-
-    Returns two float32 ``[k]`` tensors; a row with an empty mask gives ``+inf`` / ``-inf``.
-    """
-    k, n = values.shape
-    if n == 0:
-        inf = torch.full((k,), float("inf"), dtype=torch.float32, device=values.device)
-        return inf, -inf
-    values = values.float()
-    inf = torch.full((), float("inf"), dtype=torch.float32, device=values.device)
-    return torch.where(masks, values, inf).amin(1), torch.where(masks, values, -inf).amax(1)
+__all__ = ["MetricStats", "safe_ratio", "column_sums"]
 
 
 def column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -14,11 +14,10 @@ Invalid positions are dropped by selection (``torch.where``), so a NaN there cha
 
 Per-sequence sums ``[n_seq, k]`` float64 (``index_add_``) of the token columns::
 
-    l, lp_rollout, valid, nonfinite, e, e^2, k3      (COLUMNS)
-    plus one column per active rule that needs a token count (e.g. veto: l_t < log v)
+    l, lp_rollout, valid, nonfinite                  (COLUMNS)
+    plus one column per active rule that needs one (e.g. veto: 1[l_t < log v]; seq_mean_k3: k3_t)
 
-are completed over context parallelism by one ``reducer.sequence_sum`` call. The token-domain
-diagnostics sum this rank's per-sequence partial sums over finite sequences (no second token pass).
+are completed over context parallelism by one ``reducer.sequence_sum`` call.
 """
 
 from __future__ import annotations
@@ -33,11 +32,18 @@ from slime_tis.core.reducer import Reducer
 
 __all__ = ["Ratios", "packed_ratios", "COLUMNS", "TokenColumn", "ratio_moments"]
 
-COLUMNS = ("l", "lp_rollout", "valid", "nonfinite", "e", "e2", "k3")
+COLUMNS = ("l", "lp_rollout", "valid", "nonfinite")
 F64 = torch.float64
 
-#: A rule's token column: ``f(l, k3) -> [T]`` (0 at invalid tokens, where ``l = k3 = 0``), summed per sequence.
-TokenColumn = Callable[[Tensor, Tensor], Tensor]
+#: A rule's token column: ``f(l) -> [T]`` of the finite valid log-ratios (``l = 0`` at invalid and non-finite
+#: tokens, so the column must be 0 there), summed per sequence.
+TokenColumn = Callable[[Tensor], Tensor]
+
+
+def is_finite(x: Tensor) -> Tensor:
+    """``x - x == 0``: True where ``x`` is finite (``inf - inf`` and NaN give NaN); two kernels where
+    ``torch.isfinite`` runs four (``x == x``, ``abs``, ``!= inf``, ``and``)."""
+    return (x - x) == 0
 
 
 def ratio_moments(log_ratio: Tensor, bound: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -61,7 +67,6 @@ class Ratios:
         seq_has_tokens, seq_nonfinite, seq_ok: bool (has valid tokens; has a non-finite one; has, none).
         seq_count: float32 valid tokens. seq_log_ratio_sum / seq_log_ratio_mean: float32 ``L_i``.
         seq_mean_lp_train, seq_mean_lp_rollout: float64 means over valid tokens.
-        seq_k3_mean: float64 ``mean_t k3_t``.
         seq_sums: float64 ``[n_seq, k]`` full per-sequence sums (``columns`` names the columns).
         local_sums: the same before the CP reduction (this rank's tokens).
     """
@@ -78,7 +83,6 @@ class Ratios:
     seq_log_ratio_mean: Tensor
     seq_mean_lp_train: Tensor
     seq_mean_lp_rollout: Tensor
-    seq_k3_mean: Tensor
     seq_sums: Tensor
     local_sums: Tensor
     columns: tuple[str, ...]
@@ -86,6 +90,10 @@ class Ratios:
     def column(self, name: str) -> Tensor:
         """``[n_seq]`` float64 full per-sequence sum of column ``name`` (0 unless ``seq_ok``)."""
         return torch.where(self.seq_ok, self.seq_sums[:, self.columns.index(name)], 0.0)
+
+    def column_mean(self, name: str) -> Tensor:
+        """``[n_seq]`` float64 per-sequence mean over valid tokens of column ``name`` (0 unless ``seq_ok``)."""
+        return self.column(name) / self.seq_sums[:, 2].clamp(min=1.0)
 
     def local_total(self, name: str, over: Tensor) -> Tensor:
         """float64 sum of this rank's column ``name`` over the sequences in ``over`` (``[n_seq]`` bool)."""
@@ -114,7 +122,6 @@ def packed_ratios(
     n_seq: int,
     reducer: Reducer,
     *,
-    bound: float,
     extra_finite: tuple[Tensor, ...] = (),
     rule_columns: Mapping[str, TokenColumn] | None = None,
 ) -> Ratios:
@@ -123,24 +130,21 @@ def packed_ratios(
     Args:
         valid: ``[T]`` bool loss mask. seq_id: ``[T]`` int64 sequence index; n_seq: number of sequences.
         reducer: completes the per-sequence sums over context parallelism (one call).
-        bound: the safety bound ``B`` of ``lc``.
         extra_finite: ``[T]`` tensors whose non-finite valid entries make their sequence non-finite.
         rule_columns: extra token columns summed per sequence (see ``slime_tis.core.rules``).
     """
     lt, lr = lp_train.float(), lp_rollout.float()
     raw = torch.where(valid, lt - lr, 0.0)
-    finite = torch.isfinite(raw)
+    finite = is_finite(raw)
     for t in extra_finite:
-        finite = finite & (torch.isfinite(t) | ~valid)
+        finite = finite & (is_finite(t) | ~valid)
     l = torch.where(finite, raw, 0.0)  # noqa: E741  (the formula's name)
-    lp_roll = torch.where(valid & torch.isfinite(lr), lr, 0.0)
-    _, e, k3 = ratio_moments(l, bound)
-    token_columns = [l, lp_roll, valid, ~finite, e, e * e, k3]
+    token_columns = [l, torch.where(valid, lr, 0.0), valid, ~finite]  # lp_rollout: read only where seq_ok
     names = list(COLUMNS)
     for name, fn in (rule_columns or {}).items():
-        token_columns.append(fn(l, k3))
+        token_columns.append(fn(l))
         names.append(name)
-    stacked = torch.stack([c.to(F64) for c in token_columns], dim=1)  # [T, k]
+    stacked = torch.stack([c.float() for c in token_columns], dim=1).to(F64)  # [T, k]
     local = torch.zeros((n_seq, len(names)), dtype=F64, device=l.device).index_add_(0, seq_id, stacked)
     full = reducer.sequence_sum(local)
 
@@ -165,7 +169,6 @@ def packed_ratios(
         seq_log_ratio_mean=(log_sum / n).float(),
         seq_mean_lp_train=(log_sum + lp_roll_sum) / n,
         seq_mean_lp_rollout=lp_roll_sum / n,
-        seq_k3_mean=torch.where(seq_ok, full[:, 6], 0.0) / n,
         seq_sums=full,
         local_sums=local,
         columns=tuple(names),

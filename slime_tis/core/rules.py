@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.core.plan import Plan
-from slime_tis.core.ratios import Ratios, TokenColumn
+from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
 
 __all__ = ["Rule", "RULES", "Verdict", "evaluate", "rule_columns"]
 
@@ -72,7 +72,7 @@ RULES: tuple[Rule, ...] = (
          lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid"),
     Rule("tis/veto_seq_fraction", "tis.veto_count", _seq(lambda p: p.log_veto is not None),
          lambda p, r, lvl: r.column("tis.veto_count") > 0, True, "tis.n_seq",
-         column=lambda p: lambda log_r, k3: log_r < p.log_veto),
+         column=lambda p: lambda log_r: log_r < p.log_veto),
     Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units"),
     Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
@@ -80,10 +80,11 @@ RULES: tuple[Rule, ...] = (
     Rule("tis/rs_fraction_high", "tis.rs_high_count", lambda p: p.rs_level, _above("rs_log_upper"), True,
          "tis.n_rs_units"),
     Rule("tis/seq_mean_k3_fraction", "tis.seq_mean_k3_count", _seq(lambda p: p.seq_mean_k3 is not None),
-         lambda p, r, lvl: r.seq_k3_mean > p.seq_mean_k3, True, "tis.n_seq"),
+         lambda p, r, lvl: r.column_mean("tis.seq_mean_k3_count") > p.seq_mean_k3, True, "tis.n_seq",
+         column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2]),
     Rule("tis/seq_max_k3_fraction", "tis.seq_max_k3_count", _seq(lambda p: p.seq_max_k3 is not None),
          lambda p, r, lvl: r.column("tis.seq_max_k3_count") > 0, True, "tis.n_seq",
-         column=lambda p: lambda log_r, k3: k3 > p.seq_max_k3),
+         column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2] > p.seq_max_k3),
     Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units"),
     Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units"),
     Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units"),
