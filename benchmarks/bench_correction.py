@@ -1,19 +1,14 @@
 """Speed of the correction core vs verl 0.9.1, side by side, on the same logical batches: one run, one table.
 
-Configurations (ours: ``TISConfig``; verl: ``compute_rollout_correction_and_rejection_mask`` kwargs):
+Configurations (``CONFIGS``; ours: a ``TISConfig``, verl: kwargs of ``compute_rollout_correction_and_rejection_mask``):
 
-=================================  ==================================================  =========================================
-row                                ours                                                verl 0.9.1
-=================================  ==================================================  =========================================
-token truncate (default)           use_tis, truncate, token, upper 2                   rollout_is="token", threshold 2.0
-sequence truncate                  use_tis, truncate, sequence, upper 2                rollout_is="sequence", threshold 2.0
-sequence mask + sequence RS        use_tis, mask, sequence, [0.5, 2] + RS sequence     rollout_is="sequence", "0.5_2.0"
-                                   [0.5, 2]                                            + rollout_rs="seq_sum_k1", "0.5_2.0"
-geometric mask + veto              use_tis, mask, geometric, [0.999, 1.001], veto 1e-4 rollout_rs="seq_mean_k1,seq_max_k3"
-                                                                                       ("0.999_1.001,<k3 of ratio 1e-4>")
-token clip + token RS + batch-norm use_tis, clip, token, [0.5, 2], RS token [0.5, 2],  rollout_is="token", 2.0, batch-normalize,
-                                   batch_normalize                                     rollout_rs="token_k1", "0.5_2.0"
-=================================  ==================================================  =========================================
+* token truncate (default): ``use_tis`` truncate token upper 2 | ``rollout_is="token"``, threshold 2.0;
+* sequence truncate: ``level="sequence"`` | ``rollout_is="sequence"``;
+* sequence mask + sequence RS, both [0.5, 2] | ``rollout_is="sequence"`` "0.5_2.0" (IcePop masking) +
+  ``rollout_rs="seq_sum_k1"`` "0.5_2.0";
+* geometric mask [0.999, 1.001] + veto 1e-4 | ``rollout_rs="seq_mean_k1,seq_max_k3"`` (verl has no veto; its
+  ``seq_max_k3`` at the k3 of a 1e-4 ratio is the nearest rule);
+* token clip + token RS + batch-norm, [0.5, 2] | ``rollout_is="token"`` 2.0 batch-normalised + ``token_k1``.
 
 What is timed: verl on the padded ``[B, L]`` batch, returning its metrics as Python floats (it reads each
 with ``.item()``); ours on the packed batch: ``compute_tis`` with all diagnostics, ``stats.finalize()`` and
@@ -216,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         short, long_ = (make_inputs(s, device) for s in CPU_SPREAD)
         for label, cfg, _ in CONFIGS:
-            s_ms, l_ms = time_interleaved([lambda: run_ours(cfg, short), lambda: run_ours(cfg, long_)], device,
-                                          args.repeats)
+            s_ms, l_ms = time_interleaved([lambda c=cfg: run_ours(c, short), lambda c=cfg: run_ours(c, long_)],
+                                          device, args.repeats)
             ok = 1 / 1.5 <= s_ms / l_ms <= 1.5
             verdicts.append(f"{label}: 4096 short / 256 long at {short.tokens:,} tokens: {s_ms:.1f} / {l_ms:.1f} ms "
                             f"= {s_ms / l_ms:.2f}x (target within 1.5x): {'PASS' if ok else 'MISS'}")
