@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, cfg, kwargs in CONFIGS:
             check_agreement(cfg, kwargs, inputs, label)
             verl_ms, ours_ms = time_interleaved(
-                [lambda k=kwargs: run_verl(k, inputs), lambda c=cfg: run_ours(c, inputs, read=not cuda)],
+                [lambda k=kwargs, i=inputs: run_verl(k, i), lambda c=cfg, i=inputs: run_ours(c, i, read=not cuda)],
                 device, args.repeats, no_sync=(False, True))
             rows.append((label, shape.name, inputs.tokens, verl_ms, ours_ms))
             print(f"{label:>36} {shape.name:>10}: verl {verl_ms:8.2f} ms  ours {ours_ms:7.3f} ms  "
