@@ -58,8 +58,34 @@ def main() -> int:
             print(f"algorithm {cfg.algorithm} {cfg.mode}/{cfg.level}: HOST SYNC: {str(exc).splitlines()[0]}")
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    failures += triton_matches_torch(lp_old, lp_rollout, adv, mask, cu)
     failures += bad_offsets_trip_device_assert()
     return 1 if failures else 0
+
+
+def triton_matches_torch(lp_old, lp_rollout, adv, mask, cu) -> int:
+    """The opt-in Triton token pass (SLIME_TIS_TRITON=1) gives the torch path's loss and metrics, without a sync."""
+    import os
+
+    failures = 0
+    for cfg in CONFIGS:
+        outs = []
+        for mode in ("0", "1"):
+            os.environ["SLIME_TIS_TRITON"] = mode
+            theta = lp_old.clone().requires_grad_(True)
+            torch.cuda.set_sync_debug_mode("error" if mode == "1" and outs else "default")
+            try:
+                out = policy_loss(cfg, theta, lp_old, lp_rollout, adv, mask, cu)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            outs.append((out.loss.detach(), out.stats.finalize()))
+        os.environ["SLIME_TIS_TRITON"] = "0"
+        (la, ma), (lb, mb) = outs
+        ok = torch.allclose(la, lb, rtol=1e-5, atol=1e-7) and all(
+            torch.allclose(ma[k], mb[k], rtol=1e-6, atol=1e-9) for k in ma)
+        failures += not ok
+        print(f"triton token pass, algorithm {cfg.algorithm} {cfg.mode}/{cfg.level}: {'same' if ok else 'DIFFERS'}")
+    return failures
 
 
 def bad_offsets_trip_device_assert() -> int:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from slime_tis.core.correction import TISResult, as_valid_mask, correct, plan_of, scalar_tensor
 from slime_tis.core.metrics import MetricStats
-from slime_tis.core.packing import check_packed, sequence_ids
+from slime_tis.core.packing import check_packed, offsets_on, sequence_ids
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
 
@@ -162,7 +162,8 @@ def policy_loss(
     adv = advantages.detach().float()
     old = lp_old.detach().float() if uses_old else None
     valid = as_valid_mask(loss_mask)
-    seq_id = sequence_ids(cu_seqlens, n_tokens, theta.device)
+    offsets = offsets_on(cu_seqlens, theta.device)
+    seq_id = sequence_ids(offsets, n_tokens, theta.device)
     n_seq = cu_seqlens.numel() - 1
 
     tis: TISResult | None = None
@@ -170,16 +171,16 @@ def policy_loss(
         lp_train = old if uses_old else theta_d
         extra = () if alg == 0 else ((adv, theta_d) if alg == 2 else (adv,))
         tis = correct(plan, lp_train, lp_rollout, valid, seq_id, n_seq, reducer,
-                      batch_norm_factor=batch_norm_factor, extra_finite=extra)
+                      batch_norm_factor=batch_norm_factor, extra_finite=extra, offsets=offsets)
         tis_stats = tis.stats
     else:  # algorithm 0 without rollout log-probs: the same keys and collectives, on no valid token (zeros)
-        tis_stats = correct(plan, old, old, torch.zeros_like(valid), seq_id, n_seq, reducer).stats
+        tis_stats = correct(plan, old, old, torch.zeros_like(valid), seq_id, n_seq, reducer, offsets=offsets).stats
     if alg != 0:
         own = tis
         keep, weights = tis.keep_mask, tis.weights
     else:  # algorithm 0 rejects only non-finite inputs of its own loss (rollout data changes nothing)
         with torch.no_grad():
-            own = correct(plan, old, theta_d, valid, seq_id, n_seq, reducer, extra_finite=(adv,))
+            own = correct(plan, old, theta_d, valid, seq_id, n_seq, reducer, extra_finite=(adv,), offsets=offsets)
         keep, weights = own.ratios.token_ok, torch.ones_like(theta_d)
     ratios = own.ratios
 

@@ -22,6 +22,7 @@ are completed over context parallelism by one ``reducer.sequence_sum`` call.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -38,6 +39,19 @@ F64 = torch.float64
 #: A rule's token column: ``f(l) -> [T]`` of the finite valid log-ratios (``l = 0`` at invalid and non-finite
 #: tokens, so the column must be 0 there), summed per sequence.
 TokenColumn = Callable[[Tensor], Tensor]
+
+
+def _kernel(lp_train: Tensor, offsets: Tensor | None, extra_finite: tuple[Tensor, ...]):
+    """The Triton module when it applies (CUDA tensors, offsets given, triton installed), else None."""
+    # 0 (default until measured on a GPU): never; 1: CUDA tensors; force: any device (interpreter tests)
+    mode = os.environ.get("SLIME_TIS_TRITON", "0")
+    if offsets is None or mode == "0" or (lp_train.device.type != "cuda" and mode != "force"):
+        return None
+    try:
+        from slime_tis.kernels import correction
+    except ImportError:
+        return None
+    return correction if len(extra_finite) <= correction.MAX_EXTRA else None
 
 
 def is_finite(x: Tensor) -> Tensor:
@@ -124,6 +138,7 @@ def packed_ratios(
     *,
     extra_finite: tuple[Tensor, ...] = (),
     rule_columns: Mapping[str, TokenColumn] | None = None,
+    offsets: Tensor | None = None,
 ) -> Ratios:
     """:class:`Ratios` of detached ``[T]`` log-probs (any float dtype, computed in float32).
 
@@ -132,20 +147,30 @@ def packed_ratios(
         reducer: completes the per-sequence sums over context parallelism (one call).
         extra_finite: ``[T]`` tensors whose non-finite valid entries make their sequence non-finite.
         rule_columns: extra token columns summed per sequence (see ``slime_tis.core.rules``).
+        offsets: int64 ``cu_seqlens`` on the data's device; with CUDA tensors and ``SLIME_TIS_TRITON=1`` the
+            base columns come from the Triton kernel ``slime_tis.kernels.correction`` (same values).
     """
-    lt, lr = lp_train.float(), lp_rollout.float()
-    raw = torch.where(valid, lt - lr, 0.0)
-    finite = is_finite(raw)
-    for t in extra_finite:
-        finite = finite & (is_finite(t) | ~valid)
-    l = torch.where(finite, raw, 0.0)  # noqa: E741  (the formula's name)
-    token_columns = [l, torch.where(valid, lr, 0.0), valid, ~finite]  # lp_rollout: read only where seq_ok
-    names = list(COLUMNS)
-    for name, fn in (rule_columns or {}).items():
-        token_columns.append(fn(l))
-        names.append(name)
-    stacked = torch.stack([c.float() for c in token_columns], dim=1).to(F64)  # [T, k]
-    local = torch.zeros((n_seq, len(names)), dtype=F64, device=l.device).index_add_(0, seq_id, stacked)
+    rules = rule_columns or {}
+    kernel = _kernel(lp_train, offsets, extra_finite)
+    base = None
+    if kernel is not None:  # the same base columns from one Triton pass
+        l, base = kernel.sequence_sums(lp_train, lp_rollout, valid, offsets, extra_finite)  # noqa: E741
+        columns = []
+    else:
+        lt, lr = lp_train.float(), lp_rollout.float()
+        raw = torch.where(valid, lt - lr, 0.0)
+        finite = is_finite(raw)
+        for t in extra_finite:
+            finite = finite & (is_finite(t) | ~valid)
+        l = torch.where(finite, raw, 0.0)  # noqa: E741  (the formula's name)
+        columns = [l, torch.where(valid, lr, 0.0), valid, ~finite]  # lp_rollout: read only where seq_ok
+    columns += [fn(l) for fn in rules.values()]
+    local = torch.zeros((n_seq, len(columns)), dtype=F64, device=l.device)
+    if columns:
+        local.index_add_(0, seq_id, torch.stack([c.float() for c in columns], dim=1).to(F64))  # [T, k] -> [n_seq, k]
+    if base is not None:
+        local = torch.cat([base, local], dim=1)
+    names = [*COLUMNS, *rules]
     full = reducer.sequence_sum(local)
 
     count = full[:, 2]
