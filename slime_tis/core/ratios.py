@@ -9,15 +9,18 @@ Notation: per valid token ``t`` (loss mask 1) of sequence ``i``, ``l_t = lp_trai
     geometric:  L_i = (1 / n_i) sum_{t in i} l_t
 
 A sequence is *non-finite* if a valid token has a non-finite ``l_t`` (or a non-finite value in an
-``extra_finite`` tensor, e.g. the advantages); it is excluded from every diagnostic and rejected.
-Invalid positions are dropped by selection (``torch.where``), so a NaN there changes nothing.
+``extra_finite`` tensor ``x``, e.g. the advantages: ``l_t + 0 x_t`` is ``l_t`` where ``x_t`` is finite and NaN
+elsewhere); it is excluded from every diagnostic and rejected. Invalid positions are dropped by selection
+(``torch.where``), so a NaN there changes nothing.
 
-Per-sequence sums ``[n_seq, k]`` float64 (``index_add_``) of the token columns::
+Per-sequence sums ``[n_seq, k]`` float64 (``index_add_``, each sequence its own row) of the token columns::
 
-    l, lp_rollout, valid, nonfinite                  (COLUMNS)
+    l, lp_rollout, valid                             (COLUMNS)
     plus one column per active rule that needs one (e.g. veto: 1[l_t < log v]; seq_mean_k3: k3_t)
 
-are completed over context parallelism by one ``reducer.sequence_sum`` call.
+are completed over context parallelism by one ``reducer.sequence_sum`` call. A non-finite value makes its
+sequence's sum of ``l`` non-finite (and no other sequence's): that is the non-finite flag. Every
+per-sequence value is read only where the sequence is finite (``seq_ok``).
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ from slime_tis.core.reducer import Reducer
 
 __all__ = ["Ratios", "packed_ratios", "COLUMNS", "TokenColumn", "ratio_moments"]
 
-COLUMNS = ("l", "lp_rollout", "valid", "nonfinite")
+COLUMNS = ("l", "lp_rollout", "valid")
 F64 = torch.float64
 
-#: A rule's token column: ``f(l) -> [T]`` of the finite valid log-ratios (``l = 0`` at invalid and non-finite
-#: tokens, so the column must be 0 there), summed per sequence.
+#: A rule's token column: ``f(l) -> [T]`` of the valid log-ratios (``l = 0`` at invalid tokens, so the column
+#: must be 0 there; it is read only for finite sequences), summed per sequence.
 TokenColumn = Callable[[Tensor], Tensor]
 
 
@@ -52,12 +55,6 @@ def _kernel(lp_train: Tensor, offsets: Tensor | None, extra_finite: tuple[Tensor
     except ImportError:
         return None
     return correction if len(extra_finite) <= correction.MAX_EXTRA else None
-
-
-def is_finite(x: Tensor) -> Tensor:
-    """``x - x == 0``: True where ``x`` is finite (``inf - inf`` and NaN give NaN); two kernels where
-    ``torch.isfinite`` runs four (``x == x``, ``abs``, ``!= inf``, ``and``)."""
-    return (x - x) == 0
 
 
 def ratio_moments(log_ratio: Tensor, bound: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -77,7 +74,7 @@ class Ratios:
     Attributes:
         valid: bool loss mask. seq_id: int64 sequence of each token.
         token_ok: bool, valid token of a finite sequence (the token diagnostic domain D).
-        log_ratio: float32 ``l_t`` on ``token_ok``, 0 elsewhere.
+        log_ratio: float32 ``l_t`` on ``token_ok``, 0 elsewhere (always finite).
         seq_has_tokens, seq_nonfinite, seq_ok: bool (has valid tokens; has a non-finite one; has, none).
         seq_count: float32 valid tokens. seq_log_ratio_sum / seq_log_ratio_mean: float32 ``L_i``.
         seq_mean_lp_train, seq_mean_lp_rollout: float64 means over valid tokens.
@@ -158,12 +155,11 @@ def packed_ratios(
         columns = []
     else:
         lt, lr = lp_train.float(), lp_rollout.float()
-        raw = torch.where(valid, lt - lr, 0.0)
-        finite = is_finite(raw)
-        for t in extra_finite:
-            finite = finite & (is_finite(t) | ~valid)
-        l = torch.where(finite, raw, 0.0)  # noqa: E741  (the formula's name)
-        columns = [l, torch.where(valid, lr, 0.0), valid, ~finite]  # lp_rollout: read only where seq_ok
+        raw = lt - lr
+        for x in extra_finite:
+            raw = raw + 0.0 * x  # NaN where x is not finite
+        l = torch.where(valid, raw, 0.0)  # noqa: E741  (the formula's name)
+        columns = [l, torch.where(valid, lr, 0.0), valid]
     columns += [fn(l) for fn in rules.values()]
     local = torch.zeros((n_seq, len(columns)), dtype=F64, device=l.device)
     if columns:
@@ -175,7 +171,7 @@ def packed_ratios(
 
     count = full[:, 2]
     seq_has = count > 0
-    seq_nonfinite = seq_has & (full[:, 3] > 0)
+    seq_nonfinite = seq_has & ~torch.isfinite(full[:, 0])
     seq_ok = seq_has & ~seq_nonfinite
     n = count.clamp(min=1.0)
     log_sum = torch.where(seq_ok, full[:, 0], 0.0)
@@ -185,7 +181,7 @@ def packed_ratios(
         valid=valid,
         seq_id=seq_id,
         token_ok=token_ok,
-        log_ratio=torch.where(token_ok, l, 0.0),
+        log_ratio=torch.where(token_ok, l, 0.0),  # finite: non-finite values sit in non-finite sequences
         seq_has_tokens=seq_has,
         seq_nonfinite=seq_nonfinite,
         seq_ok=seq_ok,
