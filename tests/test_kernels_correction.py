@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_tis.core.packing import sequence_ids
+from slime_tis.core.packing import packed_layout
 from slime_tis.core.ratios import packed_ratios
 from slime_tis.core.reducer import LocalReducer
 
@@ -52,8 +52,7 @@ def test_kernel_matches_torch_reference(lengths, n_extra):
     lt, lr, valid, cu, adv = _batch(sum(lengths) + n_extra, lengths)
     extra = (adv, lt.clone())[:n_extra]
     l_k, sums_k = kernels.sequence_sums(lt, lr, valid, cu.long(), extra, block=64)
-    seq_id = sequence_ids(cu, lt.numel(), lt.device)
-    ref = packed_ratios(lt, lr, valid, seq_id, len(lengths), LocalReducer(), extra_finite=extra)
+    ref = packed_ratios(lt, lr, valid, packed_layout(cu, lt.numel(), lt.device), LocalReducer(), extra_finite=extra)
     ref_l = lt - lr
     for e in extra:
         ref_l = torch.where(torch.isfinite(e), ref_l, math.nan)

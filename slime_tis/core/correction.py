@@ -24,7 +24,7 @@ from torch import Tensor
 
 from slime_tis.core.diagnostics import tis_statistics
 from slime_tis.core.metrics import MetricStats
-from slime_tis.core.packing import check_packed, offsets_on, sequence_ids
+from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
@@ -114,11 +114,9 @@ def compute_tis(
     for name, t in (("lp_train", lp_train), ("lp_rollout", lp_rollout)):
         if not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor of log-probs, got {t.dtype}")
-    offsets = offsets_on(cu_seqlens, lp_train.device)
-    seq_id = sequence_ids(offsets, n_tokens, lp_train.device)
-    return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), seq_id, cu_seqlens.numel() - 1,
-                   reducer or LocalReducer(), batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
-                   offsets=offsets)
+    layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
+    return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
+                   batch_norm_factor=batch_norm_factor, extra_finite=extra_finite)
 
 
 def correct(
@@ -126,20 +124,16 @@ def correct(
     lp_train: Tensor,
     lp_rollout: Tensor,
     valid: Tensor,
-    seq_id: Tensor,
-    n_seq: int,
+    layout: Layout,
     reducer: Reducer,
     *,
     batch_norm_factor: Tensor | float | None = None,
     extra_finite: tuple[Tensor, ...] = (),
-    offsets: Tensor | None = None,
 ) -> TISResult:
-    """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``seq_id`` int64 ``[T]``; ``offsets``:
-    int64 ``cu_seqlens`` on the data's device, which lets CUDA tensors take the Triton token pass)."""
+    """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     with torch.no_grad():
-        ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, seq_id, n_seq, reducer,
-                               extra_finite=tuple(t.detach() for t in extra_finite),
-                               rule_columns=rule_columns(plan), offsets=offsets)
+        ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
+                               extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=rule_columns(plan))
         verdict = evaluate(plan, ratios)
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level))  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
@@ -155,7 +149,7 @@ def correct(
                 factor = scalar_tensor(batch_norm_factor, weights.device)
             weights, kept_weights = weights * factor, kept_weights * factor
 
-        per_token = weights[seq_id] if plan.per_sequence else weights
+        per_token = layout.expand(weights) if plan.per_sequence else weights
         token_weights = torch.where(ratios.token_ok, per_token, 0.0)
         stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, norm_count, factor)
     return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict)

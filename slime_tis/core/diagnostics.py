@@ -149,10 +149,10 @@ def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = No
     ok, sid = r.token_ok, r.seq_id
 
     def seq(x: Tensor) -> Tensor:  # [n_seq] -> tokens of finite sequences
-        return torch.where(ok, x[sid].float(), 0.0)
+        return torch.where(ok, x.index_select(0, sid).float(), 0.0)
 
     def unit(x: Tensor, level: str) -> Tensor:
-        return (x if level == "token" else x[sid]).float()
+        return (x if level == "token" else x.index_select(0, sid)).float()
 
     lc, e, k3 = ratio_moments(r.log_ratio, bound)
     mean_diff = r.seq_mean_lp_rollout - r.seq_mean_lp_train
@@ -170,7 +170,7 @@ def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = No
         "tis/ratio": torch.where(ok, unit(torch.exp(level_log.clamp(-bound, bound)), plan.level), 0.0),
         "tis/weight": result.weights.float(),
         "tis/rejected_token_fraction": (r.valid & ~result.keep_mask).float(),
-        "tis/rejected_seq_fraction": (verdict.seq_rejected & r.seq_has_tokens)[sid].float(),
+        "tis/rejected_seq_fraction": (verdict.seq_rejected & r.seq_has_tokens).index_select(0, sid).float(),
     }
     for rule, level, hit in verdict.hits:
         out[rule.metric] = unit(hit, level)

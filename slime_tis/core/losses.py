@@ -32,7 +32,7 @@ from torch import Tensor
 
 from slime_tis.core.correction import TISResult, as_valid_mask, correct, plan_of, scalar_tensor
 from slime_tis.core.metrics import MetricStats
-from slime_tis.core.packing import check_packed, offsets_on, sequence_ids
+from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
 
@@ -78,10 +78,9 @@ def ppo_clip_term(
     return torch.where(dual_active, floor, loss), clip_active, dual_active
 
 
-def sequence_counts(mask: Tensor, seq_id: Tensor, n_seq: int, reducer: Reducer) -> Tensor:
+def sequence_counts(mask: Tensor, layout: Layout, reducer: Reducer) -> Tensor:
     """``[n_seq]`` float64 count of ``mask`` tokens per sequence, completed over context parallelism."""
-    local = torch.zeros((n_seq, 1), dtype=F64, device=mask.device).index_add_(0, seq_id, mask.to(F64)[:, None])
-    return reducer.sequence_sum(local)[:, 0]
+    return reducer.sequence_sum(layout.sums(mask.to(F64)[:, None]))[:, 0]
 
 
 def loss_denominator(
@@ -105,8 +104,7 @@ def loss_denominator(
     mask = keep_mask if plan.drop_rejected else as_valid_mask(loss_mask)
     if plan.loss_agg == "token-mean":
         return mask.sum(dtype=torch.float32)
-    seq_id = sequence_ids(cu_seqlens, n_tokens, mask.device)
-    counts = sequence_counts(mask, seq_id, cu_seqlens.numel() - 1, reducer or LocalReducer())
+    counts = sequence_counts(mask, packed_layout(cu_seqlens, n_tokens, mask.device), reducer or LocalReducer())
     return (counts > 0).sum(dtype=torch.float32)
 
 
@@ -162,25 +160,23 @@ def policy_loss(
     adv = advantages.detach().float()
     old = lp_old.detach().float() if uses_old else None
     valid = as_valid_mask(loss_mask)
-    offsets = offsets_on(cu_seqlens, theta.device)
-    seq_id = sequence_ids(offsets, n_tokens, theta.device)
-    n_seq = cu_seqlens.numel() - 1
+    layout = packed_layout(cu_seqlens, n_tokens, theta.device)
 
     tis: TISResult | None = None
     if lp_rollout is not None:
         lp_train = old if uses_old else theta_d
         extra = () if alg == 0 else ((adv, theta_d) if alg == 2 else (adv,))
-        tis = correct(plan, lp_train, lp_rollout, valid, seq_id, n_seq, reducer,
-                      batch_norm_factor=batch_norm_factor, extra_finite=extra, offsets=offsets)
+        tis = correct(plan, lp_train, lp_rollout, valid, layout, reducer,
+                      batch_norm_factor=batch_norm_factor, extra_finite=extra)
         tis_stats = tis.stats
     else:  # algorithm 0 without rollout log-probs: the same keys and collectives, on no valid token (zeros)
-        tis_stats = correct(plan, old, old, torch.zeros_like(valid), seq_id, n_seq, reducer, offsets=offsets).stats
+        tis_stats = correct(plan, old, old, torch.zeros_like(valid), layout, reducer).stats
     if alg != 0:
         own = tis
         keep, weights = tis.keep_mask, tis.weights
     else:  # algorithm 0 rejects only non-finite inputs of its own loss (rollout data changes nothing)
         with torch.no_grad():
-            own = correct(plan, old, theta_d, valid, seq_id, n_seq, reducer, extra_finite=(adv,), offsets=offsets)
+            own = correct(plan, old, theta_d, valid, layout, reducer, extra_finite=(adv,))
         keep, weights = own.ratios.token_ok, torch.ones_like(theta_d)
     ratios = own.ratios
 
@@ -197,11 +193,11 @@ def policy_loss(
         if alg == 2:
             per_token = weights * per_token
 
-    kept_counts = sequence_counts(keep, seq_id, n_seq, reducer) if plan.drop_rejected and \
+    kept_counts = sequence_counts(keep, layout, reducer) if plan.drop_rejected and \
         plan.loss_agg != "token-mean" else None
     if plan.loss_agg == "seq-mean-token-mean":
         counts = kept_counts.float() if plan.drop_rejected else ratios.seq_count
-        numerator = (per_token / counts.clamp(min=1.0)[seq_id]).sum()
+        numerator = (per_token / layout.expand(counts.clamp(min=1.0))).sum()
     else:
         numerator = per_token.sum()
     if denominator is None:

@@ -7,20 +7,24 @@ tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``; zero-length sequences are allowed (a
 rank may hold no token of a sequence).
 
 Everything here is vectorised: a sequence id per token comes from ``repeat_interleave`` with
-``output_size`` (no host sync, no Python loop over sequences) and segment sums from ``index_add_``
-in float64.
+``output_size`` (no host sync, no Python loop over sequences); :class:`Layout` holds the offsets,
+lengths and sequence ids of one batch and gives per-sequence sums (``segment_reduce``) and the
+expansion of per-sequence values to tokens (``index_select``).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "check_packed",
+    "Layout",
+    "packed_layout",
     "check_offsets",
     "offsets_on",
     "sequence_ids",
@@ -121,6 +125,39 @@ def offsets_on(cu_seqlens: Tensor, device: torch.device) -> Tensor:
         _OFFSETS.clear()
     _OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, out)
     return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The packed layout of one batch on the data's device (built once per call by :func:`packed_layout`).
+
+    Attributes: ``offsets`` ``[n_seq + 1]`` int64, ``lengths`` ``[n_seq]`` int64, ``seq_id`` ``[T]`` int64.
+    """
+
+    offsets: Tensor
+    lengths: Tensor
+    seq_id: Tensor
+
+    @property
+    def n_seq(self) -> int:
+        return self.lengths.shape[0]
+
+    def sums(self, values: Tensor) -> Tensor:
+        """Per-sequence sums ``S[i] = sum_{cu[i] <= t < cu[i+1]} values[t]``: ``[T, k]`` -> ``[n_seq, k]`` (dtype of
+        ``values``; each sequence its own sum, so a NaN stays in its row; empty sequences give 0). ``unsafe``:
+        the offsets were checked by :func:`check_packed`, no check that would sync."""
+        return torch.segment_reduce(values, "sum", lengths=self.lengths, axis=0, unsafe=True)
+
+    def expand(self, per_sequence: Tensor) -> Tensor:
+        """``out[t] = per_sequence[seq_id[t]]``: ``[n_seq]`` -> ``[T]``."""
+        return per_sequence.index_select(0, self.seq_id)
+
+
+def packed_layout(cu_seqlens: Tensor, n_tokens: int, device: torch.device) -> Layout:
+    """The :class:`Layout` of ``cu_seqlens`` (validated) for ``n_tokens`` tokens on ``device``."""
+    offsets = offsets_on(cu_seqlens, device)
+    lengths = offsets[1:] - offsets[:-1]
+    return Layout(offsets, lengths, torch.repeat_interleave(lengths, output_size=n_tokens))
 
 
 def sequence_ids(cu_seqlens: Tensor, n_tokens: int, device: torch.device) -> Tensor:

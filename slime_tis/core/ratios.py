@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from slime_tis.core.packing import Layout
 from slime_tis.core.reducer import Reducer
 
 __all__ = ["Ratios", "packed_ratios", "COLUMNS", "TokenColumn", "ratio_moments"]
@@ -44,11 +45,11 @@ F64 = torch.float64
 TokenColumn = Callable[[Tensor], Tensor]
 
 
-def _kernel(lp_train: Tensor, offsets: Tensor | None, extra_finite: tuple[Tensor, ...]):
-    """The Triton module when it applies (CUDA tensors, offsets given, triton installed), else None."""
+def _kernel(lp_train: Tensor, extra_finite: tuple[Tensor, ...]):
+    """The Triton module when it applies (CUDA tensors and SLIME_TIS_TRITON=1, triton installed), else None."""
     # 0 (default until measured on a GPU): never; 1: CUDA tensors; force: any device (interpreter tests)
     mode = os.environ.get("SLIME_TIS_TRITON", "0")
-    if offsets is None or mode == "0" or (lp_train.device.type != "cuda" and mode != "force"):
+    if mode == "0" or (lp_train.device.type != "cuda" and mode != "force"):
         return None
     try:
         from slime_tis.kernels import correction
@@ -129,29 +130,28 @@ def packed_ratios(
     lp_train: Tensor,
     lp_rollout: Tensor,
     valid: Tensor,
-    seq_id: Tensor,
-    n_seq: int,
+    layout: Layout,
     reducer: Reducer,
     *,
     extra_finite: tuple[Tensor, ...] = (),
     rule_columns: Mapping[str, TokenColumn] | None = None,
-    offsets: Tensor | None = None,
 ) -> Ratios:
     """:class:`Ratios` of detached ``[T]`` log-probs (any float dtype, computed in float32).
 
     Args:
-        valid: ``[T]`` bool loss mask. seq_id: ``[T]`` int64 sequence index; n_seq: number of sequences.
+        valid: ``[T]`` bool loss mask. layout: the packed layout (``core.packing.Layout``).
         reducer: completes the per-sequence sums over context parallelism (one call).
         extra_finite: ``[T]`` tensors whose non-finite valid entries make their sequence non-finite.
         rule_columns: extra token columns summed per sequence (see ``slime_tis.core.rules``).
-        offsets: int64 ``cu_seqlens`` on the data's device; with CUDA tensors and ``SLIME_TIS_TRITON=1`` the
-            base columns come from the Triton kernel ``slime_tis.kernels.correction`` (same values).
+
+    With CUDA tensors and ``SLIME_TIS_TRITON=1`` the base columns come from the Triton kernel
+    ``slime_tis.kernels.correction`` (same values).
     """
     rules = rule_columns or {}
-    kernel = _kernel(lp_train, offsets, extra_finite)
+    kernel = _kernel(lp_train, extra_finite)
     base = None
     if kernel is not None:  # the same base columns from one Triton pass
-        l, base = kernel.sequence_sums(lp_train, lp_rollout, valid, offsets, extra_finite)  # noqa: E741
+        l, base = kernel.sequence_sums(lp_train, lp_rollout, valid, layout.offsets, extra_finite)  # noqa: E741
         columns = []
     else:
         lt, lr = lp_train.float(), lp_rollout.float()
@@ -161,9 +161,10 @@ def packed_ratios(
         l = torch.where(valid, raw, 0.0)  # noqa: E741  (the formula's name)
         columns = [l, torch.where(valid, lr, 0.0), valid]
     columns += [fn(l) for fn in rules.values()]
-    local = torch.zeros((n_seq, len(columns)), dtype=F64, device=l.device)
-    if columns:
-        local.index_add_(0, seq_id, torch.stack([c.float() for c in columns], dim=1).to(F64))  # [T, k] -> [n_seq, k]
+    stacked = torch.empty((l.shape[0], len(columns)), dtype=F64, device=l.device)  # [T, k]
+    for j, c in enumerate(columns):
+        stacked[:, j] = c
+    local = layout.sums(stacked)  # [n_seq, k]
     if base is not None:
         local = torch.cat([base, local], dim=1)
     names = [*COLUMNS, *rules]
@@ -176,10 +177,10 @@ def packed_ratios(
     n = count.clamp(min=1.0)
     log_sum = torch.where(seq_ok, full[:, 0], 0.0)
     lp_roll_sum = torch.where(seq_ok, full[:, 1], 0.0)
-    token_ok = seq_ok[seq_id] & valid
+    token_ok = layout.expand(seq_ok) & valid
     return Ratios(
         valid=valid,
-        seq_id=seq_id,
+        seq_id=layout.seq_id,
         token_ok=token_ok,
         log_ratio=torch.where(token_ok, l, 0.0),  # finite: non-finite values sit in non-finite sequences
         seq_has_tokens=seq_has,

@@ -128,7 +128,7 @@ def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
             token_rejected = mask if token_rejected is None else token_rejected | mask
         else:
             seq_rejected = seq_rejected | mask
-    keep = (~seq_rejected)[ratios.seq_id] & ratios.valid
+    keep = (~seq_rejected).index_select(0, ratios.seq_id) & ratios.valid
     if token_rejected is not None:
         keep = keep & ~token_rejected
     return Verdict(hits, seq_rejected, token_rejected, keep)
