@@ -128,9 +128,12 @@ def run_ours(cfg: TISConfig, inputs: Inputs, read: bool = True) -> Any:
     return metrics
 
 
+CLOCK = time.perf_counter
+
+
 def time_interleaved(fns: list[Callable[[], object]], device: torch.device, repeats: int,
                      no_sync: tuple[bool, ...] = ()) -> list[float]:
-    """Minimum wall time (ms) of each function, alternating within every repeat (one warm-up round first).
+    """Minimum time (ms, ``CLOCK``) of each function, alternating within every repeat (one warm-up round first).
     ``no_sync[i]``: run function ``i`` under ``torch.cuda.set_sync_debug_mode("error")``."""
     cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in fns]
@@ -138,7 +141,7 @@ def time_interleaved(fns: list[Callable[[], object]], device: torch.device, repe
         for i, fn in enumerate(fns):
             if cuda:
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = CLOCK()
             guard = cuda and i < len(no_sync) and no_sync[i]
             if guard:
                 torch.cuda.set_sync_debug_mode("error")
@@ -150,7 +153,7 @@ def time_interleaved(fns: list[Callable[[], object]], device: torch.device, repe
             if cuda:
                 torch.cuda.synchronize()
             if rep:
-                times[i].append((time.perf_counter() - start) * 1e3)
+                times[i].append((CLOCK() - start) * 1e3)
     return [min(t) for t in times]
 
 
@@ -170,8 +173,9 @@ def environment(device: torch.device) -> str:
     except (OSError, StopIteration):
         pass
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu}"
+    clock = "process CPU time" if CLOCK is time.process_time else "wall time"
     return (f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores "
-            f"visible; python {platform.python_version()}")
+            f"visible; python {platform.python_version()}; {clock}; load average {os.getloadavg()[0]:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,12 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds (minimum kept; default 9)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (all threads), robust on a loaded "
+                             "shared box where wall time mostly measures waiting (CPU only)")
     parser.add_argument("--write", type=Path, default=None, help="also write the table into this markdown file")
     parser.add_argument("--label", default=None, help="block of --write to replace (default: the device type)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" and not cuda else time.perf_counter
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
 
