@@ -29,7 +29,11 @@ setup(
             "matplotlib>=3.7",
             "tqdm",
             "tensorboard",
+            # the Triton kernels run on CPU under TRITON_INTERPRET=1 in the tests (linux x86-64 wheels only)
+            "triton>=3.3; sys_platform == 'linux' and platform_machine == 'x86_64'",
         ],
+        # The fused log-prob kernels (slime_tis/kernels); CUDA builds of torch usually bring triton already.
+        "kernels": ["triton>=3.3"],
         # GPU-side pieces (transformer-engine, NVIDIA apex, sglang) are never required here;
         # they are imported lazily by the code paths that use them.
     },

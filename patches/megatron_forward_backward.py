@@ -1,20 +1,28 @@
-"""Patch an existing megatron-core training script so that its schedule uses the rollout correction.
+"""Patch an existing megatron training script so that its schedule uses the rollout correction.
 
-For launchers that call ``get_forward_backward_func()`` themselves (Megatron-LM's ``train_step``, most
-RL launchers), instead of editing the call site::
+For launchers that call ``get_forward_backward_func()`` themselves. Megatron-LM (``pretrain`` -> ``train``,
+which obtains the schedule once and hands it to every ``train_step``)::
 
+    import megatron.training.training as mt
+    from megatron.training import pretrain
     from patches.megatron_forward_backward import tis_patch
-    import megatron.training.training as mt                    # the module(s) that call it
+    from slime_tis.megatron import add_megatron_tis_arguments
 
-    with tis_patch(TISConfig.from_args(args), temperature=args.rollout_temperature, modules=[mt]):
-        pretrain(...)                                          # unchanged
+    with tis_patch(modules=[mt]):          # cfg and temperature from Megatron-LM's parsed args
+        pretrain(train_valid_test_datasets_provider, model_provider, model_type, forward_step,
+                 extra_args_provider=add_megatron_tis_arguments)
 
 Inside the ``with`` block ``get_forward_backward_func`` returns ``tis_forward_backward_func(<megatron's>,
 cfg, ...)`` in ``megatron.core.pipeline_parallel``, ``megatron.core.pipeline_parallel.schedules`` and
 every module in ``modules`` that imported the name (``from ... import get_forward_backward_func`` binds a
-copy, so those modules must be listed). Everything is restored on exit. The micro-batch items must carry
-``item["tis"] = TISBatch(...)`` (docs/megatron.md, "Data contract"); the flags come from
-``slime_tis.arguments.add_tis_arguments`` (pass it as megatron's ``extra_args_provider``).
+copy, so those modules must be listed). Everything is restored on exit.
+
+``cfg=None`` (default) builds ``TISConfig.from_args(megatron.training.get_args())`` when the schedule is
+first requested, i.e. after ``pretrain`` has parsed the command line (``add_megatron_tis_arguments`` adds
+the flags), and ``temperature=None`` then reads ``args.rollout_temperature`` (1.0 if the flag is absent).
+With an explicit ``cfg``, ``temperature=None`` means 1.0.
+The micro-batch items must carry ``item["tis"] = TISBatch(...)`` or ``get_tis_batch=`` must build it
+(docs/megatron.md, "Data contract"); other keywords go to ``tis_forward_backward_func``.
 """
 
 from __future__ import annotations
@@ -31,17 +39,36 @@ __all__ = ["tis_patch"]
 _ATTR = "get_forward_backward_func"
 
 
+def _from_megatron_lm_args(cfg: TISConfig | None, temperature: float | None) -> tuple[TISConfig, float]:
+    if cfg is not None:
+        return cfg, 1.0 if temperature is None else temperature
+    try:
+        from megatron.training import get_args
+    except ImportError as err:
+        raise ValueError("tis_patch(cfg=None) reads Megatron-LM's arguments (megatron.training.get_args), which "
+                         "is not importable here; pass cfg=TISConfig(...) and temperature=...") from err
+    args = get_args()
+    if cfg is None:
+        cfg = TISConfig.from_args(args)
+    if temperature is None:
+        temperature = float(getattr(args, "rollout_temperature", 1.0))
+    return cfg, temperature
+
+
 @contextlib.contextmanager
-def tis_patch(cfg: TISConfig, *, temperature: float = 1.0, chunk_size: int = 1024,
+def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None, chunk_size: int = 1024,
               modules: Sequence[Any] = (), **hook_kwargs: Any) -> Iterator[None]:
     """Make ``get_forward_backward_func()`` return the hooked schedule while the block runs."""
     import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core.pipeline_parallel import schedules
 
+    if cfg is not None and not isinstance(cfg, TISConfig):
+        raise ValueError(f"tis_patch: cfg must be a slime_tis.TISConfig or None, got {type(cfg).__name__}")
     original = schedules.get_forward_backward_func
 
     def hooked_get_forward_backward_func(*args: Any, **kwargs: Any):
-        return tis_forward_backward_func(original(*args, **kwargs), cfg, temperature=temperature,
+        the_cfg, the_temperature = _from_megatron_lm_args(cfg, temperature)
+        return tis_forward_backward_func(original(*args, **kwargs), the_cfg, temperature=the_temperature,
                                          chunk_size=chunk_size, **hook_kwargs)
 
     targets = [schedules, pp_pkg, *modules]

@@ -13,8 +13,9 @@ PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-# constraints.txt pins torch==2.13.0 (the local CPU wheel; never the multi-GB CUDA build) and
-# megatron-core==0.16.1. setup.py itself only asks for a torch range.
+# constraints.txt pins torch==2.13.0 (the local CPU wheel; never the multi-GB CUDA build),
+# megatron-core==0.16.1 and triton==3.6.0 (the Triton kernels' tests run on CPU under its interpreter,
+# TRITON_INTERPRET=1, which they set themselves). setup.py itself only asks for ranges.
 "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
 # verl 0.9.1 is a test oracle only: no deps (ray/transformers are stubbed in tests/_verl_light.py).
 "$VENV/bin/pip" install -q --no-deps verl==0.9.1

@@ -1,8 +1,9 @@
 """The ``slime-tis`` console script.
 
 ``slime-tis diagnose FILE [FILE ...]``: off-policy diagnostics of log-prob dumps
-(``docs/dump_format.md``): a table per percentile and per response-length bucket, a recommended
-configuration with its reasoning, and a histogram PNG of the per-token log-ratios.
+(``docs/dump_format.md``; slime's own ``--save-debug-train-data`` files too, merged): a table per
+percentile and per response-length bucket, a recommended configuration with its reasoning, and a
+histogram PNG of the per-token log-ratios.
 
 ``slime-tis plot RUN_DIR [RUN_DIR ...]``: training curves of example-job runs (``slime_tis.plot``).
 """
@@ -23,7 +24,9 @@ def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("diagnose", help="diagnostics + recommendation from a log-prob dump",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", metavar="FILE", help="dump file(s), .jsonl or .pt (concatenated)")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="dump file(s), .jsonl or .pt (concatenated); .pt may be slime --save-debug-train-data "
+                   "files (several ranks' / rollouts' files merged; step = rollout id)")
     p.add_argument("--png", default=None,
                    help="histogram path (default: <first FILE without suffix>_logratio_hist.png)")
     p.add_argument("--no-png", action="store_true", help="do not write the histogram")

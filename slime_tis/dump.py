@@ -23,6 +23,9 @@ and the slime hooks write it. Two encodings, chosen by the file suffix:
   append every step of a long run).
 
 Missing per-sequence integers are stored as ``-1`` and missing rewards as NaN.
+
+:func:`read_logprob_dump` also reads slime's own ``--save-debug-train-data`` files (``.pt``, see
+:mod:`slime_tis.slime_dump`), merging several files of one rollout.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from slime_tis.slime_dump import is_slime_dump, slime_records
 
 __all__ = [
     "FORMAT_NAME",
@@ -432,10 +437,23 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return recs, meta
 
 
-def _read_pt(path: Path) -> LogprobDump:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+def _load_pt(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError / RuntimeError / EOFError ...
+        raise ValueError(
+            f"{path}: cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {str(e)[:200]}); "
+            "dumps are read as plain tensors and containers only (no arbitrary pickled objects)"
+        ) from None
+
+
+def _read_pt(path: Path, obj: Any) -> LogprobDump:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
-        raise ValueError(f"{path}: not a {FORMAT_NAME} file (missing or wrong 'format' key)")
+        keys = sorted(map(str, obj))[:12] if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(
+            f"{path}: not a {FORMAT_NAME} file (missing or wrong 'format' key) nor a slime debug dump "
+            f"(--save-debug-train-data, format_version 2); found {keys}"
+        )
     if int(obj.get("version", 1)) > FORMAT_VERSION:
         raise ValueError(f"{path}: dump version {obj['version']} is newer than {FORMAT_VERSION}")
     for key in ("train_log_probs", "rollout_log_probs", "loss_mask", "cu_seqlens"):
@@ -467,6 +485,9 @@ def _read_pt(path: Path) -> LogprobDump:
 def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> LogprobDump:
     """Read one dump file, or several (concatenated in order), into one :class:`LogprobDump`.
 
+    ``.pt`` files may also be slime's ``--save-debug-train-data`` dumps (:mod:`slime_tis.slime_dump`):
+    all of them are merged (several files of one rollout included) and follow the other files.
+
     Raises ``ValueError`` with the file (and line, for ``.jsonl``) on malformed content and
     ``FileNotFoundError`` for a missing file.
     """
@@ -474,6 +495,7 @@ def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) ->
         paths = [paths]
     recs: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
+    slime_items: list[tuple[Path, Any]] = []
     for p in paths:
         p = Path(p)
         suffix = _suffix(p)
@@ -482,11 +504,24 @@ def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) ->
         if suffix == ".jsonl":
             r, m = _read_jsonl(p)
         else:
-            d = _read_pt(p)
+            obj = _load_pt(p)
+            if is_slime_dump(obj):
+                slime_items.append((p, obj))  # merged below: several files may hold one rollout
+                continue
+            d = _read_pt(p, obj)
             if len(paths) == 1:
                 return d
             r, m = [_normalise(x, i) for i, x in enumerate(_records_of(d))], d.meta
         recs.extend(r)
+        for k, v in m.items():
+            meta.setdefault(k, v)
+    if slime_items:
+        r, m = slime_records(slime_items)
+        for i, x in enumerate(r):
+            try:
+                recs.append(_normalise(x, i))
+            except ValueError as e:
+                raise ValueError(f"slime dump, rollout {x.get('step')}: {e}") from None
         for k, v in m.items():
             meta.setdefault(k, v)
     return _pack(recs, meta)

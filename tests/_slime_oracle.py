@@ -5,8 +5,18 @@
   and ``2cp-1-r``; the log-prob of response token ``j`` sits at logit position ``P - 1 + j``),
   one position at a time, independent of ``slime_tis.slime.layout``'s vectorised arithmetic.
 * ``SlimeBatch``: a micro-batch of full-length per-sample tensors and its CP-local views.
-* ``slime_sum_of_sample_mean``: slime's per-sample reducer (``cp_utils.get_sum_of_sample_mean``
-  with per-sample denominators from the original masks), CP-local.
+* ``slime_sum_of_sample_mean``: slime's loss reducer, CP-local, as at THUDM/slime 624b824:
+  ``get_sum_of_sample_mean`` (``slime/backends/megatron_utils/cp_utils.py``) called by ``loss_function``
+  and, after the TIS function, by ``policy_loss_function`` (``slime/backends/megatron_utils/loss.py``)
+  with the (modified) numerator masks and ``batch["rollout_mask_sums"]`` as denominators.
+* Multi-sample rollouts: ``SlimeBatch.rollout_ids`` and ``rollout_mask_sums`` as built by
+  ``RolloutManager._convert_samples_to_train_data`` (``slime/ray/rollout.py``): every sample carries the
+  loss-mask total of its whole rollout. ``rollout_data`` is what slime hands the rollout-data hook, and
+  ``subset`` a micro-batch as ``DataIterator.get_next`` (``slime/backends/megatron_utils/data.py``) builds
+  it: lists of the *same* per-sample tensor objects.
+* ``rollout_mean``: the loss the options define, one rollout at a time: the kept tokens' loss sum of each
+  rollout divided by its valid-token count (``keep``) or its kept-token count (``drop``), summed over
+  rollouts (slime then divides by the step's number of rollouts, ``step_global_batch_size``).
 """
 
 from __future__ import annotations
@@ -46,6 +56,36 @@ class SlimeBatch:
     pg_loss: list[Tensor]
     advantages: list[Tensor]
     tokens: list[Tensor] = field(default_factory=list)  # prompt + response token ids
+    rollout_ids: list[int] | None = None  # None: one sample per rollout
+    step_mask_sums: Tensor | None = None  # a micro-batch's rollout_mask_sums, computed over the whole step
+
+    @property
+    def rollouts(self) -> list[int]:
+        return list(range(len(self.masks))) if self.rollout_ids is None else list(self.rollout_ids)
+
+    def rollout_mask_sums(self) -> Tensor:
+        """slime's per-sample ``rollout_mask_sums``: the loss-mask total of the sample's whole rollout."""
+        if self.step_mask_sums is not None:
+            return self.step_mask_sums
+        totals: dict[int, float] = {}
+        for rid, m in zip(self.rollouts, self.masks):
+            totals[rid] = totals.get(rid, 0.0) + float(m.sum())
+        return torch.tensor([totals[rid] for rid in self.rollouts], dtype=torch.float32)
+
+    def subset(self, idx: list[int]) -> SlimeBatch:
+        """A micro-batch of samples ``idx`` holding the same tensor objects (as slime's data iterator)."""
+        def pick(xs):
+            return [xs[i] for i in idx] if xs else xs
+        return SlimeBatch(pick(self.prompt_lengths), pick(self.response_lengths), pick(self.train),
+                          pick(self.rollout), pick(self.masks), pick(self.pg_loss), pick(self.advantages),
+                          pick(self.tokens), None if self.rollout_ids is None else pick(self.rollout_ids),
+                          self.rollout_mask_sums()[torch.tensor(idx, dtype=torch.long)])
+
+    def rollout_data(self) -> dict:
+        """What slime passes its rollout-data hook (this rank's samples, same tensor objects)."""
+        return {"loss_masks": self.masks, "rollout_ids": self.rollouts, "total_lengths": self.total_lengths,
+                "response_lengths": self.response_lengths, "rollout_log_probs": self.rollout,
+                "rollout_mask_sums": self.rollout_mask_sums()}
 
     @property
     def total_lengths(self) -> list[int]:
@@ -112,22 +152,42 @@ def make_batch(seed: int = 0, *, vocab: int = 11) -> SlimeBatch:
 
 
 def slime_sum_of_sample_mean(x_local: Tensor, batch: SlimeBatch, masks_full: list[Tensor], cp_rank: int,
-                             cp_size: int, denom_masks: list[Tensor] | None = None) -> Tensor:
-    """slime's per-sample reducer on this CP rank: sum_i sum_{t local} x_t m_t / max(sum_t M_t, 1).
+                             cp_size: int, denom_masks: list[Tensor] | None = None,
+                             sample_denoms: Tensor | None = None) -> Tensor:
+    """slime's reducer on this CP rank: ``sum_i sum_{t local} x_t m_t / max(D_i, 1)``.
 
-    ``masks_full`` are the (possibly modified) numerator masks, ``denom_masks`` the original masks
-    (slime's ``rollout_mask_sums``); summed over CP ranks this is the exact per-sample mean.
+    ``masks_full`` are the (possibly modified) numerator masks; ``D_i`` is ``sample_denoms[i]`` (slime's
+    ``rollout_mask_sums``), by default the batch's ``rollout_mask_sums()`` (each sample's own original
+    count when every rollout has one sample), or the sums of ``denom_masks``. Summed over CP ranks this
+    is slime's whole micro-batch value.
     """
-    denom_masks = denom_masks or batch.masks
+    if sample_denoms is None:
+        sample_denoms = (torch.stack([d.sum() for d in denom_masks]) if denom_masks is not None
+                         else batch.rollout_mask_sums())
     total = torch.zeros(())
     start = 0
-    for m, d, t, r in zip(masks_full, denom_masks, batch.total_lengths, batch.response_lengths):
+    for m, d, t, r in zip(masks_full, sample_denoms, batch.total_lengths, batch.response_lengths):
         idx = owner_layout(t, r, cp_size)[cp_rank]
         n = len(idx)
         xi = x_local[start:start + n]
         mi = m[torch.tensor(idx, dtype=torch.long)] if idx else m[:0]
-        total = total + (xi * mi).sum() / d.sum().clamp(min=1)
+        total = total + (xi * mi).sum() / d.clamp(min=1)
         start += n
+    return total
+
+
+def rollout_mean(x_full: Tensor, keep_full: Tensor, batch: SlimeBatch, denominator: str) -> Tensor:
+    """``sum_g sum_{t in g, kept} x_t / max(D_g, 1)``, ``D_g`` = valid (``keep``) or kept (``drop``) tokens
+    of rollout ``g`` over all its samples; ``x_full``, ``keep_full`` full-length packed ``[sum R_i]``."""
+    sample = torch.repeat_interleave(torch.arange(len(batch.masks)), torch.tensor(batch.response_lengths))
+    rid = torch.tensor(batch.rollouts)[sample]
+    valid = batch.packed("masks") != 0
+    keep = keep_full & valid
+    total = torch.zeros((), dtype=x_full.dtype)
+    for g in sorted(set(batch.rollouts)):
+        sel = rid == g
+        d = (valid & sel).sum() if denominator == "keep" else (keep & sel).sum()
+        total = total + torch.where(keep & sel, x_full, torch.zeros((), dtype=x_full.dtype)).sum() / d.clamp(min=1)
     return total
 
 

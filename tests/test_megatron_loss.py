@@ -7,8 +7,12 @@ Multi-process behaviour (CP/DP/TP/PP, megatron's real schedules and DDP) is in t
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+from _megatron_lm import train_step_loss_reduced
+from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 
 from slime_tis import TISConfig, policy_loss
 from slime_tis.core import LocalReducer
@@ -66,7 +70,7 @@ def test_microbatch_losses_reproduce_the_whole_batch(name, m, per_token):
     leaf = logits.clone().requires_grad_(True)
     rows = ROWS // m
     grad_total = torch.zeros(())
-    reported = []
+    loss_dicts = []
     for k, b in enumerate(batches):
         fn = make_loss_func(cfg, b, plan, form, LocalReducer(), collector=collector, temperature=TAU, chunk_size=5)
         out = fn(leaf[k * rows:(k + 1) * rows])
@@ -78,7 +82,8 @@ def test_microbatch_losses_reproduce_the_whole_batch(name, m, per_token):
             loss, metrics = out
             scaled = loss / m  # megatron: 2-tuple loss * cp / M, grads averaged over 1 rank
         grad_total = grad_total + scaled
-        reported.append(metrics["loss"])
+        assert metrics["loss"].shape == (2,) and float(metrics["loss"][1]) == 1.0  # Megatron-LM [value, count]
+        loss_dicts.append(metrics)
     grad_total.backward()
 
     oracle_leaf = logits.clone().requires_grad_(True)
@@ -88,7 +93,8 @@ def test_microbatch_losses_reproduce_the_whole_batch(name, m, per_token):
                       mask.reshape(-1), cu)
     ref.loss.backward()
     torch.testing.assert_close(grad_total.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(sum(reported), ref.loss.detach(), rtol=1e-5, atol=1e-7)
+    logged = train_step_loss_reduced(loss_dicts)["loss"]  # what Megatron-LM's train_step logs (1 DP rank)
+    torch.testing.assert_close(logged, ref.loss.detach(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(leaf.grad, oracle_leaf.grad, rtol=1e-5, atol=1e-7)
     metrics = aggregate_metrics(collector, LocalReducer())
     expected = {k: float(v) for k, v in ref.stats.finalize().items()}
@@ -100,11 +106,44 @@ def test_microbatch_losses_reproduce_the_whole_batch(name, m, per_token):
     assert abs(float(metrics["policy/entropy"]) - float(ent[valid].mean())) <= 1e-5
 
 
-def test_two_tuple_scale_undoes_megatron_scaling():
-    """Schedule: loss * cp / M; DDP: grads / (dp * cp). The returned loss carries M * dp * cp / cp."""
-    form = LossForm(per_token=False, num_microbatches=4, cp_size=2, grad_average=6)  # dp = 3, cp = 2
-    assert form.two_tuple_scale == 4 * 6 / 2
-    assert form.two_tuple_scale * form.cp_size / form.num_microbatches / form.grad_average == 1.0
+@pytest.mark.parametrize("cp_size,grad_average", [(1, 1), (2, 2), (2, 6), (1, 3)])
+def test_two_tuple_scale_undoes_megatron_scaling(cp_size, grad_average):
+    """The returned 2-tuple goes through megatron-core's own ``forward_step_calc_loss`` (it multiplies the
+    loss by ``cp`` and divides it by ``M`` in place); the wrapper then divides the gradient summed over the
+    ``g`` data-parallel x context-parallel ranks by ``g`` (megatron DDP). Each simulated rank is a group of
+    rows; the global plan spans all of them. The result must be the whole-batch gradient, and a form that
+    ignores ``cp`` or ``g`` must not give it."""
+    cfg = CFGS["alg2_tok_trunc_bn"]
+    logits, labels, mask, adv, lp, rollout = _data(6)
+    m = 2
+    ranks = 2  # rows are split over 2 "ranks" x M micro-batches; the plan is global over all of them
+    batches = _microbatches(labels, mask, adv, rollout, lp, m * ranks)
+    plan = plan_step(cfg, batches, LocalReducer())
+    mcfg = types.SimpleNamespace(calculate_per_token_loss=False, timers=None)
+    rows = ROWS // (m * ranks)
+
+    def gradient(form):
+        leaf = logits.clone().requires_grad_(True)
+        total = torch.zeros(())
+        for k, b in enumerate(batches):
+            fn = make_loss_func(cfg, b, plan, form, LocalReducer(), collector=[], temperature=TAU)
+            store: list = []
+            out, _ = forward_step_calc_loss(None, leaf[k * rows:(k + 1) * rows], fn, mcfg, None, False, m, store,
+                                            cp_group_size=cp_size, is_last_stage=True)
+            total = total + out
+        (total / grad_average).backward()  # DDP: sum over ranks, then divide by g
+        return leaf.grad
+
+    good = gradient(LossForm(per_token=False, num_microbatches=m, cp_size=cp_size, grad_average=grad_average))
+    oracle_leaf = logits.clone().requires_grad_(True)
+    lp_o = torch.log_softmax(oracle_leaf / TAU, -1).gather(-1, labels[..., None]).squeeze(-1)
+    policy_loss(cfg, lp_o.reshape(-1), lp.reshape(-1), rollout.reshape(-1), adv.reshape(-1), mask.reshape(-1),
+                torch.arange(ROWS + 1) * S).loss.backward()
+    torch.testing.assert_close(good, oracle_leaf.grad, rtol=1e-5, atol=1e-7)
+    if cp_size > 1 or grad_average > 1:
+        wrong = gradient(LossForm(per_token=False, num_microbatches=m, cp_size=1, grad_average=1))
+        ratio = float(wrong.abs().max() / good.abs().max())
+        assert abs(ratio - cp_size / grad_average) < 1e-4, ratio
 
 
 def test_metrics_are_clones_safe_from_in_place_scaling():
@@ -136,7 +175,7 @@ def test_all_masked_microbatch_gives_zero_loss_and_gradient():
                         temperature=TAU)
     loss, metrics = fn(leaf)
     loss.backward()
-    assert float(loss.detach()) == 0.0 and float(metrics["loss"]) == 0.0
+    assert float(loss.detach()) == 0.0 and metrics["loss"].tolist() == [0.0, 1.0]
     assert torch.isfinite(leaf.grad).all() and (leaf.grad == 0).all()
 
 

@@ -17,7 +17,12 @@ from megatron.core.pipeline_parallel import schedules  # noqa: E402
 
 from patches.megatron_forward_backward import tis_patch  # noqa: E402
 from slime_tis import TISConfig  # noqa: E402
-from slime_tis.megatron import TISForwardBackward, default_get_tis_batch, tis_forward_backward_func  # noqa: E402
+from slime_tis.megatron import (  # noqa: E402
+    TISForwardBackward,
+    add_megatron_tis_arguments,
+    default_get_tis_batch,
+    tis_forward_backward_func,
+)
 
 
 def test_patch_hooks_every_binding_and_restores_them():
@@ -78,3 +83,50 @@ def test_forward_only_calls_pass_through_unchanged():
     assert out == ["ok"]
     assert calls == [dict(forward_step_func=print, data_iterator=calls[0]["data_iterator"], model=[],
                           num_microbatches=1, forward_only=True, seq_length=4, micro_batch_size=1)]
+
+
+def test_megatron_lm_recipe_reads_the_parsed_arguments_when_the_schedule_is_requested(monkeypatch):
+    """README recipe: ``with tis_patch(modules=[mt]): pretrain(..., extra_args_provider=add_megatron_tis_arguments)``.
+    The patch is entered before Megatron-LM parses the command line; the config and the temperature are read
+    from ``megatron.training.get_args()`` when ``train()`` asks for the schedule. Megatron-LM is not on PyPI:
+    ``megatron.training`` is modelled by its one function used here (``get_args``, the parsed namespace)."""
+    import argparse
+
+    parsed = {}
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: parsed["args"]
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    launcher = types.SimpleNamespace(get_forward_backward_func=schedules.get_forward_backward_func)
+    with tis_patch(modules=[launcher], chunk_size=32):
+        parser = add_megatron_tis_arguments(argparse.ArgumentParser())  # what pretrain() does with the provider
+        parsed["args"] = parser.parse_args(["--use-tis", "--tis-mode", "clip", "--rollout-temperature", "0.7"])
+        fb = launcher.get_forward_backward_func(pp_size=1, vp_size=None)
+    assert isinstance(fb, TISForwardBackward)
+    assert fb.cfg == TISConfig(use_tis=True, mode="clip") and fb.temperature == 0.7 and fb.chunk_size == 32
+    args = add_megatron_tis_arguments(argparse.ArgumentParser()).parse_args([])
+    assert args.rollout_temperature == 1.0
+    host = argparse.ArgumentParser()
+    host.add_argument("--rollout-temperature", type=float, default=0.5)  # slime defines it: reused, no conflict
+    assert add_megatron_tis_arguments(host).parse_args([]).rollout_temperature == 0.5
+
+
+def test_hook_options_are_checked():
+    base = schedules.forward_backward_no_pipelining
+    with pytest.raises(ValueError, match="pi_old must be one of \\('auto', 'rollout'\\), got 'step'"):
+        tis_forward_backward_func(base, TISConfig(), pi_old="step")
+    with pytest.raises(ValueError, match="grad_average must be a number > 0 .* got 0"):
+        tis_forward_backward_func(base, TISConfig(), grad_average=0)
+
+
+def test_micro_batch_index_counts_per_model_chunk_through_wrappers():
+    """The hook's loss finds its micro-batch by counting forward_step calls per model chunk; the combined 1F1B
+    schedule passes the unwrapped GPTModel where the other schedules pass the DDP wrapper: one count."""
+    import torch
+
+    from slime_tis.megatron.recompute import MicroBatchCounter
+
+    inner, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    wrapper = torch.nn.Module()
+    wrapper.module = inner
+    counter = MicroBatchCounter()
+    assert [counter.next_index(m) for m in (wrapper, inner, other, wrapper, other)] == [0, 1, 0, 2, 1]

@@ -214,13 +214,16 @@ def sse(chunks):
 
 
 def stream_chunks(lps, ids, sizes, *, incremental, drop_length=False):
-    """SGLang-style chunks: cumulative (default server) or incremental (--incremental-streaming-output)."""
+    """SGLang-style chunks: cumulative (default server) or incremental (--incremental-streaming-output);
+    ``finish_reason`` is null until the last chunk (a faithful model of SGLang 0.5.23's chunks, with the
+    late-serialisation race, is in ``_sglang_server_model.py``)."""
     chunks, end = [], 0
-    for size in sizes:
+    for k, size in enumerate(sizes):
         start, end = end, end + size
         lo = start if incremental else 0
         meta = {
             "id": "s",
+            "finish_reason": {"type": "length", "length": end} if k == len(sizes) - 1 else None,
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps[lo:end], ids[lo:end])],
             "output_token_logprobs_length": end,
             "completion_tokens": end,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _slime_oracle import args_ns, make_batch, slime_sum_of_sample_mean
+from _slime_oracle import args_ns, make_batch, rollout_mean, slime_sum_of_sample_mean
 
-from slime_tis import TISConfig, policy_loss
-from slime_tis.slime import reinforce_is_loss
+from slime_tis import TISConfig, compute_tis, policy_loss
+from slime_tis.slime import postprocess_rollout_data, reinforce_is_loss
+from slime_tis.slime.state import STATE
 
 VOCAB = 11
 TEMP = 0.7
@@ -39,6 +40,12 @@ def slime_batch(b):
             "loss_masks": b.masks, "advantages": b.advantages, "rollout_log_probs": b.rollout}
 
 
+def register(args, b):
+    """slime's rollout-data hook call before training (registers each sample's rollout)."""
+    args.loss_type, args.custom_loss_function_path = "custom_loss", "slime_tis.slime.reinforce_is_loss"
+    postprocess_rollout_data(args, 0, b.rollout_data())
+
+
 def reducer_for(b):
     return lambda x: slime_sum_of_sample_mean(x, b, b.masks, 0, 1)
 
@@ -56,6 +63,7 @@ CONFIGS = {
 def test_loss_and_gradient_match_core_oracle(name):
     b = make_batch(5, vocab=VOCAB)
     args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, **CONFIGS[name])
+    register(args, b)
     logits = packed_logits(b)
     loss, metrics = reinforce_is_loss(args, slime_batch(b), logits, reducer_for(b))
     loss.backward()
@@ -182,3 +190,56 @@ def test_rollout_group_denominators_follow_slime():
     expect.backward()
     assert float(loss) == pytest.approx(float(expect), rel=1e-5)
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-7)
+
+
+AGENTIC = {
+    "tok_mask": dict(tis_mode="mask", tis_level="token", tis_upper_bound=1.3),
+    "geo_mask_veto": dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.3, tis_veto_threshold=1e-3),
+    "seq_trunc_seq_rs": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5, tis_rs_level="sequence",
+                             tis_rs_upper_bound=4.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AGENTIC))
+def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
+    """Loss and gradient equal the rollout mean of -w A lp over valid (keep) / kept (drop) tokens of each
+    rollout (all its samples), slime's ``rollout_mask_sums`` in the batch; with one sample per rollout too."""
+    for rollout_ids in ([0, 0, 1, 2, 2, 2], None):
+        b = make_batch(11, vocab=VOCAB)
+        b.rollout_ids = rollout_ids
+        deltas = [r - t for r, t in zip(b.rollout, b.train)]
+        for denominator in ("keep", "drop"):
+            args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_rejected_denominator=denominator,
+                           **AGENTIC[name])
+            logits = packed_logits(b, seed=4)
+            lp0, _ = oracle_log_probs(b, logits.detach())  # rollout log-probs near the policy (make_batch's
+            b.rollout = [x + d for x, d in zip(lp0.split(b.response_lengths), deltas)]  # offsets, NaN, traps)
+            register(args, b)
+            batch = slime_batch(b) | {"rollout_mask_sums": b.rollout_mask_sums()}
+            loss, metrics = reinforce_is_loss(args, batch, logits, reducer_for(b))
+            loss.backward()
+
+            ref_logits = logits.detach().clone().requires_grad_(True)
+            lp, _ = oracle_log_probs(b, ref_logits)
+            kw = AGENTIC[name]
+            cfg = TISConfig(use_rollout_log_probs=True, use_tis=True, mode=kw["tis_mode"], level=kw["tis_level"],
+                            upper=kw["tis_upper_bound"], veto_threshold=kw.get("tis_veto_threshold"),
+                            rs_level=kw.get("tis_rs_level"), rs_upper=kw.get("tis_rs_upper_bound"))
+            tis = compute_tis(cfg, lp.detach(), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                              extra_finite=(b.packed("advantages"),))
+            per_tok = -tis.weights * b.packed("advantages") * lp
+            expect = rollout_mean(per_tok, tis.keep_mask, b, denominator)
+            expect.backward()
+            assert float(loss) == pytest.approx(float(expect), rel=1e-5, abs=1e-7), (rollout_ids, denominator)
+            torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-7)
+            assert float(metrics["pg_loss"]) == pytest.approx(float(expect), rel=1e-5, abs=1e-7)
+        kept = [float(k.sum()) for k in tis.keep_mask.split(b.response_lengths)]
+        assert any(0 < k < float(m.sum()) for k, m in zip(kept, b.masks)) or len(set(kept)) > 1
+
+
+def test_drop_needs_the_rollout_data_hook():
+    b = make_batch(12, vocab=VOCAB)
+    STATE.clear()
+    args = args_ns(use_rollout_logprobs=True, tis_mode="mask", tis_rejected_denominator="drop")
+    with pytest.raises(ValueError, match="--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"):
+        reinforce_is_loss(args, slime_batch(b), packed_logits(b), reducer_for(b))

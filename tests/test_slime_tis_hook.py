@@ -9,11 +9,16 @@ import math
 
 import pytest
 import torch
-from _slime_oracle import args_ns, make_batch, slime_sum_of_sample_mean
+from _slime_oracle import SlimeBatch, args_ns, make_batch, rollout_mean, slime_sum_of_sample_mean
 
 from slime_tis import TISConfig, compute_tis
-from slime_tis.slime import compute_tis_for_slime, tis_config_from_slime_args
+from slime_tis.slime import compute_tis_for_slime, postprocess_rollout_data, tis_config_from_slime_args
 from slime_tis.slime.state import STATE
+
+
+def register(args, b):
+    """slime's rollout-data hook call before training (registers each sample's rollout)."""
+    postprocess_rollout_data(args, 0, b.rollout_data())
 
 
 def call(args, b, pg=None):
@@ -58,10 +63,11 @@ def test_hand_values_truncate(level, w):
     assert all(bool(torch.isfinite(v).all()) for v in metrics.values())
 
 
-def test_token_mask_mode_drop_denominator_rescales_per_sample():
+def test_token_mask_mode_drop_one_sample_per_rollout_is_the_sample_kept_mean():
     b = tiny()  # token ratios e^0.5 = 1.65 (kept, upper 2), e^-1 = 0.37 (rejected, lower 0.5)
     keep_args = args_ns(use_tis=True, tis_mode="mask", tis_level="token")
     drop_args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_rejected_denominator="drop")
+    register(drop_args, b)
     new_k, masks_k, _ = call(keep_args, b)
     new_d, masks_d, _ = call(drop_args, b)
     assert [m.tolist() for m in masks_k] == [[1.0, 0.0], [0.0]]
@@ -89,6 +95,7 @@ def test_matches_core_on_the_packed_batch(name):
     b = make_batch(3)
     args = args_ns(**CONFIGS[name])
     cfg = tis_config_from_slime_args(args)
+    register(args, b)  # one sample per rollout
     pg = b.packed("pg_loss").requires_grad_(True)
     new, masks, metrics = call(args, b, pg)
 
@@ -133,6 +140,125 @@ def test_use_tis_false_with_rollout_logprobs_applies_no_weight():
     assert not ref.keep_mask[sum(b.response_lengths[:2]):sum(b.response_lengths[:3])].any()  # NaN sample
 
 
+# ------------------------------------------------------------------ agentic rollouts (several samples each)
+def two_rollouts_of_two_samples():
+    """Rollout 0 = samples 0, 1; rollout 1 = samples 2, 3. Log-ratios l = lp_train - lp_rollout chosen by hand:
+    token mask [0.5, 2] rejects l = 1.0 (sample 0) and l = -1.0 (sample 2)."""
+    lr = [[0.0, 1.0], [0.2, -0.1], [-1.0], [0.1, 0.3]]
+    rollout = [torch.full((len(x),), -1.0) for x in lr]
+    train = [r + torch.tensor(x) for r, x in zip(rollout, lr)]
+    pg = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0]), torch.tensor([6.0, 7.0])]
+    return SlimeBatch([3, 2, 4, 2], [2, 2, 1, 2], train, rollout, [torch.ones(len(x)) for x in lr], pg, [], [],
+                      rollout_ids=[0, 0, 1, 1])
+
+
+def test_drop_divides_each_rollout_by_its_kept_count_hand_values():
+    """keep: (1 + 3 + 4) / 4 + (6 + 7) / 3; drop: (1 + 3 + 4) / 3 + (6 + 7) / 2 (per-sample rescaling
+    would give 1 * 2 / 4 + 7 / 4 + (6 + 7) / 3 instead)."""
+    b = two_rollouts_of_two_samples()
+    for denominator, expect in (("keep", 8 / 4 + 13 / 3), ("drop", 8 / 3 + 13 / 2)):
+        args = args_ns(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="token",
+                       tis_rejected_denominator=denominator)  # algorithm 1: rejection only, w = 1
+        register(args, b)
+        new, masks, _ = call(args, b)
+        assert [m.tolist() for m in masks] == [[1.0, 0.0], [1.0, 1.0], [0.0], [1.0, 1.0]]
+        loss = slime_sum_of_sample_mean(new, b, masks, 0, 1, sample_denoms=b.rollout_mask_sums())
+        assert float(loss) == pytest.approx(expect, rel=1e-6), denominator
+
+
+AGENTIC = {
+    "a2_tok_mask": dict(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3),
+    "a2_geo_mask_veto": dict(use_tis=True, tis_mode="mask", tis_level="geometric", tis_upper_bound=1.1,
+                             tis_veto_threshold=1e-3),
+    "a2_seq_trunc_seq_rs": dict(use_tis=True, tis_mode="truncate", tis_level="sequence", tis_upper_bound=2.0,
+                                tis_rs_level="sequence", tis_rs_upper_bound=3.0),
+    "a1_geo_mask": dict(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="geometric",
+                        tis_upper_bound=1.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AGENTIC))
+def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
+    """slime's own reducer (rollout_mask_sums denominators) applied to the hook's output equals the rollout mean
+    over valid (keep) / kept (drop) tokens; with one sample per rollout too."""
+    for rollout_ids in ([0, 0, 1, 2, 2, 2], None):
+        b = make_batch(4)
+        b.rollout_ids = rollout_ids
+        for denominator in ("keep", "drop"):
+            args = args_ns(tis_rejected_denominator=denominator, **AGENTIC[name])
+            cfg = tis_config_from_slime_args(args)
+            register(args, b)
+            new, masks, _ = call(args, b)
+            ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                              extra_finite=(b.packed("pg_loss"),))
+            w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
+            expect = rollout_mean(b.packed("pg_loss") * w, ref.keep_mask, b, denominator)
+            got = slime_sum_of_sample_mean(new, b, masks, 0, 1, sample_denoms=b.rollout_mask_sums())
+            assert float(got) == pytest.approx(float(expect), rel=1e-5, abs=1e-6), (rollout_ids, denominator)
+            # the rejection itself differs between sequences of one rollout (else the test shows nothing)
+        kept_frac = [float((m != 0).sum() / max(float(o.sum()), 1)) for m, o in zip(masks, b.masks)]
+        assert len(set(kept_frac)) > 1
+
+
+def test_drop_with_a_rollout_split_across_micro_batches():
+    """A rollout whose samples land in two micro-batches: each part is renormalised by its own kept fraction,
+    D_P = N_g k_P / n_P; rollouts inside one micro-batch get exactly their kept count."""
+    b = make_batch(6)
+    b.rollout_ids = [0, 0, 1, 1, 2, 2]  # rollout 1 is split: sample 2 in micro-batch 0, sample 3 in 1
+    args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
+                   tis_rejected_denominator="drop")
+    cfg = tis_config_from_slime_args(args)
+    register(args, b)
+    total = torch.zeros(())
+    for idx in ([0, 1, 2], [3, 4, 5]):
+        mb = b.subset(idx)
+        new, masks, _ = call(args, mb)
+        total = total + slime_sum_of_sample_mean(new, mb, masks, 0, 1)
+    ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                      extra_finite=(b.packed("pg_loss"),))
+    x = torch.where(ref.keep_mask, b.packed("pg_loss") * ref.weights, torch.zeros(())).split(b.response_lengths)
+    kept = [float(k.sum()) for k in ref.keep_mask.split(b.response_lengths)]
+    valid = [float(m.sum()) for m in b.masks]
+    n_g = b.rollout_mask_sums()
+    expect = (x[0].sum() + x[1].sum()) / (kept[0] + kept[1]) + (x[4].sum() + x[5].sum()) / (kept[4] + kept[5])
+    assert kept[2] == 0 < kept[3]  # sample 2 (NaN at a valid token) is rejected whole: its part adds 0
+    for i in (2, 3):  # the split rollout: its two parts
+        expect = expect + (x[i].sum() / (float(n_g[i]) * kept[i] / valid[i]) if kept[i] else 0.0)
+    assert float(total) == pytest.approx(float(expect), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["a2_tok_mask", "a1_geo_mask"])
+def test_drop_is_exact_for_split_rollouts_when_pi_old_was_recomputed(name):
+    """slime recomputed pi_old (rollout_data['log_probs'], the tensors the hook gets as train_log_probs): the
+    rollout-data hook counts each rollout's kept tokens before training, and the micro-batches' losses add up
+    to the exact rollout means, also for rollouts split across micro-batches. With other train_log_probs
+    tensors (slime's detached current log-probs) the hook falls back to the per-part rule."""
+    b = make_batch(6)
+    b.rollout_ids = [0, 1, 1, 2, 2, 3]  # rollouts 1 and 2 are split across the two micro-batches
+    args = args_ns(tis_rejected_denominator="drop", **AGENTIC[name])
+    cfg = tis_config_from_slime_args(args)
+    postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train})
+
+    def step_loss(train):
+        total = torch.zeros(())
+        for idx in ([0, 1, 3], [2, 4, 5]):
+            mb = b.subset(idx)
+            new, masks, _ = compute_tis_for_slime(
+                args, pg_loss=mb.packed("pg_loss"), train_log_probs=[train[i] for i in idx],
+                rollout_log_probs=mb.rollout, loss_masks=mb.masks, total_lengths=mb.total_lengths,
+                response_lengths=mb.response_lengths)
+            total = total + slime_sum_of_sample_mean(new, mb, masks, 0, 1)
+        return total
+
+    ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                      extra_finite=(b.packed("pg_loss"),))
+    w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
+    exact = rollout_mean(b.packed("pg_loss") * w, ref.keep_mask, b, "drop")
+    assert float(step_loss(b.train)) == pytest.approx(float(exact), rel=1e-5)
+    fallback = float(step_loss([t.clone() for t in b.train]))
+    assert fallback != pytest.approx(float(exact), rel=1e-3)  # the parts keep different fractions here
+
+
 # ------------------------------------------------------------------ configuration from slime's args
 def test_mis_yaml_keys_are_translated():
     args = args_ns(use_tis=True, tis_mode="truncate", tis_level="token", tis_upper_bound=2.0, tis_lower_bound=0.5,
@@ -153,6 +279,10 @@ def test_bad_configurations_raise_clear_errors():
         call(args_ns(use_tis=True, use_rollout_logprobs=True), b)
     with pytest.raises(ValueError, match="'drop' cannot be honoured with --calculate-per-token-loss"):
         call(args_ns(use_tis=True, calculate_per_token_loss=True, tis_rejected_denominator="drop"), b)
+    STATE.clear()
+    with pytest.raises(ValueError, match="'drop' divides by each rollout's kept-token count.*"
+                                         "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"):
+        call(args_ns(use_tis=True, tis_rejected_denominator="drop"), b)
     with pytest.raises(ValueError, match=r"--tis-mode \(mode\) = 'bogus'"):
         call(args_ns(use_tis=True, tis_mode="bogus"), b)
     STATE.clear()

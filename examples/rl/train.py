@@ -39,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("run")
     g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="logs, checkpoints and dumps go here")
-    g.add_argument("--steps", type=int, default=50, help="number of RL steps (one optimizer step each)")
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=50,
+        help="number of RL steps (rollouts; steps-per-rollout x ppo-epochs optimizer steps each)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
     g.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
@@ -62,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-per-step", type=int, default=32)
     g.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group)")
     g.add_argument("--num-microbatches", type=int, default=2, help="micro-batches per step and DP rank")
+    g.add_argument(
+        "--steps-per-rollout",
+        type=int,
+        default=1,
+        help="optimizer steps the rollout's global batch is split into (slime's --num-steps-per-rollout); "
+        "pi_old is computed once per rollout, before the first of them",
+    )
+    g.add_argument(
+        "--ppo-epochs", type=int, default=1, help="passes over each rollout (each of steps-per-rollout steps)"
+    )
     g.add_argument("--no-adv-std-normalize", action="store_true", help="GRPO advantages without std scaling")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (the rest of the world is DP)")
     g = p.add_argument_group("rollout")
@@ -92,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
-    for name in ("steps", "prompts_per_step", "group_size", "num_microbatches", "pp"):
+    positive = ("steps", "prompts_per_step", "group_size", "num_microbatches", "pp", "steps_per_rollout", "ppo_epochs")
+    for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("save_interval", "dump_interval", "rollout_lag", "rollout_logit_noise"):
@@ -102,10 +118,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
     dp = world_size // args.pp
     n = args.prompts_per_step * args.group_size
-    if n % (dp * args.num_microbatches):
+    if n % (dp * args.num_microbatches * args.steps_per_rollout):
         raise ValueError(
-            f"prompts-per-step x group-size = {n} sequences must be divisible by "
-            f"DP size ({dp}) x --num-microbatches ({args.num_microbatches})"
+            f"prompts-per-step x group-size = {n} sequences must be divisible by DP size ({dp}) x "
+            f"--num-microbatches ({args.num_microbatches}) x --steps-per-rollout ({args.steps_per_rollout})"
         )
     if args.sglang_url and (args.engine_dtype != "bfloat16" or args.rollout_logit_noise):
         raise ValueError(
@@ -271,21 +287,43 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self._rollout(step)
         t_rollout = time.perf_counter() - t0
-        items, mbs = self._micro_batches(batch)
+        from slime_tis.megatron import rollout_step_iterator
+
+        n_steps, n_mb, seq = self.args.steps_per_rollout, self.args.num_microbatches, batch.tokens.shape[1]
+        per_step = batch.num_sequences // n_steps  # optimizer step s trains on sequences [s*per_step, (s+1)*per_step)
+        items = []
+        for s in range(n_steps):
+            step_items, mbs = self._micro_batches(batch.rows(s * per_step, (s + 1) * per_step))
+            items += step_items
         dump = self._dump_now(step)
-        extra_lp = self._recompute_for_dump(items, mbs, batch.tokens.shape[1]) if dump else None
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self.forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=iter(items),
-            model=[self.model],
-            num_microbatches=len(items),
-            seq_length=batch.tokens.shape[1],
-            micro_batch_size=mbs,
-            forward_only=False,
-        )
-        ok, grad_norm, _ = self.optimizer.step()
+        extra_lp = self._recompute_for_dump(items, mbs, seq) if dump else None
+        if self.tis_cfg.needs_old_log_probs:  # pi_old once per rollout, before its first optimizer step
+            items = self.forward_backward.compute_old_log_probs(
+                forward_step_func=self._forward_step,
+                data_iterator=items,
+                model=[self.model],
+                num_microbatches=n_mb,
+                num_steps=n_steps,
+                seq_length=seq,
+                micro_batch_size=mbs,
+            )
+        all_ok = True
+        for _epoch in range(self.args.ppo_epochs):
+            for s in range(n_steps):
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                self.forward_backward(
+                    forward_step_func=self._forward_step,
+                    data_iterator=rollout_step_iterator(items, s, n_mb),
+                    model=[self.model],
+                    num_microbatches=n_mb,
+                    seq_length=seq,
+                    micro_batch_size=mbs,
+                    forward_only=False,
+                )
+                ok, grad_norm, _ = self.optimizer.step()
+                all_ok = all_ok and ok
+        ok = all_ok  # the metrics below are those of the rollout's last optimizer step
         metrics = {k: float(v) for k, v in self.forward_backward.last_metrics.items()}  # host-sync-ok (logging)
         if dump:
             self._dump(step, items, extra_lp)

@@ -3,25 +3,34 @@
 Public API::
 
     tis_forward_backward_func(get_forward_backward_func(), cfg, temperature=...)   the hook
+    compute_old_log_probs, rollout_step_iterator   pi_old once per rollout (several steps, PPO epochs)
+    add_megatron_tis_arguments                     the plugin's flags + --rollout-temperature
     TISBatch                               per-micro-batch RL fields (packed, CP-local)
-    vocab_parallel_log_probs_and_entropy   chunked fp32 log-probs / entropy from vocab-parallel logits
+    vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (Triton on CUDA)
     MegatronReducer                        the core's Reducer on parallel_state groups
     plan_step, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces
 
 Importing this package does not import megatron-core; the functions that need it import it lazily.
 """
 
-from slime_tis.megatron.batch import TISBatch, cp_slice_padded, cu_seqlens_from_seq_ids
-from slime_tis.megatron.hook import TISForwardBackward, default_get_tis_batch, tis_forward_backward_func
+from slime_tis.megatron.arguments import add_megatron_tis_arguments
+from slime_tis.megatron.batch import TISBatch, cp_slice_padded, cu_seqlens_from_seq_ids, default_get_tis_batch
+from slime_tis.megatron.grad_scale import data_parallel_grad_average
+from slime_tis.megatron.hook import TISForwardBackward, tis_forward_backward_func
 from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.plan import StepPlan, needs_pre_pass, plan_step
 from slime_tis.megatron.recompute import recompute_log_probs
 from slime_tis.megatron.reduce import MegatronReducer
+from slime_tis.megatron.rollout import compute_old_log_probs, rollout_step_iterator
 
 __all__ = [
     "tis_forward_backward_func",
+    "compute_old_log_probs",
+    "rollout_step_iterator",
+    "add_megatron_tis_arguments",
+    "data_parallel_grad_average",
     "TISForwardBackward",
     "TISBatch",
     "default_get_tis_batch",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["TISBatch", "cp_slice_padded", "cu_seqlens_from_seq_ids"]
+__all__ = ["TISBatch", "cp_slice_padded", "cu_seqlens_from_seq_ids", "default_get_tis_batch"]
 
 
 def cp_slice_padded(x: Tensor, cp_size: int, cp_rank: int) -> Tensor:
@@ -58,7 +58,9 @@ class TISBatch:
         advantages: ``[T]`` float advantages.
         cu_seqlens: ``[n_seq + 1]`` int sequence boundaries of this rank's tokens.
         rollout_log_probs: ``[T]`` rollout (SGLang) log-probs; required for algorithms 1-3.
-        old_log_probs: ``[T]`` Megatron recompute at the start of the step (filled by the hook).
+        old_log_probs: ``[T]`` pi_old: computed once per rollout by ``compute_old_log_probs`` (or supplied
+            by the caller); used exactly as given. ``None``: the hook recomputes it per training call
+            (algorithms 0, 2; correct for one optimizer step per rollout only).
     """
 
     labels: Tensor
@@ -164,3 +166,13 @@ def _cp_layout() -> tuple[int, int]:
     if not ps.model_parallel_is_initialized():
         return 1, 0
     return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+
+
+def default_get_tis_batch(item: object) -> TISBatch:
+    """The micro-batch item is a dict carrying ``item["tis"]``, a :class:`TISBatch`."""
+    if not isinstance(item, dict) or not isinstance(item.get("tis"), TISBatch):
+        keys = f" with keys {sorted(item)}" if isinstance(item, dict) else ""
+        raise ValueError("each micro-batch item must be a dict with item['tis'] = TISBatch(...) "
+                         f"(got {type(item).__name__}{keys}); "
+                         "or pass get_tis_batch= to tis_forward_backward_func")
+    return item["tis"]

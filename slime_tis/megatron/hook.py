@@ -3,18 +3,29 @@
 One training call of the wrapped function (``forward_only=False``) does, in order:
 
 1. materialise the step's ``num_microbatches`` items from ``data_iterator`` (one list per virtual stage);
-2. algorithms 0, 2: the forward-only recompute of ``lp_old`` (``recompute.recompute_log_probs``);
-3. on the last pipeline stage: the step plan (global denominator, token count, algorithm-2 batch-norm
+2. on the last pipeline stage: the step's ``TISBatch`` list, broadcast from tensor-parallel rank 0 under
+   TP > 1 (``tp_data``; Megatron-LM gives data to TP rank 0 only);
+3. pi_old (algorithms 0, 2): taken as given from ``TISBatch.old_log_probs`` (computed once per rollout by
+   :meth:`TISForwardBackward.compute_old_log_probs` / ``rollout.compute_old_log_probs``, or supplied by the
+   caller), never overwritten. Only in the per-call mode (``pi_old="auto"`` before any rollout pass) a
+   forward-only recompute runs at the start of the call for the micro-batches without it, which is
+   pi_old only when the rollout gets one optimizer step. Whether a recompute pass runs is decided by the
+   configuration and the hook's mode, identically on every rank, never by the data;
+4. on the last pipeline stage: the step plan (global denominator, token count, algorithm-2 batch-norm
    factor; ``plan.plan_step``) on megatron's DP / CP groups;
-4. megatron's training schedule with the launcher's ``forward_step_func`` wrapped so that its loss
-   function is ours (``loss.make_loss_func``);
-5. the step metrics: merged, reduced once, finalized (``metrics.aggregate_metrics``) into ``last_metrics``.
+5. megatron's training schedule with the launcher's ``forward_step_func`` wrapped so that its loss
+   function is ours (``loss.make_loss_func``); every keyword (``return_schedule_plan``, ...) is forwarded;
+6. the step metrics: merged, reduced once, finalized (``metrics.aggregate_metrics``) into ``last_metrics``
+   and added to every micro-batch loss dict as ``[value, 1]`` (``loss_dict``: Megatron-LM's
+   ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank).
 
 ``forward_only=True`` calls (evaluation) go straight to megatron.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,41 +33,28 @@ from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
-from slime_tis.megatron.batch import TISBatch
+from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
+from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.plan import StepPlan, needs_pre_pass, plan_step
-from slime_tis.megatron.recompute import ReplayIterator, recompute_log_probs, replay
+from slime_tis.megatron.recompute import MicroBatchCounter, materialise, recompute_log_probs, replay
+from slime_tis.megatron.rollout import compute_old_log_probs
+from slime_tis.megatron.tp_data import tis_batches_on_this_tp_rank
 
-__all__ = ["TISForwardBackward", "tis_forward_backward_func", "default_get_tis_batch"]
+__all__ = ["TISForwardBackward", "tis_forward_backward_func", "default_get_tis_batch", "PI_OLD_MODES"]
 
-
-def default_get_tis_batch(item: Any) -> TISBatch:
-    """The micro-batch item is a dict carrying ``item["tis"]``, a :class:`TISBatch`."""
-    if not isinstance(item, dict) or not isinstance(item.get("tis"), TISBatch):
-        keys = f" with keys {sorted(item)}" if isinstance(item, dict) else ""
-        raise ValueError("each micro-batch item must be a dict with item['tis'] = TISBatch(...) "
-                         f"(got {type(item).__name__}{keys}); "
-                         "or pass get_tis_batch= to tis_forward_backward_func")
-    return item["tis"]
+#: ``"auto"``: per-call recompute of missing pi_old until ``compute_old_log_probs`` has run through the hook,
+#: then as ``"rollout"``. ``"rollout"``: never recompute; every micro-batch must carry ``old_log_probs``.
+PI_OLD_MODES = ("auto", "rollout")
 
 
-def _materialise(data_iterator: Any, num_microbatches: int, vpp: bool) -> Any:
-    def take(it):
-        if it is None:
-            return None
-        items = []
-        for k in range(num_microbatches):
-            try:
-                items.append(next(it))
-            except StopIteration:
-                raise ValueError(f"data_iterator ran out after {k} of "
-                                 f"num_microbatches={num_microbatches} items") from None
-        return items
-
-    if vpp:
-        return [take(it) for it in data_iterator]
-    return take(data_iterator)
+def _check_number(name: str, value: Any, *, positive_int: bool = False) -> None:
+    if positive_int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0 (the rollout sampling temperature), got {value!r}")
 
 
 class TISForwardBackward:
@@ -66,26 +64,55 @@ class TISForwardBackward:
         last_metrics: finalized metrics of the last training call (dict of float64 scalar tensors on the
             last pipeline stage, identical on its DP x CP ranks; ``{}`` elsewhere).
         last_plan: the :class:`StepPlan` of the last training call (last stage) or ``None``.
+        last_recomputed: whether the last training call ran a pi_old recompute pass.
     """
 
     def __init__(self, forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
                  chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
-                 reducer: Reducer | None = None) -> None:
+                 reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
+                 grad_average: float | None = None, metrics_in_loss_dicts: bool = True) -> None:
         if not isinstance(cfg, TISConfig):
             raise ValueError(f"cfg must be a slime_tis.TISConfig, got {type(cfg).__name__}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be a number > 0 (the rollout sampling temperature), "
-                             f"got {temperature!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        _check_number("temperature", temperature)
+        _check_number("chunk_size", chunk_size, positive_int=True)
+        if pi_old not in PI_OLD_MODES:
+            raise ValueError(f"pi_old must be one of {PI_OLD_MODES}, got {pi_old!r}")
+        if grad_average is not None:
+            from slime_tis.megatron.grad_scale import data_parallel_grad_average
+
+            data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
         self.forward_backward_func = forward_backward_func
         self.cfg = cfg
         self.temperature = float(temperature)
         self.chunk_size = chunk_size
         self.get_tis_batch = get_tis_batch
         self.reducer = reducer
+        self.pi_old = pi_old
+        self.broadcast_over_tp = bool(broadcast_over_tp)
+        self.grad_average = grad_average
+        self.metrics_in_loss_dicts = bool(metrics_in_loss_dicts)
         self.last_metrics: dict[str, Tensor] = {}
         self.last_plan: StepPlan | None = None
+        self.last_recomputed = False
+        self._warned_supplied = False
+
+    @property
+    def recomputes_pi_old(self) -> bool:
+        """Whether a training call runs the per-call pi_old recompute (configuration and mode only)."""
+        return self.cfg.needs_old_log_probs and self.pi_old == "auto"
+
+    def compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
+                              num_microbatches: int, num_steps: int = 1, **schedule_kwargs: Any) -> Any:
+        """pi_old of a whole rollout (``rollout.compute_old_log_probs`` with this hook's temperature, chunk
+        size, item accessor and TP broadcast); afterwards this hook never recomputes pi_old (every rank
+        calls this, so every rank switches together). Returns the rollout's materialised items."""
+        items = compute_old_log_probs(
+            self.forward_backward_func, forward_step_func, data_iterator, model,
+            num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
+            chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
+            **schedule_kwargs)
+        self.pi_old = "rollout"
+        return items
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
                  forward_only: bool = False, **kwargs: Any) -> list:
@@ -100,29 +127,28 @@ class TISForwardBackward:
 
         cfg = self.cfg
         chunks = model if isinstance(model, list) else [model]
-        vpp = isinstance(data_iterator, list)
-        items = _materialise(data_iterator, num_microbatches, vpp)
+        vpp = len(chunks) > 1
+        items = materialise(data_iterator, num_microbatches, vpp)
         is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        form = loss_form_for(get_model_config(chunks[0]), chunks, num_microbatches, grad_average=self.grad_average)
         batches: list[TISBatch] | None = None
         if is_last:
-            last_items = items[-1] if vpp else items
-            if last_items is None:
-                raise ValueError("the last pipeline stage needs a data_iterator yielding the TISBatch items")
-            batches = [self.get_tis_batch(it) for it in last_items]
+            last_items = None if items is None else (items[-1] if vpp else items)
+            local = [self.get_tis_batch(it) for it in last_items] if last_items is not None else None
+            batches = tis_batches_on_this_tp_rank(local, broadcast=self.broadcast_over_tp)
         reducer = self.reducer or MegatronReducer()
         pre: list[Tensor] | None = None
-        if cfg.needs_old_log_probs or needs_pre_pass(cfg):
+        self.last_recomputed = self.recomputes_pi_old or needs_pre_pass(cfg)
+        if self.last_recomputed:
             lps = recompute_log_probs(
                 self.forward_backward_func, forward_step_func, items, model, batches=batches,
                 num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
                 chunk_size=self.chunk_size, **kwargs)
             if batches is not None and lps is not None:
-                if cfg.needs_old_log_probs:
-                    for b, lp in zip(batches, lps):
-                        b.old_log_probs = lp
+                if self.recomputes_pi_old:
+                    batches = self._fill_missing_pi_old(batches, lps)
                 else:
                     pre = lps
-        form = loss_form_for(get_model_config(chunks[0]), chunks, num_microbatches)
         plan = plan_step(cfg, batches, reducer, pre_log_probs=pre) if batches is not None else None
         collector: list[MetricStats] = []
         forward_step = self._wrap_forward_step(forward_step_func, batches, plan, form, reducer, collector)
@@ -131,19 +157,35 @@ class TISForwardBackward:
                                          **kwargs)
         self.last_plan = plan
         self.last_metrics = aggregate_metrics(collector, reducer) if is_last else {}
+        if is_last and self.metrics_in_loss_dicts:
+            add_metrics_to_loss_dicts(out, self.last_metrics)
         return out
+
+    def _fill_missing_pi_old(self, batches: list[TISBatch], lps: list[Tensor]) -> list[TISBatch]:
+        """Per-call mode: copies of the step's batches with the recomputed pi_old where none was supplied
+        (the caller's objects are not modified; supplied values are used as given)."""
+        supplied = sum(b.old_log_probs is not None for b in batches)
+        if supplied and not self._warned_supplied:
+            self._warned_supplied = True
+            warnings.warn(f"{supplied} of {len(batches)} micro-batches carry old_log_probs: used as given; the "
+                          "per-call recompute pass ran anyway (pi_old='auto'). Pass pi_old='rollout' to "
+                          "tis_forward_backward_func (or use its compute_old_log_probs) to skip it.",
+                          stacklevel=3)
+        return [b if b.old_log_probs is not None else dataclasses.replace(b, old_log_probs=lp)
+                for b, lp in zip(batches, lps)]
 
     def _wrap_forward_step(self, forward_step_func: Callable, batches: list[TISBatch] | None,
                            plan: StepPlan | None, form: LossForm, reducer: Reducer,
                            collector: list[MetricStats]) -> Callable:
         cfg, temperature, chunk_size = self.cfg, self.temperature, self.chunk_size
+        counter = MicroBatchCounter()
 
-        def forward_step(data_iterator, model_chunk, *args):
-            output, user_loss_func = forward_step_func(data_iterator, model_chunk, *args)
-            if batches is None or plan is None or not isinstance(data_iterator, ReplayIterator):
+        def forward_step(data_iterator, model_chunk, *args, **kwargs):
+            index = counter.next_index(model_chunk)
+            output, user_loss_func = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
+            if batches is None or plan is None:
                 return output, user_loss_func  # not the last stage: megatron never calls the loss here
-            batch = batches[data_iterator.index]
-            return output, make_loss_func(cfg, batch, plan, form, reducer, collector=collector,
+            return output, make_loss_func(cfg, batches[index], plan, form, reducer, collector=collector,
                                           temperature=temperature, chunk_size=chunk_size)
 
         return forward_step
@@ -152,7 +194,21 @@ class TISForwardBackward:
 def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
                               chunk_size: int = 1024,
                               get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
-                              reducer: Reducer | None = None) -> TISForwardBackward:
-    """Wrap megatron's ``get_forward_backward_func()`` result with the rollout correction (see module doc)."""
+                              reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
+                              grad_average: float | None = None,
+                              metrics_in_loss_dicts: bool = True) -> TISForwardBackward:
+    """Wrap megatron's ``get_forward_backward_func()`` result with the rollout correction (see module doc).
+
+    Args:
+        pi_old: ``"auto"`` (default) recomputes pi_old at the start of each training call for micro-batches
+            that carry none, until :meth:`TISForwardBackward.compute_old_log_probs` has run (correct for one
+            optimizer step per rollout); ``"rollout"`` never recomputes (the caller supplies pi_old).
+        broadcast_over_tp: broadcast TP rank 0's ``TISBatch`` items to the other TP ranks (``tp_data``).
+        grad_average: the factor the data-parallel wrapper divides summed gradients by, for wrappers the hook
+            cannot read (``grad_scale``); default: read from megatron / torch DDP.
+        metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``loss_dict``).
+    """
     return TISForwardBackward(forward_backward_func, cfg, temperature=temperature, chunk_size=chunk_size,
-                              get_tis_batch=get_tis_batch, reducer=reducer)
+                              get_tis_batch=get_tis_batch, reducer=reducer, pi_old=pi_old,
+                              broadcast_over_tp=broadcast_over_tp, grad_average=grad_average,
+                              metrics_in_loss_dicts=metrics_in_loss_dicts)

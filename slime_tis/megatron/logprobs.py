@@ -22,9 +22,19 @@ extra peak is ``O(chunk_size * Vp)`` float32 (two temporaries) instead of the ``
 
 Communication per call: one all-reduce MAX of ``[T]`` and one all-reduce SUM of ``[T, 3]`` over the TP
 group (none when the group has one rank). No host synchronisation.
+
+Two implementations of the same function (``impl``): this chunked torch code (the reference and the CPU
+path) and, on CUDA tensors when triton is installed, the fused Triton kernels of
+:mod:`slime_tis.kernels.logprobs` (one read of the logits forward, one read and one write backward, no
+``[T, V]`` temporaries besides the gradient; rows outside ``row_mask`` are skipped). In the backward,
+``log p`` is clamped at -200 (``p`` is exactly 0 in float32 below about -104) so that a -inf logit gives a
+zero gradient for any upstream gradient.
 """
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -34,6 +44,18 @@ __all__ = ["vocab_parallel_log_probs_and_entropy", "default_tp_group"]
 
 
 _FMIN = torch.finfo(torch.float32).min
+_LOGP_MIN = -200.0  # log p clamp in the backward: exp(-200) == 0 in float32, and (log p + H) stays finite
+IMPLS = ("auto", "torch", "triton")
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """:mod:`slime_tis.kernels.logprobs` when triton imports, else ``None`` (imported on first use only)."""
+    try:
+        from slime_tis.kernels import logprobs
+    except ImportError:
+        return None
+    return logprobs
 
 
 def default_tp_group() -> dist.ProcessGroup | None:
@@ -68,7 +90,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int,
-                group: dist.ProcessGroup | None, vocab_start: int, with_entropy: bool):
+                group: dist.ProcessGroup | None, vocab_start: int, with_entropy: bool, keep: Tensor | None):
         n_tok, vp = logits.shape
         tp = _group_size(group)
         # Global row maximum of x = z / tau (tau > 0, so max(z) / tau); detached shift, any value works.
@@ -102,14 +124,17 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             entropy = torch.log(sum_exp) - sums[:, 2] / sum_exp
         else:
             entropy = torch.zeros_like(log_probs)
-        ctx.save_for_backward(logits, safe_idx, in_shard, log_z, entropy)
+        if keep is not None:  # rows outside the mask: 0 (whatever their logits hold), zero gradient rows
+            log_probs = torch.where(keep, log_probs, 0.0)
+            entropy = torch.where(keep, entropy, 0.0)
+        ctx.save_for_backward(logits, safe_idx, in_shard, log_z, entropy, keep)
         ctx.set_materialize_grads(False)  # an unused output (entropy for metrics only) costs no backward work
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_lp: Tensor | None, grad_h: Tensor | None):
-        logits, safe_idx, in_shard, log_z, entropy = ctx.saved_tensors
+        logits, safe_idx, in_shard, log_z, entropy, keep = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         n_tok = logits.shape[0]
         grad_logits = torch.empty_like(logits)
@@ -118,7 +143,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         for start in range(0, n_tok, chunk_size):
             end = min(start + chunk_size, n_tok)
             y = _fp32_chunk(logits, start, end, temperature)
-            y.sub_(log_z[start:end, None]).clamp_(min=_FMIN)      # y = x - logZ = log p
+            y.sub_(log_z[start:end, None]).clamp_(min=_LOGP_MIN)  # y = x - logZ = log p (-inf -> p = 0)
             p = torch.exp(y)
             gl = g_lp[start:end, None]
             if use_h:
@@ -133,9 +158,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             y.scatter_add_(1, safe_idx[start:end, None], hit[:, None])
             if temperature != 1.0:
                 y.div_(temperature)
+            if keep is not None:
+                y.masked_fill_(~keep[start:end, None], 0.0)
             grad_logits[start:end].copy_(y)
             del y
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None
 
 
 def vocab_parallel_log_probs_and_entropy(
@@ -146,6 +173,8 @@ def vocab_parallel_log_probs_and_entropy(
     chunk_size: int = 1024,
     tp_group: dist.ProcessGroup | None | str = "default",
     with_entropy: bool = True,
+    row_mask: Tensor | None = None,
+    impl: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)`` over the full vocabulary.
 
@@ -157,6 +186,12 @@ def vocab_parallel_log_probs_and_entropy(
         tp_group: process group across which the vocabulary is split. ``"default"``: megatron's TP group
             when model parallel is initialised, else no TP. ``None``: no TP (full vocabulary here).
         with_entropy: also return the entropy (``None`` otherwise).
+        row_mask: optional ``[...]`` (same shape as ``targets``; bool or numbers, nonzero = keep). Rows where
+            it is 0 get log-prob and entropy 0 and a zero gradient; the Triton kernels skip them entirely
+            (pass the loss mask so the cost follows the response tokens, not the sequence length).
+        impl: ``"auto"`` (Triton kernels on CUDA tensors when triton imports, else torch), ``"torch"``
+            (the chunked reference) or ``"triton"`` (the kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+            ``chunk_size`` only applies to the torch path.
 
     Returns:
         ``(log_probs [...], entropy [...] or None)``, float32, differentiable with respect to ``logits``.
@@ -178,13 +213,28 @@ def vocab_parallel_log_probs_and_entropy(
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if row_mask is not None and (not isinstance(row_mask, Tensor) or tuple(row_mask.shape) != tuple(targets.shape)):
+        raise ValueError(f"row_mask shape {tuple(getattr(row_mask, 'shape', ()))} must equal targets shape "
+                         f"{tuple(targets.shape)}")
+    kernels = _triton_kernels() if impl == "triton" or (impl == "auto" and logits.is_cuda) else None
+    if impl == "triton" and kernels is None:
+        raise ValueError("impl='triton' needs triton installed (pip install triton); use impl='torch' or 'auto'")
     group = default_tp_group() if isinstance(tp_group, str) and tp_group == "default" else tp_group
     tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
     lead = logits.shape[:-1]
     vp = logits.shape[-1]
     flat_logits = logits.reshape(-1, vp)
     flat_targets = targets.reshape(-1).to(torch.int64)
-    lp, ent = _VocabParallelLogProbEntropy.apply(
-        flat_logits, flat_targets, float(temperature), chunk_size, group, tp_rank * vp, with_entropy
-    )
+    flat_mask = None if row_mask is None else row_mask.reshape(-1)
+    if kernels is not None:
+        lp, ent = kernels.fused_log_probs_and_entropy(
+            flat_logits, flat_targets, temperature=float(temperature), group=group, vocab_start=tp_rank * vp,
+            with_entropy=with_entropy, row_mask=flat_mask)
+    else:
+        keep = None if flat_mask is None else flat_mask != 0
+        lp, ent = _VocabParallelLogProbEntropy.apply(
+            flat_logits, flat_targets, float(temperature), chunk_size, group, tp_rank * vp, with_entropy, keep
+        )
     return lp.view(lead), (ent.view(lead) if with_entropy else None)

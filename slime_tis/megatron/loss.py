@@ -16,7 +16,10 @@ parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D``
   alone, sums gradients and divides them by ``sum n_local = N`` in ``finalize_model_grads``.
 
 The metrics dict holds detached clones (the schedule scales the returned loss in place, gotcha G2);
-the micro-batch's ``MetricStats`` go to ``collector`` for one reduction after the schedule.
+the micro-batch's ``MetricStats`` go to ``collector`` for one reduction after the schedule. Its ``"loss"``
+entry is Megatron-LM's ``[value, count]`` reporting pair ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks):
+``train_step`` sums the pairs over the ``M`` micro-batches, all-reduces them over DP x CP and logs
+``value / count = sum_{k, ranks} loss_k``, the true step loss, on every rank (``loss_dict.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.metrics import column_sums
 from slime_tis.megatron.batch import TISBatch
 from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
+from slime_tis.megatron.loss_dict import report_pair
 from slime_tis.megatron.plan import StepPlan
 
 __all__ = ["LossForm", "loss_form_for", "make_loss_func", "logits_to_log_probs"]
@@ -46,37 +50,48 @@ class LossForm:
         per_token: ``config.calculate_per_token_loss`` (3-tuple form) or not (2-tuple form).
         num_microbatches: ``M``.
         cp_size: context-parallel size (the schedule multiplies a 2-tuple loss by it).
-        grad_average: ranks megatron DDP averages gradients over (``dp * cp``; 1 without DDP).
+        grad_average: ``g``, the factor the data-parallel wrapper divides the summed gradient by
+            (``grad_scale.data_parallel_grad_average``: ``dp * cp`` for megatron DDP).
+        report_ranks: DP x CP ranks Megatron-LM's ``train_step`` all-reduces the loss report over.
     """
 
     per_token: bool
     num_microbatches: int
     cp_size: int
-    grad_average: int
+    grad_average: float
+    report_ranks: int = 1
 
     @property
     def two_tuple_scale(self) -> float:
         return self.num_microbatches * self.grad_average / self.cp_size
 
 
-def loss_form_for(model_config, model_chunks: list, num_microbatches: int) -> LossForm:
-    """Read megatron's scaling conventions from the model config and wrapper (DDP or not)."""
+def loss_form_for(model_config, model_chunks: list, num_microbatches: int, *,
+                  grad_average: float | None = None) -> LossForm:
+    """Read megatron's scaling conventions from the model config and the data-parallel wrapper itself
+    (``grad_scale.data_parallel_grad_average``; ``grad_average`` overrides it for unknown wrappers)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    from slime_tis.megatron.grad_scale import data_parallel_grad_average
 
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
     if per_token and getattr(model_config, "finalize_model_grads_func", None) is None:
         raise ValueError("config.calculate_per_token_loss=True needs config.finalize_model_grads_func "
                          "(megatron divides the gradients by the global token count there)")
-    ddp = any(isinstance(m, _BaseDataParallel) for m in model_chunks)
     cp = ps.get_context_parallel_world_size()
-    g = ps.get_data_parallel_world_size(with_context_parallel=True) if ddp else 1
-    return LossForm(per_token=per_token, num_microbatches=num_microbatches, cp_size=cp, grad_average=g)
+    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    g = data_parallel_grad_average(model_chunks, dp_cp_size=dp_cp, per_token=per_token, override=grad_average)
+    return LossForm(per_token=per_token, num_microbatches=num_microbatches, cp_size=cp, grad_average=g,
+                    report_ranks=dp_cp)
 
 
 def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, chunk_size: int,
                         with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``."""
+    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``.
+
+    Positions outside ``batch.loss_mask`` (prompts, padding) are skipped: their log-prob and entropy are 0 and
+    their logit gradient is zero (the Triton kernels on CUDA do no work for them; see docs/kernels.md).
+    """
     vp = logits.shape[-1]
     flat = logits.reshape(-1, vp)
     if flat.shape[0] != batch.num_tokens:
@@ -85,7 +100,8 @@ def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, 
             f"has {batch.num_tokens} tokens; build it with TISBatch.from_padded(..., cp_slice=True) for CP, "
             "and return [B, S_local, V/TP] logits (model called without labels)")
     return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=temperature,
-                                                chunk_size=chunk_size, with_entropy=with_entropy)
+                                                chunk_size=chunk_size, with_entropy=with_entropy,
+                                                row_mask=batch.loss_mask)
 
 
 def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossForm, reducer: Reducer, *,
@@ -106,7 +122,7 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossFo
             **column_sums({"megatron.entropy_sum": torch.where(valid, entropy.detach(), zero)}),
         })
         collector.append(out.stats.merge(extra).detach())
-        metrics = {"loss": out.loss.detach().clone()}
+        metrics = {"loss": report_pair(out.loss.detach() * (form.num_microbatches * form.report_ranks))}
         if form.per_token:
             n_local = valid.sum().to(torch.int)
             return out.loss * plan.num_tokens, n_local, metrics

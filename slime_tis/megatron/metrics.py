@@ -7,9 +7,17 @@
 
 Each statistic is reduced with its own operator (SUM for sums, MIN for minima, MAX for maxima) on
 megatron's DP x CP (or DP) group: one collective per operator, outside the loss path.
+
+Collectives depend on the configuration and layout only: the reduction stacks every statistic of a kind
+into one tensor, so every rank must hold the same statistic names (the core's schema, fixed by the
+configuration). Before reducing, a signature of the names (CRC32 per kind) is compared across DP x CP with
+one MIN and one MAX (always issued, same shape everywhere); ranks that differ raise a ``ValueError``
+naming their statistics instead of hanging or mixing unrelated values.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 from torch import Tensor
@@ -17,7 +25,25 @@ from torch import Tensor
 from slime_tis.core import MetricStats, Reducer
 from slime_tis.core.metrics import safe_ratio
 
-__all__ = ["aggregate_metrics"]
+__all__ = ["aggregate_metrics", "check_schema_agrees"]
+
+
+def _kinds(stats: MetricStats) -> dict[str, dict[str, Tensor]]:
+    return {"token_sums": stats.token_sums, "seq_sums": stats.seq_sums, "mins": stats.mins, "maxs": stats.maxs}
+
+
+def check_schema_agrees(stats: MetricStats, reducer: Reducer) -> None:
+    """Raise ``ValueError`` if the statistic names differ across the DP x CP ranks (two small collectives)."""
+    kinds = _kinds(stats)
+    device = next((t.device for d in kinds.values() for t in d.values()), torch.device("cpu"))
+    sig = torch.tensor([float(zlib.crc32(",".join(sorted(d)).encode())) for d in kinds.values()],
+                       dtype=torch.float64, device=device)
+    low, high = reducer.batch_min(sig), reducer.batch_max(sig)
+    if not torch.equal(low, high):  # host-sync-ok (after the schedule, outside the loss path)
+        names = {k: sorted(d) for k, d in kinds.items()}
+        raise ValueError("the step's metric statistics differ across data-parallel x context-parallel ranks (an "
+                         "input present on some ranks only, e.g. rollout_log_probs in some TISBatch items); "
+                         f"this rank has {names}")
 
 
 def aggregate_metrics(stats: list[MetricStats], reducer: Reducer) -> dict[str, Tensor]:
@@ -27,6 +53,7 @@ def aggregate_metrics(stats: list[MetricStats], reducer: Reducer) -> dict[str, T
     merged = stats[0]
     for s in stats[1:]:
         merged = merged.merge(s)
+    check_schema_agrees(merged, reducer)
     reduced = merged.reduce(reducer)
     out = reduced.finalize()
     sums = reduced.token_sums
@@ -34,5 +61,5 @@ def aggregate_metrics(stats: list[MetricStats], reducer: Reducer) -> dict[str, T
         out["loss"] = sums["megatron.loss_sum"].double()
     if "megatron.entropy_sum" in sums and "policy.n_tok_valid" in sums:
         out["policy/entropy"] = safe_ratio(sums["megatron.entropy_sum"].double(),
-                                       sums["policy.n_tok_valid"].double())
+                                           sums["policy.n_tok_valid"].double())
     return {k: v.to(torch.float64) for k, v in out.items()}

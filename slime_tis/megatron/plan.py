@@ -87,7 +87,8 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     bn_sums = torch.zeros(2, dtype=torch.float32, device=device)
     for k, b in enumerate(batches):
         if alg in (0, 2) and b.old_log_probs is None:
-            raise ValueError(f"micro-batch {k}: algorithm {alg} needs old_log_probs (the recompute pass)")
+            raise ValueError(f"micro-batch {k}: algorithm {alg} needs old_log_probs (pi_old): compute it once per "
+                             "rollout with compute_old_log_probs (or supply it), or use pi_old='auto'")
         if alg in (1, 2, 3) and b.rollout_log_probs is None:
             raise ValueError(f"micro-batch {k}: algorithm {alg} needs rollout_log_probs in its TISBatch")
         keep = None

@@ -19,7 +19,57 @@ from torch import Tensor
 from slime_tis.megatron.batch import TISBatch
 from slime_tis.megatron.loss import logits_to_log_probs
 
-__all__ = ["ReplayIterator", "recompute_log_probs"]
+__all__ = ["ReplayIterator", "MicroBatchCounter", "recompute_log_probs", "replay", "materialise"]
+
+
+class MicroBatchCounter:
+    """Micro-batch index of each ``forward_step`` call: megatron runs every model chunk's forward over the
+    micro-batches in order 0, 1, ..., so the ``n``-th call with a given chunk is micro-batch ``n``. Works
+    where the data iterator is ``None`` (tensor-parallel ranks > 0 in Megatron-LM) or not ours. Chunks are
+    keyed by the innermost module (``.module`` unwrapped): the combined 1F1B schedule passes the unwrapped
+    model where the others pass the DDP wrapper."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, int] = {}
+
+    def next_index(self, model_chunk: Any) -> int:
+        inner = model_chunk
+        while isinstance(getattr(inner, "module", None), torch.nn.Module):
+            inner = inner.module
+        key = id(inner)
+        index = self._calls.get(key, 0)
+        self._calls[key] = index + 1
+        return index
+
+
+def materialise(data_iterator: Any, num_microbatches: int, vpp: bool) -> Any:
+    """Read ``num_microbatches`` items from the iterator (a list per virtual stage when ``vpp``; ``None``
+    stays ``None``; a list is taken as the items themselves)."""
+
+    def take(it):
+        if it is None:
+            return None
+        if isinstance(it, list):
+            it = iter(it)
+        items = []
+        for k in range(num_microbatches):
+            try:
+                items.append(next(it))
+            except StopIteration:
+                raise ValueError(f"data_iterator ran out after {k} of "
+                                 f"num_microbatches={num_microbatches} items") from None
+        return items
+
+    if data_iterator is None:
+        return None
+    if vpp:
+        if not isinstance(data_iterator, list):
+            raise ValueError("with several model chunks (virtual pipeline stages) data_iterator must be a list "
+                             f"with one iterator per chunk, got {type(data_iterator).__name__}")
+        return [take(it) for it in data_iterator]
+    if isinstance(data_iterator, list) and len(data_iterator) == 1 and hasattr(data_iterator[0], "__next__"):
+        data_iterator = data_iterator[0]  # megatron accepts [iterator] for one model chunk
+    return take(data_iterator)
 
 
 class ReplayIterator(Iterator):
@@ -64,13 +114,14 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
         schedule_kwargs: forwarded to the schedule (``seq_length``, ``micro_batch_size``, ...).
     """
     results: list[Tensor | None] = [None] * num_microbatches
+    counter = MicroBatchCounter()
 
-    def forward_step(data_iterator, model_chunk, *args):
-        output, _ = forward_step_func(data_iterator, model_chunk, *args)
-        index = data_iterator.index if isinstance(data_iterator, ReplayIterator) else None
+    def forward_step(data_iterator, model_chunk, *args, **kwargs):
+        index = counter.next_index(model_chunk)
+        output, _ = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
 
         def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
-            if batches is None or index is None:
+            if batches is None:
                 raise RuntimeError("recompute: loss on a rank without TISBatch micro-batches "
                                    "(not the last stage?)")
             lp, _ = logits_to_log_probs(output_tensor, batches[index], temperature=temperature,

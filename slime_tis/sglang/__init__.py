@@ -10,6 +10,9 @@ Typical use (one request per sample, ``return_logprob`` on)::
     batch = collate([sample, ...])                  # packed [T] tensors + cu_seqlens + sglang/* metrics
 
 Streaming: ``merge_stream_chunks(lines)`` first; multi-turn with tool tokens: ``TrajectoryBuilder``.
+Top-p / top-k sampling: ``generate_request(..., sampling_logprobs=True)`` and
+``parse_generate_response(resp, rollout_logprobs="sampling")`` use SGLang's log-probs of the
+truncated distribution (``output_token_sampling_logprobs``) as pi_rollout.
 """
 
 from __future__ import annotations
@@ -17,23 +20,28 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .response import RolloutTokens, SGLangLogprobError, parse_generate_response
+from .response import FINISH_ERROR_METRICS, NAN_STOP, RolloutTokens, SGLangLogprobError, parse_generate_response
 from .sampling import (
     ENV_RENORMALIZED,
+    TOP_K_ALL,
     SamplingCheck,
     TruncatedSamplingWarning,
     check_sampling_params,
     reset_sampling_warnings,
 )
-from .stream import iter_stream_chunks, merge_stream_batch, merge_stream_chunks
+from .stream import TOKEN_LISTS, iter_stream_chunks, merge_stream_batch, merge_stream_chunks
 from .trajectory import PackedRollouts, TrajectoryBuilder, collate
 
 __all__ = [
     "ENV_RENORMALIZED",
+    "FINISH_ERROR_METRICS",
+    "NAN_STOP",
     "PackedRollouts",
     "RolloutTokens",
     "SGLangLogprobError",
     "SamplingCheck",
+    "TOKEN_LISTS",
+    "TOP_K_ALL",
     "TrajectoryBuilder",
     "TruncatedSamplingWarning",
     "check_sampling_params",
@@ -53,21 +61,29 @@ def generate_request(
     *,
     stream: bool = False,
     renormalized_logprobs: bool | None = None,
+    sampling_logprobs: bool = False,
 ) -> dict[str, Any]:
     """The JSON body of an SGLang ``/generate`` request that returns output-token log-probs.
 
     Sets ``return_logprob = True`` and ``logprob_start_len = -1`` (output tokens only) and checks the
     sampling params for the top-p/top-k/min-p bias (warns once, see :func:`check_sampling_params`).
+    ``sampling_logprobs=True`` also sets ``return_sampling_mask = True``: SGLang (>= 0.5.23) then
+    returns ``meta_info.output_token_sampling_logprobs``, the log-probs under the truncated
+    distribution the tokens were drawn from; parse with ``rollout_logprobs="sampling"`` to use them
+    as pi_rollout (the top-p check does not warn then).
     """
     ids = [int(t) for t in input_ids]
     if not ids:
         raise ValueError("input_ids must contain at least one prompt token, got an empty list")
     params = dict(sampling_params or {})
-    check_sampling_params(params, renormalized_logprobs=renormalized_logprobs)
-    return {
+    check_sampling_params(params, renormalized_logprobs=True if sampling_logprobs else renormalized_logprobs)
+    body: dict[str, Any] = {
         "input_ids": ids,
         "sampling_params": params,
         "return_logprob": True,
         "logprob_start_len": -1,
         "stream": bool(stream),
     }
+    if sampling_logprobs:
+        body["return_sampling_mask"] = True
+    return body

@@ -22,8 +22,24 @@ Checks (each failure rejects the sequence and records a reason; ``on_error="rais
   is replaced by NaN and the sequence is marked rejected; the NaN makes the core reject it (and count
   it in ``tis/nonfinite_seq_fraction``), while the loss mask and the denominator stay as they were.
 
+* finish: ``meta_info.finish_reason`` must say the request finished normally. Rejected (whole
+  sequence masked, NaN log-probs, like a misalignment): ``null`` (the request had not finished: a
+  stream cut off before its finishing chunk), ``{"type": "abort", "message": ...}`` (SGLang aborted
+  it; the message is kept in the reason) and ``{"type": "stop", "matched": "NaN happened"}`` (SGLang's
+  stop when the sampler produced a token id outside the vocabulary, i.e. NaN/inf logits; the last
+  token was replaced by the stop token). A response without the key is not checked.
+
+pi_rollout: by default SGLang's ``output_token_logprobs`` (full temperature-scaled distribution).
+With ``rollout_logprobs="sampling"`` the log-probs of the distribution the token was actually
+drawn from (after top-p / top-k / min-p, renormalised over the kept support) are used instead:
+``meta_info.output_token_sampling_logprobs``, returned by SGLang >= 0.5.23 when the request sets
+``"return_sampling_mask": true`` (one float per token in its default ``sampling_logprobs_mode``
+``"selected"``; in ``"support"`` mode one list per token over ``output_token_sampling_mask[t]``,
+from which the sampled token's entry is taken).
+
 A response without ``meta_info.output_token_logprobs`` (request sent without ``return_logprob``)
-or with entries that are not ``[logprob, token_id, ...]`` is a usage error and always raises.
+or with entries that are not ``[logprob, token_id, ...]`` is a usage error and always raises, as
+does ``rollout_logprobs="sampling"`` on a response without ``output_token_sampling_logprobs``.
 """
 
 from __future__ import annotations
@@ -40,6 +56,8 @@ from torch import Tensor
 from .sampling import check_sampling_params
 
 __all__ = [
+    "FINISH_ERROR_METRICS",
+    "NAN_STOP",
     "RolloutTokens",
     "SGLangLogprobError",
     "parse_generate_response",
@@ -48,6 +66,17 @@ __all__ = [
 logger = logging.getLogger("slime_tis.sglang")
 
 OnError = Literal["reject", "raise"]
+RolloutLogprobs = Literal["full", "sampling"]
+
+#: SGLang's ``finish_reason`` for a NaN/inf sampler output (``schedule_batch.py``, ``FINISH_MATCHED_STR``).
+NAN_STOP = "NaN happened"
+
+#: Finish errors -> the metric that counts them (``collate``); one place for the names.
+FINISH_ERROR_METRICS = {
+    "unfinished": "sglang/unfinished_seq_fraction",
+    "aborted": "sglang/aborted_seq_fraction",
+    "nan_stop": "sglang/nan_stop_seq_fraction",
+}
 
 
 class SGLangLogprobError(ValueError):
@@ -67,6 +96,8 @@ class RolloutTokens:
         rejected: the sequence failed a check (see ``reasons``).
         misaligned: rejected for a length/alignment error (mask zeroed).
         nonfinite: rejected for a None/NaN/inf/positive log-prob (NaN placed, mask kept).
+        finish_error: ``None``, or why the request did not finish normally (a key of
+            :data:`FINISH_ERROR_METRICS`: ``"unfinished"``, ``"aborted"``, ``"nan_stop"``; mask zeroed).
         reasons: human-readable reasons, one per failed check.
     """
 
@@ -76,6 +107,7 @@ class RolloutTokens:
     rejected: bool = False
     misaligned: bool = False
     nonfinite: bool = False
+    finish_error: str | None = None
     reasons: list[str] = field(default_factory=list)
 
     @property
@@ -143,10 +175,21 @@ def _alignment_errors(meta: Mapping[str, Any], response: Mapping[str, Any], ids:
     return errors
 
 
+class _Unusable:
+    """A placeholder value that names why a token has no usable log-prob."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+
 def _value_errors(values: list[Any], tolerance: float) -> tuple[list[float], list[str]]:
     out: list[float] = []
     bad: dict[str, list[int]] = {}
     for t, v in enumerate(values):
+        if isinstance(v, _Unusable):
+            bad.setdefault(v.kind, []).append(t)
+            out.append(math.nan)
+            continue
         if v is None:
             bad.setdefault("None", []).append(t)
             out.append(math.nan)
@@ -174,6 +217,83 @@ def _value_errors(values: list[Any], tolerance: float) -> tuple[list[float], lis
     return out, reasons
 
 
+def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) -> tuple[str, str] | None:
+    """``(kind, reason)`` when ``meta_info.finish_reason`` says the request did not finish normally.
+
+    SGLang's values (``schedule_batch.py``, ``BaseFinishReason.to_json``): ``{"type": "stop",
+    "matched": id | str}``, ``{"type": "length", "length": n}``, ``{"type": "abort", "message": str,
+    "status_code": int | None, "err_type": str | None}``; ``null`` while the request runs (every
+    streamed chunk but the last).
+    """
+    if "finish_reason" not in meta:
+        return None
+    fr = meta["finish_reason"]
+    if fr is None:
+        stream = response.get("stream")
+        if isinstance(stream, Mapping):
+            where = (
+                f"finish_reason null in the last of {stream.get('chunks')} stream chunk(s), "
+                + ("then [DONE]" if stream.get("done") else "no [DONE] line")
+                + ": the stream was cut off before its finishing chunk"
+            )
+        else:
+            where = "finish_reason null: the response is not the request's final output"
+        return "unfinished", f"the request had not finished ({where}); its {n} received token(s) are not used"
+    kind = fr.get("type") if isinstance(fr, Mapping) else fr
+    if kind == "abort":
+        if isinstance(fr, Mapping):
+            detail = f"message {fr.get('message')!r}"
+            if fr.get("status_code") is not None:
+                detail += f", status_code {fr['status_code']}"
+            if fr.get("err_type") is not None:
+                detail += f", err_type {fr['err_type']!r}"
+        else:
+            detail = "no message"
+        return "aborted", f"SGLang aborted the request (finish_reason abort: {detail})"
+    if isinstance(fr, Mapping) and fr.get("matched") == NAN_STOP:
+        return "nan_stop", (
+            f"SGLang stopped the request with {NAN_STOP!r}: the sampler produced a token id outside the "
+            "vocabulary (NaN/inf logits) and the last token was replaced by the stop token"
+        )
+    return None
+
+
+def _sampling_logprobs(meta: Mapping[str, Any], ids: list[int]) -> tuple[list[Any], list[str]]:
+    """Per-token log-probs of the truncated sampling distribution, from ``output_token_sampling_logprobs``.
+
+    Returns the values (aligned with ``ids``) and alignment errors.
+    """
+    if "output_token_sampling_logprobs" not in meta:
+        raise SGLangLogprobError(
+            "rollout_logprobs='sampling' needs meta_info['output_token_sampling_logprobs']: send the /generate "
+            "request with \"return_sampling_mask\": true (SGLang >= 0.5.23), or parse with rollout_logprobs='full'"
+        )
+    vals = meta["output_token_sampling_logprobs"]
+    if not isinstance(vals, (list, tuple)):
+        raise SGLangLogprobError(
+            f"meta_info['output_token_sampling_logprobs'] must be a list, got {type(vals).__name__}"
+        )
+    n = len(ids)
+    if len(vals) != n:
+        reason = f"len(output_token_sampling_logprobs) = {len(vals)} but len(output_token_logprobs) = {n}"
+        return [0.0] * n, [reason]  # placeholders: a misaligned sequence gets NaN log-probs and mask 0
+    support = meta.get("output_token_sampling_mask")
+    out: list[Any] = []
+    for t, v in enumerate(vals):
+        if not isinstance(v, (list, tuple)):  # sampling_logprobs_mode "selected": the sampled token's value
+            out.append(v)
+            continue
+        # sampling_logprobs_mode "support": one value per token id of output_token_sampling_mask[t]
+        row = support[t] if isinstance(support, (list, tuple)) and t < len(support) else None
+        if not isinstance(row, (list, tuple)) or len(row) != len(v):
+            raise SGLangLogprobError(
+                f"output_token_sampling_logprobs[{t}] is a list (support mode) but output_token_sampling_mask[{t}] "
+                "does not list the same number of token ids"
+            )
+        out.append(v[list(row).index(ids[t])] if ids[t] in row else _Unusable("sampled-token-outside-support"))
+    return out, []
+
+
 def parse_generate_response(
     response: Mapping[str, Any],
     *,
@@ -181,6 +301,7 @@ def parse_generate_response(
     sampling_params: Mapping[str, Any] | None = None,
     renormalized_logprobs: bool | None = None,
     logprob_tolerance: float = 1e-4,
+    rollout_logprobs: RolloutLogprobs = "full",
 ) -> RolloutTokens:
     """Turn one ``/generate`` response (a dict, as returned by ``requests.post(...).json()``) into
     :class:`RolloutTokens` (all tokens trainable, ``loss_mask = 1``).
@@ -193,9 +314,15 @@ def parse_generate_response(
             top-k / min-p bias (:func:`check_sampling_params`, warns once).
         renormalized_logprobs: forwarded to :func:`check_sampling_params`.
         logprob_tolerance: log-probs above this value are invalid (a log-prob is <= 0).
+        rollout_logprobs: ``"full"`` (default): pi_rollout = ``output_token_logprobs`` (truncation
+            ignored); ``"sampling"``: pi_rollout = ``output_token_sampling_logprobs``, the log-prob under
+            the truncated, renormalised distribution the token was drawn from (request sent with
+            ``"return_sampling_mask": true``). With ``"sampling"`` the top-p/top-k check does not warn.
     """
     if on_error not in ("reject", "raise"):
         raise ValueError(f"on_error must be 'reject' or 'raise', got {on_error!r}")
+    if rollout_logprobs not in ("full", "sampling"):
+        raise ValueError(f"rollout_logprobs must be 'full' or 'sampling', got {rollout_logprobs!r}")
     if not isinstance(response, Mapping):
         raise TypeError(f"response must be a dict (one /generate result), got {type(response).__name__}")
     meta = response.get("meta_info")
@@ -205,13 +332,20 @@ def parse_generate_response(
             "is this an SGLang /generate response?"
         )
     if sampling_params is not None:
-        check_sampling_params(sampling_params, renormalized_logprobs=renormalized_logprobs)
+        declared = True if rollout_logprobs == "sampling" else renormalized_logprobs
+        check_sampling_params(sampling_params, renormalized_logprobs=declared)
 
     entries = _entries(meta)
     ids = [int(e[1]) for e in entries]
-    values, value_reasons = _value_errors([e[0] for e in entries], logprob_tolerance)
+    raw = [e[0] for e in entries]
     align_reasons = _alignment_errors(meta, response, ids)
-    reasons = align_reasons + value_reasons
+    if rollout_logprobs == "sampling":
+        raw, sampling_align = _sampling_logprobs(meta, ids)
+        align_reasons += sampling_align
+    values, value_reasons = _value_errors(raw, logprob_tolerance)
+    finish = _finish_error(meta, response, len(ids))
+    finish_reasons = [finish[1]] if finish else []
+    reasons = finish_reasons + align_reasons + value_reasons
     rid = meta.get("id")
     if reasons and on_error == "raise":
         raise SGLangLogprobError(f"request {rid!r}: " + "; ".join(reasons))
@@ -219,7 +353,7 @@ def parse_generate_response(
     token_ids = torch.tensor(ids, dtype=torch.int64)
     log_probs = torch.tensor(values, dtype=torch.float32)
     mask = torch.ones(len(ids), dtype=torch.float32)
-    if align_reasons:
+    if align_reasons or finish:
         mask.zero_()
         log_probs.fill_(math.nan)
     if reasons:
@@ -231,5 +365,6 @@ def parse_generate_response(
         rejected=bool(reasons),
         misaligned=bool(align_reasons),
         nonfinite=bool(value_reasons),
+        finish_error=finish[0] if finish else None,
         reasons=reasons,
     )

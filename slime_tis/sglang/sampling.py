@@ -9,12 +9,18 @@ true behaviour log-prob is therefore ``log p_t(y) - log S_t``, and every per-tok
 the correct one (e.g. ``S = 0.9`` at ``top_p = 0.9``: each token's ratio is biased by 0.9, a
 100-token sequence ratio by ``0.9**100``).
 
-Unless the engine returns log-probs renormalised over the truncated support *and* the trainer masks
-its logits to the same support (slime's top-p replay), train with ``top_p = 1``, ``top_k = -1``,
-``min_p = 0``. This module warns once per process and setting, loudly (``warnings.warn`` and the
-logger), when the sampling parameters truncate and the user did not declare renormalised
-log-probs (``renormalized_logprobs=True`` or the environment variable
-``SLIME_TIS_RENORMALIZED_LOGPROBS=1``).
+SGLang >= 0.5.23 can return the truncated distribution's log-probs itself: request with
+``"return_sampling_mask": true`` and parse with ``rollout_logprobs="sampling"``
+(``meta_info.output_token_sampling_logprobs`` becomes pi_rollout; the ratio is then the true
+importance ratio of the trainer's full-vocabulary policy to the truncated behaviour distribution,
+``S_t`` times the untruncated one). Otherwise, unless the engine returns renormalised log-probs
+*and* the trainer masks its logits to the same support (slime's top-p replay), train with
+``top_p = 1``, ``top_k = -1``, ``min_p = 0``. ``top_k = -1`` and ``top_k >= 2**30`` (SGLang's
+``TOP_K_ALL``, the schema default of ``top_k``) both mean "no top-k".
+
+This module warns once per process and setting, loudly (``warnings.warn`` and the logger), when
+the sampling parameters truncate and the user did not declare renormalised log-probs
+(``renormalized_logprobs=True`` or the environment variable ``SLIME_TIS_RENORMALIZED_LOGPROBS=1``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "ENV_RENORMALIZED",
+    "TOP_K_ALL",
     "SamplingCheck",
     "TruncatedSamplingWarning",
     "check_sampling_params",
@@ -37,6 +44,9 @@ __all__ = [
 logger = logging.getLogger("slime_tis.sglang")
 
 ENV_RENORMALIZED = "SLIME_TIS_RENORMALIZED_LOGPROBS"
+#: SGLang's "whole vocabulary" top-k (``sampling_params.py``: ``TOP_K_ALL = 1 << 30``), the value
+#: ``-1`` is turned into and the default its request schema shows.
+TOP_K_ALL = 1 << 30
 _WARNED: set[tuple[float, int, float]] = set()
 
 
@@ -48,7 +58,7 @@ class TruncatedSamplingWarning(UserWarning):
 class SamplingCheck:
     """Result of :func:`check_sampling_params`.
 
-    ``truncated`` is true when top-p < 1, top-k > 0 or min-p > 0; ``biased`` when it is truncated
+    ``truncated`` is true when top-p < 1, 0 < top-k < 2**30 or min-p > 0; ``biased`` when it is truncated
     and renormalised log-probs were not declared; ``warned`` when this call emitted the warning.
     """
 
@@ -83,7 +93,8 @@ def check_sampling_params(
 
     Args:
         sampling_params: the request's ``sampling_params`` dict (SGLang keys ``temperature``,
-            ``top_p``, ``top_k``, ``min_p``; SGLang defaults 1.0, 1.0, -1, 0.0 when absent).
+            ``top_p``, ``top_k``, ``min_p``; SGLang defaults 1.0, 1.0, -1, 0.0 when absent; ``top_k``
+            -1 and >= ``TOP_K_ALL`` = 2**30 mean no top-k).
         renormalized_logprobs: the user declares that the engine returns log-probs renormalised
             over the truncated support (and that training masks its logits the same way). ``None``
             reads ``SLIME_TIS_RENORMALIZED_LOGPROBS``.
@@ -107,7 +118,8 @@ def check_sampling_params(
     if temperature < 0.0:
         raise ValueError(f"sampling_params['temperature'] must be >= 0, got {temperature}")
 
-    truncated = top_p < 1.0 or top_k > 0 or min_p > 0.0
+    top_k_on = 0 < top_k < TOP_K_ALL
+    truncated = top_p < 1.0 or top_k_on or min_p > 0.0
     declared = _env_declares_renormalized() if renormalized_logprobs is None else bool(renormalized_logprobs)
     biased = truncated and not declared
     warned = False
@@ -115,16 +127,19 @@ def check_sampling_params(
     if biased and key not in _WARNED:
         _WARNED.add(key)
         warned = True
-        flags = ((f"top_p={top_p}", top_p < 1), (f"top_k={top_k}", top_k > 0), (f"min_p={min_p}", min_p > 0))
+        flags = ((f"top_p={top_p}", top_p < 1), (f"top_k={top_k}", top_k_on), (f"min_p={min_p}", min_p > 0))
         active = ", ".join(s for s, on in flags if on)
         msg = (
             f"SGLang sampling uses {active}, but SGLang's output_token_logprobs are log-probs of the "
             "full temperature-scaled distribution (truncation ignored). The sampled tokens come from the "
             "truncated distribution, so every importance ratio pi_train/pi_rollout is biased by the kept "
-            "mass S_t (log-ratio off by log S_t per token; sequence ratios by the product). Sample with "
-            "top_p=1, top_k=-1, min_p=0 for TIS/MIS training, or make the engine return renormalised "
-            "log-probs and mask the trainer's logits to the same support (slime's top-p replay), then "
-            f"declare it with renormalized_logprobs=True or {ENV_RENORMALIZED}=1."
+            "mass S_t (log-ratio off by log S_t per token; sequence ratios by the product). Either sample "
+            "with top_p=1, top_k=-1, min_p=0 for TIS/MIS training; or let SGLang (>= 0.5.23) return the "
+            "truncated distribution's log-probs: send \"return_sampling_mask\": true "
+            "(generate_request(..., sampling_logprobs=True)) and parse with rollout_logprobs=\"sampling\", "
+            "which uses meta_info.output_token_sampling_logprobs as pi_rollout; or make the engine return "
+            "renormalised log-probs and mask the trainer's logits to the same support (slime's top-p replay), "
+            f"then declare it with renormalized_logprobs=True or {ENV_RENORMALIZED}=1."
         )
         logger.warning(msg)
         warnings.warn(msg, TruncatedSamplingWarning, stacklevel=2)

@@ -2,30 +2,90 @@
 
 The stream is server-sent events: lines ``data: {json}`` and a final ``data: [DONE]``. Each JSON
 chunk has ``text``, ``output_ids`` and ``meta_info`` (with ``output_token_logprobs`` when
-``return_logprob`` is set). SGLang has two streaming modes:
+``return_logprob`` is set, ``finish_reason`` ``null`` on every chunk but the request's last).
+SGLang has two streaming modes:
 
 * default (cumulative): every chunk carries *all* tokens so far in ``output_token_logprobs``;
 * ``--incremental-streaming-output``: every chunk carries only the *new* tokens (``output_ids``,
-  ``output_token_logprobs`` are sliced to the delta).
+  ``output_token_logprobs`` and the other per-token lists are sliced to the delta).
 
-Both carry ``meta_info.output_token_logprobs_length``, the total so far, which identifies the mode
-exactly. Without it (other servers, hand-built chunks) the mode is inferred: a chunk whose list
-starts with everything received so far is cumulative. Pass ``incremental=True/False`` to force it.
-A batched streaming request tags chunks with ``"index"``; :func:`merge_stream_batch` splits them.
+Both carry ``meta_info.output_token_logprobs_length``, the total *when the chunk was built*. A
+cumulative chunk holds at least that many entries: SGLang's intermediate chunks reference the
+request's growing lists instead of copying them (``tokenizer_manager.py``, "pass reference (no
+copy)"), so a chunk serialised late -- typical of batched and ``n > 1`` streams, whose chunks wait
+for their turn -- already holds later tokens. An incremental chunk holds fewer (the delta) after the
+first. Hence: ``len(list) < length`` means incremental (and the deltas must add up to the length);
+otherwise the chunk is cumulative and must extend what was received (the length field is only a
+cross-check; a chunk ahead of it is counted in ``stream["ahead"]``). Without the field (other
+servers, hand-built chunks) the mode is inferred: a chunk whose list starts with everything received
+so far is cumulative. Pass ``incremental=True/False`` to force it. A batched streaming request tags
+chunks with ``"index"``; :func:`merge_stream_batch` splits them.
 
-The merged dict has the shape of a non-streaming response and goes to
-:func:`slime_tis.sglang.parse_generate_response`, which performs the alignment checks.
+The merged dict has the shape of a non-streaming response plus ``"stream": {"chunks", "done",
+"ahead"}`` (chunks merged, whether ``[DONE]`` was seen, chunks whose lists were ahead of their
+length field). It goes to :func:`slime_tis.sglang.parse_generate_response`, which performs the
+alignment checks and rejects, with the reason, a request whose last chunk is not its finishing one
+(``finish_reason`` null: a stream cut off early).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .response import SGLangLogprobError
 
-__all__ = ["iter_stream_chunks", "merge_stream_batch", "merge_stream_chunks"]
+__all__ = ["TOKEN_LISTS", "iter_stream_chunks", "merge_stream_batch", "merge_stream_chunks"]
+
+#: ``meta_info`` lists with one entry per output token: the ones SGLang slices in incremental mode
+#: (``_INCREMENTAL_STREAMING_META_INFO_KEYS`` in ``tokenizer_manager.py``, 0.5.23). Merged alike.
+TOKEN_LISTS = (
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "output_token_ids_logprobs",
+    "output_token_sampling_mask",
+    "output_token_sampling_logprobs",
+)
+_PRIMARY = "output_token_logprobs"
+
+
+class _Lines:
+    """Iterate the chunk dicts of a stream; ``done`` tells whether ``data: [DONE]`` was seen."""
+
+    def __init__(self, lines: Iterable[str | bytes | Mapping[str, Any]]) -> None:
+        self.lines = lines
+        self.done = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for lineno, line in enumerate(self.lines):
+            if isinstance(line, Mapping):
+                yield dict(line)
+                continue
+            if isinstance(line, bytes):
+                line = line.decode("utf-8")
+            if not isinstance(line, str):
+                raise TypeError(f"stream line {lineno} must be str, bytes or dict, got {type(line).__name__}")
+            line = line.strip()
+            if not line or line.startswith(":"):
+                continue
+            if not line.startswith("data:"):
+                raise SGLangLogprobError(f"stream line {lineno} is not a server-sent 'data:' line: {line[:80]!r}")
+            payload = line[len("data:") :].strip()
+            if payload == "[DONE]":
+                self.done = True
+                return
+            try:
+                obj = json.loads(payload)
+            except json.JSONDecodeError as e:
+                msg = f"stream line {lineno}: invalid JSON ({e.msg}): {payload[:80]!r}"
+                raise SGLangLogprobError(msg) from None
+            if not isinstance(obj, dict):
+                raise SGLangLogprobError(f"stream line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            if "error" in obj and "meta_info" not in obj:
+                raise SGLangLogprobError(f"stream line {lineno}: server error {obj['error']!r}")
+            yield obj
 
 
 def iter_stream_chunks(lines: Iterable[str | bytes | Mapping[str, Any]]) -> Iterable[dict[str, Any]]:
@@ -33,116 +93,129 @@ def iter_stream_chunks(lines: Iterable[str | bytes | Mapping[str, Any]]) -> Iter
 
     Blank lines and SSE comments are skipped; ``data: [DONE]`` ends the stream.
     """
-    for lineno, line in enumerate(lines):
-        if isinstance(line, Mapping):
-            yield dict(line)
-            continue
-        if isinstance(line, bytes):
-            line = line.decode("utf-8")
-        if not isinstance(line, str):
-            raise TypeError(f"stream line {lineno} must be str, bytes or dict, got {type(line).__name__}")
-        line = line.strip()
-        if not line or line.startswith(":"):
-            continue
-        if not line.startswith("data:"):
-            raise SGLangLogprobError(f"stream line {lineno} is not a server-sent 'data:' line: {line[:80]!r}")
-        payload = line[len("data:") :].strip()
-        if payload == "[DONE]":
-            return
-        try:
-            obj = json.loads(payload)
-        except json.JSONDecodeError as e:
-            msg = f"stream line {lineno}: invalid JSON ({e.msg}): {payload[:80]!r}"
-            raise SGLangLogprobError(msg) from None
-        if not isinstance(obj, dict):
-            raise SGLangLogprobError(
-                f"stream line {lineno}: expected a JSON object, got {type(obj).__name__}"
-            )
-        if "error" in obj and "meta_info" not in obj:
-            raise SGLangLogprobError(f"stream line {lineno}: server error {obj['error']!r}")
-        yield obj
+    return iter(_Lines(lines))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality of JSON values where NaN equals NaN (a log-prob may be NaN)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _extends(new: list[Any], old: list[Any]) -> bool:
+    """``new`` starts with ``old``, checked at its first, middle and last entries (O(1) per chunk: a
+    full comparison would make merging a long stream quadratic)."""
+    n = len(old)
+    if len(new) < n:
+        return False
+    return all(_same(new[i], old[i]) for i in {0, n // 2, n - 1} if 0 <= i < n)
+
+
+def _length_field(meta: Mapping[str, Any]) -> int | None:
+    value = meta.get("output_token_logprobs_length")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class _Accumulator:
-    def __init__(self, incremental: bool | None) -> None:
+    """The merged state of one request (one ``index``) of a stream."""
+
+    def __init__(self, incremental: bool | None, index: int) -> None:
         self.forced = incremental
         self.mode: bool | None = incremental
-        self.entries: list[Any] = []
+        self.index = index
+        self.lists: dict[str, list[Any]] = {}
         self.output_ids: list[int] | None = None
         self.text_parts: list[str] = []
         self.last_text: str | None = None
         self.meta: dict[str, Any] = {}
         self.n_chunks = 0
+        self.ahead = 0
+        self.finished = False
+
+    @property
+    def entries(self) -> list[Any]:
+        return self.lists.get(_PRIMARY, [])
+
+    def _where(self) -> str:
+        return f"stream chunk {self.n_chunks}" + (f" of index {self.index}" if self.index else "")
 
     def _is_incremental(self, lps: list[Any], meta: Mapping[str, Any]) -> bool:
         if self.forced is not None:
             return self.forced
-        total = meta.get("output_token_logprobs_length")
-        if isinstance(total, int) and not isinstance(total, bool):
-            if len(lps) == total and len(self.entries) + len(lps) != total:
-                return False
-            if len(self.entries) + len(lps) == total and len(lps) != total:
-                return True
-            if len(lps) == total:  # both readings agree (first chunk, or empty history)
-                return False
-            raise SGLangLogprobError(
-                f"stream chunk {self.n_chunks}: {len(lps)} log-prob entries with {len(self.entries)} "
-                f"received so far do not add up to output_token_logprobs_length = {total}"
-            )
+        total = _length_field(meta)
+        if total is not None:
+            return len(lps) < total
         if self.mode is not None:
             return self.mode
         n = len(self.entries)
-        if n and len(lps) >= n and [list(e) for e in lps[:n]] == [list(e) for e in self.entries]:
-            self.mode = False
-            return False
-        if n:
-            self.mode = True
-        return n > 0
+        if n == 0:
+            return False  # first chunk: both readings agree
+        self.mode = not _extends(lps, self.entries)
+        return self.mode
 
     def add(self, chunk: Mapping[str, Any]) -> None:
         meta = chunk.get("meta_info")
         if not isinstance(meta, Mapping):
-            raise SGLangLogprobError(f"stream chunk {self.n_chunks} has no 'meta_info' dict")
-        lps = meta.get("output_token_logprobs")
+            raise SGLangLogprobError(f"{self._where()} has no 'meta_info' dict")
+        if self.finished:
+            raise SGLangLogprobError(f"{self._where()} arrives after the request's finishing chunk")
+        lps = meta.get(_PRIMARY)
         if lps is None:
             raise SGLangLogprobError(
-                f"stream chunk {self.n_chunks} has no meta_info['output_token_logprobs']: "
+                f"{self._where()} has no meta_info['output_token_logprobs']: "
                 "send the request with \"return_logprob\": true"
             )
         lps = list(lps)
-        incremental = self._is_incremental(lps, meta)
+        total = _length_field(meta)
+        lists = {k: list(meta[k]) for k in TOKEN_LISTS if isinstance(meta.get(k), (list, tuple))}
         ids = chunk.get("output_ids")
-        if incremental:
-            self.entries.extend(lps)
+        if self._is_incremental(lps, meta):
+            if total is not None and len(self.entries) + len(lps) != total:
+                raise SGLangLogprobError(
+                    f"{self._where()}: {len(lps)} log-prob entries with {len(self.entries)} "
+                    f"received so far do not add up to output_token_logprobs_length = {total}"
+                )
+            for key, values in lists.items():
+                self.lists.setdefault(key, []).extend(values)
             if isinstance(ids, (list, tuple)):
                 self.output_ids = (self.output_ids or []) + list(ids)
             if isinstance(chunk.get("text"), str):
                 self.text_parts.append(chunk["text"])
         else:
-            n = len(self.entries)
-            if len(lps) < n or [list(e) for e in lps[:n]] != [list(e) for e in self.entries]:
-                raise SGLangLogprobError(
-                    f"stream chunk {self.n_chunks} is cumulative but does not extend the {n} entries "
-                    "received so far (chunks out of order, or mixed streaming modes?)"
-                )
-            self.entries = lps
+            for key, values in lists.items():
+                old = self.lists.get(key, [])
+                if not _extends(values, old):
+                    raise SGLangLogprobError(
+                        f"{self._where()} is cumulative but its {key} does not extend the {len(old)} entries "
+                        "received so far (chunks out of order, or mixed streaming modes?)"
+                    )
+                self.lists[key] = values
+            if total is not None and len(lps) > total:
+                self.ahead += 1  # serialised after its (referenced) lists grew: later tokens, already here
             if isinstance(ids, (list, tuple)):
                 self.output_ids = list(ids)
             if isinstance(chunk.get("text"), str):
                 self.last_text = chunk["text"]
         self.meta = dict(meta)
         self.n_chunks += 1
+        self.finished = meta.get("finish_reason") is not None
 
-    def result(self) -> dict[str, Any]:
+    def result(self, done: bool) -> dict[str, Any]:
         if self.n_chunks == 0:
             raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
         meta = dict(self.meta)
-        meta["output_token_logprobs"] = self.entries
+        meta.update(self.lists)
         meta["output_token_logprobs_length"] = len(self.entries)
+        if "output_token_sampling_mask" in self.lists:
+            meta["output_token_sampling_mask_length"] = len(self.lists["output_token_sampling_mask"])
         text = "".join(self.text_parts) if self.text_parts else self.last_text
         out: dict[str, Any] = {"text": text, "meta_info": meta}
         if self.output_ids is not None:
             out["output_ids"] = self.output_ids
+        out["stream"] = {"chunks": self.n_chunks, "done": done, "ahead": self.ahead}
         return out
 
 
@@ -150,16 +223,24 @@ def merge_stream_batch(
     chunks: Iterable[str | bytes | Mapping[str, Any]], *, incremental: bool | None = None
 ) -> list[dict[str, Any]]:
     """Merge the chunks of a (possibly batched) streaming request; one response dict per ``index``,
-    ordered by index (chunks without ``index`` belong to index 0)."""
+    ordered by index (chunks without ``index`` belong to index 0).
+
+    A request whose stream stops before its finishing chunk is still returned (``finish_reason``
+    null, ``stream["done"]`` false when ``[DONE]`` is missing) and is rejected, counted, by
+    :func:`slime_tis.sglang.parse_generate_response`; the other requests of the batch are unaffected.
+    """
+    lines = _Lines(chunks)
     accs: dict[int, _Accumulator] = {}
-    for chunk in iter_stream_chunks(chunks):
+    for chunk in lines:
         index = chunk.get("index", 0)
         if isinstance(index, bool) or not isinstance(index, int):
             raise SGLangLogprobError(f"stream chunk has a non-integer 'index' {index!r}")
-        accs.setdefault(index, _Accumulator(incremental)).add(chunk)
+        if index not in accs:
+            accs[index] = _Accumulator(incremental, index)
+        accs[index].add(chunk)
     if not accs:
         raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
-    return [accs[i].result() for i in sorted(accs)]
+    return [accs[i].result(lines.done) for i in sorted(accs)]
 
 
 def merge_stream_chunks(

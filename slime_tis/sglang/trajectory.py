@@ -7,8 +7,11 @@ stored as 0.0 and ignored). This is slime's ``Sample.append_response_tokens`` co
 
 :func:`collate` packs a batch into the core's layout (``[T]`` tensors + ``cu_seqlens``) and counts
 rejections: ``sglang/rejected_seq_fraction`` (any reason), ``sglang/misaligned_seq_fraction``
-(length/alignment errors: whole sequence masked) and ``sglang/nonfinite_seq_fraction``
-(None/NaN/inf/positive log-probs: NaN placed so that the core rejects the sequence).
+(length/alignment errors: whole sequence masked), ``sglang/nonfinite_seq_fraction``
+(None/NaN/inf/positive log-probs: NaN placed so that the core rejects the sequence), and the
+requests that did not finish normally (whole sequence masked): ``sglang/unfinished_seq_fraction``
+(``finish_reason`` null: a stream cut off before its finishing chunk), ``sglang/aborted_seq_fraction``
+(``finish_reason`` abort) and ``sglang/nan_stop_seq_fraction`` (SGLang's "NaN happened" stop).
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .response import OnError, RolloutTokens, SGLangLogprobError, parse_generate_response
+from .response import (
+    FINISH_ERROR_METRICS,
+    OnError,
+    RolloutLogprobs,
+    RolloutTokens,
+    SGLangLogprobError,
+    parse_generate_response,
+)
 
 __all__ = ["PackedRollouts", "TrajectoryBuilder", "collate"]
 
@@ -36,7 +46,9 @@ class TrajectoryBuilder:
         traj.add_response(resp_turn_2)
         sample = traj.build()                      # RolloutTokens over the whole response
 
-    A rejected turn rejects the whole trajectory (its reasons are prefixed with the turn number).
+    A rejected turn rejects the whole trajectory (its reasons are prefixed with the turn number); a
+    misaligned or unfinished/aborted turn masks all of it. Keyword arguments go to
+    :func:`parse_generate_response` for every turn.
     """
 
     def __init__(
@@ -45,10 +57,12 @@ class TrajectoryBuilder:
         on_error: OnError = "reject",
         sampling_params: Mapping[str, Any] | None = None,
         renormalized_logprobs: bool | None = None,
+        rollout_logprobs: RolloutLogprobs = "full",
     ) -> None:
         self.on_error = on_error
         self.sampling_params = sampling_params
         self.renormalized_logprobs = renormalized_logprobs
+        self.rollout_logprobs = rollout_logprobs
         self._parts: list[RolloutTokens] = []
         self._turn = 0
 
@@ -59,6 +73,7 @@ class TrajectoryBuilder:
             on_error=self.on_error,
             sampling_params=self.sampling_params,
             renormalized_logprobs=self.renormalized_logprobs,
+            rollout_logprobs=self.rollout_logprobs,
         )
         parsed.reasons = [f"turn {self._turn}: {r}" for r in parsed.reasons]
         self._turn += 1
@@ -89,10 +104,12 @@ class TrajectoryBuilder:
             rejected=any(p.rejected for p in parts),
             misaligned=any(p.misaligned for p in parts),
             nonfinite=any(p.nonfinite for p in parts),
+            finish_error=next((p.finish_error for p in parts if p.finish_error), None),
             reasons=[r for p in parts for r in p.reasons],
         )
-        if out.misaligned:
-            # one misaligned turn shifts every later token: nothing of this trajectory is trustworthy
+        if out.misaligned or out.finish_error:
+            # one misaligned turn shifts every later token, and a turn that did not finish broke the
+            # conversation after it: nothing of this trajectory is trustworthy
             out.loss_mask.zero_()
         return out
 
@@ -136,6 +153,10 @@ def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
     rejected = torch.tensor([s.rejected for s in samples], dtype=torch.bool)
     misaligned = torch.tensor([s.misaligned for s in samples], dtype=torch.bool)
     nonfinite = torch.tensor([s.nonfinite for s in samples], dtype=torch.bool)
+    finish = {
+        name: torch.tensor([s.finish_error == kind for s in samples], dtype=torch.float32).mean()
+        for kind, name in FINISH_ERROR_METRICS.items()
+    }
     return PackedRollouts(
         token_ids=torch.cat([s.token_ids for s in samples]),
         rollout_log_probs=torch.cat([s.rollout_log_probs for s in samples]),
@@ -147,5 +168,6 @@ def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
             "sglang/rejected_seq_fraction": rejected.float().mean(),
             "sglang/misaligned_seq_fraction": misaligned.float().mean(),
             "sglang/nonfinite_seq_fraction": nonfinite.float().mean(),
+            **finish,
         },
     )

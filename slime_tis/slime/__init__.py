@@ -19,12 +19,14 @@ from slime_tis.slime.layout import cp_response_ranges, local_response_index, res
 from slime_tis.slime.loss_hook import reinforce_is_loss
 from slime_tis.slime.metrics import COLLECTOR, log_exact_metrics, token_metrics
 from slime_tis.slime.postprocess import postprocess_rollout_data
+from slime_tis.slime.record import flush_recorded_train_log_probs
 from slime_tis.slime.tis_hook import compute_tis_for_slime
 
 __all__ = [
     "COLLECTOR",
     "compute_tis_for_slime",
     "cp_response_ranges",
+    "flush_recorded_train_log_probs",
     "local_response_index",
     "log_exact_metrics",
     "postprocess_rollout_data",

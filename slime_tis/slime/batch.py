@@ -60,6 +60,17 @@ class SlimePacked:
             return torch.zeros(0, device=self.full_mask.device)
         return torch.cat(list(tensors))
 
+    def full_sample_index(self) -> Tensor:
+        """``[sum_i R_i]`` int64 sample number of each full-length position (on the masks' device)."""
+        n = len(self.response_lengths)
+        idx = torch.repeat_interleave(torch.arange(n), torch.tensor(self.response_lengths, dtype=torch.int64))
+        return idx.to(self.full_mask.device, non_blocking=True)
+
+    def local_sample_index(self) -> Tensor:
+        """``[T_local]`` int64 sample number of each CP-local token (on the masks' device)."""
+        idx = torch.repeat_interleave(torch.arange(len(self.response_lengths)), self.local_lengths)
+        return idx.to(self.full_mask.device, non_blocking=True)
+
     def full_keep_masks(self, keep: Tensor, reducer: Reducer) -> list[Tensor]:
         """Full-length per-sample loss masks with the rejected tokens zeroed, identical on all CP ranks.
 

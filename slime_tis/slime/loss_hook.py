@@ -13,16 +13,23 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
   (:func:`slime_tis.megatron.vocab_parallel_log_probs_and_entropy`, chunks of
   ``--log-probs-chunk-size`` rows; slime's ``-1`` = one chunk) at the rows slime's layout assigns
   to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
-* Aggregation is slime's: per-sample mean ``sum_i (1 / D_i) sum_{t in i} loss_t`` with slime's
-  denominators ``D_i = rollout_mask_sums[i]`` (the sample's original valid-token count, or the total of
-  its rollout group), or kept counts with ``tis_rejected_denominator: drop``; or, with
-  ``--calculate-per-token-loss``, the token sum that slime divides by its token count.
+* Aggregation is slime's: per-rollout mean ``sum_t loss_t / max(N_i, 1)`` with ``N_i =
+  rollout_mask_sums[i]`` (the valid-token count of sample ``i``'s whole rollout, all its samples; the
+  sample's own count when slime gives none); with ``tis_rejected_denominator: drop`` the rollout's kept
+  count, ``D_P = N_i k_P / n_P`` for the part ``P`` of the rollout in this micro-batch
+  (:mod:`slime_tis.slime.rollouts`; needs the rollout-data hook); or, with
+  ``--calculate-per-token-loss``, the token sum that slime divides by its token count (``drop`` refused).
+  Implemented as per-token coefficients on the advantages (the loss is linear in them) and one token sum.
 * ``tis_batch_normalize`` normalises per micro-batch over DP x CP (the weights depend on theta);
   every DP x CP rank must run the same number of micro-batches.
 * Entropy bonus (``--entropy-coef``) and KL loss (``--use-kl-loss``, ``--kl-loss-type`` k1 / k2 /
   k3 / low_var_kl against ``ref_log_probs``) are added as slime's policy loss does, over kept tokens.
 * Metrics are scalars reduced with slime's ``sum_of_sample_mean`` (original masks), like slime's
   own; the exact ``MetricStats`` go to :data:`slime_tis.slime.metrics.COLLECTOR`.
+
+* The detached ``lp_theta`` of every sample goes to slime's ``--save-debug-train-data`` capture (as
+  slime's own policy loss does) and, with ``tis_record_train_log_probs: true``, to this package's dump
+  (:mod:`slime_tis.slime.record`).
 
 Run it with ``--use-rollout-logprobs`` (no pi_old recompute is needed; without it slime recomputes
 pi_old, which this loss ignores, and a warning says so). slime's top-p replay
@@ -39,12 +46,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.core import policy_loss
-from slime_tis.slime.batch import pack_slime_batch
+from slime_tis.core import compute_tis, policy_loss
+from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
 from slime_tis.slime.parallel import parallel_context
+from slime_tis.slime.record import RECORDER, recording_enabled
+from slime_tis.slime.rollouts import rollout_part_counts
+from slime_tis.slime.state import STATE
 
 __all__ = ["kl_penalty", "reinforce_is_loss"]
 
@@ -69,29 +79,40 @@ def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
     raise ValueError(f"--kl-loss-type = {kind!r}: must be one of k1, k2, k3, low_var_kl")
 
 
-def _denominator_scale(rollout_mask_sums: Any, packed: Any, device: torch.device) -> Tensor:
-    """``[T_local]`` factor ``n_i / max(D_i, 1)`` that turns the core's per-sample mean (over the sample's
-    own valid count ``n_i``) into slime's ``sum_t loss_t / max(D_i, 1)`` with ``D_i`` =
-    ``rollout_mask_sums[i]`` (the sample's valid count, or its rollout group's total).
-
-    Exact because the algorithm-3 loss ``-w A lp_theta`` is linear in the advantage and ``w`` does not
-    depend on it. Equal to 1 when ``D_i = n_i``.
-    """
+def _rollout_denominators(rollout_mask_sums: Any, packed: SlimePacked, device: torch.device) -> Tensor:
+    """``[n]`` float32 ``N_i``: slime's ``rollout_mask_sums`` (the valid-token count of sample ``i``'s whole
+    rollout), or the sample's own valid count when slime gave none (its legacy per-sample mean)."""
+    n = len(packed.response_lengths)
+    if rollout_mask_sums is None:
+        return torch.zeros(n, device=device).index_add_(
+            0, packed.full_sample_index(), (packed.full_mask != 0).float()
+        )
     if isinstance(rollout_mask_sums, Tensor):
         denoms = rollout_mask_sums.reshape(-1)
     else:
-        denoms = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums])
-    denoms = denoms.to(device=device, dtype=torch.float32, non_blocking=True)
-    n = len(packed.response_lengths)
+        denoms = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums]) if n else torch.zeros(0)
     if denoms.numel() != n:
         raise ValueError(f"batch['rollout_mask_sums'] has {denoms.numel()} entries, expected one per sample ({n})")
-    sample_of_full = torch.repeat_interleave(torch.arange(n), torch.tensor(packed.response_lengths))
-    counts = torch.zeros(n, dtype=torch.float32, device=device).index_add_(
-        0, sample_of_full.to(device, non_blocking=True), (packed.full_mask != 0).float()
-    )
-    scale = torch.where(counts > 0, counts.clamp(min=1.0) / denoms.clamp(min=1.0), torch.ones_like(counts))
-    sample_of_local = torch.repeat_interleave(torch.arange(n), packed.local_lengths).to(device, non_blocking=True)
-    return scale[sample_of_local]
+    return denoms.to(device=device, dtype=torch.float32, non_blocking=True)
+
+
+def _token_coefficients(
+    batch: dict[str, Any], packed: SlimePacked, keep: Tensor | None, groups: Tensor | None, reducer: Any,
+    device: torch.device,
+) -> Tensor:
+    """``[T_local]`` factor ``c_t`` with slime's loss ``= sum_t c_t loss_t`` over kept tokens.
+
+    ``keep``: ``c_t = 1 / max(N_i, 1)`` (slime's per-rollout mean); ``drop`` (``keep`` = the keep mask):
+    ``c_t = n_P / (max(N_i, 1) k_P)``, i.e. ``1 / D_P`` with ``D_P = N_i k_P / n_P`` for the part ``P`` of
+    sample ``i``'s rollout in this micro-batch (:mod:`slime_tis.slime.rollouts`); 0 when ``k_P = 0``.
+    """
+    denoms = _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
+    if keep is None or groups is None:
+        coef = 1.0 / denoms
+    else:
+        n_part, k_part = rollout_part_counts(packed, packed.full_keep_masks(keep, reducer), groups)
+        coef = torch.where(k_part > 0, n_part / (denoms * k_part.clamp(min=1.0)), torch.zeros_like(k_part))
+    return coef[packed.local_sample_index()]
 
 
 def _warn_recompute(args: Any) -> None:
@@ -121,7 +142,7 @@ def reinforce_is_loss(
     if cfg.rejected_denominator == "drop" and cfg.loss_agg == "token-mean":
         raise ValueError(
             "tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
-            "divides by the micro-batch's original token count; use the default per-sample mean or 'keep'"
+            "divides by the step's original token count; use the default per-rollout mean or 'keep'"
         )
     if getattr(args, "use_unbiased_kl", False):
         raise ValueError("--use-unbiased-kl is not supported by reinforce_is_loss")
@@ -132,6 +153,8 @@ def reinforce_is_loss(
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be slime's packed [1, T, V/TP], got shape {tuple(logits.shape)}")
     _warn_recompute(args)
+    drop = cfg.rejected_denominator == "drop" and cfg.loss_agg == "seq-mean-token-mean"
+    groups = STATE.rollouts.group_index(batch["loss_masks"]) if drop else None
 
     ctx = parallel_context()
     if ctx.cp_size > 1 and getattr(args, "allgather_cp", False):
@@ -152,13 +175,22 @@ def reinforce_is_loss(
         chunk_size=chunk if chunk > 0 else max(int(rows.shape[0]), 1),  # slime: -1 = no chunking
         with_entropy=entropy_coef != 0.0,
     )
+    if recording_enabled(args) or getattr(args, "save_debug_train_data", None):  # device copies; written later
+        RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
-    if cfg.loss_agg == "seq-mean-token-mean" and batch.get("rollout_mask_sums") is not None:
-        advantages = advantages * _denominator_scale(batch["rollout_mask_sums"], packed, device)
+    # slime's aggregation as per-token coefficients on the (linear) advantages, then one token sum
+    if cfg.loss_agg == "seq-mean-token-mean":
+        keep_pre = None
+        if groups is not None:  # the keep decision does not depend on the coefficients
+            keep_pre = compute_tis(
+                cfg.replace(batch_normalize=False), lp_theta.detach(), lp_rollout, packed.local_mask,
+                packed.cu_seqlens, reducer=ctx.reducer, extra_finite=(advantages,),
+            ).keep_mask
+        advantages = advantages * _token_coefficients(batch, packed, keep_pre, groups, ctx.reducer, device)
 
     out = policy_loss(
-        cfg,
+        cfg.replace(loss_agg="token-mean", rejected_denominator="keep"),
         lp_theta,
         None,
         lp_rollout,

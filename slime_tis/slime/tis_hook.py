@@ -31,9 +31,15 @@ the CP reducer, so sequence and geometric levels see full-sequence sums on every
 all-reduce per micro-batch for the sums, one for the full-length masks; every CP rank takes part
 for every sample, also with zero local tokens). Rejected tokens get zero loss by selection
 (``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)``
-reducer. ``tis_rejected_denominator: drop`` rescales each sample's loss by ``n_valid / n_kept``
-(exact under slime's per-sample mean; refused with ``--calculate-per-token-loss``, whose
-denominator is the micro-batch token count). Algorithm 2 with ``tis_batch_normalize`` uses the
+reducer. slime divides each rollout's token sum by ``rollout_mask_sums`` = ``N_g``, its valid-token
+count over all its samples (``keep``); ``tis_rejected_denominator: drop`` makes that the rollout's kept
+count ``K_g``: the loss is scaled by ``N_g / K_g`` with the counts taken from pi_old before training (when
+``train_log_probs`` are slime's pi_old), else, for the part ``P`` of rollout ``g`` in this micro-batch, by
+``n_P / k_P`` (valid / kept tokens of the part, all CP ranks), see :mod:`slime_tis.slime.rollouts`; it needs
+the rollout ids
+registered by :func:`slime_tis.slime.postprocess_rollout_data` and is refused with
+``--calculate-per-token-loss`` (whose denominator is the step's original token count).
+Algorithm 2 with ``tis_batch_normalize`` uses the
 global factor computed before training by :func:`slime_tis.slime.postprocess_rollout_data`.
 """
 
@@ -46,11 +52,12 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import compute_tis, segment_sum
+from slime_tis.core import compute_tis
 from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
 from slime_tis.slime.parallel import parallel_context
+from slime_tis.slime.rollouts import rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["compute_tis_for_slime"]
@@ -87,6 +94,13 @@ def compute_tis_for_slime(
             "cannot express it; use --loss-type custom_loss --custom-loss-function-path "
             "slime_tis.slime.reinforce_is_loss (see docs/slime.md)"
         )
+    drop = cfg.rejected_denominator == "drop" and cfg.algorithm != 0
+    if drop and getattr(args, "calculate_per_token_loss", False):
+        raise ValueError(
+            "tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
+            "divides by the step's original token count; use the default per-rollout mean or 'keep'"
+        )
+    groups = STATE.rollouts.group_index(loss_masks) if drop else None
     ctx = parallel_context()
     packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)
     lp_train = packed.cat_local("train_log_probs", train_log_probs)
@@ -119,18 +133,14 @@ def compute_tis_for_slime(
     keep = res.keep_mask
     zero = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
     new_loss = pg_loss * res.weights.to(pg_loss.dtype) if cfg.applies_weights else pg_loss
-    if cfg.rejected_denominator == "drop":
-        if getattr(args, "calculate_per_token_loss", False):
-            raise ValueError(
-                "tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
-                "divides by the micro-batch's original token count; use the default per-sample mean or 'keep'"
-            )
-        n_seq = packed.cu_seqlens.numel() - 1
-        kept = ctx.reducer.sequence_sum(segment_sum(keep.float().unsqueeze(1), res.ratios.seq_id, n_seq))[
-            :, 0
-        ]
-        scale = res.ratios.seq_count / kept.clamp(min=1.0)  # per sample: n_valid / n_kept
-        new_loss = new_loss * scale[res.ratios.seq_id].to(pg_loss.dtype)
-    new_loss = torch.where(keep, new_loss, zero)
     masks = packed.full_keep_masks(keep, ctx.reducer)
+    if groups is not None:
+        counts = STATE.rollouts.rollout_counts(loss_masks, train_log_probs)
+        if counts is not None:  # decisions from pi_old: the rollout's kept count K_g, counted before training
+            scale = counts[:, 0] / counts[:, 1].clamp(min=1.0)  # slime divides by N_g
+        else:  # the part P of rollout g in this micro-batch: D_P = N_g k_P / n_P
+            n_part, k_part = rollout_part_counts(packed, masks, groups)
+            scale = n_part / k_part.clamp(min=1.0)
+        new_loss = new_loss * scale[packed.local_sample_index()].to(pg_loss.dtype)
+    new_loss = torch.where(keep, new_loss, zero)
     return new_loss, masks, metrics

@@ -254,20 +254,14 @@ def oracle_for(layout_name: str, case_name: str, num_microbatches: int, *, weigh
                   microbatch_rows=global_microbatches(dp, num_microbatches))
 
 
-def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights: dict[str, torch.Tensor],
-             lp_full: torch.Tensor, ref: Oracle, reducer_factory=None, masked_rank_rows: tuple[int, ...] = (),
-             fb_factory=None) -> dict:
-    """Run one (layout, case, M) under the current model-parallel layout; this rank's errors vs ``ref``."""
-    layout = LAYOUTS[layout_name]
-    cfg = TISConfig(**CASES[case_name])
-    batch = make_global_batch(lp_full, masked_rank_rows=masked_rank_rows)
-    dp = layout.dp(dist.get_world_size())
-    assert ps.get_tensor_model_parallel_world_size() == layout.tp and ps.get_data_parallel_world_size() == dp
-    rows = row_assignment(dp, ps.get_data_parallel_rank(), num_microbatches)
+def build_ddp_chunks(layout: Layout, weights: dict[str, torch.Tensor], *, average_in_collective: bool = False):
+    """This rank's model chunks with the global ``weights`` loaded (TP/PP shards), wrapped in megatron DDP.
 
+    Returns ``(ddps, params)`` with ``params`` = ``[(local name, parameter, global name)]`` over all chunks.
+    """
     chunks = ([build_model(layout, vp_stage=i) for i in range(layout.vpp)] if layout.vpp > 1
               else [build_model(layout)])
-    params = []  # (local name, parameter, global name) over all model chunks
+    params = []
     with torch.no_grad():
         for c, chunk in enumerate(chunks):
             for name, p in chunk.named_parameters():
@@ -280,9 +274,14 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
         ddps.append(DistributedDataParallel(config=chunk.config, module=chunk,
                                             ddp_config=DistributedDataParallelConfig(
                                                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=False)))
+                                                use_distributed_optimizer=False,
+                                                average_in_collective=average_in_collective)))
         ddps[-1].zero_grad_buffer()
+    return ddps, params
 
+
+def make_items(batch: GlobalBatch, rows: list[list[int]]) -> list[dict]:
+    """This rank's micro-batch items (CP-local) for the given rows of each micro-batch."""
     cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     items = []
     for rws in rows:
@@ -293,32 +292,129 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
         pos = torch.arange(SEQ)[None, :].expand(len(rws), SEQ)
         items.append({"tokens": cp_slice_padded(batch.tokens[idx], cp_size, cp_rank),
                       "position_ids": cp_slice_padded(pos, cp_size, cp_rank), "tis": tb})
+    return items
+
+
+def forward_step_tp0_data(data_iterator, model):
+    """A Megatron-LM style ``forward_step``: only TP rank 0 has a data iterator; the tokens and positions
+    are broadcast to the other TP ranks (as Megatron-LM's ``get_batch`` does)."""
+    group = ps.get_tensor_model_parallel_group()
+    src = dist.get_global_rank(group, 0)
+    shape = torch.zeros(2, dtype=torch.long)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        item = next(data_iterator)
+        tokens, pos = item["tokens"], item["position_ids"].contiguous()
+        shape = torch.tensor(tokens.shape)
+    dist.broadcast(shape, src, group=group)
+    if ps.get_tensor_model_parallel_rank() != 0:
+        tokens = torch.empty(tuple(shape.tolist()), dtype=torch.long)
+        pos = torch.empty_like(tokens)
+    dist.broadcast(tokens, src, group=group)
+    dist.broadcast(pos, src, group=group)
+    return model(tokens, pos, None), None
+
+
+class OpaqueWrapper(torch.nn.Module):
+    """A data-parallel wrapper the hook does not know (it cannot tell how it reduces gradients)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.module = inner
+        self.config = inner.config
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor):
+        self.module.set_input_tensor(tensor)
+
+
+def grad_errors(params, grads: dict[str, torch.Tensor]) -> dict:
+    """Max relative error of this rank's ``main_grad`` shards against full reference ``grads``."""
+    res = {"grad_err": 0.0, "grad_err_param": None, "n_params": 0, "finite": True}
+    for name, p, gname in params:
+        g = p.main_grad.float()
+        exp = tp_shard(p, grads[gname]).float()
+        err = float((g - exp).abs().max() / exp.abs().max().clamp(min=1e-8))
+        res["finite"] &= bool(torch.isfinite(g).all())
+        res["n_params"] += 1
+        if err > res["grad_err"]:
+            res["grad_err"], res["grad_err_param"] = err, name
+    return res
+
+
+def logged_by_megatron_lm(out: list[dict]) -> dict[str, float]:
+    """What Megatron-LM's ``train_step`` would log from the schedule's loss dicts (tests/_megatron_lm.py)."""
+    from _megatron_lm import train_step_loss_reduced
+
+    logged = train_step_loss_reduced(out, ps.get_data_parallel_group(with_context_parallel=True))
+    return {k: float(v) for k, v in logged.items()}
+
+
+def _schedule_passing_a_keyword(schedule):
+    def wrapped(*, forward_step_func, **kwargs):
+        def with_keyword(data_iterator, model, *args):
+            return forward_step_func(data_iterator, model, *args, return_schedule_plan=False)
+
+        return schedule(forward_step_func=with_keyword, **kwargs)
+
+    return wrapped
+
+
+def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights: dict[str, torch.Tensor],
+             lp_full: torch.Tensor, ref: Oracle, reducer_factory=None, masked_rank_rows: tuple[int, ...] = (),
+             fb_factory=None, tp0_data: bool = False, average_in_collective: bool = False,
+             opaque_wrapper: bool = False, schedule_keyword: bool = False,
+             no_rollout_dp_rank: int | None = None) -> dict:
+    """Run one (layout, case, M) under the current model-parallel layout; this rank's errors vs ``ref``.
+
+    ``tp0_data``: only TP rank 0 gets a data iterator (Megatron-LM's default); ``opaque_wrapper``: the DDP
+    chunks are hidden behind a wrapper the hook cannot read (the call must raise); ``schedule_keyword``: the
+    schedule calls ``forward_step_func(it, model, return_schedule_plan=False)`` (as megatron's combined 1F1B
+    schedule does with ``True``) and the launcher's ``forward_step`` must receive it on every call;
+    ``no_rollout_dp_rank``: that DP rank's items carry no rollout log-probs (algorithm 0, diagnostics optional).
+    """
+    layout = LAYOUTS[layout_name]
+    cfg = TISConfig(**CASES[case_name])
+    batch = make_global_batch(lp_full, masked_rank_rows=masked_rank_rows)
+    dp = layout.dp(dist.get_world_size())
+    assert ps.get_tensor_model_parallel_world_size() == layout.tp and ps.get_data_parallel_world_size() == dp
+    rows = row_assignment(dp, ps.get_data_parallel_rank(), num_microbatches)
+    ddps, params = build_ddp_chunks(layout, weights, average_in_collective=average_in_collective)
+    items = make_items(batch, rows)
+    if no_rollout_dp_rank == ps.get_data_parallel_rank():
+        for it in items:
+            it["tis"].rollout_log_probs = None
     base_fb = get_forward_backward_func()
+    seen_keywords: list = []
+    if schedule_keyword:
+        base_fb = _schedule_passing_a_keyword(base_fb)
     reducer = reducer_factory() if reducer_factory else None
     fb = fb_factory(cfg) if fb_factory else tis_forward_backward_func(base_fb, cfg, temperature=TEMPERATURE,
                                                                       chunk_size=5, reducer=reducer)
-    data = [iter(items) for _ in chunks] if layout.vpp > 1 else iter(items)
-    out = fb(forward_step_func=forward_step, data_iterator=data, model=ddps,
+    data = [iter(items) for _ in ddps] if layout.vpp > 1 else iter(items)
+    step = forward_step
+    if schedule_keyword:
+        def step(data_iterator, model, **kwargs):
+            seen_keywords.append(kwargs)
+            return forward_step(data_iterator, model)
+    if tp0_data:
+        step = forward_step_tp0_data
+        if ps.get_tensor_model_parallel_rank() != 0:
+            data = None
+    model = [OpaqueWrapper(d) for d in ddps] if opaque_wrapper else ddps
+    out = fb(forward_step_func=step, data_iterator=data, model=model,
              num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=len(rows[0]),
              forward_only=False)
 
     result = {"layout": layout_name, "case": case_name, "M": num_microbatches, "rank": dist.get_rank(),
-              "last_stage": ps.is_pipeline_last_stage(), "grad_err": 0.0, "grad_err_param": None,
-              "n_params": 0, "finite": True}
-    for name, p, gname in params:
-        g = p.main_grad.float()
-        exp = tp_shard(p, ref.grads[gname]).float()
-        err = float((g - exp).abs().max() / exp.abs().max().clamp(min=1e-8))
-        result["finite"] &= bool(torch.isfinite(g).all())
-        result["n_params"] += 1
-        if err > result["grad_err"]:
-            result["grad_err"], result["grad_err_param"] = err, name
+              "last_stage": ps.is_pipeline_last_stage(), **grad_errors(params, ref.grads),
+              "seen_keywords": seen_keywords}
     if ps.is_pipeline_last_stage():
         metrics = {k: float(v) for k, v in fb.last_metrics.items()} if hasattr(fb, "last_metrics") else {}
-        per_mb = sum(float(d["loss"]) for d in out)
-        mb_sum = torch.tensor([per_mb], dtype=torch.float64)
-        dist.all_reduce(mb_sum, group=ps.get_data_parallel_group(with_context_parallel=True))
-        result.update(loss=metrics.get("loss", math.nan), oracle_loss=ref.loss, mb_loss_sum=float(mb_sum),
+        logged = logged_by_megatron_lm(out)
+        result.update(loss=metrics.get("loss", math.nan), oracle_loss=ref.loss, logged_loss=logged.pop("loss"),
+                      logged_metrics=logged,
                       metric_errs={k: abs(metrics[k] - v) / max(abs(v), 1e-6) for k, v in ref.metrics.items()
                                    if k in metrics},
                       missing_metrics=sorted(set(ref.metrics) - set(metrics)),

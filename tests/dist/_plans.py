@@ -29,6 +29,7 @@ LAYOUTS = {
     "pp2": Layout(pp=2), "tp2": Layout(tp=2), "cp2": Layout(cp=2), "dp2": Layout(),
     "dp2_pt": Layout(per_token=True), "cp2_pt": Layout(cp=2, per_token=True),
     "pp2vpp2": Layout(pp=2, vpp=2), "tp2pp2": Layout(tp=2, pp=2), "dp2cp2": Layout(cp=2),
+    "single": Layout(),
 }
 
 #: TISConfig fields of each correction case (algorithms 0-3; token truncate, sequence mask, geometric
@@ -49,11 +50,16 @@ CASES: dict[str, dict] = {
                             upper=1.5, batch_normalize=True),
 }
 
-NPROC = {"main2": 2, "main4": 4, "smoke": 2}
+NPROC = {"main2": 2, "main4": 4, "smoke": 2, "one": 1}
+
+#: checks with ``kind`` "rollout" (2 optimizer steps on one rollout, pi_old computed once) or "supplied"
+#: (caller-supplied pi_old used as given) compare with a hand computation of the clipped PPO loss
+ROLLOUT_CASES = ("a0", "a2_tok_trunc")
 
 
 def plan_checks(plan: str) -> list[dict]:
-    """The checks of a plan, each ``dict(layout, case, M[, tag, reducer, masked, patch])``."""
+    """The checks of a plan, each ``dict(layout, case, M[, tag, reducer, masked, patch, tp0_data, avg_coll,
+    opaque, kind])``."""
     checks: list[dict] = []
     if plan == "main2":
         for layout in ("pp2", "tp2", "cp2", "dp2"):
@@ -77,10 +83,30 @@ def plan_checks(plan: str) -> list[dict]:
         checks.append(dict(layout="cp2", case="a1_geo_mask_veto", M=2, tag="masked_mb", masked=(0, 1, 2, 3)))
         # the user-facing patch (patches/megatron_forward_backward.py) under PP=2
         checks.append(dict(layout="pp2", case="a2_tok_trunc", M=2, tag="patch", patch=True))
+        # Megatron-LM's data layout: only TP rank 0 has a data iterator (the hook broadcasts the TISBatch items)
+        checks.append(dict(layout="tp2", case="a2_seq_mask_bn", M=2, tag="tp0_data", tp0_data=True))
+        # gradient averaging read from megatron DDP with average_in_collective; an opaque wrapper must raise
+        checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2, tag="avg_in_collective", avg_coll=True))
+        checks.append(dict(layout="dp2", case="a0", M=2, tag="opaque_wrapper", opaque=True))
+        # algorithm 0 with rollout log-probs on DP rank 0 only: no hang (a clear error or the right step)
+        checks.append(dict(layout="dp2", case="a0", M=2, tag="no_rollout_rank1", no_rollout_dp_rank=1))
+        # several optimizer steps per rollout: pi_old once per rollout, clip active in step 2
+        for layout in ("pp2", "dp2"):
+            for case in ROLLOUT_CASES:
+                checks.append(dict(layout=layout, case=case, M=2, tag="rollout", kind="rollout"))
+        checks.append(dict(layout="pp2", case="a0", M=2, tag="supplied", kind="supplied"))
     elif plan == "main4":
         for layout in ("tp2pp2", "dp2cp2"):
             for case in CASES:
                 checks.append(dict(layout=layout, case=case, M=4 if layout == "tp2pp2" else 2))
+    elif plan == "one":
+        for case in ROLLOUT_CASES:
+            checks.append(dict(layout="single", case=case, M=2, tag="rollout", kind="rollout"))
+            checks.append(dict(layout="single", case=case, M=2, tag="supplied", kind="supplied"))
+        # control: the old per-step recompute on the same two steps (rho = 1 in step 2): must disagree
+        checks.append(dict(layout="single", case="a0", M=2, tag="per_step_control", kind="per_step_control"))
+        # a schedule that passes return_schedule_plan= to forward_step (recompute pass and training)
+        checks.append(dict(layout="single", case="a0", M=2, tag="keyword", keyword=True))
     elif plan == "smoke":
         checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2))
     else:

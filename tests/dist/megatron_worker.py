@@ -28,8 +28,10 @@ from _harness import (  # noqa: E402
     run_case,
     setup_parallel,
 )
-from _plans import LAYOUTS, plan_checks  # noqa: E402
+from _plans import CASES, LAYOUTS, plan_checks  # noqa: E402
+from _rollout_harness import clean_batch, hand_reference, run_rollout_case  # noqa: E402
 
+from slime_tis import TISConfig  # noqa: E402
 from slime_tis.megatron import MegatronReducer  # noqa: E402
 
 
@@ -70,6 +72,16 @@ def _patched_fb(cfg):
     return fb
 
 
+def _reference(check: dict, weights, lp_full):
+    """The check's oracle (TP=PP=CP=1 model parallel must be initialised)."""
+    if check.get("kind"):
+        cfg = TISConfig(**CASES[check["case"]])
+        return hand_reference(cfg, weights, clean_batch(lp_full),
+                              supplied_shift=-0.5 if check["kind"] == "supplied" else None)
+    return oracle_for(check["layout"], check["case"], check["M"], weights=weights, lp_full=lp_full,
+                      masked_rank_rows=tuple(check.get("masked", ())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -82,8 +94,7 @@ def main() -> None:
     torch.set_num_threads(1)  # 2 cores shared by every rank
     weights, lp_full = full_weights_and_log_probs()  # initialises model parallel with TP=PP=CP=1
     checks = sorted(plan_checks(args.plan), key=lambda c: list(LAYOUTS).index(c["layout"]))
-    oracles = [oracle_for(c["layout"], c["case"], c["M"], weights=weights, lp_full=lp_full,
-                          masked_rank_rows=tuple(c.get("masked", ()))) for c in checks]
+    oracles = [_reference(c, weights, lp_full) for c in checks]
     reducers = {"nocp": NoCPReducer, "meanmin": MeanOfMinimaReducer}
     current = None
     with open(out / f"rank{rank}.jsonl", "w") as fh:
@@ -93,10 +104,20 @@ def main() -> None:
                 current = LAYOUTS[check["layout"]]
                 setup_parallel(current)
             try:
-                res = run_case(check["layout"], check["case"], check["M"], weights=weights, lp_full=lp_full,
-                               ref=ref, reducer_factory=reducers.get(check.get("reducer")),
-                               masked_rank_rows=tuple(check.get("masked", ())),
-                               fb_factory=_patched_fb if check.get("patch") else None)
+                if check.get("kind"):
+                    res = run_rollout_case(check["layout"], check["case"], check["M"], weights=weights,
+                                           lp_full=lp_full, ref=ref, supplied=check["kind"] == "supplied",
+                                           per_step_control=check["kind"] == "per_step_control")
+                else:
+                    res = run_case(check["layout"], check["case"], check["M"], weights=weights, lp_full=lp_full,
+                                   ref=ref, reducer_factory=reducers.get(check.get("reducer")),
+                                   masked_rank_rows=tuple(check.get("masked", ())),
+                                   fb_factory=_patched_fb if check.get("patch") else None,
+                                   tp0_data=check.get("tp0_data", False),
+                                   average_in_collective=check.get("avg_coll", False),
+                                   opaque_wrapper=check.get("opaque", False),
+                                   schedule_keyword=check.get("keyword", False),
+                                   no_rollout_dp_rank=check.get("no_rollout_dp_rank"))
             except Exception:  # report, keep going: the other checks still run (all ranks raise alike)
                 res = {"layout": check["layout"], "case": check["case"], "M": check["M"], "rank": rank,
                        "error": traceback.format_exc()}

@@ -251,3 +251,21 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]  # noqa: E731
     assert strip(http) == strip(emb)
     assert os.path.isfile(tmp_path / "http" / "engine_weights" / "config.json")
+
+
+@pytest.mark.timeout(600)
+def test_steps_per_rollout_and_ppo_epochs_keep_pi_old_fixed(tmp_path):
+    """--steps-per-rollout 2 --ppo-epochs 2 (4 optimizer steps per rollout, pi_old computed once per rollout):
+    the rollout's last optimizer step sees pi_theta != pi_old (policy/ppo_kl != 0); with a per-step recompute
+    it would be 0 up to rounding. PP=2, algorithm 0."""
+    run = tmp_path / "spr"
+    args = ["--run-dir", str(run), "--steps", "2", "--prompts-per-step", "8", "--group-size", "4",
+            "--dump-interval", "0", "--steps-per-rollout", "2", "--ppo-epochs", "2", "--lr", "1e-2"]
+    _torchrun(["--pp", "2", *args])
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(math.isfinite(r["loss"]) and r["update_skipped"] == 0 for r in rows)
+    assert all(abs(r["policy/ppo_kl"]) > 1e-5 for r in rows), [r["policy/ppo_kl"] for r in rows]
+    with open(run / "args.json", encoding="utf-8") as f:
+        saved = json.load(f)
+    assert saved["steps_per_rollout"] == 2 and saved["ppo_epochs"] == 2

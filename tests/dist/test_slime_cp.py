@@ -7,16 +7,21 @@ put back together must equal the core on the unsplit batch (computed on every ra
 * TIS hook: per-token loss, returned full-length masks (identical on both ranks), token metrics, slime's
   per-sample-mean loss summed over CP ranks, and the exact ``MetricStats`` path reduced over DP x CP;
 * REINFORCE + IS custom loss: the loss summed over CP ranks and the gradient of the per-sample logits;
-* rollout-data hook: the global batch-normalisation factor, and the dump (full responses).
+* rollout-data hook: the global batch-normalisation factor, and the dump (full responses);
+* then, re-initialised as DP = 2: ``drop`` with rollouts whose samples lie on different DP ranks (kept counts
+  summed over DP by the rollout-data hook), the DP-summed loss equals the rollout means.
 
 The batch has a sample whose response lies entirely on CP rank 0 (rank 1 must still join every
-collective for it), one-token responses, tool tokens, NaN/inf traps and a catastrophic token.
+collective for it), one-token responses, tool tokens, NaN/inf traps and a catastrophic token; its six
+samples form four rollouts (two of them agentic, several samples each), so ``keep`` / ``drop`` are checked
+against slime's per-rollout reducer (``rollout_mask_sums``) and the rollout means of tests/_slime_oracle.py.
 
 Run directly: ``python -m torch.distributed.run --nproc-per-node 2 tests/dist/test_slime_cp.py --out DIR``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -59,10 +64,10 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
     import torch
     import torch.distributed as dist
     from _cpu import cpu_shim  # noqa: F401  (megatron on a CPU-only torch)
-    from _slime_oracle import args_ns, make_batch, owner_layout, slime_sum_of_sample_mean
+    from _slime_oracle import args_ns, make_batch, owner_layout, rollout_mean, slime_sum_of_sample_mean
     from megatron.core import parallel_state as ps
 
-    from slime_tis import TISConfig, compute_tis, policy_loss
+    from slime_tis import TISConfig, compute_tis
     from slime_tis.core import LocalReducer, normalisation_factor
     from slime_tis.dump import read_logprob_dump
     from slime_tis.slime import (
@@ -80,6 +85,7 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
     cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
     assert cp == 2
     b = make_batch(21, vocab=13)
+    b.rollout_ids = [0, 0, 1, 2, 2, 3]  # rollouts 0 and 2 have two samples; sample 1 lies on CP rank 0 only
     checks: dict[str, float] = {}
 
     def err(a: torch.Tensor, e: torch.Tensor) -> float:
@@ -115,6 +121,7 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
     for name, kw in tis_cases.items():
         args = args_ns(**kw)
         cfg = tis_config_from_slime_args(args)
+        postprocess_rollout_data(args, 0, b.rollout_data())  # registers each sample's rollout
         pg_local = b.local_flat("pg_loss", cp_rank, cp)
         new, masks, metrics = compute_tis_for_slime(
             args, pg_loss=pg_local, train_log_probs=b.local("train", cp_rank, cp),
@@ -126,9 +133,11 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
         else:
             w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
             exp_new = torch.where(ref.keep_mask, b.packed("pg_loss") * w, torch.zeros(()))
-            if cfg.rejected_denominator == "drop":
-                kept = torch.zeros(len(b.masks)).index_add_(0, ref.ratios.seq_id, ref.keep_mask.float())
-                exp_new = exp_new * (ref.ratios.seq_count / kept.clamp(min=1))[ref.ratios.seq_id]
+            if cfg.rejected_denominator == "drop":  # per rollout: valid / kept tokens of all its samples
+                rid = torch.tensor(b.rollout_ids)[ref.ratios.seq_id]
+                valid_g = torch.zeros(4).index_add_(0, rid, (b.packed("masks") != 0).float())
+                kept_g = torch.zeros(4).index_add_(0, rid, ref.keep_mask.float())
+                exp_new = exp_new * (valid_g / kept_g.clamp(min=1))[rid]
             exp_masks = b.packed("masks") * ref.keep_mask
         full_new = cp_sum(b.scatter_local(torch.nan_to_num(new, nan=0.0), cp_rank, cp))
         checks[f"{name}/pg_loss"] = err(full_new, torch.nan_to_num(exp_new, nan=0.0))
@@ -143,6 +152,10 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
         loss_1 = slime_sum_of_sample_mean(torch.nan_to_num(exp_new, nan=0.0), b, list(exp_masks.split(
             b.response_lengths)), 0, 1)
         checks[f"{name}/slime_loss"] = err(loss_cp, loss_1)
+        if cfg.algorithm:
+            w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
+            checks[f"{name}/rollout_mean"] = err(loss_cp, rollout_mean(
+                b.packed("pg_loss") * w, ref.keep_mask, b, cfg.rejected_denominator).double())
         exact = COLLECTOR.flush()
         ref_exact = {k: float(v) for k, v in ref.stats.finalize().items()}
         checks[f"{name}/exact_metric_keys"] = 0.0 if set(exact) == set(ref_exact) else float("inf")
@@ -165,12 +178,26 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
                                     tis_veto_threshold=1e-3, tis_batch_normalize=True),
         "a3_tok_clip_drop": dict(tis_mode="clip", tis_level="token", tis_upper_bound=1.4,
                                  tis_rejected_denominator="drop"),
+        "a3_tok_mask_drop": dict(tis_mode="mask", tis_level="token", tis_upper_bound=3.0,
+                                 tis_rejected_denominator="drop"),
     }
+    def policy_log_probs(logits_list):
+        out = []
+        for lg, t, r, toks in zip(logits_list, b.total_lengths, b.response_lengths, b.tokens):
+            p = t - r
+            out.append(torch.log_softmax(lg[p - 1:t - 1] / temp, -1).gather(-1, toks[p:, None]).squeeze(-1))
+        return out
+
+    # rollout log-probs near the policy (make_batch's offsets, NaN and catastrophic-token traps kept)
+    b3 = dataclasses.replace(b, rollout=[lp.detach() + (r - t) for lp, r, t in
+                                         zip(policy_log_probs(sample_logits), b.rollout, b.train)])
     batch = {"unconcat_tokens": b.tokens, "total_lengths": b.total_lengths, "response_lengths": b.response_lengths,
              "loss_masks": b.masks, "advantages": b.local("advantages", cp_rank, cp),
-             "rollout_log_probs": b.local("rollout", cp_rank, cp)}
+             "rollout_log_probs": b3.local("rollout", cp_rank, cp), "rollout_mask_sums": b.rollout_mask_sums()}
     for name, kw in loss_cases.items():
-        args = args_ns(use_rollout_logprobs=True, rollout_temperature=temp, **kw)
+        args = args_ns(use_rollout_logprobs=True, rollout_temperature=temp, loss_type="custom_loss",
+                       custom_loss_function_path="slime_tis.slime.reinforce_is_loss", **kw)
+        postprocess_rollout_data(args, 0, b.rollout_data())
         for lg in sample_logits:
             lg.grad = None
         loss, _ = reinforce_is_loss(args, batch, local_logits,
@@ -179,16 +206,19 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
         grads = torch.cat([lg.grad for lg in sample_logits])
         # oracle: one process, whole batch
         ref_logits = [lg.detach().clone().requires_grad_(True) for lg in sample_logits]
-        lps = []
-        for lg, t, r, toks in zip(ref_logits, b.total_lengths, b.response_lengths, b.tokens):
-            p = t - r
-            lps.append(torch.log_softmax(lg[p - 1:t - 1] / temp, -1).gather(-1, toks[p:, None]).squeeze(-1))
         cfg = tis_config_from_slime_args(args, algorithm=3)
-        ref_out = policy_loss(cfg, torch.cat(lps), None, b.packed("rollout"), b.packed("advantages"),
-                              b.packed("masks"), b.cu_seqlens(), reducer=LocalReducer(), denominator=1.0)
-        ref_out.loss.backward()
-        checks[f"{name}/loss"] = err(cp_sum(loss), ref_out.loss.detach())
+        lp = torch.cat(policy_log_probs(ref_logits))
+        tis = compute_tis(cfg, lp.detach(), b3.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
+                          reducer=LocalReducer(), extra_finite=(b.packed("advantages"),))
+        ref_loss = rollout_mean(-tis.weights * b.packed("advantages") * lp, tis.keep_mask, b,
+                                cfg.rejected_denominator)
+        ref_loss.backward()
+        checks[f"{name}/loss"] = err(cp_sum(loss), ref_loss.detach())
         checks[f"{name}/grad"] = err(cp_sum(grads), torch.cat([lg.grad for lg in ref_logits]))
+        rejected = [int(((m != 0) & ~k).sum()) for m, k in zip(b.masks, tis.keep_mask.split(b.response_lengths))]
+        checks[f"{name}/some_kept"] = 0.0 if 0 < int(tis.keep_mask.sum()) else float("inf")
+        if kw.get("tis_mode") == "mask":  # rejections beyond sample 2 (a NaN at a valid token rejects it whole)
+            checks[f"{name}/some_rejected"] = 0.0 if sum(rejected) > rejected[2] else float("inf")
         COLLECTOR.flush()
 
     # ---------------------------------------------------------------- rollout-data hook
@@ -208,6 +238,28 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
     checks["dump/train"] = err(dump.train_log_probs, b.packed("train"))
     checks["dump/rollout"] = err(dump.rollout_log_probs, b.packed("rollout"))
     checks["dump/mask"] = err(dump.loss_mask.double(), (b.packed("masks") != 0).double())
+
+    # ---------------------------------------------------------------- DP = 2: rollouts split across DP ranks
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()  # the same 2 processes as DP = 2, CP = 1
+    dp_group = ps.get_data_parallel_group()
+    part = [0, 2, 4] if ps.get_data_parallel_rank() == 0 else [1, 3, 5]  # rollouts 0 and 2 span both ranks
+    mb = b.subset(part)
+    data = mb.rollout_data() | {"log_probs": mb.train, "partition": part, "raw_reward": [0.0] * len(b.masks)}
+    for denominator in ("keep", "drop"):
+        args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
+                       tis_rejected_denominator=denominator)
+        cfg = tis_config_from_slime_args(args)
+        postprocess_rollout_data(args, 0, data)  # drop: counts each rollout's kept tokens over both DP ranks
+        new, masks, _ = compute_tis_for_slime(
+            args, pg_loss=mb.packed("pg_loss"), train_log_probs=mb.train, rollout_log_probs=mb.rollout,
+            loss_masks=mb.masks, total_lengths=mb.total_lengths, response_lengths=mb.response_lengths)
+        loss = slime_sum_of_sample_mean(new, mb, masks, 0, 1).detach().double()  # N_g of the whole rollout
+        dist.all_reduce(loss, group=dp_group)
+        ref = full_core(cfg, extra_finite=(b.packed("pg_loss"),))
+        checks[f"dp2_{denominator}/loss"] = err(loss, rollout_mean(b.packed("pg_loss") * ref.weights, ref.keep_mask,
+                                                                   b, denominator).double())
+        COLLECTOR.flush()
 
     n_local_1 = len(owner_layout(b.total_lengths[1], b.response_lengths[1], cp)[1])
     result = {"checks": checks, "rank1_local_tokens_of_sample1": n_local_1}

@@ -1,0 +1,217 @@
+"""Triton kernels of the fused output layer (see :mod:`slime_tis.kernels.output_layer` for the formulas).
+
+Imported lazily (only on the Triton path). Two kernels, both walking logit tiles ``[BT, BV]`` that are
+computed from ``hidden [T, H]`` and ``weight [Vp, H]`` with float32 accumulation and never stored:
+
+* ``_stats_kernel``: one program per (block of ``BT`` rows, vocabulary split); online over the split's
+  vocabulary tiles it keeps, per row, ``m`` (running max of ``x = z / tau``), ``s = sum exp(x - m)``,
+  ``t = sum exp(x - m)(x - m)`` and ``x_y`` (the target's ``x`` when the target is in the split, else 0);
+  writes ``[splits, T, 4]`` float32 (merged by the caller). Splits keep the GPU busy when ``T`` is small.
+* ``_dlogits_kernel``: one program per ``[BT, BV]`` tile of a vocabulary chunk; recomputes ``x`` and writes
+  ``d lp-and-entropy / d z`` for the tile into the chunk buffer (the two GEMMs that follow are torch's).
+
+Rows are visited in the order ``rows[i]`` (active rows first); blocks whose first index is at or past
+``n_active`` (device scalar, read in the kernel: no host sync) skip the matmul: masked rows cost nothing.
+
+Loop bounds (``Vp``, ``H``, the chunk width) are compile-time constants: fixed by the model, so one
+compilation per model (two with a ragged last chunk); data-dependent work is skipped with ``if``, never a
+runtime loop bound (the Triton 3.6 interpreter cannot take one with numpy >= 2.4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# CUDA launch: 128 x 128 x 64 tiles, 8 warps, 3 stages (the usual H100 Triton GEMM shape). Not timed (no GPU
+# when written); chosen so that the sm_90 build (see compile_for_cuda) pipelines its loads and spills nothing.
+CUDA_BLOCKS = (128, 128, 64)  # (BT, BV, BH)
+CUDA_LAUNCH = {"num_warps": 8, "num_stages": 3}
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp(_NEG - m) == 0 and 0 * (_NEG - m) == 0 (no NaN)
+
+
+@triton.jit
+def _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H: tl.constexpr,
+                BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+    """``z[i, j] = sum_k hidden[rows[i], k] * weight[cols[j], k]`` in float32."""
+    acc = tl.zeros((BT, BV), dtype=tl.float32)
+    for k0 in range(0, H, BH):
+        ks = k0 + tl.arange(0, BH)
+        k_ok = ks < H
+        a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=active[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :],  # V*H may exceed 2**31
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if PRECISION == "ieee":  # float32 inputs (and the interpreter, whose bf16 tl.dot is wrong): exact fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, out_ptr,
+                  T, vocab_start, temperature, stride_h, stride_w, tiles_per_split,
+                  Vp: tl.constexpr, H: tl.constexpr,
+                  BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    lo = split * tiles_per_split * BV
+    hi = lo + tiles_per_split * BV
+    idx = pid * BT + tl.arange(0, BT)
+    in_range = idx < T
+    n_active = tl.load(n_active_ptr)
+    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
+    active = in_range & (idx < n_active)
+    target = tl.load(y_ptr + rows, mask=active, other=-1) - vocab_start
+    m = tl.full((BT,), _NEG, dtype=tl.float32)
+    s = tl.zeros((BT,), dtype=tl.float32)
+    t = tl.zeros((BT,), dtype=tl.float32)
+    xy = tl.zeros((BT,), dtype=tl.float32)
+    if pid * BT < n_active:  # a block of masked rows does no work
+        for v0 in range(0, Vp, BV):  # compile-time bound; tiles outside this split are skipped
+            if (v0 >= lo) & (v0 < hi):
+                cols = v0 + tl.arange(0, BV)
+                col_ok = cols < Vp
+                z = _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H, BT, BV, BH,
+                                PRECISION)
+                x = tl.where(col_ok[None, :], z / temperature, _NEG)
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                alpha = tl.exp(m - m_new)
+                d = x - m_new[:, None]
+                e = tl.exp(d)
+                t = alpha * (t + (m - m_new) * s) + tl.sum(e * d, axis=1)
+                s = alpha * s + tl.sum(e, axis=1)
+                m = m_new
+                hit = (cols[None, :] == target[:, None]) & col_ok[None, :]
+                xy += tl.sum(tl.where(hit, x, 0.0), axis=1)
+    out = out_ptr + split * T * 4 + rows * 4
+    tl.store(out + 0, m, mask=in_range)
+    tl.store(out + 1, s, mask=in_range)
+    tl.store(out + 2, t, mask=in_range)
+    tl.store(out + 3, xy, mask=in_range)
+
+
+@triton.jit
+def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, log_z_ptr, ent_ptr, g_lp_ptr, g_h_ptr, d_ptr,
+                    T, col_start, vocab_start, temperature, stride_h, stride_w, stride_d,
+                    Vp: tl.constexpr, H: tl.constexpr, chunk_cols: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    idx = pid_t * BT + tl.arange(0, BT)
+    in_range = idx < T
+    n_active = tl.load(n_active_ptr)
+    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
+    active = in_range & (idx < n_active)
+    local = pid_v * BV + tl.arange(0, BV)          # column inside the chunk
+    cols = col_start + local                         # column of this shard
+    col_ok = (local < chunk_cols) & (cols < Vp)
+    z = tl.zeros((BT, BV), dtype=tl.float32)
+    if pid_t * BT < n_active:  # a block of masked rows does no matmul (and writes zeros)
+        z = _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H, BT, BV, BH, PRECISION)
+    log_z = tl.load(log_z_ptr + rows, mask=active, other=0.0)
+    ent = tl.load(ent_ptr + rows, mask=active, other=0.0)
+    g_lp = tl.load(g_lp_ptr + rows, mask=active, other=0.0)
+    g_h = tl.load(g_h_ptr + rows, mask=active, other=0.0)
+    target = tl.load(y_ptr + rows, mask=active, other=-1) - vocab_start
+    log_p = z / temperature - log_z[:, None]
+    p = tl.exp(tl.minimum(log_p, 0.0))
+    # d/dx: g_lp ([v = y] - p) - g_H p (log p + H); d/dz = d/dx / tau
+    g = -p * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
+    g += tl.where(cols[None, :] == target[:, None], g_lp[:, None], 0.0)
+    g = tl.where(active[:, None] & col_ok[None, :], g / temperature, 0.0)
+    ptrs = d_ptr + rows[:, None] * stride_d + local[None, :]
+    tl.store(ptrs, g.to(d_ptr.dtype.element_ty), mask=in_range[:, None] & (local < chunk_cols)[None, :])
+
+
+def _launch_options(hidden: torch.Tensor) -> dict:
+    return CUDA_LAUNCH if hidden.is_cuda else {}
+
+
+def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
+    """Tile sizes ``(BT, BV, BH)`` and the dot precision.
+
+    CUDA: bf16/fp16 tiles go to the tensor cores as they are (products exact, float32 accumulation); float32
+    tiles use IEEE float32, never TF32. Interpreter (CPU): tiles are upcast to float32 first (the same
+    products and accumulation; triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly) and are the
+    smallest ``tl.dot`` shape, the fastest to interpret.
+    """
+    if hidden.is_cuda:
+        return (*CUDA_BLOCKS, "ieee" if hidden.dtype == torch.float32 else "tf32")
+    return 16, 16, 16, "ieee"
+
+
+def _num_splits(hidden: torch.Tensor, n_row_blocks: int, n_tiles: int) -> int:
+    """Vocabulary splits: ~4 programs per SM on CUDA (a power of two); 2 on the interpreter (tests the merge)."""
+    if not hidden.is_cuda:
+        return min(2, n_tiles)
+    want = triton.cdiv(4 * torch.cuda.get_device_properties(hidden.device).multi_processor_count, n_row_blocks)
+    return max(1, min(triton.next_power_of_2(want), n_tiles))
+
+
+def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature: float) -> torch.Tensor:
+    """``[splits, T, 4]`` float32: per split and row ``(m, s, t, x_y)`` of this shard (module docstring)."""
+    n_tok, h = hidden.shape
+    vp = weight.shape[0]
+    bt, bv, bh, precision = _blocks(hidden)
+    n_tiles = triton.cdiv(vp, bv)
+    splits = _num_splits(hidden, triton.cdiv(n_tok, bt), n_tiles)
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, tiles_per_split)
+    out = torch.empty(splits, n_tok, 4, dtype=torch.float32, device=hidden.device)
+    _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
+        hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
+        hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision,
+        **_launch_options(hidden))
+    return out
+
+
+def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, col_start: int,
+            vocab_start: int, temperature: float) -> torch.Tensor:
+    """Fill ``out [T, C]`` with ``d/dz`` of columns ``[col_start, col_start + C)``; returns ``out``."""
+    n_tok, h = hidden.shape
+    chunk_cols = out.shape[1]
+    bt, bv, bh, precision = _blocks(hidden)
+    grid = (triton.cdiv(n_tok, bt), triton.cdiv(chunk_cols, bv))
+    _dlogits_kernel[grid](
+        hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
+        temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
+        chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
+    return out
+
+
+def compile_for_cuda(dtype: torch.dtype, hidden_size: int, vocab_shard: int, chunk: int, arch: int = 90) -> dict:
+    """Compile both kernels ahead of time for ``sm_<arch>`` with the CUDA launch configuration; no GPU needed.
+
+    Catches what the interpreter does not check (non-constexpr globals, type unification in ``if``, layout
+    and shared-memory limits) down to the cubin. Pointers and strides carry the 16-divisibility a real
+    launch specialises on (tensors from the caching allocator, ``H % 16 == 0``), so the build is the one a
+    GPU would run. Returns ``{kernel name: compiled kernel}`` (``.asm["ptx"|"ttgir"|"cubin"]``, ``.metadata``).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    probe = torch.empty(0, dtype=dtype, device="meta")
+    bt, bv, bh = CUDA_BLOCKS
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[probe.dtype]
+    common = {"h_ptr": ptr, "w_ptr": ptr, "y_ptr": "*i64", "rows_ptr": "*i64", "n_active_ptr": "*i32"}
+    blocks = {"BT": bt, "BV": bv, "BH": bh, "PRECISION": precision, "Vp": vocab_shard, "H": hidden_size}
+    sigs = {
+        "stats": (_stats_kernel, {**common, "out_ptr": "*fp32", "T": "i32", "vocab_start": "i32",
+                                  "temperature": "fp32", "stride_h": "i32", "stride_w": "i32",
+                                  "tiles_per_split": "i32"}, blocks),
+        "dlogits": (_dlogits_kernel, {**common, "log_z_ptr": "*fp32", "ent_ptr": "*fp32", "g_lp_ptr": "*fp32",
+                                      "g_h_ptr": "*fp32", "d_ptr": ptr, "T": "i32", "col_start": "i32",
+                                      "vocab_start": "i32", "temperature": "fp32", "stride_h": "i32",
+                                      "stride_w": "i32", "stride_d": "i32"}, {**blocks, "chunk_cols": chunk}),
+    }
+    out = {}
+    for name, (fn, sig, const) in sigs.items():
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig)
+                 if sig[arg].startswith("*") or arg.startswith("stride")}
+        sig = {**sig, **{k: "constexpr" for k in const}}
+        out[name] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                                   target=GPUTarget("cuda", arch, 32), options=CUDA_LAUNCH)
+    return out

@@ -1,0 +1,292 @@
+"""Fused output layer: token log-probs and entropies straight from the hidden states, logits never stored.
+
+Tensor-parallel rank ``r`` of ``P`` holds the output-weight rows of vocabulary ids ``[r*Vp, (r+1)*Vp)``.
+For each token ``t`` with hidden state ``h_t [H]``, temperature ``tau`` and target id ``y_t``:
+
+    z_tv  = h_t . W_v                       (float32 accumulation, one [BT, BV] tile at a time)
+    x_tv  = z_tv / tau
+    logZ_t = M_t + log S_t,   M_t = max_v x_tv,   S_t = sum_v exp(x_tv - M_t)
+    lp_t  = x_ty - logZ_t
+    H_t   = logZ_t - sum_v p_tv x_tv = log S_t - (sum_v exp(x_tv - M_t)(x_tv - M_t)) / S_t
+
+Each shard walks its vocabulary with an online log-sum-exp (running max ``m``, ``s = sum exp(x - m)``,
+``t = sum exp(x - m)(x - m)``; on a new max ``m'``: ``s <- a s + ...``, ``t <- a (t + (m - m') s) + ...``,
+``a = exp(m - m')``), then the shards combine with one all-reduce MAX of ``m [T]`` and one all-reduce SUM
+of ``[T, 3]`` (``s``, ``t`` rescaled to the global max, ``x_y`` from the owning rank): the same two small
+collectives as :func:`slime_tis.megatron.logprobs.vocab_parallel_log_probs_and_entropy`.
+
+Backward, given ``g_lp = dL/dlp`` and ``g_H = dL/dH`` (``p = exp(x - logZ)``)::
+
+    dL/dz_tv = ( g_lp_t ([v = y_t] - p_tv) - g_H_t p_tv (log p_tv + H_t) ) / tau
+    dL/dh_t  = sum_v dL/dz_tv W_v            (partial per shard; summed over TP)
+    dL/dW_v  = sum_t dL/dz_tv h_t
+
+computed one vocabulary chunk ``[T, C]`` of ``dL/dz`` at a time (recomputed from ``h`` and ``W``, written
+in the input dtype, then two GEMMs): no ``[T, V]`` tensor exists in either pass. Extra memory: the forward
+keeps ``[T]`` vectors; the backward a ``[T, C]`` chunk plus a float32 ``[T, H]`` accumulator for ``dL/dh``.
+
+Rows outside ``loss_mask`` give ``lp = H = 0`` and zero gradients; on the Triton path they are ordered
+last (a stable sort, no host sync) and their row blocks skip the matmuls.
+
+Backends: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``"torch"`` (the reference: the same
+chunked float32 algorithm in torch; the semantics, and the CPU path). ``"auto"``: Triton on CUDA when triton
+imports, torch otherwise. This module imports triton only on the Triton path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["fused_log_probs_and_entropy", "reference_log_probs_and_entropy", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "torch")
+_NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
+
+
+def _tp_group(tp_group):
+    if isinstance(tp_group, str):
+        if tp_group != "default":
+            raise ValueError(f"tp_group must be 'default', None or a process group, got {tp_group!r}")
+        from slime_tis.megatron.logprobs import default_tp_group
+        return default_tp_group()
+    return tp_group
+
+
+def _group_size(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton" and not _triton_available():
+        raise ValueError("backend='triton' needs triton installed (pip install triton); backend='torch' works "
+                         "without it")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                         f"imported (tensors are on {device})")
+    return backend
+
+
+# ------------------------------------------------------------------------------------------------ torch backend
+def _torch_logits(hidden: Tensor, weight: Tensor, c0: int, c1: int, temperature: float) -> Tensor:
+    """``x = (h W[c0:c1]^T) / tau`` in float32, ``[T, c1 - c0]``."""
+    return (hidden.float() @ weight[c0:c1].float().t()).div_(temperature)
+
+
+def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk) -> Tensor:
+    """``[T, 4]`` float32 ``(m, s, t, x_y)`` of this shard, vocabulary chunk by chunk (online LSE)."""
+    n_tok, vp = hidden.shape[0], weight.shape[0]
+    m = torch.full((n_tok,), _NEG, dtype=torch.float32, device=hidden.device)
+    s = torch.zeros(n_tok, dtype=torch.float32, device=hidden.device)
+    t = torch.zeros_like(s)
+    xy = torch.zeros_like(s)
+    local_y = targets - vocab_start
+    for c0 in range(0, vp, chunk):
+        c1 = min(c0 + chunk, vp)
+        x = _torch_logits(hidden, weight, c0, c1, temperature)
+        m_new = torch.maximum(m, x.amax(dim=1))
+        alpha = torch.exp(m - m_new)
+        d = x - m_new[:, None]
+        e = torch.exp(d)
+        t = alpha * (t + (m - m_new) * s) + (e * d).sum(dim=1)
+        s = alpha * s + e.sum(dim=1)
+        m = m_new
+        in_chunk = (local_y >= c0) & (local_y < c1)
+        idx = torch.where(in_chunk, local_y - c0, torch.zeros_like(local_y))
+        xy = xy + torch.where(in_chunk, x.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(xy))
+    out = torch.stack([m, s, t, xy], dim=1)
+    return torch.where(active[:, None], out, torch.zeros_like(out))
+
+
+def _torch_dlogits(hidden, weight, targets, active, log_z, ent, g_lp, g_h, out, c0, vocab_start, temperature):
+    """``out [T, C] = dL/dz`` for shard columns ``[c0, c0 + C)`` (zero on inactive rows)."""
+    c1 = c0 + out.shape[1]
+    log_p = _torch_logits(hidden, weight, c0, c1, temperature).sub_(log_z[:, None]).clamp_(max=0.0)
+    g = -torch.exp(log_p) * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
+    local_y = targets - vocab_start
+    in_chunk = (local_y >= c0) & (local_y < c1)
+    idx = torch.where(in_chunk, local_y - c0, torch.zeros_like(local_y))
+    g.scatter_add_(1, idx[:, None], torch.where(in_chunk, g_lp, torch.zeros_like(g_lp))[:, None])
+    g = torch.where(active[:, None], g / temperature, torch.zeros_like(g))
+    out.copy_(g)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+def _merge_splits(parts: Tensor) -> Tensor:
+    """``[S, T, 4]`` statistics of disjoint vocabulary splits -> ``[T, 4]`` of their union (same rescaling)."""
+    m, s, t, xy = parts.unbind(2)
+    big_m = m.amax(dim=0)
+    scale = torch.exp(m - big_m)
+    return torch.stack([big_m, (scale * s).sum(0), (scale * (t + (m - big_m) * s)).sum(0), xy.sum(0)], dim=1)
+
+
+def _combine(local: Tensor, active: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
+    """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)`` with one MAX and one SUM all-reduce."""
+    m, s, t, xy = local.unbind(1)
+    big_m = m.clone()
+    if _group_size(group) > 1:
+        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
+    scale = torch.exp(m - big_m)
+    sums = torch.stack([scale * s, scale * (t + (m - big_m) * s), xy], dim=1)
+    if _group_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    ones = torch.ones_like(big_m)
+    big_s = torch.where(active, sums[:, 0], ones)  # inactive rows: S = 1, M = 0 -> logZ = 0, no NaN
+    log_s = torch.log(big_s)
+    zero = torch.zeros_like(big_m)
+    log_z = torch.where(active, big_m + log_s, zero)
+    lp = torch.where(active, sums[:, 2] - log_z, zero)
+    ent = torch.where(active, log_s - sums[:, 1] / big_s, zero)
+    return lp, ent, log_z
+
+
+class _FusedOutputLayer(torch.autograd.Function):
+    """``(hidden [T, H], weight [Vp, H]) -> (log_probs [T], entropy [T])`` float32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, active, temperature, group, vocab_start, backend, chunk,
+                reduce_hidden_grad):
+        if backend == "triton":
+            from slime_tis.kernels import _output_layer_triton as tk
+            # Active rows first (stable: the order among them is kept), no host sync.
+            rows = torch.argsort((~active).to(torch.int8), stable=True)
+            n_active = active.sum(dtype=torch.int32)
+            local = _merge_splits(tk.stats(hidden, weight, targets, rows, n_active, vocab_start, temperature))
+        else:
+            rows = n_active = None
+            local = _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk)
+        lp, ent, log_z = _combine(local, active, group)
+        ctx.save_for_backward(hidden, weight, targets, active, log_z, ent, rows, n_active)
+        ctx.cfg = (temperature, group, vocab_start, backend, chunk, reduce_hidden_grad)
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        hidden, weight, targets, active, log_z, ent, rows, n_active = ctx.saved_tensors
+        temperature, group, vocab_start, backend, chunk, reduce_hidden_grad = ctx.cfg
+        zeros = torch.zeros_like(log_z)
+        g_lp = zeros if grad_lp is None else grad_lp.float().contiguous()
+        g_h = zeros if grad_ent is None else grad_ent.float().contiguous()
+        n_tok, vp = hidden.shape[0], weight.shape[0]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        buf = torch.empty(n_tok, min(chunk, vp), dtype=hidden.dtype, device=hidden.device)
+        for c0 in range(0, vp, chunk):
+            c1 = min(c0 + chunk, vp)
+            d = buf[:, : c1 - c0]
+            if backend == "triton":
+                from slime_tis.kernels import _output_layer_triton as tk
+                tk.dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, d, c0, vocab_start,
+                           temperature)
+            else:
+                _torch_dlogits(hidden, weight, targets, active, log_z, ent, g_lp, g_h, d, c0, vocab_start,
+                               temperature)
+            if ctx.needs_input_grad[0]:
+                grad_hidden += d @ weight[c0:c1]
+            if grad_weight is not None:
+                torch.mm(d.t(), hidden, out=grad_weight[c0:c1])
+        if ctx.needs_input_grad[0] and reduce_hidden_grad and _group_size(group) > 1:
+            dist.all_reduce(grad_hidden, group=group)
+        grad_hidden = grad_hidden.to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def fused_log_probs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    loss_mask: Tensor | None = None,
+    tp_group=None,
+    reduce_hidden_grad: bool = True,
+    backend: str = "auto",
+    chunk_size: int = 8192,
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of ``targets`` and entropy of ``softmax(hidden @ weight^T / temperature)`` over the vocabulary.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (float32 / bfloat16 / float16), the output layer's input.
+        weight: ``[V/TP, H]`` this rank's shard of the output weight (tied embeddings: pass the embedding
+            weight; its gradient accumulates with the embedding's own), same dtype as ``hidden``.
+        targets: ``[...]`` global vocabulary ids (int).
+        temperature: > 0; the logits are divided by it.
+        loss_mask: optional ``[...]``; rows where it is 0 return 0 and get zero gradients (and, on the
+            Triton path, cost no matmul).
+        tp_group: group over which the vocabulary is split; ``None``: no TP; ``"default"``: megatron's TP
+            group when model parallel is initialised.
+        reduce_hidden_grad: all-reduce ``dL/dhidden`` over ``tp_group`` (True: the returned gradient is the
+            full one). False when the caller's own region does it (megatron's
+            ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather, see
+            :mod:`slime_tis.megatron.output_layer`).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see module docstring).
+        chunk_size: vocabulary columns per chunk (torch forward; backward ``dL/dz`` buffer ``[T, chunk]``).
+
+    Returns:
+        ``(log_probs [...], entropy [...])`` float32, differentiable w.r.t. ``hidden`` and ``weight``.
+    """
+    if not isinstance(hidden, Tensor) or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+            or hidden.dim() < 1:
+        raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor [..., H], got "
+                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V/TP, H={hidden.shape[-1]}], got {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
+                         f"{hidden.device})")
+    if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', targets)}")
+    lead = tuple(hidden.shape[:-1])
+    if tuple(targets.shape) != lead:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without H {lead}")
+    if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != lead):
+        raise ValueError(f"loss_mask must be a tensor of shape {lead}, got {tuple(getattr(loss_mask, 'shape', ()))}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    backend = _resolve_backend(backend, hidden.device)
+    group = _tp_group(tp_group)
+    tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
+    flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    flat_y = targets.reshape(-1).to(torch.int64)
+    active = (torch.ones_like(flat_y, dtype=torch.bool) if loss_mask is None
+              else loss_mask.reshape(-1).to(flat_y.device) != 0)
+    lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, float(temperature), group,
+                                      tp_rank * weight.shape[0], backend, chunk_size, bool(reduce_hidden_grad))
+    return lp.view(lead), ent.view(lead)
+
+
+def reference_log_probs_and_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                                    logits_dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Plain autograd oracle (single shard, full ``[T, V]`` logits): ``logits = h W^T`` in ``logits_dtype``.
+
+    ``logits_dtype=torch.float64`` is the test reference; ``torch.bfloat16`` with bf16 inputs reproduces the
+    unfused bf16 path (logits rounded to bf16 before a float32 log-softmax).
+    """
+    z = (hidden.to(logits_dtype) @ weight.to(logits_dtype).t()) if logits_dtype != torch.bfloat16 \
+        else hidden.bfloat16() @ weight.bfloat16().t()
+    x = z.to(torch.float64 if logits_dtype == torch.float64 else torch.float32) / temperature
+    log_p = torch.log_softmax(x, dim=-1)
+    lp = log_p.gather(-1, targets[..., None].to(torch.int64)).squeeze(-1)
+    ent = -(log_p.exp() * log_p).sum(-1)
+    return lp, ent

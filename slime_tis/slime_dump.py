@@ -1,0 +1,203 @@
+"""slime's own debug dumps -> per-sequence log-prob records for ``slime-tis diagnose``.
+
+What slime writes (THUDM/slime, read at 624b824, ``slime/observability/``):
+
+* ``--save-debug-train-data PATH`` (``train_data_utils.save_debug_train_data``, slime >= 681b3ad):
+  one ``torch.save`` file per rollout, written by one rank after the data-parallel shards were
+  gathered and the context-parallel chunks restored to full responses::
+
+      {"format_version": 2, "rollout_id": int, "rank": int (the writer),
+       "samples": [{"data_parallel_rank", "sample_index", "rollout_position",
+                    "tokens": int64 [prompt + response], "total_lengths": int, "response_lengths": R,
+                    "loss_masks": int [R], "rollout_log_probs": float32 [R] (SGLang),
+                    "log_probs": float32 [R] (trainer), "rewards", "advantages", ...}, ...],
+       "dp_shards": [...layout...], "raw_reward": [...]}
+
+  Before 681b3ad every rank wrote its own file (``{"rollout_id", "rank", "rollout_data": {...}}``,
+  per-sample lists, context-parallel chunks *not* restored); those are read too when context
+  parallelism was off (the lengths tell), tensor-parallel / duplicate copies merged.
+* ``--save-debug-rollout-data PATH`` (``rollout_data_utils.save_debug_rollout_data``): ``{"rollout_id",
+  "samples": [Sample.to_dict(), ...]}`` -- SGLang's log-probs only (``rollout_log_probs``), no
+  training log-probs. Such a file is refused with what is missing and how to get it.
+
+Several files of one rollout are merged: samples are identified by (rollout, ``sample_index`` or
+``rollout_position``); identical duplicates are dropped, conflicting ones are an error. Per record:
+``train_log_probs = log_probs``, ``rollout_log_probs``, ``loss_mask = loss_masks``, ``step = rollout_id``,
+``sample_index``, ``token_ids`` = the last R ``tokens``, ``reward = rewards`` (when a number).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["SLIME_WRITER", "is_slime_dump", "slime_records"]
+
+SLIME_WRITER = "slime --save-debug-train-data"
+
+_TRAIN_FLAG = "--save-debug-train-data"
+
+
+def is_slime_dump(obj: Any) -> str | None:
+    """``"train"`` (format_version 2), ``"train_legacy"`` (per-rank, before 681b3ad), ``"rollout"``
+    (``--save-debug-rollout-data``) or ``None``."""
+    if not isinstance(obj, Mapping):
+        return None
+    if obj.get("format_version") == 2 and isinstance(obj.get("samples"), list):
+        return "train"
+    if "rollout_data" in obj and isinstance(obj.get("rollout_data"), Mapping) and "rollout_id" in obj:
+        return "train_legacy"
+    if "format_version" not in obj and "rollout_id" in obj and isinstance(obj.get("samples"), list):
+        return "rollout"
+    return None
+
+
+def _rollout_only_error(path: Path, obj: Mapping[str, Any]) -> ValueError:
+    samples = obj["samples"]
+    with_lp = sum(1 for s in samples if isinstance(s, Mapping) and s.get("rollout_log_probs") is not None)
+    return ValueError(
+        f"{path}: a slime --save-debug-rollout-data file (rollout {obj.get('rollout_id')}, {len(samples)} samples, "
+        f"{with_lp} with rollout_log_probs): it holds SGLang's rollout log-probs but no training log-probs, and "
+        "every importance ratio needs both. Get a train dump of the same data: run slime with "
+        f"{_TRAIN_FLAG} DIR/train_{{rollout_id}}.pt (slime >= 681b3ad writes format_version 2 with per-sample "
+        "log_probs and rollout_log_probs), or replay this very rollout through the trainer: "
+        f"--load-debug-rollout-data <this file's path, with {{rollout_id}}> {_TRAIN_FLAG} DIR/train_{{rollout_id}}.pt "
+        "(slime then trains without SGLang); then run slime-tis diagnose on DIR/train_*.pt"
+    )
+
+
+def _no_train_logprobs_error(path: Path, rollout_id: Any) -> ValueError:
+    return ValueError(
+        f"{path}: slime train dump of rollout {rollout_id} has no training log-probs ('log_probs' is missing in "
+        "its samples). slime stores them when it recomputes them before training, and, when it skips that pass "
+        "(--use-rollout-logprobs, or a reusable training forward), when its own policy loss snapshots them "
+        "from the training forward; a custom loss (--loss-type custom_loss, e.g. slime_tis algorithm 3 without a "
+        "recompute) records them only if it does so itself. Re-run with the recompute (e.g. "
+        "--get-mismatch-metrics) or with a loss that records them (docs/slime.md)"
+    )
+
+
+def _floats(x: Any) -> list[float]:
+    if isinstance(x, Tensor):
+        return x.detach().float().reshape(-1).tolist()  # host-sync-ok (offline reader)
+    return [math.nan if v is None else float(v) for v in x]
+
+
+def _ints(x: Any) -> list[int]:
+    if isinstance(x, Tensor):
+        return x.detach().reshape(-1).tolist()  # host-sync-ok (offline reader)
+    return [int(v) for v in x]
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, Tensor) and x.numel() == 1:
+        return float(x)
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
+def _record(path: Path, rollout_id: int, i: int, s: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One slime sample dict -> one record (``None`` when it carries no training log-probs)."""
+    if s.get("log_probs") is None:
+        return None
+    where = f"{path}: rollout {rollout_id}, sample {i}"
+    if s.get("rollout_log_probs") is None:
+        raise ValueError(
+            f"{where} has no 'rollout_log_probs': the rollout did not keep SGLang's log-probs (slime's SGLang "
+            "rollout requests them; a custom generate function must fill Sample.rollout_log_probs)"
+        )
+    train = _floats(s["log_probs"])
+    rollout = _floats(s["rollout_log_probs"])
+    length = s.get("response_lengths", len(train))
+    length = int(length) if _number(length) is not None else len(train)
+    if len(train) != length or len(rollout) != length:
+        raise ValueError(
+            f"{where}: log_probs has {len(train)} and rollout_log_probs {len(rollout)} entries for a response of "
+            f"{length} tokens (context-parallel chunks that were not restored: a per-rank dump written with "
+            f"context parallelism by slime before 681b3ad; dump again with {_TRAIN_FLAG} of slime >= 681b3ad)"
+        )
+    rec: dict[str, Any] = {"train_log_probs": train, "rollout_log_probs": rollout, "step": int(rollout_id)}
+    if s.get("loss_masks") is not None:
+        rec["loss_mask"] = _ints(s["loss_masks"])
+    tokens = s.get("tokens")
+    if tokens is not None:
+        ids = _ints(tokens)
+        if len(ids) >= length:
+            rec["token_ids"] = ids[len(ids) - length :]
+    index = s.get("sample_index")
+    if index is None:
+        index = s.get("rollout_position")
+    if index is not None:
+        rec["sample_index"] = int(index)
+    reward = _number(s.get("rewards"))
+    if reward is not None:
+        rec["reward"] = reward
+    return rec
+
+
+def _samples(kind: str, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    if kind == "train":
+        return [s for s in obj["samples"] if isinstance(s, Mapping)]
+    data = obj["rollout_data"]  # legacy per-rank: columns of per-sample lists
+    n = len(data.get("response_lengths") or [])
+    columns = {k: v for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
+    out = []
+    for i in range(n):
+        s = {k: v[i] for k, v in columns.items()}
+        if "sample_indices" in columns:
+            s["sample_index"] = columns["sample_indices"][i]
+        out.append(s)
+    return out
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Records and header meta of slime dump files (``(path, loaded object)`` pairs), merged.
+
+    Raises ``ValueError`` naming the file for a rollout-only dump, a rollout without training
+    log-probs, unrestored context-parallel chunks, or two different samples under one identity.
+    """
+    merged: dict[tuple[Any, ...], tuple[Path, dict[str, Any]]] = {}
+    order: list[tuple[Any, ...]] = []
+    seen_rollouts: dict[int, Path] = {}
+    with_train: set[int] = set()
+    for path, obj in items:
+        kind = is_slime_dump(obj)
+        if kind == "rollout":
+            raise _rollout_only_error(path, obj)
+        if kind is None:
+            raise ValueError(f"{path}: not a slime debug dump")
+        rollout_id = int(obj["rollout_id"])
+        seen_rollouts.setdefault(rollout_id, path)
+        for i, s in enumerate(_samples(kind, obj)):
+            rec = _record(path, rollout_id, i, s)
+            if rec is None:
+                continue  # a pipeline stage / rank that computed no log-probs (legacy per-rank files)
+            with_train.add(rollout_id)
+            key = (rollout_id, rec["sample_index"]) if "sample_index" in rec else (
+                rollout_id, "tokens", tuple(rec.get("token_ids") or ()), len(rec["train_log_probs"]))
+            if key in merged:
+                first, old = merged[key]
+                if not (_same(old["train_log_probs"], rec["train_log_probs"])
+                        and _same(old["rollout_log_probs"], rec["rollout_log_probs"])):
+                    raise ValueError(
+                        f"{path}: rollout {rollout_id} sample {key[1:]} differs from the same sample in {first} "
+                        "(files of different runs?)"
+                    )
+                continue
+            merged[key] = (path, rec)
+            order.append(key)
+    for rollout_id, path in seen_rollouts.items():
+        if rollout_id not in with_train:
+            raise _no_train_logprobs_error(path, rollout_id)
+    order.sort(key=lambda k: (k[0], k[1] if isinstance(k[1], int) else math.inf))
+    meta = {"writer": SLIME_WRITER, "rollouts": sorted(seen_rollouts)}
+    return [merged[k][1] for k in order], meta
