@@ -19,7 +19,8 @@ setup(
         # Integration with megatron-core; 0.16.1 is the tested target (see README).
         "megatron": ["megatron-core>=0.16.1,<0.20"],
         "plot": ["matplotlib>=3.7"],
-        "example": ["megatron-core>=0.16.1,<0.20", "matplotlib>=3.7", "tqdm", "tensorboard"],
+        # psutil: megatron's dist_checkpointing writer; safetensors: the engine-weight export
+        "example": ["megatron-core>=0.16.1,<0.20", "matplotlib>=3.7", "tqdm", "tensorboard", "psutil", "safetensors"],
         "test": [
             "pytest>=8",
             "pytest-timeout",
@@ -31,6 +32,10 @@ setup(
             "tensorboard",
             # the Triton kernels run on CPU under TRITON_INTERPRET=1 in the tests (linux x86-64 wheels only)
             "triton>=3.3; sys_platform == 'linux' and platform_machine == 'x86_64'",
+            "psutil",
+            "safetensors",
+            # a real Hugging Face client for the exported engine weights (GPT2LMHeadModel); CPU-only, no torch pin
+            "transformers>=4.40",
         ],
         # The fused log-prob kernels (slime_tis/kernels); CUDA builds of torch usually bring triton already.
         "kernels": ["triton>=3.3"],

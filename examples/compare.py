@@ -1,22 +1,30 @@
 """Run the example job under several algorithms x mismatch settings and print a comparison table.
 
     python -m examples.compare --algs 0 2-geo-mis --mismatch lag2 --steps 50         # quickstart
-    python -m examples.compare --algs 0 1 2 3 --mismatch none bf16 lag2 --seeds 0 1 2  # results table
+    python -m examples.compare --algs 0 1 2 2-geo-mis 3-geo-mis 2-tok-mis \
+        --mismatch none int8 fp8 lag2 --seeds 0 1 2 3 4 --jobs 4 -- --steps-per-rollout 4   # results table
     python -m examples.compare --table-only --out-dir runs/compare ...                # re-print from logs
+
+Everything after ``--`` is passed to every ``examples.rl.train`` run (as is ``--train-args "..."``).
 
 Algorithms are selected by the plugin's flags only (``ALG_FLAGS``: ``0``-``3`` with default TIS settings =
 token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean masking with bounds
 [1/1.5, 1.5], the setting ``slime-tis diagnose`` recommends on this job's lag-2 dumps; ``2-tok-mis`` /
-``3-tok-mis`` = token-level masking at [0.5, 2]). Mismatch settings (``MISMATCH``):
+``3-tok-mis`` = token-level masking at [0.5, 2], IcePop-style). Mismatch settings (``MISMATCH``):
 
 * ``none``  - engine decodes in float32 (same math as training up to summation order);
 * ``bf16``  - engine decodes in bfloat16 with a KV cache (the default training/inference mismatch);
+* ``bf16-head32`` - bf16 with the LM head and logits in float32 (``--engine-lm-head-fp32``);
+* ``int8`` / ``fp8`` - bf16 engine serving weight-only int8 / fp8-e4m3 linear layers (per output channel);
 * ``lag2``  - bf16 and ``--rollout-lag 2`` (rollouts from the policy of two steps ago);
 * ``noise`` - bf16 and ``--rollout-logit-noise 0.5`` (a strong, injected behaviour-policy shift).
 
 Each run goes to ``OUT_DIR/<mismatch>-alg<k>-s<seed>`` (run directory of ``examples.rl.train``). Columns:
-final reward (mean of the last 5 steps), max ``tis/k3_kl`` and max grad norm over the run, mean rejected
-token fraction, wall time of the run; with several seeds, mean +- std over seeds.
+final reward (mean of the last 5 steps) with its 95 % t confidence interval over seeds; the paired difference
+to algorithm 0 under the same mismatch and seeds, ``*`` when its 95 % interval excludes 0 (paired t-test,
+:mod:`examples.stats`); mean and max ``tis/k3_kl``, max grad norm, mean rejected token fraction, wall time.
+``--plot`` writes ``OUT_DIR/compare.png`` (first seed) and, with several seeds, ``OUT_DIR/bands.png``
+(per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+from examples.stats import Interval, mean_ci, paired_difference
 
 GEO_MIS = ["--tis-mode", "mask", "--tis-level", "geometric", "--tis-upper-bound", "1.5"]
 TOKEN_MIS = ["--tis-mode", "mask", "--tis-level", "token"]
@@ -46,11 +56,24 @@ ALG_FLAGS: dict[str, list[str]] = {
 MISMATCH: dict[str, list[str]] = {
     "none": ["--engine-dtype", "float32"],
     "bf16": [],
+    "bf16-head32": ["--engine-lm-head-fp32"],
+    "int8": ["--engine-quant", "int8"],
+    "fp8": ["--engine-quant", "fp8"],
     "lag2": ["--rollout-lag", "2"],
     "noise": ["--rollout-logit-noise", "0.5"],
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COLUMNS = ("mismatch", "alg", "final reward", "max tis/k3_kl", "max grad norm", "rejected frac", "wall s")
+COLUMNS = (
+    "mismatch",
+    "alg",
+    "final reward (95% CI)",
+    "Δ vs alg 0 (95% CI)",
+    "mean tis/k3_kl",
+    "max tis/k3_kl",
+    "max grad norm",
+    "rejected frac",
+    "wall s",
+)
 
 
 def run_dir(out_dir: str, mismatch: str, alg: str, seed: int) -> str:
@@ -58,7 +81,9 @@ def run_dir(out_dir: str, mismatch: str, alg: str, seed: int) -> str:
 
 
 def launch(out_dir: str, mismatch: str, alg: str, seed: int, steps: int, nproc: int, extra: list[str]) -> float:
-    """Run one training job (a subprocess) and return its wall time in seconds."""
+    """Run one training job (a subprocess) and return its wall time in seconds. Unless ``OMP_NUM_THREADS`` is
+    set, every process runs one thread: a run's numbers then do not depend on ``--jobs`` or the core count (the
+    thread count changes float32 reduction order, and a run's trajectory with it)."""
     d = run_dir(out_dir, mismatch, alg, seed)
     train = [
         "-m",
@@ -80,6 +105,7 @@ def launch(out_dir: str, mismatch: str, alg: str, seed: int, steps: int, nproc: 
         cmd = [sys.executable, *train]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -112,6 +138,7 @@ def summarize(d: str) -> dict[str, float]:
     return {
         "final reward": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
         "initial reward": sum(rewards[:5]) / max(len(rewards[:5]), 1),
+        "mean tis/k3_kl": sum(k3) / len(k3) if k3 else float("nan"),
         "max tis/k3_kl": max(k3) if k3 else float("nan"),
         "max grad norm": max(gn) if gn else float("nan"),
         "rejected frac": sum(rej) / len(rej) if rej else 0.0,
@@ -119,40 +146,62 @@ def summarize(d: str) -> dict[str, float]:
     }
 
 
-def _fmt(values: list[float], key: str) -> str:
-    fmt = {
-        "final reward": "{:.3f}",
-        "max tis/k3_kl": "{:.2e}",
-        "max grad norm": "{:.2f}",
-        "rejected frac": "{:.3f}",
-        "wall s": "{:.0f}",
-    }[key]
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
+FORMATS = {
+    "final reward": "{:.3f}",
+    "mean tis/k3_kl": "{:.2e}",
+    "max tis/k3_kl": "{:.2e}",
+    "max grad norm": "{:.2f}",
+    "rejected frac": "{:.3f}",
+    "wall s": "{:.0f}",
+}
+
+
+def _fmt_ci(iv: Interval, fmt: str, signed: bool = False) -> str:
+    """``mean ± half`` (the 95 % half width; the bare mean for one seed); ``n/a`` for no finite value."""
+    if iv.n == 0:
         return "n/a"
-    if len(finite) == 1:
-        return fmt.format(finite[0])
-    return f"{fmt.format(statistics.mean(finite))} ± {fmt.format(statistics.stdev(finite))}"
+    m = fmt.replace("{:", "{:+") if signed else fmt
+    return m.format(iv.mean) if iv.n == 1 else f"{m.format(iv.mean)} ± {fmt.format(iv.half)}"
+
+
+def _runs(out_dir: str, mm: str, alg: str, seeds: list[int]) -> dict[int, dict[str, float]]:
+    return {
+        s: summarize(run_dir(out_dir, mm, alg, s))
+        for s in seeds
+        if os.path.exists(os.path.join(run_dir(out_dir, mm, alg, s), "metrics.jsonl"))
+    }
 
 
 def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
-    """A markdown table over the runs found in ``out_dir``."""
+    """A markdown table over the runs found in ``out_dir`` (see the module docstring for the columns)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for mm in mismatches:
+        base = {s: r["final reward"] for s, r in _runs(out_dir, mm, "0", seeds).items()}
         for alg in algs:
-            sums = [
-                summarize(run_dir(out_dir, mm, alg, s))
-                for s in seeds
-                if os.path.exists(os.path.join(run_dir(out_dir, mm, alg, s), "metrics.jsonl"))
-            ]
-            if not sums:
+            runs = _runs(out_dir, mm, alg, seeds)
+            if not runs:
                 continue
-            cells = [mm, alg] + [_fmt([x[c] for x in sums], c) for c in COLUMNS[2:]]
+            reward = {s: r["final reward"] for s, r in runs.items()}
+            if alg == "0":
+                delta = "—"
+            elif not base:
+                delta = "n/a"
+            else:
+                d = paired_difference(reward, base)
+                delta = _fmt_ci(d, "{:.3f}", signed=True) + (" *" if d.excludes_zero else "")
+            cells = [mm, alg, _fmt_ci(mean_ci(list(reward.values())), FORMATS["final reward"]), delta]
+            for c in COLUMNS[4:]:
+                cells.append(_fmt_ci(mean_ci([r[c] for r in runs.values()]), FORMATS[c]))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, train_extra = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(
         prog="python -m examples.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -167,21 +216,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun, data parallel)")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one CPU core each is a good start)")
     p.add_argument("--out-dir", default="runs/compare")
     p.add_argument("--table-only", action="store_true", help="do not train; tabulate existing runs")
-    p.add_argument("--plot", action="store_true", help="also write OUT_DIR/compare.png (first seed)")
+    p.add_argument("--plot", action="store_true", help="also write OUT_DIR/compare.png (and bands.png)")
     p.add_argument("--train-args", default="", help='extra flags for every run, e.g. "--tis-mode mask"')
     args = p.parse_args(argv)
-    extra = args.train_args.split()
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    extra = args.train_args.split() + train_extra
     if not args.table_only:
-        total = len(args.mismatch) * len(args.algs) * len(args.seeds)
-        n = 0
-        for mm in args.mismatch:
-            for alg in args.algs:
-                for seed in args.seeds:
-                    n += 1
-                    print(f"[{n}/{total}] mismatch={mm} alg={alg} seed={seed} ...", end=" ", flush=True)
-                    print(f"{launch(args.out_dir, mm, alg, seed, args.steps, args.nproc, extra):.0f} s", flush=True)
+        grid = [(mm, alg, seed) for mm in args.mismatch for alg in args.algs for seed in args.seeds]
+        os.makedirs(args.out_dir, exist_ok=True)
+
+        def one(item: tuple[str, str, int]) -> str:
+            mm, alg, seed = item
+            wall = launch(args.out_dir, mm, alg, seed, args.steps, args.nproc, extra)
+            return f"mismatch={mm} alg={alg} seed={seed}: {wall:.0f} s"
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for n, msg in enumerate(pool.map(one, grid), 1):
+                print(f"[{n}/{len(grid)}] {msg}", flush=True)
+        print(f"grid of {len(grid)} runs: {time.perf_counter() - t0:.0f} s wall", flush=True)
     out = table(args.out_dir, args.mismatch, args.algs, args.seeds)
     print(out)
     with open(os.path.join(args.out_dir, "table.md"), "w", encoding="utf-8") as f:
@@ -191,6 +248,15 @@ def main(argv: list[str] | None = None) -> int:
 
         dirs = [run_dir(args.out_dir, mm, alg, args.seeds[0]) for mm in args.mismatch for alg in args.algs]
         plot_main([*dirs, "-o", os.path.join(args.out_dir, "compare.png"), "--smooth", "3"])
+        if len(args.seeds) > 1:
+            from examples.plot_bands import plot_bands
+
+            groups = {
+                f"{mm} alg {alg}": [run_dir(args.out_dir, mm, alg, s) for s in args.seeds]
+                for mm in args.mismatch
+                for alg in args.algs
+            }
+            plot_bands(groups, os.path.join(args.out_dir, "bands.png"))
     return 0
 
 

@@ -19,8 +19,9 @@ copy, so those modules must be listed). Everything is restored on exit.
 
 ``cfg=None`` (default) builds ``TISConfig.from_args(megatron.training.get_args())`` when the schedule is
 first requested, i.e. after ``pretrain`` has parsed the command line (``add_megatron_tis_arguments`` adds
-the flags), and ``temperature=None`` then reads ``args.rollout_temperature`` (1.0 if the flag is absent).
-With an explicit ``cfg``, ``temperature=None`` means 1.0.
+the flags), and ``temperature=None`` then reads ``args.rollout_temperature`` (1.0 if the flag is absent),
+``fused_output_layer=None`` / ``fp32_lm_head=None`` read ``--tis-fused-output-layer`` / ``--tis-fp32-lm-head``
+(``megatron_hook_kwargs``). With an explicit ``cfg``, ``None`` means 1.0 / False / False.
 The micro-batch items must carry ``item["tis"] = TISBatch(...)`` or ``get_tis_batch=`` must build it
 (docs/megatron.md, "Data contract"); other keywords go to ``tis_forward_backward_func``.
 """
@@ -32,31 +33,32 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from slime_tis.config import TISConfig
-from slime_tis.megatron import tis_forward_backward_func
+from slime_tis.megatron import megatron_hook_kwargs, tis_forward_backward_func
 
 __all__ = ["tis_patch"]
 
 _ATTR = "get_forward_backward_func"
 
 
-def _from_megatron_lm_args(cfg: TISConfig | None, temperature: float | None) -> tuple[TISConfig, float]:
+def _from_megatron_lm_args(cfg: TISConfig | None, given: dict[str, Any]) -> tuple[TISConfig, dict[str, Any]]:
+    """The config and the hook keywords (``temperature``, ``fused_output_layer``, ``fp32_lm_head``): the given
+    ones, the others from Megatron-LM's parsed args (``cfg=None``) or the defaults."""
     if cfg is not None:
-        return cfg, 1.0 if temperature is None else temperature
+        defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False}
+        return cfg, {k: defaults[k] if v is None else v for k, v in given.items()}
     try:
         from megatron.training import get_args
     except ImportError as err:
         raise ValueError("tis_patch(cfg=None) reads Megatron-LM's arguments (megatron.training.get_args), which "
                          "is not importable here; pass cfg=TISConfig(...) and temperature=...") from err
     args = get_args()
-    if cfg is None:
-        cfg = TISConfig.from_args(args)
-    if temperature is None:
-        temperature = float(getattr(args, "rollout_temperature", 1.0))
-    return cfg, temperature
+    from_args = megatron_hook_kwargs(args)
+    return TISConfig.from_args(args), {k: from_args[k] if v is None else v for k, v in given.items()}
 
 
 @contextlib.contextmanager
-def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None, chunk_size: int = 1024,
+def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
+              fused_output_layer: bool | None = None, fp32_lm_head: bool | None = None, chunk_size: int = 1024,
               modules: Sequence[Any] = (), **hook_kwargs: Any) -> Iterator[None]:
     """Make ``get_forward_backward_func()`` return the hooked schedule while the block runs."""
     import megatron.core.pipeline_parallel as pp_pkg
@@ -67,9 +69,11 @@ def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
     original = schedules.get_forward_backward_func
 
     def hooked_get_forward_backward_func(*args: Any, **kwargs: Any):
-        the_cfg, the_temperature = _from_megatron_lm_args(cfg, temperature)
-        return tis_forward_backward_func(original(*args, **kwargs), the_cfg, temperature=the_temperature,
-                                         chunk_size=chunk_size, **hook_kwargs)
+        the_cfg, resolved = _from_megatron_lm_args(cfg, {"temperature": temperature,
+                                                         "fused_output_layer": fused_output_layer,
+                                                         "fp32_lm_head": fp32_lm_head})
+        return tis_forward_backward_func(original(*args, **kwargs), the_cfg, chunk_size=chunk_size, **resolved,
+                                         **hook_kwargs)
 
     targets = [schedules, pp_pkg, *modules]
     for mod in targets:  # validate everything before changing anything

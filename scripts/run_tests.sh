@@ -17,7 +17,9 @@ fi
 # megatron-core==0.16.1 and triton==3.6.0 (the Triton kernels' tests run on CPU under its interpreter,
 # TRITON_INTERPRET=1, which they set themselves). setup.py itself only asks for ranges.
 "$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
-# verl 0.9.1 is a test oracle only: no deps (ray/transformers are stubbed in tests/_verl_light.py).
+# verl 0.9.1 is a test oracle only: no deps (ray is stubbed in tests/_verl_light.py; transformers, pinned by
+# constraints.txt to a version verl imports, comes with the test extras: the tests load the example's exported
+# Hugging Face checkpoint with it).
 "$VENV/bin/pip" install -q --no-deps verl==0.9.1
 "$VENV/bin/pip" install -q -c constraints.txt tensordict omegaconf codetiming orjson
 

@@ -90,4 +90,54 @@ def test_compare_summary_and_table(tmp_path):
     md = table(str(tmp_path), ["lag2"], ["0", "2"], [0, 1])
     lines = md.splitlines()
     assert len(lines) == 3  # header, rule, one row (alg 0 has no runs)
-    assert lines[2].startswith("| lag2 | 2 | 0.220 ± 0.071 | 1.00e-02 ± 0.00e+00 |")
+    # two seeds: mean 0.22, s = 0.0707, t_{0.975,1} = 12.706 -> half width 12.706 * 0.0707 / sqrt(2) = 0.635
+    assert lines[2].startswith("| lag2 | 2 | 0.220 ± 0.635 | n/a | 5.50e-03 ± ")
+
+
+def test_compare_table_paired_difference_and_significance(tmp_path):
+    """Algorithm 2 beats algorithm 0 by 0.05 +- 0.002 on each of 5 seeds (significant); algorithm 1 differs
+    from 0 by +0.1 / -0.1 alternating (mean +0.02, not significant)."""
+    for s in range(5):
+        base = 0.3 + 0.02 * s  # seed-to-seed spread larger than the paired effect
+        _write_run(tmp_path / f"int8-alg0-s{s}", _rows(10, base - 0.07, 0.01, k3=1e-5))
+        _write_run(tmp_path / f"int8-alg2-s{s}", _rows(10, base - 0.07 + 0.05 + 0.001 * (s % 2), 0.01, k3=1e-5))
+        _write_run(tmp_path / f"int8-alg1-s{s}", _rows(10, base - 0.07 + (0.1 if s % 2 else -0.1) + 0.02, 0.01))
+    lines = table(str(tmp_path), ["int8"], ["0", "1", "2"], list(range(5))).splitlines()
+    assert "Δ vs alg 0 (95% CI)" in lines[0]
+    row0, row1, row2 = (line.split(" | ") for line in lines[2:5])
+    assert row0[3] == "—"
+    assert row2[3].startswith("+0.050 ± 0.00") and row2[3].endswith(" *")  # paired: the seed spread cancels
+    assert row1[3].startswith("+0.000 ± 0.1") and not row1[3].endswith("*")
+    # the unpaired intervals of the rewards overlap: only the paired comparison separates alg 2 from alg 0
+    assert row0[2].startswith("0.340 ± 0.039") and row2[2].startswith("0.390 ± 0.039")
+
+
+def test_stats_t_interval_against_hand_values():
+    from examples.stats import mean_ci, paired_difference, t975
+
+    assert t975(4) == 2.776 and t975(100) == 1.96
+    iv = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0, float("nan")])
+    assert iv.n == 5 and iv.mean == 3.0
+    assert iv.half == pytest.approx(2.776 * (2.5**0.5) / 5**0.5)
+    assert mean_ci([7.0]).n == 1 and mean_ci([]).n == 0
+    d = paired_difference({0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.5, 1: 1.5, 2: 2.4, 3: 9.0})
+    assert d.n == 3 and d.mean == pytest.approx(0.5333333) and d.excludes_zero
+    with pytest.raises(ValueError, match="degrees of freedom must be >= 1, got 0"):
+        t975(0)
+
+
+def test_band_plot_of_several_seeds(tmp_path):
+    from examples.plot_bands import band, plot_bands
+
+    dirs = []
+    for s in range(3):
+        d = tmp_path / f"bf16-alg0-s{s}"
+        _write_run(d, _rows(8, 0.1 + 0.01 * s, 0.02, k3=1e-4, rej=0.1))
+        dirs.append(str(d))
+    steps, mean, low, high = band(dirs, "reward", smooth=1)
+    assert steps == list(range(8))
+    assert mean[0] == pytest.approx(0.11) and low[0] < 0.11 < high[0]
+    assert high[0] - mean[0] == pytest.approx(4.303 * 0.01 / 3**0.5)
+    plot_bands({"bf16 alg 0": dirs}, str(tmp_path / "bands.png"))
+    w, h = _png_size(tmp_path / "bands.png")
+    assert w > 1000 and h > 300

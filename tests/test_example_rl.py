@@ -372,6 +372,8 @@ def test_megatron_export_matches_kv_cache_decoder():
             "256 sequences must be divisible by DP size \\(2\\) x --num-microbatches \\(3\\)",
         ),
         (["--sglang-url", "http://x", "--engine-dtype", "float32"], "configure the embedded engine"),
+        (["--sglang-url", "http://x", "--engine-quant", "int8"], "configure the embedded engine"),
+        (["--sglang-url", "http://x", "--engine-lm-head-fp32"], "configure the embedded engine"),
     ],
 )
 def test_launcher_validates_arguments(argv, message):

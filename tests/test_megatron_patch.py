@@ -130,3 +130,60 @@ def test_micro_batch_index_counts_per_model_chunk_through_wrappers():
     wrapper.module = inner
     counter = MicroBatchCounter()
     assert [counter.next_index(m) for m in (wrapper, inner, other, wrapper, other)] == [0, 1, 0, 2, 1]
+
+
+def test_output_layer_flags_parse_and_exclude_each_other(capsys):
+    import argparse
+
+    from slime_tis.megatron import megatron_hook_kwargs
+
+    def parse(*argv):
+        return add_megatron_tis_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+    assert megatron_hook_kwargs(parse()) == {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False}
+    assert megatron_hook_kwargs(parse("--tis-fused-output-layer", "--rollout-temperature", "0.6")) == {
+        "temperature": 0.6, "fused_output_layer": True, "fp32_lm_head": False}
+    assert megatron_hook_kwargs(parse("--tis-fp32-lm-head"))["fp32_lm_head"] is True
+    with pytest.raises(SystemExit):
+        parse("--tis-fused-output-layer", "--tis-fp32-lm-head")
+    err = capsys.readouterr().err
+    assert "--tis-fp32-lm-head: not allowed with argument --tis-fused-output-layer" in err
+    # a namespace built without the parser (slime sets attributes): the same error from the hook's side
+    both = types.SimpleNamespace(tis_fused_output_layer=True, tis_fp32_lm_head=True)
+    msg = "--tis-fused-output-layer and --tis-fp32-lm-head .* are mutually exclusive"
+    with pytest.raises(ValueError, match=msg):
+        megatron_hook_kwargs(both)
+    with pytest.raises(ValueError, match=msg):
+        tis_forward_backward_func(schedules.forward_backward_no_pipelining, TISConfig(), fused_output_layer=True,
+                                  fp32_lm_head=True)
+    with pytest.raises(ValueError, match="fp32_lm_head must be a bool, got 'yes'"):
+        tis_forward_backward_func(schedules.forward_backward_no_pipelining, TISConfig(), fp32_lm_head="yes")
+    # adding the flags twice (two providers) reuses them instead of an argparse conflict
+    twice = add_megatron_tis_arguments(add_megatron_tis_arguments(argparse.ArgumentParser()))
+    assert twice.parse_args(["--tis-fp32-lm-head"]).tis_fp32_lm_head is True
+
+
+def test_hook_output_layer_mode_from_keywords_and_from_megatron_lm_args(monkeypatch):
+    import argparse
+
+    base = schedules.forward_backward_no_pipelining
+    assert tis_forward_backward_func(base, TISConfig()).output_layer is None
+    assert tis_forward_backward_func(base, TISConfig(), fused_output_layer=True).output_layer == "fused"
+    assert tis_forward_backward_func(base, TISConfig(), fp32_lm_head=True).output_layer == "fp32"
+    parsed = {}
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: parsed["args"]
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    launcher = types.SimpleNamespace(get_forward_backward_func=schedules.get_forward_backward_func)
+    parser = add_megatron_tis_arguments(argparse.ArgumentParser())
+    with tis_patch(modules=[launcher]):
+        parsed["args"] = parser.parse_args(["--tis-fused-output-layer"])
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer == "fused"
+        parsed["args"] = parser.parse_args(["--tis-fp32-lm-head"])
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer == "fp32"
+    with tis_patch(modules=[launcher], fp32_lm_head=False):  # a keyword wins over the parsed flag
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer is None
+    with tis_patch(TISConfig(), fused_output_layer=True, modules=[launcher]):
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer == "fused"
+    with tis_patch(TISConfig(), modules=[launcher]):
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer is None

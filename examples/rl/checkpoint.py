@@ -1,10 +1,17 @@
-"""Per-rank training checkpoints: model, optimizer and rollout-lag history, for bit-identical resume.
+"""Training checkpoints in megatron-core's ``dist_checkpointing`` format (sharded, layout-independent).
 
-Layout: ``RUN_DIR/checkpoints/step_{N:06d}/rank_{r:03d}.pt`` plus ``RUN_DIR/checkpoints/latest`` (the
-step number, written last by rank 0 after a barrier, so an interrupted save is never picked up).
-Each rank stores its own pipeline stage / data-parallel replica, so a resume must use the same
-``--pp`` and world size (checked). Prompts and sampling seeds are derived from ``(seed, step)``,
-so no RNG state is needed.
+Layout of ``RUN_DIR/checkpoints``::
+
+    step_{N:06d}/            megatron dist checkpoint (torch_dist): the model's and the optimizer's sharded
+                             state dicts, as global tensors keyed by megatron's sharded keys
+    step_{N:06d}/extra.pt    rollout-lag history (full GPT-2-layout weights; written by the engine rank)
+    latest                   the step number, written last by rank 0 after a barrier (an interrupted save
+                             is never picked up)
+
+Each rank contributes its own pipeline stage / data-parallel replica (``model.sharded_state_dict()`` and
+``optimizer.sharded_state_dict(...)``: tensors carry their global offsets and replica ids), so a run saved
+at one layout resumes at another (PP=2 -> DP=2 or PP=1; tested in torchrun). Prompts and sampling seeds are
+derived from ``(seed, step)``, so no RNG state is needed. Tensor parallelism is not used by the example.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import os
 from typing import Any
 
 import torch
+
+EXTRA_FILE = "extra.pt"
 
 
 def _dir(run_dir: str, step: int) -> str:
@@ -25,6 +34,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def sharded_state(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}``: megatron sharded state dicts of this rank's part."""
+    model_sd = _unwrap(model).sharded_state_dict()
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
 def save(
     run_dir: str,
     step: int,
@@ -33,25 +48,30 @@ def save(
     layout: dict[str, int],
     extra: dict[str, Any] | None = None,
 ) -> str:
-    """Save this rank's state after ``step`` completed steps (collective: every rank must call)."""
+    """Save the state after ``step`` completed steps (collective: every rank must call).
+
+    ``extra`` (the lag history) is written by the rank that passes it (the engine rank); ``layout`` is
+    recorded for information only (any layout may load the checkpoint)."""
+    from megatron.core import dist_checkpointing
+
     rank = torch.distributed.get_rank()
     path = _dir(run_dir, step)
-    os.makedirs(path, exist_ok=True)
-    state = {
-        "step": step,
-        "layout": layout,
-        "model": _unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "extra": extra or {},
-    }
-    tmp = os.path.join(path, f"rank_{rank:03d}.pt.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, os.path.join(path, f"rank_{rank:03d}.pt"))
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    state = sharded_state(model, optimizer, is_loading=False)
+    state["saved_layout"] = dict(layout)
+    dist_checkpointing.save(state, path)
+    if extra is not None:
+        tmp = os.path.join(path, EXTRA_FILE + ".tmp")
+        torch.save(extra, tmp)
+        os.replace(tmp, os.path.join(path, EXTRA_FILE))
     torch.distributed.barrier()
     if rank == 0:
-        with open(os.path.join(run_dir, "checkpoints", "latest.tmp"), "w", encoding="utf-8") as f:
+        ckpt = os.path.join(run_dir, "checkpoints")
+        with open(os.path.join(ckpt, "latest.tmp"), "w", encoding="utf-8") as f:
             f.write(str(step))
-        os.replace(os.path.join(run_dir, "checkpoints", "latest.tmp"), os.path.join(run_dir, "checkpoints", "latest"))
+        os.replace(os.path.join(ckpt, "latest.tmp"), os.path.join(ckpt, "latest"))
     torch.distributed.barrier()
     return path
 
@@ -65,18 +85,31 @@ def latest_step(run_dir: str) -> int | None:
         return None
 
 
-def load(run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, layout: dict[str, int]) -> dict[str, Any]:
-    """Restore this rank's state saved at ``step``; returns the ``extra`` dict."""
-    rank = torch.distributed.get_rank()
-    path = os.path.join(_dir(run_dir, step), f"rank_{rank:03d}.pt")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint for rank {rank} at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["layout"] != layout:
-        raise ValueError(
-            f"checkpoint layout {state['layout']} does not match this run's {layout}; "
-            "resume with the same --pp and number of processes"
-        )
-    _unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["extra"]
+def load(run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, *, load_extra: bool) -> dict[str, Any]:
+    """Restore model and optimizer saved at ``step`` into this rank's part of the current layout (collective);
+    returns the ``extra`` dict when ``load_extra`` (the engine rank), else ``{}``."""
+    from megatron.core import dist_checkpointing
+
+    path = _dir(run_dir, step)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
+    loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), path)
+    _unwrap(model).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    if not load_extra:
+        return {}
+    extra_path = os.path.join(path, EXTRA_FILE)
+    if not os.path.exists(extra_path):
+        raise FileNotFoundError(f"checkpoint {path} has no {EXTRA_FILE} (rollout-lag history)")
+    return torch.load(extra_path, map_location="cpu", weights_only=True)
+
+
+def load_model(run_dir: str, step: int, model: torch.nn.Module) -> None:
+    """Restore only the model weights saved at ``step`` (any layout; the optimizer state is not read)."""
+    from megatron.core import dist_checkpointing
+
+    path = _dir(run_dir, step)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
+    loaded = dist_checkpointing.load({"model": _unwrap(model).sharded_state_dict()}, path)
+    _unwrap(model).load_state_dict(loaded["model"])

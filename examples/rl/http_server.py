@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from examples.rl.model import ModelConfig
+from examples.rl.quant import ENGINE_QUANT_CHOICES
 from examples.rl.rollout_engine import EmbeddedEngine, EngineNotReadyError
 
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default=None, help="initial checkpoint directory (optional)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--logit-noise", type=float, default=0.0)
+    p.add_argument("--quant", choices=ENGINE_QUANT_CHOICES, default="none", help="weight-only quantized linears")
+    p.add_argument("--lm-head-fp32", action="store_true", help="LM head and logits in float32")
     p.add_argument("--num-layers", type=int, default=ModelConfig.num_layers)
     p.add_argument("--hidden-size", type=int, default=ModelConfig.hidden_size)
     p.add_argument("--num-heads", type=int, default=ModelConfig.num_heads)
@@ -119,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads, max_seq_len=args.max_seq_len
     )
-    engine = EmbeddedEngine(cfg, dtype=getattr(torch, args.dtype), logit_noise=args.logit_noise)
+    engine = EmbeddedEngine(
+        cfg,
+        dtype=getattr(torch, args.dtype),
+        logit_noise=args.logit_noise,
+        quant=args.quant,
+        lm_head_fp32=args.lm_head_fp32,
+    )
     if args.model_path:
         res = engine.update_weights_from_disk(args.model_path)
         if not res["success"]:

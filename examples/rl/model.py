@@ -57,6 +57,7 @@ class ModelConfig:
             "bos_token_id": eos_token_id,
             "eos_token_id": eos_token_id,
             "torch_dtype": "float32",
+            "dtype": "float32",
         }
 
 
@@ -172,18 +173,29 @@ def gather_gpt2_weights(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, t
 # --------------------------------------------------------------------------------------------------
 # Hugging Face GPT-2 checkpoint on disk (what /update_weights_from_disk loads)
 # --------------------------------------------------------------------------------------------------
+WEIGHTS_FILE = "model.safetensors"
+
+
 def save_hf_checkpoint(path: str, weights: dict[str, torch.Tensor], cfg: ModelConfig, eos_token_id: int) -> None:
-    """Write ``config.json`` + ``pytorch_model.bin`` (GPT-2 layout; ``lm_head`` tied to ``wte``)."""
+    """Write a Hugging Face GPT-2 checkpoint: ``config.json`` + ``model.safetensors`` (float32, GPT-2 names;
+    ``lm_head`` is tied to ``wte`` and not stored). Loadable by ``GPT2LMHeadModel.from_pretrained`` and by
+    SGLang's ``/update_weights_from_disk``. The weights file is written to a temporary name and renamed."""
+    from safetensors.torch import save_file
+
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg.to_hf_config(eos_token_id), f, indent=1)
-    tmp = os.path.join(path, "pytorch_model.bin.tmp")
-    torch.save({k: v.contiguous() for k, v in weights.items()}, tmp)
-    os.replace(tmp, os.path.join(path, "pytorch_model.bin"))
+    tensors = {k: v.detach().to(device="cpu", dtype=torch.float32).contiguous() for k, v in weights.items()}
+    tensors.pop("lm_head.weight", None)  # tied (config.tie_word_embeddings); safetensors refuses shared storage
+    tmp = os.path.join(path, WEIGHTS_FILE + ".tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
 
 
 def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a checkpoint written by :func:`save_hf_checkpoint`."""
+    """Read a checkpoint written by :func:`save_hf_checkpoint` (``model.safetensors``)."""
+    from safetensors.torch import load_file
+
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
     cfg = ModelConfig(
@@ -194,7 +206,7 @@ def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         max_seq_len=hf["n_positions"],
         layernorm_eps=hf["layer_norm_epsilon"],
     )
-    weights = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    weights = load_file(os.path.join(path, WEIGHTS_FILE), device="cpu")
     return cfg, weights
 
 
@@ -207,6 +219,12 @@ class KVCacheGPT:
     This is deliberately a different numerical path from training (megatron-core, float32, full
     sequence): weights and activations are rounded to ``dtype``, attention runs one query token at a
     time against the cache, and only the final logits are upcast to float32 (as inference engines do).
+
+    ``quant`` (``"none"`` or a scheme of :mod:`examples.rl.quant`): the four linear weights of every block
+    are stored as int8 / fp8 codes + float32 scales and dequantized on the fly (``W_hat = q * s`` rounded
+    to ``dtype``) in every forward. ``lm_head_fp32``: the output projection reads the float32 weight and
+    the hidden state upcast to float32, ``logits = float32(h) @ W_lm^T`` in float32 (the inference-side
+    LM-head fix; everything before it stays in ``dtype``).
     """
 
     def __init__(
@@ -216,13 +234,30 @@ class KVCacheGPT:
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        quant: str = "none",
+        lm_head_fp32: bool = False,
     ) -> None:
+        from examples.rl.quant import ENGINE_QUANT_CHOICES, is_quantized_linear, quantize
+
         missing = [k for k in _expected_keys(cfg) if k not in weights]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} GPT-2 keys, e.g. {missing[:3]}")
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        if quant not in ENGINE_QUANT_CHOICES:
+            raise ValueError(f"quant must be one of {ENGINE_QUANT_CHOICES}, got {quant!r}")
+        self.cfg, self.dtype, self.device, self.quant = cfg, dtype, torch.device(device), quant
+        lm_head = weights.get("lm_head.weight", weights["transformer.wte.weight"])
+        self.lm_head32 = lm_head.to(device=self.device, dtype=torch.float32) if lm_head_fp32 else None
+        self.q = {}
+        if quant != "none":
+            self.q = {k: quantize(v.to(self.device), quant) for k, v in weights.items() if is_quantized_linear(k)}
+        self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items() if k not in self.q}
         self.w.setdefault("lm_head.weight", self.w["transformer.wte.weight"])
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The weight the engine multiplies with: ``self.w[name]``, or the on-the-fly dequantized
+        ``codes * scale`` in ``dtype`` for a quantized linear layer."""
+        q = self.q.get(name)
+        return self.w[name] if q is None else q.dequantize(self.dtype)
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg.layernorm_eps)
@@ -234,6 +269,22 @@ class KVCacheGPT:
         """Run ``tokens [B, L]`` at positions ``start_pos..start_pos+L-1`` given the cache of the
         previous ``start_pos`` positions. Returns float32 logits ``[B, L, V]`` and the extended cache
         (per layer ``(k, v)`` each ``[B, n, start_pos + L, d]``)."""
+        x, new_cache = self.hidden(tokens, start_pos, cache)
+        return self.lm_head(x), new_cache
+
+    @torch.no_grad()
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[B, L, V]`` from the final hidden state ``x [B, L, h]`` (in ``dtype``):
+        ``float32(x @ W_lm^T)`` in ``dtype``, or ``float32(x) @ float32(W_lm)^T`` with ``lm_head_fp32``."""
+        if self.lm_head32 is not None:
+            return x.float() @ self.lm_head32.t()
+        return (x @ self.w["lm_head.weight"].t()).float()
+
+    @torch.no_grad()
+    def hidden(
+        self, tokens: torch.Tensor, start_pos: int, cache: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> tuple[torch.Tensor, list]:
+        """The transformer up to and including the final LayerNorm: ``[B, L, h]`` in ``dtype``, and the cache."""
         cfg, w = self.cfg, self.w
         b, length = tokens.shape
         n, d = cfg.num_heads, cfg.hidden_size // cfg.num_heads
@@ -245,7 +296,7 @@ class KVCacheGPT:
         for i in range(cfg.num_layers):
             p = f"transformer.h.{i}."
             a = self._ln(x, p + "ln_1")
-            qkv = a @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+            qkv = a @ self.weight(p + "attn.c_attn.weight") + w[p + "attn.c_attn.bias"]
             q, k, v = (t.view(b, length, n, d).transpose(1, 2) for t in qkv.split(cfg.hidden_size, dim=-1))
             if cache is not None:
                 k = torch.cat([cache[i][0], k], dim=2)
@@ -257,13 +308,11 @@ class KVCacheGPT:
             scores = scores.masked_fill(kpos > qpos, float("-inf"))
             att = torch.softmax(scores.float(), dim=-1).to(self.dtype) @ v
             att = att.transpose(1, 2).reshape(b, length, cfg.hidden_size)
-            x = x + att @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+            x = x + att @ self.weight(p + "attn.c_proj.weight") + w[p + "attn.c_proj.bias"]
             m = self._ln(x, p + "ln_2")
-            m = GELU_TANH(m @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
-            x = x + m @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
-        x = self._ln(x, "transformer.ln_f")
-        logits = (x @ w["lm_head.weight"].t()).float()
-        return logits, new_cache
+            m = GELU_TANH(m @ self.weight(p + "mlp.c_fc.weight") + w[p + "mlp.c_fc.bias"])
+            x = x + m @ self.weight(p + "mlp.c_proj.weight") + w[p + "mlp.c_proj.bias"]
+        return self._ln(x, "transformer.ln_f"), new_cache
 
 
 def _expected_keys(cfg: ModelConfig) -> list[str]:

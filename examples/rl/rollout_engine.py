@@ -23,6 +23,9 @@ token is included in ``output_ids`` / ``output_token_logprobs``.
 Numerics: bfloat16 incremental decoding (``dtype``), optionally with Gaussian logit noise of std
 ``logit_noise`` added before sampling (a stronger, controllable training/inference mismatch; the noisy
 logits define the behaviour policy, so the reported log-probs are exact for what was sampled).
+``quant`` = ``int8`` / ``fp8`` / ``fp8-tensor`` serves weight-only quantized linear layers (dequantized on
+the fly into the decode dtype, :mod:`examples.rl.quant`): the quantized-rollout mismatch. ``lm_head_fp32``
+computes the output projection and logits in float32 (the inference-side LM-head fix).
 Sampling is reproducible: with ``sampling_seed`` the same request gives the same response.
 """
 
@@ -51,6 +54,8 @@ class EmbeddedEngine:
         dtype: decode dtype (``torch.bfloat16`` default; ``torch.float32`` removes the bf16 mismatch).
         logit_noise: std of Gaussian noise added to the decode logits (0 = off).
         device: where decoding runs.
+        quant: ``"none"`` or a weight-only scheme of :data:`examples.rl.quant.SCHEMES`.
+        lm_head_fp32: LM head (output matmul and logits) in float32.
     """
 
     def __init__(
@@ -60,10 +65,17 @@ class EmbeddedEngine:
         dtype: torch.dtype = torch.bfloat16,
         logit_noise: float = 0.0,
         device: torch.device | str = "cpu",
+        quant: str = "none",
+        lm_head_fp32: bool = False,
     ) -> None:
+        from examples.rl.quant import ENGINE_QUANT_CHOICES
+
         if logit_noise < 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
+        if quant not in ENGINE_QUANT_CHOICES:
+            raise ValueError(f"quant must be one of {ENGINE_QUANT_CHOICES}, got {quant!r}")
         self.cfg, self.dtype, self.logit_noise, self.device = cfg, dtype, float(logit_noise), device
+        self.quant, self.lm_head_fp32 = quant, bool(lm_head_fp32)
         self._model: KVCacheGPT | None = None
         self._lock = threading.Lock()
         self.weight_version = 0
@@ -71,7 +83,9 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------ weight updates
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """In-process weight update (tensors are copied and cast to the decode dtype)."""
-        model = KVCacheGPT(self.cfg, weights, dtype=self.dtype, device=self.device)
+        model = KVCacheGPT(
+            self.cfg, weights, dtype=self.dtype, device=self.device, quant=self.quant, lm_head_fp32=self.lm_head_fp32
+        )
         with self._lock:
             self._model = model
             self.weight_version += 1

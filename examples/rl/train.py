@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from examples.rl.quant import ENGINE_QUANT_CHOICES
 from examples.rl.task import EOS, TRANSFORMS, DigitTask
 
 DEFAULT_RUN_DIR = "runs/example"
@@ -97,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="embedded engine decode dtype (bfloat16 = the default training/inference mismatch)",
     )
     g.add_argument(
+        "--engine-quant",
+        choices=ENGINE_QUANT_CHOICES,
+        default="none",
+        help="embedded engine: weight-only quantized linear layers (int8 / fp8 per output channel, "
+        "fp8-tensor per tensor), dequantized into the decode dtype; training stays float32",
+    )
+    g.add_argument(
+        "--engine-lm-head-fp32",
+        action="store_true",
+        help="embedded engine: LM head (output matmul and logits) in float32",
+    )
+    g.add_argument(
         "--rollout-logit-noise",
         type=float,
         default=0.0,
@@ -123,9 +136,16 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             f"prompts-per-step x group-size = {n} sequences must be divisible by DP size ({dp}) x "
             f"--num-microbatches ({args.num_microbatches}) x --steps-per-rollout ({args.steps_per_rollout})"
         )
-    if args.sglang_url and (args.engine_dtype != "bfloat16" or args.rollout_logit_noise):
+    embedded_only = (
+        args.engine_dtype != "bfloat16",
+        args.rollout_logit_noise,
+        args.engine_quant != "none",
+        args.engine_lm_head_fp32,
+    )
+    if args.sglang_url and any(embedded_only):
         raise ValueError(
-            "--engine-dtype / --rollout-logit-noise configure the embedded engine; "
+            "--engine-dtype / --engine-quant / --engine-lm-head-fp32 / --rollout-logit-noise configure the "
+            "embedded engine; "
             "with --sglang-url configure the server instead"
         )
 
@@ -216,6 +236,8 @@ class Trainer:
             dtype=getattr(torch, a.engine_dtype),
             logit_noise=a.rollout_logit_noise,
             device=self.info.device,
+            quant=a.engine_quant,
+            lm_head_fp32=a.engine_lm_head_fp32,
         )
         return engine, LaggedWeightSync(InProcessWeightSync(engine), a.rollout_lag)
 
@@ -428,7 +450,7 @@ class Trainer:
             found = checkpoint.latest_step(a.run_dir)
             if found is None:
                 raise FileNotFoundError(f"--resume given but {a.run_dir}/checkpoints/latest does not exist")
-            extra = checkpoint.load(a.run_dir, found, self.model, self.optimizer, self.layout)
+            extra = checkpoint.load(a.run_dir, found, self.model, self.optimizer, load_extra=self.sync is not None)
             start = found
         if info.is_logging_rank or info.is_engine_rank:
             os.makedirs(a.run_dir, exist_ok=True)
@@ -457,7 +479,7 @@ class Trainer:
                 log.log(step, metrics)
                 done = step + 1
                 if (a.save_interval and done % a.save_interval == 0) or done == a.steps:
-                    extra = {"lag": self.sync.state_dict()} if self.sync is not None else {}
+                    extra = {"lag": self.sync.state_dict()} if self.sync is not None else None
                     checkpoint.save(a.run_dir, done, self.model, self.optimizer, self.layout, extra)
         finally:
             log.close()

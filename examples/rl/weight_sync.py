@@ -41,7 +41,8 @@ class InProcessWeightSync:
 
 
 class DiskWeightSync:
-    """Write ``DIR/config.json + pytorch_model.bin`` and ask the server to reload from it."""
+    """Write a Hugging Face checkpoint ``DIR/config.json + model.safetensors`` and ask the server to reload
+    from it."""
 
     def __init__(self, client: SGLangClient, directory: str, cfg: ModelConfig, eos_token_id: int) -> None:
         self.client, self.directory, self.cfg, self.eos = (

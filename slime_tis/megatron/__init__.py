@@ -4,7 +4,8 @@ Public API::
 
     tis_forward_backward_func(get_forward_backward_func(), cfg, temperature=...)   the hook
     compute_old_log_probs, rollout_step_iterator   pi_old once per rollout (several steps, PPO epochs)
-    add_megatron_tis_arguments                     the plugin's flags + --rollout-temperature
+    add_megatron_tis_arguments, megatron_hook_kwargs   the plugin's flags + --rollout-temperature,
+                                   --tis-fused-output-layer, --tis-fp32-lm-head; parsed args -> hook kwargs
     TISBatch                               per-micro-batch RL fields (packed, CP-local)
     vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (Triton on CUDA)
     MegatronReducer                        the core's Reducer on parallel_state groups
@@ -13,7 +14,7 @@ Public API::
 Importing this package does not import megatron-core; the functions that need it import it lazily.
 """
 
-from slime_tis.megatron.arguments import add_megatron_tis_arguments
+from slime_tis.megatron.arguments import add_megatron_tis_arguments, megatron_hook_kwargs
 from slime_tis.megatron.batch import TISBatch, cp_slice_padded, cu_seqlens_from_seq_ids, default_get_tis_batch
 from slime_tis.megatron.grad_scale import data_parallel_grad_average
 from slime_tis.megatron.hook import TISForwardBackward, tis_forward_backward_func
@@ -30,6 +31,7 @@ __all__ = [
     "compute_old_log_probs",
     "rollout_step_iterator",
     "add_megatron_tis_arguments",
+    "megatron_hook_kwargs",
     "data_parallel_grad_average",
     "TISForwardBackward",
     "TISBatch",

@@ -1,26 +1,63 @@
-"""``add_megatron_tis_arguments``: the plugin's flags plus the one the Megatron hook needs, for Megatron-LM.
+"""``add_megatron_tis_arguments``: the plugin's flags plus the Megatron hook's own, for Megatron-LM.
 
 Pass it as ``pretrain(..., extra_args_provider=add_megatron_tis_arguments)``. It adds every flag of
-``slime_tis.arguments.add_tis_arguments`` and ``--rollout-temperature`` (the sampling temperature of the
-rollout engine; the hook divides the training logits by it), unless the host parser already defines an
-option of that name (slime does), in which case the host's is used.
+``slime_tis.arguments.add_tis_arguments`` and, unless the host parser already defines an option of that name
+(slime defines ``--rollout-temperature``; the host's is then used):
+
+* ``--rollout-temperature T`` (float > 0, default 1.0): the rollout engine's sampling temperature; the hook
+  divides the training logits by it;
+* ``--tis-fused-output-layer``: log-probs and entropy straight from the hidden states and the (tied) output
+  weight (``slime_tis.megatron.output_layer``), no logits tensor, float32 accumulation;
+* ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits into the log-softmax).
+
+The last two are mutually exclusive (argparse names both). ``megatron_hook_kwargs(args)`` turns the parsed
+namespace into the hook's keyword arguments::
+
+    tis_forward_backward_func(get_forward_backward_func(), TISConfig.from_args(args), **megatron_hook_kwargs(args))
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from slime_tis.arguments import add_tis_arguments
+from slime_tis.megatron.output_layer import resolve_output_layer_mode
 
-__all__ = ["add_megatron_tis_arguments"]
+__all__ = ["add_megatron_tis_arguments", "megatron_hook_kwargs"]
+
+
+def _has(parser: argparse.ArgumentParser, option: str) -> bool:
+    return option in parser._option_string_actions
 
 
 def add_megatron_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``add_tis_arguments(parser)`` + ``--rollout-temperature`` (float > 0, default 1.0); returns ``parser``."""
+    """``add_tis_arguments(parser)`` + the hook's flags (module docstring); returns ``parser``."""
     add_tis_arguments(parser)
-    if "--rollout-temperature" not in parser._option_string_actions:
-        group = parser.add_argument_group("slime_tis megatron")
+    group = parser.add_argument_group("slime_tis megatron")
+    if not _has(parser, "--rollout-temperature"):
         group.add_argument("--rollout-temperature", type=float, default=1.0,
                            help="Sampling temperature of the rollout engine: the Megatron hook computes "
                                 "log-probs of softmax(logits / T). Default: 1.0.")
+    if not (_has(parser, "--tis-fused-output-layer") or _has(parser, "--tis-fp32-lm-head")):
+        exclusive = group.add_mutually_exclusive_group()
+        exclusive.add_argument("--tis-fused-output-layer", action="store_true",
+                               help="Megatron hook: compute log-probs and entropy straight from the last hidden "
+                                    "states and the (tied) output weight with the fused output-layer kernel (no "
+                                    "logits tensor, float32 accumulation), in the loss and the pi_old pass. "
+                                    "Excludes --tis-fp32-lm-head.")
+        exclusive.add_argument("--tis-fp32-lm-head", action="store_true",
+                               help="Megatron hook: compute the output-layer matmul in float32 (float32 logits "
+                                    "into the log-softmax), in the loss and the pi_old pass. Excludes "
+                                    "--tis-fused-output-layer.")
     return parser
+
+
+def megatron_hook_kwargs(args: Any) -> dict[str, Any]:
+    """``temperature``, ``fused_output_layer``, ``fp32_lm_head`` for ``tis_forward_backward_func`` from parsed
+    args (absent attributes: 1.0 / False); both output-layer flags set is an error naming them."""
+    fused = bool(getattr(args, "tis_fused_output_layer", False))
+    fp32 = bool(getattr(args, "tis_fp32_lm_head", False))
+    resolve_output_layer_mode(fused, fp32)
+    return {"temperature": float(getattr(args, "rollout_temperature", 1.0)), "fused_output_layer": fused,
+            "fp32_lm_head": fp32}

@@ -19,7 +19,15 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
    and added to every micro-batch loss dict as ``[value, 1]`` (``loss_dict``: Megatron-LM's
    ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank).
 
-``forward_only=True`` calls (evaluation) go straight to megatron.
+With ``fused_output_layer=True`` (``--tis-fused-output-layer``) steps 3-5 run with the model's last-stage
+output layer switched to return hidden states (``output_layer.use_fused_output_layer``) and the loss and the
+pi_old passes compute log-probs and entropy with ``output_layer.fused_log_probs`` from the hidden states and
+the chunk's (tied) output weight: no logits tensor, one kernel for pi_old and pi_theta. With
+``fp32_lm_head=True`` (``--tis-fp32-lm-head``) they run with the output matmul in float32
+(``use_fp32_lm_head``: float32 logits into the log-softmax). The model is switched back after the call
+(unless the launcher had switched it to that mode itself).
+
+``forward_only=True`` calls (evaluation) go straight to megatron, with the model as the launcher built it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.metrics import aggregate_metrics
+from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
 from slime_tis.megatron.plan import StepPlan, needs_pre_pass, plan_step
 from slime_tis.megatron.recompute import MicroBatchCounter, materialise, recompute_log_probs, replay
 from slime_tis.megatron.rollout import compute_old_log_probs
@@ -65,12 +74,14 @@ class TISForwardBackward:
             last pipeline stage, identical on its DP x CP ranks; ``{}`` elsewhere).
         last_plan: the :class:`StepPlan` of the last training call (last stage) or ``None``.
         last_recomputed: whether the last training call ran a pi_old recompute pass.
+        output_layer: ``None``, ``"fused"`` or ``"fp32"`` (from ``fused_output_layer`` / ``fp32_lm_head``).
     """
 
     def __init__(self, forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
                  chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                  reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
-                 grad_average: float | None = None, metrics_in_loss_dicts: bool = True) -> None:
+                 grad_average: float | None = None, metrics_in_loss_dicts: bool = True,
+                 fused_output_layer: bool = False, fp32_lm_head: bool = False) -> None:
         if not isinstance(cfg, TISConfig):
             raise ValueError(f"cfg must be a slime_tis.TISConfig, got {type(cfg).__name__}")
         _check_number("temperature", temperature)
@@ -81,6 +92,7 @@ class TISForwardBackward:
             from slime_tis.megatron.grad_scale import data_parallel_grad_average
 
             data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
+        self.output_layer = resolve_output_layer_mode(fused_output_layer, fp32_lm_head)
         self.forward_backward_func = forward_backward_func
         self.cfg = cfg
         self.temperature = float(temperature)
@@ -110,6 +122,7 @@ class TISForwardBackward:
             self.forward_backward_func, forward_step_func, data_iterator, model,
             num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
             chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
+            fused_output_layer=self.output_layer == "fused", fp32_lm_head=self.output_layer == "fp32",
             **schedule_kwargs)
         self.pi_old = "rollout"
         return items
@@ -120,6 +133,12 @@ class TISForwardBackward:
             return self.forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, forward_only=True, **kwargs)
+        with output_layer_mode_during(model, self.output_layer):
+            return self._train(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                               num_microbatches=num_microbatches, **kwargs)
+
+    def _train(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
+               **kwargs: Any) -> list:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
@@ -143,7 +162,7 @@ class TISForwardBackward:
             lps = recompute_log_probs(
                 self.forward_backward_func, forward_step_func, items, model, batches=batches,
                 num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
-                chunk_size=self.chunk_size, **kwargs)
+                chunk_size=self.chunk_size, output_layer=self.output_layer, **kwargs)
             if batches is not None and lps is not None:
                 if self.recomputes_pi_old:
                     batches = self._fill_missing_pi_old(batches, lps)
@@ -177,7 +196,7 @@ class TISForwardBackward:
     def _wrap_forward_step(self, forward_step_func: Callable, batches: list[TISBatch] | None,
                            plan: StepPlan | None, form: LossForm, reducer: Reducer,
                            collector: list[MetricStats]) -> Callable:
-        cfg, temperature, chunk_size = self.cfg, self.temperature, self.chunk_size
+        cfg, temperature, chunk_size, output_layer = self.cfg, self.temperature, self.chunk_size, self.output_layer
         counter = MicroBatchCounter()
 
         def forward_step(data_iterator, model_chunk, *args, **kwargs):
@@ -186,7 +205,8 @@ class TISForwardBackward:
             if batches is None or plan is None:
                 return output, user_loss_func  # not the last stage: megatron never calls the loss here
             return output, make_loss_func(cfg, batches[index], plan, form, reducer, collector=collector,
-                                          temperature=temperature, chunk_size=chunk_size)
+                                          temperature=temperature, chunk_size=chunk_size, model_chunk=model_chunk,
+                                          output_layer=output_layer)
 
         return forward_step
 
@@ -196,7 +216,8 @@ def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, *
                               get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                               reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
                               grad_average: float | None = None,
-                              metrics_in_loss_dicts: bool = True) -> TISForwardBackward:
+                              metrics_in_loss_dicts: bool = True, fused_output_layer: bool = False,
+                              fp32_lm_head: bool = False) -> TISForwardBackward:
     """Wrap megatron's ``get_forward_backward_func()`` result with the rollout correction (see module doc).
 
     Args:
@@ -207,8 +228,13 @@ def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, *
         grad_average: the factor the data-parallel wrapper divides summed gradients by, for wrappers the hook
             cannot read (``grad_scale``); default: read from megatron / torch DDP.
         metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``loss_dict``).
+        fused_output_layer: ``--tis-fused-output-layer``: log-probs straight from the hidden states and the
+            output weight (``output_layer.fused_log_probs``), in the loss and in every pi_old pass.
+        fp32_lm_head: ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits), in the loss and in
+            every pi_old pass. Mutually exclusive with ``fused_output_layer``.
     """
     return TISForwardBackward(forward_backward_func, cfg, temperature=temperature, chunk_size=chunk_size,
                               get_tis_batch=get_tis_batch, reducer=reducer, pi_old=pi_old,
                               broadcast_over_tp=broadcast_over_tp, grad_average=grad_average,
-                              metrics_in_loss_dicts=metrics_in_loss_dicts)
+                              metrics_in_loss_dicts=metrics_in_loss_dicts, fused_output_layer=fused_output_layer,
+                              fp32_lm_head=fp32_lm_head)

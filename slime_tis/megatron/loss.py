@@ -1,8 +1,9 @@
 """The ``loss_func`` megatron-core's schedules call on the last pipeline stage, and its return form.
 
-``make_loss_func(...)(logits)``:
+``make_loss_func(...)(output_tensor)``:
 
     lp_theta, H = vocab_parallel_log_probs_and_entropy(logits / temperature, labels)   [T] fp32
+                  (output layer mode "fused": fused_log_probs(model_chunk, hidden, labels), no logits)
     out         = policy_loss(cfg, lp_theta, lp_old, lp_rollout, A, mask, cu_seqlens,
                               reducer, denominator=D, batch_norm_factor=f)             loss = local_sum / D
 
@@ -39,7 +40,7 @@ from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.loss_dict import report_pair
 from slime_tis.megatron.plan import StepPlan
 
-__all__ = ["LossForm", "loss_form_for", "make_loss_func", "logits_to_log_probs"]
+__all__ = ["LossForm", "loss_form_for", "make_loss_func", "logits_to_log_probs", "output_to_log_probs"]
 
 
 @dataclass(frozen=True)
@@ -104,14 +105,46 @@ def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, 
                                                 row_mask=batch.loss_mask)
 
 
+def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=None, output_layer: str | None = None,
+                        temperature: float, chunk_size: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """The model's output for one micro-batch -> ``lp [T]`` (and entropy), per output-layer mode:
+
+    * ``None`` / ``"fp32"``: ``output_tensor`` are the logits ``[..., V/TP]`` (float32 in ``"fp32"`` mode):
+      :func:`logits_to_log_probs`;
+    * ``"fused"``: ``output_tensor`` are the hidden states ``[B, S, H]`` the fused-mode model returned:
+      ``fused_log_probs(model_chunk, hidden, labels, temperature, loss_mask)`` with the chunk's (tied) output
+      weight (``slime_tis.megatron.output_layer``); no logits tensor, float32 accumulation.
+
+    Masked positions get ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
+    (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits.
+    """
+    from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
+
+    if output_layer == "fused":
+        if model_chunk is None:
+            raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
+        lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=temperature,
+                                      loss_mask=batch.loss_mask)
+        return lp, (entropy if with_entropy else None)
+    if model_chunk is not None and returns_hidden_states(model_chunk):
+        raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "
+                         "but the hook was built without fused_output_layer=True (--tis-fused-output-layer)")
+    return logits_to_log_probs(output_tensor, batch, temperature=temperature, chunk_size=chunk_size,
+                               with_entropy=with_entropy)
+
+
 def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossForm, reducer: Reducer, *,
-                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024
-                   ) -> Callable[[Tensor], tuple]:
-    """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring)."""
+                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
+                   model_chunk=None, output_layer: str | None = None) -> Callable[[Tensor], tuple]:
+    """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring).
+
+    ``model_chunk`` (the chunk the schedule ran; its output weight) and ``output_layer`` (``None``, ``"fp32"``,
+    ``"fused"``) select how log-probs are taken from ``output_tensor`` (:func:`output_to_log_probs`).
+    """
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
-        lp, entropy = logits_to_log_probs(output_tensor, batch, temperature=temperature,
-                                          chunk_size=chunk_size, with_entropy=True)
+        lp, entropy = output_to_log_probs(output_tensor, batch, model_chunk=model_chunk, output_layer=output_layer,
+                                          temperature=temperature, chunk_size=chunk_size, with_entropy=True)
         out = policy_loss(cfg, lp, batch.old_log_probs, batch.rollout_log_probs, batch.advantages,
                           batch.loss_mask, batch.cu_seqlens, reducer=reducer, denominator=plan.denominator,
                           batch_norm_factor=plan.batch_norm_factor)

@@ -13,12 +13,16 @@ model instance once after it is built (only chunks holding the pipeline's last s
   upcast for that matmul only and the logits come out float32 (the log-prob path keeps them float32).
   Costs a float32 copy of the weight shard and float32 logits (2x the bf16 logits).
 
-``restore_output_layer(model)`` undoes either. Importing this module does not import megatron-core.
+``restore_output_layer(model)`` undoes either. The hook switches the mode only around its own passes
+(:func:`output_layer_mode_during`; ``resolve_output_layer_mode`` turns its two flags into the mode).
+Importing this module does not import megatron-core.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +32,11 @@ from torch import Tensor
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
-           "output_weight", "fused_log_probs"]
+           "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "resolve_output_layer_mode",
+           "output_layer_mode_during", "returns_hidden_states"]
+
+#: the hook's output-layer modes: ``None`` (the model as built: logits), ``"fused"``, ``"fp32"``
+OUTPUT_LAYER_MODES = (None, "fused", "fp32")
 
 _MODE_ATTR = "_tis_output_mode"
 
@@ -147,6 +155,47 @@ def output_layer_mode(model) -> str | None:
     """``"fused"``, ``"fp32"`` or ``None`` for the (first) last-stage chunk of ``model``."""
     layers = _last_stage_layers(model)
     return getattr(layers[0], _MODE_ATTR, None) if layers else None
+
+
+def resolve_output_layer_mode(fused_output_layer: bool = False, fp32_lm_head: bool = False) -> str | None:
+    """The two hook options (``--tis-fused-output-layer``, ``--tis-fp32-lm-head``) -> ``"fused"``, ``"fp32"``
+    or ``None``; both set is an error (the fused layer already computes the LM head in float32)."""
+    for name, value in (("fused_output_layer", fused_output_layer), ("fp32_lm_head", fp32_lm_head)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    if fused_output_layer and fp32_lm_head:
+        raise ValueError("--tis-fused-output-layer and --tis-fp32-lm-head (fused_output_layer=True, "
+                         "fp32_lm_head=True) are mutually exclusive: the fused output layer already computes "
+                         "the LM head with float32 accumulation; set one of them")
+    return "fused" if fused_output_layer else "fp32" if fp32_lm_head else None
+
+
+@contextlib.contextmanager
+def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
+    """The last-stage output layer(s) of ``model`` in ``mode`` inside the block, as before afterwards.
+
+    ``None`` leaves the model alone. A model already in ``mode`` (the launcher switched it itself) stays so
+    on exit; a model in the other mode is an error (``use_*`` refuses to switch blindly)."""
+    if mode not in OUTPUT_LAYER_MODES:
+        raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {mode!r}")
+    if mode is None or output_layer_mode(model) == mode:
+        yield
+        return
+    (use_fused_output_layer if mode == "fused" else use_fp32_lm_head)(model)
+    try:
+        yield
+    finally:
+        restore_output_layer(model)
+
+
+def returns_hidden_states(model) -> bool:
+    """Whether a chunk of ``model`` has its output layer in fused mode (reads the marker only; never raises,
+    also for models this glue refuses, e.g. with multi-token prediction)."""
+    for chunk in _chunks(model):
+        layer = getattr(_unwrap(chunk), "output_layer", None)
+        if layer is not None and getattr(layer, _MODE_ATTR, None) == "fused":
+            return True
+    return False
 
 
 def output_weight(model) -> Tensor:

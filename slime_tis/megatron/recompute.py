@@ -5,7 +5,9 @@ start of the step) and skipped for algorithms 1 and 3, which use the rollout log
 ``--tis-rejected-denominator drop`` needs the step's kept-token count before the first backward, see
 ``plan.needs_pre_pass``). It runs megatron's own schedule with ``forward_only=True`` under
 ``torch.no_grad()``, so pipeline stages exchange activations exactly as in training; the log-probs
-(float32, logits divided by the rollout temperature) exist on the last stage only.
+(float32, logits divided by the rollout temperature) exist on the last stage only. With an output-layer
+mode (``"fused"``, ``"fp32"``) the pass runs with the model in that mode and takes the log-probs exactly as
+the training loss does (``loss.output_to_log_probs``), so pi_old and pi_theta come from the same kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from torch import Tensor
 
 from slime_tis.megatron.batch import TISBatch
-from slime_tis.megatron.loss import logits_to_log_probs
+from slime_tis.megatron.loss import output_to_log_probs
+from slime_tis.megatron.output_layer import output_layer_mode_during
 
 __all__ = ["ReplayIterator", "MicroBatchCounter", "recompute_log_probs", "replay", "materialise"]
 
@@ -102,8 +105,8 @@ def replay(items: list[Any] | list[list[Any]] | None, vpp: bool) -> Any:
 def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any,
                         model: Any, *,
                         batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
-                        temperature: float = 1.0, chunk_size: int = 1024, **schedule_kwargs: Any
-                        ) -> list[Tensor] | None:
+                        temperature: float = 1.0, chunk_size: int = 1024, output_layer: str | None = None,
+                        **schedule_kwargs: Any) -> list[Tensor] | None:
     """``[lp_k [T_k] for each micro-batch k]`` on the last pipeline stage, ``None`` elsewhere.
 
     Args:
@@ -111,6 +114,8 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
         forward_step_func: the launcher's ``forward_step(data_iterator, model)`` returning ``(logits, _)``.
         items: the step's materialised micro-batch items (list, or list of lists for virtual stages).
         batches: this rank's ``TISBatch`` per micro-batch (last stage), else ``None``.
+        output_layer: ``None``, ``"fp32"`` or ``"fused"``: the model's output-layer mode during the pass
+            (``output_layer.output_layer_mode_during``) and how log-probs are taken (``output_to_log_probs``).
         schedule_kwargs: forwarded to the schedule (``seq_length``, ``micro_batch_size``, ...).
     """
     results: list[Tensor | None] = [None] * num_microbatches
@@ -124,14 +129,15 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
             if batches is None:
                 raise RuntimeError("recompute: loss on a rank without TISBatch micro-batches "
                                    "(not the last stage?)")
-            lp, _ = logits_to_log_probs(output_tensor, batches[index], temperature=temperature,
+            lp, _ = output_to_log_probs(output_tensor, batches[index], model_chunk=model_chunk,
+                                        output_layer=output_layer, temperature=temperature,
                                         chunk_size=chunk_size, with_entropy=False)
             results[index] = lp.detach()
             return torch.zeros((), dtype=torch.float32, device=lp.device), {}
 
         return output, loss_func
 
-    with torch.no_grad():
+    with torch.no_grad(), output_layer_mode_during(model, output_layer):
         forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp), model=model,
                               num_microbatches=num_microbatches, forward_only=True, **schedule_kwargs)
     if batches is None:

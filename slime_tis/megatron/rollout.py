@@ -25,8 +25,13 @@ training steps, so pipeline shapes and micro-batch sizes are those of training),
 arguments (it is collective like a training step). Under TP > 1 the ``TISBatch`` items of TP rank 0 are
 broadcast to the other TP ranks first (``tp_data``), as in a training step.
 
-``TISForwardBackward.compute_old_log_probs`` does the same with the hook's temperature, chunk size and
-item accessor, and tells the hook that pi_old is now supplied (it never recomputes it afterwards).
+``fused_output_layer=True`` / ``fp32_lm_head=True`` (the hook's ``--tis-fused-output-layer`` /
+``--tis-fp32-lm-head``) run the pass with the model's output layer in that mode and take the log-probs as the
+training loss does, so pi_old and pi_theta come from the same kernel (``recompute.recompute_log_probs``).
+
+``TISForwardBackward.compute_old_log_probs`` does the same with the hook's temperature, chunk size, item
+accessor and output-layer mode, and tells the hook that pi_old is now supplied (it never recomputes it
+afterwards).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 from torch import Tensor
 
 from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
+from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
 from slime_tis.megatron.recompute import materialise, recompute_log_probs
 from slime_tis.megatron.tp_data import tis_batches_on_this_tp_rank
 
@@ -64,7 +70,8 @@ def rollout_step_iterator(items: Any, step: int, num_microbatches: int) -> Any:
 def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, data_iterator: Any,
                           model: Any, *, num_microbatches: int, num_steps: int = 1, temperature: float = 1.0,
                           chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
-                          broadcast_over_tp: bool = True, **schedule_kwargs: Any) -> Any:
+                          broadcast_over_tp: bool = True, fused_output_layer: bool = False,
+                          fp32_lm_head: bool = False, **schedule_kwargs: Any) -> Any:
     """Fill ``TISBatch.old_log_probs`` of a whole rollout at the current parameters (module docstring).
 
     Args:
@@ -75,6 +82,7 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
             get no data (their items come from TP rank 0).
         num_microbatches: micro-batches per optimizer step (``M``).
         num_steps: optimizer steps the rollout is split into (``N``).
+        fused_output_layer, fp32_lm_head: the output-layer mode of the training steps (mutually exclusive).
         schedule_kwargs: the training steps' schedule arguments (``seq_length``, ``micro_batch_size``, ...).
 
     Returns:
@@ -85,11 +93,25 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
     for name, value in (("num_microbatches", num_microbatches), ("num_steps", num_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    output_layer = resolve_output_layer_mode(fused_output_layer, fp32_lm_head)
     from megatron.core import parallel_state as ps
 
     vpp = _is_vpp(model)
     items = materialise(data_iterator, num_steps * num_microbatches, vpp)
     is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    with output_layer_mode_during(model, output_layer):
+        _fill_old_log_probs(forward_backward_func, forward_step_func, items, model, num_microbatches=num_microbatches,
+                            num_steps=num_steps, vpp=vpp, is_last=is_last, temperature=temperature,
+                            chunk_size=chunk_size, get_tis_batch=get_tis_batch, broadcast_over_tp=broadcast_over_tp,
+                            output_layer=output_layer, **schedule_kwargs)
+    return items
+
+
+def _fill_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any, model: Any, *,
+                        num_microbatches: int, num_steps: int, vpp: bool, is_last: bool, temperature: float,
+                        chunk_size: int, get_tis_batch: Callable[[Any], TISBatch], broadcast_over_tp: bool,
+                        output_layer: str | None, **schedule_kwargs: Any) -> None:
+    """One forward-only pass per optimizer step; pi_old into the items' ``TISBatch`` (last stage)."""
     for step in range(num_steps):
         lo, hi = step * num_microbatches, (step + 1) * num_microbatches
         if items is None:
@@ -107,9 +129,8 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
         lps: list[Tensor] | None = recompute_log_probs(
             forward_backward_func, forward_step_func, step_items, model, batches=batches,
             num_microbatches=num_microbatches, vpp=vpp, temperature=temperature, chunk_size=chunk_size,
-            **schedule_kwargs)
+            output_layer=output_layer, **schedule_kwargs)
         if lps is not None:
             for target in (batches, local):
                 for b, lp in zip(target or [], lps):
                     b.old_log_probs = lp
-    return items

@@ -1,0 +1,104 @@
+"""Curves with confidence bands: per step, the mean over seeds and its 95 % t interval (:mod:`examples.stats`).
+
+    python -m examples.plot_bands -o bands.png "bf16 alg 0=runs/r/bf16-alg0-s0,runs/r/bf16-alg0-s1" ...
+
+One panel per metric (reward, ``tis/k3_kl`` on a log axis, rejected token fraction, grad norm); one line and
+band per group of run directories (the seeds of one variant). A step enters a group's curve only where at
+least two seeds logged a finite value. ``--smooth k`` averages each seed over a trailing window of k steps first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+from examples.stats import mean_ci
+
+METRICS = (
+    ("reward", "reward", False),
+    ("tis/k3_kl", "tis/k3_kl", True),
+    ("tis/rejected_token_fraction", "rejected token fraction", False),
+    ("grad_norm", "grad norm", False),
+)
+
+
+def _series(run_dir: str, key: str, smooth: int) -> dict[int, float]:
+    rows: dict[int, dict] = {}
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                rows[r["step"]] = r
+    steps = sorted(rows)
+    raw = [rows[s].get(key) for s in steps]
+    out = {}
+    for i, s in enumerate(steps):
+        window = [v for v in raw[max(0, i - smooth + 1) : i + 1] if isinstance(v, (int, float)) and math.isfinite(v)]
+        if window:
+            out[s] = sum(window) / len(window)
+    return out
+
+
+def band(run_dirs: list[str], key: str, smooth: int = 1) -> tuple[list[int], list[float], list[float], list[float]]:
+    """``steps, mean, low, high`` of ``key`` over the runs (steps with >= 2 finite values)."""
+    per_run = [_series(d, key, smooth) for d in run_dirs]
+    steps, mean, low, high = [], [], [], []
+    for s in sorted(set().union(*per_run)):
+        iv = mean_ci([r[s] for r in per_run if s in r])
+        if iv.n >= 2:
+            steps.append(s)
+            mean.append(iv.mean)
+            low.append(iv.low)
+            high.append(iv.high)
+    return steps, mean, low, high
+
+
+def plot_bands(groups: dict[str, list[str]], out: str, smooth: int = 3) -> None:
+    """Write the panel figure for ``{label: [run dirs of its seeds]}`` to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 3.8))
+    for ax, (key, title, log) in zip(axes, METRICS):
+        for i, (label, dirs) in enumerate(groups.items()):
+            steps, mean, low, high = band(dirs, key, smooth)
+            if not steps:
+                continue
+            color = f"C{i % 10}"
+            ax.plot(steps, mean, color=color, label=f"{label} (n={len(dirs)})")
+            if log:
+                low = [max(v, 1e-12) for v in low]
+            ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if log:
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("mean over seeds, 95% t confidence band", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.plot_bands", description=__doc__)
+    p.add_argument("groups", nargs="+", help="LABEL=DIR,DIR,... (the seeds of one variant)")
+    p.add_argument("-o", "--out", default="bands.png")
+    p.add_argument("--smooth", type=int, default=3)
+    args = p.parse_args(argv)
+    groups = {}
+    for g in args.groups:
+        label, _, dirs = g.partition("=")
+        if not dirs:
+            raise ValueError(f"group must be LABEL=DIR,DIR,..., got {g!r}")
+        groups[label] = dirs.split(",")
+    plot_bands(groups, args.out, args.smooth)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
