@@ -13,8 +13,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["slime_tis", "slime_tis.*"]),
-    # The fused CPU kernels ship as C source, compiled on first use (slime_tis/core/native).
-    package_data={"slime_tis.core.native": ["token_pass.c"]},
     # A range, never a pin: users bring their own (CUDA) torch build.
     install_requires=["torch>=2.4", "numpy"],
     extras_require={

@@ -1,48 +1,46 @@
-"""Speed of the correction core vs verl 0.9.1 on the same logical batches.
+"""Speed of the correction core vs verl 0.9.1, side by side, on the same logical batches: one run, one table.
 
-What is timed (median of ``--repeats`` runs after ``--warmup`` runs; inputs are prepared outside the
-timed region, on the chosen device):
+Configurations (``CONFIGS``; ours: a ``TISConfig``, verl: kwargs of ``compute_rollout_correction_and_rejection_mask``):
 
-* verl: ``compute_rollout_correction_and_rejection_mask(old, rollout, mask, rollout_is="sequence",
-  rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001)`` on the padded
-  ``[B, L]`` batch: sequence-level truncated IS, geometric rejection in [1/1.001, 1.001], its IS and
-  RS statistics and the off-policy metrics it computes internally (returned as Python floats);
-* ours: ``compute_tis`` with the same configuration (``use_tis=True, mode="truncate",
-  level="sequence", upper=2.0, rs_level="geometric"``) on the packed batch, full diagnostics,
-  ``stats.finalize()``, and one transfer of all metric values to the host (what a logger does).
+* token truncate (default): ``use_tis`` truncate token upper 2 | ``rollout_is="token"``, threshold 2.0;
+* sequence truncate: ``level="sequence"`` | ``rollout_is="sequence"``;
+* sequence mask + sequence RS, both [0.5, 2] | ``rollout_is="sequence"`` "0.5_2.0" (IcePop masking) +
+  ``rollout_rs="seq_sum_k1"`` "0.5_2.0";
+* geometric mask [0.999, 1.001] + veto 1e-4 | ``rollout_rs="seq_mean_k1,seq_max_k3"`` (verl has no veto; its
+  ``seq_max_k3`` at the k3 of a 1e-4 ratio is the nearest rule);
+* token clip + token RS + batch-norm, [0.5, 2] | ``rollout_is="token"`` 2.0 batch-normalised + ``token_k1``.
 
-Batches (response lengths uniform in ``[L/4, L]`` unless fixed):
+What is timed: verl on the padded ``[B, L]`` batch, returning its metrics as Python floats (it reads each
+with ``.item()``); ours on the packed batch: ``compute_tis`` with all diagnostics, ``stats.finalize()`` and
+(CPU) one transfer of all metric values to the host, as a logger does. Inputs are prepared outside the
+timed region. Both sides alternate within every repeat (shared machines drift) and the minimum over the
+repeats is kept.
 
-* ``256x2048`` and ``1024x1024``: padded shapes ``[B, L]``;
-* ``4096x128 (short)`` and ``256x2048 (long)``: 4096 short vs 256 long sequences with the same
-  token count (524,288, no padding), to show that our cost follows tokens, not sequences.
+Batches (lengths uniform in ``[L/4, L]`` unless fixed; ~10% inner masked tokens; a few catastrophic
+tokens with ratio ~1e-5): ``256x2048`` and ``1024x1024`` (``[B, L]``); ``4096x128`` short vs ``256x2048``
+long at equal tokens (fixed lengths) for "cost follows tokens": ours on both, timed interleaved.
+``--device cuda``: ``4096x256`` and ``256x4096`` (fixed lengths, 1M tokens), ours under
+``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises) and without the final host read.
 
-Targets: ours >= 5x faster than verl on every batch; ours(4096 short) / ours(256 long) within 1.5x.
+Targets: CPU >= 2x verl on every row, short/long within 1.5x; H100 <= 0.3 ms per 1M-token row, >= 5x verl.
 
-Run (CPU, 2 threads)::
-
-    .venv/bin/python benchmarks/bench_correction.py                # prints the table
-    .venv/bin/python benchmarks/bench_correction.py --write docs/bench_correction.md --label cpu-ci
-    .venv/bin/python benchmarks/bench_correction.py --device cuda  # GPU check
-    .venv/bin/python benchmarks/bench_correction.py --profile --shapes "256x2048 (long)"
-    SLIME_TIS_NATIVE=0 .venv/bin/python benchmarks/bench_correction.py   # the torch path alone
-
-``--write FILE`` replaces only the block ``<!-- bench:LABEL:start/end -->`` of FILE (LABEL defaults
-to the device type), so the hand-written analysis around it survives a re-run.
+    python benchmarks/bench_correction.py                       # CPU table (2 threads)
+    python benchmarks/bench_correction.py --device cuda         # GPU table
+    python benchmarks/bench_correction.py --write docs/bench_correction.md --label cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,29 +50,42 @@ import _verl_light  # noqa: E402,F401  (stubs ray/transformers before verl is im
 import verl.trainer.ppo.rollout_corr_helper as rc  # noqa: E402
 
 from slime_tis import TISConfig, compute_tis, padded_to_packed  # noqa: E402
-from slime_tis.core import native  # noqa: E402
 
-CONFIG = TISConfig(use_tis=True, mode="truncate", level="sequence", upper=2.0, rs_level="geometric")
-VERL_KWARGS = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=1.001)
+_VETO = 1e-4
+_K3_OF_VETO = _VETO - 1.0 - math.log(_VETO)  # k3 of a token at ratio 1e-4: verl's seq_max_k3 stand-in for the veto
+
+CONFIGS: list[tuple[str, TISConfig, dict[str, Any]]] = [
+    ("token truncate (default)", TISConfig(use_tis=True),
+     dict(rollout_is="token", rollout_is_threshold=2.0)),
+    ("sequence truncate", TISConfig(use_tis=True, level="sequence"),
+     dict(rollout_is="sequence", rollout_is_threshold=2.0)),
+    ("sequence mask + sequence RS",
+     TISConfig(use_tis=True, mode="mask", level="sequence", lower=0.5, upper=2.0, rs_level="sequence",
+               rs_lower=0.5, rs_upper=2.0),
+     dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_rs="seq_sum_k1",
+          rollout_rs_threshold="0.5_2.0")),
+    ("geometric mask + veto",
+     TISConfig(use_tis=True, mode="mask", level="geometric", lower=0.999, upper=1.001, veto_threshold=_VETO),
+     dict(rollout_rs="seq_mean_k1,seq_max_k3", rollout_rs_threshold=f"0.999_1.001,{_K3_OF_VETO}")),
+    ("token clip + token RS + batch-norm",
+     TISConfig(use_tis=True, mode="clip", level="token", lower=0.5, upper=2.0, rs_level="token", rs_lower=0.5,
+               rs_upper=2.0, batch_normalize=True),
+     dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True, rollout_rs="token_k1",
+          rollout_rs_threshold="0.5_2.0")),
+]
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A benchmark batch: ``n_seq`` sequences padded to ``max_len``; lengths uniform in [min_len, max_len]."""
-
     name: str
     n_seq: int
     max_len: int
     min_len: int
 
 
-SHAPES = [
-    Shape("256x2048", 256, 2048, 512),
-    Shape("1024x1024", 1024, 1024, 256),
-    Shape("4096x128 (short)", 4096, 128, 128),
-    Shape("256x2048 (long)", 256, 2048, 2048),
-]
+CPU_SHAPES = [Shape("256x2048", 256, 2048, 512), Shape("1024x1024", 1024, 1024, 256)]
+CPU_SPREAD = (Shape("4096x128 short", 4096, 128, 128), Shape("256x2048 long", 256, 2048, 2048))
+GPU_SHAPES = [Shape("4096x256", 4096, 256, 256), Shape("256x4096", 256, 4096, 4096)]
 
 
 @dataclass
@@ -85,64 +96,73 @@ class Inputs:
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> Inputs:
-    """Random log-probs with a small train/rollout mismatch (per-token sd 0.02, per-sequence drift)."""
+    """Random log-probs: per-token sd 0.02 + per-sequence drift, ~10% inner masked tokens, a few
+    catastrophic tokens (log-ratio -11.5); padding positions hold garbage."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(shape.min_len, shape.max_len + 1, (shape.n_seq,), generator=g)
-    mask = (torch.arange(shape.max_len)[None, :] < lengths[:, None]).float()
-    lp_rollout = -6.0 * torch.rand(shape.n_seq, shape.max_len, generator=g) ** 2
-    drift = 1e-3 * torch.randn(shape.n_seq, 1, generator=g)
-    lp_old = lp_rollout + drift + 0.02 * torch.randn(shape.n_seq, shape.max_len, generator=g)
+    b, n = shape.n_seq, shape.max_len
+    lengths = torch.randint(shape.min_len, shape.max_len + 1, (b,), generator=g)
+    pos = torch.arange(n)[None, :]
+    inner = (torch.rand(b, n, generator=g) < 0.1) & (pos > 0) & (pos < lengths[:, None] - 1)
+    mask = ((pos < lengths[:, None]) & ~inner).float()
+    lp_rollout = -6.0 * torch.rand(b, n, generator=g) ** 2
+    lp_old = lp_rollout + 1e-3 * torch.randn(b, 1, generator=g) + 0.02 * torch.randn(b, n, generator=g)
+    catastrophic = torch.rand(b, n, generator=g) < 2e-5
+    lp_old = torch.where(catastrophic, lp_rollout - 11.5, lp_old)
     p_old, cu = padded_to_packed(lp_old, mask)
     p_rollout, _ = padded_to_packed(lp_rollout, mask)
     p_mask = padded_to_packed(mask, mask)[0] != 0
     to = lambda *ts: tuple(t.to(device).contiguous() for t in ts)  # noqa: E731
-    return Inputs(to(lp_old, lp_rollout, mask), to(p_old, p_rollout, p_mask, cu), int(lengths.sum()))
+    return Inputs(to(lp_old, lp_rollout, mask), to(p_old, p_rollout, p_mask, cu), int(mask.sum()))
 
 
-def run_verl(inputs: Inputs) -> dict[str, float]:
+def run_verl(kwargs: dict[str, Any], inputs: Inputs) -> dict[str, float]:
     old, rollout, mask = inputs.padded
-    _, new_mask, metrics = rc.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **VERL_KWARGS)
-    return metrics  # Python floats: verl syncs on every .item()
+    return rc.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **kwargs)[2]
 
 
-def run_ours(inputs: Inputs) -> list[float]:
-    old, rollout, mask, cu = inputs.packed
-    res = compute_tis(CONFIG, old, rollout, mask, cu)
+def run_ours(cfg: TISConfig, inputs: Inputs, read: bool = True) -> Any:
+    res = compute_tis(cfg, *inputs.packed)
     metrics = res.stats.finalize()
-    return torch.stack(list(metrics.values())).tolist()  # host-sync-ok: the logger's single read
+    if read:
+        return torch.stack(list(metrics.values())).tolist()  # host-sync-ok: the logger's single read
+    return metrics
 
 
-def time_interleaved(
-    fns: list[Callable[[], object]], device: torch.device, warmup: int, repeats: int
-) -> list[float]:
-    """Median wall time (ms) of each function; the functions alternate within every repeat, so a
-    change in machine load (a shared CI box) hits all of them alike. Synchronised on CUDA."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    sync()
+CLOCK = time.perf_counter
+
+
+def time_interleaved(fns: list[Callable[[], object]], device: torch.device, repeats: int,
+                     no_sync: tuple[bool, ...] = ()) -> list[float]:
+    """Minimum time (ms, ``CLOCK``) of each function, alternating within every repeat (one warm-up round first).
+    ``no_sync[i]``: run function ``i`` under ``torch.cuda.set_sync_debug_mode("error")``."""
+    cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, acc in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            sync()
-            acc.append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(t) for t in times]
+    for rep in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            if cuda:
+                torch.cuda.synchronize()
+            start = CLOCK()
+            guard = cuda and i < len(no_sync) and no_sync[i]
+            if guard:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                fn()
+            finally:
+                if guard:
+                    torch.cuda.set_sync_debug_mode("default")
+            if cuda:
+                torch.cuda.synchronize()
+            if rep:
+                times[i].append((CLOCK() - start) * 1e3)
+    return [min(t) for t in times]
 
 
-def check_agreement(inputs: Inputs) -> None:
-    """Sanity: both sides reject the same tokens and report the same KL (else the timing is moot)."""
-    old, rollout, mask = inputs.padded
-    _, new_mask, metrics = rc.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **VERL_KWARGS)
-    res = compute_tis(CONFIG, *inputs.packed)
-    verl_keep = padded_to_packed(new_mask, mask)[0] != 0
-    agree = float((verl_keep == res.keep_mask).float().mean())  # host-sync-ok (benchmark check)
-    kl = float(res.stats.finalize()["tis/kl"])  # host-sync-ok
-    if agree < 0.999 or abs(kl - metrics["rollout_corr/kl"]) > 1e-4 * max(abs(kl), 1e-6):
-        verl_kl = metrics["rollout_corr/kl"]
-        raise SystemExit(f"outputs disagree: keep-mask agreement {agree:.5f}, kl {kl} vs verl {verl_kl}")
+def check_agreement(cfg: TISConfig, kwargs: dict[str, Any], inputs: Inputs, label: str) -> None:
+    """Sanity before timing: both sides report the same token KL (else the timing is moot)."""
+    ours = float(compute_tis(cfg, *inputs.packed).stats.finalize()["tis/kl"])  # host-sync-ok (check)
+    verl = run_verl(kwargs, inputs)["rollout_corr/kl"]
+    if abs(ours - verl) > 1e-4 * max(abs(verl), 1e-6):
+        raise SystemExit(f"{label}: tis/kl {ours} vs verl {verl}: the two sides disagree")
 
 
 def environment(device: torch.device) -> str:
@@ -153,91 +173,71 @@ def environment(device: torch.device) -> str:
     except (OSError, StopIteration):
         pass
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu}"
-    try:
-        rev = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    fused = "on" if device.type == "cpu" and native.available() else "off"
-    return (f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"{os.cpu_count()} cores visible; python {platform.python_version()}; fused CPU kernels {fused}"
-            + (f"; slime_tis at {rev}" if rev else ""))
+    clock = "process CPU time" if CLOCK is time.process_time else "wall time"
+    return (f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores "
+            f"visible; python {platform.python_version()}; {clock}; load average {os.getloadavg()[0]:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
-                        help="torch CPU threads (default min(2, cores))")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (median kept)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
-    parser.add_argument("--shapes", nargs="*", default=None,
-                        help="subset of shape names (default all): " + ", ".join(s.name for s in SHAPES))
-    parser.add_argument("--write", type=Path, default=None, help="also write the markdown table to this file")
-    parser.add_argument("--label", default=None,
-                        help="name of the block that --write replaces (default: the device type)")
-    parser.add_argument("--profile", action="store_true",
-                        help="print torch.profiler op tables of both sides on the first shape instead")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (minimum kept; default 9)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (all threads), robust on a loaded "
+                             "shared box where wall time mostly measures waiting (CPU only)")
+    parser.add_argument("--write", type=Path, default=None, help="also write the table into this markdown file")
+    parser.add_argument("--label", default=None, help="block of --write to replace (default: the device type)")
     args = parser.parse_args(argv)
-
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    cuda = device.type == "cuda"
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" and not cuda else time.perf_counter
+    if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
-    shapes = [s for s in SHAPES if args.shapes is None or s.name in args.shapes]
-    if args.profile:
-        profile(shapes[0], device)
-        return 0
 
-    rows = []
-    all_inputs = {}
-    for shape in shapes:
-        inputs = all_inputs[shape.name] = make_inputs(shape, device)
-        check_agreement(inputs)
-        verl_ms, ours_ms = time_interleaved(
-            [lambda i=inputs: run_verl(i), lambda i=inputs: run_ours(i)], device, args.warmup, args.repeats
-        )
-        rows.append((shape, inputs.tokens, verl_ms, ours_ms))
-        print(f"{shape.name:>18}: {inputs.tokens:>8} tokens  verl {verl_ms:9.2f} ms  ours {ours_ms:8.2f} ms  "
-              f"ratio {verl_ms / ours_ms:6.1f}x", flush=True)
-    header = ["config", "sequences", "tokens", "verl ms", "ours ms", "ratio (verl / ours)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for shape, tokens, verl_ms, ours_ms in rows:
-        lines.append(f"| {shape.name} | {shape.n_seq} | {tokens:,} | {verl_ms:.1f} | {ours_ms:.1f} | "
-                     f"{verl_ms / ours_ms:.1f}x |")
-    verdicts = []
-    worst = min(v / o for _, _, v, o in rows)
-    verdicts.append(f"slowest speed-up {worst:.1f}x (target >= 5x): {'PASS' if worst >= 5 else 'MISS'}")
-    if "4096x128 (short)" in all_inputs and "256x2048 (long)" in all_inputs:
-        # ours on short and long batches timed against each other in one interleaved loop (the rows above
-        # are timed one after the other, so load drift on a shared box would enter their ratio)
-        short, long_ = all_inputs["4096x128 (short)"], all_inputs["256x2048 (long)"]
-        short_ms, long_ms = time_interleaved([lambda: run_ours(short), lambda: run_ours(long_)], device,
-                                             args.warmup, args.repeats)
-        spread = short_ms / long_ms
-        verdicts.append(f"ours 4096 short / 256 long at equal tokens, timed interleaved: {short_ms:.1f} / "
-                        f"{long_ms:.1f} ms = {spread:.2f}x (target within 1.5x): "
-                        f"{'PASS' if 1 / 1.5 <= spread <= 1.5 else 'MISS'}")
+    rows, verdicts = [], []
+    for shape in GPU_SHAPES if cuda else CPU_SHAPES:
+        inputs = make_inputs(shape, device)
+        for label, cfg, kwargs in CONFIGS:
+            check_agreement(cfg, kwargs, inputs, label)
+            verl_ms, ours_ms = time_interleaved(
+                [lambda k=kwargs, i=inputs: run_verl(k, i), lambda c=cfg, i=inputs: run_ours(c, i, read=not cuda)],
+                device, args.repeats, no_sync=(False, True))
+            rows.append((label, shape.name, inputs.tokens, verl_ms, ours_ms))
+            print(f"{label:>36} {shape.name:>10}: verl {verl_ms:8.2f} ms  ours {ours_ms:7.3f} ms  "
+                  f"{verl_ms / ours_ms:5.1f}x", flush=True)
+    lines = ["| configuration | batch | tokens | verl ms | ours ms | verl / ours |", "|---|---|---|---|---|---|"]
+    lines += [f"| {c} | {s} | {t:,} | {v:.2f} | {o:.3f} | {v / o:.1f}x |" for c, s, t, v, o in rows]
+    worst = min(v / o for *_, v, o in rows)
+    target = 5.0 if cuda else 2.0
+    verdicts.append(f"slowest speed-up {worst:.1f}x (target >= {target:g}x): {'PASS' if worst >= target else 'MISS'}")
+    if cuda:
+        slowest = max(o for *_, o in rows)
+        verdicts.append(f"slowest row {slowest:.3f} ms per 1M tokens (target <= 0.3 ms): "
+                        f"{'PASS' if slowest <= 0.3 else 'MISS'}; no host sync in any of ours (sync debug mode error)")
+    else:
+        short, long_ = (make_inputs(s, device) for s in CPU_SPREAD)
+        for label, cfg, _ in CONFIGS:
+            s_ms, l_ms = time_interleaved([lambda c=cfg: run_ours(c, short), lambda c=cfg: run_ours(c, long_)],
+                                          device, args.repeats)
+            ok = 1 / 1.5 <= s_ms / l_ms <= 1.5
+            verdicts.append(f"{label}: 4096 short / 256 long at {short.tokens:,} tokens: {s_ms:.1f} / {l_ms:.1f} ms "
+                            f"= {s_ms / l_ms:.2f}x (target within 1.5x): {'PASS' if ok else 'MISS'}")
     table = "\n".join(lines)
     env = environment(device)
-    print()
-    print(table)
-    print("\n".join(verdicts))
-    print(env)
-
+    print("\n" + table + "\n\n" + "\n".join(verdicts) + "\n" + env)
     if args.write is not None:
-        flags = " ".join(argv if argv is not None else sys.argv[1:])
-        prefix = f"SLIME_TIS_NATIVE={os.environ['SLIME_TIS_NATIVE']} " if "SLIME_TIS_NATIVE" in os.environ else ""
-        command = f"{prefix}python benchmarks/bench_correction.py {flags}".strip()
-        body = render_markdown(table, verdicts, env, command, args)
+        command = "python benchmarks/bench_correction.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        body = "\n".join([f"`{command.strip()}`: minimum of {args.repeats} interleaved rounds; {env}.", "",
+                          table, "", *("- " + v for v in verdicts)])
         write_section(args.write, args.label or device.type, body)
-        print(f"wrote {args.write}")
     return 0
 
 
 def write_section(path: Path, label: str, body: str) -> None:
-    """Replace the measured block ``label`` in ``path`` (between ``<!-- bench:<label>:start/end -->``
-    markers), keeping the rest of the file (the hand-written analysis); create the file if needed."""
+    """Replace the block between ``<!-- bench:LABEL:start -->`` and ``<!-- bench:LABEL:end -->`` in ``path``."""
     start, end = f"<!-- bench:{label}:start -->", f"<!-- bench:{label}:end -->"
     block = f"{start}\n{body.strip()}\n{end}"
     text = path.read_text() if path.exists() else "# Correction core vs verl 0.9.1: speed\n"
@@ -246,36 +246,6 @@ def write_section(path: Path, label: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
-
-
-def profile(shape: Shape, device: torch.device, rows: int = 25) -> None:
-    """Print where the time goes (self time per op) for one call of each side."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    inputs = make_inputs(shape, device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    for name, fn in (("ours", run_ours), ("verl", run_verl)):
-        for _ in range(2):
-            fn(inputs)
-        with torch_profile(activities=activities) as prof:
-            fn(inputs)
-        print(f"== {name}: {shape.name}, {inputs.tokens} tokens, {environment(device)}")
-        print(prof.key_averages().table(sort_by=sort, row_limit=rows))
-
-
-def render_markdown(table: str, verdicts: list[str], env: str, command: str, args: argparse.Namespace) -> str:
-    """The measured block: command, machine, table and verdicts."""
-    lines = [
-        f"`{command}`: median of {args.repeats} runs after {args.warmup} warm-up runs, both sides",
-        f"interleaved; {env}.",
-        "",
-        table,
-        "",
-        *("- " + v for v in verdicts),
-    ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 
 Runs every algorithm with rejection, veto, batch-norm, drop denominators and the three levels on a 200k-token
 packed batch under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call raises) and prints one
-line per configuration.
+line per configuration, once with ``cu_seqlens`` on the GPU and once on the CPU (converted once per tensor,
+asynchronously). Finally a bad ``cu_seqlens`` on the GPU must trip the device-side assertion (run last, in a
+child process: a device assertion ends the CUDA context).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ CONFIGS = [
     TISConfig(use_tis=True, level="token", mode="mask", rejected_denominator="drop", rs_level="geometric"),
     TISConfig(use_rollout_log_probs=True, use_tis=True, level="geometric", mode="mask", upper=1.05,
               veto_threshold=1e-4, batch_normalize=True),
+    TISConfig(use_rollout_log_probs=True, seq_mean_k3_threshold=0.01, seq_max_k3_threshold=1.0),
 ]
 
 
@@ -40,7 +43,7 @@ def main() -> int:
     adv = torch.randn(n_tok, device=dev, generator=g)
     mask = torch.rand(n_tok, device=dev, generator=g) < 0.9
     failures = 0
-    for cfg in CONFIGS:
+    for cfg, cu in [(c, cu) for c in CONFIGS] + [(c, cu.cpu()) for c in CONFIGS]:
         theta = (lp_old + 0.01 * torch.randn(n_tok, device=dev, generator=g)).requires_grad_(True)
         policy_loss(cfg, theta, lp_old, lp_rollout, adv, mask, cu)  # warm-up (allocator, kernels)
         torch.cuda.synchronize()
@@ -49,13 +52,54 @@ def main() -> int:
             out = policy_loss(cfg, theta, lp_old, lp_rollout, adv, mask, cu, denominator=1000.0)
             out.loss.backward()
             out.stats.merge(out.stats).finalize()
-            print(f"algorithm {cfg.algorithm} {cfg.mode}/{cfg.level}: no host sync")
+            print(f"algorithm {cfg.algorithm} {cfg.mode}/{cfg.level} cu on {cu.device}: no host sync")
         except RuntimeError as exc:
             failures += 1
             print(f"algorithm {cfg.algorithm} {cfg.mode}/{cfg.level}: HOST SYNC: {str(exc).splitlines()[0]}")
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    failures += triton_matches_torch(lp_old, lp_rollout, adv, mask, cu)
+    failures += bad_offsets_trip_device_assert()
     return 1 if failures else 0
+
+
+def triton_matches_torch(lp_old, lp_rollout, adv, mask, cu) -> int:
+    """The opt-in Triton token pass (SLIME_TIS_TRITON=1) gives the torch path's loss and metrics, without a sync."""
+    import os
+
+    failures = 0
+    for cfg in CONFIGS:
+        outs = []
+        for mode in ("0", "1"):
+            os.environ["SLIME_TIS_TRITON"] = mode
+            theta = lp_old.clone().requires_grad_(True)
+            torch.cuda.set_sync_debug_mode("error" if mode == "1" and outs else "default")
+            try:
+                out = policy_loss(cfg, theta, lp_old, lp_rollout, adv, mask, cu)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            outs.append((out.loss.detach(), out.stats.finalize()))
+        os.environ["SLIME_TIS_TRITON"] = "0"
+        (la, ma), (lb, mb) = outs
+        ok = torch.allclose(la, lb, rtol=1e-5, atol=1e-7) and all(
+            torch.allclose(ma[k], mb[k], rtol=1e-6, atol=1e-9) for k in ma)
+        failures += not ok
+        print(f"triton token pass, algorithm {cfg.algorithm} {cfg.mode}/{cfg.level}: {'same' if ok else 'DIFFERS'}")
+    return failures
+
+
+def bad_offsets_trip_device_assert() -> int:
+    """A GPU cu_seqlens ending past T must fail (device-side assertion), in a child process."""
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = (f"import torch, sys; sys.path.insert(0, {root!r}); from slime_tis import TISConfig, compute_tis; "
+            "x = torch.zeros(10, device='cuda'); cu = torch.tensor([0, 4, 12], device='cuda'); "
+            "r = compute_tis(TISConfig(use_tis=True), x, x, x > -1, cu); torch.cuda.synchronize()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    tripped = proc.returncode != 0 and "assert" in (proc.stderr + proc.stdout).lower()
+    print(f"bad GPU cu_seqlens: {'device-side assertion (ok)' if tripped else 'NOT DETECTED'}")
+    return 0 if tripped else 1
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from slime_tis.presets import PRESETS
 __all__ = ["add_tis_arguments", "config_fields_from_args"]
 
 
-
 def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
     """(option strings, dest, add_argument kwargs) of every flag."""
     levels = list(LEVELS)
@@ -61,6 +60,14 @@ def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
          dict(type=float, default=None,
               help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1), with or without "
                    "rejection sampling. Default: off.")),
+        (["--tis-seq-mean-k3-threshold"], "tis_seq_mean_k3_threshold",
+         dict(type=float, default=None,
+              help="Reject a sequence whose mean over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
+                   "as verl's seq_mean_k3. Default: off.")),
+        (["--tis-seq-max-k3-threshold"], "tis_seq_max_k3_threshold",
+         dict(type=float, default=None,
+              help="Reject a sequence whose max over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
+                   "as verl's seq_max_k3. Default: off.")),
         (["--tis-batch-normalize"], "tis_batch_normalize",
          dict(action="store_true", default=None,
               help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from slime_tis.core.plan import Plan, resolve
 from slime_tis.presets import preset_fields
 
 __all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "config_fields_from_args"]
@@ -51,6 +52,8 @@ FLAG_OF = {
     "rs_upper": "--tis-rs-upper-bound",
     "rs_lower": "--tis-rs-lower-bound",
     "veto_threshold": "--tis-veto-threshold",
+    "seq_mean_k3_threshold": "--tis-seq-mean-k3-threshold",
+    "seq_max_k3_threshold": "--tis-seq-max-k3-threshold",
     "batch_normalize": "--tis-batch-normalize",
     "rejected_denominator": "--tis-rejected-denominator",
     "loss_agg": "--tis-loss-agg",
@@ -72,6 +75,8 @@ DESTS_OF: dict[str, tuple[str, ...]] = {
     "rs_upper": ("tis_rs_upper_bound",),
     "rs_lower": ("tis_rs_lower_bound",),
     "veto_threshold": ("tis_veto_threshold",),
+    "seq_mean_k3_threshold": ("tis_seq_mean_k3_threshold",),
+    "seq_max_k3_threshold": ("tis_seq_max_k3_threshold",),
     "batch_normalize": ("tis_batch_normalize",),
     "rejected_denominator": ("tis_rejected_denominator",),
     "loss_agg": ("tis_loss_agg",),
@@ -134,6 +139,8 @@ class TISConfig:
         rs_level: optional rejection-sampling level (independent of the mode); ``None`` = off.
         rs_upper, rs_lower: rejection-sampling bounds on r at ``rs_level``; ``None`` = SPEC default.
         veto_threshold: reject a sequence if any valid token has raw ratio < v (0 < v < 1).
+        seq_mean_k3_threshold, seq_max_k3_threshold: reject a sequence whose mean / max over valid
+            tokens of ``k3_t = r_t - 1 - log r_t`` exceeds the threshold (> 0); ``None`` = off.
         batch_normalize: rescale applied weights to mean 1 over the kept units of the global batch.
         rejected_denominator: ``keep`` (rejected tokens stay in the loss denominator) or ``drop``.
         loss_agg: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
@@ -153,6 +160,8 @@ class TISConfig:
     rs_upper: float | None = None
     rs_lower: float | None = None
     veto_threshold: float | None = None
+    seq_mean_k3_threshold: float | None = None
+    seq_max_k3_threshold: float | None = None
     batch_normalize: bool = False
     rejected_denominator: str = "keep"
     loss_agg: str = "token-mean"
@@ -171,7 +180,8 @@ class TISConfig:
         _check_choice("rs_level", self.rs_level, LEVELS, allow_none=True)
         _check_choice("rejected_denominator", self.rejected_denominator, DENOMINATORS)
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        for field in ("upper", "lower", "rs_upper", "rs_lower", "veto_threshold", "eps_clip_high", "dual_clip_c"):
+        for field in ("upper", "lower", "rs_upper", "rs_lower", "veto_threshold", "seq_mean_k3_threshold",
+                      "seq_max_k3_threshold", "eps_clip_high", "dual_clip_c"):
             _check_number(field, getattr(self, field))
         for field in ("eps_clip", "safety_bound"):
             _check_number(field, getattr(self, field), allow_none=False)
@@ -185,6 +195,9 @@ class TISConfig:
             _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)
         if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
             raise _bad("veto_threshold", self.veto_threshold, "must lie in (0, 1)")
+        for field in ("seq_mean_k3_threshold", "seq_max_k3_threshold"):
+            if getattr(self, field) is not None and getattr(self, field) <= 0:
+                raise _bad(field, getattr(self, field), "k3 = r - 1 - log r >= 0: the threshold must be > 0")
         if not 0 <= self.eps_clip < 1:
             raise _bad("eps_clip", self.eps_clip, "must lie in [0, 1) so that 1 - eps_clip > 0")
         if self.eps_clip_high is not None and self.eps_clip_high < 0:
@@ -202,8 +215,9 @@ class TISConfig:
                    "loss, so it cannot reject; use algorithm 1, 2 or 3")
             if self.rs_level is not None:
                 raise _bad("rs_level", self.rs_level, why)
-            if self.veto_threshold is not None:
-                raise _bad("veto_threshold", self.veto_threshold, why)
+            for field in ("veto_threshold", "seq_mean_k3_threshold", "seq_max_k3_threshold"):
+                if getattr(self, field) is not None:
+                    raise _bad(field, getattr(self, field), why)
             if self.mode == "mask":
                 raise _bad("mode", self.mode, why)
         if alg in (0, 1) and self.batch_normalize:
@@ -235,7 +249,13 @@ class TISConfig:
         """Whether any configured rule can reject tokens or sequences (besides non-finite data)."""
         return self.algorithm != 0 and (
             self.mode == "mask" or self.rs_level is not None or self.veto_threshold is not None
+            or self.seq_mean_k3_threshold is not None or self.seq_max_k3_threshold is not None
         )
+
+    @property
+    def plan(self) -> Plan:
+        """This configuration resolved once into plain bounds and switches (what the core reads)."""
+        return resolve(self)
 
     @property
     def upper_bound(self) -> float:
@@ -291,6 +311,9 @@ class TISConfig:
                          f"lower={self.rs_lower_bound:g} upper={self.rs_upper_bound:g}")
         if self.veto_threshold is not None:
             lines.append(f"  veto: reject sequences with any token ratio < {self.veto_threshold:g}")
+        for what, value in (("mean", self.seq_mean_k3_threshold), ("max", self.seq_max_k3_threshold)):
+            if value is not None:
+                lines.append(f"  k3 rejection: reject sequences whose {what} of k3 = r - 1 - log r > {value:g}")
         lines.append(f"  batch_normalize={self.batch_normalize} rejected_denominator={self.rejected_denominator} "
                      f"loss_agg={self.loss_agg}")
         lines.append(f"  ppo clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] dual_clip_c={self.dual_clip_c} "

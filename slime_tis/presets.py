@@ -43,6 +43,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(use_rollout_log_probs=True, use_tis=True, mode="mask", level="geometric",
              lower=0.999, upper=1.001, veto_threshold=1e-4),
     ),
+    "bypass_ppo_clip_k3_rs": (
+        "algorithm 1, PPO clipped against the rollout policy + rejection of sequences with mean k3 > 0.01",
+        dict(use_rollout_log_probs=True, seq_mean_k3_threshold=0.01),
+    ),
     "disabled": (
         "algorithm 0, no correction; diagnostics only (when rollout log-probs are available)",
         dict(),

@@ -1,20 +1,24 @@
 """Correction core: packed sequences in, weights / masks / losses / statistics out.
 
-Device-agnostic torch; on CPU tensors the token pass runs in an optional fused C kernel
-(``slime_tis.core.native``), with the torch code as its reference and fallback. No Megatron, slime or
-SGLang import anywhere below this package.
+Plain, device-agnostic torch, read top to bottom: ``plan`` (the resolved configuration) ->
+``ratios`` (log-ratios per token and sequence) -> ``weights`` -> ``rules`` (keep mask) ->
+``losses``, with ``diagnostics`` / ``metrics`` for the statistics and ``reducer`` as the only door to
+distributed behaviour. No Megatron, slime or SGLang import below this package.
 """
 
-from slime_tis.core.correction import TISResult, compute_tis, normalisation_factor
+from slime_tis.core.correction import TISResult, compute_tis
 from slime_tis.core.losses import PolicyLossOutput, loss_denominator, policy_loss, ppo_clip_term
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import packed_to_padded, padded_to_packed, segment_sum, sequence_ids
+from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
+from slime_tis.core.weights import normalisation_factor
 
 __all__ = [
     "TISResult",
     "compute_tis",
     "normalisation_factor",
+    "Plan",
     "PolicyLossOutput",
     "policy_loss",
     "ppo_clip_term",

@@ -1,190 +1,179 @@
-"""The ``tis/`` statistics of one micro-batch.
+"""The ``tis.*`` statistics of one micro-batch (sums, minima, maxima; metrics in ``core.metrics``).
 
-Builds the raw sums/minima/maxima that :class:`slime_tis.core.metrics.MetricStats` turns into the
-metrics documented there. The set of keys depends only on the configuration (never on the data),
-so every rank contributes the same keys to the cross-rank reduction.
+Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite
+sequences on this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
+(0 outside D, where ``l = 0``)::
 
-Token-domain sums (over this rank's valid tokens of finite sequences, summed over DP x CP) come
-from this rank's per-sequence partial sums ``ratios.seq_sums_local`` masked by the (reduced)
-sequence flags, and the ratio moments from ``ratios.token_moments()``::
+    kl_sum = -sum l,   k3_sum = sum (e - lc),   r2_sum = sum r^2 = sum e^2 + 2 sum e + n
 
-    lc = clamp(l, -B, B),  e = expm1(lc) = r - 1
-    k3:  sum (r - 1 - log r) = sum (e - lc)
-    r^2: sum r^2 = sum e^2 + 2 sum e + n          (no float32 rounding of r near 1)
-
-Sequence-domain sums (one value per sequence, replicated over CP) are column sums over the
-``[n_seq]`` per-sequence values. Ratio moments of sequence units use ``e = expm1(clamp(L))`` too.
+Sequence-domain sums (S = finite sequences; one value per sequence, replicated over CP, summed over
+DP) are sums of ``[n_seq]`` values. Level units are tokens or sequences (``plan.level``); each row
+of ``core.rules.RULES`` adds its count to the sums of its units' domain.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from slime_tis.config import TISConfig
-from slime_tis.core.metrics import MetricStats, masked_extremes
-from slime_tis.core.ratios import ROW_LOG_RATIO, ROW_LP_ROLLOUT, ROW_VALID, PackedRatios
-from slime_tis.core.rejection import Rejection
-from slime_tis.core.weights import outside_bounds
+from slime_tis.core.metrics import MetricStats
+from slime_tis.core.plan import Plan
+from slime_tis.core.ratios import Ratios, ratio_moments
+from slime_tis.core.rules import Verdict
 
-__all__ = ["tis_statistics"]
+__all__ = ["tis_statistics", "token_metrics"]
 
 F64 = torch.float64
 
 
-def _count(mask: Tensor) -> Tensor:
-    return torch.count_nonzero(mask).to(F64)
+def _total(x: Tensor) -> Tensor:
+    """Sum of a bool (count) or float column, as float64 (float32 columns are summed pairwise in float32:
+    ~1e-7 relative, well inside the metrics' needs, without a float64 copy of the column)."""
+    return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum().to(F64)
 
 
-class _Sums:
-    """Named statistics of one domain: scalars, bool columns (counted) and float columns (summed).
-
-    Token-domain columns (``[T]``, ``per_column=True``) are reduced as they arrive, one reduction
-    each; sequence-domain columns (``[n_seq]``) are stacked and reduced together.
-    """
-
-    def __init__(self, per_column: bool) -> None:
-        self.per_column = per_column
-        self.scalars: dict[str, Tensor] = {}
-        self.counts: dict[str, Tensor] = {}
-        self.values: dict[str, Tensor] = {}
-        self.order: list[str] = []
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self.scalars[name]
-
-    def __setitem__(self, name: str, value: Tensor) -> None:
-        self.order.append(name)
-        if value.dim() == 0:
-            self.scalars[name] = value if value.dtype == F64 else value.to(F64)
-        elif self.per_column:
-            self.scalars[name] = _count(value) if value.dtype == torch.bool else value.sum().to(F64)
-        elif value.dtype == torch.bool:
-            self.counts[name] = value
-        else:
-            self.values[name] = value
-
-    def totals(self) -> dict[str, Tensor]:
-        """Every statistic as a float64 scalar: one reduction for all counts, one for all float columns."""
-        out = dict(self.scalars)
-        if self.counts:
-            out.update(zip(self.counts, torch.stack(list(self.counts.values())).sum(1).to(F64).unbind(0)))
-        if self.values:
-            stacked = torch.stack([v.to(F64) for v in self.values.values()])
-            out.update(zip(self.values, stacked.sum(1).unbind(0)))
-        return {name: out[name] for name in self.order}
+def _extremes(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 (min, max) of ``x`` over ``mask``; ``(+inf, -inf)`` when the mask is empty."""
+    inf = torch.full((), float("inf"), device=x.device)
+    if x.numel() == 0:
+        return inf, -inf
+    x = x.float()
+    return torch.where(mask, x, inf).min(), torch.where(mask, x, -inf).max()
 
 
 def tis_statistics(
-    config: TISConfig,
-    ratios: PackedRatios,
-    rejection: Rejection,
-    unit_weights: Tensor,
+    plan: Plan,
+    ratios: Ratios,
+    verdict: Verdict,
+    weights: Tensor,
     kept_units: Tensor,
     kept_weights: Tensor,
+    n_kept_units: Tensor,
     batch_norm_factor: Tensor | None,
 ) -> MetricStats:
-    """Raw ``tis.*`` statistics (see ``slime_tis.core.metrics`` for the metric formulas).
+    """Raw ``tis.*`` statistics.
 
     Args:
-        unit_weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
-        kept_units: bool mask of units that survived rejection (same shape).
-        kept_weights: ``unit_weights`` on ``kept_units``, 0 elsewhere.
-        batch_norm_factor: the factor applied (scalar tensor) or ``None`` when batch-norm is off.
-
-    ``ratios`` must come from ``packed_ratios(..., moments_bound=config.safety_bound)``.
+        weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
+        kept_units: bool, units that survived rejection (same shape).
+        kept_weights: ``weights`` on ``kept_units``, 0 elsewhere.
+        n_kept_units: 0-d count of ``kept_units``.
+        batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
     """
-    bound = config.safety_bound
     seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
-    device = seq_ok.device
-    zero = torch.zeros((), dtype=F64, device=device)
+    n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
+    n_tok = ratios.local_total("valid", seq_ok)
+    bound = plan.bound
+    _, e, k3 = ratio_moments(ratios.log_ratio, bound)
+    e_sum, e2_sum = _total(e), torch.dot(e, e).to(F64)
+    if not plan.per_sequence:  # token units: the kept units are the kept tokens
+        n_kept_tok = n_kept_units.to(F64)
+    elif verdict.token_rejected is None:  # valid tokens of the kept sequences
+        n_kept_tok = ratios.local_total("valid", kept_units)
+    else:
+        n_kept_tok = _total(verdict.keep)
+    tok: dict[str, Tensor] = {
+        "tis.n_tok_valid": n_valid,
+        "tis.n_tok": n_tok,
+        "tis.n_tok_rejected": n_valid - n_kept_tok,
+        "tis.kl_sum": -ratios.local_total("l", seq_ok),
+        "tis.k3_sum": _total(k3),
+        "tis.r2_sum": e2_sum + 2.0 * e_sum + n_tok,
+    }
 
-    # ---- token domain (this rank's tokens)
-    local = ratios.seq_sums_local
-    # [3, k] column sums over: all sequences, finite sequences, kept sequences (one GEMM)
-    domains = torch.stack([torch.ones_like(seq_ok), seq_ok, seq_ok & ~rejection.seq_rejected]).to(F64) @ local
-    n_valid, n_tok = domains[0, ROW_VALID], domains[1, ROW_VALID]
-    local_ok = domains[1]
-    e_sum, e2_sum, k3_sum = ratios.token_moments(local_ok).unbind(0)
-    tok = _Sums(per_column=True)
-    tok["tis.n_tok_valid"] = n_valid
-    tok["tis.n_tok"] = n_tok
-    # kept tokens = the valid tokens of kept sequences, less those of a token-level rule
-    n_kept = domains[2, ROW_VALID] if rejection.token_rejected is None else _count(rejection.keep)
-    tok["tis.n_tok_rejected"] = n_valid - n_kept
-    tok["tis.kl_sum"] = -local_ok[ROW_LOG_RATIO]
-    tok["tis.k3_sum"] = k3_sum  # sum (e - lc), exactly 0 where l = 0
-    tok["tis.r2_sum"] = e2_sum + 2.0 * e_sum + n_tok
+    log_sum = ratios.column("l")  # float64, 0 unless seq_ok
+    lr_mean = ratios.seq_mean_lp_rollout
+    mean_diff = -log_sum / ratios.seq_count.to(F64).clamp(min=1.0)  # mean lp_rollout - mean lp_train
+    # exponents: training log-ppl, rollout log-ppl, log_ppl_diff, sum_t l (chi2_seq = exp(2 clamp(sum_t l)))
+    logs = torch.stack([-ratios.seq_mean_lp_train, -lr_mean, mean_diff, log_sum])
+    clamped = logs.clamp(-bound, bound)
+    clamped[3] *= 2.0
+    exps = torch.where(seq_ok, clamped.exp(), 0.0)
+    seq: dict[str, Tensor] = {
+        "tis.n_seq_valid": _total(has),
+        "tis.n_seq": _total(seq_ok),
+        "tis.n_seq_rejected": _total(verdict.seq_rejected & has),
+        "tis.train_log_ppl_sum": logs[0].sum(),
+        "tis.train_ppl_sum": exps[0].sum(),
+        "tis.rollout_log_ppl_sum": logs[1].sum(),
+        "tis.rollout_ppl_sum": exps[1].sum(),
+        "tis.log_ppl_diff_sum": mean_diff.sum(),
+        "tis.log_ppl_abs_diff_sum": mean_diff.abs().sum(),
+        "tis.ppl_ratio_sum": exps[2].sum(),
+        "tis.chi2_seq_sum": exps[3].sum(),
+    }
 
-    # ---- sequence domain
-    full = ratios.seq_sums
-    count = full[:, ROW_VALID].clamp(min=1.0)
-    log_sum = torch.where(seq_ok, full[:, ROW_LOG_RATIO], zero)
-    lr_mean = torch.where(seq_ok, full[:, ROW_LP_ROLLOUT], zero) / count
-    # mean_t lp_rollout - mean_t lp_train from the well-conditioned log-ratio sum (differencing the two
-    # means would cancel most float32 digits on long sequences)
-    mean_diff = -log_sum / count
-    # exponents: training log-ppl (-mean_t lp_train), rollout log-ppl, log_ppl_diff, sum_t l (chi2_seq)
-    logs = torch.stack([mean_diff - lr_mean, -lr_mean, mean_diff, log_sum])
-    exponents = logs.clamp(-bound, bound)
-    exponents[3] *= 2.0  # chi2_seq: exp(2 clamp(sum_t l, -B, B))
-    exps = torch.where(seq_ok, exponents.exp_(), zero)
-    seq = _Sums(per_column=False)
-    seq["tis.n_seq_valid"] = has
-    seq["tis.n_seq"] = seq_ok
-    seq["tis.n_seq_nonfinite"] = ratios.seq_nonfinite
-    seq["tis.n_seq_rejected"] = rejection.seq_rejected & has
-    seq["tis.train_log_ppl_sum"] = logs[0]
-    seq["tis.train_ppl_sum"] = exps[0]
-    seq["tis.rollout_log_ppl_sum"] = logs[1]
-    seq["tis.rollout_ppl_sum"] = exps[1]
-    seq["tis.log_ppl_diff_sum"] = mean_diff
-    seq["tis.log_ppl_abs_diff_sum"] = mean_diff.abs()
-    seq["tis.ppl_ratio_sum"] = exps[2]
-    seq["tis.chi2_seq_sum"] = exps[3]
-    if config.veto_threshold is not None:
-        seq["tis.veto_count"] = ratios.seq_veto
-
-    # ---- level units: ratio before bounds, mode statistics, applied weights
-    per_seq_units = config.level != "token"
-    units = seq if per_seq_units else tok
-    level_log = ratios.level_log_ratio(config.level)  # 0 outside the units' domain
-    if per_seq_units:
-        e_unit = torch.where(seq_ok, torch.expm1(level_log.to(F64).clamp(-bound, bound)), zero)
-        units["tis.n_units"] = seq_ok
-        units["tis.ratio_sum"] = e_unit + seq_ok
-        units["tis.ratio_sq_sum"] = e_unit * (e_unit + 2.0) + seq_ok
+    units = seq if plan.per_sequence else tok
+    level_log = ratios.level_log_ratio(plan.level)  # 0 outside the units' domain
+    if plan.per_sequence:
+        e_unit = torch.where(seq_ok, torch.expm1(level_log.to(F64).clamp(-bound, bound)), 0.0)
+        units["tis.n_units"] = seq["tis.n_seq"]
+        units["tis.ratio_sum"] = (e_unit + seq_ok).sum()
+        units["tis.ratio_sq_sum"] = (e_unit * (e_unit + 2.0) + seq_ok).sum()
     else:
         units["tis.n_units"] = n_tok
         units["tis.ratio_sum"] = e_sum + n_tok
         units["tis.ratio_sq_sum"] = tok["tis.r2_sum"]
-    if config.applies_weights and config.mode in ("truncate", "clip"):
-        below, above = outside_bounds(level_log, config.lower_bound, config.upper_bound)
-        if config.mode == "truncate":
-            units["tis.truncate_count"] = above
-        else:
-            units["tis.clip_low_count"] = below
-            units["tis.clip_high_count"] = above
-    if rejection.mode_below is not None:
-        units["tis.mask_low_count"] = rejection.mode_below
-        units["tis.mask_high_count"] = rejection.mode_above
-    units["tis.n_kept_units"] = kept_units
-    units["tis.w_sum"] = kept_weights
-    units["tis.w_sq_sum"] = kept_weights * kept_weights if per_seq_units else torch.dot(kept_weights, kept_weights)
-
-    lows, highs = masked_extremes(torch.stack([level_log.float(), unit_weights.float()]),
-                                  torch.stack([ratios.unit_ok(config.level), kept_units]))
-    mins = dict(zip(("tis.log_ratio_min", "tis.weight_min"), lows.unbind(0)))
-    maxs = dict(zip(("tis.log_ratio_max", "tis.weight_max"), highs.unbind(0)))
-
-    # ---- rejection sampling units
-    if config.rs_level is not None:
-        rs_units = seq if config.rs_level != "token" else tok
-        rs_units["tis.n_rs_units"] = seq_ok if config.rs_level != "token" else n_tok
-        rs_units["tis.rs_low_count"] = rejection.rs_below
-        rs_units["tis.rs_high_count"] = rejection.rs_above
-
+    units["tis.n_kept_units"] = n_kept_units.to(F64)
+    units["tis.w_sum"] = _total(kept_weights)
+    units["tis.w_sq_sum"] = torch.dot(kept_weights, kept_weights).to(F64)
+    if plan.rs_level is not None:
+        rs_units = tok if plan.rs_level == "token" else seq
+        rs_units["tis.n_rs_units"] = n_tok if plan.rs_level == "token" else seq["tis.n_seq"]
+    for rule, level, hit in verdict.hits:
+        (tok if level == "token" else seq)[rule.key] = _total(hit)
     if batch_norm_factor is not None:
         seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
-        seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=device)
-    return MetricStats(token_sums=tok.totals(), seq_sums=seq.totals(), mins=mins, maxs=maxs)
+        seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
+
+    (lr_min, lr_max), (w_min, w_max) = _extremes(level_log, ratios.unit_ok(plan.level)), _extremes(weights, kept_units)
+    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min}
+    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max}
+    return MetricStats(token_sums=tok, seq_sums=seq, mins=mins, maxs=maxs)
+
+
+def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = None) -> dict[str, Tensor]:
+    """Per-token ``tis/`` values (``[T]`` float32, detached, finite) for hosts that average per token.
+
+    On valid tokens of finite sequences (0 elsewhere), with ``e = expm1(clamp(l, -B, B))``:
+    ``tis/kl = -l``, ``tis/k3_kl = e - lc``, ``tis/chi2_token = e (e + 2) = r^2 - 1``; sequence values
+    broadcast to their tokens: ``tis/chi2_seq``, ``tis/log_ppl_diff``, ``tis/log_ppl_abs_diff``,
+    ``tis/ppl_ratio``, ``tis/training_ppl``, ``tis/rollout_ppl``; ``tis/ratio`` (level ratio before
+    bounds), ``tis/weight`` (applied); 0/1 indicators: every active row of ``core.rules.RULES``
+    (unit indicator broadcast to tokens), ``tis/rejected_token_fraction``, ``tis/rejected_seq_fraction``;
+    ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``.
+    """
+    r, verdict, bound = result.ratios, result.verdict, plan.bound
+    ok, sid = r.token_ok, r.seq_id
+
+    def seq(x: Tensor) -> Tensor:  # [n_seq] -> tokens of finite sequences
+        return torch.where(ok, x.index_select(0, sid).float(), 0.0)
+
+    def unit(x: Tensor, level: str) -> Tensor:
+        return (x if level == "token" else x.index_select(0, sid)).float()
+
+    lc, e, k3 = ratio_moments(r.log_ratio, bound)
+    mean_diff = r.seq_mean_lp_rollout - r.seq_mean_lp_train
+    level_log = r.level_log_ratio(plan.level)
+    out: dict[str, Tensor] = {
+        "tis/kl": -r.log_ratio,
+        "tis/k3_kl": k3,
+        "tis/chi2_token": e * (e + 2.0),
+        "tis/chi2_seq": seq(torch.expm1(2.0 * r.seq_log_ratio_sum.double().clamp(-bound, bound))),
+        "tis/log_ppl_diff": seq(mean_diff),
+        "tis/log_ppl_abs_diff": seq(mean_diff.abs()),
+        "tis/ppl_ratio": seq(torch.exp(mean_diff.clamp(-bound, bound))),
+        "tis/training_ppl": seq(torch.exp((-r.seq_mean_lp_train).clamp(-bound, bound))),
+        "tis/rollout_ppl": seq(torch.exp((-r.seq_mean_lp_rollout).clamp(-bound, bound))),
+        "tis/ratio": torch.where(ok, unit(torch.exp(level_log.clamp(-bound, bound)), plan.level), 0.0),
+        "tis/weight": result.weights.float(),
+        "tis/rejected_token_fraction": (r.valid & ~result.keep_mask).float(),
+        "tis/rejected_seq_fraction": (verdict.seq_rejected & r.seq_has_tokens).index_select(0, sid).float(),
+    }
+    for rule, level, hit in verdict.hits:
+        out[rule.metric] = unit(hit, level)
+    if batch_norm_factor is not None:
+        out["tis/batch_norm_factor"] = torch.ones_like(lc) * batch_norm_factor.float().reshape(())
+    return {k: v.detach() for k, v in out.items()}

@@ -9,8 +9,8 @@ Per kept token ``t`` (``A`` advantage, ``B`` safety bound, ``w`` detached import
     alg 2:  w * ppo_term(exp(clamp(lp_theta - lp_old, -B, B))),  w from lp_old - lp_rollout
     alg 3:  -w * A * lp_theta,                                   w from sg(lp_theta) - lp_rollout
 
-Rejected tokens contribute zero loss and zero gradient (selection with ``torch.where``, so a NaN
-at a rejected or masked position cannot leak into the loss or the gradient).
+Rejected tokens contribute zero loss and zero gradient (every input is selected with
+``torch.where`` first, so a NaN at a rejected or masked position cannot reach loss or gradient).
 
 Aggregation (``loss = numerator / denominator``; the denominator is global when supplied)::
 
@@ -19,35 +19,35 @@ Aggregation (``loss = numerator / denominator``; the denominator is global when 
     seq-mean-token-sum:   sum_i sum_{t in i} loss_t           / N_seqs
 
 ``n_i``, ``N_tokens``, ``N_seqs`` count valid tokens / sequences with a valid token
-(``rejected_denominator="keep"``) or kept ones (``"drop"``). With the global denominator, the sum
-of per-micro-batch losses over micro-batches and data-parallel ranks equals the whole-batch loss.
+(``rejected_denominator="keep"``) or kept ones (``"drop"``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from slime_tis.config import TISConfig
-from slime_tis.core.correction import TISResult, as_valid_mask, scalar_tensor, tis_on_segments
-from slime_tis.core.metrics import MetricStats, column_sums
-from slime_tis.core.packing import check_packed
-from slime_tis.core.ratios import ROW_VALID, as_float32, packed_ratios
+from slime_tis.core.correction import TISResult, as_valid_mask, correct, plan_of, scalar_tensor
+from slime_tis.core.metrics import MetricStats
+from slime_tis.core.packing import Layout, check_packed, packed_layout
+from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
-from slime_tis.core.segments import Segments, select, valid_bits
 
 __all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
+
+F64 = torch.float64
 
 
 @dataclass
 class PolicyLossOutput:
     """Result of :func:`policy_loss`.
 
-    ``loss``: scalar (differentiable w.r.t. ``lp_theta``); ``stats``: ``policy.*`` and ``tis.*``
+    ``loss``: 0-d (differentiable w.r.t. ``lp_theta``); ``stats``: ``policy.*`` and ``tis.*``
     statistics; ``keep_mask`` ``[T]`` bool; ``weights`` ``[T]`` applied importance weights (ones for
-    algorithms 0 and 1); ``tis``: the full :class:`TISResult` when rollout log-probs were given.
+    algorithms 0 and 1); ``tis``: the :class:`TISResult` when rollout log-probs were given.
     """
 
     loss: Tensor
@@ -61,16 +61,14 @@ def ppo_clip_term(
     log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float, dual_clip_c: float | None,
     safety_bound: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Clipped PPO surrogate per token.
+    """Clipped PPO surrogate per token: ``(loss_t, clip_active, dual_clip_active)``.
 
-    ``rho = exp(clamp(log_ratio, -B, B))``; returns ``(loss_t, clip_active, dual_clip_active)`` where
-    ``loss_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))`` and, with ``c``, for ``A < 0``
-    ``loss_t = min(loss_t, -c A)``.
+    ``rho = exp(clamp(log_ratio, -B, B))``, ``loss_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``
+    and, with ``c``, for ``A < 0``: ``loss_t = min(loss_t, -c A)``.
     """
     rho = torch.exp(log_ratio.clamp(-safety_bound, safety_bound))
-    neg_advantages = -advantages
-    unclipped = neg_advantages * rho
-    clipped = neg_advantages * rho.clamp(1.0 - eps_low, 1.0 + eps_high)
+    unclipped = -advantages * rho
+    clipped = -advantages * rho.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
     if dual_clip_c is None:
@@ -80,52 +78,38 @@ def ppo_clip_term(
     return torch.where(dual_active, floor, loss), clip_active, dual_active
 
 
-def _sequence_counts(mask: Tensor, segments: Segments, reducer: Reducer) -> Tensor:
-    """Per-sequence count of ``mask`` tokens ``[n_seq]`` float32, completed over context parallelism."""
-    buf = segments.row_buffer(1)
-    buf[0, : segments.n_tokens].copy_(mask.view(torch.uint8))
-    return reducer.sequence_sum(segments.sums(buf))[:, 0].float()
+def sequence_counts(mask: Tensor, layout: Layout, reducer: Reducer) -> Tensor:
+    """``[n_seq]`` float64 count of ``mask`` tokens per sequence, completed over context parallelism."""
+    return reducer.sequence_sum(layout.sums(mask.to(F64)[:, None]))[:, 0]
 
 
 def loss_denominator(
-    config: TISConfig,
+    config: Any,
     loss_mask: Tensor,
     cu_seqlens: Tensor,
     *,
     keep_mask: Tensor | None = None,
     reducer: Reducer | None = None,
 ) -> Tensor:
-    """This micro-batch's contribution to the loss denominator (scalar float32, this rank).
+    """This micro-batch's contribution to the loss denominator (0-d float32, this rank).
 
-    ``token-mean``: number of valid tokens (``drop``: kept tokens) on this rank; sum it over
-    micro-batches and data x context parallel ranks. ``seq-mean-*``: number of sequences with at
-    least one valid (``drop``: kept) token, completed over context parallelism with
-    ``reducer.sequence_sum``; sum it over micro-batches and data-parallel ranks only.
-    ``rejected_denominator="drop"`` needs ``keep_mask``.
+    ``token-mean``: valid (``drop``: kept) tokens on this rank; sum over micro-batches and DP x CP.
+    ``seq-mean-*``: sequences with at least one valid (``drop``: kept) token, completed over CP with
+    ``reducer.sequence_sum``; sum over micro-batches and DP only. ``drop`` needs ``keep_mask``.
     """
-    if config.rejected_denominator == "drop" and keep_mask is None:
+    plan = plan_of(config)
+    if plan.drop_rejected and keep_mask is None:
         raise ValueError("rejected_denominator='drop' (--tis-rejected-denominator drop) needs keep_mask")
-    valid = as_valid_mask(loss_mask)
-    if config.loss_agg == "token-mean":
-        return _local_denominator(config, valid, keep_mask, None, reducer or LocalReducer())
-    n_tokens = check_packed({"loss_mask": loss_mask}, cu_seqlens)
-    segments = Segments(cu_seqlens, n_tokens, valid.device)
-    return _local_denominator(config, valid, keep_mask, segments, reducer or LocalReducer())
-
-
-def _local_denominator(config: TISConfig, valid: Tensor, keep: Tensor | None, segments: Segments | None,
-                       reducer: Reducer, seq_has_tokens: Tensor | None = None) -> Tensor:
-    """:func:`loss_denominator` on validated inputs (``seq_has_tokens``: the reduced flags, if known)."""
-    mask = keep if config.rejected_denominator == "drop" else valid
-    if config.loss_agg == "token-mean":
-        return torch.count_nonzero(mask).float()
-    if mask is valid and seq_has_tokens is not None:
-        return seq_has_tokens.sum(dtype=torch.float32)
-    return (_sequence_counts(mask, segments, reducer) > 0).sum(dtype=torch.float32)
+    n_tokens = check_packed({"loss_mask": loss_mask, "keep_mask": keep_mask}, cu_seqlens)
+    mask = keep_mask if plan.drop_rejected else as_valid_mask(loss_mask)
+    if plan.loss_agg == "token-mean":
+        return mask.sum(dtype=torch.float32)
+    counts = sequence_counts(mask, packed_layout(cu_seqlens, n_tokens, mask.device), reducer or LocalReducer())
+    return (counts > 0).sum(dtype=torch.float32)
 
 
 def policy_loss(
-    config: TISConfig,
+    config: Any,
     lp_theta: Tensor,
     lp_old: Tensor | None,
     lp_rollout: Tensor | None,
@@ -137,30 +121,34 @@ def policy_loss(
     denominator: Tensor | float | None = None,
     batch_norm_factor: Tensor | float | None = None,
 ) -> PolicyLossOutput:
-    """Aggregated policy loss of ``config.algorithm`` on one packed micro-batch.
+    """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
     Args:
+        config: a ``TISConfig`` (or its resolved ``Plan``).
         lp_theta: ``[T]`` current log-probs (differentiable).
-        lp_old: ``[T]`` recomputed pi_old (required by algorithms 0 and 2, ignored by 1 and 3).
-        lp_rollout: ``[T]`` rollout log-probs (required by 1, 2, 3; optional in 0 = diagnostics).
+        lp_old: ``[T]`` pi_old (required by algorithms 0 and 2, ignored by 1 and 3).
+        lp_rollout: ``[T]`` rollout log-probs (required by 1, 2, 3; optional in 0 = diagnostics; without
+            them algorithm 0 reports the same ``tis.*`` keys, zero-filled).
         advantages: ``[T]`` per-token advantages.
         loss_mask, cu_seqlens: packed layout (see ``slime_tis.core.packing``).
         reducer: distributed reductions (default: single process).
         denominator: the global denominator (see :func:`loss_denominator`), or ``None`` for this
             call's own count reduced over ``reducer``.
-        batch_norm_factor: precomputed global factor (algorithm 2), see :func:`compute_tis`.
+        batch_norm_factor: precomputed global factor (algorithm 2), see ``compute_tis``.
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
     """
+    plan = plan_of(config)
     reducer = reducer or LocalReducer()
-    alg = config.algorithm
-    if alg in (0, 2) and lp_old is None:
-        raise ValueError(f"algorithm {alg} ({config.algorithm_name}) needs lp_old (the Megatron recompute)")
-    if alg in (1, 2, 3) and lp_rollout is None:
-        raise ValueError(f"algorithm {alg} ({config.algorithm_name}) needs lp_rollout (rollout log-probs)")
-    tensors = {"lp_theta": lp_theta, "lp_old": lp_old if alg in (0, 2) else None,
-               "lp_rollout": lp_rollout, "advantages": advantages, "loss_mask": loss_mask}
+    alg = plan.algorithm
+    uses_old = alg in (0, 2)
+    if uses_old and lp_old is None:
+        raise ValueError(f"algorithm {alg} ({_name(config)}) needs lp_old (the Megatron recompute)")
+    if alg != 0 and lp_rollout is None:
+        raise ValueError(f"algorithm {alg} ({_name(config)}) needs lp_rollout (rollout log-probs)")
+    tensors = {"lp_theta": lp_theta, "lp_old": lp_old if uses_old else None, "lp_rollout": lp_rollout,
+               "advantages": advantages, "loss_mask": loss_mask}
     n_tokens = check_packed(tensors, cu_seqlens)
     for name in ("lp_theta", "lp_old", "lp_rollout", "advantages"):
         t = tensors[name]
@@ -168,73 +156,78 @@ def policy_loss(
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
     theta = lp_theta.float()
-    theta_detached = theta.detach()
-    adv = as_float32(advantages.detach())
-    old = as_float32(lp_old.detach()) if alg in (0, 2) else None
+    theta_d = theta.detach()
+    adv = advantages.detach().float()
+    old = lp_old.detach().float() if uses_old else None
     valid = as_valid_mask(loss_mask)
-    segments = Segments(cu_seqlens, n_tokens, theta.device)
+    layout = packed_layout(cu_seqlens, n_tokens, theta.device)
 
     tis: TISResult | None = None
-    stats = MetricStats()
     if lp_rollout is not None:
-        lp_train = old if alg in (0, 2) else theta_detached
-        extra = (adv,) if alg != 0 else ()
-        extra = extra + ((theta_detached,) if alg == 2 else ())
-        tis = tis_on_segments(config, lp_train, lp_rollout, valid, segments, reducer,
-                              batch_norm_factor=batch_norm_factor, extra_finite=extra)
-        stats = stats.merge(tis.stats)
-    if tis is not None and alg != 0:
-        keep, weights, ratios = tis.keep_mask, tis.weights, tis.ratios
-    else:  # algorithm 0: only non-finite inputs of its own loss reject (rollout data changes nothing)
+        lp_train = old if uses_old else theta_d
+        extra = () if alg == 0 else ((adv, theta_d) if alg == 2 else (adv,))
+        tis = correct(plan, lp_train, lp_rollout, valid, layout, reducer,
+                      batch_norm_factor=batch_norm_factor, extra_finite=extra)
+        tis_stats = tis.stats
+    else:  # algorithm 0 without rollout log-probs: the same keys and collectives, on no valid token (zeros)
+        tis_stats = correct(plan, old, old, torch.zeros_like(valid), layout, reducer).stats
+    if alg != 0:
+        own = tis
+        keep, weights = tis.keep_mask, tis.weights
+    else:  # algorithm 0 rejects only non-finite inputs of its own loss (rollout data changes nothing)
         with torch.no_grad():
-            ratios = packed_ratios(old, theta_detached, valid, segments, reducer, extra_finite=(adv,))
-        keep = ratios.token_ok
-        weights = torch.ones_like(theta_detached)
+            own = correct(plan, old, theta_d, valid, layout, reducer, extra_finite=(adv,))
+        keep, weights = own.ratios.token_ok, torch.ones_like(theta_d)
+    ratios = own.ratios
 
-    # Selection before any arithmetic: at tokens that are not kept every input below is 0, so each
-    # per-token loss there is +-0 with zero gradient, and a NaN at such a token cannot reach the loss.
-    zero = torch.zeros((), dtype=torch.float32, device=theta.device)
-    keep_bits = valid_bits(keep)
-    theta_safe = torch.where(keep, theta, zero)  # gradient flows only into kept tokens
-    adv_safe = select(keep_bits, adv)
-    anchor = old if alg in (0, 2) else as_float32(lp_rollout.detach())
-    anchor_safe = select(keep_bits, anchor)
+    # select before any arithmetic: at tokens not kept every input is 0, the loss there is +-0 with zero gradient
+    theta_k = torch.where(keep, theta, 0.0)
+    adv_k = torch.where(keep, adv, 0.0)
+    anchor_k = torch.where(keep, old if uses_old else lp_rollout.detach().float(), 0.0)
     clip_active = dual_active = None
     if alg == 3:
-        per_token = -weights * adv_safe * theta_safe  # weights are finite (0 outside valid finite tokens)
+        per_token = -weights * adv_k * theta_k
     else:
-        per_token, clip_active, dual_active = ppo_clip_term(
-            theta_safe - anchor_safe, adv_safe, config.eps_clip, config.eps_high, config.dual_clip_c,
-            config.safety_bound,
-        )
+        per_token, clip_active, dual_active = ppo_clip_term(theta_k - anchor_k, adv_k, plan.eps_low, plan.eps_high,
+                                                            plan.dual_clip_c, plan.bound)
         if alg == 2:
             per_token = weights * per_token
 
-    if config.loss_agg == "seq-mean-token-mean":
-        counts = ratios.seq_count if config.rejected_denominator == "keep" else _sequence_counts(
-            keep, segments, reducer)
-        numerator = (per_token / segments.expand(counts.clamp(min=1.0))).sum()
+    kept_counts = sequence_counts(keep, layout, reducer) if plan.drop_rejected and \
+        plan.loss_agg != "token-mean" else None
+    if plan.loss_agg == "seq-mean-token-mean":
+        counts = kept_counts.float() if plan.drop_rejected else ratios.seq_count
+        numerator = (per_token / layout.expand(counts.clamp(min=1.0))).sum()
     else:
         numerator = per_token.sum()
     if denominator is None:
-        local = _local_denominator(config, valid, keep, segments, reducer, ratios.seq_has_tokens)
-        denominator = reducer.batch_sum(local, per_sequence=config.loss_agg != "token-mean")
-    denominator = scalar_tensor(denominator, theta.device).clamp(min=1.0)
-    loss = numerator / denominator
+        if plan.loss_agg == "token-mean":
+            local = (keep if plan.drop_rejected else valid).sum(dtype=torch.float32)
+        else:
+            local = ((kept_counts > 0) if plan.drop_rejected else ratios.seq_has_tokens).sum(dtype=torch.float32)
+        denominator = reducer.batch_sum(local, per_sequence=plan.loss_agg != "token-mean")
+    loss = numerator / scalar_tensor(denominator, theta.device).clamp(min=1.0)
 
-    f64 = torch.float64
+    return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(plan, valid, keep, ratios, anchor_k, theta_k,
+                                                                clip_active, dual_active)), keep, weights, tis)
+
+
+def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, ratios: Any, anchor_k: Tensor, theta_k: Tensor,
+                  clip_active: Tensor | None, dual_active: Tensor | None) -> MetricStats:
+    """``policy.*`` statistics (keys depend on the plan only)."""
     token_sums = {
-        "policy.n_tok_valid": ratios.seq_sums_local[:, ROW_VALID].sum(),
-        "policy.n_tok_kept": torch.count_nonzero(keep).to(f64),
-        "policy.ppo_kl_sum": (anchor_safe - theta_safe.detach()).sum().to(f64),
+        "policy.n_tok_valid": valid.sum(dtype=F64),
+        "policy.n_tok_kept": keep.sum(dtype=F64),
+        "policy.ppo_kl_sum": (anchor_k - theta_k.detach()).sum(dtype=F64),
     }
-    if clip_active is not None:  # both are False wherever the token is not kept (all inputs 0 there)
-        token_sums["policy.clip_count"] = torch.count_nonzero(clip_active).to(f64)
-        if config.dual_clip_c is not None:
-            token_sums["policy.dual_clip_count"] = torch.count_nonzero(dual_active).to(f64)
-    policy_stats = MetricStats(
-        token_sums=token_sums,
-        seq_sums=column_sums({"policy.n_seq_valid": ratios.seq_has_tokens,
-                              "policy.n_seq_nonfinite": ratios.seq_nonfinite}),
-    )
-    return PolicyLossOutput(loss, stats.merge(policy_stats), keep, weights, tis)
+    if plan.algorithm != 3:  # both masks are False at tokens not kept (all inputs 0 there)
+        token_sums["policy.clip_count"] = clip_active.sum(dtype=F64)
+        if plan.dual_clip_c is not None:
+            token_sums["policy.dual_clip_count"] = dual_active.sum(dtype=F64)
+    seq_sums = {"policy.n_seq_valid": ratios.seq_has_tokens.sum(dtype=F64),
+                "policy.n_seq_nonfinite": ratios.seq_nonfinite.sum(dtype=F64)}
+    return MetricStats(token_sums=token_sums, seq_sums=seq_sums)
+
+
+def _name(config: Any) -> str:
+    return getattr(config, "algorithm_name", "see TISConfig")

@@ -35,6 +35,7 @@ clip_fraction_low/high     units with L_u < log(lower) / > log(upper)    (clip m
 mask_fraction_low/high     units rejected below / above the bounds       (mask mode)
 rs_fraction_low/high       rejection-sampling units rejected below / above, over its units
 veto_seq_fraction          sequences vetoed / |S|
+seq_mean/max_k3_fraction   sequences rejected by the k3 rules / |S|
 nonfinite_seq_fraction     sequences with a non-finite value / sequences with valid tokens
 rejected_token_fraction    valid tokens rejected for any reason / valid tokens
 rejected_seq_fraction      sequences rejected as a whole (non-finite, veto, sequence-level rule)
@@ -58,22 +59,9 @@ import torch
 from torch import Tensor
 
 from slime_tis.core.reducer import Reducer
+from slime_tis.core.rules import RULES
 
-__all__ = ["MetricStats", "safe_ratio", "masked_extremes", "column_sums"]
-
-
-def masked_extremes(values: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
-    """Row-wise minimum and maximum of ``values`` ``[k, n]`` over ``masks`` ``[k, n]`` (bool).
-
-    Returns two float32 ``[k]`` tensors; a row with an empty mask gives ``+inf`` / ``-inf``.
-    """
-    k, n = values.shape
-    if n == 0:
-        inf = torch.full((k,), float("inf"), dtype=torch.float32, device=values.device)
-        return inf, -inf
-    values = values.float()
-    inf = torch.full((), float("inf"), dtype=torch.float32, device=values.device)
-    return torch.where(masks, values, inf).amin(1), torch.where(masks, values, -inf).amax(1)
+__all__ = ["MetricStats", "safe_ratio", "column_sums"]
 
 
 def column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -114,7 +102,11 @@ class MetricStats:
         )
 
     def reduce(self, reducer: Reducer) -> MetricStats:
-        """Reduce across ranks: one collective per non-empty group (keys sorted, so ranks agree)."""
+        """Reduce across ranks: one collective per non-empty group, keys sorted.
+
+        The keys are a function of the configuration only (the core zero-fills what a micro-batch
+        lacks), so every rank issues the same collectives (number, order, op, shape) whatever its data.
+        """
 
         def apply(d: dict[str, Tensor], fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
             if not d:
@@ -177,7 +169,8 @@ def safe_ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-# (metric, numerator key, denominator key): metric = numerator / denominator, 0 on an empty domain
+# (metric, numerator key, denominator key): metric = numerator / denominator, 0 on an empty domain;
+# the fractions of the rejection rules and bound counters come from their table (core.rules.RULES)
 _RATIO_METRICS: list[tuple[str, str, str]] = [
     ("tis/kl", "tis.kl_sum", "tis.n_tok"),
     ("tis/k3_kl", "tis.k3_sum", "tis.n_tok"),
@@ -192,15 +185,7 @@ _RATIO_METRICS: list[tuple[str, str, str]] = [
     ("tis/ppl_ratio", "tis.ppl_ratio_sum", "tis.n_seq"),
     ("tis/ratio_mean", "tis.ratio_sum", "tis.n_units"),
     ("tis/weight_mean", "tis.w_sum", "tis.n_kept_units"),
-    ("tis/truncate_fraction", "tis.truncate_count", "tis.n_units"),
-    ("tis/clip_fraction_low", "tis.clip_low_count", "tis.n_units"),
-    ("tis/clip_fraction_high", "tis.clip_high_count", "tis.n_units"),
-    ("tis/mask_fraction_low", "tis.mask_low_count", "tis.n_units"),
-    ("tis/mask_fraction_high", "tis.mask_high_count", "tis.n_units"),
-    ("tis/rs_fraction_low", "tis.rs_low_count", "tis.n_rs_units"),
-    ("tis/rs_fraction_high", "tis.rs_high_count", "tis.n_rs_units"),
-    ("tis/veto_seq_fraction", "tis.veto_count", "tis.n_seq"),
-    ("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", "tis.n_seq_valid"),
+    *((rule.metric, rule.key, rule.denominator) for rule in RULES),
     ("tis/rejected_token_fraction", "tis.n_tok_rejected", "tis.n_tok_valid"),
     ("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid"),
     ("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls"),

@@ -1,40 +1,41 @@
-"""Importance weights from level log-ratios: truncate, clip, mask (SPEC "Mode").
+"""Importance weights from level log-ratios: truncate, clip, mask, and batch normalisation.
 
-For a unit (token or sequence) with unclamped level log-ratio ``L`` and bounds ``lower < upper``
-on ``r = pi_train / pi_rollout``::
+For a unit (token or sequence) with unclamped level log-ratio ``L`` and bounds ``lower < upper`` on
+``r = pi_train / pi_rollout``::
 
     r        = exp(clamp(L, -B, B))            # safety bound B before any exp
     truncate: w = min(r, upper)                # no lower bound
     clip:     w = clamp(r, lower, upper)
-    mask:     w = r                            # units outside [lower, upper] are rejected
+    mask:     w = r                            # units outside [lower, upper] are rejected (core.rules)
+    batch-norm: w <- w * N_kept / sum_{kept u} w_u
 
-Bound tests are done on the unclamped ``L`` in log space (``L < log lower``, ``L > log upper``),
-so they neither overflow nor feel the safety clamp.
+Algorithms 0 and 1 apply no weight: ``w = 1``.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-__all__ = ["outside_bounds", "bounded_weights"]
+from slime_tis.core.plan import Plan
+
+__all__ = ["unit_weights", "normalisation_factor"]
 
 
-def outside_bounds(log_ratio: Tensor, lower: float, upper: float) -> tuple[Tensor, Tensor]:
-    """``(below, above)``: bool masks of ``log_ratio < log(lower)`` and ``log_ratio > log(upper)``."""
-    return log_ratio < math.log(lower), log_ratio > math.log(upper)
+def unit_weights(plan: Plan, level_log_ratio: Tensor) -> Tensor:
+    """Weights of ``plan.mode`` for unclamped level log-ratios (any shape, float32 out)."""
+    if not plan.weighted:
+        return torch.ones_like(level_log_ratio)
+    r = torch.exp(level_log_ratio.clamp(-plan.bound, plan.bound))
+    if plan.mode == "truncate":
+        return r.clamp(max=plan.upper)
+    if plan.mode == "clip":
+        return r.clamp(min=plan.lower, max=plan.upper)
+    return r
 
 
-def bounded_weights(mode: str, log_ratio: Tensor, lower: float, upper: float, safety_bound: float) -> Tensor:
-    """Weights ``w`` of the given mode for unclamped per-unit log-ratios ``log_ratio`` (any shape).
-
-    Returns a float32 tensor of the same shape (not detached here; callers pass detached inputs).
-    """
-    ratio = torch.exp(log_ratio.clamp(-safety_bound, safety_bound))
-    if mode == "truncate":
-        return ratio.clamp(max=upper)
-    if mode == "clip":
-        return ratio.clamp(min=lower, max=upper)
-    return ratio  # mask: weights are never changed by rejection; the keep mask is
+def normalisation_factor(weight_sum: Tensor, unit_count: Tensor) -> Tensor:
+    """Batch-normalisation factor ``count / sum`` (1 when nothing is kept): the mean weight becomes 1."""
+    ok = weight_sum > 0
+    return torch.where(ok, unit_count / torch.where(ok, weight_sum, torch.ones_like(weight_sum)),
+                       torch.ones_like(weight_sum))

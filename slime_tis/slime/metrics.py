@@ -39,8 +39,7 @@ from torch import Tensor
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats
 from slime_tis.core.correction import TISResult
-from slime_tis.core.rejection import find_rejections
-from slime_tis.core.weights import outside_bounds
+from slime_tis.core.diagnostics import token_metrics as core_token_metrics
 
 __all__ = ["COLLECTOR", "ExactMetricsCollector", "log_exact_metrics", "token_metrics"]
 
@@ -52,74 +51,10 @@ def token_metrics(
 ) -> dict[str, Tensor]:
     """Per-token (CP-local ``[T]`` float32, detached, finite) ``tis/`` metrics for slime's reducer.
 
-    With ``r_t = exp(clamp(l_t, -B, B))``, sequence quantities broadcast to their tokens, and 0 at
-    tokens of sequences with non-finite data:
-
-    ``tis/kl = lp_rollout - lp_train``, ``tis/k3_kl = r - 1 - log r``, ``tis/chi2_token = r^2 - 1``,
-    ``tis/chi2_seq = exp(2 clamp(sum_i l, -B, B)) - 1``, ``tis/log_ppl_diff = mean_i lp_rollout -
-    mean_i lp_train``, ``tis/log_ppl_abs_diff``, ``tis/ppl_ratio = exp(log_ppl_diff)``,
-    ``tis/training_ppl``, ``tis/rollout_ppl``, ``tis/ratio`` (level ratio before bounds),
-    ``tis/weight`` (applied weight), and 0/1 indicators averaged into fractions:
-    ``tis/rejected_token_fraction``, ``tis/rejected_seq_fraction``, ``tis/nonfinite_seq_fraction``,
-    ``tis/veto_seq_fraction`` (veto on), ``tis/truncate_fraction`` / ``tis/clip_fraction_low|high``
-    / ``tis/mask_fraction_low|high`` (per mode; unit indicators broadcast), ``tis/rs_fraction_low|high``
-    (rejection sampling on), ``tis/batch_norm_factor`` (batch-norm on).
+    The values, rules and indicators are the core's (``slime_tis.core.diagnostics.token_metrics``,
+    rows of ``slime_tis.core.rules.RULES``); this adapter computes none of its own.
     """
-    rt = res.ratios
-    rej = find_rejections(cfg, rt)  # the core's rejection masks (mode, RS, veto, non-finite)
-    bound = cfg.safety_bound
-    zero = torch.zeros((), dtype=torch.float32, device=rt.log_ratio.device)
-    sid = rt.seq_id
-    seq_ok_t = rt.seq_ok[sid]
-    ok = rt.token_ok
-    per_seq_units = cfg.level != "token"
-
-    def seq(x: Tensor) -> Tensor:
-        return torch.where(seq_ok_t, x[sid], zero)
-
-    def unit(x: Tensor, per_seq: bool = per_seq_units) -> Tensor:
-        return x[sid].float() if per_seq else x.float()
-
-    log_r = rt.log_ratio.clamp(-bound, bound)
-    r = torch.exp(log_r)
-    mean_diff = rt.seq_mean_lp_rollout - rt.seq_mean_lp_train
-    level_log = rt.level_log_ratio(cfg.level)
-    unit_ok = rt.unit_ok(cfg.level)
-    out: dict[str, Tensor] = {
-        "tis/kl": torch.where(ok, rt.lp_rollout - rt.lp_train, zero),
-        "tis/k3_kl": torch.where(ok, r - 1.0 - log_r, zero),
-        "tis/chi2_token": torch.where(ok, r * r - 1.0, zero),
-        "tis/chi2_seq": seq(torch.exp(2.0 * rt.seq_log_ratio_sum.clamp(-bound, bound)) - 1.0),
-        "tis/log_ppl_diff": seq(mean_diff),
-        "tis/log_ppl_abs_diff": seq(mean_diff.abs()),
-        "tis/ppl_ratio": seq(torch.exp(mean_diff.clamp(-bound, bound))),
-        "tis/training_ppl": seq(torch.exp((-rt.seq_mean_lp_train).clamp(-bound, bound))),
-        "tis/rollout_ppl": seq(torch.exp((-rt.seq_mean_lp_rollout).clamp(-bound, bound))),
-        "tis/ratio": torch.where(unit(unit_ok).bool(), torch.exp(unit(level_log).clamp(-bound, bound)), zero),
-        "tis/weight": res.weights.float(),
-        "tis/rejected_token_fraction": (rt.valid & ~res.keep_mask).float(),
-        "tis/rejected_seq_fraction": (rej.seq_rejected & rt.seq_has_tokens)[sid].float(),
-        "tis/nonfinite_seq_fraction": rt.seq_nonfinite[sid].float(),
-    }
-    if cfg.veto_threshold is not None and cfg.algorithm != 0:
-        out["tis/veto_seq_fraction"] = rt.seq_veto[sid].float()
-    if cfg.applies_weights and cfg.mode in ("truncate", "clip"):
-        below, above = outside_bounds(level_log, cfg.lower_bound, cfg.upper_bound)
-        if cfg.mode == "truncate":
-            out["tis/truncate_fraction"] = unit(above & unit_ok)
-        else:
-            out["tis/clip_fraction_low"] = unit(below & unit_ok)
-            out["tis/clip_fraction_high"] = unit(above & unit_ok)
-    if rej.mode_below is not None:
-        out["tis/mask_fraction_low"] = unit(rej.mode_below)
-        out["tis/mask_fraction_high"] = unit(rej.mode_above)
-    if rej.rs_below is not None:
-        rs_seq = cfg.rs_level != "token"
-        out["tis/rs_fraction_low"] = unit(rej.rs_below, rs_seq)
-        out["tis/rs_fraction_high"] = unit(rej.rs_above, rs_seq)
-    if batch_norm_factor is not None:
-        out["tis/batch_norm_factor"] = torch.ones_like(r) * batch_norm_factor.float().reshape(())
-    return {k: v.detach() for k, v in out.items()}
+    return core_token_metrics(cfg.plan, res, batch_norm_factor)
 
 
 class ExactMetricsCollector:

@@ -1,0 +1,127 @@
+"""The Triton token pass + per-sequence sums (``slime_tis.kernels.correction``) against the torch reference.
+
+triton reads ``TRITON_INTERPRET`` when a kernel is defined, and other tests of a session may import triton
+first: on the CPU the kernel cases therefore run in a child pytest process with ``TRITON_INTERPRET=1``
+(``test_kernel_cases_under_triton_interpreter``) and are skipped in this one. ``test_kernel_compiles_for_h100``
+lowers the kernel to sm_90 machine code without a GPU.
+
+Tolerances: ``l`` is the same float32 arithmetic on both sides (exact, NaN where NaN); the per-sequence sums are float64
+sums of the same float32 values in another order: 1e-12 relative."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_tis.core.packing import packed_layout
+from slime_tis.core.ratios import packed_ratios
+from slime_tis.core.reducer import LocalReducer
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+N_KERNEL_CASES = 17
+kernel_case = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernel_cases_under_triton_interpreter")
+
+
+def _batch(seed: int, lengths: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    t = int(cu[-1])
+    lr = -4 * torch.rand(t, generator=g)
+    lt = lr + 0.3 * torch.randn(t, generator=g)
+    valid = torch.rand(t, generator=g) > 0.2
+    adv = torch.randn(t, generator=g)
+    if t > 8:  # traps: NaN / inf at valid and at masked tokens, in the log-probs and in an extra tensor
+        lt[1], lr[3], adv[5], lt[7] = math.nan, -math.inf, math.inf, math.nan
+        valid[7] = False
+    return lt, lr, valid, cu, adv
+
+
+@kernel_case
+@pytest.mark.parametrize("lengths", [[5, 0, 300, 1, 17], [1], [0, 0], [600, 3], [64] * 9])
+@pytest.mark.parametrize("n_extra", [0, 1, 2])
+def test_kernel_matches_torch_reference(lengths, n_extra):
+    kernels = pytest.importorskip("slime_tis.kernels.correction")
+    lt, lr, valid, cu, adv = _batch(sum(lengths) + n_extra, lengths)
+    extra = (adv, lt.clone())[:n_extra]
+    l_k, sums_k = kernels.sequence_sums(lt, lr, valid, cu.long(), extra, block=64)
+    ref = packed_ratios(lt, lr, valid, packed_layout(cu, lt.numel(), lt.device), LocalReducer(), extra_finite=extra)
+    ref_l = lt - lr
+    for e in extra:
+        ref_l = torch.where(torch.isfinite(e), ref_l, math.nan)
+    ref_l = torch.where(valid, ref_l, 0.0)
+    assert torch.allclose(l_k, ref_l, equal_nan=True, rtol=0, atol=0)
+    full = ref.seq_sums[:, :3]
+    finite_rows = torch.isfinite(full).all(1)
+    torch.testing.assert_close(sums_k[finite_rows], full[finite_rows], rtol=1e-12, atol=1e-12)
+    assert torch.equal(torch.isfinite(sums_k), torch.isfinite(full))
+
+
+@kernel_case
+@pytest.mark.parametrize("cfg_kwargs", [dict(use_tis=True), dict(use_tis=True, level="geometric", mode="mask",
+                                                                   veto_threshold=1e-2, seq_max_k3_threshold=1.0)])
+def test_core_through_the_kernel_equals_the_torch_path(monkeypatch, cfg_kwargs):
+    """The whole policy loss with the kernel forced (interpreter) equals the torch path."""
+    kernels = pytest.importorskip("slime_tis.kernels.correction")
+    from slime_tis import TISConfig, policy_loss
+
+    calls = []
+    real = kernels.sequence_sums
+    monkeypatch.setattr(kernels, "sequence_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    lt, lr, valid, cu, adv = _batch(3, [40, 0, 7, 130, 1])
+    cfg = TISConfig(**cfg_kwargs)
+    outs = []
+    for mode in ("0", "force"):  # torch path, then the kernel (interpreter)
+        monkeypatch.setenv("SLIME_TIS_TRITON", mode)
+        theta = (lt + 0.01).nan_to_num(0.0).requires_grad_(True)
+        out = policy_loss(cfg, theta, lt, lr, adv, valid, cu)
+        out.loss.backward()
+        outs.append((out, theta.grad))
+    assert calls, "the forced run did not take the kernel"
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ga, gb, rtol=1e-6, atol=1e-7)
+    assert torch.equal(a.keep_mask, b.keep_mask)
+    fa, fb = a.stats.finalize(), b.stats.finalize()
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        torch.testing.assert_close(fa[k], fb[k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run itself")
+def test_kernel_cases_under_triton_interpreter():
+    """This module's kernel cases on the CPU in a child process with TRITON_INTERPRET=1; all must pass."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(Path(__file__))]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    log = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= N_KERNEL_CASES, log
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs compiled (not interpreted) kernels")
+@pytest.mark.parametrize("n_extra", [0, 2])
+def test_kernel_compiles_for_h100(n_extra):
+    """The kernel lowers to sm_90 machine code (every constexpr branch used) without a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = pytest.importorskip("slime_tis.kernels.correction")
+    if not isinstance(k._sequence_sums_kernel, triton.runtime.JITFunction):
+        pytest.skip("the kernel module was imported under TRITON_INTERPRET=1 in this process")
+    sig = {"lt_ptr": "*bf16", "lr_ptr": "*fp32", "valid_ptr": "*u8", "e0_ptr": "*fp32", "e1_ptr": "*fp32",
+           "cu_ptr": "*i64", "l_ptr": "*fp32", "sums_ptr": "*fp64", "N_EXTRA": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(fn=k._sequence_sums_kernel, signature=sig, constexprs=dict(N_EXTRA=n_extra, BLOCK=256))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
