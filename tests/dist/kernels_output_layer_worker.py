@@ -24,10 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (for _cpu)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root
-from _cpu import cpu_shim  # noqa: E402, F401  (CPU patches for megatron-core)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _cpu import cpu_shim  # noqa: E402, F401  (CPU patches for megatron-core)
 
 from slime_tis.kernels.output_layer import (  # noqa: E402
     fused_log_probs_and_entropy,

@@ -18,14 +18,13 @@ relative (max-abs) on gradients (float32 rounding of O(H) and O(V) sums, summed 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -34,28 +33,11 @@ ROOT = HERE.parents[1]
 TIMEOUT_S = 420
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("kernels_ol_tp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE / "kernels_output_layer_worker.py"), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRITON_INTERPRET": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {TIMEOUT_S} s:\n{log[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{log[-6000:]}")
+    torchrun(HERE / "kernels_output_layer_worker.py", ["--out", str(out)], timeout=TIMEOUT_S,
+             env={"TRITON_INTERPRET": "1"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

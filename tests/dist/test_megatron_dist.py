@@ -24,10 +24,6 @@ Controls run the same checks with a deliberately broken reducer and must disagre
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +32,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+from _launch import torchrun  # noqa: E402
 from _plans import NPROC, check_id, plan_checks  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -45,28 +42,10 @@ LOSS_RTOL = 1e-5
 LAUNCH_TIMEOUT_S = 420
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(plan: str, out: Path) -> list[dict]:
     """Run one torchrun launch; kill its whole process group on timeout (a hang fails, never blocks)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC[plan]),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(HERE / "megatron_worker.py"), "--out", str(out), "--plan", plan]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun plan {plan} timed out after {LAUNCH_TIMEOUT_S} s:\n{log[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun plan {plan} failed (rc={proc.returncode}):\n{log[-6000:]}")
+    torchrun(HERE / "megatron_worker.py", ["--out", str(out), "--plan", plan], nproc=NPROC[plan],
+             timeout=LAUNCH_TIMEOUT_S, what=f"torchrun plan {plan}")
     results = []
     for f in sorted(out.glob("rank*.jsonl")):
         results += [json.loads(line) for line in f.read_text().splitlines()]

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -46,12 +45,6 @@ HIDDEN, VOCAB = 32, 64
 REL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _CACHE: dict[int, list[dict]] = {}
 
 
@@ -59,20 +52,7 @@ def _results(nproc: int, tmp_path_factory) -> list[dict]:
     if nproc in _CACHE:
         return _CACHE[nproc]
     out = tmp_path_factory.mktemp(f"ol_hook_{nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), str(HERE / "output_layer_hook_worker.py"),
-           "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {TIMEOUT_S} s:\n{log[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{log[-6000:]}")
+    torchrun(HERE / "output_layer_hook_worker.py", ["--out", str(out)], nproc=nproc, timeout=TIMEOUT_S)
     rows = []
     for r in range(nproc):
         rows += [json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()]

@@ -23,32 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import torchrun  # noqa: E402
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_slime_hooks_cp2(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE), "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    torchrun(HERE, ["--out", str(tmp_path)], timeout=280, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["checks"], res

@@ -13,36 +13,25 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import torchrun  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SCENARIOS = ("token_mask_rs_veto_k3_drop", "seq_truncate_rs_batchnorm", "bypass_k3_rs", "alg0_partial_rollout")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("uneven")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE / "uneven_worker.py"), "--out", str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired as e:  # a data-dependent collective hangs
-        pytest.fail(f"uneven ranks did not finish (hang?): {str(e.stderr)[-4000:]}")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    # a data-dependent collective hangs: the launcher's timeout turns that into a failure
+    torchrun(HERE / "uneven_worker.py", ["--out", str(out)], nproc=4, timeout=400,
+             env={"PYTHONPATH": str(ROOT)}, what="uneven ranks")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
