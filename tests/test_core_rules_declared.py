@@ -103,3 +103,10 @@ def test_the_k3_rule_lives_in_two_files_plus_its_preset():
     names = ("seq_mean_k3_threshold", "seq_max_k3_threshold", "seq-mean-k3-threshold", "seq-max-k3-threshold")
     files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if any(n in p.read_text() for n in names)}
     assert files == {"config.py", "core/rules.py", "presets.py"}
+
+
+@pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
+def test_threshold_flag_documented_in_the_readme_table(rule):
+    declared = THRESHOLDS[rule.threshold]
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert f"| `{declared.flag}` | {declared.help} |" in readme
