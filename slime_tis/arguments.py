@@ -8,7 +8,8 @@ are reused, never redefined, so argparse's conflict error cannot fire.
 Every option defaults to ``None`` ("not given") so that ``--tis-preset NAME`` can be expanded first
 and explicit flags override it; the help text states the effective default. Switches
 (``--use-tis``, ``--use-rollout-log-probs``, ``--tis-batch-normalize``) can be turned on by a flag or
-a preset, never off.
+a preset, never off. The rejection thresholds' flags and help come from their declarations on
+``TISConfig`` (``slime_tis.config.THRESHOLDS``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from slime_tis.config import LEVELS, LOSS_AGGS, MODES, config_fields_from_args
+from slime_tis.config import LEVELS, LOSS_AGGS, MODES, THRESHOLDS, config_fields_from_args
 from slime_tis.presets import PRESETS
 
 __all__ = ["add_tis_arguments", "config_fields_from_args"]
@@ -56,18 +57,8 @@ def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
               help="Rejection-sampling upper bound on r. Default: 2.0; 1.001 at geometric level.")),
         (["--tis-rs-lower-bound"], "tis_rs_lower_bound",
          dict(type=float, default=None, help="Rejection-sampling lower bound on r. Default: 1/rs-upper.")),
-        (["--tis-veto-threshold"], "tis_veto_threshold",
-         dict(type=float, default=None,
-              help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1), with or without "
-                   "rejection sampling. Default: off.")),
-        (["--tis-seq-mean-k3-threshold"], "tis_seq_mean_k3_threshold",
-         dict(type=float, default=None,
-              help="Reject a sequence whose mean over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-                   "as verl's seq_mean_k3. Default: off.")),
-        (["--tis-seq-max-k3-threshold"], "tis_seq_max_k3_threshold",
-         dict(type=float, default=None,
-              help="Reject a sequence whose max over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-                   "as verl's seq_max_k3. Default: off.")),
+        *(([declared.flag], declared.dest, dict(type=float, default=None, help=declared.help))
+          for declared in THRESHOLDS.values()),
         (["--tis-batch-normalize"], "tis_batch_normalize",
          dict(action="store_true", default=None,
               help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "

@@ -18,6 +18,10 @@ where ``upper = 1.001``; ``lower = 1 / upper``. The resolved values are the ``*_
 
 Every invalid value or combination raises ``ValueError`` naming the field, its command-line flag
 and the value.
+
+A rejection rule's threshold is one field declared with :func:`~slime_tis.core.plan.threshold` (flag,
+valid range, help, start-up line): its flag (``slime_tis.arguments``), validation, ``describe()`` line,
+``from_args`` dests and ``Plan`` value are generated from that declaration (:data:`THRESHOLDS`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from slime_tis.core.plan import Plan, resolve
+from slime_tis.core.plan import Plan, declared_thresholds, resolve, threshold
 from slime_tis.presets import preset_fields
 
-__all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "config_fields_from_args"]
+__all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS",
+           "config_fields_from_args"]
 
 MODES = ("truncate", "clip", "mask")
 LEVELS = ("token", "sequence", "geometric")
@@ -40,7 +45,8 @@ DENOMINATORS = ("keep", "drop")
 DEFAULT_UPPER = 2.0
 DEFAULT_GEOMETRIC_UPPER = 1.001
 
-#: Command-line flag of every field (used in error messages and by ``slime_tis.arguments``).
+#: Command-line flag of every field but the thresholds (used in error messages; completed below the class
+#: with the thresholds' declared flags).
 FLAG_OF = {
     "use_rollout_log_probs": "--use-rollout-log-probs",
     "use_tis": "--use-tis",
@@ -51,9 +57,6 @@ FLAG_OF = {
     "rs_level": "--tis-rs-level",
     "rs_upper": "--tis-rs-upper-bound",
     "rs_lower": "--tis-rs-lower-bound",
-    "veto_threshold": "--tis-veto-threshold",
-    "seq_mean_k3_threshold": "--tis-seq-mean-k3-threshold",
-    "seq_max_k3_threshold": "--tis-seq-max-k3-threshold",
     "batch_normalize": "--tis-batch-normalize",
     "rejected_denominator": "--tis-rejected-denominator",
     "loss_agg": "--tis-loss-agg",
@@ -63,7 +66,8 @@ FLAG_OF = {
     "safety_bound": "--tis-safety-bound",
 }
 
-#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
+#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's);
+#: the thresholds' dests are added below the class.
 DESTS_OF: dict[str, tuple[str, ...]] = {
     "use_rollout_log_probs": ("use_rollout_log_probs", "use_rollout_logprobs"),
     "use_tis": ("use_tis",),
@@ -74,9 +78,6 @@ DESTS_OF: dict[str, tuple[str, ...]] = {
     "rs_level": ("tis_rs_level",),
     "rs_upper": ("tis_rs_upper_bound",),
     "rs_lower": ("tis_rs_lower_bound",),
-    "veto_threshold": ("tis_veto_threshold",),
-    "seq_mean_k3_threshold": ("tis_seq_mean_k3_threshold",),
-    "seq_max_k3_threshold": ("tis_seq_max_k3_threshold",),
     "batch_normalize": ("tis_batch_normalize",),
     "rejected_denominator": ("tis_rejected_denominator",),
     "loss_agg": ("tis_loss_agg",),
@@ -86,7 +87,6 @@ DESTS_OF: dict[str, tuple[str, ...]] = {
     "safety_bound": ("tis_safety_bound",),
 }
 SWITCHES = ("use_rollout_log_probs", "use_tis", "batch_normalize")
-assert set(DESTS_OF) == set(FLAG_OF), "every TISConfig field needs a flag"
 
 ALGORITHM_NAMES = {
     0: "standard PPO (old = Megatron recompute)",
@@ -138,9 +138,8 @@ class TISConfig:
         upper, lower: bounds on r for the mode; ``None`` = SPEC default.
         rs_level: optional rejection-sampling level (independent of the mode); ``None`` = off.
         rs_upper, rs_lower: rejection-sampling bounds on r at ``rs_level``; ``None`` = SPEC default.
-        veto_threshold: reject a sequence if any valid token has raw ratio < v (0 < v < 1).
-        seq_mean_k3_threshold, seq_max_k3_threshold: reject a sequence whose mean / max over valid
-            tokens of ``k3_t = r_t - 1 - log r_t`` exceeds the threshold (> 0); ``None`` = off.
+        veto_threshold, seq_mean_k3_threshold, seq_max_k3_threshold: rejection thresholds (``None`` = off),
+            each declared with its flag, valid range and meaning at the field (rule rows: ``core.rules``).
         batch_normalize: rescale applied weights to mean 1 over the kept units of the global batch.
         rejected_denominator: ``keep`` (rejected tokens stay in the loss denominator) or ``drop``.
         loss_agg: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
@@ -159,9 +158,22 @@ class TISConfig:
     rs_level: str | None = None
     rs_upper: float | None = None
     rs_lower: float | None = None
-    veto_threshold: float | None = None
-    seq_mean_k3_threshold: float | None = None
-    seq_max_k3_threshold: float | None = None
+    # rejection thresholds: one declaration each (rule: the row naming the field in core.rules.RULES)
+    veto_threshold: float | None = threshold(
+        flag="--tis-veto-threshold", valid="in (0, 1)",
+        help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1), with or without "
+             "rejection sampling. Default: off.",
+        describe="veto: reject sequences with any token ratio < {value:g}")
+    seq_mean_k3_threshold: float | None = threshold(
+        flag="--tis-seq-mean-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
+        help="Reject a sequence whose mean over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
+             "as verl's seq_mean_k3. Default: off.",
+        describe="k3 rejection: reject sequences whose mean of k3 = r - 1 - log r > {value:g}")
+    seq_max_k3_threshold: float | None = threshold(
+        flag="--tis-seq-max-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
+        help="Reject a sequence whose max over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
+             "as verl's seq_max_k3. Default: off.",
+        describe="k3 rejection: reject sequences whose max of k3 = r - 1 - log r > {value:g}")
     batch_normalize: bool = False
     rejected_denominator: str = "keep"
     loss_agg: str = "token-mean"
@@ -180,8 +192,7 @@ class TISConfig:
         _check_choice("rs_level", self.rs_level, LEVELS, allow_none=True)
         _check_choice("rejected_denominator", self.rejected_denominator, DENOMINATORS)
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        for field in ("upper", "lower", "rs_upper", "rs_lower", "veto_threshold", "seq_mean_k3_threshold",
-                      "seq_max_k3_threshold", "eps_clip_high", "dual_clip_c"):
+        for field in ("upper", "lower", "rs_upper", "rs_lower", *THRESHOLDS, "eps_clip_high", "dual_clip_c"):
             _check_number(field, getattr(self, field))
         for field in ("eps_clip", "safety_bound"):
             _check_number(field, getattr(self, field), allow_none=False)
@@ -193,11 +204,10 @@ class TISConfig:
                        "rejection-sampling bounds given but --tis-rs-level is not set")
         if self.rs_level is not None:
             _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)
-        if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
-            raise _bad("veto_threshold", self.veto_threshold, "must lie in (0, 1)")
-        for field in ("seq_mean_k3_threshold", "seq_max_k3_threshold"):
-            if getattr(self, field) is not None and getattr(self, field) <= 0:
-                raise _bad(field, getattr(self, field), "k3 = r - 1 - log r >= 0: the threshold must be > 0")
+        for field, declared in THRESHOLDS.items():
+            value = getattr(self, field)
+            if value is not None and (problem := declared.problem(value)) is not None:
+                raise _bad(field, value, problem)
         if not 0 <= self.eps_clip < 1:
             raise _bad("eps_clip", self.eps_clip, "must lie in [0, 1) so that 1 - eps_clip > 0")
         if self.eps_clip_high is not None and self.eps_clip_high < 0:
@@ -215,7 +225,7 @@ class TISConfig:
                    "loss, so it cannot reject; use algorithm 1, 2 or 3")
             if self.rs_level is not None:
                 raise _bad("rs_level", self.rs_level, why)
-            for field in ("veto_threshold", "seq_mean_k3_threshold", "seq_max_k3_threshold"):
+            for field in THRESHOLDS:
                 if getattr(self, field) is not None:
                     raise _bad(field, getattr(self, field), why)
             if self.mode == "mask":
@@ -248,8 +258,8 @@ class TISConfig:
     def rejects(self) -> bool:
         """Whether any configured rule can reject tokens or sequences (besides non-finite data)."""
         return self.algorithm != 0 and (
-            self.mode == "mask" or self.rs_level is not None or self.veto_threshold is not None
-            or self.seq_mean_k3_threshold is not None or self.seq_max_k3_threshold is not None
+            self.mode == "mask" or self.rs_level is not None
+            or any(getattr(self, field) is not None for field in THRESHOLDS)
         )
 
     @property
@@ -309,16 +319,22 @@ class TISConfig:
         if self.rs_level is not None:
             lines.append(f"  rejection sampling: level={self.rs_level} "
                          f"lower={self.rs_lower_bound:g} upper={self.rs_upper_bound:g}")
-        if self.veto_threshold is not None:
-            lines.append(f"  veto: reject sequences with any token ratio < {self.veto_threshold:g}")
-        for what, value in (("mean", self.seq_mean_k3_threshold), ("max", self.seq_max_k3_threshold)):
-            if value is not None:
-                lines.append(f"  k3 rejection: reject sequences whose {what} of k3 = r - 1 - log r > {value:g}")
+        for field, declared in THRESHOLDS.items():
+            if getattr(self, field) is not None:
+                lines.append("  " + declared.describe.format(value=getattr(self, field)))
         lines.append(f"  batch_normalize={self.batch_normalize} rejected_denominator={self.rejected_denominator} "
                      f"loss_agg={self.loss_agg}")
         lines.append(f"  ppo clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] dual_clip_c={self.dual_clip_c} "
                      f"safety_bound={self.safety_bound:g}")
         return "\n".join(lines)
+
+
+#: ``{field: Threshold}``: every rejection threshold declared on :class:`TISConfig`, in field order.
+THRESHOLDS = declared_thresholds(TISConfig)
+for _field, _declared in THRESHOLDS.items():
+    FLAG_OF[_field] = _declared.flag
+    DESTS_OF[_field] = (_declared.dest, *_declared.aliases)
+assert set(DESTS_OF) == set(FLAG_OF) == {f.name for f in dataclasses.fields(TISConfig)}, "every field needs a flag"
 
 
 def config_fields_from_args(args: Any) -> dict[str, Any]:

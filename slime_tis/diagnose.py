@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.config import TISConfig
+from slime_tis.config import FLAG_OF, TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.correction import TISResult
 from slime_tis.dump import LogprobDump
@@ -68,10 +68,9 @@ class Recommendation:
 
     @property
     def flags(self) -> str:
-        names = {"mode": "--tis-mode", "level": "--tis-level", "upper": "--tis-upper-bound",
-                 "lower": "--tis-lower-bound", "veto_threshold": "--tis-veto-threshold"}
         parts = ["--use-tis"]
-        for key, flag in names.items():
+        for key in ("mode", "level", "upper", "lower", "veto_threshold"):
+            flag = FLAG_OF[key]
             if self.fields.get(key) is not None:
                 parts.append(f"{flag} {self.fields[key]:g}" if isinstance(self.fields[key], float)
                              else f"{flag} {self.fields[key]}")

@@ -271,6 +271,16 @@ def test_mis_yaml_keys_are_translated():
     assert no_rs.rs_level is None and no_rs.veto_threshold is None  # mis.py vetoes only inside RS
 
 
+def test_every_threshold_key_is_read_and_part_of_the_cache_key():
+    """A k3 threshold key reaches the configuration, and changing only it gives a new configuration
+    (the cached one was keyed without it before the keys came from ``DESTS_OF``)."""
+    first = tis_config_from_slime_args(args_ns(use_rollout_logprobs=True, tis_seq_mean_k3_threshold=0.01))
+    second = tis_config_from_slime_args(args_ns(use_rollout_logprobs=True, tis_seq_mean_k3_threshold=0.02))
+    third = tis_config_from_slime_args(args_ns(use_rollout_logprobs=True, tis_seq_max_k3_threshold=0.5))
+    assert (first.seq_mean_k3_threshold, second.seq_mean_k3_threshold) == (0.01, 0.02)
+    assert third.seq_max_k3_threshold == 0.5 and third.seq_mean_k3_threshold is None
+
+
 def test_bad_configurations_raise_clear_errors():
     b = tiny()
     with pytest.raises(ValueError, match="tis_loss_agg = 'token-mean' contradicts slime's aggregation"):

@@ -1,7 +1,9 @@
 """Rejection rules and bound counters, declared once in :data:`RULES`.
 
 Each row names a rule, the level of its units (a function of the :class:`~slime_tis.core.plan.Plan`;
-``None`` = off), its test per unit, whether it rejects, and the statistic it is averaged over. The
+``None`` = off), its test per unit, whether it rejects, the statistic it is averaged over, and for a
+threshold rule the ``TISConfig`` field of its threshold (declared there with its flag, valid range,
+help and start-up line; the row is off while the field is unset, and reads ``plan.threshold(field)``). The
 core evaluates the table (:func:`evaluate`), the statistics count each row (``tis.<key>``) and the
 metrics report ``tis/<metric> = count / denominator`` (``slime_tis.core.metrics``); adapters read the
 same rows. A unit is a token at token level and a whole sequence at sequence/geometric level.
@@ -26,6 +28,7 @@ changes a weight, only the keep mask.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +52,7 @@ class Rule:
     rejects: bool
     denominator: str
     column: Callable[[Plan], TokenColumn] | None = None  # a token column summed per sequence, read by test
+    threshold: str | None = None  # the TISConfig field of its threshold (declared there); the row is off while unset
 
 
 def _below(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
@@ -59,32 +63,31 @@ def _above(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
     return lambda p, r, lvl: r.level_log_ratio(lvl) > getattr(p, bound)
 
 
-def _seq(on: Callable[[Plan], bool]) -> Callable[[Plan], str | None]:
-    return lambda p: "sequence" if on(p) else None
-
-
+_sequence = lambda p: "sequence"  # noqa: E731
 _mask = lambda p: p.level if p.mask else None  # noqa: E731
 _truncate = lambda p: p.level if p.weighted and p.mode == "truncate" else None  # noqa: E731
 _clip = lambda p: p.level if p.weighted and p.mode == "clip" else None  # noqa: E731
 
 RULES: tuple[Rule, ...] = (
-    Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", lambda p: "sequence",
+    Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", _sequence,
          lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid"),
-    Rule("tis/veto_seq_fraction", "tis.veto_count", _seq(lambda p: p.log_veto is not None),
+    Rule("tis/veto_seq_fraction", "tis.veto_count", _sequence,
          lambda p, r, lvl: r.column("tis.veto_count") > 0, True, "tis.n_seq",
-         column=lambda p: lambda log_r: log_r < p.log_veto),
+         column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold"),
     Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units"),
     Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
          "tis.n_rs_units"),
     Rule("tis/rs_fraction_high", "tis.rs_high_count", lambda p: p.rs_level, _above("rs_log_upper"), True,
          "tis.n_rs_units"),
-    Rule("tis/seq_mean_k3_fraction", "tis.seq_mean_k3_count", _seq(lambda p: p.seq_mean_k3 is not None),
-         lambda p, r, lvl: r.column_mean("tis.seq_mean_k3_count") > p.seq_mean_k3, True, "tis.n_seq",
-         column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2]),
-    Rule("tis/seq_max_k3_fraction", "tis.seq_max_k3_count", _seq(lambda p: p.seq_max_k3 is not None),
+    Rule("tis/seq_mean_k3_fraction", "tis.seq_mean_k3_count", _sequence,
+         lambda p, r, lvl: r.column_mean("tis.seq_mean_k3_count") > p.threshold("seq_mean_k3_threshold"), True,
+         "tis.n_seq", column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2],
+         threshold="seq_mean_k3_threshold"),
+    Rule("tis/seq_max_k3_fraction", "tis.seq_max_k3_count", _sequence,
          lambda p, r, lvl: r.column("tis.seq_max_k3_count") > 0, True, "tis.n_seq",
-         column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2] > p.seq_max_k3),
+         column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2] > p.threshold("seq_max_k3_threshold"),
+         threshold="seq_max_k3_threshold"),
     Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units"),
     Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units"),
     Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units"),
@@ -92,8 +95,10 @@ RULES: tuple[Rule, ...] = (
 
 
 def active(plan: Plan) -> list[tuple[Rule, str]]:
-    """The rows that are on for ``plan``, with their unit level."""
-    return [(rule, level) for rule in RULES if (level := rule.level(plan)) is not None]
+    """The rows that are on for ``plan`` (level not None and threshold, if any, set), with their unit level."""
+    return [(rule, level) for rule in RULES
+            if (rule.threshold is None or plan.threshold(rule.threshold) is not None)
+            and (level := rule.level(plan)) is not None]
 
 
 def rule_columns(plan: Plan) -> dict[str, TokenColumn]:

@@ -4,8 +4,9 @@ slime has no flags for the plugin's options; they come as YAML keys that slime `
 ``args`` (``--custom-config-path``), named after this package's argparse dests::
 
     tis_mode, tis_level, tis_upper_bound, tis_lower_bound, tis_rs_level, tis_rs_upper_bound,
-    tis_rs_lower_bound, tis_veto_threshold, tis_batch_normalize, tis_rejected_denominator,
-    tis_loss_agg, tis_safety_bound, tis_preset
+    tis_rs_lower_bound, tis_batch_normalize, tis_rejected_denominator, tis_loss_agg, tis_safety_bound,
+    tis_preset, and one key per rejection threshold (its flag's dest, e.g. tis_veto_threshold;
+    ``slime_tis.config.THRESHOLDS``)
 
 The switches are slime's own flags: ``--use-tis`` (``args.use_tis``) and
 ``--use-rollout-logprobs`` (``args.use_rollout_logprobs``).
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from slime_tis.config import TISConfig, config_fields_from_args
+from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 
@@ -34,27 +35,10 @@ logger = logging.getLogger("slime_tis.slime")
 
 _DESCRIBED: set[TISConfig] = set()
 
-# YAML keys read from args (their values form the cache key)
+# keys read from args (their values form the cache key): every dest of a TISConfig field, then mis.py's
 _KEYS = (
-    "use_tis",
-    "use_rollout_logprobs",
-    "use_rollout_log_probs",
-    "tis_mode",
-    "tis_level",
-    "tis_upper_bound",
-    "tis_lower_bound",
-    "tis_rs_level",
-    "tis_rs_upper_bound",
-    "tis_rs_lower_bound",
-    "tis_veto_threshold",
-    "tis_batch_normalize",
-    "tis_rejected_denominator",
-    "tis_loss_agg",
-    "tis_safety_bound",
+    *(dest for dests in DESTS_OF.values() for dest in dests),
     "tis_preset",
-    "eps_clip",
-    "eps_clip_high",
-    "eps_clip_c",
     "use_rs",
     "rs_level",
     "rs_lower_bound",

@@ -1,0 +1,112 @@
+"""Rejection thresholds are declared once (on their ``TISConfig`` field) and a rule is one row of
+``core.rules.RULES``: the flag, help, validation, error message, ``describe()`` line, ``from_args`` dest,
+``Plan`` value, keep mask and metric all follow from those two places.
+
+The last test counts the files of the package that name the k3 thresholds: ``config.py`` (the two
+declarations), ``core/rules.py`` (the two rows) and ``presets.py`` (the optional preset), nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_tis import TISConfig, add_tis_arguments, compute_tis
+from slime_tis.config import DESTS_OF, FLAG_OF, THRESHOLDS
+from slime_tis.core.plan import RANGES, Threshold
+from slime_tis.core.rules import RULES, active
+
+THRESHOLD_RULES = [rule for rule in RULES if rule.threshold is not None]
+PACKAGE = Path(__file__).resolve().parent.parent / "slime_tis"
+
+
+def parser() -> argparse.ArgumentParser:
+    return add_tis_arguments(argparse.ArgumentParser())
+
+
+def test_rule_rows_and_threshold_declarations_match():
+    """Every threshold row names a declared field, every declared threshold drives exactly one row."""
+    assert {rule.threshold for rule in THRESHOLD_RULES} == set(THRESHOLDS)
+    assert len(THRESHOLD_RULES) == len(THRESHOLDS) == 3  # veto, seq_mean_k3, seq_max_k3
+    assert all(rule.rejects and rule.metric.startswith("tis/") for rule in THRESHOLD_RULES)
+
+
+@pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
+def test_flag_help_and_dest_generated_from_the_declaration(rule):
+    declared = THRESHOLDS[rule.threshold]
+    assert FLAG_OF[rule.threshold] == declared.flag and DESTS_OF[rule.threshold][0] == declared.dest
+    actions = {a.dest: a for a in parser()._actions}
+    action = actions[declared.dest]
+    assert action.option_strings == [declared.flag] and action.help == declared.help and action.default is None
+    assert declared.help.endswith("Default: off.")
+    cfg = TISConfig.from_args(parser().parse_args(["--use-tis", declared.flag, "0.25"]))
+    assert getattr(cfg, rule.threshold) == 0.25
+    assert cfg.rejects
+
+
+@pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
+def test_validation_generated_from_the_declaration(rule):
+    declared = THRESHOLDS[rule.threshold]
+    ok, words = RANGES[declared.valid]
+    bad = [v for v in (-1.0, 0.0, 1.0, 3.0) if not ok(v)] + [float("nan"), float("inf")]
+    for value in bad:
+        with pytest.raises(ValueError, match=rf"{declared.flag} \({rule.threshold}\) = {value!r}"):
+            TISConfig(use_tis=True, **{rule.threshold: value})
+    with pytest.raises(ValueError, match=rf"{declared.flag} \({rule.threshold}\) = -1.0: {re.escape(words)}"):
+        TISConfig(use_tis=True, **{rule.threshold: -1.0})
+    with pytest.raises(ValueError, match=rf"{declared.flag} .*algorithm 0"):
+        TISConfig(**{rule.threshold: 0.5})
+    with pytest.raises(ValueError, match=declared.flag):
+        TISConfig.from_args(parser().parse_args(["--use-tis", declared.flag, "-2"]))
+
+
+@pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
+def test_describe_plan_and_metric_follow_the_row(rule):
+    """Value 0.5 is valid for every declared range. One sequence holds a catastrophic token
+    (l = -15: r ~ 3e-7 < 0.5, k3 ~ 14 so mean and max of k3 > 0.5); the other is on-policy (l = 0)."""
+    declared = THRESHOLDS[rule.threshold]
+    cfg = TISConfig(use_rollout_log_probs=True, **{rule.threshold: 0.5})
+    assert declared.describe.format(value=0.5) in cfg.describe()
+    assert cfg.plan.threshold(rule.threshold) == 0.5
+    assert rule in [r for r, _ in active(cfg.plan)]
+    off = TISConfig(use_rollout_log_probs=True)
+    assert off.plan.threshold(rule.threshold) is None and rule not in [r for r, _ in active(off.plan)]
+    assert declared.describe.format(value=0.5) not in off.describe()
+
+    on, without = two_sequences(cfg), two_sequences(off)
+    assert on.keep_mask.tolist() == [False] * 4 + [True] * 4 and bool(without.keep_mask.all())
+    assert float(on.stats.finalize()[rule.metric]) == pytest.approx(0.5)
+    assert rule.metric not in without.stats.finalize()  # the metric keys follow the configuration
+
+
+def two_sequences(cfg: TISConfig):
+    lp_rollout = torch.full((8,), -1.0)
+    l = torch.tensor([0.0, -15.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # noqa: E741
+    return compute_tis(cfg, lp_rollout + l, lp_rollout, torch.ones(8, dtype=torch.bool), torch.tensor([0, 4, 8]))
+
+
+def test_threshold_declaration_rejects_an_unknown_range():
+    with pytest.raises(ValueError, match="valid = '>= 0'"):
+        Threshold(flag="--tis-x-threshold", valid=">= 0", help="x. Default: off.", describe="x {value:g}")
+    assert Threshold(flag="--tis-x-threshold", valid="> 0", help="", describe="").dest == "tis_x_threshold"
+    assert math.isclose(TISConfig(use_tis=True, veto_threshold=1e-4).plan.threshold("veto_threshold"), 1e-4)
+
+
+def test_the_k3_rule_lives_in_two_files_plus_its_preset():
+    """The k3 rejection (two rules) is named by the package in config.py (field declarations), core/rules.py
+    (rows and formulas) and presets.py (optional preset) only: no flag list, plan field or adapter copy."""
+    names = ("seq_mean_k3_threshold", "seq_max_k3_threshold", "seq-mean-k3-threshold", "seq-max-k3-threshold")
+    files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if any(n in p.read_text() for n in names)}
+    assert files == {"config.py", "core/rules.py", "presets.py"}
+
+
+@pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
+def test_threshold_flag_documented_in_the_readme_table(rule):
+    declared = THRESHOLDS[rule.threshold]
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert f"| `{declared.flag}` | {declared.help} |" in readme
