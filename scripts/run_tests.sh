@@ -25,4 +25,4 @@ fi
 
 "$VENV/bin/ruff" check .
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$VENV/bin/python" -m pytest -q "$@"
+exec "$VENV/bin/python" -m pytest -q --durations=15 "$@"
