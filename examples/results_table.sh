@@ -11,9 +11,9 @@
 # GRID=quant: where quantized rollouts start to matter (docs/example.md, "Where quantized rollouts start to
 #   matter"): hidden size 256 (the smallest change found that makes fp8 rollouts' mismatch ~10x bf16's) and two
 #   PPO epochs per rollout; algorithms 0, 2, 2 with geometric masking, 2 with token masking x mismatch
-#   {bf16, int8, fp8}, 5 seeds, STEPS (default 80).
-#   Cost: 4 x 3 x 5 = 60 runs of ~190 s each on one loaded CPU core (2.4 s per step), ~3.2 h with JOBS=1;
-#   ~1.6 h with JOBS=2 on an idle 2-core machine.
+#   {bf16, int8, fp8 per channel, fp8 per tensor}, 5 seeds, STEPS (default 80).
+#   Cost: 4 x 4 x 5 = 80 runs of 170-196 s each (measured: 80 steps, one thread, loaded 2-core machine), about
+#   4 h with JOBS=1, about 2 h with JOBS=2 on an idle 2-core machine.
 #
 #   bash examples/results_table.sh                                   # the main grid, one run at a time
 #   GRID=quant bash examples/results_table.sh                        # the quantized-rollout grid
@@ -35,7 +35,9 @@ main)
 quant)
     OUT=${OUT:-runs/results_quant}
     STEPS=${STEPS:-80}
-    PRESET=(--algs 0 2 2-geo-mis 2-tok-mis --mismatch bf16 int8 fp8 "--train-args=--hidden-size 256 --ppo-epochs 2")
+    # one argument: argparse would read a separate "--hidden-size ..." value as an option
+    PRESET=(--algs 0 2 2-geo-mis 2-tok-mis --mismatch bf16 int8 fp8 fp8-tensor
+        "--train-args=--hidden-size 256 --ppo-epochs 2")
     ;;
 *)
     echo "results_table.sh: GRID must be 'main' or 'quant', got '$GRID'" >&2

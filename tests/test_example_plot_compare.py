@@ -180,7 +180,7 @@ def test_results_table_presets(tmp_path):
     # separate "--hidden-size ..." value as an option)
     assert "--train-args=--hidden-size 256 --ppo-epochs 2" in q
     assert q[q.index("--algs") + 1 : q.index("--mismatch")] == ["0", "2", "2-geo-mis", "2-tok-mis"]
-    assert q[q.index("--mismatch") + 1 : q.index("--mismatch") + 4] == ["bf16", "int8", "fp8"]
+    assert q[q.index("--mismatch") + 1 : q.index("--mismatch") + 5] == ["bf16", "int8", "fp8", "fp8-tensor"]
     assert q[q.index("--steps") + 1] == "80" and q[q.index("--out-dir") + 1] == "runs/results_quant"
     assert q[-3:] == ["--", "--lr", "1e-3"]  # the user's per-run flags still come last
 
