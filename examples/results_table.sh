@@ -12,7 +12,7 @@
 #   matter"): hidden size 256 (the smallest change found that makes fp8 rollouts' mismatch ~10x bf16's) and two
 #   PPO epochs per rollout; algorithms 0, 2, 2 with geometric masking, 2 with token masking x mismatch
 #   {bf16, int8, fp8 per channel, fp8 per tensor}, 5 seeds, STEPS (default 80).
-#   Cost: 4 x 4 x 5 = 80 runs of 170-196 s each (measured: 80 steps, one thread, loaded 2-core machine), about
+#   Cost: 4 x 4 x 5 = 80 runs of 164-196 s each (measured: 80 steps, one thread, loaded 2-core machine), about
 #   4 h with JOBS=1, about 2 h with JOBS=2 on an idle 2-core machine.
 #
 #   bash examples/results_table.sh                                   # the main grid, one run at a time
