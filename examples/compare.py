@@ -16,6 +16,7 @@ token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean mask
 * ``bf16``  - engine decodes in bfloat16 with a KV cache (the default training/inference mismatch);
 * ``bf16-head32`` - bf16 with the LM head and logits in float32 (``--engine-lm-head-fp32``);
 * ``int8`` / ``fp8`` - bf16 engine serving weight-only int8 / fp8-e4m3 linear layers (per output channel);
+* ``fp8-tensor`` - the same fp8 with one scale per weight tensor;
 * ``lag2``  - bf16 and ``--rollout-lag 2`` (rollouts from the policy of two steps ago);
 * ``noise`` - bf16 and ``--rollout-logit-noise 0.5`` (a strong, injected behaviour-policy shift).
 
@@ -59,6 +60,7 @@ MISMATCH: dict[str, list[str]] = {
     "bf16-head32": ["--engine-lm-head-fp32"],
     "int8": ["--engine-quant", "int8"],
     "fp8": ["--engine-quant", "fp8"],
+    "fp8-tensor": ["--engine-quant", "fp8-tensor"],
     "lag2": ["--rollout-lag", "2"],
     "noise": ["--rollout-logit-noise", "0.5"],
 }

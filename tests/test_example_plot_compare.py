@@ -141,3 +141,55 @@ def test_band_plot_of_several_seeds(tmp_path):
     plot_bands({"bf16 alg 0": dirs}, str(tmp_path / "bands.png"))
     w, h = _png_size(tmp_path / "bands.png")
     assert w > 1000 and h > 300
+
+
+def _results_table_argv(tmp_path, grid, *user_args):
+    """argv that ``examples/results_table.sh`` hands to Python (``PYTHON`` = a script recording its arguments)."""
+    import subprocess
+
+    d = tmp_path / grid
+    d.mkdir()
+    rec, fake = d / "argv.txt", d / "fake_python.sh"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {rec}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "GRID": grid}
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "examples", "results_table.sh"), *user_args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc, (rec.read_text().splitlines() if rec.exists() else None)
+
+
+def test_results_table_presets(tmp_path):
+    _, main_argv = _results_table_argv(tmp_path, "main")
+    assert main_argv[:2] == ["-m", "examples.compare"]
+    assert main_argv[main_argv.index("--mismatch") + 1 : main_argv.index("--mismatch") + 5] == [
+        "none",
+        "int8",
+        "fp8",
+        "lag2",
+    ]
+    assert not any(a.startswith("--train-args") for a in main_argv)
+    assert main_argv[main_argv.index("--steps") + 1] == "100"
+
+    _, q = _results_table_argv(tmp_path, "quant", "--", "--lr", "1e-3")
+    # the model change that makes quantized rollouts matter travels as ONE argument (argparse would read a
+    # separate "--hidden-size ..." value as an option)
+    assert "--train-args=--hidden-size 256 --ppo-epochs 2" in q
+    assert q[q.index("--algs") + 1 : q.index("--mismatch")] == ["0", "2", "2-geo-mis", "2-tok-mis"]
+    assert q[q.index("--mismatch") + 1 : q.index("--mismatch") + 5] == ["bf16", "int8", "fp8", "fp8-tensor"]
+    assert q[q.index("--steps") + 1] == "80" and q[q.index("--out-dir") + 1] == "runs/results_quant"
+    assert q[-3:] == ["--", "--lr", "1e-3"]  # the user's per-run flags still come last
+
+    from examples.compare import main as compare_main  # the preset's --train-args parses as compare expects
+
+    with pytest.raises(SystemExit) as exit_info:  # --help after the preset exits 0 only if the preset parsed
+        compare_main([*q[2 : q.index("--plot")], "--help"])
+    assert exit_info.value.code == 0
+
+    proc, argv = _results_table_argv(tmp_path, "bogus")
+    assert proc.returncode == 2 and argv is None
+    assert "GRID must be 'main' or 'quant', got 'bogus'" in proc.stderr
