@@ -11,21 +11,17 @@ sums of the same float32 values in another order: 1e-12 relative."""
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _interpret import INTERPRETED, assert_module_passes_under_interpreter
 
 from slime_tis.core.packing import packed_layout
 from slime_tis.core.ratios import packed_ratios
 from slime_tis.core.reducer import LocalReducer
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 N_KERNEL_CASES = 17
 kernel_case = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernel_cases_under_triton_interpreter")
 
@@ -100,13 +96,7 @@ def test_core_through_the_kernel_equals_the_torch_path(monkeypatch, cfg_kwargs):
 def test_kernel_cases_under_triton_interpreter():
     """This module's kernel cases on the CPU in a child process with TRITON_INTERPRET=1; all must pass."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(Path(__file__))]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    log = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, log
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= N_KERNEL_CASES, log
+    assert_module_passes_under_interpreter(__file__, N_KERNEL_CASES)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs compiled (not interpreted) kernels")

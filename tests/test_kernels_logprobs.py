@@ -19,18 +19,17 @@ bfloat16 where the GPU rounds to nearest, so a full ulp, not half).
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _interpret import INTERPRETED, assert_module_passes_under_interpreter
 
 from slime_tis.megatron import vocab_parallel_log_probs_and_entropy as lp_and_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRETED
 DEVICE = "cuda" if ON_CUDA else "cpu"
 N_KERNEL_CASES = 20  # kernel cases this module defines (the child run must pass all of them)
@@ -215,13 +214,7 @@ def test_no_host_synchronisation_on_cuda():
 def test_kernel_cases_under_triton_interpreter():
     """Runs this module's kernel cases on CPU in a child process with TRITON_INTERPRET=1; all must pass."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(Path(__file__))]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    log = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, log
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= N_KERNEL_CASES, log
+    assert_module_passes_under_interpreter(__file__, N_KERNEL_CASES)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs compiled (not interpreted) kernels")
