@@ -21,9 +21,11 @@ token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean mask
 * ``noise`` - bf16 and ``--rollout-logit-noise 0.5`` (a strong, injected behaviour-policy shift).
 
 Each run goes to ``OUT_DIR/<mismatch>-alg<k>-s<seed>`` (run directory of ``examples.rl.train``). Columns:
-final reward (mean of the last 5 steps) with its 95 % t confidence interval over seeds; the paired difference
-to algorithm 0 under the same mismatch and seeds, ``*`` when its 95 % interval excludes 0 (paired t-test,
-:mod:`examples.stats`); mean and max ``tis/k3_kl``, max grad norm, mean rejected token fraction, wall time.
+final reward (mean of the last ``FINAL_STEPS`` = 10 steps) with its 95 % t confidence interval over seeds; the
+paired difference to algorithm 0 under the same mismatch and seeds, ``*`` when its 95 % interval excludes 0
+(paired t-test, :mod:`examples.stats`); mean and max ``tis/k3_kl`` (mean over seeds with 95 % CI); the run's
+largest grad norm as median [min, max] over seeds (heavy-tailed: one spike of 1e5 makes a t interval
+meaningless); mean rejected token fraction; wall time.
 ``--plot`` writes ``OUT_DIR/compare.png`` (first seed) and, with several seeds, ``OUT_DIR/bands.png``
 (per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
 """
@@ -34,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -65,6 +68,8 @@ MISMATCH: dict[str, list[str]] = {
     "noise": ["--rollout-logit-noise", "0.5"],
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the final reward is the mean over this many last steps (the runs are chosen long enough to plateau)
+FINAL_STEPS = 10
 COLUMNS = (
     "mismatch",
     "alg",
@@ -72,7 +77,7 @@ COLUMNS = (
     "Δ vs alg 0 (95% CI)",
     "mean tis/k3_kl",
     "max tis/k3_kl",
-    "max grad norm",
+    "max grad norm: median [min, max]",
     "rejected frac",
     "wall s",
 )
@@ -138,7 +143,7 @@ def summarize(d: str) -> dict[str, float]:
         with open(os.path.join(d, "wall_time.json"), encoding="utf-8") as f:
             wall = json.load(f)["wall_s"]
     return {
-        "final reward": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
+        "final reward": sum(rewards[-FINAL_STEPS:]) / max(len(rewards[-FINAL_STEPS:]), 1),
         "initial reward": sum(rewards[:5]) / max(len(rewards[:5]), 1),
         "mean tis/k3_kl": sum(k3) / len(k3) if k3 else float("nan"),
         "max tis/k3_kl": max(k3) if k3 else float("nan"),
@@ -164,6 +169,14 @@ def _fmt_ci(iv: Interval, fmt: str, signed: bool = False) -> str:
         return "n/a"
     m = fmt.replace("{:", "{:+") if signed else fmt
     return m.format(iv.mean) if iv.n == 1 else f"{m.format(iv.mean)} ± {fmt.format(iv.half)}"
+
+
+def _fmt_median_range(values: list[float], fmt: str) -> str:
+    """``median [min, max]`` of the finite ``values``; ``n/a`` for none."""
+    x = sorted(v for v in values if math.isfinite(v))
+    if not x:
+        return "n/a"
+    return f"{fmt.format(statistics.median(x))} [{fmt.format(x[0])}, {fmt.format(x[-1])}]"
 
 
 def _runs(out_dir: str, mm: str, alg: str, seeds: list[int]) -> dict[int, dict[str, float]]:
@@ -192,8 +205,9 @@ def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]
                 d = paired_difference(reward, base)
                 delta = _fmt_ci(d, "{:.3f}", signed=True) + (" *" if d.excludes_zero else "")
             cells = [mm, alg, _fmt_ci(mean_ci(list(reward.values())), FORMATS["final reward"]), delta]
-            for c in COLUMNS[4:]:
-                cells.append(_fmt_ci(mean_ci([r[c] for r in runs.values()]), FORMATS[c]))
+            cells += [_fmt_ci(mean_ci([r[c] for r in runs.values()]), FORMATS[c]) for c in COLUMNS[4:6]]
+            cells.append(_fmt_median_range([r["max grad norm"] for r in runs.values()], FORMATS["max grad norm"]))
+            cells += [_fmt_ci(mean_ci([r[c] for r in runs.values()]), FORMATS[c]) for c in COLUMNS[7:]]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

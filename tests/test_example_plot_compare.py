@@ -81,17 +81,24 @@ def test_read_run_keeps_last_row_of_repeated_step(tmp_path):
 
 def test_compare_summary_and_table(tmp_path):
     d = tmp_path / "lag2-alg2-s0"
+    _write_run(d, _rows(15, 0.1, 0.01, k3=1e-3, rej=0.25)[5:] + _rows(15, 0.1, 0.01)[:5], wall=12.0)
+    s = summarize(str(d))
+    assert s["final reward"] == pytest.approx(0.1 + 0.01 * 9.5)  # mean of the last 10 steps (5..14), by step
+    assert s["max tis/k3_kl"] == pytest.approx(1.5e-2) and s["max grad norm"] == pytest.approx(2.4)
+    d = tmp_path / "lag2-alg2-s0"
     _write_run(d, _rows(10, 0.1, 0.01, k3=1e-3, rej=0.25), wall=12.0)
     s = summarize(str(d))
-    assert s["final reward"] == pytest.approx(0.1 + 0.01 * 7)  # mean of steps 5..9
+    assert s["final reward"] == pytest.approx(0.1 + 0.01 * 4.5)  # fewer than 10 steps: all of them
     assert s["max tis/k3_kl"] == pytest.approx(1e-2) and s["max grad norm"] == pytest.approx(1.9)
     assert s["rejected frac"] == pytest.approx(0.25) and s["wall s"] == 12.0
     _write_run(tmp_path / "lag2-alg2-s1", _rows(10, 0.2, 0.01, k3=1e-3), wall=14.0)
     md = table(str(tmp_path), ["lag2"], ["0", "2"], [0, 1])
     lines = md.splitlines()
     assert len(lines) == 3  # header, rule, one row (alg 0 has no runs)
-    # two seeds: mean 0.22, s = 0.0707, t_{0.975,1} = 12.706 -> half width 12.706 * 0.0707 / sqrt(2) = 0.635
-    assert lines[2].startswith("| lag2 | 2 | 0.220 ± 0.635 | n/a | 5.50e-03 ± ")
+    # two seeds: mean 0.195, s = 0.0707, t_{0.975,1} = 12.706 -> half width 12.706 * 0.0707 / sqrt(2) = 0.635
+    assert lines[2].startswith("| lag2 | 2 | 0.195 ± 0.635 | n/a | 5.50e-03 ± ")
+    # grad norm: median [min, max] over the seeds, not a t interval
+    assert "| 1.90 [1.90, 1.90] |" in lines[2]
 
 
 def test_compare_table_paired_difference_and_significance(tmp_path):
@@ -109,7 +116,7 @@ def test_compare_table_paired_difference_and_significance(tmp_path):
     assert row2[3].startswith("+0.050 ± 0.00") and row2[3].endswith(" *")  # paired: the seed spread cancels
     assert row1[3].startswith("+0.000 ± 0.1") and not row1[3].endswith("*")
     # the unpaired intervals of the rewards overlap: only the paired comparison separates alg 2 from alg 0
-    assert row0[2].startswith("0.340 ± 0.039") and row2[2].startswith("0.390 ± 0.039")
+    assert row0[2].startswith("0.315 ± 0.039") and row2[2].startswith("0.365 ± 0.039")
 
 
 def test_stats_t_interval_against_hand_values():
