@@ -23,9 +23,11 @@ token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean mask
 Each run goes to ``OUT_DIR/<mismatch>-alg<k>-s<seed>`` (run directory of ``examples.rl.train``). Columns:
 final reward (mean of the last ``FINAL_STEPS`` = 10 steps) with its 95 % t confidence interval over seeds; the
 paired difference to algorithm 0 under the same mismatch and seeds, ``*`` when its 95 % interval excludes 0
-(paired t-test, :mod:`examples.stats`); mean and max ``tis/k3_kl`` (mean over seeds with 95 % CI); the run's
-largest grad norm as median [min, max] over seeds (heavy-tailed: one spike of 1e5 makes a t interval
-meaningless); mean rejected token fraction; wall time.
+(paired t-test, :mod:`examples.stats`); the same two for the mean reward over all steps (learning speed: runs
+that all plateau near 1 can still differ in how fast they get there); mean and max ``tis/k3_kl`` (mean over
+seeds with 95 % CI); the run's largest grad norm as median [min, max] over seeds (heavy-tailed: one spike of
+1e5 makes a t interval meaningless) and the number of steps with grad norm > ``GRAD_SPIKE`` = 5; mean rejected
+token fraction; wall time.
 ``--plot`` writes ``OUT_DIR/compare.png`` (first seed) and, with several seeds, ``OUT_DIR/bands.png``
 (per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
 """
@@ -70,17 +72,23 @@ MISMATCH: dict[str, list[str]] = {
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the final reward is the mean over this many last steps (the runs are chosen long enough to plateau)
 FINAL_STEPS = 10
-COLUMNS = (
-    "mismatch",
-    "alg",
-    "final reward (95% CI)",
-    "Δ vs alg 0 (95% CI)",
-    "mean tis/k3_kl",
-    "max tis/k3_kl",
-    "max grad norm: median [min, max]",
-    "rejected frac",
-    "wall s",
+#: (header, summary key, how it is summarised over seeds): ``ci`` = mean with 95 % t interval, ``delta`` = paired
+#: difference to algorithm 0 (``*`` = significant at 5 %), ``range`` = median [min, max] (heavy-tailed values)
+TABLE: tuple[tuple[str, str, str], ...] = (
+    ("final reward (95% CI)", "final reward", "ci"),
+    ("Δ final vs alg 0", "final reward", "delta"),
+    ("mean reward over the run (95% CI)", "mean reward", "ci"),
+    ("Δ mean vs alg 0", "mean reward", "delta"),
+    ("mean tis/k3_kl", "mean tis/k3_kl", "ci"),
+    ("max tis/k3_kl", "max tis/k3_kl", "ci"),
+    ("max grad norm: median [min, max]", "max grad norm", "range"),
+    ("steps with grad norm > 5", "grad spikes", "ci"),
+    ("rejected frac", "rejected frac", "ci"),
+    ("wall s", "wall s", "ci"),
 )
+COLUMNS = ("mismatch", "alg", *(header for header, _, _ in TABLE))
+#: a step's grad norm above this counts as a spike (the corrected runs stay below 2 on this job)
+GRAD_SPIKE = 5.0
 
 
 def run_dir(out_dir: str, mismatch: str, alg: str, seed: int) -> str:
@@ -145,6 +153,8 @@ def summarize(d: str) -> dict[str, float]:
     return {
         "final reward": sum(rewards[-FINAL_STEPS:]) / max(len(rewards[-FINAL_STEPS:]), 1),
         "initial reward": sum(rewards[:5]) / max(len(rewards[:5]), 1),
+        "mean reward": sum(rewards) / max(len(rewards), 1),
+        "grad spikes": float(sum(g > GRAD_SPIKE for g in gn)),
         "mean tis/k3_kl": sum(k3) / len(k3) if k3 else float("nan"),
         "max tis/k3_kl": max(k3) if k3 else float("nan"),
         "max grad norm": max(gn) if gn else float("nan"),
@@ -155,6 +165,8 @@ def summarize(d: str) -> dict[str, float]:
 
 FORMATS = {
     "final reward": "{:.3f}",
+    "mean reward": "{:.3f}",
+    "grad spikes": "{:.1f}",
     "mean tis/k3_kl": "{:.2e}",
     "max tis/k3_kl": "{:.2e}",
     "max grad norm": "{:.2f}",
@@ -188,26 +200,28 @@ def _runs(out_dir: str, mm: str, alg: str, seeds: list[int]) -> dict[int, dict[s
 
 
 def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
-    """A markdown table over the runs found in ``out_dir`` (see the module docstring for the columns)."""
+    """A markdown table over the runs found in ``out_dir`` (columns: ``TABLE``; see the module docstring)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for mm in mismatches:
-        base = {s: r["final reward"] for s, r in _runs(out_dir, mm, "0", seeds).items()}
+        base = _runs(out_dir, mm, "0", seeds)
         for alg in algs:
             runs = _runs(out_dir, mm, alg, seeds)
             if not runs:
                 continue
-            reward = {s: r["final reward"] for s, r in runs.items()}
-            if alg == "0":
-                delta = "—"
-            elif not base:
-                delta = "n/a"
-            else:
-                d = paired_difference(reward, base)
-                delta = _fmt_ci(d, "{:.3f}", signed=True) + (" *" if d.excludes_zero else "")
-            cells = [mm, alg, _fmt_ci(mean_ci(list(reward.values())), FORMATS["final reward"]), delta]
-            cells += [_fmt_ci(mean_ci([r[c] for r in runs.values()]), FORMATS[c]) for c in COLUMNS[4:6]]
-            cells.append(_fmt_median_range([r["max grad norm"] for r in runs.values()], FORMATS["max grad norm"]))
-            cells += [_fmt_ci(mean_ci([r[c] for r in runs.values()]), FORMATS[c]) for c in COLUMNS[7:]]
+            cells = [mm, alg]
+            for _, key, how in TABLE:
+                values = {s: r[key] for s, r in runs.items()}
+                if how == "range":
+                    cells.append(_fmt_median_range(list(values.values()), FORMATS[key]))
+                elif how == "ci":
+                    cells.append(_fmt_ci(mean_ci(list(values.values())), FORMATS[key]))
+                elif alg == "0":
+                    cells.append("—")
+                elif not base:
+                    cells.append("n/a")
+                else:
+                    d = paired_difference(values, {s: r[key] for s, r in base.items()})
+                    cells.append(_fmt_ci(d, FORMATS[key], signed=True) + (" *" if d.excludes_zero else ""))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
