@@ -201,15 +201,16 @@ def test_results_table_presets(tmp_path):
         "fp8",
         "lag2",
     ]
-    assert not any(a.startswith("--train-args") for a in main_argv)
-    assert main_argv[main_argv.index("--steps") + 1] == "100"
+    # the README's table: 4 optimizer steps per rollout, 80 steps, 2 runs at a time
+    assert "--train-args=--steps-per-rollout 2 --ppo-epochs 2" in main_argv
+    assert main_argv[main_argv.index("--steps") + 1] == "80" and main_argv[main_argv.index("--jobs") + 1] == "2"
 
     _, q = _results_table_argv(tmp_path, "quant", "--", "--lr", "1e-3")
     # the model change that makes quantized rollouts matter travels as ONE argument (argparse would read a
     # separate "--hidden-size ..." value as an option)
-    assert "--train-args=--hidden-size 256 --ppo-epochs 2" in q
-    assert q[q.index("--algs") + 1 : q.index("--mismatch")] == ["0", "2", "2-geo-mis", "2-tok-mis"]
-    assert q[q.index("--mismatch") + 1 : q.index("--mismatch") + 5] == ["bf16", "int8", "fp8", "fp8-tensor"]
+    assert "--train-args=--hidden-size 256 --steps-per-rollout 2 --ppo-epochs 2" in q
+    assert q[q.index("--algs") + 1 : q.index("--mismatch")] == ["0", "2", "2-geo-mis"]
+    assert q[q.index("--mismatch") + 1] == "fp8" and q[q.index("--mismatch") + 2].startswith("--train-args=")
     assert q[q.index("--steps") + 1] == "80" and q[q.index("--out-dir") + 1] == "runs/results_quant"
     assert q[-3:] == ["--", "--lr", "1e-3"]  # the user's per-run flags still come last
 
