@@ -80,9 +80,9 @@ def test_read_run_keeps_last_row_of_repeated_step(tmp_path):
 
 
 def test_compare_summary_and_table(tmp_path):
-    d = tmp_path / "lag2-alg2-s0"
-    _write_run(d, _rows(15, 0.1, 0.01, k3=1e-3, rej=0.25)[5:] + _rows(15, 0.1, 0.01)[:5], wall=12.0)
-    s = summarize(str(d))
+    longer = tmp_path / "longer"  # 15 steps written out of order: the summary goes by step
+    _write_run(longer, _rows(15, 0.1, 0.01, k3=1e-3, rej=0.25)[5:] + _rows(15, 0.1, 0.01)[:5], wall=12.0)
+    s = summarize(str(longer))
     assert s["final reward"] == pytest.approx(0.1 + 0.01 * 9.5)  # mean of the last 10 steps (5..14), by step
     assert s["max tis/k3_kl"] == pytest.approx(1.5e-2) and s["max grad norm"] == pytest.approx(2.4)
     d = tmp_path / "lag2-alg2-s0"
