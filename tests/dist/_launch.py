@@ -21,18 +21,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout: float, env: dict | None = None,
-             what: str = "torchrun") -> str:
+def torchrun(
+    script: Path | list[str],
+    args: list[str],
+    *,
+    nproc: int = 2,
+    timeout: float,
+    env: dict | None = None,
+    what: str = "torchrun",
+) -> str:
     """Run ``torchrun --nproc-per-node nproc script *args`` from the repository root; return its log.
+
+    ``script`` is a script path, or torchrun's own entry words such as ``["-m", "examples.rl.train"]``.
 
     ``env`` adds to the environment (``OMP_NUM_THREADS=1`` and ``PYTHONWARNINGS=ignore`` are always set).
     Fails the calling test when the launch times out or exits non-zero.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *([str(script)] if isinstance(script, Path) else script),
+        *args,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

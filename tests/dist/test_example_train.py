@@ -8,22 +8,19 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import free_port, torchrun  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 TIMING_KEYS = ("rollout_time_s", "step_time_s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -35,22 +32,15 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 
 def _torchrun(train_args: list[str], *, nproc: int = 2, timeout: int = 240) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "examples.rl.train",
-        "--no-progress",
-        *train_args,
-    ]
-    _check(subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout))
+    """``examples.rl.train`` under torchrun (the shared launcher: a hang fails after ``timeout``)."""
+    torchrun(
+        ["-m", "examples.rl.train"],
+        ["--no-progress", *train_args],
+        nproc=nproc,
+        timeout=timeout,
+        env={"PYTHONPATH": ROOT},
+        what="examples.rl.train",
+    )
 
 
 def _python_train(train_args: list[str], timeout: int = 240) -> None:
@@ -139,16 +129,12 @@ def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(tmp_path):
     src = tmp_path / "pp2"
     _torchrun(["--run-dir", str(src), "--pp", "2", "--save-interval", "2", *common])
     reshard = [TOOL, "reshard", str(src), "2"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    _check(
-        subprocess.run(
-            [*torchrun, "--master-port", str(_free_port()), *reshard, str(tmp_path / "dp2"), "--", *common],
-            cwd=ROOT,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+    torchrun(
+        Path(TOOL),
+        [*reshard[1:], str(tmp_path / "dp2"), "--", *common],
+        timeout=240,
+        env={"PYTHONPATH": ROOT},
+        what="reshard at DP=2",
     )
     _check(
         subprocess.run(
@@ -211,7 +197,7 @@ def test_fifty_step_run_raises_reward_and_writes_dump(tmp_path):
 def test_multinode_launch_two_torchrun_agents_c10d(tmp_path):
     """Two torchrun agents as two "nodes" (one process each) meeting at a c10d rendezvous on
     127.0.0.1, pipeline parallel across the nodes, train 3 steps."""
-    port, run = _free_port(), tmp_path / "mn"
+    port, run = free_port(), tmp_path / "mn"
     procs = []
     for node_rank in (0, 1):
         cmd = [
@@ -281,7 +267,7 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
     draw lands within ~1e-6 of a CDF boundary); every other metric within rtol 1e-4 / atol 1e-6 (float32
     log-probs differ by ~1e-6 between kernels; 3 Adam steps at lr 3e-3 amplify that to <= 1e-5 relative).
     """
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "examples.rl.http_server", "--port", str(port), "--dtype", "float32"],
         cwd=ROOT,
@@ -314,7 +300,9 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
         cont = [k for k in h if k not in DISCRETE_KEYS and k not in TIMING_KEYS]
         got = torch.tensor([h[k] for k in cont], dtype=torch.float64)
         ref = torch.tensor([e[k] for k in cont], dtype=torch.float64)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6, equal_nan=True, msg=lambda m: f"{cont}: {m}")
+        torch.testing.assert_close(
+            got, ref, rtol=1e-4, atol=1e-6, equal_nan=True, msg=lambda m, cont=cont: f"{cont}: {m}"
+        )
     assert os.path.isfile(tmp_path / "http" / "engine_weights" / "config.json")
 
 
@@ -324,8 +312,24 @@ def test_steps_per_rollout_and_ppo_epochs_keep_pi_old_fixed(tmp_path):
     the rollout's last optimizer step sees pi_theta != pi_old (policy/ppo_kl != 0); with a per-step recompute
     it would be 0 up to rounding. PP=2, algorithm 0."""
     run = tmp_path / "spr"
-    args = ["--run-dir", str(run), "--steps", "2", "--prompts-per-step", "8", "--group-size", "4",
-            "--dump-interval", "0", "--steps-per-rollout", "2", "--ppo-epochs", "2", "--lr", "1e-2"]
+    args = [
+        "--run-dir",
+        str(run),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--dump-interval",
+        "0",
+        "--steps-per-rollout",
+        "2",
+        "--ppo-epochs",
+        "2",
+        "--lr",
+        "1e-2",
+    ]
     _torchrun(["--pp", "2", *args])
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1]

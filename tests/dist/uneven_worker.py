@@ -72,7 +72,7 @@ def dp_batch(dp: int, seed: int) -> dict[str, list[torch.Tensor]]:
     """Per-sequence tensors of DP rank ``dp`` (whole sequences): lengths 1..MAX_LEN, inner masked tokens."""
     g = torch.Generator().manual_seed(seed * 10 + dp)
     seqs: dict[str, list[torch.Tensor]] = {k: [] for k in ("old", "rollout", "theta", "adv", "mask")}
-    for i in range(N_SEQ):
+    for _ in range(N_SEQ):
         n = int(torch.randint(1, MAX_LEN + 1, (1,), generator=g))
         rollout = -3.0 * torch.rand(n, generator=g)
         shift = 5.0 if dp == 0 else 0.0  # DP rank 0: everything rejected
