@@ -1,4 +1,4 @@
-"""``patches/megatron_forward_backward.tis_patch`` against the real megatron-core modules, and the hook's
+"""``slime_tis.megatron.tis_patch`` against the real megatron-core modules, and the hook's
 argument checks. End to end (a PP=2 step through the patched function vs the oracle) runs in tests/dist
 (check ``pp2-a2_tok_trunc-M2-patch``)."""
 
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root: patch
 import megatron.core.pipeline_parallel as pp_pkg  # noqa: E402
 from megatron.core.pipeline_parallel import schedules  # noqa: E402
 
-from patches.megatron_forward_backward import tis_patch  # noqa: E402
+from slime_tis.megatron import tis_patch  # noqa: E402
 from slime_tis import TISConfig  # noqa: E402
 from slime_tis.megatron import (  # noqa: E402
     TISForwardBackward,

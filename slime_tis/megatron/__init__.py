@@ -3,6 +3,7 @@
 Public API::
 
     tis_forward_backward_func(get_forward_backward_func(), cfg, temperature=...)   the hook
+    tis_patch                              hook a launcher that calls get_forward_backward_func() itself
     compute_old_log_probs, rollout_step_iterator   pi_old once per rollout (several steps, PPO epochs)
     add_megatron_tis_arguments, megatron_hook_kwargs   the plugin's flags + --rollout-temperature,
                                    --tis-fused-output-layer, --tis-fp32-lm-head; parsed args -> hook kwargs
@@ -21,6 +22,7 @@ from slime_tis.megatron.hook import TISForwardBackward, tis_forward_backward_fun
 from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.metrics import aggregate_metrics
+from slime_tis.megatron.patch import tis_patch
 from slime_tis.megatron.plan import StepPlan, needs_pre_pass, plan_step
 from slime_tis.megatron.recompute import recompute_log_probs
 from slime_tis.megatron.reduce import MegatronReducer
@@ -28,6 +30,7 @@ from slime_tis.megatron.rollout import compute_old_log_probs, rollout_step_itera
 
 __all__ = [
     "tis_forward_backward_func",
+    "tis_patch",
     "compute_old_log_probs",
     "rollout_step_iterator",
     "add_megatron_tis_arguments",

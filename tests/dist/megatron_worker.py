@@ -63,7 +63,7 @@ def _patched_fb(cfg):
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from patches.megatron_forward_backward import tis_patch
+    from slime_tis.megatron import tis_patch
 
     launcher = types.SimpleNamespace(get_forward_backward_func=get_forward_backward_func)
     with tis_patch(cfg, temperature=TEMPERATURE, chunk_size=5, modules=[launcher]):

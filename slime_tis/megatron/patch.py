@@ -5,8 +5,7 @@ which obtains the schedule once and hands it to every ``train_step``)::
 
     import megatron.training.training as mt
     from megatron.training import pretrain
-    from patches.megatron_forward_backward import tis_patch
-    from slime_tis.megatron import add_megatron_tis_arguments
+    from slime_tis.megatron import add_megatron_tis_arguments, tis_patch
 
     with tis_patch(modules=[mt]):          # cfg and temperature from Megatron-LM's parsed args
         pretrain(train_valid_test_datasets_provider, model_provider, model_type, forward_step,
@@ -33,7 +32,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from slime_tis.config import TISConfig
-from slime_tis.megatron import megatron_hook_kwargs, tis_forward_backward_func
+from slime_tis.megatron.arguments import megatron_hook_kwargs
+from slime_tis.megatron.hook import tis_forward_backward_func
 
 __all__ = ["tis_patch"]
 
