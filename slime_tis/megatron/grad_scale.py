@@ -12,7 +12,7 @@ megatron-core ``DistributedDataParallel``          ``ddp.dp_cp_group.size()``: m
                                                    collective with ``average_in_collective``) and asserts it;
                                                    ``1`` (a plain sum) when its config has
                                                    ``calculate_per_token_loss``
-megatron-core ``FullyShardedDataParallel``         its data-parallel group size (megatron_fsdp scales by
+megatron-core ``FullyShardedDataParallel`` (V1)    its data-parallel group size (megatron_fsdp scales by
                                                    ``1 / dp`` the same two ways); ``1`` with per-token loss
 ``torch.nn.parallel.DistributedDataParallel``      ``process_group.size()`` (torch DDP always averages)
 anything else, DP x CP world of one rank           ``1`` (averaging over one rank is the identity)
@@ -31,6 +31,21 @@ from typing import Any
 __all__ = ["data_parallel_grad_average"]
 
 
+def _megatron_fsdp_classes() -> tuple[type, ...]:
+    """The megatron-core FSDP wrapper *classes* of the installed version.
+
+    megatron-core <= 0.19 defines the class ``FullyShardedDataParallel``; from 0.20 (Megatron-LM main, commit
+    d98e8a64dd) that name is a factory function returning a ``FullyShardedDataParallelV1`` (which keeps the
+    ``module.dist_index`` read below) or a ``FullyShardedDataParallelV2`` (no ``dist_index``: reported as unknown,
+    so ``grad_average=`` is asked for). Only classes are returned, so ``isinstance`` never sees a function."""
+    try:
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+    except ImportError:  # pragma: no cover - megatron-core builds without FSDP
+        return ()
+    names = ("FullyShardedDataParallel", "FullyShardedDataParallelV1", "FullyShardedDataParallelV2")
+    return tuple(c for c in (getattr(adapter, n, None) for n in names) if isinstance(c, type))
+
+
 def _chunk_average(chunk: Any, dp_cp_size: int, per_token: bool) -> float | None:
     """``g`` of one model chunk, or ``None`` when the wrapper is not one this module knows."""
     import torch
@@ -44,11 +59,7 @@ def _chunk_average(chunk: Any, dp_cp_size: int, per_token: bool) -> float | None
                 f"the model config has calculate_per_token_loss={per_token}; build the DDP wrapper with the "
                 "model's own TransformerConfig")
         return 1.0 if per_token else float(chunk.dp_cp_group.size())
-    try:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - megatron-core builds without FSDP
-        FullyShardedDataParallel = ()  # noqa: N806
-    if FullyShardedDataParallel and isinstance(chunk, FullyShardedDataParallel):
+    if isinstance(chunk, _megatron_fsdp_classes()):
         if per_token:
             return 1.0
         dist_index = getattr(chunk.module, "dist_index", None)

@@ -142,7 +142,7 @@ class TISForwardBackward:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
-        from slime_tis.megatron.reduce import MegatronReducer
+        from slime_tis.megatron.reduce import reducer_for_schedule
 
         cfg = self.cfg
         chunks = model if isinstance(model, list) else [model]
@@ -155,7 +155,7 @@ class TISForwardBackward:
             last_items = None if items is None else (items[-1] if vpp else items)
             local = [self.get_tis_batch(it) for it in last_items] if last_items is not None else None
             batches = tis_batches_on_this_tp_rank(local, broadcast=self.broadcast_over_tp)
-        reducer = self.reducer or MegatronReducer()
+        reducer = self.reducer or reducer_for_schedule(kwargs)
         pre: list[Tensor] | None = None
         self.last_recomputed = self.recomputes_pi_old or needs_pre_pass(cfg)
         if self.last_recomputed:

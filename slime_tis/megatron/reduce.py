@@ -83,3 +83,15 @@ class MegatronReducer:
     def batch_max(self, x: Tensor) -> Tensor:
         """Element-wise MAX over DP x CP."""
         return self._reduce(x, self.dp_cp_group, self.dp_cp_size, dist.ReduceOp.MAX, "batch_max")
+
+
+def reducer_for_schedule(schedule_kwargs: dict) -> MegatronReducer:
+    """The reducer on the groups the schedule itself is told to use.
+
+    Megatron-LM >= 0.20 hands ``train_step``'s ``pg_collection`` (the model's process groups, which need not be
+    ``parallel_state``'s) to the schedule and all-reduces the logged ``[loss, count]`` pairs over its ``dp_cp``
+    group. When the schedule call carries one, the loss denominators and metrics are reduced over its ``cp``,
+    ``dp`` and ``dp_cp`` groups; otherwise over ``parallel_state``'s."""
+    pg = schedule_kwargs.get("pg_collection")
+    groups = {name: getattr(pg, name, None) for name in ("cp", "dp", "dp_cp")} if pg is not None else {}
+    return MegatronReducer(cp_group=groups.get("cp"), dp_group=groups.get("dp"), dp_cp_group=groups.get("dp_cp"))
