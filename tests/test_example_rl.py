@@ -393,3 +393,24 @@ def test_launcher_exposes_the_plugin_flags():
     cfg = TISConfig.from_args(args)
     assert cfg.algorithm == 3 and cfg.mode == "mask" and cfg.level == "geometric"
     assert TISConfig.from_args(build_parser().parse_args([])).algorithm == 0
+
+
+def test_checkpoint_reader_refuses_a_torch_whose_metadata_megatron_cannot_read(monkeypatch):
+    """torch 2.15 added ``strides`` to ``TensorProperties``; megatron-core's dist_checkpointing passes the
+    properties' ``__dict__`` to ``torch.empty`` and fails at load time. The example refuses at start-up instead,
+    naming the torch version and the fix; the installed torch passes the same check."""
+    import dataclasses
+
+    import torch.distributed.checkpoint.metadata as metadata
+
+    from examples.rl import checkpoint
+
+    checkpoint.check_reader_compatible()  # the tested torch
+
+    @dataclasses.dataclass
+    class TensorPropertiesWithStrides(metadata.TensorProperties):
+        strides: tuple = ()
+
+    monkeypatch.setattr(metadata, "TensorProperties", TensorPropertiesWithStrides)
+    with pytest.raises(RuntimeError, match=r"cannot read checkpoints back .*'strides'.*torch < 2\.15"):
+        checkpoint.check_reader_compatible()

@@ -24,6 +24,25 @@ import torch
 EXTRA_FILE = "extra.pt"
 
 
+def check_reader_compatible() -> None:
+    """Refuse, before any training, a torch whose checkpoint metadata megatron-core cannot read back.
+
+    megatron-core's ``dist_checkpointing`` (0.16-0.19) rebuilds each saved tensor as
+    ``torch.empty(size, **TensorProperties.__dict__)``; torch 2.15 added a ``strides`` field to
+    ``TensorProperties`` that ``torch.empty`` does not take, so every ``--resume`` (and every load) would fail
+    after the run had trained and saved. The check performs exactly that call on default properties.
+    """
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    try:
+        torch.empty(1, **TensorProperties().__dict__, device="meta")
+    except TypeError as err:
+        raise RuntimeError(
+            f"torch {torch.__version__}: megatron-core's dist_checkpointing cannot read checkpoints back with this "
+            f"torch (it passes TensorProperties fields {sorted(TensorProperties().__dict__)} to torch.empty: {err}). "
+            "The example needs torch < 2.15 (the README's tested range), e.g. pip install 'torch==2.13.0'") from err
+
+
 def _dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
 

@@ -445,6 +445,7 @@ class Trainer:
         from examples.rl.run_log import RunLogger
 
         a, info = self.args, self.info
+        checkpoint.check_reader_compatible()
         start = 0
         if a.resume:
             found = checkpoint.latest_step(a.run_dir)
