@@ -16,17 +16,17 @@ setup(
     # A range, never a pin: users bring their own (CUDA) torch build.
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        # Integration with megatron-core; 0.16.1 is the tested target (see README).
-        "megatron": ["megatron-core>=0.16.1,<0.20"],
+        # Integration with megatron-core: 0.16.1 and 0.19.2 tested in CI, 0.20 (Megatron-LM main) where the hook changed.
+        "megatron": ["megatron-core>=0.16.1,<0.21"],
         "plot": ["matplotlib>=3.7"],
         # psutil: megatron's dist_checkpointing writer; safetensors: the engine-weight export
-        "example": ["megatron-core>=0.16.1,<0.20", "matplotlib>=3.7", "tqdm", "tensorboard", "psutil", "safetensors"],
+        "example": ["megatron-core>=0.16.1,<0.21", "matplotlib>=3.7", "tqdm", "tensorboard", "psutil", "safetensors"],
         "test": [
             "pytest>=8",
             "pytest-timeout",
             "hypothesis>=6",
             "ruff",
-            "megatron-core>=0.16.1,<0.20",
+            "megatron-core>=0.16.1,<0.21",
             "matplotlib>=3.7",
             "tqdm",
             "tensorboard",

@@ -1,28 +1,72 @@
 #!/usr/bin/env bash
-# The test command of the README (and of .ci/run): create/refresh the virtualenv, install the
-# package with its test extras, then lint and run every test (unit, verl oracle, distributed
-# torchrun/gloo, end-to-end example job).
+# The test command of the README (and of .ci/run). Three steps, each printed as it starts:
 #
-#   bash scripts/run_tests.sh            # everything
-#   bash scripts/run_tests.sh -m "not dist and not slow"   # extra args go to pytest
+#   1. resolve   the README's installs resolve against the public package index alone (no local wheels, no
+#                pip configuration), for Python 3.11 (constraints.txt) and 3.12 (constraints-py312.txt): a dry run
+#   2. py311     .venv: Python 3.11 (python3), megatron-core 0.16.1; ruff and the whole suite (unit, verl oracle,
+#                distributed torchrun/gloo, end-to-end example job)
+#   3. py312     .venv312: Python 3.12, the newest megatron-core on PyPI (0.19.2); the Megatron unit and torchrun
+#                tests, the example's distributed tests
+#
+#   bash scripts/run_tests.sh                      # everything (what CI runs)
+#   LEGS=py311 bash scripts/run_tests.sh -m "not dist and not slow"   # one leg; extra args go to its pytest
+#
+# Without a Python 3.12 interpreter the py312 leg is skipped with a message, except under CI (CI=true), where it
+# fails. PY311 / PY312 name the interpreters explicitly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
-PY=${PYTHON:-python3}
-
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
-# constraints.txt pins torch==2.13.0 (the local CPU wheel; never the multi-GB CUDA build),
-# megatron-core==0.16.1 and triton==3.6.0 (the Triton kernels' tests run on CPU under its interpreter,
-# TRITON_INTERPRET=1, which they set themselves). setup.py itself only asks for ranges.
-"$VENV/bin/pip" install -q -c constraints.txt -e '.[test]'
-# verl 0.9.1 is a test oracle only: no deps (ray is stubbed in tests/_verl_light.py; transformers, pinned by
-# constraints.txt to a version verl imports, comes with the test extras: the tests load the example's exported
-# Hugging Face checkpoint with it).
-"$VENV/bin/pip" install -q --no-deps verl==0.9.1
-"$VENV/bin/pip" install -q -c constraints.txt tensordict omegaconf codetiming orjson
-
-"$VENV/bin/ruff" check . tests/dist  # ruff skips directories named "dist" unless named explicitly
+LEGS=${LEGS:-resolve py311 py312}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$VENV/bin/python" -m pytest -q --durations=15 "$@"
+
+find_python() {  # find_python 3.12 -> an interpreter of that minor version, or nothing
+  local want=$1 c
+  for c in "python$want" "$HOME"/.pyenv/versions/"$want"*/bin/python"$want" /usr/bin/python"$want"; do
+    if "$c" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$want'.split('.')))" 2>/dev/null; then
+      command -v "$c" 2>/dev/null || echo "$c"; return 0
+    fi
+  done
+}
+
+PY311=${PY311:-${PYTHON:-python3}}
+PY312=${PY312:-$(find_python 3.12 || true)}
+if [ -z "$PY312" ] && [[ " $LEGS " == *" py312 "* ]]; then
+  if [ "${CI:-}" = "true" ]; then echo "run_tests: no Python 3.12 interpreter found (set PY312)" >&2; exit 1; fi
+  echo "run_tests: no Python 3.12 interpreter found: skipping the py312 leg (set PY312=/path/to/python3.12)"
+  LEGS=${LEGS//py312/}
+fi
+
+make_venv() {  # make_venv DIR PYTHON CONSTRAINTS
+  local dir=$1 py=$2 constraints=$3
+  [ -x "$dir/bin/python" ] || "$py" -m venv "$dir"
+  "$dir/bin/pip" install -q -c "$constraints" -e '.[test]'
+}
+
+for leg in $LEGS; do
+  case $leg in
+  resolve)
+    echo "== resolve: installs against the public package index alone"
+    bash scripts/check_public_install.sh "$PY311" constraints.txt example test
+    if [ -n "$PY312" ]; then bash scripts/check_public_install.sh "$PY312" constraints-py312.txt example test; fi
+    ;;
+  py311)
+    echo "== py311: $("$PY311" --version), constraints.txt"
+    make_venv .venv "$PY311" constraints.txt
+    # verl 0.9.1 is a test oracle only: no deps (ray is stubbed in tests/_verl_light.py; transformers, pinned by
+    # constraints.txt to a version verl imports, comes with the test extras).
+    .venv/bin/pip install -q --no-deps verl==0.9.1
+    .venv/bin/pip install -q -c constraints.txt tensordict omegaconf codetiming orjson
+    .venv/bin/ruff check . tests/dist  # ruff skips directories named "dist" unless named explicitly
+    .venv/bin/python -m pytest -q --durations=15 "$@"
+    ;;
+  py312)
+    echo "== py312: $("$PY312" --version), constraints-py312.txt"
+    make_venv .venv312 "$PY312" constraints-py312.txt
+    .venv312/bin/python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
+    .venv312/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
+      tests/test_megatron_*.py tests/test_doc_snippets.py \
+      tests/dist/test_megatron_dist.py tests/dist/test_megatron_output_layer.py tests/dist/test_uneven_ranks.py \
+      tests/dist/test_example_train.py "$@"
+    ;;
+  *) echo "run_tests: unknown leg '$leg' (resolve, py311, py312)" >&2; exit 2 ;;
+  esac
+done
