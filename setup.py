@@ -16,7 +16,7 @@ setup(
     # A range, never a pin: users bring their own (CUDA) torch build.
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        # Integration with megatron-core: 0.16.1 and 0.19.2 tested in CI, 0.20 (Megatron-LM main) where the hook changed.
+        # megatron-core: 0.16.1 and 0.19.2 tested in CI; 0.20 (Megatron-LM main) where the hook changed
         "megatron": ["megatron-core>=0.16.1,<0.21"],
         "plot": ["matplotlib>=3.7"],
         # psutil: megatron's dist_checkpointing writer; safetensors: the engine-weight export

@@ -10,8 +10,9 @@ Modelled: NVIDIA/Megatron-LM tag ``core_v0.16.1`` (commit 55ac7082517c3878ae653c
 * ``training_log``: each reported value is added to a running total per key and logged (TensorBoard /
   W&B per iteration, console averaged over the logging interval).
 
-Megatron-LM's training package is not on PyPI, so CI cannot import it; this mirrors its arithmetic (written
-here, not copied) and is checked against it by hand in docs/megatron.md ("Megatron-LM's training loop").
+megatron-core 0.16.1 ships no ``megatron.training``, so the Python 3.11 leg uses this model of its arithmetic
+(written here, not copied); the Python 3.12 leg (megatron-core 0.19.2, whose wheel ships ``megatron.training``) runs
+the hook under the real ``train_step`` (tests/dist/test_megatron_lm_train_step.py).
 """
 
 from __future__ import annotations

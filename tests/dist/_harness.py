@@ -365,14 +365,15 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
              lp_full: torch.Tensor, ref: Oracle, reducer_factory=None, masked_rank_rows: tuple[int, ...] = (),
              fb_factory=None, tp0_data: bool = False, average_in_collective: bool = False,
              opaque_wrapper: bool = False, schedule_keyword: bool = False,
-             no_rollout_dp_rank: int | None = None) -> dict:
+             no_rollout_dp_rank: int | None = None, via_train_step: bool = False) -> dict:
     """Run one (layout, case, M) under the current model-parallel layout; this rank's errors vs ``ref``.
 
     ``tp0_data``: only TP rank 0 gets a data iterator (Megatron-LM's default); ``opaque_wrapper``: the DDP
     chunks are hidden behind a wrapper the hook cannot read (the call must raise); ``schedule_keyword``: the
     schedule calls ``forward_step_func(it, model, return_schedule_plan=False)`` (as megatron's combined 1F1B
     schedule does with ``True``) and the launcher's ``forward_step`` must receive it on every call;
-    ``no_rollout_dp_rank``: that DP rank's items carry no rollout log-probs (algorithm 0, diagnostics optional).
+    ``no_rollout_dp_rank``: that DP rank's items carry no rollout log-probs (algorithm 0, diagnostics optional);
+    ``via_train_step``: Megatron-LM's real ``train_step`` runs the step and its ``loss_reduced`` is what is logged.
     """
     layout = LAYOUTS[layout_name]
     cfg = TISConfig(**CASES[case_name])
@@ -403,16 +404,23 @@ def run_case(layout_name: str, case_name: str, num_microbatches: int, *, weights
         if ps.get_tensor_model_parallel_rank() != 0:
             data = None
     model = [OpaqueWrapper(d) for d in ddps] if opaque_wrapper else ddps
-    out = fb(forward_step_func=step, data_iterator=data, model=model,
-             num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=len(rows[0]),
-             forward_only=False)
+    if via_train_step:
+        from _megatron_lm_real import train_step
+
+        logged_real = train_step(step, data, model, fb, num_microbatches=num_microbatches,
+                                 micro_batch_size=len(rows[0]), dp=dp, seq_length=SEQ)
+        out = None
+    else:
+        out = fb(forward_step_func=step, data_iterator=data, model=model,
+                 num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=len(rows[0]),
+                 forward_only=False)
 
     result = {"layout": layout_name, "case": case_name, "M": num_microbatches, "rank": dist.get_rank(),
               "last_stage": ps.is_pipeline_last_stage(), **grad_errors(params, ref.grads),
               "seen_keywords": seen_keywords}
     if ps.is_pipeline_last_stage():
         metrics = {k: float(v) for k, v in fb.last_metrics.items()} if hasattr(fb, "last_metrics") else {}
-        logged = logged_by_megatron_lm(out)
+        logged = dict(logged_real) if via_train_step else logged_by_megatron_lm(out)
         result.update(loss=metrics.get("loss", math.nan), oracle_loss=ref.loss, logged_loss=logged.pop("loss"),
                       logged_metrics=logged,
                       metric_errs={k: abs(metrics[k] - v) / max(abs(v), 1e-6) for k, v in ref.metrics.items()

@@ -50,7 +50,7 @@ CASES: dict[str, dict] = {
                             upper=1.5, batch_normalize=True),
 }
 
-NPROC = {"main2": 2, "main4": 4, "smoke": 2, "one": 1}
+NPROC = {"main2": 2, "main4": 4, "smoke": 2, "one": 1, "train_step1": 1, "train_step2": 2}
 
 #: checks with ``kind`` "rollout" (2 optimizer steps on one rollout, pi_old computed once) or "supplied"
 #: (caller-supplied pi_old used as given) compare with a hand computation of the clipped PPO loss
@@ -107,6 +107,13 @@ def plan_checks(plan: str) -> list[dict]:
         checks.append(dict(layout="single", case="a0", M=2, tag="per_step_control", kind="per_step_control"))
         # a schedule that passes return_schedule_plan= to forward_step (recompute pass and training)
         checks.append(dict(layout="single", case="a0", M=2, tag="keyword", keyword=True))
+    elif plan == "train_step1":  # Megatron-LM's real train_step (megatron-core >= 0.17)
+        for case in ("a0", "a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
+            checks.append(dict(layout="single", case=case, M=2, tag="train_step", train_step=True))
+    elif plan == "train_step2":
+        for layout in ("dp2", "pp2", "tp2"):
+            for case in ("a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
+                checks.append(dict(layout=layout, case=case, M=2, tag="train_step", train_step=True))
     elif plan == "smoke":
         checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2))
     else:

@@ -117,7 +117,8 @@ def main() -> None:
                                    average_in_collective=check.get("avg_coll", False),
                                    opaque_wrapper=check.get("opaque", False),
                                    schedule_keyword=check.get("keyword", False),
-                                   no_rollout_dp_rank=check.get("no_rollout_dp_rank"))
+                                   no_rollout_dp_rank=check.get("no_rollout_dp_rank"),
+                                   via_train_step=check.get("train_step", False))
             except Exception:  # report, keep going: the other checks still run (all ranks raise alike)
                 res = {"layout": check["layout"], "case": check["case"], "M": check["M"], "rank": rank,
                        "error": traceback.format_exc()}
