@@ -116,7 +116,7 @@ def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, log_z_ptr, ent_
     g_h = tl.load(g_h_ptr + rows, mask=active, other=0.0)
     target = tl.load(y_ptr + rows, mask=active, other=-1) - vocab_start
     log_p = z / temperature - log_z[:, None]
-    p = tl.exp(tl.minimum(log_p, 0.0))
+    p = tl.where(log_p == log_p, tl.exp(tl.minimum(log_p, 0.0)), log_p)  # a NaN stays NaN (min.f32 drops it)
     # d/dx: g_lp ([v = y] - p) - g_H p (log p + H); d/dz = d/dx / tau
     g = -p * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
     g += tl.where(cols[None, :] == target[:, None], g_lp[:, None], 0.0)

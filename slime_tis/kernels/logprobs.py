@@ -59,9 +59,12 @@ def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o
         m = _FMIN
         s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
         e_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+        # NaNs counted explicitly: tl.maximum compiles to max.f32, which drops a NaN operand on the GPU
+        nan_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(z_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_tau
+            nan_vec += tl.where(x != x, 1.0, 0.0)
             m_new = tl.maximum(m, tl.max(x, 0))
             y = tl.maximum(x - m_new, _FMIN)   # -inf (and padding) -> finite, exp -> 0
             p = tl.exp(y)
@@ -76,19 +79,22 @@ def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o
         owns = (local >= 0) & (local < n_cols)
         x_t = tl.load(z_row + tl.where(owns, local, 0)).to(tl.float32) * inv_tau
         t = tl.where(owns, tl.maximum(x_t, _FMIN), 0.0)
+        # NaN if the row holds a NaN logit: added (IEEE addition keeps a NaN on every backend and through the TP
+        # SUM of the partials), never passed through a max/min
+        poison = tl.where((tl.sum(nan_vec, 0) > 0) | (owns & (x_t != x_t)), float("nan"), 0.0).to(tl.float32)
         if FINAL:
             log_s = tl.log(s)
-            log_z = m + log_s
+            log_z = m + log_s + poison
             tl.store(o0_ptr + row, t - log_z)
             if WITH_ENTROPY:
-                tl.store(o1_ptr + row, log_s - e / s)
+                tl.store(o1_ptr + row, log_s - e / s + poison)
             else:
                 tl.store(o1_ptr + row, 0.0)
             tl.store(o2_ptr + row, log_z)
         else:
             tl.store(o0_ptr + row, m)
-            tl.store(o1_ptr + row, s)
-            tl.store(o2_ptr + row, t)
+            tl.store(o1_ptr + row, s + poison)
+            tl.store(o2_ptr + row, t + poison)
             tl.store(o3_ptr + row, e)
     else:
         # lp = H = 0 at TP = 1; partials of a neutral row (M = 0, S = P, E = X_y = 0) at TP > 1, zeroed later
@@ -128,7 +134,8 @@ def _lp_bwd_kernel(z_ptr, z_stride, g_ptr, g_stride, tgt_ptr, mask_ptr, logz_ptr
             cols = start + tl.arange(0, BLOCK_V)
             inside = cols < n_cols
             x = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32) * inv_tau
-            lq = tl.maximum(x - log_z, _LOGP_MIN)
+            lq = x - log_z
+            lq = tl.where(lq == lq, tl.maximum(lq, _LOGP_MIN), lq)  # a NaN stays NaN (max.f32 would drop it)
             p = tl.exp(lq)
             coef = -g_lp - g_h * (lq + h)
             g = p * coef + tl.where(cols == local, g_lp, 0.0)
