@@ -64,6 +64,14 @@ lp, ent = output_layer.fused_log_probs_and_entropy(hidden, weight, targets, back
 assert torch.isnan(lp[1]) and torch.isnan(ent[1]), ("output-layer kernel", lp, ent)
 ref_lp, _ = output_layer.reference_log_probs_and_entropy(hidden, weight, targets)
 assert torch.allclose(lp[[0, 2, 3, 4, 5]].double(), ref_lp[[0, 2, 3, 4, 5]].double(), atol=1e-4), (lp, ref_lp)
+from slime_tis.kernels import correction
+
+lt, lr = torch.randn(10), torch.randn(10)
+lt[2], lr[7] = float("nan"), float("inf")
+valid = torch.ones(10, dtype=torch.bool)
+offsets = torch.tensor([0, 4, 6, 10])
+l_out, sums = correction.sequence_sums(lt, lr, valid, offsets, block=4)
+assert torch.isnan(sums[0, 0]) and torch.isfinite(sums[1]).all() and not torch.isfinite(sums[2, :2]).all(), sums
 print("ok")
 """
 
