@@ -1,10 +1,9 @@
-"""One torchrun launch for the distributed tests: a free loopback port, a timeout that kills the whole
-process group (a hang fails the test, it never blocks CI), and the tail of the log on failure."""
+"""One torchrun launch for the distributed tests: a free loopback port, a timeout that kills torchrun and every
+worker below it (a hang fails the test, it never blocks CI), and the tail of the log on failure."""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it. torchrun starts its workers in sessions of their own, so
+    killing torchrun's process group alone orphans them (and they keep the log pipe open): the descendants are
+    listed first, while torchrun still parents them, then everything is killed."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
 
 
 def free_port() -> int:
@@ -57,8 +75,8 @@ def torchrun(
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+        kill_tree(proc.pid)
+        log, _ = proc.communicate(timeout=60)
         pytest.fail(f"{what} timed out after {timeout} s:\n{log[-4000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{what} failed (rc={proc.returncode}):\n{log[-6000:]}")
