@@ -7,10 +7,12 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
    TP > 1 (``tp_data``; Megatron-LM gives data to TP rank 0 only);
 3. pi_old (algorithms 0, 2): taken as given from ``TISBatch.old_log_probs`` (computed once per rollout by
    :meth:`TISForwardBackward.compute_old_log_probs` / ``rollout.compute_old_log_probs``, or supplied by the
-   caller), never overwritten. Only in the per-call mode (``pi_old="auto"`` before any rollout pass) a
-   forward-only recompute runs at the start of the call for the micro-batches without it, which is
-   pi_old only when the rollout gets one optimizer step. Whether a recompute pass runs is decided by the
-   configuration and the hook's mode, identically on every rank, never by the data;
+   caller), never overwritten. In the per-call mode (``pi_old="auto"`` before any rollout pass: one optimizer
+   step per rollout, so pi_old = sg(pi_theta) at the step's parameters) a micro-batch without it takes the
+   detached log-probs of its own training forward, at no extra cost; only ``drop`` and algorithm 2's batch
+   normalisation, which need pi_old of the whole step before the first loss, run a forward-only pass at the
+   start of the call (``plan.needs_pi_old_pass``). Whether a pass runs is decided by the configuration and
+   the hook's mode, identically on every rank, never by the data;
 4. on the last pipeline stage: the step plan (global denominator, token count, algorithm-2 batch-norm
    factor; ``plan.plan_step``) on megatron's DP / CP groups;
 5. megatron's training schedule with the launcher's ``forward_step_func`` wrapped so that its loss
@@ -46,15 +48,16 @@ from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
-from slime_tis.megatron.plan import StepPlan, needs_pre_pass, plan_step
+from slime_tis.megatron.plan import StepPlan, needs_pi_old_pass, needs_pre_pass, plan_step
 from slime_tis.megatron.recompute import MicroBatchCounter, materialise, recompute_log_probs, replay
 from slime_tis.megatron.rollout import compute_old_log_probs
 from slime_tis.megatron.tp_data import tis_batches_on_this_tp_rank
 
 __all__ = ["TISForwardBackward", "tis_forward_backward_func", "default_get_tis_batch", "PI_OLD_MODES"]
 
-#: ``"auto"``: per-call recompute of missing pi_old until ``compute_old_log_probs`` has run through the hook,
-#: then as ``"rollout"``. ``"rollout"``: never recompute; every micro-batch must carry ``old_log_probs``.
+#: ``"auto"``: a missing pi_old is the step's own (detached training log-probs, or a forward-only pass where the
+#: plan needs it up front) until ``compute_old_log_probs`` has run through the hook, then as ``"rollout"``.
+#: ``"rollout"``: never recompute; every micro-batch must carry ``old_log_probs``.
 PI_OLD_MODES = ("auto", "rollout")
 
 
@@ -110,7 +113,10 @@ class TISForwardBackward:
 
     @property
     def recomputes_pi_old(self) -> bool:
-        """Whether a training call runs the per-call pi_old recompute (configuration and mode only)."""
+        """Whether a training call takes pi_old at its own parameters (``pi_old="auto"``, algorithms 0 and 2: one
+        optimizer step per rollout). It costs a forward-only pass only where :func:`~slime_tis.megatron.plan.
+        needs_pi_old_pass` (``drop``, algorithm 2's batch normalisation); otherwise each micro-batch's loss uses
+        the detached log-probs of its own training forward. Configuration and mode only, never data."""
         return self.cfg.needs_old_log_probs and self.pi_old == "auto"
 
     def compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
@@ -123,7 +129,7 @@ class TISForwardBackward:
             num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
             chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
             fused_output_layer=self.output_layer == "fused", fp32_lm_head=self.output_layer == "fp32",
-            **schedule_kwargs)
+            run_pass=self.cfg.needs_old_log_probs, **schedule_kwargs)
         self.pi_old = "rollout"
         return items
 
@@ -157,20 +163,24 @@ class TISForwardBackward:
             batches = tis_batches_on_this_tp_rank(local, broadcast=self.broadcast_over_tp)
         reducer = self.reducer or reducer_for_schedule(kwargs)
         pre: list[Tensor] | None = None
-        self.last_recomputed = self.recomputes_pi_old or needs_pre_pass(cfg)
+        pi_old_pass = self.recomputes_pi_old and needs_pi_old_pass(cfg)
+        pi_old_from_theta = self.recomputes_pi_old and not pi_old_pass  # no extra forward: sg(lp_theta)
+        self.last_recomputed = pi_old_pass or needs_pre_pass(cfg)
         if self.last_recomputed:
             lps = recompute_log_probs(
                 self.forward_backward_func, forward_step_func, items, model, batches=batches,
                 num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
                 chunk_size=self.chunk_size, output_layer=self.output_layer, **kwargs)
             if batches is not None and lps is not None:
-                if self.recomputes_pi_old:
+                if pi_old_pass:
                     batches = self._fill_missing_pi_old(batches, lps)
                 else:
                     pre = lps
-        plan = plan_step(cfg, batches, reducer, pre_log_probs=pre) if batches is not None else None
+        plan = (plan_step(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
+                if batches is not None else None)
         collector: list[MetricStats] = []
-        forward_step = self._wrap_forward_step(forward_step_func, batches, plan, form, reducer, collector)
+        forward_step = self._wrap_forward_step(forward_step_func, batches, plan, form, reducer, collector,
+                                               pi_old_from_theta)
         out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
                                          model=model, num_microbatches=num_microbatches, forward_only=False,
                                          **kwargs)
@@ -195,7 +205,7 @@ class TISForwardBackward:
 
     def _wrap_forward_step(self, forward_step_func: Callable, batches: list[TISBatch] | None,
                            plan: StepPlan | None, form: LossForm, reducer: Reducer,
-                           collector: list[MetricStats]) -> Callable:
+                           collector: list[MetricStats], pi_old_from_theta: bool = False) -> Callable:
         cfg, temperature, chunk_size, output_layer = self.cfg, self.temperature, self.chunk_size, self.output_layer
         counter = MicroBatchCounter()
 
@@ -206,7 +216,7 @@ class TISForwardBackward:
                 return output, user_loss_func  # not the last stage: megatron never calls the loss here
             return output, make_loss_func(cfg, batches[index], plan, form, reducer, collector=collector,
                                           temperature=temperature, chunk_size=chunk_size, model_chunk=model_chunk,
-                                          output_layer=output_layer)
+                                          output_layer=output_layer, pi_old_from_theta=pi_old_from_theta)
 
         return forward_step
 

@@ -135,8 +135,12 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
 
 def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossForm, reducer: Reducer, *,
                    collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
-                   model_chunk=None, output_layer: str | None = None) -> Callable[[Tensor], tuple]:
+                   model_chunk=None, output_layer: str | None = None,
+                   pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
     """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring).
+
+    ``pi_old_from_theta``: a batch without ``old_log_probs`` takes ``lp_old = sg(lp_theta)`` from this very
+    forward (one optimizer step per rollout: the step starts at the rollout's parameters, so that *is* pi_old).
 
     ``model_chunk`` (the chunk the schedule ran; its output weight) and ``output_layer`` (``None``, ``"fp32"``,
     ``"fused"``) select how log-probs are taken from ``output_tensor`` (:func:`output_to_log_probs`).
@@ -145,7 +149,10 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossFo
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
         lp, entropy = output_to_log_probs(output_tensor, batch, model_chunk=model_chunk, output_layer=output_layer,
                                           temperature=temperature, chunk_size=chunk_size, with_entropy=True)
-        out = policy_loss(cfg, lp, batch.old_log_probs, batch.rollout_log_probs, batch.advantages,
+        lp_old = batch.old_log_probs
+        if lp_old is None and pi_old_from_theta:
+            lp_old = lp.detach()
+        out = policy_loss(cfg, lp, lp_old, batch.rollout_log_probs, batch.advantages,
                           batch.loss_mask, batch.cu_seqlens, reducer=reducer, denominator=plan.denominator,
                           batch_norm_factor=plan.batch_norm_factor)
         valid = as_valid_mask(batch.loss_mask)

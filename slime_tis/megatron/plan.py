@@ -30,7 +30,7 @@ from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator, no
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.megatron.batch import TISBatch
 
-__all__ = ["StepPlan", "plan_step", "needs_pre_pass"]
+__all__ = ["StepPlan", "plan_step", "needs_pre_pass", "needs_pi_old_pass"]
 
 
 @dataclass
@@ -41,6 +41,16 @@ class StepPlan:
     num_tokens: Tensor
     batch_norm_factor: Tensor | None
     num_microbatches: int
+
+
+def needs_pi_old_pass(cfg: TISConfig) -> bool:
+    """Algorithms 0 and 2 with pi_old taken from the training forward (``pi_old="auto"``, one optimizer step per
+    rollout: pi_old = sg(pi_theta) at the step's parameters): whether the plan needs pi_old of every micro-batch
+    before the first loss, i.e. a forward-only pass. Only ``drop`` (keep masks enter the denominator) and
+    algorithm 2's batch normalisation (its factor is a whole-batch mean of the weights) need it; otherwise each
+    micro-batch's loss takes ``lp_old = lp_theta.detach()`` from its own training forward, at no extra cost."""
+    return cfg.needs_old_log_probs and (cfg.rejected_denominator == "drop"
+                                        or (cfg.algorithm == 2 and cfg.batch_normalize))
 
 
 def needs_pre_pass(cfg: TISConfig) -> bool:
@@ -61,7 +71,7 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
 
 
 def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
-              pre_log_probs: list[Tensor] | None = None) -> StepPlan:
+              pre_log_probs: list[Tensor] | None = None, pi_old_from_theta: bool = False) -> StepPlan:
     """Global denominator, token count and (algorithm 2) batch-norm factor for one optimizer step.
 
     Args:
@@ -70,6 +80,8 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
             this function with the same number of micro-batches.
         pre_log_probs: ``lp_theta`` at the step's parameters per micro-batch (only when
             :func:`needs_pre_pass`).
+        pi_old_from_theta: algorithms 0, 2 without a pi_old pass (not :func:`needs_pi_old_pass`): a missing
+            ``old_log_probs`` is the loss's detached ``lp_theta``, which nothing here needs.
 
     Collectives: per micro-batch the core's CP ``sequence_sum`` where needed, then one ``batch_sum``
     for the token domain and one for the sequence domain.
@@ -86,7 +98,7 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     n_tok = torch.zeros((), dtype=torch.float32, device=device)
     bn_sums = torch.zeros(2, dtype=torch.float32, device=device)
     for k, b in enumerate(batches):
-        if alg in (0, 2) and b.old_log_probs is None:
+        if alg in (0, 2) and b.old_log_probs is None and not pi_old_from_theta:
             raise ValueError(f"micro-batch {k}: algorithm {alg} needs old_log_probs (pi_old): compute it once per "
                              "rollout with compute_old_log_probs (or supply it), or use pi_old='auto'")
         if alg in (1, 2, 3) and b.rollout_log_probs is None:

@@ -71,7 +71,7 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
                           model: Any, *, num_microbatches: int, num_steps: int = 1, temperature: float = 1.0,
                           chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                           broadcast_over_tp: bool = True, fused_output_layer: bool = False,
-                          fp32_lm_head: bool = False, **schedule_kwargs: Any) -> Any:
+                          fp32_lm_head: bool = False, run_pass: bool = True, **schedule_kwargs: Any) -> Any:
     """Fill ``TISBatch.old_log_probs`` of a whole rollout at the current parameters (module docstring).
 
     Args:
@@ -84,6 +84,8 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
         num_steps: optimizer steps the rollout is split into (``N``).
         fused_output_layer, fp32_lm_head: the output-layer mode of the training steps (mutually exclusive).
         schedule_kwargs: the training steps' schedule arguments (``seq_length``, ``micro_batch_size``, ...).
+        run_pass: ``False`` materialises the items without a forward (algorithms 1 and 3 never read pi_old; the
+            hook passes its configuration's ``needs_old_log_probs``).
 
     Returns:
         The materialised items (a list, a list per model chunk, or ``None``), to be replayed to the
@@ -99,6 +101,8 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
     vpp = _is_vpp(model)
     items = materialise(data_iterator, num_steps * num_microbatches, vpp)
     is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    if not run_pass:
+        return items
     with output_layer_mode_during(model, output_layer):
         _fill_old_log_probs(forward_backward_func, forward_step_func, items, model, num_microbatches=num_microbatches,
                             num_steps=num_steps, vpp=vpp, is_last=is_last, temperature=temperature,

@@ -106,7 +106,7 @@ def plan_checks(plan: str) -> list[dict]:
         # control: the old per-step recompute on the same two steps (rho = 1 in step 2): must disagree
         checks.append(dict(layout="single", case="a0", M=2, tag="per_step_control", kind="per_step_control"))
         # a schedule that passes return_schedule_plan= to forward_step (recompute pass and training)
-        checks.append(dict(layout="single", case="a0", M=2, tag="keyword", keyword=True))
+        checks.append(dict(layout="single", case="a2_seq_mask_bn", M=2, tag="keyword", keyword=True))
     elif plan == "train_step1":  # Megatron-LM's real train_step (megatron-core >= 0.17)
         for case in ("a0", "a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
             checks.append(dict(layout="single", case=case, M=2, tag="train_step", train_step=True))

@@ -116,7 +116,7 @@ def run_rollout_case(layout_name: str, case_name: str, num_microbatches: int, *,
                      lp_full: torch.Tensor, ref, supplied: bool = False, per_step_control: bool = False) -> dict:
     """Two optimizer steps on one rollout (or one step with supplied pi_old); this rank's errors per step.
 
-    ``per_step_control``: the old behaviour (no rollout pass; the hook recomputes pi_old at each step), which
+    ``per_step_control``: no rollout pass (the hook takes pi_old at each step's own parameters), which
     must disagree with the hand computation in step 2 (rho = 1 there, no clip)."""
     layout = LAYOUTS[layout_name]
     cfg = TISConfig(**CASES[case_name])
