@@ -271,7 +271,7 @@ class Trainer:
 
         a = self.args
         if a.sglang_url:
-            client = SGLangClient(a.sglang_url)
+            client = SGLangClient(a.sglang_url, api_key=os.environ.get("SGLANG_API_KEY") or None)
             client.wait_healthy()
             inner = DiskWeightSync(client, os.path.join(a.run_dir, "engine_weights"), self.mcfg, EOS)
             return client, LaggedWeightSync(inner, a.rollout_lag)

@@ -271,7 +271,8 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
     """
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "examples.rl.http_server", "--port", str(port), "--dtype", "float32"],
+        [sys.executable, "-m", "examples.rl.http_server", "--port", str(port), "--dtype", "float32",
+         "--weights-root", str(tmp_path / "http")],
         cwd=ROOT,
         env=_env(),
         stdout=subprocess.PIPE,
