@@ -110,6 +110,7 @@ def launch(out_dir: str, mismatch: str, alg: str, seed: int, steps: int, nproc: 
         "--seed",
         str(seed),
         "--no-progress",
+        "--overwrite",  # the run directory belongs to this comparison: a repeated invocation starts it anew
         *ALG_FLAGS[alg],
         *MISMATCH[mismatch],
         *extra,

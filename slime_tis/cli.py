@@ -6,15 +6,20 @@ percentile and per response-length bucket, a recommended configuration with its 
 histogram PNG of the per-token log-ratios.
 
 ``slime-tis plot RUN_DIR [RUN_DIR ...]``: training curves of example-job runs (``slime_tis.plot``).
+
+Malformed input ends in one line naming the file, record and field, and exit status 2 (no traceback);
+``diagnose`` exits 1 when the dump holds no usable token (it says so instead of recommending).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -53,6 +58,8 @@ def _diagnose(ns: argparse.Namespace) -> int:
     from slime_tis.dump import read_logprob_dump
 
     dump = read_logprob_dump(ns.files)
+    for note in dump.notes:
+        print(f"slime-tis diagnose: note: {note}", file=sys.stderr)
     if ns.steps:
         lo, hi = _parse_steps(ns.steps)
         keep = torch.ones(dump.n_seq, dtype=torch.bool)
@@ -78,7 +85,7 @@ def _diagnose(ns: argparse.Namespace) -> int:
         print(f"\nhistogram of {n} per-token log-ratios: {png}")
     if ns.json:
         Path(ns.json).write_text(json.dumps(result.as_dict(), indent=1, allow_nan=True))
-    return 0
+    return 0 if result.usable_tokens else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,11 +104,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command is None:
         parser.print_help()
         return 2
+    return run_reporting_errors("slime-tis diagnose", _diagnose, ns)
+
+
+def run_reporting_errors(prog: str, fn: Callable[..., int], *args: Any) -> int:
+    """``fn(*args)``; bad input (``ValueError``, ``OSError``, ``MemoryError``) becomes one line on stderr
+    and exit status 2, without a traceback. Anything else is a bug: one line too, unless
+    ``SLIME_TIS_TRACEBACK=1`` asks for the traceback."""
     try:
-        return _diagnose(ns)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"slime-tis diagnose: error: {e}", file=sys.stderr)
+        return fn(*args)
+    except (ValueError, OSError, MemoryError) as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - the console script never ends in a traceback unless asked to
+        if os.environ.get("SLIME_TIS_TRACEBACK"):
+            raise
+        print(f"{prog}: internal error: {type(e).__name__}: {_one_line(e)} (SLIME_TIS_TRACEBACK=1 shows the "
+              "traceback; please report it)", file=sys.stderr)
+        return 3
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    if isinstance(e, MemoryError):
+        text = f"out of memory ({text})"
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

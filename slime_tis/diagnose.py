@@ -18,6 +18,8 @@ Report:
 
 The rules of the recommendation (thresholds are stated in the reasons it prints):
 
+* no usable token (every valid token masked, or in a sequence with non-finite log-probs): said so, and no
+  recommendation;
 * negligible mismatch (``k3_kl < 1e-4`` and < 0.1% of tokens outside ``[0.5, 2]``): token-level
   truncation at 2 is harmless; the correction barely acts;
 * sequence-level weights saturate (more than 20% of all sequences, or more than 50% of the longest
@@ -68,6 +70,8 @@ class Recommendation:
 
     @property
     def flags(self) -> str:
+        if not self.fields:
+            return "(none: nothing to base a recommendation on)"
         parts = ["--use-tis"]
         for key in ("mode", "level", "upper", "lower", "veto_threshold"):
             flag = FLAG_OF[key]
@@ -90,10 +94,12 @@ class Diagnosis:
     percentiles: dict[str, list[float]]
     buckets: list[dict[str, float]]
     recommendation: Recommendation
+    usable_tokens: int = -1  # valid tokens of finite sequences (the diagnostic domain); 0 = nothing to diagnose
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "n_seq": self.n_seq, "n_tokens": self.n_tokens, "config": self.config, "overall": self.overall,
+            "n_seq": self.n_seq, "n_tokens": self.n_tokens, "usable_tokens": self.usable_tokens,
+            "config": self.config, "overall": self.overall,
             "percentiles": {"q": list(PERCENTILES), **self.percentiles}, "buckets": self.buckets,
             "recommendation": {"fields": self.recommendation.fields, "flags": self.recommendation.flags,
                                "reasons": self.recommendation.reasons, "metrics": self.recommendation.metrics},
@@ -108,11 +114,29 @@ def _metrics(res: TISResult) -> dict[str, float]:
     return {k: float(v) for k, v in res.stats.finalize().items()}  # host-sync-ok (offline tool)
 
 
+def quantiles(x: Tensor, qs: list[float] | tuple[float, ...]) -> list[float]:
+    """Quantiles ``qs`` (in [0, 1]) of the values of ``x``, linear interpolation between order statistics
+    (``torch.quantile``'s and numpy's default): ``v = s[floor(h)] + (h - floor(h)) (s[ceil(h)] - s[floor(h)])``
+    with ``s`` sorted and ``h = q (n - 1)``. One sort, float64, any size (``torch.quantile`` refuses
+    more than 2**24 values). NaN for an empty input or one holding a NaN."""
+    n = x.numel()
+    if n == 0:
+        return [math.nan] * len(qs)
+    s = torch.sort(x.detach().reshape(-1).double()).values
+    if bool(torch.isnan(s[-1])):  # NaN sorts last
+        return [math.nan] * len(qs)
+    out = []
+    for q in qs:
+        h = q * (n - 1)
+        lo = min(int(math.floor(h)), n - 1)
+        hi = min(lo + 1, n - 1)
+        a, b = float(s[lo]), float(s[hi])
+        out.append(a + (h - lo) * (b - a) if b != a else a)
+    return out
+
+
 def _quantiles(x: Tensor) -> list[float]:
-    if x.numel() == 0:
-        return [math.nan] * len(PERCENTILES)
-    q = torch.tensor(PERCENTILES, dtype=torch.float64) / 100.0
-    return torch.quantile(x.double(), q).tolist()
+    return quantiles(x, [q / 100.0 for q in PERCENTILES])
 
 
 def _outside_fraction(dump: LogprobDump, level: str) -> float:
@@ -140,8 +164,7 @@ def _bucket_edges(valid_lengths: Tensor, edges: list[int] | None) -> list[int]:
     if edges is None:
         if lengths.numel() == 0:
             return [0, 1]
-        q = torch.quantile(lengths.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
-        edges = sorted({int(math.ceil(v)) for v in q.tolist()})
+        edges = sorted({int(math.ceil(v)) for v in quantiles(lengths, [0.25, 0.5, 0.75])})
     top = int(lengths.max()) + 1 if lengths.numel() else 1
     return sorted({1, *[e for e in edges if 1 < e < top], top})
 
@@ -179,7 +202,7 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
                        "ratio outside [0.5, 2]; token-level truncation at 2 is harmless (it rarely acts)")
     elif out_seq > 0.2 or long_out_seq > 0.5:
         geo = dists["geometric log-ratio"].abs()
-        upper = max(1.001, math.exp(float(torch.quantile(geo.double(), 0.9)))) if geo.numel() else 1.001
+        upper = max(1.001, math.exp(quantiles(geo, [0.9])[0])) if geo.numel() else 1.001
         upper = math.ceil(upper * 1e4) / 1e4
         fields = dict(mode="mask", level="geometric", upper=upper, lower=round(1.0 / upper, 6))
         reasons.append(
@@ -196,7 +219,7 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
             reasons.append(f"sequence ratios are mostly in range ({100 * out_seq:.1f}% outside [0.5, 2]): "
                            "sequence-level truncated IS is the less biased estimator and does not saturate here")
         else:
-            q99 = float(torch.quantile(r.double(), 0.99)) if r.numel() else 2.0
+            q99 = quantiles(r, [0.99])[0] if r.numel() else 2.0
             upper = round(min(5.0, max(1.5, q99)), 3)
             fields = dict(mode="truncate", level="token", upper=upper)
             reasons.append(f"{100 * out_seq:.1f}% of sequence ratios fall outside [0.5, 2] (too many to truncate at "
@@ -235,11 +258,24 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     overall = _metrics(_run(cfg, dump))
     dists = _distributions(dump)
     buckets = _buckets(dump, bucket_edges)
+    usable = int(dists["token log-ratio"].numel())
+    n_valid = int(dump.loss_mask.sum())
+    rec = _recommend(dump, overall, dists, buckets) if usable else _no_domain(dump, n_valid, overall)
     return Diagnosis(
-        n_seq=dump.n_seq, n_tokens=int(dump.loss_mask.sum()), config=cfg.describe(), overall=overall,
+        n_seq=dump.n_seq, n_tokens=n_valid, config=cfg.describe(), overall=overall,
         percentiles={k: _quantiles(v) for k, v in dists.items()}, buckets=buckets,
-        recommendation=_recommend(dump, overall, dists, buckets),
+        recommendation=rec, usable_tokens=usable,
     )
+
+
+def _no_domain(dump: LogprobDump, n_valid: int, overall: dict[str, float]) -> Recommendation:
+    """No valid token of a finite sequence: every statistic would be an empty mean; say so."""
+    nonfinite = overall.get("tis/nonfinite_seq_fraction", 0.0)
+    why = (f"no usable token: {dump.n_seq} sequence(s) with {n_valid} valid (loss_mask = 1) token(s)"
+           + (f", {100 * nonfinite:.1f}% of sequences with non-finite log-probs at valid tokens" if nonfinite else "")
+           + "; the mismatch cannot be measured and no configuration is recommended (check the dump's loss_mask "
+           "and log-probs)")
+    return Recommendation({}, [why])
 
 
 def _fmt(v: float) -> str:
@@ -252,7 +288,10 @@ def _fmt(v: float) -> str:
 
 def format_report(d: Diagnosis) -> str:
     """The text report printed by ``slime-tis diagnose``."""
-    lines = [f"slime-tis diagnose: {d.n_seq} sequences, {d.n_tokens} valid tokens", "", "configuration:", d.config,
+    head = f"slime-tis diagnose: {d.n_seq} sequences, {d.n_tokens} valid tokens"
+    if d.usable_tokens >= 0 and d.usable_tokens != d.n_tokens:
+        head += f" ({d.usable_tokens} in sequences with finite log-probs)"
+    lines = [head, "", "configuration:", d.config,
              "", "overall (core metrics under this configuration):"]
     keys = ["tis/kl", "tis/k3_kl", "tis/chi2_token", "tis/chi2_seq", "tis/log_ppl_diff", "tis/ppl_ratio",
             "tis/ratio_mean", "tis/ratio_std", "tis/ratio_min", "tis/ratio_max", "tis/ess", "tis/weight_mean",

@@ -41,9 +41,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.jsonl import JSONLError, read_jsonl
 from slime_tis.slime_dump import is_slime_dump, slime_records
 
 __all__ = [
+    "DumpFormatError",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "LogprobDump",
@@ -53,6 +55,10 @@ __all__ = [
     "write_logprob_dump",
     "write_packed_dump",
 ]
+
+class DumpFormatError(ValueError):
+    """A dump (or one of its records) is malformed; the message names the file, record and field."""
+
 
 FORMAT_NAME = "slime_tis.logprob_dump"
 FORMAT_VERSION = 1
@@ -73,6 +79,8 @@ class LogprobDump:
         token_ids: ``[T]`` int64 or None.
         reward: ``[n]`` float32 or None (NaN where unknown).
         meta: header fields (free-form, e.g. ``{"train_policy": "old", "temperature": 1.0}``).
+        notes: what the reader tolerated and the user should know (e.g. a torn last line that was
+            dropped), one sentence each.
     """
 
     train_log_probs: Tensor
@@ -84,6 +92,7 @@ class LogprobDump:
     token_ids: Tensor | None = None
     reward: Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def n_seq(self) -> int:
@@ -122,6 +131,7 @@ class LogprobDump:
             token_ids=None if self.token_ids is None else self.token_ids[tok_keep],
             reward=None if self.reward is None else self.reward[seq_keep],
             meta=dict(self.meta),
+            notes=list(self.notes),
         )
 
 
@@ -130,10 +140,12 @@ class LogprobDump:
 # ----------------------------------------------------------------------------------------------
 def _as_list(x: Any, name: str, i: int) -> list:
     if isinstance(x, Tensor):
+        if x.dim() > 1:
+            raise DumpFormatError(f"record {i}: {name} must be a list or a 1-D tensor, got shape {list(x.shape)}")
         return x.detach().to("cpu").reshape(-1).tolist()  # host-sync-ok (writing a dump)
     if isinstance(x, (list, tuple)):
         return list(x)
-    raise ValueError(f"record {i}: {name} must be a list or a 1-D tensor, got {type(x).__name__}")
+    raise DumpFormatError(f"record {i}: {name} must be a list or a 1-D tensor, got {type(x).__name__} {_short(x)}")
 
 
 def records_from_packed(
@@ -230,40 +242,100 @@ def _per_seq(value: Any, n: int, name: str) -> list | None:
 # ----------------------------------------------------------------------------------------------
 # normalisation of records
 # ----------------------------------------------------------------------------------------------
-def _float(v: Any) -> float:
-    return math.nan if v is None else float(v)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _number(v: Any, i: int, name: str, pos: int | None = None) -> float:
+    """A JSON number (``null`` = NaN); bools and strings are errors."""
+    if v is None:
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        at = "" if pos is None else f"[{pos}]"
+        raise DumpFormatError(f"record {i}: {name}{at} must be a number, got {type(v).__name__} {_short(v)}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise DumpFormatError(f"record {i}: {name}{'' if pos is None else f'[{pos}]'} = {v} overflows") from None
+
+
+def _numbers(values: list, i: int, name: str) -> list[float]:
+    """A list of JSON numbers (``null`` = NaN) as floats; the first bad entry is named."""
+    if all(type(v) is float or type(v) is int for v in values):  # fast path (no bool, str, None, list)
+        try:
+            return [float(v) for v in values]
+        except OverflowError:
+            pass
+    return [_number(v, i, name, t) for t, v in enumerate(values)]
+
+
+def _integer(v: Any, i: int, name: str, pos: int | None = None, *, lo: int = 0) -> int:
+    """An integer in ``[lo, 2**63)`` (an integral float such as ``3.0`` is accepted; ``3.5``, ``1e400``,
+    bools and strings are errors)."""
+    at = "" if pos is None else f"[{pos}]"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise DumpFormatError(f"record {i}: {name}{at} must be an integer, got {type(v).__name__} {_short(v)}")
+    if isinstance(v, float) and not (math.isfinite(v) and v == int(v)):
+        raise DumpFormatError(f"record {i}: {name}{at} must be an integer, got {v!r}")
+    v = int(v)
+    if not lo <= v <= _INT64_MAX:
+        raise DumpFormatError(f"record {i}: {name}{at} = {v} is outside [{lo}, 2**63)")
+    return v
+
+
+def _mask_value(v: Any, i: int, pos: int) -> int:
+    """A loss-mask entry: ``0`` / ``1`` / ``true`` / ``false`` (also ``0.0`` / ``1.0``); anything else is
+    an error (a string ``"0"`` would otherwise read as 1)."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return int(v)
+    raise DumpFormatError(f"record {i}: loss_mask[{pos}] must be 0 or 1, got {type(v).__name__} {_short(v)}")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _normalise(rec: Mapping[str, Any], i: int) -> dict[str, Any]:
     if not isinstance(rec, Mapping):
-        raise TypeError(f"record {i} must be a mapping, got {type(rec).__name__}")
+        raise DumpFormatError(f"record {i} must be a JSON object / mapping, got {type(rec).__name__}")
     for key in ("train_log_probs", "rollout_log_probs"):
         if key not in rec:
-            raise ValueError(f"record {i} has no '{key}' (keys: {sorted(rec)})")
-    train = [_float(v) for v in _as_list(rec["train_log_probs"], "train_log_probs", i)]
-    rollout = [_float(v) for v in _as_list(rec["rollout_log_probs"], "rollout_log_probs", i)]
+            raise DumpFormatError(f"record {i} has no '{key}' (keys: {sorted(map(str, rec))[:12]})")
+    train = _numbers(_as_list(rec["train_log_probs"], "train_log_probs", i), i, "train_log_probs")
+    rollout = _numbers(_as_list(rec["rollout_log_probs"], "rollout_log_probs", i), i, "rollout_log_probs")
     if len(train) != len(rollout):
-        raise ValueError(
+        raise DumpFormatError(
             f"record {i}: train_log_probs has {len(train)} tokens but rollout_log_probs has {len(rollout)}"
         )
     mask = rec.get("loss_mask")
-    mask = [1] * len(train) if mask is None else [int(bool(v)) for v in _as_list(mask, "loss_mask", i)]
+    if mask is None:
+        mask = [1] * len(train)
+    else:
+        mask = _as_list(mask, "loss_mask", i)
+        if not all(v is True or v is False or (type(v) is int and 0 <= v <= 1) for v in mask):
+            mask = [_mask_value(v, i, t) for t, v in enumerate(mask)]
+        mask = [int(v) for v in mask]
     if len(mask) != len(train):
-        raise ValueError(f"record {i}: loss_mask has {len(mask)} entries but the log-probs have {len(train)}")
+        raise DumpFormatError(f"record {i}: loss_mask has {len(mask)} entries but the log-probs have {len(train)}")
     ids = rec.get("token_ids")
     if ids is not None:
-        ids = [int(v) for v in _as_list(ids, "token_ids", i)]
+        ids = [_integer(v, i, "token_ids", t) for t, v in enumerate(_as_list(ids, "token_ids", i))]
         if len(ids) != len(train):
-            raise ValueError(f"record {i}: token_ids has {len(ids)} entries but the log-probs have {len(train)}")
+            raise DumpFormatError(
+                f"record {i}: token_ids has {len(ids)} entries but the log-probs have {len(train)}"
+            )
     reward = rec.get("reward")
+    step, index = rec.get("step"), rec.get("sample_index")
     return {
         "train_log_probs": train,
         "rollout_log_probs": rollout,
         "loss_mask": mask,
-        "step": int(rec.get("step", -1) if rec.get("step") is not None else -1),
-        "sample_index": int(rec.get("sample_index", -1) if rec.get("sample_index") is not None else -1),
+        "step": -1 if step is None else _integer(step, i, "step", lo=-1),
+        "sample_index": -1 if index is None else _integer(index, i, "sample_index", lo=-1),
         "token_ids": ids,
-        "reward": None if reward is None else float(reward),
+        "reward": None if reward is None else _number(reward, i, "reward"),
     }
 
 
@@ -316,7 +388,7 @@ def _records_of(dump: LogprobDump) -> list[dict[str, Any]]:
 def _suffix(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
-        raise ValueError(f"dump path must end in .jsonl or .pt, got {str(path)!r}")
+        raise DumpFormatError(f"dump path must end in .jsonl or .pt, got {str(path)!r}")
     return suffix
 
 
@@ -409,76 +481,145 @@ def write_packed_dump(
     return write_logprob_dump(path, recs, append=append, meta=meta)
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """Records, header meta and notes (a torn last line is dropped and noted) of a ``.jsonl`` dump."""
     recs: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise TypeError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            if obj.get("format") is not None:
-                if obj["format"] != FORMAT_NAME:
-                    raise ValueError(f"{path}:{lineno}: unknown format {obj['format']!r} (expected {FORMAT_NAME!r})")
-                if int(obj.get("version", 1)) > FORMAT_VERSION:
-                    raise ValueError(f"{path}:{lineno}: dump version {obj['version']} is newer than {FORMAT_VERSION}")
-                meta.update({k: v for k, v in obj.items() if k not in ("format", "version")})
-                continue
-            try:
-                recs.append(_normalise(obj, len(recs)))
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from None
-    return recs, meta
+    try:
+        read = read_jsonl(path)
+    except JSONLError as e:
+        raise DumpFormatError(str(e)) from None
+    for lineno, obj in read.rows:
+        where = f"{path}:{lineno}"
+        if not isinstance(obj, dict):
+            raise DumpFormatError(f"{where}: expected a JSON object, got {type(obj).__name__} {_short(obj)}")
+        if obj.get("format") is not None:
+            meta.update(_header(obj, where))
+            continue
+        try:
+            recs.append(_normalise(obj, len(recs)))
+        except DumpFormatError as e:
+            raise DumpFormatError(f"{where}: {e}") from None
+    return recs, meta, [read.torn] if read.torn else []
+
+
+def _header(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The meta fields of a header (``format`` / ``version`` checked)."""
+    if obj.get("format") != FORMAT_NAME:
+        raise DumpFormatError(f"{where}: unknown format {_short(obj.get('format'))} (expected {FORMAT_NAME!r})")
+    version = obj.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise DumpFormatError(f"{where}: header field 'version' must be an integer, got {_short(version)}")
+    if version > FORMAT_VERSION:
+        raise DumpFormatError(f"{where}: dump version {version} is newer than {FORMAT_VERSION}")
+    return {k: v for k, v in obj.items() if k not in ("format", "version")}
 
 
 def _load_pt(path: Path) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError / RuntimeError / EOFError ...
-        raise ValueError(
+        raise DumpFormatError(
             f"{path}: cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {str(e)[:200]}); "
             "dumps are read as plain tensors and containers only (no arbitrary pickled objects)"
         ) from None
+    _check_storage(obj, path)
+    return obj
+
+
+def _check_storage(obj: Any, path: Path) -> None:
+    """Refuse a tensor whose elements are not all stored in the file (an expanded / overlapping view:
+    a few bytes on disk that claim millions of elements) before anything is converted or allocated."""
+    stack, seen = [(obj, "")], 0
+    while stack:
+        x, where = stack.pop()
+        seen += 1
+        if seen > _MAX_OBJECTS:
+            raise DumpFormatError(f"{path}: more than {_MAX_OBJECTS} objects: not a dump")
+        if isinstance(x, Tensor):
+            need = x.numel() * x.element_size()
+            have = x.untyped_storage().nbytes()
+            if need > have:
+                raise DumpFormatError(
+                    f"{path}: tensor {where or '(top level)'} claims {x.numel()} elements ({need} bytes) but the "
+                    f"file stores {have} bytes for it (an expanded or overlapping view): not a dump"
+                )
+        elif isinstance(x, Mapping):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, f"{where}[{j}]") for j, v in enumerate(x))
+
+
+_MAX_OBJECTS = 50_000_000
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _pt_tensor(obj: Mapping[str, Any], key: str, path: Path, *, kind: str, length: int | None,
+               optional: bool = False) -> Tensor | None:
+    """``obj[key]`` checked: a 1-D tensor of the right kind (``"float"``, ``"int"``, ``"mask"``) and
+    length; ``None`` allowed when ``optional``."""
+    x = obj.get(key)
+    if x is None and optional:
+        return None
+    if not isinstance(x, Tensor):
+        raise DumpFormatError(f"{path}: field '{key}' must be a 1-D tensor, got {type(x).__name__} {_short(x)}")
+    if x.dim() != 1:
+        raise DumpFormatError(f"{path}: field '{key}' must be a 1-D tensor, got shape {list(x.shape)}")
+    if length is not None and x.numel() != length:
+        raise DumpFormatError(f"{path}: field '{key}' has {x.numel()} entries, expected {length}")
+    ok = {
+        "float": x.dtype.is_floating_point,
+        "int": x.dtype in _INT_DTYPES,
+        "mask": x.dtype == torch.bool or x.dtype in _INT_DTYPES or x.dtype.is_floating_point,
+    }[kind]
+    if not ok:
+        want = {"float": "a floating-point", "int": "an integer", "mask": "a bool or 0/1"}[kind]
+        raise DumpFormatError(f"{path}: field '{key}' must be {want} tensor, got dtype {x.dtype}")
+    if kind == "mask" and x.dtype != torch.bool and not bool(((x == 0) | (x == 1)).all()):
+        raise DumpFormatError(f"{path}: field 'loss_mask' must hold only 0 and 1")
+    return x
 
 
 def _read_pt(path: Path, obj: Any) -> LogprobDump:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         keys = sorted(map(str, obj))[:12] if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(
+        raise DumpFormatError(
             f"{path}: not a {FORMAT_NAME} file (missing or wrong 'format' key) nor a slime debug dump "
             f"(--save-debug-train-data, format_version 2); found {keys}"
         )
-    if int(obj.get("version", 1)) > FORMAT_VERSION:
-        raise ValueError(f"{path}: dump version {obj['version']} is newer than {FORMAT_VERSION}")
-    for key in ("train_log_probs", "rollout_log_probs", "loss_mask", "cu_seqlens"):
-        if not isinstance(obj.get(key), Tensor):
-            raise TypeError(f"{path}: '{key}' must be a tensor")
-    cu = obj["cu_seqlens"].to(torch.int64)
-    n = cu.numel() - 1
-    t = obj["train_log_probs"].numel()
-    if obj["rollout_log_probs"].numel() != t or obj["loss_mask"].numel() != t or int(cu[-1]) != t:
-        raise ValueError(
-            f"{path}: inconsistent lengths: train {t}, rollout {obj['rollout_log_probs'].numel()}, "
-            f"loss_mask {obj['loss_mask'].numel()}, cu_seqlens[-1] {int(cu[-1])}"
+    _header({"format": obj["format"], "version": obj.get("version", 1)}, str(path))
+    cu = _pt_tensor(obj, "cu_seqlens", path, kind="int", length=None)
+    if cu.numel() < 1:
+        raise DumpFormatError(f"{path}: field 'cu_seqlens' is empty (it holds n + 1 boundaries, starting at 0)")
+    train = _pt_tensor(obj, "train_log_probs", path, kind="float", length=None)
+    t = train.numel()
+    rollout = _pt_tensor(obj, "rollout_log_probs", path, kind="float", length=t)
+    mask = _pt_tensor(obj, "loss_mask", path, kind="mask", length=t)
+    cu = cu.to(torch.int64)
+    decreases = bool((cu[1:] < cu[:-1]).any())
+    if int(cu[0]) != 0 or int(cu[-1]) != t or decreases:
+        raise DumpFormatError(
+            f"{path}: field 'cu_seqlens' must rise from 0 to the {t} tokens of train_log_probs "
+            f"(starts at {int(cu[0])}, ends at {int(cu[-1])}{', decreases somewhere' if decreases else ''})"
         )
-    step = obj.get("step")
-    idx = obj.get("sample_index")
+    n = cu.numel() - 1
+    step = _pt_tensor(obj, "step", path, kind="int", length=n, optional=True)
+    idx = _pt_tensor(obj, "sample_index", path, kind="int", length=n, optional=True)
+    ids = _pt_tensor(obj, "token_ids", path, kind="int", length=t, optional=True)
+    reward = _pt_tensor(obj, "reward", path, kind="float", length=n, optional=True)
+    meta = obj.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise DumpFormatError(f"{path}: field 'meta' must be a dict, got {type(meta).__name__} {_short(meta)}")
     return LogprobDump(
-        train_log_probs=obj["train_log_probs"].float(),
-        rollout_log_probs=obj["rollout_log_probs"].float(),
-        loss_mask=obj["loss_mask"].to(torch.bool),
+        train_log_probs=train.float(),
+        rollout_log_probs=rollout.float(),
+        loss_mask=mask.to(torch.bool),
         cu_seqlens=cu,
-        step=step.to(torch.int64) if isinstance(step, Tensor) else torch.full((n,), -1, dtype=torch.int64),
-        sample_index=idx.to(torch.int64) if isinstance(idx, Tensor) else torch.full((n,), -1, dtype=torch.int64),
-        token_ids=obj.get("token_ids"),
-        reward=obj.get("reward"),
-        meta=dict(obj.get("meta") or {}),
+        step=step.to(torch.int64) if step is not None else torch.full((n,), -1, dtype=torch.int64),
+        sample_index=idx.to(torch.int64) if idx is not None else torch.full((n,), -1, dtype=torch.int64),
+        token_ids=None if ids is None else ids.to(torch.int64),
+        reward=None if reward is None else reward.float(),
+        meta=dict(meta or {}),
     )
 
 
@@ -488,21 +629,27 @@ def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) ->
     ``.pt`` files may also be slime's ``--save-debug-train-data`` dumps (:mod:`slime_tis.slime_dump`):
     all of them are merged (several files of one rollout included) and follow the other files.
 
-    Raises ``ValueError`` with the file (and line, for ``.jsonl``) on malformed content and
-    ``FileNotFoundError`` for a missing file.
+    A torn last line of a ``.jsonl`` file (no newline, not valid JSON: a write cut short) is dropped and
+    reported in ``LogprobDump.notes``. Raises :class:`DumpFormatError` (a ``ValueError``) naming the file,
+    the line or record and the field on malformed content, ``FileNotFoundError`` for a missing file and
+    ``IsADirectoryError`` for a directory.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     recs: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
+    notes: list[str] = []
     slime_items: list[tuple[Path, Any]] = []
     for p in paths:
         p = Path(p)
         suffix = _suffix(p)
         if not p.exists():
             raise FileNotFoundError(f"dump file not found: {str(p)!r}")
+        if not p.is_file():
+            raise IsADirectoryError(f"dump path {str(p)!r} is a directory, not a file")
         if suffix == ".jsonl":
-            r, m = _read_jsonl(p)
+            r, m, n = _read_jsonl(p)
+            notes.extend(n)
         else:
             obj = _load_pt(p)
             if is_slime_dump(obj):
@@ -516,12 +663,20 @@ def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) ->
         for k, v in m.items():
             meta.setdefault(k, v)
     if slime_items:
-        r, m = slime_records(slime_items)
+        try:
+            r, m = slime_records(slime_items)
+        except ValueError as e:
+            raise DumpFormatError(str(e)) from None
+        except (TypeError, OverflowError, KeyError, IndexError, RuntimeError) as e:  # a shape slime never writes
+            files = ", ".join(str(p) for p, _ in slime_items[:3]) + (", ..." if len(slime_items) > 3 else "")
+            raise DumpFormatError(f"{files}: malformed slime dump ({type(e).__name__}: {str(e)[:200]})") from None
         for i, x in enumerate(r):
             try:
                 recs.append(_normalise(x, i))
-            except ValueError as e:
-                raise ValueError(f"slime dump, rollout {x.get('step')}: {e}") from None
+            except DumpFormatError as e:
+                raise DumpFormatError(f"{x.get('_where', 'slime dump')}: {str(e).split(': ', 1)[-1]}") from None
         for k, v in m.items():
             meta.setdefault(k, v)
-    return _pack(recs, meta)
+    dump = _pack(recs, meta)
+    dump.notes = notes
+    return dump

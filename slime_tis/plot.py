@@ -21,7 +21,10 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
+
+from slime_tis.jsonl import read_jsonl
 
 DEFAULT_METRICS = ("reward", "tis/kl", "tis/k3_kl", "grad_norm", "tis/rejected_token_fraction")
 TITLES = {
@@ -33,23 +36,29 @@ TITLES = {
 }
 
 
-def read_run(run_dir: str) -> list[dict]:
-    """Rows of ``RUN_DIR/metrics.jsonl`` sorted by step (the last row of a repeated step wins)."""
+def read_run(run_dir: str, notes: list[str] | None = None) -> list[dict]:
+    """Rows of ``RUN_DIR/metrics.jsonl`` sorted by step (the last row of a repeated step wins).
+
+    A torn last line (a write cut short by a crash) is dropped; the sentence saying so is appended to
+    ``notes`` when given. Any other malformed line is a ``ValueError`` naming the file, line and field."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{run_dir!r} is not a run directory: {path} does not exist")
+        raise FileNotFoundError(f"{run_dir!r} is not a run directory: {path} does not exist or is not a file")
+    read = read_jsonl(path)
+    if read.torn and notes is not None:
+        notes.append(read.torn)
     rows: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            if "step" not in row:
-                raise ValueError(f"{path}:{n}: a metrics row needs a 'step' field")
-            rows[int(row["step"])] = row
+    for n, row in read.rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: a metrics row must be a JSON object, got {type(row).__name__}")
+        if "step" not in row:
+            raise ValueError(f"{path}:{n}: a metrics row needs a 'step' field")
+        step = row["step"]
+        if isinstance(step, float) and math.isfinite(step) and step == int(step):
+            step = int(step)
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 53:
+            raise ValueError(f"{path}:{n}: field 'step' must be an integer >= 0, got {str(step)[:40]}")
+        rows[step] = {**row, "step": step}
     return [rows[k] for k in sorted(rows)]
 
 
@@ -58,11 +67,12 @@ def run_label(run_dir: str) -> str:
     label = os.path.basename(os.path.normpath(run_dir))
     try:
         with open(os.path.join(run_dir, "args.json"), encoding="utf-8") as f:
-            alg = json.load(f).get("algorithm")
-        if alg is not None:
-            label += f" (alg {alg})"
-    except (OSError, json.JSONDecodeError):
-        pass
+            saved = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return label
+    alg = saved.get("algorithm") if isinstance(saved, dict) else None
+    if isinstance(alg, int) and not isinstance(alg, bool):
+        label += f" (alg {alg})"
     return label
 
 
@@ -70,7 +80,7 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, (int, float)) and math.isfinite(v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             xs.append(int(r["step"]))
             ys.append(float(v))
     return xs, ys
@@ -104,7 +114,10 @@ def plot_runs(
         raise ValueError("plot needs at least one run directory")
     if smooth < 1:
         raise ValueError(f"--smooth must be >= 1, got {smooth}")
-    runs = [(run_label(d), read_run(d)) for d in run_dirs]
+    notes: list[str] = []
+    runs = [(run_label(d), read_run(d, notes)) for d in run_dirs]
+    for note in notes:
+        print(f"slime-tis plot: note: {note}", file=sys.stderr)
     ncols = min(3, len(metrics))
     nrows = -(-len(metrics) // ncols)
     fig, grid = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.4 * nrows), squeeze=False)
@@ -160,12 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """CLI entry point (``slime-tis plot``); returns the exit status."""
+    from slime_tis.cli import run_reporting_errors
+
     args = build_parser().parse_args(argv)
     out = args.out or os.path.join(args.run_dirs[0], "curves.png")
-    try:
+
+    def run() -> int:
         path = plot_runs(args.run_dirs, out, metrics=args.metrics, smooth=args.smooth, title=args.title)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"slime-tis plot: error: {e}")
-        return 2
-    print(f"wrote {path}")
-    return 0
+        print(f"wrote {path}")
+        return 0
+
+    return run_reporting_errors("slime-tis plot", run)

@@ -81,24 +81,48 @@ def _no_train_logprobs_error(path: Path, rollout_id: Any) -> ValueError:
     )
 
 
-def _floats(x: Any) -> list[float]:
+def _as_values(x: Any, where: str, name: str, *, integer: bool = False) -> list[Any]:
+    """A 1-D tensor or a list -> a plain list (values are checked by the dump reader)."""
     if isinstance(x, Tensor):
-        return x.detach().float().reshape(-1).tolist()  # host-sync-ok (offline reader)
-    return [math.nan if v is None else float(v) for v in x]
-
-
-def _ints(x: Any) -> list[int]:
-    if isinstance(x, Tensor):
-        return x.detach().reshape(-1).tolist()  # host-sync-ok (offline reader)
-    return [int(v) for v in x]
+        if x.dim() > 1:
+            raise ValueError(f"{where}: field '{name}' must be 1-D, got shape {list(x.shape)}")
+        if integer and (x.dtype.is_floating_point or x.dtype.is_complex):
+            raise ValueError(f"{where}: field '{name}' must be an integer tensor, got dtype {x.dtype}")
+        if not integer and x.dtype.is_complex:
+            raise ValueError(f"{where}: field '{name}' must be a real tensor, got dtype {x.dtype}")
+        x = x.detach()
+        return (x.reshape(-1) if integer else x.float().reshape(-1)).tolist()  # host-sync-ok (offline reader)
+    if isinstance(x, (list, tuple)):
+        values = list(x)
+        if integer:
+            bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
+            kind = "integers"
+        else:
+            bad = next(
+                (v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))), None
+            )
+            kind = "numbers"
+        if bad is not None:
+            raise ValueError(f"{where}: field '{name}' must hold {kind}, found {type(bad).__name__} {str(bad)[:40]}")
+        return values
+    raise ValueError(f"{where}: field '{name}' must be a list or a 1-D tensor, got {type(x).__name__}")
 
 
 def _number(x: Any) -> float | None:
-    if isinstance(x, Tensor) and x.numel() == 1:
+    if isinstance(x, Tensor) and x.numel() == 1 and not x.dtype.is_complex:
         return float(x)
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
     return None
+
+
+def _int_field(x: Any, where: str, name: str) -> int:
+    """An integer field (a Python int or a one-element integer tensor); anything else names the field."""
+    if isinstance(x, Tensor) and x.numel() == 1 and not (x.dtype.is_floating_point or x.dtype.is_complex):
+        x = int(x)
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{where}: field '{name}' must be an integer, got {type(x).__name__} {str(x)[:40]}")
+    return x
 
 
 def _record(path: Path, rollout_id: int, i: int, s: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -111,29 +135,32 @@ def _record(path: Path, rollout_id: int, i: int, s: Mapping[str, Any]) -> dict[s
             f"{where} has no 'rollout_log_probs': the rollout did not keep SGLang's log-probs (slime's SGLang "
             "rollout requests them; a custom generate function must fill Sample.rollout_log_probs)"
         )
-    train = _floats(s["log_probs"])
-    rollout = _floats(s["rollout_log_probs"])
+    train = _as_values(s["log_probs"], where, "log_probs")
+    rollout = _as_values(s["rollout_log_probs"], where, "rollout_log_probs")
     length = s.get("response_lengths", len(train))
-    length = int(length) if _number(length) is not None else len(train)
+    length = _number(length)
+    length = int(length) if length is not None and math.isfinite(length) else len(train)
     if len(train) != length or len(rollout) != length:
         raise ValueError(
             f"{where}: log_probs has {len(train)} and rollout_log_probs {len(rollout)} entries for a response of "
             f"{length} tokens (context-parallel chunks that were not restored: a per-rank dump written with "
             f"context parallelism by slime before 681b3ad; dump again with {_TRAIN_FLAG} of slime >= 681b3ad)"
         )
-    rec: dict[str, Any] = {"train_log_probs": train, "rollout_log_probs": rollout, "step": int(rollout_id)}
+    rec: dict[str, Any] = {"train_log_probs": train, "rollout_log_probs": rollout, "step": rollout_id,
+                           "_where": where}
     if s.get("loss_masks") is not None:
-        rec["loss_mask"] = _ints(s["loss_masks"])
+        rec["loss_mask"] = _as_values(s["loss_masks"], where, "loss_masks")
     tokens = s.get("tokens")
     if tokens is not None:
-        ids = _ints(tokens)
+        ids = _as_values(tokens, where, "tokens", integer=True)
         if len(ids) >= length:
             rec["token_ids"] = ids[len(ids) - length :]
     index = s.get("sample_index")
+    name = "sample_index"
     if index is None:
-        index = s.get("rollout_position")
+        index, name = s.get("rollout_position"), "rollout_position"
     if index is not None:
-        rec["sample_index"] = int(index)
+        rec["sample_index"] = _int_field(index, where, name)
     reward = _number(s.get("rewards"))
     if reward is not None:
         rec["reward"] = reward
@@ -144,7 +171,8 @@ def _samples(kind: str, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     if kind == "train":
         return [s for s in obj["samples"] if isinstance(s, Mapping)]
     data = obj["rollout_data"]  # legacy per-rank: columns of per-sample lists
-    n = len(data.get("response_lengths") or [])
+    lengths = data.get("response_lengths")
+    n = len(lengths) if isinstance(lengths, (list, tuple)) else 0
     columns = {k: v for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
     out = []
     for i in range(n):
@@ -156,7 +184,10 @@ def _samples(kind: str, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _same(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+    def same(x: Any, y: Any) -> bool:
+        return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -175,7 +206,7 @@ def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list
             raise _rollout_only_error(path, obj)
         if kind is None:
             raise ValueError(f"{path}: not a slime debug dump")
-        rollout_id = int(obj["rollout_id"])
+        rollout_id = _int_field(obj["rollout_id"], str(path), "rollout_id")
         seen_rollouts.setdefault(rollout_id, path)
         for i, s in enumerate(_samples(kind, obj)):
             rec = _record(path, rollout_id, i, s)

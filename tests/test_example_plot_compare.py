@@ -62,12 +62,12 @@ def test_plot_several_runs_side_by_side(tmp_path, capsys):
 
 def test_plot_errors_name_the_problem(tmp_path, capsys):
     assert plot_main([str(tmp_path / "nope")]) == 2
-    assert "is not a run directory" in capsys.readouterr().out
+    assert "is not a run directory" in capsys.readouterr().err
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "metrics.jsonl").write_text('{"reward": 1}\n')
     assert plot_main([str(bad)]) == 2
-    assert "needs a 'step' field" in capsys.readouterr().out
+    assert "needs a 'step' field" in capsys.readouterr().err
     _write_run(tmp_path / "ok", _rows(3, 0, 0))
     with pytest.raises(SystemExit):
         plot_main([str(tmp_path / "ok"), "--smooth", "x"])

@@ -206,7 +206,7 @@ def test_engine_errors():
 def test_http_server_speaks_generate_and_update_weights_from_disk(tmp_path):
     w = random_weights()
     engine = EmbeddedEngine(CFG)
-    server, url = serve(engine)
+    server, url = serve(engine, weights_root=str(tmp_path))
     try:
         client = SGLangClient(url)
         client.wait_healthy(timeout=10)

@@ -5,8 +5,13 @@ Layout of ``RUN_DIR/checkpoints``::
     step_{N:06d}/            megatron dist checkpoint (torch_dist): the model's and the optimizer's sharded
                              state dicts, as global tensors keyed by megatron's sharded keys
     step_{N:06d}/extra.pt    rollout-lag history (full GPT-2-layout weights; written by the engine rank)
+    step_{N:06d}/manifest.sha256   sha256 of every file of the step (``examples.rl.ckpt_manifest``), written
+                             by rank 0 once the step is complete; verified before any load
     latest                   the step number, written last by rank 0 after a barrier (an interrupted save
                              is never picked up)
+
+A run directory must be trusted: torch's checkpoint reader unpickles ``.metadata``. The manifest detects
+corruption (a flipped byte, a truncated copy), not tampering.
 
 Each rank contributes its own pipeline stage / data-parallel replica (``model.sharded_state_dict()`` and
 ``optimizer.sharded_state_dict(...)``: tensors carry their global offsets and replica ids), so a run saved
@@ -20,6 +25,8 @@ import os
 from typing import Any
 
 import torch
+
+from examples.rl.ckpt_manifest import verify_manifest, write_manifest
 
 EXTRA_FILE = "extra.pt"
 
@@ -87,6 +94,7 @@ def save(
         os.replace(tmp, os.path.join(path, EXTRA_FILE))
     torch.distributed.barrier()
     if rank == 0:
+        write_manifest(path)  # every file of the step is complete (barrier above)
         ckpt = os.path.join(run_dir, "checkpoints")
         with open(os.path.join(ckpt, "latest.tmp"), "w", encoding="utf-8") as f:
             f.write(str(step))
@@ -112,6 +120,7 @@ def load(run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, *, loa
     path = _dir(run_dir, step)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
+    verify_manifest(path)  # before torch's reader opens (and unpickles) anything
     loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), path)
     _unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
@@ -130,5 +139,6 @@ def load_model(run_dir: str, step: int, model: torch.nn.Module) -> None:
     path = _dir(run_dir, step)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
+    verify_manifest(path)
     loaded = dist_checkpointing.load({"model": _unwrap(model).sharded_state_dict()}, path)
     _unwrap(model).load_state_dict(loaded["model"])

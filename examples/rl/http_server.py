@@ -8,16 +8,32 @@ Endpoints (JSON bodies, the same shapes SGLang uses):
 
 Run standalone::
 
-    python -m examples.rl.http_server --port 30000 [--model-path DIR] [--dtype bfloat16] [--logit-noise 0]
+    python -m examples.rl.http_server --port 30000 --weights-root RUN_DIR [--api-key KEY] [--dtype bfloat16]
 
-The trainer then uses ``--sglang-url http://127.0.0.1:30000`` and pushes its weights through
-``/update_weights_from_disk`` before the first rollout.
+The trainer then uses ``--run-dir RUN_DIR --sglang-url http://127.0.0.1:30000`` and pushes its weights through
+``/update_weights_from_disk`` (from ``RUN_DIR/engine_weights``) before the first rollout.
+
+Hardening (any local process can connect to a localhost port):
+
+* weights load only from directories inside ``--weights-root`` (symlinks resolved; without it the endpoint
+  refuses every path), and with ``--api-key`` (or ``SGLANG_API_KEY``) every endpoint but ``/health`` needs
+  ``Authorization: Bearer KEY`` (SGLang's scheme; the trainer's client sends ``SGLANG_API_KEY``);
+* a request body must announce its ``Content-Length``: missing -> 411, not a non-negative integer -> 400,
+  above ``--max-body-mb`` -> 413, all answered before anything is read or allocated;
+* every connection has a socket timeout (``--socket-timeout``: an idle or trickling client is dropped),
+  at most ``--max-threads`` connections are served at once (the rest wait in a listen backlog of
+  :data:`LISTEN_BACKLOG`);
+* a body that is not a JSON object, token ids outside ``[0, vocab)``, a prompt longer than the model,
+  non-finite or mistyped sampling parameters -> 400 with the reason; an unexpected failure -> 500, and
+  the server keeps serving.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -28,12 +44,67 @@ from examples.rl.model import ModelConfig
 from examples.rl.quant import ENGINE_QUANT_CHOICES
 from examples.rl.rollout_engine import EmbeddedEngine, EngineNotReadyError
 
+LISTEN_BACKLOG = 256
+DEFAULT_MAX_BODY = 64 << 20
+DEFAULT_SOCKET_TIMEOUT = 30.0
+DEFAULT_MAX_THREADS = 32
+LOCALHOST = ("127.0.0.1", "localhost", "::1")
 
-def make_handler(engine: EmbeddedEngine) -> type[BaseHTTPRequestHandler]:
+
+class EngineHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server with a large listen backlog and at most ``max_threads`` handler threads
+    (accepting waits for a free one; connections queue in the backlog meanwhile)."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, max_threads: int) -> None:
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        self._slots = threading.BoundedSemaphore(max_threads)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _BadRequest(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _inside(path: str, root: str) -> bool:
+    real = os.path.realpath(path)
+    return os.path.commonpath([real, root]) == root
+
+
+def make_handler(
+    engine: EmbeddedEngine,
+    *,
+    weights_root: str | None = None,
+    api_key: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+) -> type[BaseHTTPRequestHandler]:
+    """The request handler class (see the module docstring for the rules it enforces)."""
     state: dict[str, Any] = {"model_path": None}
+    root = os.path.realpath(weights_root) if weights_root else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = socket_timeout  # StreamRequestHandler.setup: settimeout on the connection
 
         def log_message(self, fmt: str, *args: Any) -> None:  # keep the trainer's console clean
             pass
@@ -43,11 +114,44 @@ def make_handler(engine: EmbeddedEngine) -> type[BaseHTTPRequestHandler]:
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
 
+        def _authorised(self) -> bool:
+            if api_key is None or self.path == "/health":
+                return True
+            given = self.headers.get("Authorization", "")
+            return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+        def _body(self) -> dict[str, Any]:
+            """The JSON object of the request body; sizes checked before reading."""
+            if self.headers.get("Transfer-Encoding"):
+                raise _BadRequest(411, "chunked bodies are not accepted: send Content-Length")
+            raw = self.headers.get("Content-Length")
+            if raw is None:
+                raise _BadRequest(411, "a POST needs a Content-Length header")
+            if not raw.strip().isdigit() or len(raw) > 20:
+                raise _BadRequest(400, f"Content-Length must be a non-negative integer, got {raw[:40]!r}")
+            length = int(raw)
+            if length > max_body:
+                raise _BadRequest(413, f"request body of {length} bytes exceeds the limit of {max_body}")
+            data = self.rfile.read(length)
+            if len(data) != length:
+                raise _BadRequest(400, f"the body ended after {len(data)} of {length} bytes")
+            try:
+                req = json.loads(data or b"{}")
+            except (ValueError, RecursionError) as e:
+                raise _BadRequest(400, f"bad JSON body: {str(e)[:200]}") from None
+            if not isinstance(req, dict):
+                raise _BadRequest(400, f"the body must be a JSON object, got {type(req).__name__}")
+            return req
+
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-            if self.path == "/health":
+            if not self._authorised():
+                self._reply(401, {"error": "missing or wrong 'Authorization: Bearer <api key>'"})
+            elif self.path == "/health":
                 self._reply(200, {"status": "ok"})
             elif self.path == "/get_model_info":
                 self._reply(
@@ -60,43 +164,79 @@ def make_handler(engine: EmbeddedEngine) -> type[BaseHTTPRequestHandler]:
                     },
                 )
             else:
-                self._reply(404, {"error": f"unknown path {self.path}"})
+                self._reply(404, {"error": f"unknown path {self.path[:200]}"})
 
         def do_POST(self) -> None:  # noqa: N802
             try:
-                length = int(self.headers.get("Content-Length", "0"))
-                req = json.loads(self.rfile.read(length) or b"{}")
-            except (ValueError, json.JSONDecodeError) as e:
-                self._reply(400, {"error": f"bad JSON body: {e}"})
-                return
-            if self.path == "/generate":
-                try:
+                if not self._authorised():
+                    raise _BadRequest(401, "missing or wrong 'Authorization: Bearer <api key>'")
+                req = self._body()
+                if self.path == "/generate":
                     self._reply(200, engine.generate(req))
-                except EngineNotReadyError as e:
-                    self._reply(503, {"error": str(e)})
-                except ValueError as e:
-                    self._reply(400, {"error": str(e)})
-            elif self.path == "/update_weights_from_disk":
-                path = req.get("model_path")
-                if not isinstance(path, str):
-                    self._reply(400, {"success": False, "message": f"model_path must be a string, got {path!r}"})
-                    return
-                res = engine.update_weights_from_disk(path)
-                if res["success"]:
-                    state["model_path"] = path
-                self._reply(200 if res["success"] else 400, res)
-            else:
-                self._reply(404, {"error": f"unknown path {self.path}"})
+                elif self.path == "/update_weights_from_disk":
+                    self._reply(*self._update_weights(req))
+                else:
+                    raise _BadRequest(404, f"unknown path {self.path[:200]}")
+            except _BadRequest as e:
+                self.close_connection = True  # an unread or rejected body must not be parsed as the next request
+                self._reply(e.code, {"error": str(e), "success": False, "message": str(e)})
+            except EngineNotReadyError as e:
+                self._reply(503, {"error": str(e)})
+            except ValueError as e:
+                self._reply(400, {"error": str(e)})
+            except TimeoutError:
+                self.close_connection = True  # the client stopped sending: drop it
+            except Exception as e:  # noqa: BLE001 - one bad request must not take the server down
+                self.close_connection = True
+                self._reply(500, {"error": f"internal error: {type(e).__name__}: {str(e)[:200]}"})
+
+        def _update_weights(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            path = req.get("model_path")
+            if not isinstance(path, str) or not path:
+                return 400, {"success": False, "message": f"model_path must be a non-empty string, got {path!r}"}
+            if root is None:
+                return 403, {"success": False, "message": "this server was started without --weights-root: it "
+                             "loads no weights over HTTP"}
+            if not _inside(path, root):
+                return 403, {"success": False, "message": f"model_path {path!r} is outside the weights root "
+                             f"{root} (symlinks resolved)"}
+            res = engine.update_weights_from_disk(os.path.realpath(path))
+            if res["success"]:
+                state["model_path"] = path
+            return (200 if res["success"] else 400), res
 
     return Handler
 
 
-def serve(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[ThreadingHTTPServer, str]:
-    """Start serving ``engine`` in a daemon thread; returns the server and its base URL.
-    Stop with ``server.shutdown(); server.server_close()``."""
-    if host not in ("127.0.0.1", "localhost", "::1"):
+def make_server(
+    engine: EmbeddedEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    weights_root: str | None = None,
+    api_key: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+    max_threads: int = DEFAULT_MAX_THREADS,
+) -> EngineHTTPServer:
+    """The server (not started): localhost only, with the limits of the module docstring."""
+    if host not in LOCALHOST:
         raise ValueError(f"the embedded server binds to localhost only, got host={host!r}")
-    server = ThreadingHTTPServer((host, port), make_handler(engine))
+    if socket_timeout <= 0 or max_body < 0:
+        raise ValueError(f"socket_timeout must be > 0 and max_body >= 0, got {socket_timeout}, {max_body}")
+    handler = make_handler(
+        engine, weights_root=weights_root, api_key=api_key, max_body=max_body, socket_timeout=socket_timeout
+    )
+    return EngineHTTPServer((host, port), handler, max_threads=max_threads)
+
+
+def serve(
+    engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, **limits: Any
+) -> tuple[ThreadingHTTPServer, str]:
+    """Start serving ``engine`` in a daemon thread; returns the server and its base URL. ``limits``: the
+    keyword arguments of :func:`make_server` (``weights_root``, ``api_key``, ...).
+    Stop with ``server.shutdown(); server.server_close()``."""
+    server = make_server(engine, host, port, **limits)
     threading.Thread(target=server.serve_forever, daemon=True, name="embedded-sglang").start()
     return server, f"http://{host}:{server.server_address[1]}"
 
@@ -118,6 +258,20 @@ def main(argv: list[str] | None = None) -> int:
         default=ModelConfig.max_seq_len,
         help="positions (the trainer uses max(16, 2 * num_digits + 2))",
     )
+    p.add_argument(
+        "--weights-root",
+        default=None,
+        help="/update_weights_from_disk loads only directories inside this one (the trainer's RUN_DIR); "
+        "without it no weights are loaded over HTTP",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SGLANG_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $SGLANG_API_KEY)",
+    )
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY / (1 << 20), help="request size limit")
+    p.add_argument("--socket-timeout", type=float, default=DEFAULT_SOCKET_TIMEOUT, help="seconds per socket read")
+    p.add_argument("--max-threads", type=int, default=DEFAULT_MAX_THREADS, help="connections served at once")
     args = p.parse_args(argv)
     cfg = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads, max_seq_len=args.max_seq_len
@@ -133,7 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         res = engine.update_weights_from_disk(args.model_path)
         if not res["success"]:
             raise SystemExit(res["message"])
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(engine))
+    server = make_server(
+        engine,
+        "127.0.0.1",
+        args.port,
+        weights_root=args.weights_root,
+        api_key=args.api_key or None,
+        max_body=int(args.max_body_mb * (1 << 20)),
+        socket_timeout=args.socket_timeout,
+        max_threads=args.max_threads,
+    )
     print(f"embedded SGLang-protocol server on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

@@ -32,6 +32,7 @@ Sampling is reproducible: with ``sampling_seed`` the same request gives the same
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from typing import Any
 
@@ -109,14 +110,20 @@ class EmbeddedEngine:
             model = self._model
         if model is None:
             raise EngineNotReadyError("no weights loaded yet; push weights with update_weights first")
+        if not isinstance(request, dict):
+            raise ValueError(f"the request must be a JSON object, got {type(request).__name__}")
         ids = request.get("input_ids")
         if not isinstance(ids, list) or not ids:
-            raise ValueError(f"input_ids must be a non-empty list of token ids or of lists, got {type(ids)}")
+            raise ValueError(f"input_ids must be a non-empty list of token ids or of lists, got {type(ids).__name__}")
         single = not isinstance(ids[0], list)
         prompts = [ids] if single else ids
-        sp = dict(request.get("sampling_params") or {})
-        params = _SamplingParams.parse(sp)
-        if not request.get("return_logprob", False):
+        for i, prompt in enumerate(prompts):
+            self._check_prompt(prompt, "input_ids" if single else f"input_ids[{i}]")
+        sp = request.get("sampling_params")
+        if sp is not None and not isinstance(sp, dict):
+            raise ValueError(f"sampling_params must be a JSON object, got {type(sp).__name__}")
+        params = _SamplingParams.parse(sp or {}, self.cfg.vocab_size)
+        if request.get("return_logprob", False) is not True:
             raise ValueError("the embedded engine only serves return_logprob=true requests")
         gen = torch.Generator().manual_seed(params.seed)
         out = [None] * len(prompts)
@@ -129,6 +136,19 @@ class EmbeddedEngine:
             for i, res in zip(rows, results):
                 out[i] = res
         return out[0] if single else out
+
+    def _check_prompt(self, prompt: Any, name: str) -> None:
+        """A prompt: 1 to ``max_seq_len - 1`` token ids, each an int in ``[0, vocab_size)`` (a negative id would
+        index the embedding from the end, an id >= vocab_size past it)."""
+        v, limit = self.cfg.vocab_size, self.cfg.max_seq_len - 1
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"{name} must be a non-empty list of token ids, got {_short(prompt)}")
+        if len(prompt) > limit:
+            raise ValueError(f"{name} has {len(prompt)} tokens; the model holds {self.cfg.max_seq_len} positions, "
+                             f"so a prompt has at most {limit}")
+        for t, tok in enumerate(prompt):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < v:
+                raise ValueError(f"{name}[{t}] = {_short(tok)} is not a token id in [0, {v})")
 
     def _decode(
         self, model: KVCacheGPT, prompts: torch.Tensor, p: _SamplingParams, gen: torch.Generator
@@ -202,20 +222,51 @@ class _SamplingParams:
         self.top_p, self.top_k, self.seed = top_p, top_k, seed
 
     @classmethod
-    def parse(cls, sp: dict[str, Any]) -> _SamplingParams:
-        temperature = float(sp.get("temperature", 1.0))
+    def parse(cls, sp: dict[str, Any], vocab_size: int) -> _SamplingParams:
+        temperature = _real(sp, "temperature", 1.0)
         if temperature <= 0:
             raise ValueError(f"sampling_params.temperature must be > 0 (greedy is not served), got {temperature}")
-        max_new = int(sp.get("max_new_tokens", 16))
+        max_new = _int(sp, "max_new_tokens", 16)
         if max_new < 1:
             raise ValueError(f"sampling_params.max_new_tokens must be >= 1, got {max_new}")
-        top_p = float(sp.get("top_p", 1.0))
+        top_p = _real(sp, "top_p", 1.0)
         if not 0 < top_p <= 1:
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
-        top_k = int(sp.get("top_k", -1))
+        top_k = _int(sp, "top_k", -1)
         seed = sp.get("sampling_seed")
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)  # host-sync-ok
-        return cls(temperature, max_new, [int(t) for t in sp.get("stop_token_ids") or []], top_p, top_k, seed)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())  # host-sync-ok
+        else:
+            seed = _int(sp, "sampling_seed", 0)
+            if not 0 <= seed < 2**63:
+                raise ValueError(f"sampling_params.sampling_seed must be in [0, 2**63), got {seed}")
+        stops = sp.get("stop_token_ids") or []
+        if not isinstance(stops, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stops
+        ):
+            raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids in [0, {vocab_size}), "
+                             f"got {_short(stops)}")
+        return cls(temperature, max_new, list(stops), top_p, top_k, seed)
+
+
+def _real(sp: dict[str, Any], key: str, default: float) -> float:
+    """A finite number (JSON's ``NaN`` / ``Infinity`` and non-numbers are errors)."""
+    v = sp.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"sampling_params.{key} must be a finite number, got {_short(v)}")
+    return float(v)
+
+
+def _int(sp: dict[str, Any], key: str, default: int) -> int:
+    v = sp.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"sampling_params.{key} must be an integer, got {_short(v)}")
+    return v
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _filter_probs(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:

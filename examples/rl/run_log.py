@@ -33,7 +33,10 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        _truncate_from(self.path, start_step)  # a resumed run rewrites the steps it repeats
+        from examples.rl.run_dir import cut_from_step
+
+        for note in cut_from_step(self.path, start_step):  # a resumed run rewrites the steps it repeats
+            warnings.warn(f"{note}; cut before resuming", stacklevel=2)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -78,21 +81,9 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def _truncate_from(path: str, start_step: int) -> None:
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(keep)
-
-
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """All rows of ``RUN_DIR/metrics.jsonl`` (the last row wins for a repeated step)."""
-    rows: dict[int, dict[str, Any]] = {}
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                rows[row["step"]] = row
-    return [rows[k] for k in sorted(rows)]
+    """All rows of ``RUN_DIR/metrics.jsonl`` (the last row wins for a repeated step; a torn last line, left by
+    a crash, is skipped)."""
+    from slime_tis.plot import read_run
+
+    return read_run(run_dir)

@@ -17,8 +17,8 @@ Everything the correction does happens inside ``tis_forward_backward_func`` (the
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -48,7 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
-    g.add_argument("--resume", action="store_true", help="continue from RUN_DIR's latest checkpoint")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from RUN_DIR's latest checkpoint with the run's saved configuration (RUN_DIR/args.json: "
+        "flags not given keep their saved value; a contradicting flag is refused; --steps, --save-interval, "
+        "--dump-interval, --pp, --sglang-url may change)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start anew in a non-empty run directory of this job: delete its contents first (without it, a "
+        "non-empty RUN_DIR is refused unless --resume)",
+    )
     g.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bar")
     g.add_argument(
         "--dump-interval",
@@ -150,13 +162,45 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def resolve_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv`` under the run directory's rules (``examples.rl.run_dir``): a fresh run needs an empty
+    RUN_DIR (or ``--overwrite``); ``--resume`` takes the saved configuration and refuses contradicting
+    flags. Read-only: every rank calls it before any rank writes."""
+    from examples.rl import checkpoint, run_dir
+    from slime_tis import TISConfig
+
     args = build_parser().parse_args(argv)
+    if args.resume and args.overwrite:
+        raise run_dir.RunDirError("--resume continues the run in RUN_DIR, --overwrite deletes it: give one of them")
+    if not args.resume:
+        run_dir.check_fresh(args.run_dir, overwrite=args.overwrite)
+        return args
+    saved = run_dir.load_saved(args.run_dir)
+    args = run_dir.resolve_resume(args, run_dir.explicit_dests(build_parser, argv), saved, TISConfig.from_args)
+    if checkpoint.latest_step(args.run_dir) is None:
+        raise run_dir.RunDirError(f"--resume given but {args.run_dir}/checkpoints/latest does not exist")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from examples.rl.run_dir import RunDirError
+
+    try:
+        args = resolve_args(list(sys.argv[1:] if argv is None else argv))
+    except RunDirError as e:
+        print(f"examples.rl.train: error: {e}", file=sys.stderr)
+        return 2
     from examples.rl.dist import init_distributed, shutdown
 
     info = init_distributed(pp=args.pp, seed=args.seed)
     try:
         validate(args, info.world_size)
+        if args.overwrite and info.rank == 0 and os.path.isdir(args.run_dir):
+            from examples.rl.run_dir import clear
+
+            clear(args.run_dir)  # every rank has checked the directory (resolve_args) before this
+        if info.world_size > 1:
+            torch.distributed.barrier()
         Trainer(args, info).run()
     finally:
         shutdown()
@@ -227,7 +271,7 @@ class Trainer:
 
         a = self.args
         if a.sglang_url:
-            client = SGLangClient(a.sglang_url)
+            client = SGLangClient(a.sglang_url, api_key=os.environ.get("SGLANG_API_KEY") or None)
             client.wait_healthy()
             inner = DiskWeightSync(client, os.path.join(a.run_dir, "engine_weights"), self.mcfg, EOS)
             return client, LaggedWeightSync(inner, a.rollout_lag)
@@ -442,6 +486,7 @@ class Trainer:
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
         from examples.rl import checkpoint
+        from examples.rl.run_dir import cut_from_step, write_saved
         from examples.rl.run_log import RunLogger
 
         a, info = self.args, self.info
@@ -457,12 +502,11 @@ class Trainer:
             os.makedirs(a.run_dir, exist_ok=True)
         if info.rank == 0:
             print(self.tis_cfg.describe(), flush=True)
-            with open(os.path.join(a.run_dir, "args.json"), "w", encoding="utf-8") as f:
-                json.dump(
-                    {**vars(a), "algorithm": self.tis_cfg.algorithm, "world_size": info.world_size},
-                    f,
-                    indent=1,
-                )
+            if not a.resume:  # a resumed run keeps the args.json of its first start
+                write_saved(a.run_dir, a, {"algorithm": self.tis_cfg.algorithm, "world_size": info.world_size})
+        if a.resume and info.is_logging_rank:  # the dump loses the steps that will be repeated
+            for note in cut_from_step(os.path.join(a.run_dir, "logprobs.jsonl"), start):
+                print(f"resume: {note}; cut", flush=True)
         if a.resume and self.sync is not None:
             self.sync.load_state_dict(extra["lag"], start)
         elif not a.resume:

@@ -24,7 +24,9 @@ Checks (each failure rejects the sequence and records a reason; ``on_error="rais
 
 * finish: ``meta_info.finish_reason`` must say the request finished normally. Rejected (whole
   sequence masked, NaN log-probs, like a misalignment): ``null`` (the request had not finished: a
-  stream cut off before its finishing chunk), ``{"type": "abort", "message": ...}`` (SGLang aborted
+  stream cut off before its finishing chunk, or a request of a batched stream that sent no chunk), a value
+  that is no finish reason (``false``, ``0``, ``{}``, ``""``: counted as unfinished), ``{"type": "abort",
+  "message": ...}`` (SGLang aborted
   it; the message is kept in the reason) and ``{"type": "stop", "matched": "NaN happened"}`` (SGLang's
   stop when the sampler produced a token id outside the vocabulary, i.e. NaN/inf logits; the last
   token was replaced by the stop token). A response without the key is not checked.
@@ -60,6 +62,7 @@ __all__ = [
     "NAN_STOP",
     "RolloutTokens",
     "SGLangLogprobError",
+    "is_finish_reason",
     "parse_generate_response",
 ]
 
@@ -217,6 +220,15 @@ def _value_errors(values: list[Any], tolerance: float) -> tuple[list[float], lis
     return out, reasons
 
 
+def is_finish_reason(value: Any) -> bool:
+    """Whether ``value`` says a request finished: SGLang's ``{"type": "stop" | "length" | "abort", ...}``
+    (a non-empty string ``type``), or a non-empty string (``"stop"``, as OpenAI-style servers send).
+    ``null`` means running; ``false``, ``0``, ``{}``, ``""`` and other values are not finish reasons."""
+    if isinstance(value, Mapping):
+        value = value.get("type")
+    return isinstance(value, str) and value != ""
+
+
 def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) -> tuple[str, str] | None:
     """``(kind, reason)`` when ``meta_info.finish_reason`` says the request did not finish normally.
 
@@ -230,7 +242,9 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
     fr = meta["finish_reason"]
     if fr is None:
         stream = response.get("stream")
-        if isinstance(stream, Mapping):
+        if isinstance(stream, Mapping) and stream.get("chunks") == 0:
+            where = f"no stream chunk of request {response.get('index')!r} of the batch was received"
+        elif isinstance(stream, Mapping):
             where = (
                 f"finish_reason null in the last of {stream.get('chunks')} stream chunk(s), "
                 + ("then [DONE]" if stream.get("done") else "no [DONE] line")
@@ -239,6 +253,11 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
         else:
             where = "finish_reason null: the response is not the request's final output"
         return "unfinished", f"the request had not finished ({where}); its {n} received token(s) are not used"
+    if not is_finish_reason(fr):
+        return "unfinished", (
+            f"finish_reason {fr!r} is not a finish reason (null while the request runs, "
+            f"{{'type': 'stop' | 'length' | 'abort', ...}} when it ends); its {n} received token(s) are not used"
+        )
     kind = fr.get("type") if isinstance(fr, Mapping) else fr
     if kind == "abort":
         if isinstance(fr, Mapping):

@@ -15,17 +15,22 @@ request's growing lists instead of copying them (``tokenizer_manager.py``, "pass
 copy)"), so a chunk serialised late -- typical of batched and ``n > 1`` streams, whose chunks wait
 for their turn -- already holds later tokens. An incremental chunk holds fewer (the delta) after the
 first. Hence: ``len(list) < length`` means incremental (and the deltas must add up to the length);
-otherwise the chunk is cumulative and must extend what was received (the length field is only a
-cross-check; a chunk ahead of it is counted in ``stream["ahead"]``). Without the field (other
+otherwise the chunk is cumulative and must extend what was received, entry for entry (a chunk that
+rewrites an earlier token is an error; the length field is only a cross-check; a chunk ahead of it is
+counted in ``stream["ahead"]``). Without the field (other
 servers, hand-built chunks) the mode is inferred: a chunk whose list starts with everything received
 so far is cumulative. Pass ``incremental=True/False`` to force it. A batched streaming request tags
-chunks with ``"index"``; :func:`merge_stream_batch` splits them.
+chunks with ``"index"``; :func:`merge_stream_batch` splits them (give it ``num_requests``: a request
+that sent no chunk is then returned empty, rejected and counted, in its own place). Merging costs time
+linear in the bytes received.
 
-The merged dict has the shape of a non-streaming response plus ``"stream": {"chunks", "done",
-"ahead"}`` (chunks merged, whether ``[DONE]`` was seen, chunks whose lists were ahead of their
-length field). It goes to :func:`slime_tis.sglang.parse_generate_response`, which performs the
-alignment checks and rejects, with the reason, a request whose last chunk is not its finishing one
-(``finish_reason`` null: a stream cut off early).
+The merged dict has the shape of a non-streaming response plus ``"index"`` and ``"stream": {"chunks",
+"done", "ahead"}`` (chunks merged, whether ``[DONE]`` was seen, chunks whose lists were ahead of their
+length field). Only a non-empty ``finish_reason`` (SGLang's ``{"type": ...}`` or a string) ends a
+request; ``false``, ``0``, ``{}`` or ``""`` do not. It goes to
+:func:`slime_tis.sglang.parse_generate_response`, which performs the alignment checks and rejects,
+with the reason, a request whose last chunk is not its finishing one (``finish_reason`` null: a
+stream cut off early).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .response import SGLangLogprobError
+from .response import SGLangLogprobError, is_finish_reason
 
 __all__ = ["TOKEN_LISTS", "iter_stream_chunks", "merge_stream_batch", "merge_stream_chunks"]
 
@@ -49,6 +54,8 @@ TOKEN_LISTS = (
     "output_token_sampling_logprobs",
 )
 _PRIMARY = "output_token_logprobs"
+#: Without ``num_requests``, requests missing below the highest index are filled in: up to this index.
+MAX_UNDECLARED_INDEX = 1 << 16
 
 
 class _Lines:
@@ -106,12 +113,13 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _extends(new: list[Any], old: list[Any]) -> bool:
-    """``new`` starts with ``old``, checked at its first, middle and last entries (O(1) per chunk: a
-    full comparison would make merging a long stream quadratic)."""
+    """``new`` starts with every entry of ``old`` (NaN equals NaN). Linear in ``len(old)``, which a
+    cumulative chunk repeats anyway; list equality runs in C, the NaN-aware walk only on a mismatch."""
     n = len(old)
     if len(new) < n:
         return False
-    return all(_same(new[i], old[i]) for i in {0, n // 2, n - 1} if 0 <= i < n)
+    head = new[:n] if len(new) > n else new
+    return head == old or _same(head, old)
 
 
 def _length_field(meta: Mapping[str, Any]) -> int | None:
@@ -181,7 +189,9 @@ class _Accumulator:
             for key, values in lists.items():
                 self.lists.setdefault(key, []).extend(values)
             if isinstance(ids, (list, tuple)):
-                self.output_ids = (self.output_ids or []) + list(ids)
+                if self.output_ids is None:
+                    self.output_ids = []
+                self.output_ids.extend(ids)  # in place: a long stream of deltas merges in linear time
             if isinstance(chunk.get("text"), str):
                 self.text_parts.append(chunk["text"])
         else:
@@ -196,12 +206,18 @@ class _Accumulator:
             if total is not None and len(lps) > total:
                 self.ahead += 1  # serialised after its (referenced) lists grew: later tokens, already here
             if isinstance(ids, (list, tuple)):
-                self.output_ids = list(ids)
+                ids = list(ids)
+                if self.output_ids is not None and not _extends(ids, self.output_ids):
+                    raise SGLangLogprobError(
+                        f"{self._where()} is cumulative but its output_ids do not extend the "
+                        f"{len(self.output_ids)} ids received so far (an earlier token was rewritten)"
+                    )
+                self.output_ids = ids
             if isinstance(chunk.get("text"), str):
                 self.last_text = chunk["text"]
         self.meta = dict(meta)
         self.n_chunks += 1
-        self.finished = meta.get("finish_reason") is not None
+        self.finished = is_finish_reason(meta.get("finish_reason"))
 
     def result(self, done: bool) -> dict[str, Any]:
         if self.n_chunks == 0:
@@ -216,31 +232,69 @@ class _Accumulator:
         if self.output_ids is not None:
             out["output_ids"] = self.output_ids
         out["stream"] = {"chunks": self.n_chunks, "done": done, "ahead": self.ahead}
+        out["index"] = self.index
         return out
 
 
+def _missing(index: int, done: bool) -> dict[str, Any]:
+    """The result of a request of the batch that sent no chunk: no tokens, ``finish_reason`` null, so
+    :func:`slime_tis.sglang.parse_generate_response` rejects it as unfinished (and ``collate`` counts it)."""
+    meta = {"output_token_logprobs": [], "output_token_logprobs_length": 0, "finish_reason": None}
+    return {
+        "text": None,
+        "output_ids": [],
+        "meta_info": meta,
+        "stream": {"chunks": 0, "done": done, "ahead": 0},
+        "index": index,
+    }
+
+
 def merge_stream_batch(
-    chunks: Iterable[str | bytes | Mapping[str, Any]], *, incremental: bool | None = None
+    chunks: Iterable[str | bytes | Mapping[str, Any]],
+    *,
+    incremental: bool | None = None,
+    num_requests: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Merge the chunks of a (possibly batched) streaming request; one response dict per ``index``,
-    ordered by index (chunks without ``index`` belong to index 0).
+    """Merge the chunks of a (possibly batched) streaming request; one response dict per request,
+    ordered by ``index`` and carrying it (``result["index"]``; chunks without ``index`` belong to 0).
+
+    ``num_requests``: how many requests the batch holds (``len(input_ids)`` of a batched request,
+    times ``n`` for parallel sampling). Result ``i`` is always request ``i``: a request that sent no
+    chunk at all -- beyond the highest index seen only when ``num_requests`` is given, so pass it --
+    gets an empty result with ``finish_reason`` null and ``stream["chunks"] = 0``, which
+    :func:`slime_tis.sglang.parse_generate_response` rejects as unfinished and ``collate`` counts in
+    ``sglang/unfinished_seq_fraction``; the next request's tokens never take its place. A chunk with an
+    index outside ``[0, num_requests)`` is an error.
 
     A request whose stream stops before its finishing chunk is still returned (``finish_reason``
     null, ``stream["done"]`` false when ``[DONE]`` is missing) and is rejected, counted, by
     :func:`slime_tis.sglang.parse_generate_response`; the other requests of the batch are unaffected.
     """
+    if num_requests is not None and (
+        isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
+    ):
+        raise ValueError(f"num_requests must be a positive int, got {num_requests!r}")
     lines = _Lines(chunks)
     accs: dict[int, _Accumulator] = {}
     for chunk in lines:
         index = chunk.get("index", 0)
         if isinstance(index, bool) or not isinstance(index, int):
             raise SGLangLogprobError(f"stream chunk has a non-integer 'index' {index!r}")
+        if index < 0 or (num_requests is not None and index >= num_requests):
+            expected = f"[0, {num_requests})" if num_requests is not None else ">= 0"
+            raise SGLangLogprobError(f"stream chunk has 'index' {index}, expected {expected}")
         if index not in accs:
             accs[index] = _Accumulator(incremental, index)
         accs[index].add(chunk)
-    if not accs:
+    if not accs and num_requests is None:
         raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
-    return [accs[i].result(lines.done) for i in sorted(accs)]
+    if num_requests is None and max(accs) >= MAX_UNDECLARED_INDEX:
+        raise SGLangLogprobError(
+            f"stream chunk has 'index' {max(accs)} (>= {MAX_UNDECLARED_INDEX}): pass num_requests to merge "
+            "a batch that large"
+        )
+    n = num_requests if num_requests is not None else max(accs) + 1
+    return [accs[i].result(lines.done) if i in accs else _missing(i, lines.done) for i in range(n)]
 
 
 def merge_stream_chunks(

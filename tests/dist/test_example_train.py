@@ -97,6 +97,7 @@ def test_two_process_training_and_bit_identical_resume(case, tmp_path):
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
     (resumed / "checkpoints" / "latest").write_text("2")
+    shutil.copy(full / "args.json", resumed / "args.json")  # a resumed run takes its saved configuration
     _torchrun(["--run-dir", str(resumed), "--resume", *common])
 
     rows = _rows(full)
@@ -158,7 +159,8 @@ def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(tmp_path):
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(src / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
     (resumed / "checkpoints" / "latest").write_text("2")
-    _torchrun(["--run-dir", str(resumed), "--resume", *common])  # --pp 1: data parallel 2
+    shutil.copy(src / "args.json", resumed / "args.json")
+    _torchrun(["--run-dir", str(resumed), "--resume", "--pp", "1", *common])  # data parallel 2 (the run had --pp 2)
     a, b = _rows(src)[2], _rows(resumed)[0]
     assert b["step"] == 2
     # the rollout comes from the restored lag history: the same tokens, rewards and lengths
@@ -269,7 +271,8 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
     """
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "examples.rl.http_server", "--port", str(port), "--dtype", "float32"],
+        [sys.executable, "-m", "examples.rl.http_server", "--port", str(port), "--dtype", "float32",
+         "--weights-root", str(tmp_path / "http")],
         cwd=ROOT,
         env=_env(),
         stdout=subprocess.PIPE,

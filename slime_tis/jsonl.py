@@ -1,0 +1,124 @@
+"""Reading line-per-record JSON files (``metrics.jsonl``, log-prob dumps) that a crash may have cut short.
+
+Writers append one ``json.dumps(obj) + "\\n"`` per record; a process killed during a write leaves a
+*torn* final line: no trailing newline and not valid JSON. :func:`read_jsonl` drops such a line and
+reports it (``JSONLRead.torn``); any other malformed line -- in the middle of the file, or a final line
+that ends with a newline -- is an error naming the file and the line (:class:`JSONLError`).
+:func:`torn_tail` tells a writer where the complete part of a file ends, so that it can cut the torn
+line off before appending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["JSONLError", "JSONLRead", "read_jsonl", "torn_tail"]
+
+
+class JSONLError(ValueError):
+    """A line of a JSONL file is not a JSON value (message: ``FILE:LINE: ...``)."""
+
+
+@dataclass
+class JSONLRead:
+    """``rows``: ``(line number, decoded value)`` of every non-blank line, in file order; ``torn``: a
+    sentence describing the torn final line that was dropped, or ``None``."""
+
+    rows: list[tuple[int, Any]] = field(default_factory=list)
+    torn: str | None = None
+
+
+def _decode(raw: bytes) -> Any:
+    """One line -> its JSON value; raises ``ValueError`` with the reason."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+
+
+def _torn_message(path: str | os.PathLike, lineno: int, raw: bytes, why: str) -> str:
+    return (
+        f"{os.fspath(path)}:{lineno}: the last line is incomplete ({len(raw)} bytes, no newline, {why}) and was "
+        "ignored: a write cut short, e.g. by a crash"
+    )
+
+
+def read_jsonl(path: str | os.PathLike) -> JSONLRead:
+    """Every JSON value of ``path`` (one per non-blank line), tolerating a torn final line.
+
+    Raises :class:`JSONLError` naming ``path`` and the line for a malformed line that is not the torn
+    last one, ``FileNotFoundError`` / ``IsADirectoryError`` (``OSError``) for a path that is not a file.
+    """
+    out = JSONLRead()
+    with open(path, "rb") as f:
+        lineno = 0
+        for raw in f:
+            lineno += 1
+            body = raw.strip()
+            if not body:
+                continue
+            try:
+                value = _decode(body)
+            except ValueError as e:
+                if not raw.endswith(b"\n"):  # the final line, never completed
+                    out.torn = _torn_message(path, lineno, raw, str(e))
+                    break
+                raise JSONLError(f"{os.fspath(path)}:{lineno}: {e}") from None
+            out.rows.append((lineno, value))
+    return out
+
+
+def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
+    """Where the complete part of ``path`` ends, when its last line lacks the newline: ``(size to keep,
+    description)``. A final line that is valid JSON but lacks its newline is kept and completed by the
+    caller (size = the file size); a torn one is cut (size = where it starts). ``None``: the file ends
+    with a newline (or is empty). Reads only the file's last line."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return None
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return None
+        start, block = size, 1 << 16
+        while start > 0:  # find the start of the last line, reading backwards in blocks
+            lo = max(0, start - block)
+            f.seek(lo)
+            chunk = f.read(start - lo)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                start = lo + nl + 1
+                break
+            start = lo
+        f.seek(start)
+        raw = f.read(size - start)
+    lineno = _count_lines(path, start) + 1
+    if not raw.strip():
+        return start, f"{os.fspath(path)}:{lineno}: trailing blank bytes without a newline"
+    try:
+        _decode(raw.strip())
+    except ValueError as e:
+        return start, _torn_message(path, lineno, raw, str(e))
+    return size, f"{os.fspath(path)}:{lineno}: the last line lacks its newline"
+
+
+def _count_lines(path: str | os.PathLike, end: int) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        remaining = end
+        while remaining > 0:
+            chunk = f.read(min(remaining, 1 << 20))
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            remaining -= len(chunk)
+    return n
