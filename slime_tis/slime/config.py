@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args
+from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 
@@ -56,7 +56,8 @@ def slime_loss_agg(args: Any) -> str:
 
 
 def _mis_translation(args: Any, fields: dict[str, Any]) -> None:
-    if not getattr(args, "use_rs", False) or fields.get("rs_level") is not None:
+    use_rs = getattr(args, "use_rs", None)  # a YAML key: strictly parsed ("false" is off)
+    if use_rs is None or not parse_switch("use_rs", use_rs) or fields.get("rs_level") is not None:
         return
     rs_level = getattr(args, "rs_level", None)
     if rs_level is None:
