@@ -28,6 +28,7 @@ import logging
 from typing import Any
 
 from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
+from slime_tis.slime.agreement import check_slime_settings_agree
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 
@@ -106,6 +107,7 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
         fields["use_rollout_log_probs"] = bool(algorithm & 1)
         fields["use_tis"] = bool(algorithm & 2)
     cfg = TISConfig(**fields)
+    check_slime_settings_agree(args, cfg)  # once per configuration, on every rank of the pipeline stage
     if cfg not in _DESCRIBED:
         _DESCRIBED.add(cfg)
         logger.info("%s", cfg.describe())
