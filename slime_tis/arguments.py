@@ -77,7 +77,9 @@ def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
         (["--eps-clip-c"], "eps_clip_c",
          dict(type=float, default=None, help="Dual-clip constant c > 1 for negative advantages. Default: off.")),
         (["--tis-safety-bound"], "tis_safety_bound",
-         dict(type=float, default=None, help="Log-quantities are clamped to [-B, B] before exp. Default: 20.")),
+         dict(type=float, default=None,
+              help="Log-quantities are clamped to [-B, B] before exp; 0 < B <= 60 (float32 exp overflows at "
+                   "88.7). Default: 20.")),
         (["--tis-preset"], "tis_preset",
          dict(choices=list(PRESETS), default=None,
               help="Expand a named preset; explicit flags override it. Presets: "

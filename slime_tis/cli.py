@@ -50,6 +50,22 @@ def _parse_steps(spec: str) -> tuple[int | None, int | None]:
         raise ValueError(f"--steps = {spec!r}: expected A:B with integers (either may be empty)") from None
 
 
+def _refuse_ignored_options(ns: argparse.Namespace, cfg) -> None:
+    """Correction options given without ``--use-tis`` / ``--use-rollout-log-probs`` would be ignored (the report
+    then shows its default configuration): a ``ValueError`` naming them."""
+    from slime_tis.config import DESTS_OF, FLAG_OF, SWITCHES
+
+    if cfg.use_tis or cfg.use_rollout_log_probs:
+        return
+    given = [f"{FLAG_OF[f]} {getattr(ns, dests[0])}" for f, dests in DESTS_OF.items()
+             if f not in SWITCHES and getattr(ns, dests[0], None) is not None]
+    given += [f"--tis-preset {ns.tis_preset}"] if getattr(ns, "tis_preset", None) else []
+    if given:
+        raise ValueError(f"{', '.join(given)} given without --use-tis (or --use-rollout-log-probs) would be ignored: "
+                         "diagnose reports a configuration of algorithm 1, 2 or 3 (default: --use-tis, token "
+                         "truncate at 2); add --use-tis to report this one")
+
+
 def _diagnose(ns: argparse.Namespace) -> int:
     import torch
 
@@ -77,6 +93,7 @@ def _diagnose(ns: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--buckets = {ns.buckets!r}: expected comma-separated integers") from None
     cfg = TISConfig.from_args(ns)
+    _refuse_ignored_options(ns, cfg)
     result = diagnose(dump, cfg if (cfg.use_tis or cfg.use_rollout_log_probs) else None, bucket_edges=edges)
     print(format_report(result))
     if not ns.no_png:

@@ -35,7 +35,7 @@ from slime_tis.core.plan import Plan, declared_thresholds, resolve, threshold
 from slime_tis.presets import preset_fields
 
 __all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS",
-           "config_fields_from_args"]
+           "config_fields_from_args", "parse_switch"]
 
 MODES = ("truncate", "clip", "mask")
 LEVELS = ("token", "sequence", "geometric")
@@ -44,6 +44,11 @@ DENOMINATORS = ("keep", "drop")
 
 DEFAULT_UPPER = 2.0
 DEFAULT_GEOMETRIC_UPPER = 1.001
+#: Largest ``--tis-safety-bound``: ``exp(B)`` is float32's largest value at ``B = 88.7``; at 60, ``exp(B) = 1.1e26``
+#: leaves a factor 3e12 for the advantages and the sums over tokens in which clamped ratios appear.
+MAX_SAFETY_BOUND = 60.0
+#: Spellings of a switch's value (case-insensitive strings; YAML quotes keep ``"false"`` a string).
+SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 #: Command-line flag of every field but the thresholds (used in error messages; completed below the class
 #: with the thresholds' declared flags).
@@ -114,9 +119,29 @@ def _check_number(field: str, value: Any, allow_none: bool = True) -> None:
         raise _bad(field, value, "must be a finite number")
 
 
-def _check_bounds(lower_field: str, lower: float, upper_field: str, upper: float) -> None:
+def parse_switch(name: str, value: Any) -> bool:
+    """A switch's value from a flag, a preset or a YAML key: a bool, 0 / 1, or one of :data:`SWITCH_WORDS`.
+
+    Anything else (``"flase"``, ``2``, ``[]``) raises ``ValueError`` naming ``name`` and the value, so that a
+    quoted ``"false"`` can never turn a switch on.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in SWITCH_WORDS:
+        return SWITCH_WORDS[value.strip().lower()]
+    raise ValueError(f"{name} = {value!r}: expected a boolean (true/false, yes/no, on/off or 1/0)")
+
+
+def _check_upper(field: str, upper: float) -> None:
+    """The upper bound alone (before ``1 / upper``, the default lower bound, is formed)."""
     if upper < 1:
-        raise _bad(upper_field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
+        raise _bad(field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
+
+
+def _check_bounds(lower_field: str, lower: float, upper_field: str, upper: float) -> None:
+    """``0 < lower < upper`` and ``lower <= 1`` (``upper`` already passed :func:`_check_upper`)."""
     if lower <= 0:
         raise _bad(lower_field, lower, "ratio bounds must be > 0")
     if lower >= upper:
@@ -197,12 +222,14 @@ class TISConfig:
         for field in ("eps_clip", "safety_bound"):
             _check_number(field, getattr(self, field), allow_none=False)
 
+        _check_upper("upper", self.upper_bound)
         _check_bounds("lower", self.lower_bound, "upper", self.upper_bound)
         if self.rs_level is None and (self.rs_upper is not None or self.rs_lower is not None):
             raise _bad("rs_upper" if self.rs_upper is not None else "rs_lower",
                        self.rs_upper if self.rs_upper is not None else self.rs_lower,
                        "rejection-sampling bounds given but --tis-rs-level is not set")
         if self.rs_level is not None:
+            _check_upper("rs_upper", self.rs_upper_bound)
             _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)
         for field, declared in THRESHOLDS.items():
             value = getattr(self, field)
@@ -214,8 +241,10 @@ class TISConfig:
             raise _bad("eps_clip_high", self.eps_clip_high, "must be >= 0")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise _bad("dual_clip_c", self.dual_clip_c, "dual-clip constant must be > 1")
-        if self.safety_bound <= 0:
-            raise _bad("safety_bound", self.safety_bound, "must be > 0")
+        if not 0 < self.safety_bound <= MAX_SAFETY_BOUND:
+            raise _bad("safety_bound", self.safety_bound,
+                       f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
+                       f"(exp(88.7)) so that clamped ratios, their products and sums stay finite")
         self._check_algorithm_combinations()
 
     def _check_algorithm_combinations(self) -> None:
@@ -342,12 +371,12 @@ def config_fields_from_args(args: Any) -> dict[str, Any]:
     preset = getattr(args, "tis_preset", None)
     fields: dict[str, Any] = preset_fields(preset) if preset else {}
     for field, dests in DESTS_OF.items():
-        values = [getattr(args, d) for d in dests if getattr(args, d, None) is not None]
-        if field in SWITCHES:
-            if any(bool(v) for v in values):
+        given = {d: getattr(args, d) for d in dests if getattr(args, d, None) is not None}
+        if field in SWITCHES:  # strictly parsed: a YAML "false" (a string) must not turn the switch on
+            if any([parse_switch(f"{FLAG_OF[field]} ({d})", v) for d, v in given.items()]):
                 fields[field] = True
             else:
                 fields.setdefault(field, False)
-        elif values:
-            fields[field] = values[0]
+        elif given:
+            fields[field] = next(iter(given.values()))
     return fields

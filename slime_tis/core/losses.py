@@ -125,7 +125,8 @@ def policy_loss(
 
     Args:
         config: a ``TISConfig`` (or its resolved ``Plan``).
-        lp_theta: ``[T]`` current log-probs (differentiable).
+        lp_theta: ``[T]`` current log-probs (differentiable; float32 or bfloat16, not float16: its gradient
+            has its dtype and reaches |A| exp(B) / D per token).
         lp_old: ``[T]`` pi_old (required by algorithms 0 and 2, ignored by 1 and 3).
         lp_rollout: ``[T]`` rollout log-probs (required by 1, 2, 3; optional in 0 = diagnostics; without
             them algorithm 0 reports the same ``tis.*`` keys, zero-filled).
@@ -154,6 +155,10 @@ def policy_loss(
         t = tensors[name]
         if t is not None and not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if lp_theta.dtype == torch.float16:  # its gradient has its dtype: up to |A| exp(B) / D per token
+        raise ValueError(f"lp_theta is float16: the gradient of the loss with respect to it reaches |A| * "
+                         f"exp({plan.bound:g}) / D per token (the ratio's safety bound), beyond float16's largest "
+                         "value 65504; pass float32 (or bfloat16) log-probs: the loss is computed in float32")
 
     theta = lp_theta.float()
     theta_d = theta.detach()

@@ -2,6 +2,9 @@
 
 One training call of the wrapped function (``forward_only=False``) does, in order:
 
+0. on the hook's first call only: compare the configuration and the hook's settings across every rank of the
+   job (``agreement``: a ``ValueError`` naming the differing setting on every rank, before any collective
+   whose shape or group depends on them);
 1. materialise the step's ``num_microbatches`` items from ``data_iterator`` (one list per virtual stage);
 2. on the last pipeline stage: the step's ``TISBatch`` list, broadcast from tensor-parallel rank 0 under
    TP > 1 (``tp_data``; Megatron-LM gives data to TP rank 0 only);
@@ -19,7 +22,10 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
    function is ours (``loss.make_loss_func``); every keyword (``return_schedule_plan``, ...) is forwarded;
 6. the step metrics: merged, reduced once, finalized (``metrics.aggregate_metrics``) into ``last_metrics``
    and added to every micro-batch loss dict as ``[value, 1]`` (``loss_dict``: Megatron-LM's
-   ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank).
+   ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank). The
+   reduction first compares this rank's training-call count across DP x CP: a rank whose earlier call raised
+   and whose launcher went on has paired this call's collectives with another call's, and every rank of the
+   step raises ``RuntimeError`` instead of returning mixed gradients and metrics.
 
 With ``fused_output_layer=True`` (``--tis-fused-output-layer``) steps 3-5 run with the model's last-stage
 output layer switched to return hidden states (``output_layer.use_fused_output_layer``) and the loss and the
@@ -43,6 +49,7 @@ from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
+from slime_tis.megatron.agreement import check_settings_agree, hook_settings
 from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
@@ -109,7 +116,16 @@ class TISForwardBackward:
         self.last_metrics: dict[str, Tensor] = {}
         self.last_plan: StepPlan | None = None
         self.last_recomputed = False
+        self.train_calls = 0  # training calls begun on this rank: compared across ranks with the step metrics
+        self._settings_agreed = False
         self._warned_supplied = False
+
+    def _check_settings_agree(self) -> None:
+        """Once, before this hook's first collective: every rank of the job runs the same configuration and
+        hook settings (``agreement``; a ``ValueError`` naming the differing ones on every rank otherwise)."""
+        if not self._settings_agreed:
+            check_settings_agree(hook_settings(self), what="tis_forward_backward_func")
+            self._settings_agreed = True
 
     @property
     def recomputes_pi_old(self) -> bool:
@@ -124,6 +140,7 @@ class TISForwardBackward:
         """pi_old of a whole rollout (``rollout.compute_old_log_probs`` with this hook's temperature, chunk
         size, item accessor and TP broadcast); afterwards this hook never recomputes pi_old (every rank
         calls this, so every rank switches together). Returns the rollout's materialised items."""
+        self._check_settings_agree()
         items = compute_old_log_probs(
             self.forward_backward_func, forward_step_func, data_iterator, model,
             num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
@@ -150,6 +167,8 @@ class TISForwardBackward:
 
         from slime_tis.megatron.reduce import reducer_for_schedule
 
+        self._check_settings_agree()
+        self.train_calls += 1
         cfg = self.cfg
         chunks = model if isinstance(model, list) else [model]
         vpp = len(chunks) > 1
@@ -185,7 +204,7 @@ class TISForwardBackward:
                                          model=model, num_microbatches=num_microbatches, forward_only=False,
                                          **kwargs)
         self.last_plan = plan
-        self.last_metrics = aggregate_metrics(collector, reducer) if is_last else {}
+        self.last_metrics = aggregate_metrics(collector, reducer, step=self.train_calls) if is_last else {}
         if is_last and self.metrics_in_loss_dicts:
             add_metrics_to_loss_dicts(out, self.last_metrics)
         return out

@@ -10,9 +10,11 @@ megatron's DP x CP (or DP) group: one collective per operator, outside the loss 
 
 Collectives depend on the configuration and layout only: the reduction stacks every statistic of a kind
 into one tensor, so every rank must hold the same statistic names (the core's schema, fixed by the
-configuration). Before reducing, a signature of the names (CRC32 per kind) is compared across DP x CP with
-one MIN and one MAX (always issued, same shape everywhere); ranks that differ raise a ``ValueError``
-naming their statistics instead of hanging or mixing unrelated values.
+configuration). Before reducing, a signature of the names (CRC32 per kind) and the caller's step number is
+compared across DP x CP with one MIN and one MAX (always issued, same shape everywhere); ranks whose names
+differ raise a ``ValueError`` naming their statistics instead of hanging or mixing unrelated values, ranks
+whose steps differ (a rank went on after its previous step raised, and its collectives were paired with
+another step's) raise a ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -32,13 +34,20 @@ def _kinds(stats: MetricStats) -> dict[str, dict[str, Tensor]]:
     return {"token_sums": stats.token_sums, "seq_sums": stats.seq_sums, "mins": stats.mins, "maxs": stats.maxs}
 
 
-def check_schema_agrees(stats: MetricStats, reducer: Reducer) -> None:
-    """Raise ``ValueError`` if the statistic names differ across the DP x CP ranks (two small collectives)."""
+def check_schema_agrees(stats: MetricStats, reducer: Reducer, *, step: int | None = None) -> None:
+    """Raise ``ValueError`` if the statistic names differ across the DP x CP ranks, ``RuntimeError`` if their
+    ``step`` numbers do (two small collectives; ``step=None`` compares as -1)."""
     kinds = _kinds(stats)
     device = next((t.device for d in kinds.values() for t in d.values()), torch.device("cpu"))
-    sig = torch.tensor([float(zlib.crc32(",".join(sorted(d)).encode())) for d in kinds.values()],
-                       dtype=torch.float64, device=device)
+    sig = torch.tensor([float(zlib.crc32(",".join(sorted(d)).encode())) for d in kinds.values()]
+                       + [float(-1 if step is None else step)], dtype=torch.float64, device=device)
     low, high = reducer.batch_min(sig), reducer.batch_max(sig)
+    if low[-1] != high[-1]:  # host-sync-ok (after the schedule, outside the loss path)
+        raise RuntimeError(
+            f"training calls out of step across data-parallel x context-parallel ranks: this rank is in call {step}, "
+            f"the ranks in calls {int(low[-1])} to {int(high[-1])}. A call raised on some rank and its "
+            "launcher went on, so this call's collectives were paired with another call's: its gradients and "
+            "metrics are invalid. Do not continue after an error in a training call; restart from a checkpoint")
     if not torch.equal(low, high):  # host-sync-ok (after the schedule, outside the loss path)
         names = {k: sorted(d) for k, d in kinds.items()}
         raise ValueError("the step's metric statistics differ across data-parallel x context-parallel ranks (an "
@@ -46,14 +55,17 @@ def check_schema_agrees(stats: MetricStats, reducer: Reducer) -> None:
                          f"this rank has {names}")
 
 
-def aggregate_metrics(stats: list[MetricStats], reducer: Reducer) -> dict[str, Tensor]:
-    """Merge micro-batches, reduce across ranks, finalize (scalar float64 tensors; ``{}`` if no stats)."""
+def aggregate_metrics(stats: list[MetricStats], reducer: Reducer, *, step: int | None = None) -> dict[str, Tensor]:
+    """Merge micro-batches, reduce across ranks, finalize (scalar float64 tensors; ``{}`` if no stats).
+
+    ``step``: the caller's step (training-call) number, which must be equal on every rank (see the module doc).
+    """
     if not stats:
         return {}
     merged = stats[0]
     for s in stats[1:]:
         merged = merged.merge(s)
-    check_schema_agrees(merged, reducer)
+    check_schema_agrees(merged, reducer, step=step)
     reduced = merged.reduce(reducer)
     out = reduced.finalize()
     sums = reduced.token_sums

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args
+from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
+from slime_tis.slime.agreement import check_slime_settings_agree
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 
@@ -56,7 +57,8 @@ def slime_loss_agg(args: Any) -> str:
 
 
 def _mis_translation(args: Any, fields: dict[str, Any]) -> None:
-    if not getattr(args, "use_rs", False) or fields.get("rs_level") is not None:
+    use_rs = getattr(args, "use_rs", None)  # a YAML key: strictly parsed ("false" is off)
+    if use_rs is None or not parse_switch("use_rs", use_rs) or fields.get("rs_level") is not None:
         return
     rs_level = getattr(args, "rs_level", None)
     if rs_level is None:
@@ -105,6 +107,7 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
         fields["use_rollout_log_probs"] = bool(algorithm & 1)
         fields["use_tis"] = bool(algorithm & 2)
     cfg = TISConfig(**fields)
+    check_slime_settings_agree(args, cfg)  # once per configuration, on every rank of the pipeline stage
     if cfg not in _DESCRIBED:
         _DESCRIBED.add(cfg)
         logger.info("%s", cfg.describe())

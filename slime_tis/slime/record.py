@@ -28,13 +28,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.config import parse_switch
 from slime_tis.dump import records_from_samples, write_logprob_dump
 
 __all__ = ["RECORDER", "TrainLogProbRecorder", "flush_recorded_train_log_probs", "recording_enabled"]
 
 
 def recording_enabled(args: Any) -> bool:
-    return bool(getattr(args, "tis_record_train_log_probs", False))
+    """The ``tis_record_train_log_probs`` YAML key, strictly parsed (a quoted ``"false"`` is off)."""
+    value = getattr(args, "tis_record_train_log_probs", None)
+    return value is not None and parse_switch("tis_record_train_log_probs", value)
 
 
 def _slime_capture() -> Any:

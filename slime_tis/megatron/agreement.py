@@ -1,0 +1,116 @@
+"""Settings every rank must share, compared across ranks once, before any data-dependent collective.
+
+Ranks started with different correction settings do not fail by themselves: with a different
+``--tis-loss-agg`` some ranks reduce the loss denominator over DP x CP and others over DP (a deadlock until
+the collective times out), with a different ``--tis-rejected-denominator`` the step finishes with a
+denominator mixed from two definitions. :func:`check_settings_agree` makes such a job fail at once, on
+every rank, naming the setting:
+
+1. each rank digests its settings ``{label: value}`` (BLAKE2b of ``label=repr(value)``, 63 bits) into
+   ``[digest of the labels, digest of all label=value pairs]`` and all-gathers that (one collective of
+   two int64 per rank, the same on every rank whatever the data);
+2. only when the gathered rows differ, which every rank sees in the same table and so decides alike: one
+   more all-gather of the per-label digests, and every rank raises ``ValueError`` naming each differing
+   setting, its own value and which ranks hold which value (different label sets, e.g. two package
+   versions, are named as such).
+
+:func:`hook_settings` is what the megatron hook compares (the resolved ``TISConfig`` and the hook's own
+arguments), over the whole job: every rank takes part in its collectives (recompute passes on every
+stage, TP broadcasts, DP x CP reductions on the last stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime_tis.config import FLAG_OF, TISConfig
+
+__all__ = ["check_settings_agree", "config_settings", "hook_settings"]
+
+_MASK = (1 << 63) - 1
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
+
+
+def config_settings(cfg: TISConfig) -> dict[str, Any]:
+    """``{"--flag (field)": value}`` of every ``TISConfig`` field, bounds resolved (``upper=None`` and
+    ``upper=2.0`` are the same setting)."""
+    resolved = {"upper": cfg.upper_bound, "lower": cfg.lower_bound, "eps_clip_high": cfg.eps_high}
+    if cfg.rs_level is not None:
+        resolved.update(rs_upper=cfg.rs_upper_bound, rs_lower=cfg.rs_lower_bound)
+    return {f"{FLAG_OF[f.name]} ({f.name})": resolved.get(f.name, getattr(cfg, f.name))
+            for f in dataclasses.fields(cfg)}
+
+
+def hook_settings(hook: Any) -> dict[str, Any]:
+    """The settings of a ``TISForwardBackward`` that decide its collectives and its numbers."""
+    own = {
+        "temperature": hook.temperature, "chunk_size": hook.chunk_size, "pi_old": hook.pi_old,
+        "broadcast_over_tp": hook.broadcast_over_tp, "grad_average": hook.grad_average,
+        "metrics_in_loss_dicts": hook.metrics_in_loss_dicts, "output_layer": hook.output_layer,
+        "reducer": None if hook.reducer is None else type(hook.reducer).__qualname__,
+    }
+    return {**config_settings(hook.cfg), **{f"tis_forward_backward_func({k}=)": v for k, v in own.items()}}
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    if str(dist.get_backend(group)).lower() == "nccl":  # NCCL moves CUDA tensors only
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    return [r.tolist() for r in rows]  # host-sync-ok (once per job, before the first step)
+
+
+def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGroup | None = None,
+                         what: str = "slime_tis") -> None:
+    """Raise ``ValueError`` on every rank of ``group`` (default: the whole job) unless all hold equal
+    ``settings`` (compared by ``repr``). A no-op without ``torch.distributed`` or with one rank.
+
+    Every rank of ``group`` must call this at the same point (see the module docstring for the collectives).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    labels = sorted(settings)
+    per_label = [_digest(f"{k}={settings[k]!r}") for k in labels]
+    summary = [_digest("\n".join(labels)), _digest(",".join(map(str, per_label)))]
+    device = _device(group)
+    table = _all_gather(summary, group, device)
+    if all(row == table[0] for row in table):
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank()
+    if any(row[0] != table[0][0] for row in table):
+        groups = _ranks_by_value([row[0] for row in table], ranks)
+        raise ValueError(f"{what}: the ranks compare different sets of settings (different slime_tis versions?): "
+                         f"ranks {' / '.join(map(str, groups))} each hold one set; this is rank {me}")
+    digests = _all_gather(per_label, group, device)
+    problems = []
+    for i, label in enumerate(labels):
+        column = [row[i] for row in digests]
+        if any(d != column[0] for d in column):
+            holders = _ranks_by_value(column, ranks)
+            problems.append(f"{label}: {settings[label]!r} on this rank (rank {me}); the ranks split into "
+                            f"{len(holders)} groups by its value: {' / '.join(map(str, holders))}")
+    raise ValueError(f"{what}: the ranks of the job run with different settings; every rank must be started "
+                     "with the same flags and configuration:\n  " + "\n  ".join(problems))
+
+
+def _ranks_by_value(column: list[int], ranks: list[int]) -> list[list[int]]:
+    """Global ranks grouped by equal values, in order of first appearance."""
+    out: dict[int, list[int]] = {}
+    for value, rank in zip(column, ranks):
+        out.setdefault(value, []).append(rank)
+    return list(out.values())
