@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _interpret import INTERPRETED, assert_module_passes_under_interpreter
+from _interpret import INTERPRETED, assert_module_passes_under_interpreter, gpu_max_semantics
 
 from slime_tis.core.packing import packed_layout
 from slime_tis.core.ratios import packed_ratios
 from slime_tis.core.reducer import LocalReducer
 
 ROOT = Path(__file__).resolve().parents[1]
-N_KERNEL_CASES = 17
+N_KERNEL_CASES = 19
 kernel_case = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernel_cases_under_triton_interpreter")
 
 
@@ -58,6 +58,27 @@ def test_kernel_matches_torch_reference(lengths, n_extra):
     finite_rows = torch.isfinite(full).all(1)
     torch.testing.assert_close(sums_k[finite_rows], full[finite_rows], rtol=1e-12, atol=1e-12)
     assert torch.equal(torch.isfinite(sums_k), torch.isfinite(full))
+
+
+@kernel_case
+@pytest.mark.parametrize("semantics", ["interpreter", "gpu"])
+def test_non_finite_sequences_stay_non_finite(semantics):
+    """NaN / inf at valid tokens (log-probs and extra tensors) make exactly those sequences' ``sum l``
+    non-finite, also with the GPU's NaN-dropping max/min (``gpu_max_semantics``); masked ones change nothing."""
+    kernels = pytest.importorskip("slime_tis.kernels.correction")
+    lengths = [12, 12, 12, 12, 12, 12]
+    lt, lr, valid, cu, adv = _batch(5, lengths)
+    lt, lr, valid, adv = lt.nan_to_num(0.0, 0.0, 0.0), lr.nan_to_num(0.0, 0.0, 0.0), valid.clone(), adv.nan_to_num(0.0)
+    valid[:] = True
+    lt[1], lr[14], adv[27], adv[40] = math.nan, -math.inf, math.inf, math.nan  # sequences 0, 1, 2, 3
+    valid[60] = False
+    lt[60], adv[61] = math.nan, -math.inf   # sequence 5: a masked NaN (ignored) and a valid -inf advantage
+    with gpu_max_semantics(semantics == "gpu"):
+        l_k, sums_k = kernels.sequence_sums(lt, lr, valid, cu.long(), (adv,), block=8)
+    assert torch.equal(torch.isfinite(sums_k[:, 0]), torch.tensor([False, False, False, False, True, False]))
+    assert torch.equal(torch.isfinite(sums_k[:, 1]), torch.tensor([True, False, True, True, True, True]))
+    assert sums_k[:, 2].tolist() == [12, 12, 12, 12, 12, 11]
+    assert l_k[60] == 0 and torch.isnan(l_k[61])
 
 
 @kernel_case

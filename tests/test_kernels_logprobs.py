@@ -25,14 +25,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _interpret import INTERPRETED, assert_module_passes_under_interpreter
+from _interpret import INTERPRETED, assert_module_passes_under_interpreter, gpu_max_semantics
 
 from slime_tis.megatron import vocab_parallel_log_probs_and_entropy as lp_and_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_CUDA = torch.cuda.is_available() and not INTERPRETED
 DEVICE = "cuda" if ON_CUDA else "cpu"
-N_KERNEL_CASES = 20  # kernel cases this module defines (the child run must pass all of them)
+N_KERNEL_CASES = 24  # kernel cases this module defines (the child run must pass all of them)
 
 kernel_case = pytest.mark.skipif(not (INTERPRETED or ON_CUDA),
                                  reason="CPU: run by test_kernel_cases_under_triton_interpreter in a child process")
@@ -185,6 +185,50 @@ def test_public_function_dispatches_to_the_kernel_and_matches_the_torch_path():
 
 
 @kernel_case
+@pytest.mark.parametrize("semantics", ["interpreter", "gpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_rows_stay_non_finite_with_either_max(semantics, dtype):
+    """NaN / +inf logits and all -inf rows give non-finite log-probs and entropies, as on the torch path.
+
+    ``semantics="gpu"``: elementwise max/min drop NaN as PTX ``max.f32`` does (``gpu_max_semantics``); a clamp
+    written as ``max(x, c)`` then turns a NaN logit into a finite one. Rows: NaN off the target (in the second
+    column block), NaN target, all NaN, NaN after a -inf block, all -inf, +inf, finite, masked NaN.
+    Masked rows keep lp = H = 0 and a zero gradient; rows whose upstream gradients are both 0 (what the loss
+    gives a rejected token) get an exactly zero gradient row whatever their logits; the other rows' gradients
+    are non-finite exactly where the torch path's are.
+    """
+    logits, targets, w_lp, w_h = _data(10, 40, seed=9, dtype=dtype)
+    nan, inf = float("nan"), float("inf")
+    targets[0], logits[0, 21] = 3, nan
+    logits[1, targets[1]] = nan
+    logits[2] = nan
+    logits[3, :16], logits[3, 30] = -inf, nan
+    logits[4] = -inf
+    logits[5, 7] = inf
+    logits[7] = nan
+    logits[8, 2] = nan          # rejected: both upstream gradients 0
+    logits[9, 5] = -inf         # finite row, zero upstream gradients
+    w_lp[8:], w_h[8:] = 0.0, 0.0
+    keep = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    with gpu_max_semantics(semantics == "gpu"):
+        lp, ent, grad = _run_kernel(logits, targets, w_lp, w_h, tau=0.8, block_v=16, row_mask=keep)
+    z = logits.clone().requires_grad_(True)
+    lp_t, ent_t = lp_and_entropy(z, targets, temperature=0.8, tp_group=None, row_mask=keep, impl="torch")
+    (grad_t,) = torch.autograd.grad((lp_t * w_lp).sum() + (ent_t * w_h).sum(), z)
+    finite = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
+    for got, ref in ((lp, lp_t), (ent, ent_t)):
+        assert torch.equal(torch.isfinite(got), finite) and torch.equal(torch.isfinite(ref), finite), (got, ref)
+        assert torch.isnan(got[[0, 1, 2, 3, 5, 8]]).all(), got
+    assert lp[7] == 0 and ent[7] == 0 and (grad[7] == 0).all()
+    assert (grad[8:] == 0).all() and (grad_t[8:] == 0).all()
+    rows_finite = torch.isfinite(grad).all(1)
+    assert torch.equal(rows_finite, torch.isfinite(grad_t).all(1)), (rows_finite, grad_t)
+    assert torch.equal(rows_finite, torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.bool))
+    torch.testing.assert_close(lp[6], lp_t[6], rtol=0, atol=2e-5)
+    torch.testing.assert_close(grad[6].float(), grad_t[6].float(), **_grad_tol(dtype))
+
+
+@kernel_case
 def test_empty_input():
     k = _kernels()
     z = torch.zeros(0, 8, device=DEVICE, requires_grad=True)
@@ -249,6 +293,45 @@ def test_kernels_compile_for_h100():
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": k._num_warps(block)})
         ptx = compiled.asm["ptx"]
         assert compiled.asm["cubin"] and "ld.global.v4" in ptx, f"{fn.__name__} {flags}: no 16-byte loads"
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs compiled (not interpreted) kernels")
+def test_gpu_max_semantics_premise_on_sm90():
+    """What ``gpu_max_semantics`` emulates: on sm_90 ``tl.maximum`` is PTX ``max.f32`` (NaN-dropping; ``max.NaN``
+    only on request), and the kernels' NaN-keeping floor (a selection) compiles to no ``max`` at all."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = _kernels()
+    if not isinstance(k._lp_fwd_kernel, triton.runtime.JITFunction):
+        pytest.skip("the kernels module was imported under TRITON_INTERPRET=1 in this process")
+
+    @triton.jit
+    def plain_max(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, BLOCK))
+        tl.store(y_ptr + tl.arange(0, BLOCK), tl.maximum(x, -200.0))
+
+    @triton.jit
+    def nan_max(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, BLOCK))
+        tl.store(y_ptr + tl.arange(0, BLOCK), tl.maximum(x, -200.0, propagate_nan=tl.PropagateNan.ALL))
+
+    @triton.jit
+    def floor(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, BLOCK))
+        tl.store(y_ptr + tl.arange(0, BLOCK), k._floor(x, -200.0))
+
+    def ptx(fn):
+        sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": 128}),
+                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    plain, propagating, selected = ptx(plain_max), ptx(nan_max), ptx(floor)
+    assert "max.f32" in plain and "max.NaN" not in plain, plain
+    assert "max.NaN.f32" in propagating, propagating
+    assert "max." not in selected and "selp" in selected, selected
 
 
 # ------------------------------------------------------------------------------------------ torch reference

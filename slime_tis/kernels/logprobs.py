@@ -45,6 +45,12 @@ _LOGP_MIN = tl.constexpr(-200.0)  # below log(smallest float32 denormal) = -103.
 
 
 @triton.jit
+def _floor(x, lo):
+    """``max(x, lo)`` that keeps NaN on every backend (a selection, not PTX ``max.f32``, which drops NaN)."""
+    return tl.where(x < lo, lo, x)
+
+
+@triton.jit
 def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr, vocab_start, inv_tau,
                    n_cols: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, FINAL: tl.constexpr,
                    BLOCK_V: tl.constexpr):
@@ -62,8 +68,8 @@ def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(z_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_tau
-            m_new = tl.maximum(m, tl.max(x, 0))
-            y = tl.maximum(x - m_new, _FMIN)   # -inf (and padding) -> finite, exp -> 0
+            m_new = tl.maximum(m, tl.max(x, 0))  # may skip a NaN (PTX max.f32): y below still carries it
+            y = _floor(x - m_new, _FMIN)         # -inf (and padding) -> finite, exp -> 0; NaN stays NaN
             p = tl.exp(y)
             alpha = tl.exp(m - m_new)
             if WITH_ENTROPY:
@@ -75,7 +81,7 @@ def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o
         local = tl.load(tgt_ptr + row) - vocab_start
         owns = (local >= 0) & (local < n_cols)
         x_t = tl.load(z_row + tl.where(owns, local, 0)).to(tl.float32) * inv_tau
-        t = tl.where(owns, tl.maximum(x_t, _FMIN), 0.0)
+        t = tl.where(owns, _floor(x_t, _FMIN), 0.0)
         if FINAL:
             log_s = tl.log(s)
             log_z = m + log_s
@@ -112,23 +118,26 @@ def _lp_bwd_kernel(z_ptr, z_stride, g_ptr, g_stride, tgt_ptr, mask_ptr, logz_ptr
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + row) != 0
-    if active:
+    g_lp = 0.0
+    if HAS_GLP:
+        g_lp = tl.load(glp_ptr + row).to(tl.float32)
+    g_h = 0.0
+    if HAS_GH:
+        g_h = tl.load(gh_ptr + row).to(tl.float32)
+    # a row without upstream gradient (masked, or a rejected token) is written as zeros without reading its
+    # logits: no 0 * NaN from a non-finite row
+    if active & ((g_lp != 0.0) | (g_h != 0.0)):
         z_row = z_ptr + row * z_stride
         log_z = tl.load(logz_ptr + row)
-        g_lp = 0.0
-        if HAS_GLP:
-            g_lp = tl.load(glp_ptr + row).to(tl.float32)
-        g_h = 0.0
         h = 0.0
         if HAS_GH:
-            g_h = tl.load(gh_ptr + row).to(tl.float32)
             h = tl.load(h_ptr + row)
         local = tl.load(tgt_ptr + row) - vocab_start
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             inside = cols < n_cols
             x = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32) * inv_tau
-            lq = tl.maximum(x - log_z, _LOGP_MIN)
+            lq = _floor(x - log_z, _LOGP_MIN)
             p = tl.exp(lq)
             coef = -g_lp - g_h * (lq + h)
             g = p * coef + tl.where(cols == local, g_lp, 0.0)

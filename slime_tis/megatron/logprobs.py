@@ -140,6 +140,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
         use_h = ctx.with_entropy and grad_h is not None
+        # rows with an upstream gradient: the others (masked, rejected tokens) get exact zeros, selected rather
+        # than multiplied by 0, so that a non-finite row (a rejected NaN log-prob) puts no NaN into the gradient
+        live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
+        if keep is not None:
+            live &= keep
         for start in range(0, n_tok, chunk_size):
             end = min(start + chunk_size, n_tok)
             y = _fp32_chunk(logits, start, end, temperature)
@@ -158,8 +163,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             y.scatter_add_(1, safe_idx[start:end, None], hit[:, None])
             if temperature != 1.0:
                 y.div_(temperature)
-            if keep is not None:
-                y.masked_fill_(~keep[start:end, None], 0.0)
+            y.masked_fill_(~live[start:end, None], 0.0)
             grad_logits[start:end].copy_(y)
             del y
         return grad_logits, None, None, None, None, None, None, None
