@@ -24,7 +24,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _output_layer_cases import CASES, accuracy, run  # noqa: E402
+from _output_layer_cases import CASES, accumulation, accuracy, non_finite, run  # noqa: E402
 
 from slime_tis.kernels.output_layer import (  # noqa: E402
     fused_log_probs_and_entropy,
@@ -80,6 +80,38 @@ def test_triton_interpreter_matches_float64(interpreter_results, name):
 
 def test_accuracy_with_large_logits_triton_interpreter(interpreter_results):
     _check_accuracy(interpreter_results["accuracy"])
+
+
+def _check_accumulation(res: dict) -> None:
+    """float32 sums of 320 exact bf16 products: worst case 320 * 2^-24 = 1.9e-5 relative, typically ~1e-7; the
+    earlier path rounds each chunk's product to bf16 (2^-9 relative each), the last chunk's bf16 store rounds
+    once (2^-8 relative to nearest; a full ulp, 2^-7, under the interpreter, which truncates)."""
+    assert res["err_f32"] <= 1.9e-5, res
+    assert res["err_old"] >= 100 * res["err_f32"] and res["err_old"] > 1e-4, res  # the rounding it no longer has
+    assert res["err_final_bf16"] <= 2**-7, res
+    assert res["inactive_zero"], res
+
+
+def _check_non_finite(res: dict) -> None:
+    assert all(res.values()), res
+
+
+def test_hidden_gradient_accumulates_in_float32_torch_backend():
+    _check_accumulation(accumulation("torch"))
+
+
+def test_hidden_gradient_accumulates_in_float32_triton_interpreter(interpreter_results):
+    _check_accumulation(interpreter_results["accumulation"])
+
+
+def test_non_finite_rows_torch_backend():
+    _check_non_finite(non_finite("torch"))
+
+
+@pytest.mark.parametrize("semantics", ["non_finite", "non_finite_gpu_max"])
+def test_non_finite_rows_triton_interpreter(interpreter_results, semantics):
+    """Also with the GPU's NaN-dropping elementwise max/min (``_interpret.gpu_max_semantics``)."""
+    _check_non_finite(interpreter_results[semantics])
 
 
 def test_tied_embedding_gradient_accumulates():
@@ -181,7 +213,7 @@ def test_kernels_compile_for_h100_without_a_gpu():
 
     from slime_tis.kernels._output_layer_triton import compile_for_cuda
     kernels = compile_for_cuda(torch.bfloat16, hidden_size=4096, vocab_shard=152064, chunk=8192)
-    assert set(kernels) == {"stats", "dlogits"}
+    assert set(kernels) == {"stats", "dlogits", "dhidden"}
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     for name, kernel in kernels.items():
         assert 0 < kernel.metadata.shared <= 228 * 1024, (name, kernel.metadata.shared)
