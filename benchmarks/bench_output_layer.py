@@ -52,7 +52,7 @@ def method_unfused(h, w, y, g1, g2, tau):
 
 
 def method_fused(h, w, y, g1, g2, tau):
-    lp, ent = fused_log_probs_and_entropy(h, w, y, temperature=tau, tp_group=None, backend="triton")
+    lp, ent = fused_log_probs_and_entropy(h, w, y, temperature=tau, tp_group=None, kernels="triton")
     return (lp * g1).sum() + (ent * g2).sum()
 
 
@@ -128,7 +128,7 @@ def no_host_sync(h0, w0, y, g1, g2, tau) -> str:
 def accuracy(h, w, y, tau, rows: int) -> dict:
     with torch.no_grad():
         hs, ys = h[:rows], y[:rows]
-        lp_fused, _ = fused_log_probs_and_entropy(hs, w, ys, temperature=tau, backend="triton")
+        lp_fused, _ = fused_log_probs_and_entropy(hs, w, ys, temperature=tau, kernels="triton")
         z32 = (hs.float() @ w.float().t()) / tau
         lp_ref = torch.log_softmax(z32, -1).gather(-1, ys[:, None]).squeeze(-1)
         zb = (hs @ w.t()).float() / tau

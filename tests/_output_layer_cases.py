@@ -54,7 +54,7 @@ def run(name: str, backend: str) -> dict:
     hidden, weight, targets, mask, g_lp, g_ent, tau, chunk = make_case(name)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    lp, ent = fused_log_probs_and_entropy(h, w, targets, temperature=tau, loss_mask=mask, backend=backend,
+    lp, ent = fused_log_probs_and_entropy(h, w, targets, temperature=tau, loss_mask=mask, kernels=backend,
                                           chunk_size=chunk)
     (lp * g_lp + ent * g_ent).sum().backward()
     lp_r, ent_r, gh_r, gw_r = oracle(hidden, weight, targets, mask, g_lp, g_ent, tau)
@@ -83,7 +83,7 @@ def accuracy(backend: str) -> dict:
     targets = torch.randint(0, v, (n_tok,), generator=g)
     lp64, _ = reference_log_probs_and_entropy(hidden.double(), weight.double(), targets)
     lp_bf16, _ = reference_log_probs_and_entropy(hidden, weight, targets, logits_dtype=torch.bfloat16)
-    lp_fused, _ = fused_log_probs_and_entropy(hidden, weight, targets, backend=backend, chunk_size=32)
+    lp_fused, _ = fused_log_probs_and_entropy(hidden, weight, targets, kernels=backend, chunk_size=32)
     zmax = float((hidden.double() @ weight.double().t()).abs().max())
     return {"zmax": zmax, "err_fused": float((lp_fused.double() - lp64).abs().max()),
             "err_bf16_logits": float((lp_bf16.double() - lp64).abs().max())}
@@ -158,7 +158,7 @@ def non_finite(backend: str, gpu_max: bool = False) -> dict:
         w = weight.clone().requires_grad_(True)
         with gpu_max_semantics(gpu_max):
             lp, ent = fused_log_probs_and_entropy(h, w, targets, temperature=tau, loss_mask=mask,
-                                                  backend=backend, chunk_size=chunk)
+                                                  kernels=backend, chunk_size=chunk)
             (lp * up_lp + ent * up_ent).sum().backward()
         return lp.detach(), ent.detach(), h.grad, w.grad
 
@@ -181,11 +181,51 @@ def non_finite(backend: str, gpu_max: bool = False) -> dict:
     }
 
 
+def fallback() -> dict:
+    """Triton kernels that fail to launch: the forward's (``_stats_kernel``) and, separately, the backward's
+    ``dL/dh`` kernel (after the first chunk's ``dL/dz`` kernel ran): per case the fallback warnings, the
+    ``run`` measures of ``bf16_tau09_masked``, and whether they equal the torch backend's."""
+    import warnings
+
+    from slime_tis.kernels import _output_layer_triton as tk
+    from slime_tis.kernels import dispatch
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("out of resource: shared memory")
+            return launch
+
+    out = {}
+    ref = run("bf16_tau09_masked", "torch")
+    for name in ("_stats_kernel", "_dhidden_kernel"):
+        real = getattr(tk, name)
+        setattr(tk, name, Failing())
+        dispatch.reset()
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                res = run("bf16_tau09_masked", "triton")
+        finally:
+            setattr(tk, name, real)
+            dispatch.reset()
+        msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.KernelFallbackWarning)]
+        out[name] = {"warnings": msgs, "result": res, "same_as_torch": res == ref}
+    return out
+
+
 if __name__ == "__main__":
+    import warnings
+
+    from slime_tis.kernels.dispatch import KernelFallbackWarning
+
+    warnings.simplefilter("error", KernelFallbackWarning)  # the Triton kernels must really run
     backend = sys.argv[1]
     out = {name: run(name, backend) for name in CASES}
     out["accuracy"] = accuracy(backend)
     out["accumulation"] = accumulation(backend)
     out["non_finite"] = non_finite(backend)
     out["non_finite_gpu_max"] = non_finite(backend, gpu_max=True)
+    if backend == "triton":
+        out["fallback"] = fallback()
     print(json.dumps(out))

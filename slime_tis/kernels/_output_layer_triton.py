@@ -22,6 +22,9 @@ NaN on every backend; the backward's clamp ``log p <= 0`` is a selection, which 
 Rows are visited in the order ``rows[i]`` (active rows first); blocks whose first index is at or past
 ``n_active`` (device scalar, read in the kernel: no host sync) skip the matmul: masked rows cost nothing.
 
+Every launch runs inside ``dispatch.launching``: a compile or launch error becomes ``KernelLaunchError``,
+on which the caller (:mod:`slime_tis.kernels.output_layer`) continues with the torch code.
+
 Loop bounds (``Vp``, ``H``, the chunk width) are compile-time constants: fixed by the model, so one
 compilation per model (two with a ragged last chunk); data-dependent work is skipped with ``if``, never a
 runtime loop bound (the Triton 3.6 interpreter cannot take one with numpy >= 2.4).
@@ -33,6 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slime_tis.kernels.dispatch import launching
+
+KERNEL = "output_layer"  # the name its fallback goes by (slime_tis.kernels.dispatch)
 # CUDA launch: 128 x 128 x 64 tiles, 8 warps, 3 stages (the usual H100 Triton GEMM shape). Not timed (no GPU
 # when written); chosen so that the sm_90 build (see compile_for_cuda) pipelines its loads and spills nothing.
 CUDA_BLOCKS = (128, 128, 64)  # (BT, BV, BH)
@@ -212,10 +218,11 @@ def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature
     tiles_per_split = triton.cdiv(n_tiles, splits)
     splits = triton.cdiv(n_tiles, tiles_per_split)
     out = torch.empty(splits, n_tok, 4, dtype=torch.float32, device=hidden.device)
-    _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
-        hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
-        hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision,
-        **_launch_options(hidden))
+    with launching(KERNEL):
+        _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
+            hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
+            hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh,
+            PRECISION=precision, **_launch_options(hidden))
     return out
 
 
@@ -226,10 +233,11 @@ def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out,
     chunk_cols = out.shape[1]
     bt, bv, bh, precision = _blocks(hidden)
     grid = (triton.cdiv(n_tok, bt), triton.cdiv(chunk_cols, bv))
-    _dlogits_kernel[grid](
-        hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
-        temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
-        chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
+    with launching(KERNEL):
+        _dlogits_kernel[grid](
+            hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
+            temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
+            chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
     return out
 
 
@@ -241,10 +249,11 @@ def dhidden(d, w_chunk, acc, out, rows, n_active, *, accumulate: bool) -> torch.
     h = w_chunk.shape[1]
     bt, bh, bc, precision = _blocks(d)  # output tile [BT, BH] and reduction step BC: the logit tile's shape
     grid = (triton.cdiv(n_tok, bt), triton.cdiv(h, bh))
-    _dhidden_kernel[grid](
-        d, w_chunk, acc, out, rows, n_active, n_tok, d.stride(0), w_chunk.stride(0), acc.stride(0), out.stride(0),
-        C=chunk_cols, H=h, ACCUMULATE=accumulate, STORE_INACTIVE=not accumulate or out is not acc,
-        BT=bt, BH=bh, BC=bc, PRECISION=precision, **_launch_options(d))
+    with launching(KERNEL):
+        _dhidden_kernel[grid](
+            d, w_chunk, acc, out, rows, n_active, n_tok, d.stride(0), w_chunk.stride(0), acc.stride(0),
+            out.stride(0), C=chunk_cols, H=h, ACCUMULATE=accumulate, STORE_INACTIVE=not accumulate or out is not acc,
+            BT=bt, BH=bh, BC=bc, PRECISION=precision, **_launch_options(d))
     return out
 
 

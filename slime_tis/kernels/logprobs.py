@@ -24,6 +24,10 @@ gradient row is written as zeros. The only ``[T, V/TP]`` tensor is the gradient 
 is ``O(T)`` (float32 ``[T]`` vectors: outputs, the saved ``logZ``, four partials at TP > 1). No host
 synchronisation.
 
+A kernel that fails to compile or launch raises :class:`~slime_tis.kernels.dispatch.KernelLaunchError`
+from the forward (the caller, ``slime_tis.megatron.logprobs``, then runs the torch code: same collectives);
+in the backward the torch code's gradient is computed here instead (``slime_tis.kernels.dispatch``).
+
 This module imports triton at its top; import it lazily (``slime_tis.megatron.logprobs`` does).
 Run on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is first imported.
 """
@@ -37,6 +41,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from slime_tis.kernels.dispatch import KernelLaunchError, fall_back, launching
 
 __all__ = ["fused_log_probs_and_entropy", "default_block_v"]
 
@@ -198,11 +204,12 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         n_tok, vp = logits.shape
         out = [torch.empty(n_tok, dtype=torch.float32, device=logits.device) for _ in range(3 if tp_size == 1 else 4)]
         if n_tok:
-            _lp_fwd_kernel[(n_tok,)](
-                logits, logits.stride(0), targets, row_mask if row_mask is not None else targets, *out[:3],
-                out[-1], vocab_start, 1.0 / temperature, n_cols=vp,
-                HAS_MASK=row_mask is not None, WITH_ENTROPY=with_entropy, FINAL=tp_size == 1,
-                BLOCK_V=block_v, num_warps=num_warps)
+            with launching("logprobs"):  # a failure here leaves the caller to run the torch code instead
+                _lp_fwd_kernel[(n_tok,)](
+                    logits, logits.stride(0), targets, row_mask if row_mask is not None else targets, *out[:3],
+                    out[-1], vocab_start, 1.0 / temperature, n_cols=vp,
+                    HAS_MASK=row_mask is not None, WITH_ENTROPY=with_entropy, FINAL=tp_size == 1,
+                    BLOCK_V=block_v, num_warps=num_warps)
         if tp_size == 1:
             log_probs, entropy, log_z = out
         else:
@@ -226,13 +233,30 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         if n_tok:
             g_lp = grad_lp.contiguous() if grad_lp is not None else log_z  # placeholders are never read
             g_h = grad_h.contiguous() if use_h else log_z
-            _lp_bwd_kernel[(n_tok,)](
-                logits, logits.stride(0), grad, grad.stride(0), targets,
-                row_mask if row_mask is not None else targets, log_z, entropy, g_lp, g_h,
-                ctx.vocab_start, 1.0 / ctx.temperature, n_cols=vp,
-                HAS_MASK=row_mask is not None, HAS_GLP=grad_lp is not None, HAS_GH=use_h,
-                BLOCK_V=ctx.block_v, num_warps=ctx.num_warps)
+            try:
+                with launching("logprobs"):
+                    _lp_bwd_kernel[(n_tok,)](
+                        logits, logits.stride(0), grad, grad.stride(0), targets,
+                        row_mask if row_mask is not None else targets, log_z, entropy, g_lp, g_h,
+                        ctx.vocab_start, 1.0 / ctx.temperature, n_cols=vp,
+                        HAS_MASK=row_mask is not None, HAS_GLP=grad_lp is not None, HAS_GH=use_h,
+                        BLOCK_V=ctx.block_v, num_warps=ctx.num_warps)
+            except KernelLaunchError as err:  # the torch backward of the same forward (no communication)
+                fall_back(err)
+                grad = _torch_grad(ctx, logits, targets, row_mask, log_z, entropy, grad_lp, grad_h)
         return grad, None, None, None, None, None, None, None, None, None
+
+
+def _torch_grad(ctx, logits, targets, row_mask, log_z, entropy, grad_lp, grad_h) -> Tensor:
+    """The torch code's ``dL/dz`` (``slime_tis.megatron.logprobs.grad_logits``) from this forward's state."""
+    from slime_tis.megatron.logprobs import grad_logits
+
+    local = targets - ctx.vocab_start
+    in_shard = (local >= 0) & (local < logits.shape[1])
+    safe_idx = torch.where(in_shard, local, torch.zeros_like(local))
+    keep = None if row_mask is None else row_mask.view(torch.bool)
+    return grad_logits(logits, safe_idx, in_shard, log_z, entropy, keep, grad_lp, grad_h,
+                       temperature=ctx.temperature, chunk_size=1024, with_entropy=ctx.with_entropy)
 
 
 def fused_log_probs_and_entropy(

@@ -35,25 +35,25 @@ an upstream gradient (masked, or a token the loss rejected: ``g_lp = g_H = 0``) 
 selection and are left out of ``dL/dW``, so a non-finite row (NaN log-prob, rejected) puts no NaN into the
 gradients; its log-prob and entropy are NaN on every backend (the core then rejects the sequence).
 
-Backends: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``"torch"`` (the reference: the same
-chunked float32 algorithm in torch; the semantics, and the CPU path). ``"auto"``: Triton on CUDA when triton
-imports, torch otherwise. This module imports triton only on the Triton path.
+Two implementations (``kernels``): ``"torch"`` (the default and the reference: the same chunked float32
+algorithm in torch) and ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), which falls back to the
+torch code with one warning where it cannot run, also in the middle of a backward
+(:mod:`slime_tis.kernels.dispatch`). This module imports triton only on the Triton path.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_tis.kernels import dispatch
 from slime_tis.kernels.matmul import addmm_f32_, mm_f32
 
-__all__ = ["fused_log_probs_and_entropy", "reference_log_probs_and_entropy", "BACKENDS"]
+__all__ = ["fused_log_probs_and_entropy", "reference_log_probs_and_entropy"]
 
-BACKENDS = ("auto", "triton", "torch")
 _NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
+_TRITON = "slime_tis.kernels._output_layer_triton"
 
 
 def _tp_group(tp_group):
@@ -69,28 +69,6 @@ def _group_size(group) -> int:
     if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
-    if backend == "triton" and not _triton_available():
-        raise ValueError("backend='triton' needs triton installed (pip install triton); backend='torch' works "
-                         "without it")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
-                         f"imported (tensors are on {device})")
-    return backend
 
 
 # ------------------------------------------------------------------------------------------------ torch backend
@@ -182,27 +160,30 @@ class _FusedOutputLayer(torch.autograd.Function):
     """``(hidden [T, H], weight [Vp, H]) -> (log_probs [T], entropy [T])`` float32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, active, temperature, group, vocab_start, backend, chunk,
+    def forward(ctx, hidden, weight, targets, active, temperature, group, vocab_start, tk, chunk,
                 reduce_hidden_grad):
-        if backend == "triton":
-            from slime_tis.kernels import _output_layer_triton as tk
+        local = rows = n_active = None
+        if tk is not None:  # the Triton kernels (module _output_layer_triton)
             # Active rows first (stable: the order among them is kept), no host sync.
             rows = torch.argsort((~active).to(torch.int8), stable=True)
             n_active = active.sum(dtype=torch.int32)
-            local = _merge_splits(tk.stats(hidden, weight, targets, rows, n_active, vocab_start, temperature))
-        else:
-            rows = n_active = None
+            try:
+                local = _merge_splits(tk.stats(hidden, weight, targets, rows, n_active, vocab_start, temperature))
+            except dispatch.KernelLaunchError as err:  # before any collective: the torch code instead
+                dispatch.fall_back(err)
+                tk = rows = n_active = None
+        if local is None:
             local = _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk)
         lp, ent, log_z = _combine(local, active, group)
         ctx.save_for_backward(hidden, weight, targets, active, log_z, ent, rows, n_active)
-        ctx.cfg = (temperature, group, vocab_start, backend, chunk, reduce_hidden_grad)
+        ctx.cfg = (temperature, group, vocab_start, tk, chunk, reduce_hidden_grad)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
         hidden, weight, targets, active, log_z, ent, rows, n_active = ctx.saved_tensors
-        temperature, group, vocab_start, backend, chunk, reduce_hidden_grad = ctx.cfg
+        temperature, group, vocab_start, tk, chunk, reduce_hidden_grad = ctx.cfg
         zeros = torch.zeros_like(log_z)
         g_lp = zeros if grad_lp is None else grad_lp.float().contiguous()
         g_h = zeros if grad_ent is None else grad_ent.float().contiguous()
@@ -225,17 +206,22 @@ class _FusedOutputLayer(torch.autograd.Function):
             c1 = min(c0 + chunk, vp)
             d = buf[:, : c1 - c0]
             out = grad_hidden if i == len(starts) - 1 else acc
-            if backend == "triton":
-                from slime_tis.kernels import _output_layer_triton as tk
-                tk.dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, d, c0, vocab_start,
-                           temperature)
-                if want_h:
-                    tk.dhidden(d, weight[c0:c1], acc, out, rows, n_active, accumulate=i > 0)
-            else:
+            done = False  # dL/dz of this chunk; a kernel failure switches to the torch code from there on
+            if tk is not None:
+                try:
+                    tk.dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, d, c0, vocab_start,
+                               temperature)
+                    done = True
+                    if want_h:
+                        tk.dhidden(d, weight[c0:c1], acc, out, rows, n_active, accumulate=i > 0)
+                except dispatch.KernelLaunchError as err:
+                    dispatch.fall_back(err)
+                    tk = None
+            if not done:
                 _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, d, c0, vocab_start,
                                temperature)
-                if want_h:
-                    _torch_dhidden(d, weight[c0:c1], acc, out, accumulate=i > 0)
+            if tk is None and want_h:
+                _torch_dhidden(d, weight[c0:c1], acc, out, accumulate=i > 0)
             if want_w:
                 torch.mm(d.t(), h_live, out=grad_weight[c0:c1])
         if want_h and not starts:  # an empty vocabulary shard
@@ -255,7 +241,7 @@ def fused_log_probs_and_entropy(
     loss_mask: Tensor | None = None,
     tp_group=None,
     reduce_hidden_grad: bool = True,
-    backend: str = "auto",
+    kernels: str = dispatch.DEFAULT_KERNELS,
     chunk_size: int = 8192,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of ``targets`` and entropy of ``softmax(hidden @ weight^T / temperature)`` over the vocabulary.
@@ -274,7 +260,7 @@ def fused_log_probs_and_entropy(
             full one). False when the caller's own region does it (megatron's
             ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather, see
             :mod:`slime_tis.megatron.output_layer`).
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see module docstring).
+        kernels: ``"torch"`` (default) or ``"triton"`` (see module docstring; ``slime_tis.kernels.dispatch``).
         chunk_size: vocabulary columns per chunk (torch forward; backward ``dL/dz`` buffer ``[T, chunk]``).
 
     Returns:
@@ -300,7 +286,7 @@ def fused_log_probs_and_entropy(
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    backend = _resolve_backend(backend, hidden.device)
+    tk = dispatch.triton_module("output_layer", _TRITON, hidden.device, dispatch.check_kernels(kernels))
     group = _tp_group(tp_group)
     tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
@@ -308,7 +294,7 @@ def fused_log_probs_and_entropy(
     active = (torch.ones_like(flat_y, dtype=torch.bool) if loss_mask is None
               else loss_mask.reshape(-1).to(flat_y.device) != 0)
     lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, float(temperature), group,
-                                      tp_rank * weight.shape[0], backend, chunk_size, bool(reduce_hidden_grad))
+                                      tp_rank * weight.shape[0], tk, chunk_size, bool(reduce_hidden_grad))
     return lp.view(lead), ent.view(lead)
 
 
