@@ -117,14 +117,12 @@ def _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, out, c0
 
 
 def _torch_dhidden(d: Tensor, w_chunk: Tensor, acc: Tensor, out: Tensor, *, accumulate: bool) -> Tensor:
-    """``out = (acc if accumulate else 0) + d @ w_chunk`` in float32 (``mm_f32``: no rounding between chunks)."""
-    if accumulate:
-        addmm_f32_(acc, d, w_chunk)
-    else:
-        mm_f32(d, w_chunk, out=acc)
-    if out is not acc:
-        out.copy_(acc)
-    return out
+    """``out = (acc if accumulate else 0) + d @ w_chunk``, float32 products and sums (``mm_f32``: no rounding
+    between chunks); ``out`` is ``acc``, or the last chunk's result in the hidden dtype (one rounding)."""
+    if out is acc:
+        return addmm_f32_(acc, d, w_chunk) if accumulate else mm_f32(d, w_chunk, out=acc)
+    product = mm_f32(d, w_chunk)
+    return torch.add(acc, product, out=out) if accumulate else out.copy_(product)
 
 
 # ------------------------------------------------------------------------------------------------ autograd
