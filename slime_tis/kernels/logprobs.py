@@ -19,10 +19,16 @@ Tensor-parallel rank ``r`` holds the logit columns ``[vocab_start, vocab_start +
         lq_v = max(x_v - logZ, -200)          log p_v (p_v is exactly 0 in float32 below -104)
         dL/dz_v = (p_v (-g_lp - g_H (lq_v + H)) + g_lp [v = y]) / tau
 
+Every ``max(a, c)`` clamp above is computed as the selection ``where(a < c, c, a)`` (``_floor``): PTX
+``max.f32`` returns the non-NaN operand, so a ``tl.maximum`` clamp would turn a NaN logit into a finite
+log-prob on a GPU. ``m_r`` itself may skip a NaN, but ``exp(x_v - m_r)`` carries it into ``s_r``: a row with a
+NaN logit has NaN ``logZ``, log-prob and entropy on every backend, as on the torch path.
+
 Rows with ``row_mask == 0`` are neither read nor computed: their log-prob and entropy are 0 and their
-gradient row is written as zeros. The only ``[T, V/TP]`` tensor is the gradient itself; everything else
-is ``O(T)`` (float32 ``[T]`` vectors: outputs, the saved ``logZ``, four partials at TP > 1). No host
-synchronisation.
+gradient row is written as zeros; so is the gradient row of a row whose upstream gradients are both 0 (a
+token the loss rejected), without reading it (no ``0 * NaN``). The only ``[T, V/TP]`` tensor is the
+gradient itself; everything else is ``O(T)`` (float32 ``[T]`` vectors: outputs, the saved ``logZ``, four
+partials at TP > 1). No host synchronisation.
 
 A kernel that fails to compile or launch raises :class:`~slime_tis.kernels.dispatch.KernelLaunchError`
 from the forward (the caller, ``slime_tis.megatron.logprobs``, then runs the torch code: same collectives);
