@@ -188,8 +188,18 @@ def main(argv: list[str] | None = None) -> int:
                              "shared box where wall time mostly measures waiting (CPU only)")
     parser.add_argument("--write", type=Path, default=None, help="also write the table into this markdown file")
     parser.add_argument("--label", default=None, help="block of --write to replace (default: the device type)")
+    parser.add_argument("--kernels", choices=["torch", "triton"], default="torch",
+                        help="TISConfig.kernels of our runs: the torch token pass (default) or the Triton kernel "
+                             "(a fallback to torch is an error here)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.kernels == "triton":
+        import warnings
+
+        from slime_tis.kernels.dispatch import KernelFallbackWarning
+        warnings.simplefilter("error", KernelFallbackWarning)
+        global CONFIGS
+        CONFIGS = [(label, cfg.replace(kernels="triton"), kwargs) for label, cfg, kwargs in CONFIGS]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     global CLOCK

@@ -8,8 +8,8 @@
 Work per case: ``T`` tokens x ``V`` vocabulary, bfloat16 logits, TP=1, temperature 0.7, forward + backward
 with entropy (upstream gradients random for both outputs). Methods:
 
-* ``triton``: ``vocab_parallel_log_probs_and_entropy(..., impl="triton", row_mask=...)`` (this package);
-* ``torch``: the same function with ``impl="torch"`` (chunked, ``--chunk-size`` rows; the reference);
+* ``triton``: ``vocab_parallel_log_probs_and_entropy(..., kernels="triton", row_mask=...)`` (this package);
+* ``torch``: the same function with ``kernels="torch"`` (chunked, ``--chunk-size`` rows; the reference);
 * ``liger``: Liger-Kernel's ``LigerCrossEntropyLoss(reduction="sum")`` on the same logits (log-probs only,
   no entropy, no temperature; masked rows as ``ignore_index``). Skipped with a note when ``liger-kernel`` is
   not installed. It writes the gradient over the logits in its forward and syncs the host (``.item()``);
@@ -64,6 +64,10 @@ def _need_cuda(cpu_smoke: bool):
         import triton  # noqa: F401
     except ImportError:
         sys.exit("bench_logprobs_kernel.py needs triton (pip install triton): nothing measured")
+    import warnings
+
+    from slime_tis.kernels.dispatch import KernelFallbackWarning
+    warnings.simplefilter("error", KernelFallbackWarning)  # a fallback to torch must not be timed as "triton"
     return torch
 
 
@@ -121,7 +125,7 @@ def _methods(torch, args, logits, targets, keep, w_lp, w_h):
 
     def ours(impl: str):
         def run():
-            lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=mask, impl=impl,
+            lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=mask, kernels=impl,
                                chunk_size=args.chunk_size)
             return torch.autograd.grad([lp, ent], logits, [w_lp, w_h])[0]
         return run
@@ -156,7 +160,7 @@ def _check(torch, logits, targets, keep) -> str:
 
     out = {}
     for impl in ("triton", "torch"):
-        lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=keep, impl=impl)
+        lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=keep, kernels=impl)
         out[impl] = (lp.detach(), ent.detach(), torch.autograd.grad(lp.sum() + ent.sum(), logits)[0].float())
     err = [float((a - b).abs().max()) for a, b in zip(out["triton"], out["torch"])]
     err[2] /= float(out["torch"][2].abs().max().clamp(min=1e-30))

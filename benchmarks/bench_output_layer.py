@@ -7,8 +7,8 @@ Every method computes, from ``hidden [T, H]`` and ``weight [V, H]`` (bf16, TP=1)
 targets, then the gradient of a weighted sum with respect to ``hidden`` and ``weight``:
 
 * ``unfused``: ``logits = hidden @ weight^T`` (bf16 GEMM, bf16 logits ``[T, V]``), then
-  ``slime_tis.megatron.vocab_parallel_log_probs_and_entropy`` (on CUDA: the Triton log-prob + entropy
-  kernels of ``slime_tis/kernels/logprobs.py``);
+  ``slime_tis.megatron.vocab_parallel_log_probs_and_entropy(..., kernels="triton")`` (the Triton log-prob +
+  entropy kernels of ``slime_tis/kernels/logprobs.py``);
 * ``fused`` (ours): ``slime_tis.kernels.output_layer.fused_log_probs_and_entropy`` (Triton; with entropy);
 * ``liger``: ``liger_kernel``'s ``LigerFusedLinearCrossEntropyLoss`` (cross-entropy only, no entropy);
 * ``cce``: ``cut_cross_entropy.linear_cross_entropy`` (cross-entropy only, no entropy).
@@ -32,6 +32,7 @@ import argparse
 import json
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy  # noqa: E402
 from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy  # noqa: E402
 
@@ -47,12 +49,12 @@ GIB = 2 ** 30
 
 def method_unfused(h, w, y, g1, g2, tau):
     logits = h @ w.t()
-    lp, ent = vocab_parallel_log_probs_and_entropy(logits, y, temperature=tau, tp_group=None)
+    lp, ent = vocab_parallel_log_probs_and_entropy(logits, y, temperature=tau, tp_group=None, kernels="triton")
     return (lp * g1).sum() + (ent * g2).sum()
 
 
 def method_fused(h, w, y, g1, g2, tau):
-    lp, ent = fused_log_probs_and_entropy(h, w, y, temperature=tau, tp_group=None, backend="triton")
+    lp, ent = fused_log_probs_and_entropy(h, w, y, temperature=tau, tp_group=None, kernels="triton")
     return (lp * g1).sum() + (ent * g2).sum()
 
 
@@ -128,7 +130,7 @@ def no_host_sync(h0, w0, y, g1, g2, tau) -> str:
 def accuracy(h, w, y, tau, rows: int) -> dict:
     with torch.no_grad():
         hs, ys = h[:rows], y[:rows]
-        lp_fused, _ = fused_log_probs_and_entropy(hs, w, ys, temperature=tau, backend="triton")
+        lp_fused, _ = fused_log_probs_and_entropy(hs, w, ys, temperature=tau, kernels="triton")
         z32 = (hs.float() @ w.float().t()) / tau
         lp_ref = torch.log_softmax(z32, -1).gather(-1, ys[:, None]).squeeze(-1)
         zb = (hs @ w.t()).float() / tau
@@ -148,6 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--check-rows", type=int, default=1024)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
+    warnings.simplefilter("error", KernelFallbackWarning)  # a fallback to torch must not be timed as Triton
     if not torch.cuda.is_available():
         print("bench_output_layer: CUDA is not available; this benchmark measures GPU kernels only "
               "(correctness is covered on CPU by tests/test_kernels_output_layer.py).", file=sys.stderr)

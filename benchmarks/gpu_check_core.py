@@ -64,22 +64,24 @@ def main() -> int:
 
 
 def triton_matches_torch(lp_old, lp_rollout, adv, mask, cu) -> int:
-    """The opt-in Triton token pass (SLIME_TIS_TRITON=1) gives the torch path's loss and metrics, without a sync."""
-    import os
+    """The opt-in Triton token pass (``kernels="triton"``) gives the torch path's loss and metrics, no sync."""
+    import warnings
+
+    from slime_tis.kernels.dispatch import KernelFallbackWarning
 
     failures = 0
     for cfg in CONFIGS:
         outs = []
-        for mode in ("0", "1"):
-            os.environ["SLIME_TIS_TRITON"] = mode
+        for mode in ("torch", "triton"):
             theta = lp_old.clone().requires_grad_(True)
-            torch.cuda.set_sync_debug_mode("error" if mode == "1" and outs else "default")
+            torch.cuda.set_sync_debug_mode("error" if mode == "triton" and outs else "default")
             try:
-                out = policy_loss(cfg, theta, lp_old, lp_rollout, adv, mask, cu)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", KernelFallbackWarning)  # the kernel must really run
+                    out = policy_loss(cfg.replace(kernels=mode), theta, lp_old, lp_rollout, adv, mask, cu)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             outs.append((out.loss.detach(), out.stats.finalize()))
-        os.environ["SLIME_TIS_TRITON"] = "0"
         (la, ma), (lb, mb) = outs
         ok = torch.allclose(la, lb, rtol=1e-5, atol=1e-7) and all(
             torch.allclose(ma[k], mb[k], rtol=1e-6, atol=1e-9) for k in ma)

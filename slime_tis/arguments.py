@@ -18,6 +18,7 @@ import argparse
 from typing import Any
 
 from slime_tis.config import LEVELS, LOSS_AGGS, MODES, THRESHOLDS, config_fields_from_args
+from slime_tis.kernels.dispatch import KERNELS
 from slime_tis.presets import PRESETS
 
 __all__ = ["add_tis_arguments", "config_fields_from_args"]
@@ -80,6 +81,12 @@ def _option_specs() -> list[tuple[list[str], str, dict[str, Any]]]:
          dict(type=float, default=None,
               help="Log-quantities are clamped to [-B, B] before exp; 0 < B <= 60 (float32 exp overflows at "
                    "88.7). Default: 20.")),
+        (["--tis-kernels"], "tis_kernels",
+         dict(choices=list(KERNELS), default=None,
+              help="Code for the log-probs (from logits, or fused from the hidden states) and the correction's "
+                   "token pass: torch, or the Triton kernels (CUDA; where one cannot run, e.g. a compile "
+                   "error, the torch code with one warning). Default: torch (the Triton kernels are not yet "
+                   "measured on a GPU).")),
         (["--tis-preset"], "tis_preset",
          dict(choices=list(PRESETS), default=None,
               help="Expand a named preset; explicit flags override it. Presets: "

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_tis.core.plan import Plan, declared_thresholds, resolve, threshold
+from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
 from slime_tis.presets import preset_fields
 
 __all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS",
@@ -69,6 +70,7 @@ FLAG_OF = {
     "eps_clip_high": "--eps-clip-high",
     "dual_clip_c": "--eps-clip-c",
     "safety_bound": "--tis-safety-bound",
+    "kernels": "--tis-kernels",
 }
 
 #: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's);
@@ -90,6 +92,7 @@ DESTS_OF: dict[str, tuple[str, ...]] = {
     "eps_clip_high": ("eps_clip_high",),
     "dual_clip_c": ("eps_clip_c",),
     "safety_bound": ("tis_safety_bound",),
+    "kernels": ("tis_kernels",),
 }
 SWITCHES = ("use_rollout_log_probs", "use_tis", "batch_normalize")
 
@@ -172,6 +175,9 @@ class TISConfig:
             (``eps_clip_high=None`` means symmetric).
         dual_clip_c: dual-clip constant ``c > 1`` for negative advantages; ``None`` = off.
         safety_bound: ``B``; log-quantities are clamped to ``[-B, B]`` before ``exp``.
+        kernels: ``"torch"`` (default) or ``"triton"``: which code computes the log-probs (from logits or, fused,
+            from the hidden states) and the correction's token pass; the one switch for every Triton kernel
+            (``slime_tis.kernels.dispatch``: where a kernel cannot run, the torch code with one warning).
     """
 
     use_rollout_log_probs: bool = False
@@ -206,6 +212,7 @@ class TISConfig:
     eps_clip_high: float | None = None
     dual_clip_c: float | None = None
     safety_bound: float = 20.0
+    kernels: str = DEFAULT_KERNELS
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -217,6 +224,7 @@ class TISConfig:
         _check_choice("rs_level", self.rs_level, LEVELS, allow_none=True)
         _check_choice("rejected_denominator", self.rejected_denominator, DENOMINATORS)
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        _check_choice("kernels", self.kernels, KERNELS)
         for field in ("upper", "lower", "rs_upper", "rs_lower", *THRESHOLDS, "eps_clip_high", "dual_clip_c"):
             _check_number(field, getattr(self, field))
         for field in ("eps_clip", "safety_bound"):
@@ -355,6 +363,8 @@ class TISConfig:
                      f"loss_agg={self.loss_agg}")
         lines.append(f"  ppo clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] dual_clip_c={self.dual_clip_c} "
                      f"safety_bound={self.safety_bound:g}")
+        lines.append(f"  kernels={self.kernels}" + (" (Triton: not yet measured on a GPU; torch code where it "
+                                                     "cannot run, with a warning)" if self.kernels == "triton" else ""))
         return "\n".join(lines)
 
 

@@ -56,6 +56,7 @@ def test_default_bounds():
         (dict(safety_bound=0.0), r"--tis-safety-bound \(safety_bound\) = 0.0"),
         (dict(use_tis=True, upper=float("inf")), r"--tis-upper-bound .* must be a finite number"),
         (dict(use_tis="yes"), r"--use-tis \(use_tis\) = 'yes': must be a bool"),
+        (dict(kernels="auto"), r"--tis-kernels \(kernels\) = 'auto': must be one of torch, triton"),
     ],
 )
 def test_invalid_values_raise_naming_flag_and_value(kwargs, message):
@@ -138,3 +139,13 @@ def test_megatron_extra_args_provider_contract():
 def test_describe_prints_resolved_bounds():
     text = TISConfig.from_preset("decoupled_geo_rs").describe()
     assert "algorithm 2" in text and "lower=0.999 upper=1.001" in text and "veto" in text
+
+
+def test_kernels_is_one_flag_for_every_kernel():
+    """--tis-kernels -> TISConfig.kernels -> Plan.kernels; default torch (Triton opt-in until measured on a GPU)."""
+    assert TISConfig().kernels == "torch" and TISConfig().plan.kernels == "torch"
+    cfg = parse(["--use-tis", "--tis-kernels", "triton"])
+    assert cfg.kernels == "triton" and cfg.plan.kernels == "triton"
+    assert "kernels=triton" in cfg.describe() and "kernels=torch" in TISConfig().describe()
+    with pytest.raises(SystemExit):
+        parse(["--tis-kernels", "auto"])

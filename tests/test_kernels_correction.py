@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _interpret import INTERPRETED, assert_module_passes_under_interpreter
+from _interpret import INTERPRETED, assert_module_passes_under_interpreter, gpu_max_semantics
 
 from slime_tis.core.packing import packed_layout
 from slime_tis.core.ratios import packed_ratios
 from slime_tis.core.reducer import LocalReducer
 
 ROOT = Path(__file__).resolve().parents[1]
-N_KERNEL_CASES = 17
+N_KERNEL_CASES = 20
 kernel_case = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernel_cases_under_triton_interpreter")
 
 
@@ -61,10 +61,31 @@ def test_kernel_matches_torch_reference(lengths, n_extra):
 
 
 @kernel_case
+@pytest.mark.parametrize("semantics", ["interpreter", "gpu"])
+def test_non_finite_sequences_stay_non_finite(semantics):
+    """NaN / inf at valid tokens (log-probs and extra tensors) make exactly those sequences' ``sum l``
+    non-finite, also with the GPU's NaN-dropping max/min (``gpu_max_semantics``); masked ones change nothing."""
+    kernels = pytest.importorskip("slime_tis.kernels.correction")
+    lengths = [12, 12, 12, 12, 12, 12]
+    lt, lr, valid, cu, adv = _batch(5, lengths)
+    lt, lr, valid, adv = lt.nan_to_num(0.0, 0.0, 0.0), lr.nan_to_num(0.0, 0.0, 0.0), valid.clone(), adv.nan_to_num(0.0)
+    valid[:] = True
+    lt[1], lr[14], adv[27], adv[40] = math.nan, -math.inf, math.inf, math.nan  # sequences 0, 1, 2, 3
+    valid[60] = False
+    lt[60], adv[61] = math.nan, -math.inf   # sequence 5: a masked NaN (ignored) and a valid -inf advantage
+    with gpu_max_semantics(semantics == "gpu"):
+        l_k, sums_k = kernels.sequence_sums(lt, lr, valid, cu.long(), (adv,), block=8)
+    assert torch.equal(torch.isfinite(sums_k[:, 0]), torch.tensor([False, False, False, False, True, False]))
+    assert torch.equal(torch.isfinite(sums_k[:, 1]), torch.tensor([True, False, True, True, True, True]))
+    assert sums_k[:, 2].tolist() == [12, 12, 12, 12, 12, 11]
+    assert l_k[60] == 0 and torch.isnan(l_k[61])
+
+
+@kernel_case
 @pytest.mark.parametrize("cfg_kwargs", [dict(use_tis=True), dict(use_tis=True, level="geometric", mode="mask",
                                                                    veto_threshold=1e-2, seq_max_k3_threshold=1.0)])
 def test_core_through_the_kernel_equals_the_torch_path(monkeypatch, cfg_kwargs):
-    """The whole policy loss with the kernel forced (interpreter) equals the torch path."""
+    """The whole policy loss with ``TISConfig(kernels="triton")`` (interpreter) equals the torch path."""
     kernels = pytest.importorskip("slime_tis.kernels.correction")
     from slime_tis import TISConfig, policy_loss
 
@@ -73,10 +94,9 @@ def test_core_through_the_kernel_equals_the_torch_path(monkeypatch, cfg_kwargs):
     monkeypatch.setattr(kernels, "sequence_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     lt, lr, valid, cu, adv = _batch(3, [40, 0, 7, 130, 1])
-    cfg = TISConfig(**cfg_kwargs)
     outs = []
-    for mode in ("0", "force"):  # torch path, then the kernel (interpreter)
-        monkeypatch.setenv("SLIME_TIS_TRITON", mode)
+    for mode in ("torch", "triton"):  # torch path, then the kernel (interpreter)
+        cfg = TISConfig(**cfg_kwargs, kernels=mode)
         theta = (lt + 0.01).nan_to_num(0.0).requires_grad_(True)
         out = policy_loss(cfg, theta, lt, lr, adv, valid, cu)
         out.loss.backward()
@@ -90,6 +110,41 @@ def test_core_through_the_kernel_equals_the_torch_path(monkeypatch, cfg_kwargs):
     assert fa.keys() == fb.keys()
     for k in fa:
         torch.testing.assert_close(fa[k], fb[k], rtol=1e-9, atol=1e-12)
+
+
+@kernel_case
+def test_a_failing_kernel_falls_back_to_torch_with_one_warning(monkeypatch):
+    """The kernel fails to launch: the torch columns instead, one warning naming the error, no retry."""
+    import warnings
+
+    kernels = pytest.importorskip("slime_tis.kernels.correction")
+    from slime_tis.kernels import dispatch
+
+    calls = []
+
+    class Failing:  # stands in for the @triton.jit kernel
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(1)
+                raise RuntimeError("no kernel image for sm_90")
+            return launch
+
+    monkeypatch.setattr(kernels, "_sequence_sums_kernel", Failing())
+    lt, lr, valid, cu, adv = _batch(4, [30, 5, 60])
+    layout = packed_layout(cu, lt.numel(), lt.device)
+    ref = packed_ratios(lt, lr, valid, layout, LocalReducer(), extra_finite=(adv,))
+    dispatch.reset()
+    try:
+        for expected in (1, 0):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                got = packed_ratios(lt, lr, valid, layout, LocalReducer(), extra_finite=(adv,), kernels="triton")
+            msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.KernelFallbackWarning)]
+            assert len(msgs) == expected and all("no kernel image for sm_90" in m for m in msgs), msgs
+            assert torch.equal(got.seq_sums.nan_to_num(7.0), ref.seq_sums.nan_to_num(7.0))
+        assert len(calls) == 1
+    finally:
+        dispatch.reset()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run itself")

@@ -56,11 +56,11 @@ hidden = torch.randn(T, H)
 weight = torch.randn(V, H) * 0.3
 hidden[1, 3] = float("nan")
 h = hidden.clone().requires_grad_(True)
-lp, ent = output_layer.fused_log_probs_and_entropy(h, weight, targets, backend="triton")
+lp, ent = output_layer.fused_log_probs_and_entropy(h, weight, targets, kernels="triton")
 lp.sum().backward()  # the log-prob term alone: no entropy term carries the NaN
 assert torch.isnan(h.grad[1]).any() and torch.isfinite(h.grad[[0, 2, 3, 4, 5]]).all(), ("output-layer backward", h.grad)
 
-lp, ent = output_layer.fused_log_probs_and_entropy(hidden, weight, targets, backend="triton")
+lp, ent = output_layer.fused_log_probs_and_entropy(hidden, weight, targets, kernels="triton")
 assert torch.isnan(lp[1]) and torch.isnan(ent[1]), ("output-layer kernel", lp, ent)
 ref_lp, _ = output_layer.reference_log_probs_and_entropy(hidden, weight, targets)
 assert torch.allclose(lp[[0, 2, 3, 4, 5]].double(), ref_lp[[0, 2, 3, 4, 5]].double(), atol=1e-4), (lp, ref_lp)

@@ -212,3 +212,54 @@ def test_logits_token_count_mismatch_is_explained():
     fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 1, 1, 1), LocalReducer(), collector=[])
     with pytest.raises(ValueError, match="logits have 24 positions .* but the micro-batch's TISBatch has 48 tokens"):
         fn(logits[:4])
+
+
+def test_tis_kernels_reaches_both_kernels_of_the_loss(monkeypatch):
+    """``TISConfig(kernels="triton")``: the loss asks for the log-prob kernel and the correction kernel (here, CPU
+    tensors without the interpreter: one fallback warning each, then the torch code: the same loss and gradient)."""
+    import warnings
+
+    from slime_tis.kernels import dispatch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    logits, labels, mask, adv, lp, rollout = _data(3)
+    out = {}
+    for kernels in ("torch", "triton"):
+        cfg = CFGS["alg2_tok_trunc_bn"].replace(kernels=kernels)
+        batches = _microbatches(labels, mask, adv, rollout, lp, 1)
+        leaf = logits.clone().requires_grad_(True)
+        dispatch.reset()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            plan = plan_step(cfg, batches, LocalReducer())
+            fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 1, 1, 1), LocalReducer(), collector=[],
+                                temperature=TAU)
+            loss, _ = fn(leaf)
+            loss.backward()
+        msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.KernelFallbackWarning)]
+        out[kernels] = (loss.detach(), leaf.grad, msgs)
+    dispatch.reset()
+    assert out["torch"][2] == []
+    assert sorted(m.split(" kernel cannot")[0].split("the ")[-1] for m in out["triton"][2]) == ["correction",
+                                                                                              "logprobs"]
+    assert torch.equal(out["torch"][0], out["triton"][0]) and torch.equal(out["torch"][1], out["triton"][1])
+
+
+def test_nan_logits_reject_the_sequence_with_finite_loss_and_gradient():
+    """A NaN logit at a valid token: its log-prob is NaN, the core rejects the sequence (counted), and neither the
+    loss nor the logits' gradient holds a NaN (the rejected token's upstream gradient is 0: an exact zero row)."""
+    cfg = CFGS["alg2_tok_trunc_bn"]
+    logits, labels, mask, adv, lp, rollout = _data(4)
+    mask[1, 2] = 1.0
+    logits[1, 2, 5] = float("nan")
+    batches = _microbatches(labels, mask, adv, rollout, lp, 1)
+    plan = plan_step(cfg, batches, LocalReducer())
+    collector: list = []
+    leaf = logits.clone().requires_grad_(True)
+    fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 1, 1, 1), LocalReducer(), collector=collector,
+                        temperature=TAU)
+    loss, _ = fn(leaf)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(leaf.grad).all()
+    assert (leaf.grad[1] == 0).all()  # the whole rejected sequence
+    assert float(collector[0].finalize()["tis/nonfinite_seq_fraction"]) > 0

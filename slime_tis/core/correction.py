@@ -133,7 +133,8 @@ def correct(
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     with torch.no_grad():
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
-                               extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=rule_columns(plan))
+                               extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=rule_columns(plan),
+                               kernels=plan.kernels)
         verdict = evaluate(plan, ratios)
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level))  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep

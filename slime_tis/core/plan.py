@@ -88,6 +88,7 @@ class Plan:
             read with :meth:`threshold`.
         batch_normalize, drop_rejected, loss_agg: loss switches.
         eps_low, eps_high, dual_clip_c: PPO clip. bound: the safety bound B.
+        kernels: ``"torch"`` or ``"triton"``: which code computes the token pass (``slime_tis.kernels.dispatch``).
     """
 
     algorithm: int
@@ -110,6 +111,7 @@ class Plan:
     dual_clip_c: float | None
     bound: float
     thresholds: tuple[tuple[str, float], ...] = ()
+    kernels: str = "torch"
 
     def threshold(self, field: str) -> float | None:
         """The value of the rejection threshold ``field`` (a ``TISConfig`` field name), or None when off."""
@@ -148,4 +150,5 @@ def resolve(config: Any) -> Plan:
         bound=float(config.safety_bound),
         thresholds=tuple((name, float(getattr(config, name))) for name in declared_thresholds(config)
                          if rejecting and getattr(config, name) is not None),
+        kernels=config.kernels,
     )

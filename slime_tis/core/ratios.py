@@ -25,7 +25,6 @@ per-sequence value is read only where the sequence is finite (``seq_ok``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from torch import Tensor
 
 from slime_tis.core.packing import Layout
 from slime_tis.core.reducer import Reducer
+from slime_tis.kernels import dispatch
 
 __all__ = ["Ratios", "packed_ratios", "COLUMNS", "TokenColumn", "ratio_moments"]
 
@@ -45,17 +45,10 @@ F64 = torch.float64
 TokenColumn = Callable[[Tensor], Tensor]
 
 
-def _kernel(lp_train: Tensor, extra_finite: tuple[Tensor, ...]):
-    """The Triton module when it applies (CUDA tensors and SLIME_TIS_TRITON=1, triton installed), else None."""
-    # 0 (default until measured on a GPU): never; 1: CUDA tensors; force: any device (interpreter tests)
-    mode = os.environ.get("SLIME_TIS_TRITON", "0")
-    if mode == "0" or (lp_train.device.type != "cuda" and mode != "force"):
-        return None
-    try:
-        from slime_tis.kernels import correction
-    except ImportError:
-        return None
-    return correction if len(extra_finite) <= correction.MAX_EXTRA else None
+def _kernel(lp_train: Tensor, extra_finite: tuple[Tensor, ...], kernels: str):
+    """The Triton module with ``kernels="triton"`` where it can run (``slime_tis.kernels.dispatch``), else None."""
+    correction = dispatch.triton_module("correction", "slime_tis.kernels.correction", lp_train.device, kernels)
+    return correction if correction is not None and len(extra_finite) <= correction.MAX_EXTRA else None
 
 
 def ratio_moments(log_ratio: Tensor, bound: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -135,6 +128,7 @@ def packed_ratios(
     *,
     extra_finite: tuple[Tensor, ...] = (),
     rule_columns: Mapping[str, TokenColumn] | None = None,
+    kernels: str = dispatch.DEFAULT_KERNELS,
 ) -> Ratios:
     """:class:`Ratios` of detached ``[T]`` log-probs (any float dtype, computed in float32).
 
@@ -143,15 +137,19 @@ def packed_ratios(
         reducer: completes the per-sequence sums over context parallelism (one call).
         extra_finite: ``[T]`` tensors whose non-finite valid entries make their sequence non-finite.
         rule_columns: extra token columns summed per sequence (see ``slime_tis.core.rules``).
-
-    With CUDA tensors and ``SLIME_TIS_TRITON=1`` the base columns come from the Triton kernel
-    ``slime_tis.kernels.correction`` (same values).
+        kernels: ``"torch"`` (default) or ``"triton"``: the base columns from the Triton kernel
+            ``slime_tis.kernels.correction`` (same values; CUDA tensors; the torch code with one warning where it
+            cannot run, ``slime_tis.kernels.dispatch``).
     """
     rules = rule_columns or {}
-    kernel = _kernel(lp_train, extra_finite)
+    kernel = _kernel(lp_train, extra_finite, kernels)
     base = None
     if kernel is not None:  # the same base columns from one Triton pass
-        l, base = kernel.sequence_sums(lp_train, lp_rollout, valid, layout.offsets, extra_finite)  # noqa: E741
+        try:
+            l, base = kernel.sequence_sums(lp_train, lp_rollout, valid, layout.offsets, extra_finite)  # noqa: E741
+        except dispatch.KernelLaunchError as err:
+            dispatch.fall_back(err)
+    if base is not None:
         columns = []
     else:
         lt, lr = lp_train.float(), lp_rollout.float()

@@ -8,10 +8,22 @@ computed from ``hidden [T, H]`` and ``weight [Vp, H]`` with float32 accumulation
   ``t = sum exp(x - m)(x - m)`` and ``x_y`` (the target's ``x`` when the target is in the split, else 0);
   writes ``[splits, T, 4]`` float32 (merged by the caller). Splits keep the GPU busy when ``T`` is small.
 * ``_dlogits_kernel``: one program per ``[BT, BV]`` tile of a vocabulary chunk; recomputes ``x`` and writes
-  ``d lp-and-entropy / d z`` for the tile into the chunk buffer (the two GEMMs that follow are torch's).
+  ``d lp-and-entropy / d z`` for the tile into the chunk buffer. Rows without an upstream gradient (masked, or
+  a rejected token: ``g_lp = g_H = 0``) are written as exact zeros by selection (no ``0 * NaN``).
+* ``_dhidden_kernel``: one program per ``[BT, BH]`` tile of ``dL/dh``: ``out = acc + d_chunk @ W_chunk`` with
+  the float32 accumulator tile loaded once, the chunk's products summed in float32 on the tensor cores and the
+  tile stored once (no ``[T, H]`` temporary, no rounding between chunks; the last chunk may store straight in
+  the hidden dtype). The weight gradient's GEMM is torch's (``dL/dz^T h``, each chunk's rows written once).
+
+NaN: the online max ``m`` may skip a NaN (PTX ``max.f32`` returns the other operand), but ``exp(x - m)`` of a
+NaN ``x`` is NaN, so ``s`` (and with it ``logZ``, the log-prob and the entropy) of a row with a NaN logit is
+NaN on every backend; the backward's clamp ``log p <= 0`` is a selection, which keeps NaN too.
 
 Rows are visited in the order ``rows[i]`` (active rows first); blocks whose first index is at or past
 ``n_active`` (device scalar, read in the kernel: no host sync) skip the matmul: masked rows cost nothing.
+
+Every launch runs inside ``dispatch.launching``: a compile or launch error becomes ``KernelLaunchError``,
+on which the caller (:mod:`slime_tis.kernels.output_layer`) continues with the torch code.
 
 Loop bounds (``Vp``, ``H``, the chunk width) are compile-time constants: fixed by the model, so one
 compilation per model (two with a ragged last chunk); data-dependent work is skipped with ``if``, never a
@@ -24,6 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slime_tis.kernels.dispatch import launching
+
+KERNEL = "output_layer"  # the name its fallback goes by (slime_tis.kernels.dispatch)
 # CUDA launch: 128 x 128 x 64 tiles, 8 warps, 3 stages (the usual H100 Triton GEMM shape). Not timed (no GPU
 # when written); chosen so that the sm_90 build (see compile_for_cuda) pipelines its loads and spills nothing.
 CUDA_BLOCKS = (128, 128, 64)  # (BT, BV, BH)
@@ -115,14 +130,57 @@ def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, log_z_ptr, ent_
     g_lp = tl.load(g_lp_ptr + rows, mask=active, other=0.0)
     g_h = tl.load(g_h_ptr + rows, mask=active, other=0.0)
     target = tl.load(y_ptr + rows, mask=active, other=-1) - vocab_start
+    live = active & ((g_lp != 0.0) | (g_h != 0.0))  # rows with a gradient; the others get exact zeros
     log_p = z / temperature - log_z[:, None]
-    p = tl.where(log_p == log_p, tl.exp(tl.minimum(log_p, 0.0)), log_p)  # a NaN stays NaN (min.f32 drops it)
+    p = tl.exp(tl.where(log_p > 0.0, 0.0, log_p))  # log p <= 0 (rounding), by selection: NaN stays NaN
     # d/dx: g_lp ([v = y] - p) - g_H p (log p + H); d/dz = d/dx / tau
     g = -p * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
     g += tl.where(cols[None, :] == target[:, None], g_lp[:, None], 0.0)
-    g = tl.where(active[:, None] & col_ok[None, :], g / temperature, 0.0)
+    g = tl.where(live[:, None] & col_ok[None, :], g / temperature, 0.0)
     ptrs = d_ptr + rows[:, None] * stride_d + local[None, :]
     tl.store(ptrs, g.to(d_ptr.dtype.element_ty), mask=in_range[:, None] & (local < chunk_cols)[None, :])
+
+
+@triton.jit
+def _dhidden_kernel(d_ptr, w_ptr, acc_ptr, out_ptr, rows_ptr, n_active_ptr, T, stride_d, stride_w, stride_acc,
+                    stride_out, C: tl.constexpr, H: tl.constexpr, ACCUMULATE: tl.constexpr,
+                    STORE_INACTIVE: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """``out[r, k] = (acc[r, k] if ACCUMULATE else 0) + sum_c d[r, c] W[c, k]`` over one chunk, float32 sums.
+
+    Rows ``r = rows[i]`` (active first); blocks past ``n_active`` do no work and store zeros only when
+    ``STORE_INACTIVE`` (the first chunk, or ``out`` is not the accumulator).
+    """
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    idx = pid_t * BT + tl.arange(0, BT)
+    in_range = idx < T
+    n_active = tl.load(n_active_ptr)
+    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
+    active = in_range & (idx < n_active)
+    ks = pid_h * BH + tl.arange(0, BH)
+    k_ok = ks < H
+    out_ptrs = out_ptr + rows[:, None] * stride_out + ks[None, :]
+    out_mask = in_range[:, None] & k_ok[None, :]
+    if pid_t * BT < n_active:
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        if ACCUMULATE:
+            acc = tl.load(acc_ptr + rows[:, None] * stride_acc + ks[None, :], mask=active[:, None] & k_ok[None, :],
+                          other=0.0)
+        for c0 in range(0, C, BC):
+            cs = c0 + tl.arange(0, BC)
+            c_ok = cs < C
+            a = tl.load(d_ptr + rows[:, None] * stride_d + cs[None, :], mask=active[:, None] & c_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + cs.to(tl.int64)[:, None] * stride_w + ks[None, :],
+                        mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+            if PRECISION == "ieee":
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif STORE_INACTIVE:
+        tl.store(out_ptrs, tl.zeros((BT, BH), dtype=out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _launch_options(hidden: torch.Tensor) -> dict:
@@ -160,10 +218,11 @@ def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature
     tiles_per_split = triton.cdiv(n_tiles, splits)
     splits = triton.cdiv(n_tiles, tiles_per_split)
     out = torch.empty(splits, n_tok, 4, dtype=torch.float32, device=hidden.device)
-    _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
-        hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
-        hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh, PRECISION=precision,
-        **_launch_options(hidden))
+    with launching(KERNEL):
+        _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
+            hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
+            hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh,
+            PRECISION=precision, **_launch_options(hidden))
     return out
 
 
@@ -174,10 +233,27 @@ def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out,
     chunk_cols = out.shape[1]
     bt, bv, bh, precision = _blocks(hidden)
     grid = (triton.cdiv(n_tok, bt), triton.cdiv(chunk_cols, bv))
-    _dlogits_kernel[grid](
-        hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
-        temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
-        chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
+    with launching(KERNEL):
+        _dlogits_kernel[grid](
+            hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
+            temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
+            chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
+    return out
+
+
+def dhidden(d, w_chunk, acc, out, rows, n_active, *, accumulate: bool) -> torch.Tensor:
+    """``out [T, H] = (acc if accumulate else 0) + d [T, C] @ w_chunk [C, H]`` in float32 (``out`` may be
+    ``acc``); returns ``out``. Rows past the active count: zeros written only on the first chunk or when
+    ``out`` is not ``acc`` (otherwise they already hold them)."""
+    n_tok, chunk_cols = d.shape
+    h = w_chunk.shape[1]
+    bt, bh, bc, precision = _blocks(d)  # output tile [BT, BH] and reduction step BC: the logit tile's shape
+    grid = (triton.cdiv(n_tok, bt), triton.cdiv(h, bh))
+    with launching(KERNEL):
+        _dhidden_kernel[grid](
+            d, w_chunk, acc, out, rows, n_active, n_tok, d.stride(0), w_chunk.stride(0), acc.stride(0),
+            out.stride(0), C=chunk_cols, H=h, ACCUMULATE=accumulate, STORE_INACTIVE=not accumulate or out is not acc,
+            BT=bt, BH=bh, BC=bc, PRECISION=precision, **_launch_options(d))
     return out
 
 
@@ -187,7 +263,8 @@ def compile_for_cuda(dtype: torch.dtype, hidden_size: int, vocab_shard: int, chu
     Catches what the interpreter does not check (non-constexpr globals, type unification in ``if``, layout
     and shared-memory limits) down to the cubin. Pointers and strides carry the 16-divisibility a real
     launch specialises on (tensors from the caching allocator, ``H % 16 == 0``), so the build is the one a
-    GPU would run. Returns ``{kernel name: compiled kernel}`` (``.asm["ptx"|"ttgir"|"cubin"]``, ``.metadata``).
+    GPU would run. Returns ``{kernel name: compiled kernel}`` for ``stats``, ``dlogits``, ``dhidden``
+    (``.asm["ptx"|"ttgir"|"cubin"]``, ``.metadata``).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -206,6 +283,12 @@ def compile_for_cuda(dtype: torch.dtype, hidden_size: int, vocab_shard: int, chu
                                       "g_h_ptr": "*fp32", "d_ptr": ptr, "T": "i32", "col_start": "i32",
                                       "vocab_start": "i32", "temperature": "fp32", "stride_h": "i32",
                                       "stride_w": "i32", "stride_d": "i32"}, {**blocks, "chunk_cols": chunk}),
+        # the last chunk's variant (accumulate, store in the hidden dtype): the widest register use
+        "dhidden": (_dhidden_kernel, {"d_ptr": ptr, "w_ptr": ptr, "acc_ptr": "*fp32", "out_ptr": ptr,
+                                      "rows_ptr": "*i64", "n_active_ptr": "*i32", "T": "i32", "stride_d": "i32",
+                                      "stride_w": "i32", "stride_acc": "i32", "stride_out": "i32"},
+                    {"C": chunk, "H": hidden_size, "ACCUMULATE": True, "STORE_INACTIVE": True, "BT": bt, "BH": bv,
+                     "BC": bh, "PRECISION": precision}),
     }
     out = {}
     for name, (fn, sig, const) in sigs.items():

@@ -19,10 +19,20 @@ Tensor-parallel rank ``r`` holds the logit columns ``[vocab_start, vocab_start +
         lq_v = max(x_v - logZ, -200)          log p_v (p_v is exactly 0 in float32 below -104)
         dL/dz_v = (p_v (-g_lp - g_H (lq_v + H)) + g_lp [v = y]) / tau
 
+Every ``max(a, c)`` clamp above is computed as the selection ``where(a < c, c, a)`` (``_floor``): PTX
+``max.f32`` returns the non-NaN operand, so a ``tl.maximum`` clamp would turn a NaN logit into a finite
+log-prob on a GPU. ``m_r`` itself may skip a NaN, but ``exp(x_v - m_r)`` carries it into ``s_r``: a row with a
+NaN logit has NaN ``logZ``, log-prob and entropy on every backend, as on the torch path.
+
 Rows with ``row_mask == 0`` are neither read nor computed: their log-prob and entropy are 0 and their
-gradient row is written as zeros. The only ``[T, V/TP]`` tensor is the gradient itself; everything else
-is ``O(T)`` (float32 ``[T]`` vectors: outputs, the saved ``logZ``, four partials at TP > 1). No host
-synchronisation.
+gradient row is written as zeros; so is the gradient row of a row whose upstream gradients are both 0 (a
+token the loss rejected), without reading it (no ``0 * NaN``). The only ``[T, V/TP]`` tensor is the
+gradient itself; everything else is ``O(T)`` (float32 ``[T]`` vectors: outputs, the saved ``logZ``, four
+partials at TP > 1). No host synchronisation.
+
+A kernel that fails to compile or launch raises :class:`~slime_tis.kernels.dispatch.KernelLaunchError`
+from the forward (the caller, ``slime_tis.megatron.logprobs``, then runs the torch code: same collectives);
+in the backward the torch code's gradient is computed here instead (``slime_tis.kernels.dispatch``).
 
 This module imports triton at its top; import it lazily (``slime_tis.megatron.logprobs`` does).
 Run on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is first imported.
@@ -38,10 +48,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from slime_tis.kernels.dispatch import KernelLaunchError, fall_back, launching
+
 __all__ = ["fused_log_probs_and_entropy", "default_block_v"]
 
 _FMIN = tl.constexpr(-3.4028234663852886e38)  # float32 min: -inf logits become a finite shift (exp -> 0)
 _LOGP_MIN = tl.constexpr(-200.0)  # below log(smallest float32 denormal) = -103.3: p is exactly 0
+
+
+@triton.jit
+def _floor(x, lo):
+    """``max(x, lo)`` that keeps NaN on every backend (a selection, not PTX ``max.f32``, which drops NaN)."""
+    return tl.where(x < lo, lo, x)
 
 
 @triton.jit
@@ -59,14 +77,11 @@ def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o
         m = _FMIN
         s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
         e_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
-        # NaNs counted explicitly: tl.maximum compiles to max.f32, which drops a NaN operand on the GPU
-        nan_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(z_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_tau
-            nan_vec += tl.where(x != x, 1.0, 0.0)
-            m_new = tl.maximum(m, tl.max(x, 0))
-            y = tl.maximum(x - m_new, _FMIN)   # -inf (and padding) -> finite, exp -> 0
+            m_new = tl.maximum(m, tl.max(x, 0))  # may skip a NaN (PTX max.f32): y below still carries it
+            y = _floor(x - m_new, _FMIN)         # -inf (and padding) -> finite, exp -> 0; NaN stays NaN
             p = tl.exp(y)
             alpha = tl.exp(m - m_new)
             if WITH_ENTROPY:
@@ -78,23 +93,20 @@ def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o
         local = tl.load(tgt_ptr + row) - vocab_start
         owns = (local >= 0) & (local < n_cols)
         x_t = tl.load(z_row + tl.where(owns, local, 0)).to(tl.float32) * inv_tau
-        t = tl.where(owns, tl.maximum(x_t, _FMIN), 0.0)
-        # NaN if the row holds a NaN logit: added (IEEE addition keeps a NaN on every backend and through the TP
-        # SUM of the partials), never passed through a max/min
-        poison = tl.where((tl.sum(nan_vec, 0) > 0) | (owns & (x_t != x_t)), float("nan"), 0.0).to(tl.float32)
+        t = tl.where(owns, _floor(x_t, _FMIN), 0.0)
         if FINAL:
             log_s = tl.log(s)
-            log_z = m + log_s + poison
+            log_z = m + log_s
             tl.store(o0_ptr + row, t - log_z)
             if WITH_ENTROPY:
-                tl.store(o1_ptr + row, log_s - e / s + poison)
+                tl.store(o1_ptr + row, log_s - e / s)
             else:
                 tl.store(o1_ptr + row, 0.0)
             tl.store(o2_ptr + row, log_z)
         else:
             tl.store(o0_ptr + row, m)
-            tl.store(o1_ptr + row, s + poison)
-            tl.store(o2_ptr + row, t + poison)
+            tl.store(o1_ptr + row, s)
+            tl.store(o2_ptr + row, t)
             tl.store(o3_ptr + row, e)
     else:
         # lp = H = 0 at TP = 1; partials of a neutral row (M = 0, S = P, E = X_y = 0) at TP > 1, zeroed later
@@ -118,24 +130,26 @@ def _lp_bwd_kernel(z_ptr, z_stride, g_ptr, g_stride, tgt_ptr, mask_ptr, logz_ptr
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + row) != 0
-    if active:
+    g_lp = 0.0
+    if HAS_GLP:
+        g_lp = tl.load(glp_ptr + row).to(tl.float32)
+    g_h = 0.0
+    if HAS_GH:
+        g_h = tl.load(gh_ptr + row).to(tl.float32)
+    # a row without upstream gradient (masked, or a rejected token) is written as zeros without reading its
+    # logits: no 0 * NaN from a non-finite row
+    if active & ((g_lp != 0.0) | (g_h != 0.0)):
         z_row = z_ptr + row * z_stride
         log_z = tl.load(logz_ptr + row)
-        g_lp = 0.0
-        if HAS_GLP:
-            g_lp = tl.load(glp_ptr + row).to(tl.float32)
-        g_h = 0.0
         h = 0.0
         if HAS_GH:
-            g_h = tl.load(gh_ptr + row).to(tl.float32)
             h = tl.load(h_ptr + row)
         local = tl.load(tgt_ptr + row) - vocab_start
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             inside = cols < n_cols
             x = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32) * inv_tau
-            lq = x - log_z
-            lq = tl.where(lq == lq, tl.maximum(lq, _LOGP_MIN), lq)  # a NaN stays NaN (max.f32 would drop it)
+            lq = _floor(x - log_z, _LOGP_MIN)
             p = tl.exp(lq)
             coef = -g_lp - g_h * (lq + h)
             g = p * coef + tl.where(cols == local, g_lp, 0.0)
@@ -196,11 +210,12 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         n_tok, vp = logits.shape
         out = [torch.empty(n_tok, dtype=torch.float32, device=logits.device) for _ in range(3 if tp_size == 1 else 4)]
         if n_tok:
-            _lp_fwd_kernel[(n_tok,)](
-                logits, logits.stride(0), targets, row_mask if row_mask is not None else targets, *out[:3],
-                out[-1], vocab_start, 1.0 / temperature, n_cols=vp,
-                HAS_MASK=row_mask is not None, WITH_ENTROPY=with_entropy, FINAL=tp_size == 1,
-                BLOCK_V=block_v, num_warps=num_warps)
+            with launching("logprobs"):  # a failure here leaves the caller to run the torch code instead
+                _lp_fwd_kernel[(n_tok,)](
+                    logits, logits.stride(0), targets, row_mask if row_mask is not None else targets, *out[:3],
+                    out[-1], vocab_start, 1.0 / temperature, n_cols=vp,
+                    HAS_MASK=row_mask is not None, WITH_ENTROPY=with_entropy, FINAL=tp_size == 1,
+                    BLOCK_V=block_v, num_warps=num_warps)
         if tp_size == 1:
             log_probs, entropy, log_z = out
         else:
@@ -224,13 +239,30 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         if n_tok:
             g_lp = grad_lp.contiguous() if grad_lp is not None else log_z  # placeholders are never read
             g_h = grad_h.contiguous() if use_h else log_z
-            _lp_bwd_kernel[(n_tok,)](
-                logits, logits.stride(0), grad, grad.stride(0), targets,
-                row_mask if row_mask is not None else targets, log_z, entropy, g_lp, g_h,
-                ctx.vocab_start, 1.0 / ctx.temperature, n_cols=vp,
-                HAS_MASK=row_mask is not None, HAS_GLP=grad_lp is not None, HAS_GH=use_h,
-                BLOCK_V=ctx.block_v, num_warps=ctx.num_warps)
+            try:
+                with launching("logprobs"):
+                    _lp_bwd_kernel[(n_tok,)](
+                        logits, logits.stride(0), grad, grad.stride(0), targets,
+                        row_mask if row_mask is not None else targets, log_z, entropy, g_lp, g_h,
+                        ctx.vocab_start, 1.0 / ctx.temperature, n_cols=vp,
+                        HAS_MASK=row_mask is not None, HAS_GLP=grad_lp is not None, HAS_GH=use_h,
+                        BLOCK_V=ctx.block_v, num_warps=ctx.num_warps)
+            except KernelLaunchError as err:  # the torch backward of the same forward (no communication)
+                fall_back(err)
+                grad = _torch_grad(ctx, logits, targets, row_mask, log_z, entropy, grad_lp, grad_h)
         return grad, None, None, None, None, None, None, None, None, None
+
+
+def _torch_grad(ctx, logits, targets, row_mask, log_z, entropy, grad_lp, grad_h) -> Tensor:
+    """The torch code's ``dL/dz`` (``slime_tis.megatron.logprobs.grad_logits``) from this forward's state."""
+    from slime_tis.megatron.logprobs import grad_logits
+
+    local = targets - ctx.vocab_start
+    in_shard = (local >= 0) & (local < logits.shape[1])
+    safe_idx = torch.where(in_shard, local, torch.zeros_like(local))
+    keep = None if row_mask is None else row_mask.view(torch.bool)
+    return grad_logits(logits, safe_idx, in_shard, log_z, entropy, keep, grad_lp, grad_h,
+                       temperature=ctx.temperature, chunk_size=1024, with_entropy=ctx.with_entropy)
 
 
 def fused_log_probs_and_entropy(

@@ -22,29 +22,38 @@ Backward, given ``g_lp = dL/dlp`` and ``g_H = dL/dH`` (``p = exp(x - logZ)``)::
     dL/dW_v  = sum_t dL/dz_tv h_t
 
 computed one vocabulary chunk ``[T, C]`` of ``dL/dz`` at a time (recomputed from ``h`` and ``W``, written
-in the input dtype, then two GEMMs): no ``[T, V]`` tensor exists in either pass. Extra memory: the forward
-keeps ``[T]`` vectors; the backward a ``[T, C]`` chunk plus a float32 ``[T, H]`` accumulator for ``dL/dh``.
+in the input dtype), then ``dL/dh += dL/dz W_chunk`` summed in float32 (no rounding between chunks; the
+last chunk stores ``dL/dh`` in the input dtype) and ``dL/dW_chunk = dL/dz^T h`` (written once): no
+``[T, V]`` tensor exists in either pass. Four GEMMs in all (forward logits, their recompute, the two
+gradients), the fewest for a layer that never stores the logits: the normaliser ``logZ`` needs the whole
+vocabulary before any ``dL/dz`` exists. Extra memory: the forward keeps ``[T]`` vectors; the backward a
+``[T, C]`` chunk and the float32 ``[T, H]`` accumulator (docs/output_layer.md has the traffic).
 
 Rows outside ``loss_mask`` give ``lp = H = 0`` and zero gradients; on the Triton path they are ordered
-last (a stable sort, no host sync) and their row blocks skip the matmuls.
+last (a stable sort, no host sync) and their row blocks skip the logit and ``dL/dh`` matmuls. Rows without
+an upstream gradient (masked, or a token the loss rejected: ``g_lp = g_H = 0``) get exact zeros by
+selection and are left out of ``dL/dW``, so a non-finite row (NaN log-prob, rejected) puts no NaN into the
+gradients; its log-prob and entropy are NaN on every backend (the core then rejects the sequence).
 
-Backends: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) and ``"torch"`` (the reference: the same
-chunked float32 algorithm in torch; the semantics, and the CPU path). ``"auto"``: Triton on CUDA when triton
-imports, torch otherwise. This module imports triton only on the Triton path.
+Two implementations (``kernels``): ``"torch"`` (the default and the reference: the same chunked float32
+algorithm in torch) and ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), which falls back to the
+torch code with one warning where it cannot run, also in the middle of a backward
+(:mod:`slime_tis.kernels.dispatch`). This module imports triton only on the Triton path.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["fused_log_probs_and_entropy", "reference_log_probs_and_entropy", "BACKENDS"]
+from slime_tis.kernels import dispatch
+from slime_tis.kernels.matmul import addmm_f32_, mm_f32
 
-BACKENDS = ("auto", "triton", "torch")
+__all__ = ["fused_log_probs_and_entropy", "reference_log_probs_and_entropy"]
+
 _NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
+_TRITON = "slime_tis.kernels._output_layer_triton"
 
 
 def _tp_group(tp_group):
@@ -62,32 +71,10 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
-    if backend == "triton" and not _triton_available():
-        raise ValueError("backend='triton' needs triton installed (pip install triton); backend='torch' works "
-                         "without it")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
-                         f"imported (tensors are on {device})")
-    return backend
-
-
 # ------------------------------------------------------------------------------------------------ torch backend
 def _torch_logits(hidden: Tensor, weight: Tensor, c0: int, c1: int, temperature: float) -> Tensor:
-    """``x = (h W[c0:c1]^T) / tau`` in float32, ``[T, c1 - c0]``."""
-    return (hidden.float() @ weight[c0:c1].float().t()).div_(temperature)
+    """``x = (h W[c0:c1]^T) / tau`` in float32, ``[T, c1 - c0]`` (exact products, float32 sums: ``mm_f32``)."""
+    return mm_f32(hidden, weight[c0:c1].t()).div_(temperature)
 
 
 def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk) -> Tensor:
@@ -115,8 +102,8 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
     return torch.where(active[:, None], out, torch.zeros_like(out))
 
 
-def _torch_dlogits(hidden, weight, targets, active, log_z, ent, g_lp, g_h, out, c0, vocab_start, temperature):
-    """``out [T, C] = dL/dz`` for shard columns ``[c0, c0 + C)`` (zero on inactive rows)."""
+def _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, out, c0, vocab_start, temperature):
+    """``out [T, C] = dL/dz`` for shard columns ``[c0, c0 + C)`` (exact zeros on rows that are not ``live``)."""
     c1 = c0 + out.shape[1]
     log_p = _torch_logits(hidden, weight, c0, c1, temperature).sub_(log_z[:, None]).clamp_(max=0.0)
     g = -torch.exp(log_p) * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
@@ -124,9 +111,18 @@ def _torch_dlogits(hidden, weight, targets, active, log_z, ent, g_lp, g_h, out, 
     in_chunk = (local_y >= c0) & (local_y < c1)
     idx = torch.where(in_chunk, local_y - c0, torch.zeros_like(local_y))
     g.scatter_add_(1, idx[:, None], torch.where(in_chunk, g_lp, torch.zeros_like(g_lp))[:, None])
-    g = torch.where(active[:, None], g / temperature, torch.zeros_like(g))
+    g = torch.where(live[:, None], g / temperature, torch.zeros_like(g))
     out.copy_(g)
     return out
+
+
+def _torch_dhidden(d: Tensor, w_chunk: Tensor, acc: Tensor, out: Tensor, *, accumulate: bool) -> Tensor:
+    """``out = (acc if accumulate else 0) + d @ w_chunk``, float32 products and sums (``mm_f32``: no rounding
+    between chunks); ``out`` is ``acc``, or the last chunk's result in the hidden dtype (one rounding)."""
+    if out is acc:
+        return addmm_f32_(acc, d, w_chunk) if accumulate else mm_f32(d, w_chunk, out=acc)
+    product = mm_f32(d, w_chunk)
+    return torch.add(acc, product, out=out) if accumulate else out.copy_(product)
 
 
 # ------------------------------------------------------------------------------------------------ autograd
@@ -162,51 +158,75 @@ class _FusedOutputLayer(torch.autograd.Function):
     """``(hidden [T, H], weight [Vp, H]) -> (log_probs [T], entropy [T])`` float32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, active, temperature, group, vocab_start, backend, chunk,
+    def forward(ctx, hidden, weight, targets, active, temperature, group, vocab_start, tk, chunk,
                 reduce_hidden_grad):
-        if backend == "triton":
-            from slime_tis.kernels import _output_layer_triton as tk
+        local = rows = n_active = None
+        if tk is not None:  # the Triton kernels (module _output_layer_triton)
             # Active rows first (stable: the order among them is kept), no host sync.
             rows = torch.argsort((~active).to(torch.int8), stable=True)
             n_active = active.sum(dtype=torch.int32)
-            local = _merge_splits(tk.stats(hidden, weight, targets, rows, n_active, vocab_start, temperature))
-        else:
-            rows = n_active = None
+            try:
+                local = _merge_splits(tk.stats(hidden, weight, targets, rows, n_active, vocab_start, temperature))
+            except dispatch.KernelLaunchError as err:  # before any collective: the torch code instead
+                dispatch.fall_back(err)
+                tk = rows = n_active = None
+        if local is None:
             local = _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk)
         lp, ent, log_z = _combine(local, active, group)
         ctx.save_for_backward(hidden, weight, targets, active, log_z, ent, rows, n_active)
-        ctx.cfg = (temperature, group, vocab_start, backend, chunk, reduce_hidden_grad)
+        ctx.cfg = (temperature, group, vocab_start, tk, chunk, reduce_hidden_grad)
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
         hidden, weight, targets, active, log_z, ent, rows, n_active = ctx.saved_tensors
-        temperature, group, vocab_start, backend, chunk, reduce_hidden_grad = ctx.cfg
+        temperature, group, vocab_start, tk, chunk, reduce_hidden_grad = ctx.cfg
         zeros = torch.zeros_like(log_z)
         g_lp = zeros if grad_lp is None else grad_lp.float().contiguous()
         g_h = zeros if grad_ent is None else grad_ent.float().contiguous()
         n_tok, vp = hidden.shape[0], weight.shape[0]
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Rows with a gradient: active and a nonzero upstream gradient (the loss gives a rejected token none).
+        # The others get exact zeros by selection, so a non-finite row puts no NaN into either gradient.
+        live = active & ((g_lp != 0) | (g_h != 0))
+        reduce = want_h and reduce_hidden_grad and _group_size(group) > 1
+        # dL/dh: a float32 accumulator; the last chunk stores the result in hidden's dtype unless the float32
+        # sum still has to be all-reduced over TP
+        acc = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+        grad_hidden = acc if not want_h or reduce or hidden.dtype == torch.float32 else torch.empty_like(hidden)
+        grad_weight = torch.empty_like(weight) if want_w else None
+        h_live = torch.where(live[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device)) \
+            if want_w else None   # dL/dW = dL/dz^T h over the live rows only (no 0 * NaN)
         buf = torch.empty(n_tok, min(chunk, vp), dtype=hidden.dtype, device=hidden.device)
-        for c0 in range(0, vp, chunk):
+        starts = range(0, vp, chunk)
+        for i, c0 in enumerate(starts):
             c1 = min(c0 + chunk, vp)
             d = buf[:, : c1 - c0]
-            if backend == "triton":
-                from slime_tis.kernels import _output_layer_triton as tk
-                tk.dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, d, c0, vocab_start,
-                           temperature)
-            else:
-                _torch_dlogits(hidden, weight, targets, active, log_z, ent, g_lp, g_h, d, c0, vocab_start,
+            out = grad_hidden if i == len(starts) - 1 else acc
+            done = False  # dL/dz of this chunk; a kernel failure switches to the torch code from there on
+            if tk is not None:
+                try:
+                    tk.dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, d, c0, vocab_start,
                                temperature)
-            if ctx.needs_input_grad[0]:
-                grad_hidden += d @ weight[c0:c1]
-            if grad_weight is not None:
-                torch.mm(d.t(), hidden, out=grad_weight[c0:c1])
-        if ctx.needs_input_grad[0] and reduce_hidden_grad and _group_size(group) > 1:
-            dist.all_reduce(grad_hidden, group=group)
-        grad_hidden = grad_hidden.to(hidden.dtype) if ctx.needs_input_grad[0] else None
+                    done = True
+                    if want_h:
+                        tk.dhidden(d, weight[c0:c1], acc, out, rows, n_active, accumulate=i > 0)
+                except dispatch.KernelLaunchError as err:
+                    dispatch.fall_back(err)
+                    tk = None
+            if not done:
+                _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, d, c0, vocab_start,
+                               temperature)
+            if tk is None and want_h:
+                _torch_dhidden(d, weight[c0:c1], acc, out, accumulate=i > 0)
+            if want_w:
+                torch.mm(d.t(), h_live, out=grad_weight[c0:c1])
+        if want_h and not starts:  # an empty vocabulary shard
+            grad_hidden.zero_()
+        if reduce:
+            dist.all_reduce(acc, group=group)
+            grad_hidden = acc.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
@@ -219,7 +239,7 @@ def fused_log_probs_and_entropy(
     loss_mask: Tensor | None = None,
     tp_group=None,
     reduce_hidden_grad: bool = True,
-    backend: str = "auto",
+    kernels: str = dispatch.DEFAULT_KERNELS,
     chunk_size: int = 8192,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of ``targets`` and entropy of ``softmax(hidden @ weight^T / temperature)`` over the vocabulary.
@@ -238,7 +258,7 @@ def fused_log_probs_and_entropy(
             full one). False when the caller's own region does it (megatron's
             ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather, see
             :mod:`slime_tis.megatron.output_layer`).
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see module docstring).
+        kernels: ``"torch"`` (default) or ``"triton"`` (see module docstring; ``slime_tis.kernels.dispatch``).
         chunk_size: vocabulary columns per chunk (torch forward; backward ``dL/dz`` buffer ``[T, chunk]``).
 
     Returns:
@@ -264,7 +284,7 @@ def fused_log_probs_and_entropy(
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    backend = _resolve_backend(backend, hidden.device)
+    tk = dispatch.triton_module("output_layer", _TRITON, hidden.device, dispatch.check_kernels(kernels))
     group = _tp_group(tp_group)
     tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
@@ -272,7 +292,7 @@ def fused_log_probs_and_entropy(
     active = (torch.ones_like(flat_y, dtype=torch.bool) if loss_mask is None
               else loss_mask.reshape(-1).to(flat_y.device) != 0)
     lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, float(temperature), group,
-                                      tp_rank * weight.shape[0], backend, chunk_size, bool(reduce_hidden_grad))
+                                      tp_rank * weight.shape[0], tk, chunk_size, bool(reduce_hidden_grad))
     return lp.view(lead), ent.view(lead)
 
 

@@ -8,7 +8,7 @@ Public API::
     add_megatron_tis_arguments, megatron_hook_kwargs   the plugin's flags + --rollout-temperature,
                                    --tis-fused-output-layer, --tis-fp32-lm-head; parsed args -> hook kwargs
     TISBatch                               per-micro-batch RL fields (packed, CP-local)
-    vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (Triton on CUDA)
+    vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (kernels="triton": fused)
     MegatronReducer                        the core's Reducer on parallel_state groups
     plan_step, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces
 

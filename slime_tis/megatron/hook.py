@@ -146,7 +146,7 @@ class TISForwardBackward:
             num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
             chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
             fused_output_layer=self.output_layer == "fused", fp32_lm_head=self.output_layer == "fp32",
-            run_pass=self.cfg.needs_old_log_probs, **schedule_kwargs)
+            run_pass=self.cfg.needs_old_log_probs, kernels=self.cfg.kernels, **schedule_kwargs)
         self.pi_old = "rollout"
         return items
 
@@ -189,7 +189,7 @@ class TISForwardBackward:
             lps = recompute_log_probs(
                 self.forward_backward_func, forward_step_func, items, model, batches=batches,
                 num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
-                chunk_size=self.chunk_size, output_layer=self.output_layer, **kwargs)
+                chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
             if batches is not None and lps is not None:
                 if pi_old_pass:
                     batches = self._fill_missing_pi_old(batches, lps)

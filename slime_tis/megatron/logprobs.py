@@ -23,39 +23,29 @@ extra peak is ``O(chunk_size * Vp)`` float32 (two temporaries) instead of the ``
 Communication per call: one all-reduce MAX of ``[T]`` and one all-reduce SUM of ``[T, 3]`` over the TP
 group (none when the group has one rank). No host synchronisation.
 
-Two implementations of the same function (``impl``): this chunked torch code (the reference and the CPU
-path) and, on CUDA tensors when triton is installed, the fused Triton kernels of
-:mod:`slime_tis.kernels.logprobs` (one read of the logits forward, one read and one write backward, no
-``[T, V]`` temporaries besides the gradient; rows outside ``row_mask`` are skipped). In the backward,
-``log p`` is clamped at -200 (``p`` is exactly 0 in float32 below about -104) so that a -inf logit gives a
-zero gradient for any upstream gradient.
+Two implementations of the same function (``kernels``): this chunked torch code (the reference and the
+default) and, with ``kernels="triton"``, the fused Triton kernels of :mod:`slime_tis.kernels.logprobs` (one
+read of the logits forward, one read and one write backward, no ``[T, V]`` temporaries besides the
+gradient; rows outside ``row_mask`` are skipped), which fall back to this code with one warning where they
+cannot run (:mod:`slime_tis.kernels.dispatch`). In the backward, ``log p`` is clamped at -200 (``p`` is
+exactly 0 in float32 below about -104) so that a -inf logit gives a zero gradient for any upstream
+gradient, and rows whose upstream gradients are both 0 (masked, rejected) get exact zeros (no ``0 * NaN``).
+A NaN logit makes its row's log-prob and entropy NaN (the core then rejects the sequence).
 """
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from slime_tis.kernels import dispatch
 
 __all__ = ["vocab_parallel_log_probs_and_entropy", "default_tp_group"]
 
 
 _FMIN = torch.finfo(torch.float32).min
 _LOGP_MIN = -200.0  # log p clamp in the backward: exp(-200) == 0 in float32, and (log p + H) stays finite
-IMPLS = ("auto", "torch", "triton")
-
-
-@functools.cache
-def _triton_kernels() -> ModuleType | None:
-    """:mod:`slime_tis.kernels.logprobs` when triton imports, else ``None`` (imported on first use only)."""
-    try:
-        from slime_tis.kernels import logprobs
-    except ImportError:
-        return None
-    return logprobs
 
 
 def default_tp_group() -> dist.ProcessGroup | None:
@@ -135,34 +125,51 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp: Tensor | None, grad_h: Tensor | None):
         logits, safe_idx, in_shard, log_z, entropy, keep = ctx.saved_tensors
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        n_tok = logits.shape[0]
-        grad_logits = torch.empty_like(logits)
-        g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
-        use_h = ctx.with_entropy and grad_h is not None
-        for start in range(0, n_tok, chunk_size):
-            end = min(start + chunk_size, n_tok)
-            y = _fp32_chunk(logits, start, end, temperature)
-            y.sub_(log_z[start:end, None]).clamp_(min=_LOGP_MIN)  # y = x - logZ = log p (-inf -> p = 0)
-            p = torch.exp(y)
-            gl = g_lp[start:end, None]
-            if use_h:
-                # p * (-g_lp - g_H (log p + H))
-                y.add_(entropy[start:end, None]).mul_(-grad_h[start:end, None]).sub_(gl)
-            else:
-                y.copy_(-gl.expand_as(y))
-            y.mul_(p)
-            del p
-            # onehot term: + g_lp at the target column on the owning rank
-            hit = torch.where(in_shard[start:end], g_lp[start:end], torch.zeros_like(g_lp[start:end]))
-            y.scatter_add_(1, safe_idx[start:end, None], hit[:, None])
-            if temperature != 1.0:
-                y.div_(temperature)
-            if keep is not None:
-                y.masked_fill_(~keep[start:end, None], 0.0)
-            grad_logits[start:end].copy_(y)
-            del y
-        return grad_logits, None, None, None, None, None, None, None
+        grad = grad_logits(logits, safe_idx, in_shard, log_z, entropy, keep, grad_lp, grad_h,
+                           temperature=ctx.temperature, chunk_size=ctx.chunk_size, with_entropy=ctx.with_entropy)
+        return grad, None, None, None, None, None, None, None
+
+
+def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tensor, entropy: Tensor,
+                keep: Tensor | None, grad_lp: Tensor | None, grad_h: Tensor | None, *, temperature: float,
+                chunk_size: int, with_entropy: bool) -> Tensor:
+    """``dL/dz [T, Vp]`` in the logits' dtype (module docstring), ``chunk_size`` rows at a time.
+
+    ``safe_idx`` / ``in_shard [T]``: the target's column in this shard (0 when not in it) / whether it is;
+    ``logZ``, ``H [T]``: global, from the forward; ``keep [T]``: the row mask or ``None``. Also the fallback of
+    the Triton kernels' backward (``slime_tis.kernels.logprobs``).
+    """
+    n_tok = logits.shape[0]
+    grad = torch.empty_like(logits)
+    g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
+    use_h = with_entropy and grad_h is not None
+    # rows with an upstream gradient: the others (masked, rejected tokens) get exact zeros, selected rather
+    # than multiplied by 0, so that a non-finite row (a rejected NaN log-prob) puts no NaN into the gradient
+    live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
+    if keep is not None:
+        live &= keep
+    for start in range(0, n_tok, chunk_size):
+        end = min(start + chunk_size, n_tok)
+        y = _fp32_chunk(logits, start, end, temperature)
+        y.sub_(log_z[start:end, None]).clamp_(min=_LOGP_MIN)  # y = x - logZ = log p (-inf -> p = 0)
+        p = torch.exp(y)
+        gl = g_lp[start:end, None]
+        if use_h:
+            # p * (-g_lp - g_H (log p + H))
+            y.add_(entropy[start:end, None]).mul_(-grad_h[start:end, None]).sub_(gl)
+        else:
+            y.copy_(-gl.expand_as(y))
+        y.mul_(p)
+        del p
+        # onehot term: + g_lp at the target column on the owning rank
+        hit = torch.where(in_shard[start:end], g_lp[start:end], torch.zeros_like(g_lp[start:end]))
+        y.scatter_add_(1, safe_idx[start:end, None], hit[:, None])
+        if temperature != 1.0:
+            y.div_(temperature)
+        y.masked_fill_(~live[start:end, None], 0.0)
+        grad[start:end].copy_(y)
+        del y
+    return grad
 
 
 def vocab_parallel_log_probs_and_entropy(
@@ -174,7 +181,7 @@ def vocab_parallel_log_probs_and_entropy(
     tp_group: dist.ProcessGroup | None | str = "default",
     with_entropy: bool = True,
     row_mask: Tensor | None = None,
-    impl: str = "auto",
+    kernels: str = dispatch.DEFAULT_KERNELS,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)`` over the full vocabulary.
 
@@ -189,9 +196,9 @@ def vocab_parallel_log_probs_and_entropy(
         row_mask: optional ``[...]`` (same shape as ``targets``; bool or numbers, nonzero = keep). Rows where
             it is 0 get log-prob and entropy 0 and a zero gradient; the Triton kernels skip them entirely
             (pass the loss mask so the cost follows the response tokens, not the sequence length).
-        impl: ``"auto"`` (Triton kernels on CUDA tensors when triton imports, else torch), ``"torch"``
-            (the chunked reference) or ``"triton"`` (the kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``).
-            ``chunk_size`` only applies to the torch path.
+        kernels: ``"torch"`` (default: this chunked reference) or ``"triton"`` (the fused kernels on CUDA
+            tensors, or CPU under ``TRITON_INTERPRET=1``; where they cannot run, this torch code with one
+            warning: ``slime_tis.kernels.dispatch``). ``chunk_size`` applies to the torch code only.
 
     Returns:
         ``(log_probs [...], entropy [...] or None)``, float32, differentiable with respect to ``logits``.
@@ -213,14 +220,11 @@ def vocab_parallel_log_probs_and_entropy(
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    dispatch.check_kernels(kernels)
     if row_mask is not None and (not isinstance(row_mask, Tensor) or tuple(row_mask.shape) != tuple(targets.shape)):
         raise ValueError(f"row_mask shape {tuple(getattr(row_mask, 'shape', ()))} must equal targets shape "
                          f"{tuple(targets.shape)}")
-    kernels = _triton_kernels() if impl == "triton" or (impl == "auto" and logits.is_cuda) else None
-    if impl == "triton" and kernels is None:
-        raise ValueError("impl='triton' needs triton installed (pip install triton); use impl='torch' or 'auto'")
+    triton_kernels = dispatch.triton_module("logprobs", "slime_tis.kernels.logprobs", logits.device, kernels)
     group = default_tp_group() if isinstance(tp_group, str) and tp_group == "default" else tp_group
     tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
     lead = logits.shape[:-1]
@@ -228,11 +232,15 @@ def vocab_parallel_log_probs_and_entropy(
     flat_logits = logits.reshape(-1, vp)
     flat_targets = targets.reshape(-1).to(torch.int64)
     flat_mask = None if row_mask is None else row_mask.reshape(-1)
-    if kernels is not None:
-        lp, ent = kernels.fused_log_probs_and_entropy(
-            flat_logits, flat_targets, temperature=float(temperature), group=group, vocab_start=tp_rank * vp,
-            with_entropy=with_entropy, row_mask=flat_mask)
-    else:
+    lp = ent = None
+    if triton_kernels is not None:
+        try:
+            lp, ent = triton_kernels.fused_log_probs_and_entropy(
+                flat_logits, flat_targets, temperature=float(temperature), group=group, vocab_start=tp_rank * vp,
+                with_entropy=with_entropy, row_mask=flat_mask)
+        except dispatch.KernelLaunchError as err:  # raised before any collective: the torch code below runs
+            dispatch.fall_back(err)
+    if lp is None:
         keep = None if flat_mask is None else flat_mask != 0
         lp, ent = _VocabParallelLogProbEntropy.apply(
             flat_logits, flat_targets, float(temperature), chunk_size, group, tp_rank * vp, with_entropy, keep

@@ -87,11 +87,11 @@ def loss_form_for(model_config, model_chunks: list, num_microbatches: int, *,
 
 
 def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, chunk_size: int,
-                        with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                        with_entropy: bool, kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
     """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``.
 
     Positions outside ``batch.loss_mask`` (prompts, padding) are skipped: their log-prob and entropy are 0 and
-    their logit gradient is zero (the Triton kernels on CUDA do no work for them; see docs/kernels.md).
+    their logit gradient is zero (the Triton kernels, ``kernels="triton"``, do no work for them; docs/kernels.md).
     """
     vp = logits.shape[-1]
     flat = logits.reshape(-1, vp)
@@ -102,11 +102,12 @@ def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, 
             "and return [B, S_local, V/TP] logits (model called without labels)")
     return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=temperature,
                                                 chunk_size=chunk_size, with_entropy=with_entropy,
-                                                row_mask=batch.loss_mask)
+                                                row_mask=batch.loss_mask, kernels=kernels)
 
 
 def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=None, output_layer: str | None = None,
-                        temperature: float, chunk_size: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                        temperature: float, chunk_size: int, with_entropy: bool,
+                        kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
     """The model's output for one micro-batch -> ``lp [T]`` (and entropy), per output-layer mode:
 
     * ``None`` / ``"fp32"``: ``output_tensor`` are the logits ``[..., V/TP]`` (float32 in ``"fp32"`` mode):
@@ -115,7 +116,8 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
       ``fused_log_probs(model_chunk, hidden, labels, temperature, loss_mask)`` with the chunk's (tied) output
       weight (``slime_tis.megatron.output_layer``); no logits tensor, float32 accumulation.
 
-    Masked positions get ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
+    ``kernels`` (``TISConfig.kernels``): ``"torch"`` or ``"triton"`` for either function. Masked positions get
+    ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
     (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits.
     """
     from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
@@ -124,13 +126,13 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
         if model_chunk is None:
             raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
         lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=temperature,
-                                      loss_mask=batch.loss_mask)
+                                      loss_mask=batch.loss_mask, kernels=kernels)
         return lp, (entropy if with_entropy else None)
     if model_chunk is not None and returns_hidden_states(model_chunk):
         raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "
                          "but the hook was built without fused_output_layer=True (--tis-fused-output-layer)")
     return logits_to_log_probs(output_tensor, batch, temperature=temperature, chunk_size=chunk_size,
-                               with_entropy=with_entropy)
+                               with_entropy=with_entropy, kernels=kernels)
 
 
 def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossForm, reducer: Reducer, *,
@@ -148,7 +150,8 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossFo
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
         lp, entropy = output_to_log_probs(output_tensor, batch, model_chunk=model_chunk, output_layer=output_layer,
-                                          temperature=temperature, chunk_size=chunk_size, with_entropy=True)
+                                          temperature=temperature, chunk_size=chunk_size, with_entropy=True,
+                                          kernels=cfg.kernels)
         lp_old = batch.old_log_probs
         if lp_old is None and pi_old_from_theta:
             lp_old = lp.detach()

@@ -207,7 +207,7 @@ def output_weight(model) -> Tensor:
 
 
 def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float = 1.0,
-                    loss_mask: Tensor | None = None, backend: str = "auto",
+                    loss_mask: Tensor | None = None, kernels: str = "torch",
                     chunk_size: int = 8192) -> tuple[Tensor, Tensor]:
     """``(log_probs, entropy)`` float32, shaped like ``labels``, from the hidden states a fused-mode model returned.
 
@@ -215,7 +215,8 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
     flat ``[B*S]`` (a ``TISBatch``'s ``labels``; ``loss_mask`` shaped alike). The vocabulary is split over the
     output layer's TP group (one MAX and one SUM all-reduce of ``[B*S]`` / ``[B*S, 3]``); the hidden-state
     gradient is summed over TP by the input region of the model's forward. ``hidden`` is cast to the weight's
-    dtype first (megatron's ``Float16Module`` hands the last stage's output back as float32).
+    dtype first (megatron's ``Float16Module`` hands the last stage's output back as float32). ``kernels``:
+    ``"torch"`` or ``"triton"`` (``TISConfig.kernels``, ``slime_tis.kernels.dispatch``).
     """
     gpt = _unwrap(model)
     if getattr(gpt.output_layer, _MODE_ATTR, None) != "fused":
@@ -236,5 +237,5 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
         hidden = hidden.to(weight.dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
-                                           tp_group=group, reduce_hidden_grad=False, backend=backend,
+                                           tp_group=group, reduce_hidden_grad=False, kernels=kernels,
                                            chunk_size=chunk_size)

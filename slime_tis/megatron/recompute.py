@@ -106,7 +106,7 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
                         model: Any, *,
                         batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
                         temperature: float = 1.0, chunk_size: int = 1024, output_layer: str | None = None,
-                        **schedule_kwargs: Any) -> list[Tensor] | None:
+                        kernels: str = "torch", **schedule_kwargs: Any) -> list[Tensor] | None:
     """``[lp_k [T_k] for each micro-batch k]`` on the last pipeline stage, ``None`` elsewhere.
 
     Args:
@@ -116,6 +116,7 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
         batches: this rank's ``TISBatch`` per micro-batch (last stage), else ``None``.
         output_layer: ``None``, ``"fp32"`` or ``"fused"``: the model's output-layer mode during the pass
             (``output_layer.output_layer_mode_during``) and how log-probs are taken (``output_to_log_probs``).
+        kernels: ``TISConfig.kernels`` (``"torch"`` or ``"triton"``), as in the training loss.
         schedule_kwargs: forwarded to the schedule (``seq_length``, ``micro_batch_size``, ...).
     """
     results: list[Tensor | None] = [None] * num_microbatches
@@ -131,7 +132,7 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
                                    "(not the last stage?)")
             lp, _ = output_to_log_probs(output_tensor, batches[index], model_chunk=model_chunk,
                                         output_layer=output_layer, temperature=temperature,
-                                        chunk_size=chunk_size, with_entropy=False)
+                                        chunk_size=chunk_size, with_entropy=False, kernels=kernels)
             results[index] = lp.detach()
             return torch.zeros((), dtype=torch.float32, device=lp.device), {}
 

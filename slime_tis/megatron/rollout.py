@@ -71,7 +71,8 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
                           model: Any, *, num_microbatches: int, num_steps: int = 1, temperature: float = 1.0,
                           chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                           broadcast_over_tp: bool = True, fused_output_layer: bool = False,
-                          fp32_lm_head: bool = False, run_pass: bool = True, **schedule_kwargs: Any) -> Any:
+                          fp32_lm_head: bool = False, kernels: str = "torch", run_pass: bool = True,
+                          **schedule_kwargs: Any) -> Any:
     """Fill ``TISBatch.old_log_probs`` of a whole rollout at the current parameters (module docstring).
 
     Args:
@@ -83,6 +84,7 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
         num_microbatches: micro-batches per optimizer step (``M``).
         num_steps: optimizer steps the rollout is split into (``N``).
         fused_output_layer, fp32_lm_head: the output-layer mode of the training steps (mutually exclusive).
+        kernels: ``TISConfig.kernels`` of the training steps (``"torch"`` or ``"triton"``).
         schedule_kwargs: the training steps' schedule arguments (``seq_length``, ``micro_batch_size``, ...).
         run_pass: ``False`` materialises the items without a forward (algorithms 1 and 3 never read pi_old; the
             hook passes its configuration's ``needs_old_log_probs``).
@@ -107,14 +109,14 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
         _fill_old_log_probs(forward_backward_func, forward_step_func, items, model, num_microbatches=num_microbatches,
                             num_steps=num_steps, vpp=vpp, is_last=is_last, temperature=temperature,
                             chunk_size=chunk_size, get_tis_batch=get_tis_batch, broadcast_over_tp=broadcast_over_tp,
-                            output_layer=output_layer, **schedule_kwargs)
+                            output_layer=output_layer, kernels=kernels, **schedule_kwargs)
     return items
 
 
 def _fill_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any, model: Any, *,
                         num_microbatches: int, num_steps: int, vpp: bool, is_last: bool, temperature: float,
                         chunk_size: int, get_tis_batch: Callable[[Any], TISBatch], broadcast_over_tp: bool,
-                        output_layer: str | None, **schedule_kwargs: Any) -> None:
+                        output_layer: str | None, kernels: str, **schedule_kwargs: Any) -> None:
     """One forward-only pass per optimizer step; pi_old into the items' ``TISBatch`` (last stage)."""
     for step in range(num_steps):
         lo, hi = step * num_microbatches, (step + 1) * num_microbatches
@@ -133,7 +135,7 @@ def _fill_old_log_probs(forward_backward_func: Callable, forward_step_func: Call
         lps: list[Tensor] | None = recompute_log_probs(
             forward_backward_func, forward_step_func, step_items, model, batches=batches,
             num_microbatches=num_microbatches, vpp=vpp, temperature=temperature, chunk_size=chunk_size,
-            output_layer=output_layer, **schedule_kwargs)
+            output_layer=output_layer, kernels=kernels, **schedule_kwargs)
         if lps is not None:
             for target in (batches, local):
                 for b, lp in zip(target or [], lps):

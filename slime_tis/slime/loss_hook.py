@@ -174,6 +174,7 @@ def reinforce_is_loss(
         temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
         chunk_size=chunk if chunk > 0 else max(int(rows.shape[0]), 1),  # slime: -1 = no chunking
         with_entropy=entropy_coef != 0.0,
+        kernels=cfg.kernels,
     )
     if recording_enabled(args) or getattr(args, "save_debug_train_data", None):  # device copies; written later
         RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)

@@ -1,9 +1,9 @@
 """torchrun worker (2 ranks, gloo, CPU, ``TRITON_INTERPRET=1``): the Triton log-prob kernels at TP=2.
 
 Every rank builds the same full-vocabulary logits, keeps its vocabulary shard and calls the public
-``vocab_parallel_log_probs_and_entropy(..., impl="triton", tp_group=WORLD)``: per-rank kernel, then the
+``vocab_parallel_log_probs_and_entropy(..., kernels="triton", tp_group=WORLD)``: per-rank kernel, then the
 combination (one all-reduce MAX, one SUM). Compared with a float64 ``log_softmax`` of the full logits
-(values on every rank; the gradient on this rank's columns) and with ``impl="torch"`` at TP=2. Writes
+(values on every rank; the gradient on this rank's columns) and with ``kernels="torch"`` at TP=2. Writes
 ``{check: [error, tolerance]}`` to ``--out/rank{r}.json``; the pytest side asserts.
 
 Cases: targets on both sides of the shard boundary (global ids 0, Vp-1, Vp, 2Vp-1), temperature 0.7, a row
@@ -16,12 +16,14 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
 from slime_tis.megatron import vocab_parallel_log_probs_and_entropy  # noqa: E402
 
 VP, T, TAU = 24, 8, 0.7
@@ -40,12 +42,13 @@ def _oracle(full: torch.Tensor, targets: torch.Tensor, w_lp: torch.Tensor, w_h: 
 def _run(shard: torch.Tensor, targets, w_lp, w_h, keep, impl: str):
     z = shard.clone().requires_grad_(True)
     lp, ent = vocab_parallel_log_probs_and_entropy(z, targets, temperature=TAU, tp_group=dist.group.WORLD,
-                                                   row_mask=keep, impl=impl, chunk_size=3)
+                                                   row_mask=keep, kernels=impl, chunk_size=3)
     (grad,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_h).sum(), z)
     return lp.detach(), ent.detach(), grad
 
 
 def main() -> None:
+    warnings.simplefilter("error", KernelFallbackWarning)  # kernels="triton" must run the kernels
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (for _cpu)
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _cpu import cpu_shim  # noqa: E402, F401  (CPU patches for megatron-core)
 
+from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
 from slime_tis.kernels.output_layer import (  # noqa: E402
     fused_log_probs_and_entropy,
     reference_log_probs_and_entropy,
@@ -54,7 +56,7 @@ def check_kernel(backend: str) -> dict:
     shard = weight[rank * vp:(rank + 1) * vp].clone().requires_grad_(True)
     h = hidden.clone().requires_grad_(True)
     lp, ent = fused_log_probs_and_entropy(h, shard, targets, temperature=TEMPERATURE, loss_mask=mask,
-                                          tp_group=dist.group.WORLD, backend=backend, chunk_size=16)
+                                          tp_group=dist.group.WORLD, kernels=backend, chunk_size=16)
     (lp * g_lp + ent * g_ent).sum().backward()
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     lp_r, ent_r = reference_log_probs_and_entropy(h64, w64, targets, temperature=TEMPERATURE)
@@ -127,11 +129,11 @@ def check_gpt(tied: bool, backend: str) -> dict:
     hidden = model(tokens, pos, None)
     if tied:  # flat labels and mask, as a TISBatch carries them
         lp1, ent1 = fused_log_probs(model, hidden, labels.reshape(-1), temperature=TEMPERATURE,
-                                    loss_mask=mask.reshape(-1), backend=backend, chunk_size=16)
+                                    loss_mask=mask.reshape(-1), kernels=backend, chunk_size=16)
         lp1, ent1 = lp1.view(ROWS, SEQ), ent1.view(ROWS, SEQ)
     else:
         lp1, ent1 = fused_log_probs(model, hidden, labels, temperature=TEMPERATURE, loss_mask=mask,
-                                    backend=backend, chunk_size=16)
+                                    kernels=backend, chunk_size=16)
     ((lp1 * w_lp + ent1 * w_ent) * mask).sum().backward()
     got = grads()
     restore_output_layer(model)
@@ -202,6 +204,7 @@ def check_errors() -> dict:
 
 
 def main() -> None:
+    warnings.simplefilter("error", KernelFallbackWarning)  # kernels="triton" must run the kernels
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
