@@ -73,10 +73,12 @@ def response_log_probs(ro: Rollouts, w: Tensor, i: int) -> Tensor:
     return torch.log_softmax(logits[p - 1:p - 1 + r], -1).gather(-1, ro.tokens[i][p:, None]).squeeze(-1)
 
 
-def make_rollouts(seed: int, sizes: list[int], w0: Tensor, *, spread: float = 0.35) -> Rollouts:
+def make_rollouts(seed: int, sizes: list[int], w0: Tensor, *, spread: float = 0.35, nan_trap: bool = True) -> Rollouts:
     """Rollouts of ``sizes[g]`` samples each (ids 10 g + 7, shuffled in the batch), rollout log-probs =
-    the policy at ``w0`` plus noise; traps: tool tokens (mask 0) with NaN rollout log-probs, one sample with
-    a NaN at a valid token, one catastrophic token (ratio e^-9, for the veto), negative advantages."""
+    the policy at ``w0`` plus noise; traps: tool tokens (mask 0), one catastrophic token (ratio e^-9, for the
+    veto), negative advantages and, with ``nan_trap``, NaN rollout log-probs at the tool tokens and at one
+    valid token (which rejects its sample). Algorithm 1's anchor is the rollout log-prob, so there slime's own
+    PPO term would turn such a NaN into NaN gradients: no NaN trap there (slime writes 0 at tool tokens)."""
     g = torch.Generator().manual_seed(seed)
     ids = [10 * k + 7 for k, n in enumerate(sizes) for _ in range(n)]
     perm = torch.randperm(len(ids), generator=g).tolist()
@@ -96,9 +98,10 @@ def make_rollouts(seed: int, sizes: list[int], w0: Tensor, *, spread: float = 0.
     for i in range(n):
         lp = response_log_probs(ro, w0, i).detach()
         lr = lp + spread * torch.randn(lp.shape, generator=g)
-        lr[ro.masks[i] == 0] = float("nan")  # no rollout log-prob at tool tokens: ignored
+        lr[ro.masks[i] == 0] = float("nan") if nan_trap else 0.0  # no rollout log-prob at tool tokens: ignored
         ro.rollout_lp.append(lr)
-    ro.rollout_lp[n // 2][0] = float("nan") if ro.masks[n // 2][0] else ro.rollout_lp[n // 2][0]  # rejects sample
+    if nan_trap:
+        ro.rollout_lp[n // 2][0] = float("nan") if ro.masks[n // 2][0] else ro.rollout_lp[n // 2][0]
     last = n - 1
     ro.rollout_lp[last][-1] = response_log_probs(ro, w0, last)[-1].detach() + 9.0  # catastrophic token
     return ro
@@ -315,9 +318,9 @@ class StepResult:
 
 
 def train_rollout(args, ro: Rollouts, w0: Tensor, sched, lay: Layout, *, lr: float = 0.5, all_reduce=None,
-                  data_kw: dict | None = None) -> list[StepResult]:
+                  data_kw: dict | None = None, model: SimpleNamespace | None = None) -> list[StepResult]:
     """Run one rollout through the hooks as slime's ``train_actor`` does (module docstring); ``all_reduce``
-    sums a tensor over every rank (None: one process)."""
+    sums a tensor over every rank (None: one process); ``model`` counts the step hook's forward passes."""
     import slime_tis.slime as plugin
 
     data = rank_data(ro, sched, lay, **(data_kw or {}))
@@ -330,7 +333,7 @@ def train_rollout(args, ro: Rollouts, w0: Tensor, sched, lay: Layout, *, lr: flo
     plugin.postprocess_rollout_data(args, 0, data)
     w_ref = [w0.clone()]
     install_forward_only(ro, w_ref, lay)
-    model = SimpleNamespace()
+    model = SimpleNamespace() if model is None else model
     it = DataIter(data, data["micro_batch_indices"])
     keys = ["tokens", "total_lengths", "response_lengths", "loss_masks", "log_probs", "advantages",
             "rollout_log_probs", "rollout_mask_sums"]

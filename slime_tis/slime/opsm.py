@@ -14,7 +14,8 @@ without dual clip) and ``eps_clip < 1``, a valid token with ``A_t < 0`` has
     opsm_t = valid_t and A_t < 0 and pg_loss_t == 0
 
 with ``A`` the advantages the rollout-data hook registered (slime hands the loss the same tensors). CISPO
-(its loss is 0 wherever ``lp_theta = 0``) and ``eps_clip >= 1`` do not allow this: refused.
+(its loss is 0 wherever ``lp_theta = 0``) does not allow this: refused (``eps_clip < 1`` is validated with the
+configuration).
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ def check_opsm(args: Any) -> None:
         raise ValueError("--use-opsm with --advantage-estimator cispo: the TIS hook cannot tell the tokens OPSM "
                          "zeroed (slime does not pass its mask, and CISPO's loss is 0 wherever log pi = 0); "
                          "use tis_rs_level / tis_seq_mean_k3_threshold in place of --use-opsm")
-    eps = float(getattr(args, "eps_clip", 0.2))
-    if not eps < 1.0:
-        raise ValueError(f"--use-opsm with --eps-clip {eps}: the TIS hook recovers OPSM's tokens from pg_loss > 0 "
-                         "at negative advantages, which needs --eps-clip < 1")
 
 
 def opsm_rejected(pg_loss: Tensor, advantages: Tensor, valid: Tensor) -> Tensor:
