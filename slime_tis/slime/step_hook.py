@@ -19,7 +19,7 @@ after the previous step's update. It does two things:
      and registered; the custom loss then keeps exactly these tokens and divides rollout ``g`` by ``K_g``.
 
    Cost per step: one forward pass over the step's micro-batches (over a rollout: one forward pass over
-   its data, the cost of slime's pi_old recompute, about a third of a training step's forward + backward),
+   its data, the cost of slime's pi_old recompute: roughly a third of the training compute; not measured here),
    plus one ``[4, n_batch]`` float64 all-reduce; memory: the step's log-probs while counting, then one
    bool per response token of the step. Step 0 is skipped when slime recomputed pi_old (the same
    parameters; the rollout-data hook counted it).
