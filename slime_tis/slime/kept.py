@@ -135,7 +135,7 @@ def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
         return head + (
             "--use-opsm zeroes tokens by a rule that depends on the step's parameters, and slime does not hand the "
             "TIS function its mask; the hook recovers it per micro-batch, which gives K_g only for rollouts of one "
-            "sample. Use 'keep', or replace --use-opsm by tis_rs_level / tis_seq_mean_k3_threshold")
+            "sample. Use 'keep', or replace --use-opsm by tis_rs_level or a k3 rejection threshold")
     return head + ("slime skipped the pi_old recompute (it reuses the training forward with one step per "
                    "rollout): add --get-mismatch-metrics (slime's forward-only pass over the rollout)")
 

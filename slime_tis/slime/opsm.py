@@ -38,7 +38,7 @@ def check_opsm(args: Any) -> None:
     if getattr(args, "advantage_estimator", None) == "cispo":
         raise ValueError("--use-opsm with --advantage-estimator cispo: the TIS hook cannot tell the tokens OPSM "
                          "zeroed (slime does not pass its mask, and CISPO's loss is 0 wherever log pi = 0); "
-                         "use tis_rs_level / tis_seq_mean_k3_threshold in place of --use-opsm")
+                         "use tis_rs_level or a k3 rejection threshold in place of --use-opsm")
 
 
 def opsm_rejected(pg_loss: Tensor, advantages: Tensor, valid: Tensor) -> Tensor:
