@@ -154,7 +154,7 @@ def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: Pa
                          "routing-replay records (--use-routing-replay): use 'keep'")
     if custom:
         counted = hook or (recomputed and steps == 1)
-        count_now_steps = {0} if recomputed else set()
+        count_now_steps = {0} if recomputed and counted else set()
         hook_steps = tuple(s for s in range(steps) if s not in count_now_steps) if hook else ()
     else:
         counted = recomputed and not getattr(args, "use_opsm", False)
