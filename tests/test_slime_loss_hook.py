@@ -214,7 +214,12 @@ def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
             logits = packed_logits(b, seed=4)
             lp0, _ = oracle_log_probs(b, logits.detach())  # rollout log-probs near the policy (make_batch's
             b.rollout = [x + d for x, d in zip(lp0.split(b.response_lengths), deltas)]  # offsets, NaN, traps)
-            register(args, b)
+            if rollout_ids is None:  # one-sample rollouts: counted in the micro-batch
+                register(args, b)
+            else:  # several samples: counted before training from slime's pi_old (--get-mismatch-metrics)
+                args.get_mismatch_metrics = True
+                args.loss_type, args.custom_loss_function_path = "custom_loss", "slime_tis.slime.reinforce_is_loss"
+                postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": list(lp0.split(b.response_lengths))})
             batch = slime_batch(b) | {"rollout_mask_sums": b.rollout_mask_sums()}
             loss, metrics = reinforce_is_loss(args, batch, logits, reducer_for(b))
             loss.backward()

@@ -17,8 +17,9 @@ from slime_tis.slime.state import STATE
 
 
 def register(args, b):
-    """slime's rollout-data hook call before training (registers each sample's rollout)."""
-    postprocess_rollout_data(args, 0, b.rollout_data())
+    """slime's rollout-data hook call before training (registers each sample's rollout; pi_old = ``b.train``,
+    used when slime would have recomputed it)."""
+    postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train})
 
 
 def call(args, b, pg=None):
@@ -166,12 +167,13 @@ def test_drop_divides_each_rollout_by_its_kept_count_hand_values():
         assert float(loss) == pytest.approx(expect, rel=1e-6), denominator
 
 
-AGENTIC = {
-    "a2_tok_mask": dict(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3),
-    "a2_geo_mask_veto": dict(use_tis=True, tis_mode="mask", tis_level="geometric", tis_upper_bound=1.1,
-                             tis_veto_threshold=1e-3),
-    "a2_seq_trunc_seq_rs": dict(use_tis=True, tis_mode="truncate", tis_level="sequence", tis_upper_bound=2.0,
-                                tis_rs_level="sequence", tis_rs_upper_bound=3.0),
+AGENTIC = {  # --get-mismatch-metrics: slime recomputes pi_old, from which the kept counts come
+    "a2_tok_mask": dict(use_tis=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="token",
+                        tis_upper_bound=1.3),
+    "a2_geo_mask_veto": dict(use_tis=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="geometric",
+                             tis_upper_bound=1.1, tis_veto_threshold=1e-3),
+    "a2_seq_trunc_seq_rs": dict(use_tis=True, get_mismatch_metrics=True, tis_mode="truncate", tis_level="sequence",
+                                tis_upper_bound=2.0, tis_rs_level="sequence", tis_rs_upper_bound=3.0),
     "a1_geo_mask": dict(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="geometric",
                         tis_upper_bound=1.1),
 }
@@ -200,15 +202,19 @@ def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
         assert len(set(kept_frac)) > 1
 
 
-def test_drop_with_a_rollout_split_across_micro_batches():
-    """A rollout whose samples land in two micro-batches: each part is renormalised by its own kept fraction,
-    D_P = N_g k_P / n_P; rollouts inside one micro-batch get exactly their kept count."""
+def test_drop_without_pi_old_is_refused_for_multi_sample_rollouts_and_local_for_single_ones():
+    """--use-tis with one step per rollout and no --get-mismatch-metrics: slime reuses the training forward, so no
+    kept count exists before the loss. Multi-sample rollouts (which slime's packing splits) are refused, naming the
+    flag; one-sample rollouts are counted exactly in their micro-batch."""
     b = make_batch(6)
-    b.rollout_ids = [0, 0, 1, 1, 2, 2]  # rollout 1 is split: sample 2 in micro-batch 0, sample 3 in 1
     args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
                    tis_rejected_denominator="drop")
+    b.rollout_ids = [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="rollouts of several samples.*add --get-mismatch-metrics"):
+        postprocess_rollout_data(args, 0, b.rollout_data())
+    b.rollout_ids = None
+    postprocess_rollout_data(args, 0, b.rollout_data())
     cfg = tis_config_from_slime_args(args)
-    register(args, b)
     total = torch.zeros(())
     for idx in ([0, 1, 2], [3, 4, 5]):
         mb = b.subset(idx)
@@ -216,14 +222,7 @@ def test_drop_with_a_rollout_split_across_micro_batches():
         total = total + slime_sum_of_sample_mean(new, mb, masks, 0, 1)
     ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
                       extra_finite=(b.packed("pg_loss"),))
-    x = torch.where(ref.keep_mask, b.packed("pg_loss") * ref.weights, torch.zeros(())).split(b.response_lengths)
-    kept = [float(k.sum()) for k in ref.keep_mask.split(b.response_lengths)]
-    valid = [float(m.sum()) for m in b.masks]
-    n_g = b.rollout_mask_sums()
-    expect = (x[0].sum() + x[1].sum()) / (kept[0] + kept[1]) + (x[4].sum() + x[5].sum()) / (kept[4] + kept[5])
-    assert kept[2] == 0 < kept[3]  # sample 2 (NaN at a valid token) is rejected whole: its part adds 0
-    for i in (2, 3):  # the split rollout: its two parts
-        expect = expect + (x[i].sum() / (float(n_g[i]) * kept[i] / valid[i]) if kept[i] else 0.0)
+    expect = rollout_mean(b.packed("pg_loss") * ref.weights, ref.keep_mask, b, "drop")
     assert float(total) == pytest.approx(float(expect), rel=1e-5)
 
 
@@ -231,11 +230,11 @@ def test_drop_with_a_rollout_split_across_micro_batches():
 def test_drop_is_exact_for_split_rollouts_when_pi_old_was_recomputed(name):
     """slime recomputed pi_old (rollout_data['log_probs'], the tensors the hook gets as train_log_probs): the
     rollout-data hook counts each rollout's kept tokens before training, and the micro-batches' losses add up
-    to the exact rollout means, also for rollouts split across micro-batches. With other train_log_probs
-    tensors (slime's detached current log-probs) the hook falls back to the per-part rule."""
+    to the exact rollout means, also for rollouts split across micro-batches. Other train_log_probs tensors
+    than the ones counted are an error, not an approximation."""
     b = make_batch(6)
     b.rollout_ids = [0, 1, 1, 2, 2, 3]  # rollouts 1 and 2 are split across the two micro-batches
-    args = args_ns(tis_rejected_denominator="drop", **AGENTIC[name])
+    args = args_ns(tis_rejected_denominator="drop", **AGENTIC[name])  # with --get-mismatch-metrics
     cfg = tis_config_from_slime_args(args)
     postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train})
 
@@ -255,8 +254,8 @@ def test_drop_is_exact_for_split_rollouts_when_pi_old_was_recomputed(name):
     w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
     exact = rollout_mean(b.packed("pg_loss") * w, ref.keep_mask, b, "drop")
     assert float(step_loss(b.train)) == pytest.approx(float(exact), rel=1e-5)
-    fallback = float(step_loss([t.clone() for t in b.train]))
-    assert fallback != pytest.approx(float(exact), rel=1e-3)  # the parts keep different fractions here
+    with pytest.raises(RuntimeError, match="got other train_log_probs"):
+        step_loss([t.clone() for t in b.train])  # decisions from other tensors than the ones counted
 
 
 # ------------------------------------------------------------------ configuration from slime's args

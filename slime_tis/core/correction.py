@@ -87,6 +87,7 @@ def compute_tis(
     reducer: Reducer | None = None,
     batch_norm_factor: Tensor | float | None = None,
     extra_finite: tuple[Tensor, ...] = (),
+    reject: Tensor | None = None,
 ) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
 
@@ -102,13 +103,16 @@ def compute_tis(
             ``norm_count / norm_sum``); ``None`` with batch normalisation on normalises over this
             call's data reduced over ``reducer`` (algorithm 3: per micro-batch over DP x CP).
         extra_finite: more ``[T]`` tensors whose non-finite valid entries reject their sequence.
+        reject: optional ``[T]`` bool, tokens the host has already rejected (e.g. slime's OPSM, which zeroes
+            their loss before the correction): not kept, counted as rejected tokens, left out of the kept-unit
+            statistics like a token-level rule's rejections; the diagnostics still see them.
 
     Raises:
         ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
     """
     n_tokens = check_packed(
         {"lp_train": lp_train, "lp_rollout": lp_rollout, "loss_mask": loss_mask,
-         **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)}},
+         **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)}, "reject": reject},
         cu_seqlens,
     )
     for name, t in (("lp_train", lp_train), ("lp_rollout", lp_rollout)):
@@ -116,7 +120,8 @@ def compute_tis(
             raise ValueError(f"{name} must be a floating-point tensor of log-probs, got {t.dtype}")
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
-                   batch_norm_factor=batch_norm_factor, extra_finite=extra_finite)
+                   batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
+                   reject=None if reject is None else as_valid_mask(reject))
 
 
 def correct(
@@ -129,6 +134,7 @@ def correct(
     *,
     batch_norm_factor: Tensor | float | None = None,
     extra_finite: tuple[Tensor, ...] = (),
+    reject: Tensor | None = None,
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     with torch.no_grad():
@@ -136,6 +142,8 @@ def correct(
                                extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=rule_columns(plan),
                                kernels=plan.kernels)
         verdict = evaluate(plan, ratios)
+        if reject is not None:
+            verdict = verdict.with_rejected_tokens(reject & ratios.valid)
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level))  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
         kept_weights = torch.where(kept_units, weights, 0.0)

@@ -120,6 +120,7 @@ def policy_loss(
     reducer: Reducer | None = None,
     denominator: Tensor | float | None = None,
     batch_norm_factor: Tensor | float | None = None,
+    keep_override: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
@@ -136,6 +137,9 @@ def policy_loss(
         denominator: the global denominator (see :func:`loss_denominator`), or ``None`` for this
             call's own count reduced over ``reducer``.
         batch_norm_factor: precomputed global factor (algorithm 2), see ``compute_tis``.
+        keep_override: optional ``[T]`` bool, rejection decided elsewhere (a host that counted the kept
+            tokens before the step, at the step's parameters): the loss keeps exactly these tokens of
+            finite sequences instead of the rules' keep mask; the statistics still report the rules.
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
@@ -179,6 +183,9 @@ def policy_loss(
     if alg != 0:
         own = tis
         keep, weights = tis.keep_mask, tis.weights
+        if keep_override is not None:
+            check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
+            keep = as_valid_mask(keep_override) & tis.ratios.token_ok
     else:  # algorithm 0 rejects only non-finite inputs of its own loss (rollout data changes nothing)
         with torch.no_grad():
             own = correct(plan, old, theta_d, valid, layout, reducer, extra_finite=(adv,))

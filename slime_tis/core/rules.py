@@ -120,6 +120,12 @@ class Verdict:
     token_rejected: Tensor | None
     keep: Tensor
 
+    def with_rejected_tokens(self, rejected: Tensor) -> Verdict:
+        """The verdict with ``[T]`` bool ``rejected`` tokens rejected as well, as by a token-level rule
+        (e.g. a host's own mask applied before the correction); weights and rows' hits are unchanged."""
+        token = rejected if self.token_rejected is None else self.token_rejected | rejected
+        return Verdict(self.hits, self.seq_rejected, token, self.keep & ~rejected)
+
 
 def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
     """Apply every active row of :data:`RULES`; ``keep_t = valid_t and no rejecting rule hits t or its sequence``."""

@@ -16,8 +16,10 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 * Aggregation is slime's: per-rollout mean ``sum_t loss_t / max(N_i, 1)`` with ``N_i =
   rollout_mask_sums[i]`` (the valid-token count of sample ``i``'s whole rollout, all its samples; the
   sample's own count when slime gives none); with ``tis_rejected_denominator: drop`` the rollout's kept
-  count, ``D_P = N_i k_P / n_P`` for the part ``P`` of the rollout in this micro-batch
-  (:mod:`slime_tis.slime.rollouts`; needs the rollout-data hook); or, with
+  count ``K_g``, over all its samples, at the parameters of the step: counted before the step (from slime's
+  pi_old at step 0, by :func:`slime_tis.slime.before_train_step` at the others), and the loss then keeps
+  exactly the counted tokens; or counted in this micro-batch when every rollout is one sample; anything
+  else is refused (:mod:`slime_tis.slime.kept`; needs the rollout-data hook); or, with
   ``--calculate-per-token-loss``, the token sum that slime divides by its token count (``drop`` refused).
   Implemented as per-token coefficients on the advantages (the loss is linear in them) and one token sum.
 * ``tis_batch_normalize`` normalises per micro-batch over DP x CP (the weights depend on theta);
@@ -32,8 +34,9 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
   (:mod:`slime_tis.slime.record`).
 
 Run it with ``--use-rollout-logprobs`` (no pi_old recompute is needed; without it slime recomputes
-pi_old, which this loss ignores, and a warning says so). slime's top-p replay
-(``--rollout-top-p < 1``) is not supported here.
+pi_old, which this loss ignores except for ``drop``'s counts, and a warning says so). Refused: slime's
+top-p replay (``--rollout-top-p < 1``), ``--use-opsm`` and ``--custom-pg-loss-reducer-function-path`` (both
+act in slime's own policy loss only, which this loss replaces).
 """
 
 from __future__ import annotations
@@ -49,11 +52,12 @@ from torch import Tensor
 from slime_tis.core import compute_tis, policy_loss
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
 from slime_tis.slime.parallel import parallel_context
 from slime_tis.slime.record import RECORDER, recording_enabled
-from slime_tis.slime.rollouts import rollout_part_counts
+from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["kl_penalty", "reinforce_is_loss"]
@@ -96,23 +100,32 @@ def _rollout_denominators(rollout_mask_sums: Any, packed: SlimePacked, device: t
     return denoms.to(device=device, dtype=torch.float32, non_blocking=True)
 
 
-def _token_coefficients(
-    batch: dict[str, Any], packed: SlimePacked, keep: Tensor | None, groups: Tensor | None, reducer: Any,
-    device: torch.device,
-) -> Tensor:
-    """``[T_local]`` factor ``c_t`` with slime's loss ``= sum_t c_t loss_t`` over kept tokens.
-
-    ``keep``: ``c_t = 1 / max(N_i, 1)`` (slime's per-rollout mean); ``drop`` (``keep`` = the keep mask):
-    ``c_t = n_P / (max(N_i, 1) k_P)``, i.e. ``1 / D_P`` with ``D_P = N_i k_P / n_P`` for the part ``P`` of
-    sample ``i``'s rollout in this micro-batch (:mod:`slime_tis.slime.rollouts`); 0 when ``k_P = 0``.
-    """
+def _local_drop_coefficients(batch: dict[str, Any], packed: SlimePacked, keep: Tensor, reducer: Any,
+                             device: torch.device) -> Tensor:
+    """``[n]`` ``1 / K_i`` counted in this micro-batch (every rollout is one sample, whole here):
+    ``n_i / (max(N_i, 1) k_i)``, 0 when ``k_i = 0``."""
     denoms = _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
-    if keep is None or groups is None:
-        coef = 1.0 / denoms
-    else:
-        n_part, k_part = rollout_part_counts(packed, packed.full_keep_masks(keep, reducer), groups)
-        coef = torch.where(k_part > 0, n_part / (denoms * k_part.clamp(min=1.0)), torch.zeros_like(k_part))
-    return coef[packed.local_sample_index()]
+    groups = STATE.rollouts.group_index(batch["loss_masks"])
+    n_part, k_part = rollout_part_counts(packed, packed.full_keep_masks(keep, reducer), groups)
+    return torch.where(k_part > 0, n_part / (denoms * k_part.clamp(min=1.0)), torch.zeros_like(k_part))
+
+
+def _counted_drop(batch: dict[str, Any], packed: SlimePacked) -> tuple[Tensor, Tensor] | None:
+    """``([n] 1 / max(K_g, 1), [T_local] counted keep mask)`` when the micro-batch's decisions were counted
+    before the step (:mod:`slime_tis.slime.kept`), None when this micro-batch counts them itself."""
+    plan = STATE.drop_plan
+    if plan is None:
+        raise ValueError(NEEDS_HOOK)
+    if not plan.counted:
+        return None
+    counted = STATE.rollouts.counted(batch["loss_masks"])
+    if counted is None:
+        raise RuntimeError("tis_rejected_denominator = 'drop': a sample of this micro-batch was not counted at its "
+                           "step's parameters; slime_tis.slime.before_train_step must run before every step "
+                           "(--custom-megatron-before-train-step-hook-path)")
+    keep_full, counts = counted
+    keep_local = torch.cat(keep_full)[packed.index] if keep_full else packed.local_mask
+    return 1.0 / counts[:, 1].clamp(min=1.0), keep_local
 
 
 def _warn_recompute(args: Any) -> None:
@@ -139,11 +152,12 @@ def reinforce_is_loss(
         raise ValueError(
             f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss"
         )
-    if cfg.rejected_denominator == "drop" and cfg.loss_agg == "token-mean":
-        raise ValueError(
-            "tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
-            "divides by the step's original token count; use the default per-rollout mean or 'keep'"
-        )
+    check_drop_config(args, cfg)
+    for flag in ("use_opsm", "custom_pg_loss_reducer_function_path"):
+        if getattr(args, flag, None):
+            raise ValueError(f"--{flag.replace('_', '-')} is applied by slime's own policy loss, which "
+                             "reinforce_is_loss replaces: remove it (rejection: tis_rs_level, tis_veto_threshold, "
+                             "k3 thresholds; aggregation: slime's per-rollout mean)")
     if getattr(args, "use_unbiased_kl", False):
         raise ValueError("--use-unbiased-kl is not supported by reinforce_is_loss")
     if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
@@ -153,8 +167,7 @@ def reinforce_is_loss(
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be slime's packed [1, T, V/TP], got shape {tuple(logits.shape)}")
     _warn_recompute(args)
-    drop = cfg.rejected_denominator == "drop" and cfg.loss_agg == "seq-mean-token-mean"
-    groups = STATE.rollouts.group_index(batch["loss_masks"]) if drop else None
+    drop = drop_applies(cfg)
 
     ctx = parallel_context()
     if ctx.cp_size > 1 and getattr(args, "allgather_cp", False):
@@ -180,15 +193,21 @@ def reinforce_is_loss(
         RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
-    # slime's aggregation as per-token coefficients on the (linear) advantages, then one token sum
+    # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum
+    keep_override = None
     if cfg.loss_agg == "seq-mean-token-mean":
-        keep_pre = None
-        if groups is not None:  # the keep decision does not depend on the coefficients
+        counted = _counted_drop(batch, packed) if drop else None
+        if counted is not None:  # decisions and K_g counted before the step, at its parameters
+            coef, keep_override = counted
+        elif drop:  # the keep decision does not depend on the coefficients
             keep_pre = compute_tis(
                 cfg.replace(batch_normalize=False), lp_theta.detach(), lp_rollout, packed.local_mask,
                 packed.cu_seqlens, reducer=ctx.reducer, extra_finite=(advantages,),
             ).keep_mask
-        advantages = advantages * _token_coefficients(batch, packed, keep_pre, groups, ctx.reducer, device)
+            coef = _local_drop_coefficients(batch, packed, keep_pre, ctx.reducer, device)
+        else:
+            coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
+        advantages = advantages * coef[packed.local_sample_index()]
 
     out = policy_loss(
         cfg.replace(loss_agg="token-mean", rejected_denominator="keep"),
@@ -200,6 +219,7 @@ def reinforce_is_loss(
         packed.cu_seqlens,
         reducer=ctx.reducer,
         denominator=torch.ones((), device=device),  # a device tensor: a Python float would sync the host
+        keep_override=keep_override,
     )
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)

@@ -21,6 +21,7 @@ class ParallelContext:
     reducer: Reducer
     dp_rank: int = 0
     tp_rank: int = 0
+    dp_size: int = 1
     last_pp_stage: bool = True
 
 
@@ -40,5 +41,6 @@ def parallel_context() -> ParallelContext:
         reducer=MegatronReducer(),
         dp_rank=ps.get_data_parallel_rank(with_context_parallel=False),
         tp_rank=ps.get_tensor_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(with_context_parallel=False),
         last_pp_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
     )

@@ -28,8 +28,10 @@ its fast path (one step per rollout, no KL, no ``--get-mismatch-metrics``); add
 3. **Recorded training log-probs (algorithm 3, ``tis_record_train_log_probs: true``).** Writes the
    previous rollout's log-probs recorded by the custom loss (:mod:`slime_tis.slime.record`) and starts
    recording this one; the pi_old dump above is then skipped when slime ran no recompute.
-4. **Rollout membership.** Registers each sample's rollout (``rollout_data['rollout_ids']``) for the loss
-   hooks, which need it for ``tis_rejected_denominator: drop`` (:mod:`slime_tis.slime.rollouts`).
+4. **Rollout membership and ``drop``.** Registers each sample's rollout (``rollout_data['rollout_ids']``; and its
+   advantages with ``--use-opsm``) for the loss hooks and, with ``tis_rejected_denominator: drop``, decides how
+   each rollout's kept-token count reaches them, counting now what pi_old decides and refusing what cannot
+   be exact (:mod:`slime_tis.slime.kept`).
 
 Pipeline stages other than the last hold no log-probs and
 do nothing (the loss runs on the last stage).
@@ -48,9 +50,11 @@ from slime_tis.core import compute_tis, normalisation_factor
 from slime_tis.dump import records_from_samples, write_logprob_dump
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.kept import drop_applies, plan_rollout_drop
+from slime_tis.slime.opsm import check_opsm
 from slime_tis.slime.parallel import ParallelContext, parallel_context
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
-from slime_tis.slime.rollouts import rollout_counts_over_dp
+from slime_tis.slime.rollouts import unit_keys
 from slime_tis.slime.state import STATE
 
 __all__ = ["gather_full_responses", "postprocess_rollout_data"]
@@ -78,26 +82,6 @@ def _needs_log_probs(args: Any, rollout_data: dict[str, Any], ctx: ParallelConte
     )
 
 
-def _register_rollout_counts(cfg: Any, rollout_data: dict[str, Any], packed: SlimePacked, lp_old: Tensor,
-                             lp_rollout: Tensor, ctx: ParallelContext) -> None:
-    """``(N_g, K_g)`` of every local sample's rollout from pi_old, summed over DP (see slime_tis.slime.rollouts)."""
-    advantages = rollout_data.get("advantages")
-    extra = () if advantages is None else (packed.cat_local("advantages", advantages).to(lp_old.device),)
-    res = compute_tis(cfg.replace(batch_normalize=False), lp_old, lp_rollout, packed.local_mask, packed.cu_seqlens,
-                      reducer=ctx.reducer, extra_finite=extra)
-    n = len(packed.response_lengths)
-    sample = packed.full_sample_index()
-    kept_full = torch.cat(packed.full_keep_masks(res.keep_mask, ctx.reducer)) if n else packed.full_mask
-    valid = torch.zeros(n, device=lp_old.device).index_add_(0, sample, (packed.full_mask != 0).float())
-    kept = torch.zeros(n, device=lp_old.device).index_add_(0, sample, (kept_full != 0).float())
-    ids = rollout_data.get("rollout_ids")
-    positions, n_batch = rollout_data.get("partition"), rollout_data.get("raw_reward")
-    n_batch = len(n_batch) if ids is not None and positions is not None and n_batch is not None else None
-    ids = list(range(n)) if ids is None else ids  # no rollout ids: each sample its own rollout, this rank only
-    table = rollout_counts_over_dp(valid, kept, ids, positions if n_batch else None, n_batch, ctx.reducer)
-    STATE.rollouts.set_rollout_counts(rollout_data["loss_masks"], rollout_data["log_probs"], table)
-
-
 def uses_reinforce_is_loss(args: Any) -> bool:
     """Whether slime's loss is this package's algorithm-3 custom loss (``--loss-type custom_loss``)."""
     path = str(getattr(args, "custom_loss_function_path", None) or "")
@@ -111,18 +95,29 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     dump_dir = getattr(args, "tis_dump_dir", None)
     flush_recorded_train_log_probs(args)  # the previous rollout's recorded training log-probs (algorithm 3)
     STATE.clear()
-    STATE.rollouts.register(rollout_data.get("loss_masks") or [], rollout_data.get("rollout_ids"))
+    if cfg.algorithm != 3:
+        check_opsm(args)
+        if want_norm and getattr(args, "use_opsm", False):
+            raise ValueError("tis_batch_normalize with --use-opsm: the global factor is fixed before training, but "
+                             "OPSM's rejections depend on each step's parameters; use one of the two")
+    masks = rollout_data.get("loss_masks") or []
+    positions = rollout_data.get("partition")
+    units = unit_keys(rollout_data, range(len(masks)) if positions is None else positions)
+    use_opsm = getattr(args, "use_opsm", False) and cfg.algorithm != 3
+    STATE.rollouts.register(masks, units, rollout_data.get("advantages") if use_opsm else None)
     recording = recording_enabled(args)
     if recording:
         RECORDER.start_rollout(rollout_id, rollout_data)
     else:
         RECORDER.clear()
-    # drop in the TIS hook with decisions from pi_old: the rollouts' kept counts are known now
-    want_counts = cfg.rejected_denominator == "drop" and cfg.algorithm in (1, 2) and bool(rollout_data.get("log_probs"))
-    if not want_norm and not dump_dir and not want_counts:
-        return
     ctx = parallel_context()
-    if not want_norm and not want_counts and recording and not rollout_data.get("log_probs"):
+    if drop_applies(cfg):
+        STATE.drop_plan = plan_rollout_drop(args, cfg, rollout_data, ctx, STATE.rollouts)
+        if STATE.drop_plan.hook_steps:
+            STATE.rollout_data = rollout_data  # for the step hook's forward passes (released after the last)
+    if not want_norm and not dump_dir:
+        return
+    if not want_norm and recording and not rollout_data.get("log_probs"):
         return  # no pi_old: the dump gets the training log-probs the custom loss records
     if not _needs_log_probs(args, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
         return
@@ -135,8 +130,6 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     )
     lp_old = packed.cat_local("log_probs", rollout_data["log_probs"]).to(packed.full_mask.device)
     lp_rollout = packed.cat_local("rollout_log_probs", rollout_data["rollout_log_probs"]).to(lp_old.device)
-    if want_counts:
-        _register_rollout_counts(cfg, rollout_data, packed, lp_old, lp_rollout, ctx)
 
     if want_norm:
         # sequences with non-finite advantages are rejected by the loss as well: leave them out here too

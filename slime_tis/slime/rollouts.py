@@ -1,39 +1,24 @@
-"""Which rollout each slime sample belongs to, and the rollout-level loss denominators.
+"""Which rollout each slime sample belongs to, and each rollout's valid / kept token counts.
 
-slime (THUDM/slime 624b824, ``RolloutManager._convert_samples_to_train_data`` in
-``slime/ray/rollout.py``) gives every training sample a rollout id (``rollout_ids``; an agentic rollout
-may produce several samples) and the per-sample value
+slime (THUDM/slime 624b824, ``RolloutManager._convert_samples_to_train_data`` in ``slime/ray/rollout.py``) gives
+every training sample a rollout id (``rollout_ids``; an agentic rollout may produce several samples) and
 
     rollout_mask_sums[i] = N_g = sum over the samples j of i's rollout g of sum_t loss_mask_j[t]
 
-computed once over the whole rollout batch. Its loss reducer (``get_sum_of_sample_mean`` in
-``slime/backends/megatron_utils/cp_utils.py``) divides every sample's token sum by ``N_g``, so the unit
-of slime's "per-sample mean" is the rollout: ``sum_{t in g} loss_t / N_g``. All samples of a rollout
-lie in one training step, but the micro-batch packing (``slime/utils/dp_schedule.py``) may put them in
-different micro-batches, also on different data-parallel ranks.
-
-``tis_rejected_denominator: drop`` replaces ``N_g`` by the rollout's kept-token count. A loss hook sees
-one micro-batch; for the part ``P`` of rollout ``g`` in it (its samples there, all CP ranks) with
-``n_P`` valid and ``k_P`` kept tokens the denominator is
-
-    D_P = N_g * k_P / n_P          (= K_g, the rollout's kept count, when P is the whole rollout)
-
-i.e. the part is renormalised by its own kept fraction; exact whenever the rollout lies in one
-micro-batch, and for a split rollout exact when its parts keep the same fraction of their tokens.
-
-When the keep decisions are fixed for the whole rollout, ``K_g`` itself is known before training: in
-the TIS hook (algorithms 1 and 2) the decisions come from ``pi_old``, which slime computes once per
-rollout. The rollout-data hook then counts every sample's kept tokens, sums them per rollout over the
-data-parallel group (one all-reduce of ``[3, n_batch]``: kept count, valid count and rollout id at each
-sample's position ``rollout_data['partition']`` in the rollout batch of ``n_batch`` samples, identical
-on all ranks) and registers ``(N_g, K_g)`` per sample; the TIS hook then scales by ``N_g / K_g``, exact
-for split rollouts too. It uses them only when ``train_log_probs`` are the very pi_old tensors counted
-(not when slime passed the detached current log-probs instead).
+Its loss reducer (``get_sum_of_sample_mean``, ``slime/backends/megatron_utils/cp_utils.py``) divides every
+sample's token sum by ``N_g``: the unit of slime's "per-sample mean" is the rollout. Without
+``rollout_mask_sums`` (a custom convert function) it divides by each sample's own count: then every sample
+is its own unit here too. slime's packing (``build_dp_schedule``) may put the samples of a rollout in
+different micro-batches and on different data-parallel ranks.
 
 The hooks get neither rollout ids nor (the TIS function) ``rollout_mask_sums``. The rollout-data hook
-(:func:`slime_tis.slime.postprocess_rollout_data`) registers each local sample's rollout id under the
-identity of its loss-mask tensor: slime's ``DataIterator.get_next`` hands the loss hooks the very
-tensor objects of ``rollout_data['loss_masks']``.
+registers each local sample under the identity of its loss-mask tensor (slime's ``DataIterator.get_next``
+hands the loss hooks the very tensor objects of ``rollout_data['loss_masks']``): its unit, its advantages,
+and, once counted, its keep mask and its unit's ``(N_g, K_g)``.
+
+:func:`rollout_table` sums counts per unit over the data-parallel group: one all-reduce of ``[4, n_batch]``
+float64 (valid count, kept count, unit id + 1, 1 at each sample's position ``rollout_data['partition']`` in
+the rollout batch of ``n_batch`` samples), a shape that is the same on every rank.
 """
 
 from __future__ import annotations
@@ -47,72 +32,93 @@ from torch import Tensor
 
 from slime_tis.slime.batch import SlimePacked
 
-__all__ = ["RolloutRegistry", "rollout_counts_over_dp", "rollout_part_counts"]
+__all__ = ["RolloutRegistry", "batch_positions", "rollout_part_counts", "rollout_table", "unit_keys"]
 
-_NEEDS_HOOK = (
+NEEDS_HOOK = (
     "tis_rejected_denominator = 'drop' divides by each rollout's kept-token count, which needs the rollout of "
     "every sample: add --rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"
 )
 
 
 class RolloutRegistry:
-    """Rollout id of each sample of the current rollout batch, keyed by its loss-mask tensor object."""
+    """Per local sample of the current rollout batch, keyed by its loss-mask tensor object: the sample's
+    index, its unit (rollout), its advantages and, once counted, its keep mask and ``(N_g, K_g)``."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self._by_mask: dict[int, tuple[Tensor, Hashable]] = {}
-        self._counts: dict[int, tuple[Tensor, int]] = {}  # id(mask) -> (pi_old tensor counted, row)
-        self._count_table: Tensor | None = None  # [n_local, 2] (N_g, K_g)
+        self._index: dict[int, tuple[Tensor, int]] = {}  # id(mask) -> (mask, local index)
+        self._units: list[Hashable] = []
+        self._advantages: list[Tensor] | None = None
+        self._counted: dict[int, tuple[Tensor, Tensor | None]] = {}  # local index -> (full keep mask, lp counted)
+        self.counts: Tensor | None = None  # [n_local, 2] float32 (N_g, K_g), rows of counted samples
 
-    def register(self, loss_masks: Sequence[Tensor], rollout_ids: Sequence[Any] | None) -> None:
-        """Record ``rollout_ids[i]`` for ``loss_masks[i]`` (each sample its own rollout when ``None``)."""
-        if rollout_ids is not None and len(rollout_ids) != len(loss_masks):
-            raise ValueError(
-                f"rollout_data['rollout_ids'] has {len(rollout_ids)} entries, loss_masks {len(loss_masks)}"
-            )
+    def register(self, loss_masks: Sequence[Tensor], units: Sequence[Hashable],
+                 advantages: Sequence[Tensor] | None = None) -> None:
+        """Record sample ``i``'s unit ``units[i]`` (and advantages) for ``loss_masks[i]``."""
         self.clear()
-        for i, mask in enumerate(loss_masks):
-            rid = ("sample", i) if rollout_ids is None else _as_key(rollout_ids[i])
-            self._by_mask[id(mask)] = (mask, rid)  # the reference keeps the id valid
+        if len(units) != len(loss_masks):
+            raise ValueError(f"rollout_data['rollout_ids'] has {len(units)} entries, loss_masks {len(loss_masks)}")
+        self._index = {id(m): (m, i) for i, m in enumerate(loss_masks)}  # the reference keeps the id valid
+        self._units = list(units)
+        self._advantages = list(advantages) if advantages is not None and len(advantages) == len(units) else None
 
-    def set_rollout_counts(self, loss_masks: Sequence[Tensor], log_probs: Sequence[Tensor], table: Tensor) -> None:
-        """Register ``table[i] = (N_g, K_g)`` of sample ``i``, valid while the hook gets ``log_probs[i]``."""
-        self._count_table = table
-        self._counts = {id(m): (lp, i) for i, (m, lp) in enumerate(zip(loss_masks, log_probs))}
-
-    def rollout_counts(self, loss_masks: Sequence[Tensor], log_probs: Sequence[Tensor]) -> Tensor | None:
-        """``[n, 2]`` ``(N_g, K_g)`` of the micro-batch's samples if all were counted from these very
-        ``log_probs`` tensors (pi_old), else ``None``."""
-        if self._count_table is None or not loss_masks:
-            return None
-        rows = []
-        for mask, lp in zip(loss_masks, log_probs):
-            entry = self._counts.get(id(mask))
-            if entry is None or entry[0] is not lp or self.rollout_of(mask) is None:
+    def indices(self, loss_masks: Sequence[Tensor]) -> list[int] | None:
+        """Local indices of a micro-batch's samples, or None if one was not registered."""
+        out = []
+        for m in loss_masks:
+            entry = self._index.get(id(m))
+            if entry is None or entry[0] is not m:
                 return None
-            rows.append(entry[1])
-        index = torch.tensor(rows, dtype=torch.int64).to(self._count_table.device, non_blocking=True)
-        return self._count_table[index]
-
-    def rollout_of(self, mask: Tensor) -> Hashable | None:
-        entry = self._by_mask.get(id(mask))
-        return entry[1] if entry is not None and entry[0] is mask else None
+            out.append(entry[1])
+        return out
 
     def group_index(self, loss_masks: Sequence[Tensor]) -> Tensor:
-        """``[n]`` int64 (CPU): the micro-batch's samples numbered by rollout (0, 1, ... in order of appearance).
+        """``[n]`` int64 (CPU): the micro-batch's samples numbered by unit (0, 1, ... in order of appearance).
 
         Raises ``ValueError`` naming the fix when a sample was not registered by the rollout-data hook.
         """
-        ids: dict[Hashable, int] = {}
-        out = []
-        for mask in loss_masks:
-            rid = self.rollout_of(mask)
-            if rid is None:
-                raise ValueError(_NEEDS_HOOK)
-            out.append(ids.setdefault(rid, len(ids)))
-        return torch.tensor(out, dtype=torch.int64)
+        idx = self.indices(loss_masks)
+        if idx is None:
+            raise ValueError(NEEDS_HOOK)
+        codes: dict[Hashable, int] = {}
+        return torch.tensor([codes.setdefault(self._units[i], len(codes)) for i in idx], dtype=torch.int64)
+
+    def advantages(self, loss_masks: Sequence[Tensor]) -> list[Tensor] | None:
+        """The registered (CP-local) advantages of a micro-batch's samples, or None."""
+        idx = self.indices(loss_masks)
+        if idx is None or self._advantages is None:
+            return None
+        return [self._advantages[i] for i in idx]
+
+    def set_counted(self, local: Sequence[int], keep_full: Sequence[Tensor], counts: Tensor,
+                    log_probs: Sequence[Tensor] | None = None) -> None:
+        """Register samples ``local`` as counted: full-length keep masks, rows ``(N_g, K_g)`` of ``counts``
+        ``[len(local), 2]`` and, for decisions taken from given log-prob tensors, those tensors."""
+        if self.counts is None:
+            self.counts = torch.zeros(len(self._units), 2, device=counts.device)
+        if local:
+            self.counts[torch.tensor(list(local), dtype=torch.int64).to(counts.device, non_blocking=True)] = \
+                counts.float()
+        for k, i in enumerate(local):
+            self._counted[i] = (keep_full[k], None if log_probs is None else log_probs[k])
+
+    def counted(self, loss_masks: Sequence[Tensor],
+                log_probs: Sequence[Tensor] | None = None) -> tuple[list[Tensor], Tensor] | None:
+        """``(full keep masks, [n, 2] (N_g, K_g))`` of a micro-batch whose samples were all counted (from
+        these very ``log_probs`` tensors, when given), else None."""
+        idx = self.indices(loss_masks)
+        if idx is None or self.counts is None or not idx:
+            return None
+        keeps = []
+        for k, i in enumerate(idx):
+            entry = self._counted.get(i)
+            if entry is None or (log_probs is not None and entry[1] is not log_probs[k]):
+                return None
+            keeps.append(entry[0])
+        rows = torch.tensor(idx, dtype=torch.int64).to(self.counts.device, non_blocking=True)
+        return keeps, self.counts[rows]
 
 
 def _as_key(value: Any) -> Hashable:
@@ -123,18 +129,74 @@ def _as_key(value: Any) -> Hashable:
     return value
 
 
+def unit_keys(rollout_data: dict[str, Any], positions: Sequence[int]) -> list[Hashable]:
+    """The unit of each local sample: its rollout id when slime divides by ``rollout_mask_sums``, else the
+    sample itself (its position in the rollout batch)."""
+    ids = rollout_data.get("rollout_ids")
+    if rollout_data.get("rollout_mask_sums") is None or ids is None:
+        return [int(p) for p in positions]
+    return [_as_key(r) for r in ids]
+
+
+def batch_positions(rollout_data: dict[str, Any], reducer: Any, dp_size: int) -> tuple[list[int], int]:
+    """``(positions, n_batch)``: each local sample's position in the rollout batch (slime's ``partition``) and
+    the batch size, ``1 + max`` position over the data-parallel ranks (one all-reduce MAX of one number; no
+    ``raw_reward`` needed). Without ``partition`` the local samples are the batch (one data-parallel rank)."""
+    n = len(rollout_data.get("loss_masks") or [])
+    part = rollout_data.get("partition")
+    if part is None:
+        if dp_size > 1:
+            raise ValueError("tis_rejected_denominator = 'drop' with data parallelism needs rollout_data['partition']"
+                             " (each sample's position in the rollout batch, which slime's scheduler sets)")
+        part = list(range(n))
+    positions = [int(p) for p in part]
+    if len(positions) != n:
+        raise ValueError(f"rollout_data['partition'] has {len(positions)} entries, loss_masks {n}")
+    device = rollout_data["loss_masks"][0].device if n else torch.device("cpu")
+    top = torch.tensor([float(max(positions) + 1 if positions else 0)], dtype=torch.float64).to(device)
+    return positions, int(reducer.batch_max(top)[0])  # host-sync-ok (rollout-data hook, before training)
+
+
+def rollout_table(valid: Tensor, kept: Tensor, keys: Sequence[int], positions: Sequence[int], n_batch: int,
+                  reducer: Any) -> tuple[Tensor, int]:
+    """``([n, 3], most)``: per local sample (float32) its unit's valid count ``N_g``, kept count ``K_g`` and
+    number of samples, each summed over the unit's samples on every data-parallel rank; and the largest
+    number of samples of any unit in the whole batch (the same on every rank).
+
+    Args:
+        valid, kept: ``[n]`` per-sample counts of this rank (complete over CP; kept 0 where not counted).
+        keys: unit of each local sample (:func:`unit_keys`); positions, n_batch: :func:`batch_positions`.
+    """
+    if not all(isinstance(k, int) and 0 <= k < 2**52 for k in keys):
+        raise ValueError("tis_rejected_denominator = 'drop' sums each rollout over the data-parallel ranks, which "
+                         "needs rollout_data['rollout_ids'] to be non-negative integers below 2**52")
+    device = valid.device
+    pos = torch.tensor(list(positions), dtype=torch.int64).to(device, non_blocking=True)
+    key = torch.tensor(list(keys), dtype=torch.float64).to(device, non_blocking=True) + 1.0
+    table = torch.zeros(4, n_batch, dtype=torch.float64, device=device)
+    table[0, pos] = valid.double()
+    table[1, pos] = kept.double()
+    table[2, pos] = key  # 0 marks positions of no rank (trailing rollouts slime left out)
+    table[3, pos] = 1.0
+    table = reducer.batch_sum(table, per_sequence=True)
+    same = (table[2][None, :] == key[:, None]).double()  # [n, n_batch]: batch samples of my sample's unit
+    present = table[2][table[2] > 0]
+    most = int(torch.unique(present, return_counts=True)[1].max()) if present.numel() else 0  # host-sync-ok
+    return (same @ table[[0, 1, 3]].T).float(), most
+
+
 def rollout_part_counts(packed: SlimePacked, kept_masks: Sequence[Tensor], groups: Tensor) -> tuple[Tensor, Tensor]:
-    """Valid and kept token counts ``(n_P, k_P)`` of each sample's rollout part in this micro-batch.
+    """Valid and kept token counts ``(n_P, k_P)`` of each sample's unit part in this micro-batch.
 
     Args:
         packed: the micro-batch (full-length original masks in ``packed.full_mask``).
         kept_masks: full-length per-sample masks with rejected tokens zeroed, identical on all CP ranks
             (:meth:`SlimePacked.full_keep_masks`).
-        groups: ``[n]`` int64 rollout number of each sample (:meth:`RolloutRegistry.group_index`).
+        groups: ``[n]`` int64 unit number of each sample (:meth:`RolloutRegistry.group_index`).
 
     Returns:
         two ``[n]`` float32 tensors on the masks' device: for sample ``i`` the counts summed over the
-        samples of this micro-batch that share its rollout. No collective, no host synchronisation.
+        samples of this micro-batch that share its unit. No collective, no host synchronisation.
     """
     device = packed.full_mask.device
     n = len(packed.response_lengths)
@@ -149,39 +211,3 @@ def rollout_part_counts(packed: SlimePacked, kept_masks: Sequence[Tensor], group
     valid_g = torch.zeros(n_groups, device=device).index_add_(0, g, valid)
     kept_g = torch.zeros(n_groups, device=device).index_add_(0, g, kept)
     return valid_g[g], kept_g[g]
-
-
-def rollout_counts_over_dp(
-    valid: Tensor, kept: Tensor, rollout_ids: Sequence[Any], positions: Sequence[int] | None, n_batch: int | None,
-    reducer: Any,
-) -> Tensor:
-    """``[n, 2]`` float32 ``(N_g, K_g)`` per local sample: valid / kept tokens of its whole rollout.
-
-    Args:
-        valid, kept: ``[n]`` per-sample counts of this rank (complete over CP).
-        rollout_ids: rollout id of each local sample.
-        positions: each sample's position in the rollout batch (slime's ``partition``) and ``n_batch``
-            the batch's sample count: then one DP all-reduce of ``[3, n_batch]`` float64 (same shape on
-            every rank) sums the rollouts over DP ranks; with ``None`` only this rank's samples count.
-    """
-    device = valid.device
-    keys = [_as_key(r) for r in rollout_ids]
-    codes: dict[Hashable, int] = {}
-    for k in keys:
-        codes.setdefault(k, len(codes))
-    if positions is None or n_batch is None:
-        local = torch.tensor([codes[k] for k in keys], dtype=torch.int64).to(device, non_blocking=True)
-        n_codes = len(codes)
-        sums = torch.zeros(n_codes, 2, device=device).index_add_(0, local, torch.stack([valid, kept], 1).float())
-        return sums[local]
-    if not all(isinstance(k, int) and 0 <= k < 2**52 for k in keys):
-        raise ValueError("rollout_ids must be non-negative integers below 2**52 to be summed across DP ranks")
-    pos = torch.tensor(list(positions), dtype=torch.int64).to(device, non_blocking=True)
-    rid = torch.tensor(keys, dtype=torch.float64).to(device, non_blocking=True)
-    table = torch.zeros(3, n_batch, dtype=torch.float64, device=device)
-    table[0, pos] = valid.double()
-    table[1, pos] = kept.double()
-    table[2, pos] = rid + 1.0  # 0 marks positions of no rank (none after the all-reduce)
-    table = reducer.batch_sum(table, per_sequence=True)
-    same = table[2][None, :] == (rid + 1.0)[:, None]  # [n, n_batch]: batch samples of my sample's rollout
-    return (same.double() @ table[:2].T).float()

@@ -30,17 +30,19 @@ Everything numeric is the core's :func:`slime_tis.compute_tis` on the packed CP-
 the CP reducer, so sequence and geometric levels see full-sequence sums on every CP rank (one CP
 all-reduce per micro-batch for the sums, one for the full-length masks; every CP rank takes part
 for every sample, also with zero local tokens). Rejected tokens get zero loss by selection
-(``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)``
-reducer. slime divides each rollout's token sum by ``rollout_mask_sums`` = ``N_g``, its valid-token
-count over all its samples (``keep``); ``tis_rejected_denominator: drop`` makes that the rollout's kept
-count ``K_g``: the loss is scaled by ``N_g / K_g`` with the counts taken from pi_old before training (when
-``train_log_probs`` are slime's pi_old), else, for the part ``P`` of rollout ``g`` in this micro-batch, by
-``n_P / k_P`` (valid / kept tokens of the part, all CP ranks), see :mod:`slime_tis.slime.rollouts`; it needs
-the rollout ids
-registered by :func:`slime_tis.slime.postprocess_rollout_data` and is refused with
-``--calculate-per-token-loss`` (whose denominator is the step's original token count).
-Algorithm 2 with ``tis_batch_normalize`` uses the
-global factor computed before training by :func:`slime_tis.slime.postprocess_rollout_data`.
+(``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)`` reducer.
+
+With ``--use-opsm`` slime has already zeroed some tokens' loss; the hook recovers which
+(:mod:`slime_tis.slime.opsm`, needs the rollout-data hook) and counts them as rejected: not kept in the
+metrics, the returned masks or ``drop``'s counts.
+
+slime divides each rollout's token sum by ``rollout_mask_sums`` = ``N_g``, its valid-token count over all
+its samples (``keep``); ``tis_rejected_denominator: drop`` makes that the rollout's kept count ``K_g`` by
+scaling the loss by ``N_g / K_g``, with ``K_g`` counted from pi_old before training, or counted in this
+micro-batch when every rollout is one sample; anything else is refused (:mod:`slime_tis.slime.kept`; needs
+the rollout-data hook; refused with ``--calculate-per-token-loss`` and with a custom pg-loss reducer).
+Algorithm 2 with ``tis_batch_normalize`` uses the global factor computed before training by
+:func:`slime_tis.slime.postprocess_rollout_data`.
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import compute_tis
-from slime_tis.slime.batch import pack_slime_batch
+from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
+from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
 from slime_tis.slime.parallel import parallel_context
-from slime_tis.slime.rollouts import rollout_part_counts
+from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["compute_tis_for_slime"]
@@ -73,6 +77,23 @@ def _batch_norm_factor(cfg: TISConfig) -> Tensor | None:
             "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"
         )
     return STATE.batch_norm_factor
+
+
+def _drop_scale(loss_masks: Sequence[Tensor], train_log_probs: Sequence[Tensor], packed: SlimePacked,
+                masks: list[Tensor]) -> Tensor:
+    """``[n]`` float32 ``N_g / K_g`` per sample (slime divides by ``N_g``), see :mod:`slime_tis.slime.kept`."""
+    plan = STATE.drop_plan
+    if plan is None:
+        raise ValueError(NEEDS_HOOK)
+    if plan.counted:
+        counted = STATE.rollouts.counted(loss_masks, train_log_probs if plan.from_pi_old else None)
+        if counted is None:
+            raise RuntimeError("tis_rejected_denominator = 'drop': the kept counts were taken from slime's pi_old "
+                               "before training, but the TIS function got other train_log_probs")
+        counts = counted[1]
+        return counts[:, 0] / counts[:, 1].clamp(min=1.0)
+    n_part, k_part = rollout_part_counts(packed, masks, STATE.rollouts.group_index(loss_masks))
+    return n_part / k_part.clamp(min=1.0)  # local: every rollout is one sample, whole in this micro-batch
 
 
 def compute_tis_for_slime(
@@ -94,13 +115,8 @@ def compute_tis_for_slime(
             "cannot express it; use --loss-type custom_loss --custom-loss-function-path "
             "slime_tis.slime.reinforce_is_loss (see docs/slime.md)"
         )
-    drop = cfg.rejected_denominator == "drop" and cfg.algorithm != 0
-    if drop and getattr(args, "calculate_per_token_loss", False):
-        raise ValueError(
-            "tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
-            "divides by the step's original token count; use the default per-rollout mean or 'keep'"
-        )
-    groups = STATE.rollouts.group_index(loss_masks) if drop else None
+    check_drop_config(args, cfg)
+    check_opsm(args)
     ctx = parallel_context()
     packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)
     lp_train = packed.cat_local("train_log_probs", train_log_probs)
@@ -113,6 +129,10 @@ def compute_tis_for_slime(
     factor = _batch_norm_factor(cfg)
     # a non-finite pg_loss at a valid token (e.g. NaN advantages) rejects its sequence as well
     extra = (pg_loss.detach(),) if cfg.algorithm != 0 else ()
+    opsm = None
+    if getattr(args, "use_opsm", False):  # tokens slime's OPSM zeroed are not kept
+        adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
+        opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
     res = compute_tis(
         cfg,
         lp_train,
@@ -122,6 +142,7 @@ def compute_tis_for_slime(
         reducer=ctx.reducer,
         batch_norm_factor=factor,
         extra_finite=extra,
+        reject=opsm,
     )
     metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
     if rollout_log_probs:
@@ -134,13 +155,8 @@ def compute_tis_for_slime(
     zero = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
     new_loss = pg_loss * res.weights.to(pg_loss.dtype) if cfg.applies_weights else pg_loss
     masks = packed.full_keep_masks(keep, ctx.reducer)
-    if groups is not None:
-        counts = STATE.rollouts.rollout_counts(loss_masks, train_log_probs)
-        if counts is not None:  # decisions from pi_old: the rollout's kept count K_g, counted before training
-            scale = counts[:, 0] / counts[:, 1].clamp(min=1.0)  # slime divides by N_g
-        else:  # the part P of rollout g in this micro-batch: D_P = N_g k_P / n_P
-            n_part, k_part = rollout_part_counts(packed, masks, groups)
-            scale = n_part / k_part.clamp(min=1.0)
+    if drop_applies(cfg):
+        scale = _drop_scale(loss_masks, train_log_probs, packed, masks)
         new_loss = new_loss * scale[packed.local_sample_index()].to(pg_loss.dtype)
     new_loss = torch.where(keep, new_loss, zero)
     return new_loss, masks, metrics

@@ -101,20 +101,23 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
         "a2_tok_trunc": dict(use_tis=True, tis_mode="truncate", tis_level="token", tis_upper_bound=1.3),
         "a2_seq_clip_veto": dict(use_tis=True, tis_mode="clip", tis_level="sequence", tis_upper_bound=3.0,
                                  tis_veto_threshold=1e-3),
-        "a2_geo_mask_rs_drop": dict(use_tis=True, tis_mode="mask", tis_level="geometric", tis_upper_bound=1.15,
+        "a2_geo_mask_rs_drop": dict(use_tis=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="geometric",
+                                    tis_upper_bound=1.15,
                                     tis_rs_level="sequence", tis_rs_upper_bound=5.0,
                                     tis_rejected_denominator="drop"),
         "a1_geo_mask": dict(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_mode="mask",
                             tis_level="geometric", tis_upper_bound=1.2),
         "a0_metrics": dict(get_mismatch_metrics=True),
     }
+    train_local = b.local("train", cp_rank, cp)  # pi_old, the same tensor objects for both hooks
     for name, kw in tis_cases.items():
         args = args_ns(**kw)
         cfg = tis_config_from_slime_args(args)
-        postprocess_rollout_data(args, 0, b.rollout_data())  # registers each sample's rollout
+        postprocess_rollout_data(args, 0, b.rollout_data() | {  # registers each sample's rollout; drop: counts
+            "log_probs": train_local, "rollout_log_probs": b.local("rollout", cp_rank, cp)})
         pg_local = b.local_flat("pg_loss", cp_rank, cp)
         new, masks, metrics = compute_tis_for_slime(
-            args, pg_loss=pg_local, train_log_probs=b.local("train", cp_rank, cp),
+            args, pg_loss=pg_local, train_log_probs=train_local,
             rollout_log_probs=b.local("rollout", cp_rank, cp), loss_masks=b.masks, total_lengths=b.total_lengths,
             response_lengths=b.response_lengths)
         ref = full_core(cfg, extra_finite=(b.packed("pg_loss"),) if cfg.algorithm else ())
@@ -184,10 +187,14 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
     batch = {"unconcat_tokens": b.tokens, "total_lengths": b.total_lengths, "response_lengths": b.response_lengths,
              "loss_masks": b.masks, "advantages": b.local("advantages", cp_rank, cp),
              "rollout_log_probs": b3.local("rollout", cp_rank, cp), "rollout_mask_sums": b.rollout_mask_sums()}
+    # slime's pi_old (--get-mismatch-metrics): the policy's log-probs, from which drop counts before training
+    pi_old = dataclasses.replace(b, train=[lp.detach() for lp in policy_log_probs(sample_logits)])
+    data3 = b.rollout_data() | {"log_probs": pi_old.local("train", cp_rank, cp), "advantages": batch["advantages"],
+                                "rollout_log_probs": batch["rollout_log_probs"]}
     for name, kw in loss_cases.items():
-        args = args_ns(use_rollout_logprobs=True, rollout_temperature=temp, loss_type="custom_loss",
-                       custom_loss_function_path="slime_tis.slime.reinforce_is_loss", **kw)
-        postprocess_rollout_data(args, 0, b.rollout_data())
+        args = args_ns(use_rollout_logprobs=True, get_mismatch_metrics=True, rollout_temperature=temp,
+                       loss_type="custom_loss", custom_loss_function_path="slime_tis.slime.reinforce_is_loss", **kw)
+        postprocess_rollout_data(args, 0, data3)
         for lg in sample_logits:
             lg.grad = None
         loss, _ = reinforce_is_loss(args, batch, local_logits,
@@ -237,7 +244,7 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
     mb = b.subset(part)
     data = mb.rollout_data() | {"log_probs": mb.train, "partition": part, "raw_reward": [0.0] * len(b.masks)}
     for denominator in ("keep", "drop"):
-        args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
+        args = args_ns(use_tis=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
                        tis_rejected_denominator=denominator)
         cfg = tis_config_from_slime_args(args)
         postprocess_rollout_data(args, 0, data)  # drop: counts each rollout's kept tokens over both DP ranks

@@ -1,0 +1,185 @@
+"""``tis_rejected_denominator: drop`` in slime: each rollout's kept-token count ``K_g``, exact or refused.
+
+slime divides each rollout's token sum by ``N_g`` (:mod:`slime_tis.slime.rollouts`); ``drop`` means dividing
+by ``K_g``, the rollout's kept tokens over all its samples, CP ranks and DP ranks, with the keep decisions
+the loss uses. A loss hook sees one micro-batch, and slime's packing splits multi-sample rollouts across
+micro-batches and DP ranks, so ``K_g`` is known in the loss only in these cases, decided once per rollout by
+the rollout-data hook (:func:`plan_rollout_drop`) from the configuration:
+
+* **counted from pi_old** (TIS hook, algorithms 1 and 2, slime recomputed pi_old): the decisions come from
+  pi_old, fixed for the rollout, so the rollout-data hook counts them before training.
+* **counted at each step** (custom loss, algorithm 3: the decisions come from ``sg(pi_theta)``):
+  step 0 trains at the parameters slime's pi_old was computed at, so with slime's recompute
+  (``--get-mismatch-metrics``) its samples are counted with the others above; every other step is counted
+  by :func:`slime_tis.slime.before_train_step` just before it trains, from a forward-only pass at the step's
+  parameters. The loss then uses exactly the counted decisions.
+* **local**: no count before the loss; each hook counts its micro-batch. Exact when every rollout of the
+  batch is one sample (or slime has no per-rollout denominators), the only case this mode accepts.
+
+Anything else is refused with a ``ValueError`` that says why and what to add. Collectives: one all-reduce
+MAX of one number and one all-reduce of ``[4, n_batch]`` per rollout (:mod:`slime_tis.slime.rollouts`),
+plus, when counting from pi_old, the CP reductions of one ``compute_tis`` and one full-length keep mask;
+all set by the configuration and the layout alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.core import compute_tis
+from slime_tis.slime.batch import pack_slime_batch
+from slime_tis.slime.parallel import ParallelContext
+from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
+from slime_tis.slime.schedule import n_steps, sample_steps, slime_recomputes_pi_old
+
+__all__ = ["DropPlan", "check_drop_config", "count_kept", "drop_applies", "plan_rollout_drop",
+           "step_hook_configured"]
+
+STEP_HOOK = "slime_tis.slime.before_train_step"
+PER_TOKEN = ("tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
+             "divides by the step's original token count; use the default per-rollout mean or 'keep'")
+
+
+@dataclass(frozen=True)
+class DropPlan:
+    """How this rollout's ``K_g`` reach the loss hooks (module docstring).
+
+    ``counted``: every sample's decisions and ``K_g`` are registered before its step trains (``False``:
+    local counting, accepted only for one-sample units); ``from_pi_old``: registered from these pi_old
+    tensors (the TIS hook checks it gets them); ``hook_steps``: steps :func:`before_train_step` counts;
+    ``positions``, ``keys``, ``n_batch``: the rollout-batch layout of the DP table.
+    """
+
+    counted: bool
+    from_pi_old: bool
+    hook_steps: tuple[int, ...]
+    positions: list[int]
+    keys: list[int]
+    n_batch: int
+
+
+def drop_applies(cfg: Any) -> bool:
+    """``drop`` with slime's per-rollout mean (the case that needs ``K_g``)."""
+    return cfg.rejected_denominator == "drop" and cfg.algorithm != 0 and cfg.loss_agg == "seq-mean-token-mean"
+
+
+def step_hook_configured(args: Any) -> bool:
+    """slime runs :func:`slime_tis.slime.before_train_step` (or a hook of that name that calls it) before each step."""
+    path = str(getattr(args, "custom_megatron_before_train_step_hook_path", None) or "")
+    return path.rsplit(".", 1)[-1] == "before_train_step"
+
+
+def check_drop_config(args: Any, cfg: Any) -> None:
+    """Configuration-level refusals of ``drop`` (raised by the rollout-data hook and the loss hooks)."""
+    if cfg.rejected_denominator != "drop" or cfg.algorithm == 0:
+        return
+    if getattr(args, "calculate_per_token_loss", False):
+        raise ValueError(PER_TOKEN)
+    reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    if reducer is not None and cfg.algorithm != 3:
+        raise ValueError(
+            f"tis_rejected_denominator = 'drop' with --custom-pg-loss-reducer-function-path {reducer}: the TIS "
+            "hook rescales each rollout's loss by N_g / K_g for slime's default reducer (which divides by "
+            "rollout_mask_sums = N_g); a custom reducer picks its own denominators. Use 'keep' (your reducer gets "
+            "the masks with rejected tokens zeroed) or slime's default reducer"
+        )
+
+
+def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext,
+               ) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Keep decisions of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) as the loss
+    takes them (``compute_tis`` against the rollout log-probs; non-finite advantages reject their sequence):
+    ``(full-length keep masks, identical on all CP ranks; [n] valid counts; [n] kept counts)``."""
+    masks = list(data["loss_masks"])
+    packed = pack_slime_batch(masks, data["total_lengths"], data["response_lengths"], ctx.cp_rank, ctx.cp_size)
+    device = packed.full_mask.device
+    lp = packed.cat_local("train log-probs", list(lp_train)).to(device)
+    lp_rollout = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
+    adv = data.get("advantages")
+    extra = () if adv is None else (packed.cat_local("advantages", adv).to(device),)
+    res = compute_tis(cfg.replace(batch_normalize=False), lp, lp_rollout, packed.local_mask, packed.cu_seqlens,
+                      reducer=ctx.reducer, extra_finite=extra)
+    n = len(masks)
+    keep_full = [k != 0 for k in packed.full_keep_masks(res.keep_mask, ctx.reducer)] if n else []
+    sample = packed.full_sample_index()
+    valid = torch.zeros(n, device=device).index_add_(0, sample, (packed.full_mask != 0).float())
+    kept = torch.zeros(n, device=device).index_add_(0, sample, torch.cat(keep_full).float()) if n else valid
+    return keep_full, valid, kept
+
+
+def _valid_counts(masks: Sequence[Tensor]) -> Tensor:
+    device = masks[0].device if masks else torch.device("cpu")
+    return torch.stack([(m != 0).sum() for m in masks]).float() if masks else torch.zeros(0, device=device)
+
+
+def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
+    head = ("tis_rejected_denominator = 'drop': this rollout batch has rollouts of several samples, which slime's "
+            "packing puts in different micro-batches or on different data-parallel ranks, so each rollout's "
+            "kept-token count K_g must be counted before its loss is computed; ")
+    if cfg.algorithm == 3 and steps == 1:
+        return head + (
+            "the custom loss decides at pi_theta, which with one optimizer step per rollout is slime's pi_old: "
+            "add --get-mismatch-metrics (slime's forward-only pass over the rollout), or "
+            f"--custom-megatron-before-train-step-hook-path {STEP_HOOK} (the same pass, run by the hook)")
+    if cfg.algorithm == 3:
+        return head + (
+            f"with {steps} optimizer steps per rollout the decisions change at every step: add "
+            f"--custom-megatron-before-train-step-hook-path {STEP_HOOK} (one forward-only pass over each step's "
+            "micro-batches before it trains)")
+    if getattr(args, "use_opsm", False):
+        return head + (
+            "--use-opsm zeroes tokens by a rule that depends on the step's parameters, and slime does not hand the "
+            "TIS function its mask; the hook recovers it per micro-batch, which gives K_g only for rollouts of one "
+            "sample. Use 'keep', or replace --use-opsm by tis_rs_level or a k3 rejection threshold")
+    return head + ("slime skipped the pi_old recompute (it reuses the training forward with one step per "
+                   "rollout): add --get-mismatch-metrics (slime's forward-only pass over the rollout)")
+
+
+def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: ParallelContext,
+                      registry: RolloutRegistry) -> DropPlan:
+    """Decide how ``K_g`` reach the loss for this rollout, count what can be counted now, refuse the rest
+    (module docstring). Runs on every rank, pipeline stages included (the counts only on the last)."""
+    check_drop_config(args, cfg)
+    steps = n_steps(rollout_data)
+    recomputed = slime_recomputes_pi_old(args, steps)
+    custom = cfg.algorithm == 3
+    hook = custom and step_hook_configured(args)
+    if hook and getattr(args, "use_routing_replay", False):
+        raise ValueError(f"{STEP_HOOK} counts kept tokens with an extra forward pass, which would consume slime's "
+                         "routing-replay records (--use-routing-replay): use 'keep'")
+    if custom:
+        counted = hook or (recomputed and steps == 1)
+        count_now_steps = {0} if recomputed and counted else set()
+        hook_steps = tuple(s for s in range(steps) if s not in count_now_steps) if hook else ()
+    else:
+        counted = recomputed and not getattr(args, "use_opsm", False)
+        count_now_steps, hook_steps = (set(range(steps)) if counted else set()), ()
+    positions, n_batch = batch_positions(rollout_data, ctx.reducer, ctx.dp_size)
+    keys = unit_keys(rollout_data, positions)
+    masks = list(rollout_data["loss_masks"])
+    valid, kept = _valid_counts(masks), torch.zeros(len(masks), device=masks[0].device if masks else "cpu")
+    now = [i for i, s in enumerate(sample_steps(rollout_data)) if s in count_now_steps]
+    keep_full: list[Tensor] = []
+    if count_now_steps and ctx.last_pp_stage:
+        lp_old = rollout_data.get("log_probs")
+        if not lp_old:
+            raise ValueError("tis_rejected_denominator = 'drop': slime's pi_old recompute was expected "
+                             "(rollout_data['log_probs']) but is missing")
+        view = {k: [rollout_data[k][i] for i in now] for k in
+                ("loss_masks", "total_lengths", "response_lengths", "rollout_log_probs", "advantages")
+                if rollout_data.get(k) is not None}
+        keep_full, _, kept_now = count_kept(cfg, view, [lp_old[i] for i in now], ctx)
+        if now:
+            kept[torch.tensor(now, dtype=torch.int64).to(kept.device)] = kept_now
+    table, most = rollout_table(valid.to(kept.device), kept, keys, positions, n_batch, ctx.reducer)
+    if not counted and most > 1:
+        raise ValueError(_refusal(args, cfg, steps, recomputed))
+    if keep_full:
+        lp_of = None if custom else [rollout_data["log_probs"][i] for i in now]
+        registry.set_counted(now, keep_full, table[now][:, :2] if now else table[:0, :2], lp_of)
+    return DropPlan(counted, bool(count_now_steps) and not custom, hook_steps, positions, keys, n_batch)

@@ -1,0 +1,251 @@
+"""Agentic rollouts packed as slime packs them: ``keep`` / ``drop`` are per-rollout means, exactly, or refused.
+
+Each test trains one rollout batch (rollouts of 1-4 samples) through the hooks the way slime 624b824 does
+(tests/_slime_sim.py: slime's ``build_dp_schedule`` packing, pi_old recompute, rollout-data hook, per step the
+before-train-step hook and the micro-batches' losses, an optimizer step in between) and compares every step's
+loss and gradient with the loss the options define, computed on whole rollouts in one process at the same
+parameters (``oracle_step``). The 2-process layouts (DP = 2, CP = 2, TP = 2) are tests/dist/test_slime_agentic.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _slime_sim import (
+    Layout,
+    custom_loss_args,
+    initial_weights,
+    make_rollouts,
+    opsm_keep,
+    oracle_step,
+    ppo_term,
+    response_log_probs,
+    schedule,
+    slime_args,
+    split_fraction,
+    train_rollout,
+)
+
+from slime_tis import compute_tis
+from slime_tis.slime import COLLECTOR, tis_config_from_slime_args
+from slime_tis.slime.state import STATE
+
+SIZES = [1, 2, 3, 2, 4, 1, 2, 3]  # samples per rollout
+HOOK = "slime_tis.slime.before_train_step"
+LEVELS = {
+    "token": dict(tis_mode="mask", tis_level="token", tis_upper_bound=1.3),
+    "sequence": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5, tis_rs_level="sequence",
+                     tis_rs_upper_bound=3.0),
+    "geometric": dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.05, tis_veto_threshold=1e-3),
+}
+
+
+def flags(hook: str, steps: int, denominator: str, level: str) -> object:
+    """slime args of a run: the counting source ``drop`` needs is part of the documented configuration."""
+    kw = dict(tis_rejected_denominator=denominator, **LEVELS[level])
+    if hook == "custom":  # algorithm 3: pi_old for one step, the step hook for several
+        if steps == 1:
+            return custom_loss_args(get_mismatch_metrics=True, **kw)
+        return custom_loss_args(custom_megatron_before_train_step_hook_path=HOOK, **kw)
+    if hook == "alg2":
+        return slime_args(use_tis=True, get_mismatch_metrics=True, **kw)
+    return slime_args(use_rollout_logprobs=True, get_mismatch_metrics=True, **kw)  # algorithm 1
+
+
+def check_rollout(args, ro, w0, sched, *, lr=0.5, model=None):
+    """Train, then compare each step's loss and gradient with the oracle's; return the steps."""
+    res = train_rollout(args, ro, w0, sched, Layout(), lr=lr, model=model)
+    assert len(res) == len(sched[3])
+    for s, r in enumerate(res):
+        w = r.w.clone().requires_grad_(True)
+        want = oracle_step(args, ro, w, r.positions, sched[3][s], w0)
+        (grad,) = torch.autograd.grad(want, w)
+        assert float(r.loss) == pytest.approx(float(want), rel=1e-5, abs=1e-7), f"step {s}"
+        torch.testing.assert_close(r.grad, grad, rtol=1e-5, atol=1e-6, msg=f"step {s}")
+    return res
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("level", sorted(LEVELS))
+@pytest.mark.parametrize("denominator", ["keep", "drop"])
+@pytest.mark.parametrize("hook", ["custom", "alg2", "alg1"])
+def test_rollout_means_with_slime_packing(hook, denominator, level, steps):
+    """Every step's loss and gradient equal the per-rollout means over valid (keep) / kept (drop) tokens, with
+    multi-sample rollouts split across micro-batches (``--micro-batch-size 1``, and dynamic batching)."""
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, SIZES, w0, nan_trap=hook != "alg1")  # algorithm 1: slime's own PPO term needs finite
+    packing = dict(micro_batch_size=1) if (steps + len(level)) % 2 else dict(max_tokens=40)
+    sched = schedule(ro, steps=steps, **packing)
+    assert split_fraction(ro, sched) >= 0.5  # the case the counts exist for
+    check_rollout(flags(hook, steps, denominator, level), ro, w0, sched)
+
+
+def test_two_steps_count_at_each_steps_parameters():
+    """Algorithm 3, two steps: the kept counts of step 1 differ from those at pi_old (the step moved the policy),
+    the hook counts each step with one forward pass (step 0 too, without slime's recompute) and the loss is
+    exact; with --get-mismatch-metrics it skips step 0 (counted from slime's pi_old)."""
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, SIZES, w0)
+    sched = schedule(ro, steps=2, micro_batch_size=1)
+    args = flags("custom", 2, "drop", "geometric")
+    res = check_rollout(args, ro, w0, sched, lr=2.0)
+    step1 = res[1].positions
+    kept_at = {}
+    cfg = tis_config_from_slime_args(args, algorithm=3)
+    for name, w in (("pi_old", w0), ("theta_1", res[1].w)):
+        lp = torch.cat([response_log_probs(ro, w, j) for j in step1]).detach()
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor([ro.response_lengths[j] for j in step1]), 0).tolist()])
+        kept_at[name] = compute_tis(cfg, lp, torch.cat([ro.rollout_lp[j] for j in step1]),
+                                    torch.cat([ro.masks[j] for j in step1]), cu,
+                                    extra_finite=(torch.cat([ro.advantages[j] for j in step1]),)).keep_mask
+    assert not torch.equal(kept_at["pi_old"], kept_at["theta_1"])  # counting at pi_old would be wrong here
+    for recompute, calls in ((False, 2), (True, 1)):
+        args.get_mismatch_metrics = recompute
+        model = SimpleNamespace(forward_calls=0)
+        check_rollout(args, ro, w0, sched, lr=2.0, model=model)
+        assert model.forward_calls == calls
+
+
+@pytest.mark.parametrize(("hook", "steps", "extra", "match"), [
+    ("custom", 2, dict(get_mismatch_metrics=True), "custom-megatron-before-train-step-hook-path"),
+    ("custom", 1, dict(get_mismatch_metrics=False), "add --get-mismatch-metrics"),
+    ("alg2", 1, dict(get_mismatch_metrics=False), "add --get-mismatch-metrics"),
+])
+def test_drop_without_counts_is_refused_for_multi_sample_rollouts(hook, steps, extra, match):
+    """Where no exact K_g exists, ``drop`` raises before training, saying why and what to add."""
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, SIZES, w0)
+    args = flags(hook, steps, "drop", "geometric")
+    args.custom_megatron_before_train_step_hook_path = None
+    for k, v in extra.items():
+        setattr(args, k, v)
+    with pytest.raises(ValueError, match=f"rollouts of several samples.*{match}"):
+        train_rollout(args, ro, w0, schedule(ro, steps=steps, micro_batch_size=1), Layout())
+
+
+@pytest.mark.parametrize(("hook", "steps"), [("custom", 2), ("alg2", 1)])
+def test_one_sample_rollouts_need_no_count(hook, steps):
+    """One sample per rollout (GRPO): a rollout is never split, each micro-batch counts its own K_g; no flag."""
+    w0 = initial_weights(2)
+    ro = make_rollouts(5, [1] * 8, w0)
+    args = flags(hook, steps, "drop", "geometric")
+    args.custom_megatron_before_train_step_hook_path = None
+    args.get_mismatch_metrics = False
+    check_rollout(args, ro, w0, schedule(ro, steps=steps, max_tokens=40))
+    assert not STATE.drop_plan.counted
+
+
+def test_batch_size_without_raw_reward_or_rollout_mask_sums():
+    """Without ``raw_reward`` the rollout batch size comes from ``partition``; without ``rollout_mask_sums`` slime
+    divides each sample by its own count, and so does ``drop``."""
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, SIZES, w0)
+    sched = schedule(ro, steps=1, micro_batch_size=1)
+    args = flags("custom", 1, "drop", "token")
+    res = train_rollout(args, ro, w0, sched, Layout(), data_kw=dict(raw_reward=False))
+    want = oracle_step(args, ro, res[0].w, res[0].positions, sched[3][0], w0)
+    assert float(res[0].loss) == pytest.approx(float(want), rel=1e-5)
+    per_sample = make_rollouts(3, SIZES, w0)
+    res = train_rollout(args, per_sample, w0, sched, Layout(), data_kw=dict(raw_reward=False, mask_sums=False))
+    per_sample.rollout_ids = list(range(len(per_sample.masks)))  # the oracle's units: samples
+    want = oracle_step(args, per_sample, res[0].w, res[0].positions, sched[3][0], w0)
+    assert float(res[0].loss) == pytest.approx(float(want), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- OPSM, custom reducer
+def opsm_args(denominator: str, **kw):
+    return slime_args(use_tis=True, get_mismatch_metrics=True, use_opsm=True, opsm_delta=1e-3,
+                      tis_rejected_denominator=denominator, **LEVELS["token"], **kw)
+
+
+def test_opsm_tokens_are_recovered_exactly():
+    """The hook's rule (``A < 0`` and ``pg_loss == 0``) gives slime's OPSM mask at every valid token."""
+    from slime_tis.slime.opsm import opsm_rejected
+
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, SIZES, w0, spread=0.6)
+    w1 = w0 + 0.8 * torch.randn(w0.shape, generator=torch.Generator().manual_seed(9))  # a later step's theta
+    n_masked = 0
+    for eps_c in (None, 3.0):
+        args = opsm_args("keep", eps_clip_c=eps_c)
+        for j in range(len(ro.masks)):
+            theta = response_log_probs(ro, w1, j).detach()
+            old = response_log_probs(ro, w0, j).detach()
+            keep = opsm_keep([theta], [old], [ro.advantages[j]], [ro.masks[j]], args.opsm_delta)
+            pg = ppo_term(old - theta, ro.advantages[j], args) * keep
+            got = opsm_rejected(pg, ro.advantages[j], ro.masks[j] != 0)
+            assert torch.equal(got, (keep == 0) & (ro.masks[j] != 0))
+            n_masked += int(got.sum())
+    assert n_masked > 0
+
+
+@pytest.mark.parametrize("denominator", ["keep", "drop"])
+def test_opsm_tokens_are_not_kept(denominator):
+    """--use-opsm: slime zeroes tokens before the TIS function; they count as rejected in the exact metrics and,
+    with ``drop``, leave the rollout's kept count (one-sample rollouts; several are refused)."""
+    w0 = initial_weights(1)
+    ro = make_rollouts(4, [1] * 8, w0, spread=0.6)
+    args = opsm_args(denominator, custom_megatron_before_train_step_hook_path=HOOK)  # flushes metrics per step
+    sched = schedule(ro, steps=2, micro_batch_size=1)
+    res = train_rollout(args, ro, w0, sched, Layout(), lr=3.0)
+    exact = COLLECTOR.flush()  # step 1's
+    r = res[1]
+    want = oracle_step(args, ro, r.w.clone(), r.positions, sched[3][1], w0)
+    assert float(r.loss) == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+    pos = sorted(r.positions)
+    theta = [response_log_probs(ro, r.w, j).detach() for j in pos]
+    old = [response_log_probs(ro, w0, j).detach() for j in pos]
+    opsm = opsm_keep(theta, old, [ro.advantages[j] for j in pos], [ro.masks[j] for j in pos], args.opsm_delta) == 0
+    mask = torch.cat([ro.masks[j] for j in pos])
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor([ro.response_lengths[j] for j in pos]), 0).tolist()])
+    rules = compute_tis(tis_config_from_slime_args(args), torch.cat(old), torch.cat([ro.rollout_lp[j] for j in pos]),
+                        mask, cu).keep_mask
+    valid = mask != 0
+    assert int((opsm & valid & rules).sum()) > 0  # OPSM takes out tokens the rules keep
+    rejected = valid & (~rules | opsm)
+    assert exact["tis/rejected_token_fraction"] == pytest.approx(float(rejected.sum() / valid.sum()), rel=1e-6)
+    if denominator == "drop":
+        ro_multi = make_rollouts(4, SIZES, w0)
+        with pytest.raises(ValueError, match="--use-opsm zeroes tokens"):
+            train_rollout(args, ro_multi, w0, schedule(ro_multi, steps=1, micro_batch_size=1), Layout())
+
+
+def test_refused_combinations():
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, [1] * 4, w0)
+    sched = schedule(ro, steps=1, micro_batch_size=1)
+
+    def run(args):
+        train_rollout(args, ro, w0, sched, Layout())
+
+    with pytest.raises(ValueError, match="custom-pg-loss-reducer-function-path.*Use 'keep'"):
+        run(slime_args(use_tis=True, tis_rejected_denominator="drop", custom_pg_loss_reducer_function_path="m.f"))
+    with pytest.raises(ValueError, match="--use-opsm is applied by slime's own policy loss"):
+        run(custom_loss_args(use_opsm=True))
+    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path is applied by slime's own"):
+        run(custom_loss_args(custom_pg_loss_reducer_function_path="m.f"))
+    with pytest.raises(ValueError, match="cispo"):
+        run(opsm_args("keep", advantage_estimator="cispo"))
+    with pytest.raises(ValueError, match="tis_batch_normalize with --use-opsm"):
+        run(opsm_args("keep", tis_batch_normalize=True))
+
+
+def test_custom_reducer_with_keep_gets_the_masks_without_rejected_tokens():
+    """``keep`` with --custom-pg-loss-reducer-function-path: slime hands the reducer the returned masks, in which
+    rejected and OPSM tokens are 0 (a reducer dividing by them is slime's old per-sample 'drop')."""
+    w0 = initial_weights(1)
+    ro = make_rollouts(4, [1] * 8, w0, spread=0.6)
+    seen = []
+
+    def reducer(total_lengths, response_lengths, masks, per_token):
+        seen.append([m.clone() for m in masks])
+        return lambda x: sum((xi * m).sum() for xi, m in zip(x.split(response_lengths), masks))
+
+    args = opsm_args("keep", custom_pg_loss_reducer_function_path="user.reducer")
+    args.custom_reducer = reducer
+    train_rollout(args, ro, w0, schedule(ro, steps=2, micro_batch_size=1), Layout(), lr=3.0)
+    kept = torch.cat([m for ms in seen for m in ms]) != 0
+    valid = torch.cat(ro.masks) != 0
+    assert 0 < int(kept.sum()) < int(valid.sum())
