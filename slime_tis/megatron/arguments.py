@@ -8,7 +8,8 @@ Pass it as ``pretrain(..., extra_args_provider=add_megatron_tis_arguments)``. It
   divides the training logits by it;
 * ``--tis-fused-output-layer``: log-probs and entropy straight from the hidden states and the (tied) output
   weight (``slime_tis.megatron.output_layer``), no logits tensor, float32 accumulation;
-* ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits into the log-softmax).
+* ``--tis-fp32-lm-head``: float32 logits from the output matmul (bf16 operands, float32 accumulation and
+  output; float32 logits into the log-softmax).
 
 The last two are mutually exclusive (argparse names both). ``megatron_hook_kwargs(args)`` turns the parsed
 namespace into the hook's keyword arguments::

@@ -9,9 +9,10 @@ model instance once after it is built (only chunks holding the pipeline's last s
   :func:`fused_log_probs` then computes ``(log_probs, entropy)`` from them and :func:`output_weight`
   (the embedding weight when tied) with :func:`slime_tis.kernels.output_layer.fused_log_probs_and_entropy`:
   no logits tensor, float32 accumulation.
-* ``use_fp32_lm_head(model)``: the unfused path with the output matmul in float32: hidden and weight are
-  upcast for that matmul only and the logits come out float32 (the log-prob path keeps them float32).
-  Costs a float32 copy of the weight shard and float32 logits (2x the bf16 logits).
+* ``use_fp32_lm_head(model)``: the unfused path with float32 logits: the output matmul multiplies the bf16
+  hidden states and weight with float32 accumulation and float32 output (:func:`slime_tis.megatron.fp32_logits.
+  fp32_logits`: the values of the float32 GEMM of the upcast operands, on tensor cores, no float32 copy of the
+  weight), and the log-prob path keeps them float32. Costs float32 logits (2x the bf16 logits).
 
 ``restore_output_layer(model)`` undoes either. The hook switches the mode only around its own passes
 (:func:`output_layer_mode_during`; ``resolve_output_layer_mode`` turns its two flags into the mode).
@@ -26,10 +27,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
+from slime_tis.megatron.fp32_logits import fp32_logits
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
            "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "resolve_output_layer_mode",
@@ -110,7 +111,7 @@ def _fp32_forward(self, input_: Tensor, weight: Tensor | None = None, runtime_ga
     w = self.weight if weight is None else weight
     bias = self.bias if (self.bias is not None and not self.skip_bias_add) else None
     x = _input_region(self, input_)
-    logits = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    logits = fp32_logits(x, w, bias)
     gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
     if gather:
         logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
