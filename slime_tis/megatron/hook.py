@@ -35,6 +35,9 @@ the chunk's (tied) output weight: no logits tensor, one kernel for pi_old and pi
 (``use_fp32_lm_head``: float32 logits into the log-softmax). The model is switched back after the call
 (unless the launcher had switched it to that mode itself).
 
+In steps 3-5 megatron's ``Float16Module`` wrappers default to ``fp32_output=False``
+(``model_dtype_output``): the loss reads bf16 logits as the model computed them, not a float32 copy.
+
 ``forward_only=True`` calls (evaluation) go straight to megatron, with the model as the launcher built it.
 """
 
@@ -54,6 +57,7 @@ from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.metrics import aggregate_metrics
+from slime_tis.megatron.model_dtype_output import model_dtype_output_during
 from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
 from slime_tis.megatron.plan import StepPlan, needs_pi_old_pass, needs_pre_pass, plan_step
 from slime_tis.megatron.recompute import MicroBatchCounter, materialise, recompute_log_probs, replay
@@ -156,7 +160,7 @@ class TISForwardBackward:
             return self.forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, forward_only=True, **kwargs)
-        with output_layer_mode_during(model, self.output_layer):
+        with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):
             return self._train(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                                num_microbatches=num_microbatches, **kwargs)
 

@@ -118,8 +118,10 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
 
     ``kernels`` (``TISConfig.kernels``): ``"torch"`` or ``"triton"`` for either function. Masked positions get
     ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
-    (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits.
+    (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits. Float32 logits
+    from a bf16 / fp16 model in mode ``None`` warn once (``model_dtype_output.warn_if_upcast_logits``).
     """
+    from slime_tis.megatron.model_dtype_output import warn_if_upcast_logits
     from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
 
     if output_layer == "fused":
@@ -131,6 +133,8 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
     if model_chunk is not None and returns_hidden_states(model_chunk):
         raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "
                          "but the hook was built without fused_output_layer=True (--tis-fused-output-layer)")
+    if output_layer is None:
+        warn_if_upcast_logits(output_tensor, model_chunk)
     return logits_to_log_probs(output_tensor, batch, temperature=temperature, chunk_size=chunk_size,
                                with_entropy=with_entropy, kernels=kernels)
 

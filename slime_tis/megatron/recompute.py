@@ -8,6 +8,8 @@ start of the step) and skipped for algorithms 1 and 3, which use the rollout log
 (float32, logits divided by the rollout temperature) exist on the last stage only. With an output-layer
 mode (``"fused"``, ``"fp32"``) the pass runs with the model in that mode and takes the log-probs exactly as
 the training loss does (``loss.output_to_log_probs``), so pi_old and pi_theta come from the same kernel.
+megatron's ``Float16Module`` returns the last stage's output in the model's dtype during the pass
+(``model_dtype_output.model_dtype_output_during``), as in the training step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from slime_tis.megatron.batch import TISBatch
 from slime_tis.megatron.loss import output_to_log_probs
+from slime_tis.megatron.model_dtype_output import model_dtype_output_during
 from slime_tis.megatron.output_layer import output_layer_mode_during
 
 __all__ = ["ReplayIterator", "MicroBatchCounter", "recompute_log_probs", "replay", "materialise"]
@@ -138,7 +141,7 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
 
         return output, loss_func
 
-    with torch.no_grad(), output_layer_mode_during(model, output_layer):
+    with torch.no_grad(), output_layer_mode_during(model, output_layer), model_dtype_output_during(model):
         forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp), model=model,
                               num_microbatches=num_microbatches, forward_only=True, **schedule_kwargs)
     if batches is None:
