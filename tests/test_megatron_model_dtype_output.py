@@ -34,7 +34,7 @@ def _case(t=257, v=3001, scale=6.0, seed=0):
 def _run(logits, targets, mask, w_lp, w_h, upcast: bool):
     z = logits.clone().requires_grad_(True)
     lp, ent = lp_and_entropy(z.float() if upcast else z, targets, temperature=0.8, chunk_size=64, tp_group=None,
-                             row_mask=mask, impl="torch")
+                             row_mask=mask, kernels="torch")
     (grad,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_h).sum(), z)
     return lp.detach(), ent.detach(), grad
 
