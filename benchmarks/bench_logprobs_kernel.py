@@ -271,6 +271,7 @@ def main() -> None:
     p.add_argument("--write", type=Path, help="replace the table between the bench markers in this markdown file")
     p.add_argument("--label", default="", help="device label for --write (default: torch's device name)")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: run the code paths on tiny shapes (interpreter)")
+    p.add_argument("--json", type=Path, help="also write the rows (and the floor of each case) here")
     args = p.parse_args()
     if args.cpu_smoke:
         args.shapes, args.repeats = "8x40,8x40@0.5", 1
@@ -293,6 +294,10 @@ def main() -> None:
         lines += [""] + sweep(torch, args, t, v)
     text = "\n".join(lines)
     print(text)
+    if args.json:
+        import json
+
+        args.json.write_text(json.dumps({"device": device, "bandwidth_gbs": args.bandwidth, "rows": rows}, indent=2))
     if args.write:
         doc = args.write.read_text()
         if BEGIN not in doc or END not in doc:

@@ -12,6 +12,9 @@ targets, then the gradient of a weighted sum with respect to ``hidden`` and ``we
 * ``fused`` (ours): ``slime_tis.kernels.output_layer.fused_log_probs_and_entropy`` (Triton; with entropy);
 * ``liger``: ``liger_kernel``'s ``LigerFusedLinearCrossEntropyLoss`` (cross-entropy only, no entropy);
 * ``cce``: ``cut_cross_entropy.linear_cross_entropy`` (cross-entropy only, no entropy).
+* ``fp32_head``: ``--tis-fp32-lm-head``: float32 logits from the bf16 operands
+  (``slime_tis.megatron.fp32_logits``, float32-output GEMM, no weight copy), then the log-prob path;
+  ``fp32_head_upcast``: the same logits as ``F.linear(hidden.float(), weight.float())`` (its first version).
 
 The last two are imported lazily: when the package is missing the column says so. Loss: ours and unfused
 ``sum(g1 * lp + g2 * H)`` with random ``g1, g2``; liger / cce: their summed cross-entropy.
@@ -58,6 +61,30 @@ def method_fused(h, w, y, g1, g2, tau):
     return (lp * g1).sum() + (ent * g2).sum()
 
 
+def _triton_log_probs(logits, y, tau):
+    """The log-prob kernels ``method_unfused`` uses (``kernels="triton"``; Triton by default on CUDA before
+    that switch existed)."""
+    import inspect
+
+    params = inspect.signature(vocab_parallel_log_probs_and_entropy).parameters
+    kw = {"kernels": "triton"} if "kernels" in params else {}
+    return vocab_parallel_log_probs_and_entropy(logits, y, temperature=tau, tp_group=None, **kw)
+
+
+def method_fp32_head(h, w, y, g1, g2, tau):
+    """``--tis-fp32-lm-head``: float32 logits from the bf16 operands (no weight copy), then the log-prob path."""
+    from slime_tis.megatron.fp32_logits import fp32_logits
+
+    lp, ent = _triton_log_probs(fp32_logits(h, w), y, tau)
+    return (lp * g1).sum() + (ent * g2).sum()
+
+
+def method_fp32_head_upcast(h, w, y, g1, g2, tau):
+    """The fp32 LM head as first written: ``F.linear(h.float(), w.float())`` (float32 weight copy, float32 GEMM)."""
+    lp, ent = _triton_log_probs(torch.nn.functional.linear(h.float(), w.float()), y, tau)
+    return (lp * g1).sum() + (ent * g2).sum()
+
+
 def _liger():
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
@@ -70,7 +97,8 @@ def _cce():
 
 
 def methods() -> dict:
-    out = {"unfused": method_unfused, "fused": method_fused}
+    out = {"unfused": method_unfused, "fused": method_fused, "fp32_head": method_fp32_head,
+           "fp32_head_upcast": method_fp32_head_upcast}
     for name, factory, package in (("liger", _liger, "liger-kernel"), ("cce", _cce, "cut-cross-entropy")):
         try:
             out[name] = factory()
@@ -183,7 +211,7 @@ def main(argv=None) -> int:
     for name, r in results["methods"].items():
         if "ms" in r:
             ratio = f"{r['ms'] / base:.2f}x" if base else "-"
-            what = "log-prob + entropy" if name in ("fused", "unfused") else "cross-entropy only"
+            what = "cross-entropy only" if name in ("liger", "cce") else "log-prob + entropy"
             print(f"| {name} | {r['ms']:.1f} | {ratio} | {r['peak_extra_gib']:.2f} | "
                   f"{r['peak_extra_minus_grads_gib']:.2f} | {what} |")
         else:
