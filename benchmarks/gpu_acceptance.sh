@@ -108,7 +108,7 @@ EOF
 
 if [ "$SMOKE" = 1 ]; then
   step correctness 300 1 "$PY" benchmarks/gpu_acceptance.py --device cpu --tiny --json "$DIR/correctness.json"
-  step logprob_kernel_bench 300 1 "$PY" benchmarks/bench_logprobs_kernel.py --cpu-smoke
+  step logprob_kernel_bench 300 1 "$PY" benchmarks/bench_logprobs_kernel.py --cpu-smoke --json "$DIR/logprob_kernel.json"
   step megatron_step 300 0 "$PY" benchmarks/bench_megatron_step.py --device cpu --tiny \
     --json "$DIR/megatron_step.json"
   step loss_hook_1m_tokens 300 0 "$PY" benchmarks/gpu_check_megatron.py --device cpu --tokens 4096 \

@@ -35,7 +35,7 @@ from slime_tis.core import LocalReducer  # noqa: E402
 from slime_tis.megatron import LossForm, TISBatch, make_loss_func, plan_step  # noqa: E402
 
 CONFIGS = {
-    "alg0 (PPO, recompute)": TISConfig(),
+    "alg0 (PPO)": TISConfig(),
     "alg2 token truncate": TISConfig(use_tis=True, mode="truncate", level="token"),
     "alg2 sequence mask + bn": TISConfig(use_tis=True, mode="mask", level="sequence", upper=5.0,
                                          batch_normalize=True),
