@@ -125,8 +125,8 @@ def test_cumulative_chunk_that_rewrites_an_earlier_output_id_is_rejected():
 # ------------------------------------------------------------------ long streams merge in linear time
 @pytest.mark.timeout(120)
 def test_long_incremental_stream_merges_in_linear_time():
-    """200k one-token deltas: linear merging takes about a second; re-copying the ids received so far at
-    every chunk (quadratic) takes ~20 s. Chunks are dicts (the JSON decoding is not what is measured)."""
+    """200k one-token deltas: linear merging takes about a second of CPU; re-copying the ids received so far
+    at every chunk (quadratic) takes ~40 s. Chunks are dicts (the JSON decoding is not what is measured)."""
     n = 200_000
 
     def chunks():
@@ -136,8 +136,8 @@ def test_long_incremental_stream_merges_in_linear_time():
                     "finish_reason": fin}
             yield {"text": "x", "output_ids": [t % 50], "meta_info": meta}
 
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time of this thread: other processes on a busy machine do not count
     m = merge_stream_chunks(chunks(), incremental=True)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.thread_time() - t0
     assert len(m["output_ids"]) == n and m["meta_info"]["output_token_logprobs_length"] == n
-    assert elapsed < 8.0, f"merging {n} deltas took {elapsed:.1f} s"
+    assert elapsed < 10.0, f"merging {n} deltas took {elapsed:.1f} s of CPU"
