@@ -4,7 +4,8 @@ Each test trains one rollout batch (rollouts of 1-4 samples) through the hooks t
 (tests/_slime_sim.py: slime's ``build_dp_schedule`` packing, pi_old recompute, rollout-data hook, per step the
 before-train-step hook and the micro-batches' losses, an optimizer step in between) and compares every step's
 loss and gradient with the loss the options define, computed on whole rollouts in one process at the same
-parameters (``oracle_step``). The 2-process layouts (DP = 2, CP = 2, TP = 2) are tests/dist/test_slime_agentic_torchrun.py.
+parameters (``oracle_step``). The 2-process layouts (DP = 2, CP = 2, TP = 2) are
+tests/dist/test_slime_agentic_torchrun.py.
 """
 
 from __future__ import annotations

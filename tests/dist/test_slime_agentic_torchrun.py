@@ -12,7 +12,8 @@ steps) runs on each rank with its share of the work, for three layouts of the tw
 The step losses summed over the DP x CP ranks and the gradients summed over all ranks must equal the
 oracle's (whole rollouts, one process, same parameters) at every step.
 
-Run directly: ``python -m torch.distributed.run --nproc-per-node 2 tests/dist/test_slime_agentic_torchrun.py --out DIR``.
+Run directly:
+``python -m torch.distributed.run --nproc-per-node 2 tests/dist/test_slime_agentic_torchrun.py --out DIR``.
 """
 
 from __future__ import annotations
