@@ -80,7 +80,7 @@ def _all_gather(values: list[int], group: dist.ProcessGroup | None, device: torc
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
-    return [r.tolist() for r in rows]  # host-sync-ok (once per job, before the first step)
+    return [r.tolist() for r in rows]  # host-sync-ok (once per distinct settings, before the first step)
 
 
 def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGroup | None = None,
