@@ -14,6 +14,13 @@ every rank, naming the setting:
    setting, its own value and which ranks hold which value (different label sets, e.g. two package
    versions, are named as such).
 
+Settings found equal are remembered per process (with the group's ranks): checking them again issues no
+collective, so a launcher that builds a new hook every step (Megatron-LM's ``train_step`` under
+``tis_patch``) compares once, and a rank that goes on after its step raised does not pair this check with
+another rank's step (the step check of ``metrics.check_schema_agrees`` then names the desynchronisation).
+Settings that change on every rank at once are compared again; settings that change on some ranks only
+after they agreed are outside what this check can see without a collective per call.
+
 :func:`hook_settings` is what the megatron hook compares (the resolved ``TISConfig`` and the hook's own
 arguments), over the whole job: every rank takes part in its collectives (recompute passes on every
 stage, TP broadcasts, DP x CP reductions on the last stage).
@@ -34,6 +41,8 @@ from slime_tis.config import FLAG_OF, TISConfig
 __all__ = ["check_settings_agree", "config_settings", "hook_settings"]
 
 _MASK = (1 << 63) - 1
+#: ``(global ranks of the group, digest of the labels, digest of the settings)`` found equal in this process
+_AGREED: set[tuple[tuple[int, ...], int, int]] = set()
 
 
 def _digest(text: str) -> int:
@@ -71,13 +80,14 @@ def _all_gather(values: list[int], group: dist.ProcessGroup | None, device: torc
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
-    return [r.tolist() for r in rows]  # host-sync-ok (once per job, before the first step)
+    return [r.tolist() for r in rows]  # host-sync-ok (once per distinct settings, before the first step)
 
 
 def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGroup | None = None,
                          what: str = "slime_tis") -> None:
     """Raise ``ValueError`` on every rank of ``group`` (default: the whole job) unless all hold equal
-    ``settings`` (compared by ``repr``). A no-op without ``torch.distributed`` or with one rank.
+    ``settings`` (compared by ``repr``). A no-op without ``torch.distributed``, with one rank, or for settings
+    this process already found equal on the same ranks.
 
     Every rank of ``group`` must call this at the same point (see the module docstring for the collectives).
     """
@@ -86,11 +96,15 @@ def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGrou
     labels = sorted(settings)
     per_label = [_digest(f"{k}={settings[k]!r}") for k in labels]
     summary = [_digest("\n".join(labels)), _digest(",".join(map(str, per_label)))]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    key = (tuple(ranks), *summary)
+    if key in _AGREED:
+        return
     device = _device(group)
     table = _all_gather(summary, group, device)
     if all(row == table[0] for row in table):
+        _AGREED.add(key)
         return
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     me = dist.get_rank()
     if any(row[0] != table[0][0] for row in table):
         groups = _ranks_by_value([row[0] for row in table], ranks)

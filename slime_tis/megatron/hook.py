@@ -4,7 +4,7 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
 
 0. on the hook's first call only: compare the configuration and the hook's settings across every rank of the
    job (``agreement``: a ``ValueError`` naming the differing setting on every rank, before any collective
-   whose shape or group depends on them);
+   whose shape or group depends on them; settings already found equal in the process issue no collective);
 1. materialise the step's ``num_microbatches`` items from ``data_iterator`` (one list per virtual stage);
 2. on the last pipeline stage: the step's ``TISBatch`` list, broadcast from tensor-parallel rank 0 under
    TP > 1 (``tp_data``; Megatron-LM gives data to TP rank 0 only);
@@ -23,7 +23,7 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
 6. the step metrics: merged, reduced once, finalized (``metrics.aggregate_metrics``) into ``last_metrics``
    and added to every micro-batch loss dict as ``[value, 1]`` (``loss_dict``: Megatron-LM's
    ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank). The
-   reduction first compares this rank's training-call count across DP x CP: a rank whose earlier call raised
+   reduction first compares the process's training-call count across DP x CP: a rank whose earlier call raised
    and whose launcher went on has paired this call's collectives with another call's, and every rank of the
    step raises ``RuntimeError`` instead of returning mixed gradients and metrics.
 
@@ -44,6 +44,7 @@ In steps 3-5 megatron's ``Float16Module`` wrappers default to ``fp32_output=Fals
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,10 @@ from slime_tis.megatron.rollout import compute_old_log_probs
 from slime_tis.megatron.tp_data import tis_batches_on_this_tp_rank
 
 __all__ = ["TISForwardBackward", "tis_forward_backward_func", "default_get_tis_batch", "PI_OLD_MODES"]
+
+#: Training calls begun in this process, over every hook (a launcher may build a new hook per step, as
+#: ``tis_patch`` does): each call's number is compared across ranks with its step metrics.
+_TRAINING_CALLS = itertools.count(1)
 
 #: ``"auto"``: a missing pi_old is the step's own (detached training log-probs, or a forward-only pass where the
 #: plan needs it up front) until ``compute_old_log_probs`` has run through the hook, then as ``"rollout"``.
@@ -120,7 +125,7 @@ class TISForwardBackward:
         self.last_metrics: dict[str, Tensor] = {}
         self.last_plan: StepPlan | None = None
         self.last_recomputed = False
-        self.train_calls = 0  # training calls begun on this rank: compared across ranks with the step metrics
+        self.train_call = 0  # process-wide number of this hook's last training call (``_TRAINING_CALLS``)
         self._settings_agreed = False
         self._warned_supplied = False
 
@@ -172,7 +177,7 @@ class TISForwardBackward:
         from slime_tis.megatron.reduce import reducer_for_schedule
 
         self._check_settings_agree()
-        self.train_calls += 1
+        self.train_call = next(_TRAINING_CALLS)
         cfg = self.cfg
         chunks = model if isinstance(model, list) else [model]
         vpp = len(chunks) > 1
@@ -208,7 +213,7 @@ class TISForwardBackward:
                                          model=model, num_microbatches=num_microbatches, forward_only=False,
                                          **kwargs)
         self.last_plan = plan
-        self.last_metrics = aggregate_metrics(collector, reducer, step=self.train_calls) if is_last else {}
+        self.last_metrics = aggregate_metrics(collector, reducer, step=self.train_call) if is_last else {}
         if is_last and self.metrics_in_loss_dicts:
             add_metrics_to_loss_dicts(out, self.last_metrics)
         return out

@@ -83,8 +83,9 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
             combine ``--use-rollout-logprobs`` and ``--use-tis``); ``None`` derives it from the flags.
 
     Raises:
-        ValueError: invalid options (naming the flag/key and value), or a ``tis_loss_agg`` key that
-            contradicts slime's aggregation.
+        ValueError: invalid options (naming the flag/key and value), a ``tis_loss_agg`` key that
+            contradicts slime's aggregation, or settings that differ across the ranks of the pipeline stage
+            (compared when a configuration is first built, :mod:`slime_tis.slime.agreement`).
     """
     key = (algorithm, *(repr(getattr(args, k, None)) for k in _KEYS))
     cached = _CACHE.get(key)

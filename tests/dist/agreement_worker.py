@@ -57,8 +57,11 @@ SCENARIOS = {
                                      {}, 1),
     "temperature": lambda: ("dp2", dict(**ALG3), dict(temperature=per_rank(TEMPERATURE, 1.0)), 1),
     "same_settings": lambda: ("dp2", dict(**ALG3, upper=per_rank(None, 2.0)), {}, 2),  # resolved bounds agree
-    # rank 0's first call raises before any collective; its launcher goes on with the next call
+    # rank 0's first call raises before any collective; its launcher goes on with the next call, with the same
+    # hook or (as Megatron-LM's train_step under tis_patch) a new hook per call
     "step_raised_on_one_rank": lambda: ("dp2", dict(**ALG3), dict(get_tis_batch=RaiseOnce(rank=0)), 2),
+    "step_raised_new_hook_per_call": lambda: ("dp2", dict(**ALG3),
+                                              dict(get_tis_batch=RaiseOnce(rank=0), new_hook_per_call=True), 2),
 }
 
 
@@ -90,11 +93,17 @@ def run(name: str, weights, lp_full) -> dict:
     rows = row_assignment(layout.dp(dist.get_world_size()), ps.get_data_parallel_rank(), M)
     ddps, _ = build_ddp_chunks(layout, weights)
     batch = make_global_batch(lp_full)
-    fb = tis_forward_backward_func(get_forward_backward_func(), TISConfig(**fields),
-                                   **{"temperature": TEMPERATURE, "chunk_size": 5, **hook_kw})
+    new_hook_per_call = hook_kw.pop("new_hook_per_call", False)
+
+    def hook():
+        return tis_forward_backward_func(get_forward_backward_func(), TISConfig(**fields),
+                                         **{"temperature": TEMPERATURE, "chunk_size": 5, **hook_kw})
+
+    fb = hook()
     record: dict = {"calls": 0}
     for _ in range(calls):
         record["calls"] += 1
+        fb = hook() if new_hook_per_call else fb
         try:
             fb(forward_step_func=forward_step, data_iterator=iter(make_items(batch, rows)), model=ddps,
                num_microbatches=M, seq_length=SEQ, micro_batch_size=len(rows[0]), forward_only=False)
