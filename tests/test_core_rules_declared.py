@@ -2,8 +2,8 @@
 rule is one row of ``core.rules.RULES``: the flag, help, validation, error message, ``describe()`` line,
 ``from_args`` dest, ``Plan`` value, keep mask and metric all follow from those two places.
 
-The last test counts the files of the package that name the k3 thresholds: ``config.py`` (the two
-declarations), ``core/rules.py`` (the two rows) and ``presets.py`` (the optional preset), nothing else.
+The last test counts the files of the package that name each threshold rule: ``config.py`` (its declaration),
+``core/rules.py`` (its row) and ``presets.py`` (an optional preset), nothing else.
 """
 
 from __future__ import annotations
@@ -97,9 +97,17 @@ def test_threshold_declaration_rejects_an_unknown_range():
     assert math.isclose(TISConfig(use_tis=True, veto_threshold=1e-4).plan.threshold("veto_threshold"), 1e-4)
 
 
-def test_the_k3_rule_lives_in_two_files_plus_its_preset():
-    """The k3 rejection (two rules) is named by the package in config.py (field declarations), core/rules.py
-    (rows and formulas) and presets.py (optional preset) only: no flag list, plan field or adapter copy."""
-    names = ("seq_mean_k3_threshold", "seq_max_k3_threshold", "seq-mean-k3-threshold", "seq-max-k3-threshold")
+#: the veto predates the table: the offline diagnosis recommends it and slime's mis.yaml translation sets it
+OLDER_NAMES = {"veto_threshold"}
+
+
+@pytest.mark.parametrize("rule", [r for r in THRESHOLD_RULES if r.threshold not in OLDER_NAMES],
+                         ids=lambda r: r.threshold)
+def test_a_threshold_rule_lives_in_two_files_plus_its_preset(rule):
+    """A threshold rule is named by the package in config.py (its field declaration) and core/rules.py (its row),
+    plus presets.py where a preset sets it: no flag list, plan field or adapter copy. Searched: the field, its
+    flag, and its option name (the field without ``_threshold``, e.g. verl's ``seq_mean_k3``)."""
+    declared = THRESHOLDS[rule.threshold]
+    names = (rule.threshold, declared.flag.removeprefix("--"), rule.threshold.removesuffix("_threshold"))
     files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if any(n in p.read_text() for n in names)}
-    assert files == {"config.py", "core/rules.py", "presets.py"}
+    assert {"config.py", "core/rules.py"} <= files <= {"config.py", "core/rules.py", "presets.py"}

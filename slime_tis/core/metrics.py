@@ -143,12 +143,14 @@ class MetricStats:
             nums = torch.stack([v[num] - v[den] if num in _MINUS_ONE else v[num] for _, num, den in present])
             values = safe_ratio(nums, torch.stack([v[den] for _, _, den in present]))
             out.update(zip((name for name, _, _ in present), values.unbind(0)))
-        if "tis.ratio_sum" in v:
-            n = v["tis.n_units"]
-            mean = safe_ratio(v["tis.ratio_sum"], n)
-            out["tis/ratio_std"] = (safe_ratio(v["tis.ratio_sq_sum"], n) - mean * mean).clamp(min=0).sqrt()
-        for pairs, log_space in ((_RATIO_EXTREMES, True), (_WEIGHT_EXTREMES, False)):
-            pairs = [(name, key) for name, key in pairs if key in v]
+        for name, total, squares, count in _STD_METRICS:
+            if total in v and squares in v and count in v:
+                mean = safe_ratio(v[total], v[count])
+                out[name] = (safe_ratio(v[squares], v[count]) - mean * mean).clamp(min=0).sqrt()
+        extremes = [*self.mins, *self.maxs]
+        for log_space in (True, False):
+            pairs = [(_LOG_EXTREMES[key] if log_space else key.replace(".", "/", 1), key)
+                     for key in extremes if (key in _LOG_EXTREMES) == log_space]
             if not pairs:
                 continue
             raw = torch.stack([v[key] for _, key in pairs])
@@ -196,5 +198,10 @@ _RATIO_METRICS: list[tuple[str, str, str]] = [
     ("policy/nonfinite_seq_fraction", "policy.n_seq_nonfinite", "policy.n_seq_valid"),
 ]
 _MINUS_ONE = {"tis.r2_sum", "tis.chi2_seq_sum"}  # chi2 = mean - 1: the numerator is sum - count
-_RATIO_EXTREMES = [("tis/ratio_min", "tis.log_ratio_min"), ("tis/ratio_max", "tis.log_ratio_max")]
-_WEIGHT_EXTREMES = [("tis/weight_min", "tis.weight_min"), ("tis/weight_max", "tis.weight_max")]
+#: (metric, sum key, sum-of-squares key, count key): std = sqrt(max(squares/count - (sum/count)^2, 0)), 0 when empty
+_STD_METRICS: list[tuple[str, str, str, str]] = [
+    ("tis/ratio_std", "tis.ratio_sum", "tis.ratio_sq_sum", "tis.n_units"),
+]
+#: Minima / maxima reported as ``exp`` of a log-space statistic; every other one, ``tis.X``, is the metric ``tis/X``
+#: itself (so a new extreme is one ``mins`` / ``maxs`` entry of ``core.diagnostics``).
+_LOG_EXTREMES = {"tis.log_ratio_min": "tis/ratio_min", "tis.log_ratio_max": "tis/ratio_max"}
