@@ -68,7 +68,9 @@ def test_validation_generated_from_the_declaration(rule):
 @pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
 def test_describe_plan_and_metric_follow_the_row(rule):
     """Value 0.5 is valid for every declared range. One sequence holds a catastrophic token
-    (l = -15: r ~ 3e-7 < 0.5, k3 ~ 14 so mean and max of k3 > 0.5); the other is on-policy (l = 0)."""
+    (l = -15: r ~ 3e-7 < 0.5, k2 = 112.5 and k3 ~ 14, so its sum, mean and max of k2 or k3 > 0.5); the other is
+    on-policy (l = 0). A sequence-level row rejects the first sequence (1 of 2), a token-level row that token (1 of
+    8 tokens)."""
     declared = THRESHOLDS[rule.threshold]
     cfg = TISConfig(use_rollout_log_probs=True, **{rule.threshold: 0.5})
     assert declared.describe.format(value=0.5) in cfg.describe()
@@ -79,8 +81,10 @@ def test_describe_plan_and_metric_follow_the_row(rule):
     assert declared.describe.format(value=0.5) not in off.describe()
 
     on, without = two_sequences(cfg), two_sequences(off)
-    assert on.keep_mask.tolist() == [False] * 4 + [True] * 4 and bool(without.keep_mask.all())
-    assert float(on.stats.finalize()[rule.metric]) == pytest.approx(0.5)
+    token_level = rule.level(cfg.plan) == "token"
+    expected = [True, False] + [True] * 6 if token_level else [False] * 4 + [True] * 4
+    assert on.keep_mask.tolist() == expected and bool(without.keep_mask.all())
+    assert float(on.stats.finalize()[rule.metric]) == pytest.approx(1 / 8 if token_level else 0.5)
     assert rule.metric not in without.stats.finalize()  # the metric keys follow the configuration
 
 
