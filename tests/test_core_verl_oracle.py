@@ -11,6 +11,8 @@ zeros, garbage values at masked positions), runs verl on it, converts it with
   bounds against ``rs_level="sequence"|"geometric"``: keep masks exactly;
 * the shared off-policy diagnostics of ``compute_offpolicy_metrics`` (and the IS / RS statistics
   that have an exact counterpart): to 1e-4 relative;
+* verl's divergence options (``token_k2/k3``, ``seq_sum_k2/k3``, ``seq_mean_k2/k3``, ``seq_max_k2/k3``) against
+  the rows of the same names, with thresholds placed between units: keep masks exactly, fractions to 1e-4;
 * one asymmetric-bounds case pinning verl's inverted k1 convention (notes_anchors.md D.3): our
   bounds are on ``r = pi_train / pi_rollout``; verl's ``"lo_hi"`` for ``*_k1`` keeps
   ``1/hi <= r <= 1/lo``;
@@ -279,6 +281,25 @@ def test_symmetric_rejection_matches_verl(
     assert_metrics_match(ours, v_metrics, pairs)
 
 
+@pytest.mark.parametrize("seed", SEEDS[:3])
+@pytest.mark.parametrize("u", [2.0, 1.05])
+def test_token_rejection_is_verl_token_k1(seed: int, u: float) -> None:
+    """``rs_level="token"`` with bounds ``[1/u, u]`` is verl's ``token_k1`` (the third k1 option, with
+    ``seq_sum_k1`` = sequence and ``seq_mean_k1`` = geometric above): keep masks exactly. Token log-ratios are
+    random float32 values, none equal to ``+-log u``."""
+    batch = make_batch(seed)
+    _, v_mask, v_metrics = run_verl(batch, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                                    rollout_rs_threshold=u)
+    res, ours = run_core(batch, TISConfig(use_tis=True, upper=2.0, rs_level="token", rs_lower=1 / u, rs_upper=u))
+    assert torch.equal(res.keep_mask, batch.pack(v_mask) != 0)
+    assert 0.0 < ours["tis/rejected_token_fraction"] < 0.95
+    assert_metrics_match(ours, v_metrics, {
+        "rollout_rs_masked_fraction": "tis/rejected_token_fraction",
+        "rollout_rs_token_k1_fraction_high": "tis/rs_fraction_low",
+        "rollout_rs_token_k1_fraction_low": "tis/rs_fraction_high",
+    })
+
+
 @pytest.mark.parametrize(("rs_level", "option"), [("geometric", "seq_mean_k1"), ("sequence", "seq_sum_k1")])
 def test_asymmetric_bounds_document_verl_k1_inversion(rs_level: str, option: str) -> None:
     """verl's ``"lo_hi"`` k1 bounds keep ``1/hi <= r <= 1/lo``; ours keep ``lo <= r <= hi``.
@@ -322,6 +343,66 @@ def test_asymmetric_bounds_document_verl_k1_inversion(rs_level: str, option: str
         "rollout_rs_seq_masked_fraction": "tis/rejected_seq_fraction",
         f"rollout_rs_{option}_fraction_high": "tis/rs_fraction_low",
         f"rollout_rs_{option}_fraction_low": "tis/rs_fraction_high",
+    })
+
+
+# ------------------------------------------------------------------------- divergence rejection
+def _divergence_rows() -> list:
+    """The rows of ``RULES`` that are verl rejection options (threshold field ``<option>_threshold``)."""
+    from slime_tis.core.rules import RULES
+
+    return [rule for rule in RULES if rule.threshold is not None
+            and rule.threshold.removesuffix("_threshold") in rc.SUPPORTED_ROLLOUT_RS_OPTIONS]
+
+
+def _unit_statistics(batch: Batch, option: str) -> torch.Tensor:
+    """float64 statistic of verl's ``option`` per valid token (token options) or per row, as verl defines it:
+    ``k2 = lc^2 / 2``, ``k3 = exp(lc) - 1 - lc`` of ``lc = clamp(lp_old - lp_rollout, -20, 20)``."""
+    statistic, k = option.rsplit("_", 1)
+    lc = (batch.lp_old - batch.lp_rollout).double().clamp(-20.0, 20.0)
+    per_token = 0.5 * lc.square() if k == "k2" else torch.expm1(lc) - lc
+    valid = batch.mask != 0
+    if statistic == "token":
+        return per_token[valid]
+    if statistic == "seq_max":
+        return torch.where(valid, per_token, -math.inf).max(-1).values
+    total = torch.where(valid, per_token, 0.0).sum(-1)
+    return total if statistic == "seq_sum" else total / batch.mask.double().sum(-1)
+
+
+def _threshold_in_a_gap(values: torch.Tensor) -> float:
+    """A threshold between two neighbouring unit statistics in the middle of their distribution, at the widest
+    such gap: every unit is then at least half that gap away from it, far more than the float32 rounding by which
+    the two sides' statistics differ (~1e-6 relative for sums of <= 160 terms), so the masks must agree exactly.
+    """
+    v = values.sort().values
+    lo, hi = int(0.3 * len(v)), int(0.7 * len(v))
+    gaps = v[lo + 1:hi + 1] - v[lo:hi]
+    i = lo + int(gaps.argmax())
+    assert float(gaps.max()) > 1e-3 * float(v[i + 1]), "test data must leave a gap between unit statistics"
+    return float((v[i] + v[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+@pytest.mark.parametrize("rule", _divergence_rows(), ids=lambda r: r.threshold.removesuffix("_threshold"))
+def test_divergence_rejection_matches_verl(seed: int, rule) -> None:
+    """Every divergence row (``token_k2``, ``seq_sum_k3``, ``seq_max_k2``, ...) against verl's option of that name,
+    with a threshold between units (:func:`_threshold_in_a_gap`): keep masks exactly, fractions to METRIC_RTOL
+    (ratios of exact counts; the rtol only covers verl's float32 means)."""
+    option = rule.threshold.removesuffix("_threshold")
+    batch = make_batch(seed)
+    t = _threshold_in_a_gap(_unit_statistics(batch, option))
+    _, v_mask, v_metrics = run_verl(batch, rollout_is="token", rollout_is_threshold=2.0, rollout_rs=option,
+                                    rollout_rs_threshold=t)
+    res, ours = run_core(batch, TISConfig(use_tis=True, mode="truncate", level="token", upper=2.0,
+                                          **{rule.threshold: t}))
+
+    assert torch.equal(res.keep_mask, batch.pack(v_mask) != 0)
+    rejected = ours["tis/rejected_token_fraction"]
+    assert 0.05 < rejected < 0.95, f"test data should reject some but not all tokens, got {rejected}"
+    assert_metrics_match(ours, v_metrics, {
+        f"rollout_rs_{option}_fraction_high": rule.metric,
+        "rollout_rs_masked_fraction": "tis/rejected_token_fraction",
     })
 
 
