@@ -167,6 +167,11 @@ class TISConfig:
         help="Reject a token whose k2 = (log r)^2 / 2 exceeds this (> 0), i.e. r outside "
              "[exp(-sqrt(2 t)), exp(sqrt(2 t))], as verl's token_k2. Default: off.",
         describe="k2 rejection: reject tokens whose k2 = (log r)^2 / 2 > {value:g}")
+    token_k3_threshold: float | None = threshold(
+        flag="--tis-token-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
+        help="Reject a token whose k3 = r - 1 - log r exceeds this (> 0), "
+             "as verl's token_k3. Default: off.",
+        describe="k3 rejection: reject tokens whose k3 = r - 1 - log r > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
         help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
