@@ -182,6 +182,11 @@ class TISConfig:
         help="Reject a sequence whose sum over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
              "as verl's seq_sum_k3. Default: off.",
         describe="k3 rejection: reject sequences whose sum of k3 = r - 1 - log r > {value:g}")
+    seq_mean_k2_threshold: float | None = threshold(
+        flag="--tis-seq-mean-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
+        help="Reject a sequence whose mean over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
+             "as verl's seq_mean_k2. Default: off.",
+        describe="k2 rejection: reject sequences whose mean of k2 = (log r)^2 / 2 > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
         help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
