@@ -187,6 +187,11 @@ class TISConfig:
         help="Reject a sequence whose mean over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
              "as verl's seq_mean_k2. Default: off.",
         describe="k2 rejection: reject sequences whose mean of k2 = (log r)^2 / 2 > {value:g}")
+    seq_max_k2_threshold: float | None = threshold(
+        flag="--tis-seq-max-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
+        help="Reject a sequence whose max over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
+             "as verl's seq_max_k2. Default: off.",
+        describe="k2 rejection: reject sequences whose max of k2 = (log r)^2 / 2 > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
         help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "

@@ -132,6 +132,7 @@ RULES: tuple[Rule, ...] = (
     _divergence("seq_sum_k2"),
     _divergence("seq_sum_k3"),
     _divergence("seq_mean_k2"),
+    _divergence("seq_max_k2"),
     Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units"),
     Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units"),
     Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units"),
