@@ -383,6 +383,16 @@ def _threshold_in_a_gap(values: torch.Tensor) -> float:
     return float((v[i] + v[i + 1]) / 2)
 
 
+def test_verl_rejection_family_is_covered() -> None:
+    """Every option of verl 0.9.1's ``rollout_rs`` is a row here: the k1 options are ``rs_level`` (token_k1 =
+    token, seq_sum_k1 = sequence, seq_mean_k1 = geometric; bounds on r, tested above), every other one is the
+    divergence row of its name."""
+    k1 = {"token_k1", "seq_sum_k1", "seq_mean_k1"}
+    assert k1 <= set(rc.SUPPORTED_ROLLOUT_RS_OPTIONS)
+    rows = {rule.threshold.removesuffix("_threshold") for rule in _divergence_rows()}
+    assert rows == set(rc.SUPPORTED_ROLLOUT_RS_OPTIONS) - k1
+
+
 @pytest.mark.parametrize("seed", SEEDS[:3])
 @pytest.mark.parametrize("rule", _divergence_rows(), ids=lambda r: r.threshold.removesuffix("_threshold"))
 def test_divergence_rejection_matches_verl(seed: int, rule) -> None:
