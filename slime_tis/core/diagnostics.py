@@ -129,8 +129,11 @@ def tis_statistics(
         seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
 
     (lr_min, lr_max), (w_min, w_max) = _extremes(level_log, ratios.unit_ok(plan.level)), _extremes(weights, kept_units)
-    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min}
-    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max}
+    inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
+    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min,
+            "tis.log_ppl_diff_min": torch.cat([torch.where(seq_ok, mean_diff, inf), inf]).min()}
+    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max,
+            "tis.log_ppl_diff_max": torch.cat([torch.where(seq_ok, mean_diff, -inf), -inf]).max()}
     return MetricStats(token_sums=tok, seq_sums=seq, mins=mins, maxs=maxs)
 
 
