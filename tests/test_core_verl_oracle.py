@@ -232,7 +232,8 @@ def test_truncated_is_weights_and_metrics_match_verl(seed: int, level: str) -> N
     if level == "token":
         # token units: verl's applied-weight statistics are ours exactly
         pairs.update(rollout_is_mean="tis/weight_mean", rollout_is_max="tis/weight_max",
-                     rollout_is_min="tis/weight_min", rollout_is_eff_sample_size="tis/ess")
+                     rollout_is_min="tis/weight_min", rollout_is_eff_sample_size="tis/ess",
+                     rollout_is_std="tis/weight_std")
     else:
         # sequence units: verl reports the unclamped extreme sequence ratios (ours: ratio_min/max);
         # its mean / ESS weight sequences by their token count, ours count each sequence once

@@ -28,7 +28,7 @@ log_ppl_abs_diff           mean_{i in S} |mean_t lp_rollout_t - mean_t lp_train_
 ppl_ratio                  mean_{i in S} exp(clamp(mean_t lp_rollout_t - mean_t lp_train_t, -B, B))
 ratio_mean / ratio_std     mean / std of exp(clamp(L_u, -B, B)) over units, before bounds
 ratio_min / ratio_max      exp(min_u L_u) / exp(max_u L_u): true extremes, unclamped up to e^700 (float64)
-weight_mean/min/max        of applied weights w_u over kept units (after bounds and batch-norm)
+weight_mean/min/max/std    of applied weights w_u over kept units (after bounds and batch-norm)
 ess                        (sum_u w_u)^2 / (n_kept_units * sum_u w_u^2) over kept units
 truncate_fraction          units with L_u > log(upper) / units           (truncate mode)
 clip_fraction_low/high     units with L_u < log(lower) / > log(upper)    (clip mode)
@@ -201,6 +201,7 @@ _MINUS_ONE = {"tis.r2_sum", "tis.chi2_seq_sum"}  # chi2 = mean - 1: the numerato
 #: (metric, sum key, sum-of-squares key, count key): std = sqrt(max(squares/count - (sum/count)^2, 0)), 0 when empty
 _STD_METRICS: list[tuple[str, str, str, str]] = [
     ("tis/ratio_std", "tis.ratio_sum", "tis.ratio_sq_sum", "tis.n_units"),
+    ("tis/weight_std", "tis.w_sum", "tis.w_sq_sum", "tis.n_kept_units"),
 ]
 #: Minima / maxima reported as ``exp`` of a log-space statistic; every other one, ``tis.X``, is the metric ``tis/X``
 #: itself (so a new extreme is one ``mins`` / ``maxs`` entry of ``core.diagnostics``).
