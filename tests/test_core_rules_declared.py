@@ -21,7 +21,9 @@ from slime_tis.config import DESTS_OF, FLAG_OF, THRESHOLDS
 from slime_tis.config_fields import RANGES, Option
 from slime_tis.core.rules import RULES, active
 
-THRESHOLD_RULES = [rule for rule in RULES if rule.threshold is not None]
+THRESHOLD_RULES = [rule for rule in RULES if rule.threshold is not None and rule.rejects]
+#: rows that only count (a diagnostic of a threshold, e.g. the tokens the veto tests), on while the threshold is set
+THRESHOLD_COUNTERS = [rule for rule in RULES if rule.threshold is not None and not rule.rejects]
 PACKAGE = Path(__file__).resolve().parent.parent / "slime_tis"
 
 
@@ -32,8 +34,10 @@ def parser() -> argparse.ArgumentParser:
 def test_rule_rows_and_threshold_declarations_match():
     """Every threshold row names a declared field, every declared threshold drives exactly one row."""
     assert {rule.threshold for rule in THRESHOLD_RULES} == set(THRESHOLDS)
-    assert len(THRESHOLD_RULES) == len(THRESHOLDS)  # one row per declared threshold, none shared
-    assert all(rule.rejects and rule.metric.startswith("tis/") for rule in THRESHOLD_RULES)
+    assert len(THRESHOLD_RULES) == len(THRESHOLDS)  # one rejecting row per declared threshold, none shared
+    assert all(rule.metric.startswith("tis/") for rule in THRESHOLD_RULES + THRESHOLD_COUNTERS)
+    assert {rule.threshold for rule in THRESHOLD_COUNTERS} <= set(THRESHOLDS)
+    assert len({rule.key for rule in RULES}) == len({rule.metric for rule in RULES}) == len(RULES)
 
 
 @pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)

@@ -390,6 +390,23 @@ def _threshold_in_a_gap(values: torch.Tensor) -> float:
     return float((v[i] + v[i + 1]) / 2)
 
 
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_catastrophic_token_fraction_is_verl_token_k1_high_side(seed: int) -> None:
+    """``tis/catastrophic_token_fraction`` (valid tokens with raw ratio ``r_t < v``, the tokens the veto tests)
+    is verl's ``token_k1`` fraction above ``log(1/v)`` of ``-clamp(l, -20, 20)`` (verl 0.9.1 has no veto; for
+    ``v > e^-20`` the clamp changes nothing); the veto's keep mask is every sequence without such a token."""
+    v = math.exp(-1.5)  # the outliers of make_batch reach l = -3; no token lies at l = -1.5 exactly (random)
+    batch = make_batch(seed)
+    _, _, v_metrics = run_verl(batch, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                               rollout_rs_threshold=f"{v!r}_{1 / v!r}")
+    res, ours = run_core(batch, TISConfig(use_tis=True, upper=2.0, veto_threshold=v))
+    assert 0.0 < ours["tis/catastrophic_token_fraction"] < 0.05
+    assert_metrics_match(ours, v_metrics, {"rollout_rs_token_k1_fraction_high": "tis/catastrophic_token_fraction"})
+    catastrophic_rows = ((batch.lp_old - batch.lp_rollout < math.log(v)) & (batch.mask != 0)).any(-1)
+    expected_keep = batch.pack((~catastrophic_rows)[:, None].expand_as(batch.mask).float()) != 0
+    assert torch.equal(res.keep_mask, expected_keep & batch.p_mask)
+
+
 def test_verl_rejection_family_is_covered() -> None:
     """Every option of verl 0.9.1's ``rollout_rs`` is a row here: the k1 options are ``rs_level`` (token_k1 =
     token, seq_sum_k1 = sequence, seq_mean_k1 = geometric; bounds on r, tested above), every other one is the

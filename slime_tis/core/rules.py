@@ -13,6 +13,8 @@ metric                 level      test (per unit)                             re
 =====================  =========  ==========================================  =======  ===========
 nonfinite_seq_fraction sequence   NaN/inf at a valid token (always on)        yes      n_seq_valid
 veto_seq_fraction      sequence   some valid token has l_t < log v            yes      n_seq
+catastrophic_token_    token      l_t < log v (the tokens the veto tests)      no       n_tok
+fraction
 mask_fraction_low/high level      L < log lower / L > log upper (mask mode)   yes      n_units
 rs_fraction_low/high   rs_level   L < log rs_lower / L > log rs_upper         yes      n_rs_units
 <option>_fraction      token      k_t > threshold (``token_k2/k3``)           yes      n_tok
@@ -119,6 +121,9 @@ RULES: tuple[Rule, ...] = (
     Rule("tis/veto_seq_fraction", "tis.veto_count", _sequence,
          lambda p, r, lvl: r.column("tis.veto_count") > 0, True, "tis.n_seq",
          column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold"),
+    Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
+         lambda p, r, lvl: r.log_ratio < math.log(p.threshold("veto_threshold")), False, "tis.n_tok",
+         threshold="veto_threshold"),
     Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units"),
     Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
