@@ -286,6 +286,8 @@ def test_symmetric_rejection_matches_verl(
            f"rollout_rs_{option}_fraction_low": "tis/rs_fraction_high"},
     )
     assert_metrics_match(ours, v_metrics, pairs)
+    # sequence-level rejection: the sequences with a rejected token are the rejected sequences
+    assert ours["tis/rs_seq_masked_fraction"] == ours["tis/rejected_seq_fraction"]
 
 
 @pytest.mark.parametrize("seed", SEEDS[:3])
@@ -302,6 +304,7 @@ def test_token_rejection_is_verl_token_k1(seed: int, u: float) -> None:
     assert 0.0 < ours["tis/rejected_token_fraction"] < 0.95
     assert_metrics_match(ours, v_metrics, {
         "rollout_rs_masked_fraction": "tis/rejected_token_fraction",
+        "rollout_rs_seq_masked_fraction": "tis/rs_seq_masked_fraction",
         "rollout_rs_token_k1_fraction_high": "tis/rs_fraction_low",
         "rollout_rs_token_k1_fraction_low": "tis/rs_fraction_high",
     })
@@ -437,7 +440,10 @@ def test_divergence_rejection_matches_verl(seed: int, rule) -> None:
     assert_metrics_match(ours, v_metrics, {
         f"rollout_rs_{option}_fraction_high": rule.metric,
         "rollout_rs_masked_fraction": "tis/rejected_token_fraction",
+        "rollout_rs_seq_masked_fraction": "tis/rs_seq_masked_fraction",
     })
+    if rule.level(TISConfig(use_tis=True, **{rule.threshold: t}).plan) == "token":  # some sequences partly kept
+        assert ours["tis/rs_seq_masked_fraction"] > ours["tis/rejected_seq_fraction"]
 
 
 # ------------------------------------------------------------------------- algorithm 2 loss

@@ -95,6 +95,7 @@ def tis_statistics(
         "tis.n_seq_valid": _total(has),
         "tis.n_seq": _total(seq_ok),
         "tis.n_seq_rejected": _total(verdict.seq_rejected & has),
+        "tis.n_seq_masked": _total(verdict.seq_masked & has),
         "tis.train_log_ppl_sum": logs[0].sum(),
         "tis.train_ppl_sum": exps[0].sum(),
         "tis.rollout_log_ppl_sum": logs[1].sum(),

@@ -40,6 +40,8 @@ nonfinite_seq_fraction     sequences with a non-finite value / sequences with va
 rejected_token_fraction    valid tokens rejected for any reason / valid tokens
 rejected_seq_fraction      sequences rejected as a whole (non-finite, veto, sequence-level rule)
                            / sequences with valid tokens
+rs_seq_masked_fraction     sequences with at least one token rejected by a rule (as a whole or by a
+                           token-level rule) / sequences with valid tokens
 batch_norm_factor          mean of the applied batch-normalisation factors
 num_tokens / num_seqs      valid tokens / sequences with valid tokens
 =========================  ==========================================================================
@@ -190,6 +192,7 @@ _RATIO_METRICS: list[tuple[str, str, str]] = [
     *((rule.metric, rule.key, rule.denominator) for rule in RULES),
     ("tis/rejected_token_fraction", "tis.n_tok_rejected", "tis.n_tok_valid"),
     ("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid"),
+    ("tis/rs_seq_masked_fraction", "tis.n_seq_masked", "tis.n_seq_valid"),
     ("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls"),
     ("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept"),
     ("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept"),
