@@ -96,3 +96,13 @@ def test_rs_seq_masked_fraction_is_complete_over_context_parallelism(cfg):
     assert whole["tis/rs_seq_masked_fraction"] == 0.5
     assert m0["tis/rs_seq_masked_fraction"] == 0.5  # rank 0 alone rejects no token of its own
     assert m0["tis/rejected_token_fraction"] == 0.0
+
+
+def test_weight_std_keeps_its_digits_when_the_weights_are_close_to_one():
+    """std = sqrt(E[w^2] - E[w]^2) cancels by ~1 / std^2: at std 1e-3 over 1e5 tokens float32 sums would leave
+    ~10% error; the float64 sums keep 1e-6 relative against the float64 truth of the applied weights."""
+    g = torch.Generator().manual_seed(0)
+    l = (1e-3 * torch.randn(100_000, generator=g)).tolist()  # noqa: E741
+    res, m = _run(TISConfig(use_tis=True), l, [0, 100_000])
+    truth = res.weights.double().std(unbiased=False)
+    assert m["tis/weight_std"] == pytest.approx(float(truth), rel=1e-6)

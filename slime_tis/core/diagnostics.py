@@ -118,8 +118,10 @@ def tis_statistics(
         units["tis.ratio_sum"] = e_sum + n_tok
         units["tis.ratio_sq_sum"] = tok["tis.r2_sum"]
     units["tis.n_kept_units"] = n_kept_units.to(F64)
-    units["tis.w_sum"] = _total(kept_weights)
-    units["tis.w_sq_sum"] = torch.dot(kept_weights, kept_weights).to(F64)
+    # float64 sums: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
+    w64 = kept_weights.to(F64)
+    units["tis.w_sum"] = w64.sum()
+    units["tis.w_sq_sum"] = torch.dot(w64, w64)
     if plan.rs_level is not None:
         rs_units = tok if plan.rs_level == "token" else seq
         rs_units["tis.n_rs_units"] = n_tok if plan.rs_level == "token" else seq["tis.n_seq"]
