@@ -1,6 +1,6 @@
 """``TISConfig``: every knob of the correction, validated once at construction.
 
-The algorithm is derived from two switches (SPEC "Algorithms"):
+The algorithm is derived from two switches (docs/semantics.md):
 
 =========================  ==========  =========  ==========================================
 ``use_rollout_log_probs``  ``use_tis``  algorithm  per-token loss
@@ -11,7 +11,7 @@ False                      True         2          ``w * ppo_term``, w from ``lp
 True                       True         3          ``-w * A * lp_theta``, w from ``sg(lp_theta) - lp_rollout``
 =========================  ==========  =========  ==========================================
 
-Bounds are on ``r = pi_train / pi_rollout`` (never its inverse). Unset bounds take the SPEC
+Bounds are on ``r = pi_train / pi_rollout`` (never its inverse). Unset bounds take the
 defaults: ``upper = 2.0`` except mask mode at geometric level (and geometric rejection sampling),
 where ``upper = 1.001``; ``lower = 1 / upper``. The resolved values are the ``*_bound`` properties;
 ``describe()`` prints them at start-up.
@@ -19,9 +19,12 @@ where ``upper = 1.001``; ``lower = 1 / upper``. The resolved values are the ``*_
 Every invalid value or combination raises ``ValueError`` naming the field, its command-line flag
 and the value.
 
-A rejection rule's threshold is one field declared with :func:`~slime_tis.core.plan.threshold` (flag,
-valid range, help, start-up line): its flag (``slime_tis.arguments``), validation, ``describe()`` line,
-``from_args`` dests and ``Plan`` value are generated from that declaration (:data:`THRESHOLDS`).
+Every field is declared once, at the field, with :func:`~slime_tis.config_fields.option` (flag, host aliases,
+kind, choices or valid range, help) or, for a rejection rule's threshold,
+:func:`~slime_tis.config_fields.threshold` (plus its start-up line). From those declarations (:data:`OPTIONS`)
+come the flags (``slime_tis.arguments``), the ``from_args`` dests, each field's validation and error message,
+the thresholds' ``describe()`` lines and ``Plan`` values, and the README's flag table; the rules between
+fields (bounds, algorithm combinations) are written out in ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -29,14 +32,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from slime_tis.core.plan import Plan, declared_thresholds, resolve, threshold
+from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
+    MAX_SAFETY_BOUND,
+    SWITCH_WORDS,
+    Option,
+    declared_options,
+    declared_thresholds,
+    fields_from_args,
+    option,
+    parse_switch,
+    threshold,
+)
+from slime_tis.core.plan import Plan
 from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
-from slime_tis.presets import preset_fields
+from slime_tis.presets import PRESETS, preset_fields
 
-__all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS",
-           "config_fields_from_args", "parse_switch"]
+__all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS", "OPTIONS",
+           "ALL_OPTIONS", "config_fields_from_args", "parse_switch"]
 
 MODES = ("truncate", "clip", "mask")
 LEVELS = ("token", "sequence", "geometric")
@@ -45,56 +60,6 @@ DENOMINATORS = ("keep", "drop")
 
 DEFAULT_UPPER = 2.0
 DEFAULT_GEOMETRIC_UPPER = 1.001
-#: Largest ``--tis-safety-bound``: ``exp(B)`` is float32's largest value at ``B = 88.7``; at 60, ``exp(B) = 1.1e26``
-#: leaves a factor 3e12 for the advantages and the sums over tokens in which clamped ratios appear.
-MAX_SAFETY_BOUND = 60.0
-#: Spellings of a switch's value (case-insensitive strings; YAML quotes keep ``"false"`` a string).
-SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
-
-#: Command-line flag of every field but the thresholds (used in error messages; completed below the class
-#: with the thresholds' declared flags).
-FLAG_OF = {
-    "use_rollout_log_probs": "--use-rollout-log-probs",
-    "use_tis": "--use-tis",
-    "mode": "--tis-mode",
-    "level": "--tis-level",
-    "upper": "--tis-upper-bound",
-    "lower": "--tis-lower-bound",
-    "rs_level": "--tis-rs-level",
-    "rs_upper": "--tis-rs-upper-bound",
-    "rs_lower": "--tis-rs-lower-bound",
-    "batch_normalize": "--tis-batch-normalize",
-    "rejected_denominator": "--tis-rejected-denominator",
-    "loss_agg": "--tis-loss-agg",
-    "eps_clip": "--eps-clip",
-    "eps_clip_high": "--eps-clip-high",
-    "dual_clip_c": "--eps-clip-c",
-    "safety_bound": "--tis-safety-bound",
-    "kernels": "--tis-kernels",
-}
-
-#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's);
-#: the thresholds' dests are added below the class.
-DESTS_OF: dict[str, tuple[str, ...]] = {
-    "use_rollout_log_probs": ("use_rollout_log_probs", "use_rollout_logprobs"),
-    "use_tis": ("use_tis",),
-    "mode": ("tis_mode",),
-    "level": ("tis_level",),
-    "upper": ("tis_upper_bound",),
-    "lower": ("tis_lower_bound",),
-    "rs_level": ("tis_rs_level",),
-    "rs_upper": ("tis_rs_upper_bound",),
-    "rs_lower": ("tis_rs_lower_bound",),
-    "batch_normalize": ("tis_batch_normalize",),
-    "rejected_denominator": ("tis_rejected_denominator",),
-    "loss_agg": ("tis_loss_agg",),
-    "eps_clip": ("eps_clip",),
-    "eps_clip_high": ("eps_clip_high",),
-    "dual_clip_c": ("eps_clip_c",),
-    "safety_bound": ("tis_safety_bound",),
-    "kernels": ("tis_kernels",),
-}
-SWITCHES = ("use_rollout_log_probs", "use_tis", "batch_normalize")
 
 ALGORITHM_NAMES = {
     0: "standard PPO (old = Megatron recompute)",
@@ -106,35 +71,6 @@ ALGORITHM_NAMES = {
 
 def _bad(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{FLAG_OF.get(field, field)} ({field}) = {value!r}: {why}")
-
-
-def _check_choice(field: str, value: Any, choices: tuple[str, ...], allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value not in choices:
-        raise _bad(field, value, f"must be one of {', '.join(choices)}" + (" or None" if allow_none else ""))
-
-
-def _check_number(field: str, value: Any, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(field, value, "must be a finite number")
-
-
-def parse_switch(name: str, value: Any) -> bool:
-    """A switch's value from a flag, a preset or a YAML key: a bool, 0 / 1, or one of :data:`SWITCH_WORDS`.
-
-    Anything else (``"flase"``, ``2``, ``[]``) raises ``ValueError`` naming ``name`` and the value, so that a
-    quoted ``"false"`` can never turn a switch on.
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in SWITCH_WORDS:
-        return SWITCH_WORDS[value.strip().lower()]
-    raise ValueError(f"{name} = {value!r}: expected a boolean (true/false, yes/no, on/off or 1/0)")
 
 
 def _check_upper(field: str, upper: float) -> None:
@@ -163,9 +99,9 @@ class TISConfig:
         mode: ``truncate`` (w = min(r, upper)), ``clip`` (w = clamp(r, lower, upper)) or ``mask``
             (w = r, units with r outside [lower, upper] rejected).
         level: ``token`` (L_t = l_t), ``sequence`` (L = sum_t l_t) or ``geometric`` (L = mean_t l_t).
-        upper, lower: bounds on r for the mode; ``None`` = SPEC default.
+        upper, lower: bounds on r for the mode; ``None`` = the default.
         rs_level: optional rejection-sampling level (independent of the mode); ``None`` = off.
-        rs_upper, rs_lower: rejection-sampling bounds on r at ``rs_level``; ``None`` = SPEC default.
+        rs_upper, rs_lower: rejection-sampling bounds on r at ``rs_level``; ``None`` = the default.
         veto_threshold, seq_mean_k3_threshold, seq_max_k3_threshold: rejection thresholds (``None`` = off),
             each declared with its flag, valid range and meaning at the field (rule rows: ``core.rules``).
         batch_normalize: rescale applied weights to mean 1 over the kept units of the global batch.
@@ -180,15 +116,36 @@ class TISConfig:
             (``slime_tis.kernels.dispatch``: where a kernel cannot run, the torch code with one warning).
     """
 
-    use_rollout_log_probs: bool = False
-    use_tis: bool = False
-    mode: str = "truncate"
-    level: str = "token"
-    upper: float | None = None
-    lower: float | None = None
-    rs_level: str | None = None
-    rs_upper: float | None = None
-    rs_lower: float | None = None
+    use_rollout_log_probs: bool = option(
+        False, flag="--use-rollout-log-probs", aliases=("--use-rollout-logprobs",), kind="switch",
+        help="Use the rollout engine's (SGLang) log-probs as pi_old and skip the Megatron recompute "
+             "(algorithm 1; with --use-tis algorithm 3). Default: off.")
+    use_tis: bool = option(
+        False, flag="--use-tis", kind="switch",
+        help="Apply importance weights against the rollout policy (algorithm 2; with "
+             "--use-rollout-log-probs algorithm 3). Default: off.")
+    mode: str = option(
+        "truncate", flag="--tis-mode", kind="choice", choices=MODES,
+        help="How the ratio r becomes a weight: truncate w=min(r,upper); clip w=clamp(r,lower,upper); "
+             "mask w=r and reject units outside [lower,upper]. Default: truncate.")
+    level: str = option(
+        "token", flag="--tis-level", kind="choice", choices=LEVELS,
+        help="Ratio level: token (per token), sequence (product over the sequence), geometric "
+             "(geometric mean over the sequence). Default: token.")
+    upper: float | None = option(
+        None, flag="--tis-upper-bound",
+        help="Upper bound on r=pi_train/pi_rollout. Default: 2.0; 1.001 for --tis-mode mask at "
+             "--tis-level geometric.")
+    lower: float | None = option(
+        None, flag="--tis-lower-bound", help="Lower bound on r (clip and mask modes). Default: 1/upper.")
+    rs_level: str | None = option(
+        None, flag="--tis-rs-level", kind="choice", choices=LEVELS,
+        help="Rejection sampling at this level, independent of --tis-mode. Default: off.")
+    rs_upper: float | None = option(
+        None, flag="--tis-rs-upper-bound",
+        help="Rejection-sampling upper bound on r. Default: 2.0; 1.001 at geometric level.")
+    rs_lower: float | None = option(
+        None, flag="--tis-rs-lower-bound", help="Rejection-sampling lower bound on r. Default: 1/rs-upper.")
     # rejection thresholds: one declaration each (rule: the row naming the field in core.rules.RULES)
     veto_threshold: float | None = threshold(
         flag="--tis-veto-threshold", valid="in (0, 1)",
@@ -205,31 +162,75 @@ class TISConfig:
         help="Reject a sequence whose max over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
              "as verl's seq_max_k3. Default: off.",
         describe="k3 rejection: reject sequences whose max of k3 = r - 1 - log r > {value:g}")
-    batch_normalize: bool = False
-    rejected_denominator: str = "keep"
-    loss_agg: str = "token-mean"
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    dual_clip_c: float | None = None
-    safety_bound: float = 20.0
-    kernels: str = DEFAULT_KERNELS
+    token_k2_threshold: float | None = threshold(
+        flag="--tis-token-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
+        help="Reject a token whose k2 = (log r)^2 / 2 exceeds this (> 0), i.e. r outside "
+             "[exp(-sqrt(2 t)), exp(sqrt(2 t))], as verl's token_k2. Default: off.",
+        describe="k2 rejection: reject tokens whose k2 = (log r)^2 / 2 > {value:g}")
+    token_k3_threshold: float | None = threshold(
+        flag="--tis-token-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
+        help="Reject a token whose k3 = r - 1 - log r exceeds this (> 0), "
+             "as verl's token_k3. Default: off.",
+        describe="k3 rejection: reject tokens whose k3 = r - 1 - log r > {value:g}")
+    seq_sum_k2_threshold: float | None = threshold(
+        flag="--tis-seq-sum-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
+        help="Reject a sequence whose sum over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
+             "as verl's seq_sum_k2. Default: off.",
+        describe="k2 rejection: reject sequences whose sum of k2 = (log r)^2 / 2 > {value:g}")
+    seq_sum_k3_threshold: float | None = threshold(
+        flag="--tis-seq-sum-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
+        help="Reject a sequence whose sum over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
+             "as verl's seq_sum_k3. Default: off.",
+        describe="k3 rejection: reject sequences whose sum of k3 = r - 1 - log r > {value:g}")
+    seq_mean_k2_threshold: float | None = threshold(
+        flag="--tis-seq-mean-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
+        help="Reject a sequence whose mean over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
+             "as verl's seq_mean_k2. Default: off.",
+        describe="k2 rejection: reject sequences whose mean of k2 = (log r)^2 / 2 > {value:g}")
+    seq_max_k2_threshold: float | None = threshold(
+        flag="--tis-seq-max-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
+        help="Reject a sequence whose max over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
+             "as verl's seq_max_k2. Default: off.",
+        describe="k2 rejection: reject sequences whose max of k2 = (log r)^2 / 2 > {value:g}")
+    batch_normalize: bool = option(
+        False, flag="--tis-batch-normalize", kind="switch",
+        help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
+             "per step; algorithm 3: per micro-batch over DPxCP). Default: off.")
+    rejected_denominator: str = option(
+        "keep", flag="--tis-rejected-denominator", kind="choice", choices=DENOMINATORS,
+        help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). "
+             "Default: keep.")
+    loss_agg: str = option(
+        "token-mean", flag="--tis-loss-agg", kind="choice", choices=LOSS_AGGS,
+        help="Loss aggregation over the global batch. Default: token-mean.")
+    eps_clip: float = option(
+        0.2, flag="--eps-clip", valid="in [0, 1)", error="must lie in [0, 1) so that 1 - eps_clip > 0",
+        help="PPO clip epsilon (low side). Default: 0.2.")
+    eps_clip_high: float | None = option(
+        None, flag="--eps-clip-high", valid=">= 0", help="PPO clip epsilon, high side. Default: = --eps-clip.")
+    dual_clip_c: float | None = option(
+        None, flag="--eps-clip-c", valid="> 1", error="dual-clip constant must be > 1",
+        help="Dual-clip constant c > 1 for negative advantages. Default: off.")
+    safety_bound: float = option(
+        20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
+        error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
+              f"(exp(88.7)) so that clamped ratios, their products and sums stay finite",
+        help="Log-quantities are clamped to [-B, B] before exp; 0 < B <= 60 (float32 exp overflows at "
+             "88.7). Default: 20.")
+    kernels: str = option(
+        DEFAULT_KERNELS, flag="--tis-kernels", kind="choice", choices=KERNELS,
+        help="Code for the log-probs (from logits, or fused from the hidden states) and the correction's "
+             "token pass: torch, or the Triton kernels (CUDA; where one cannot run, e.g. a compile "
+             "error, the torch code with one warning). Default: torch (the Triton kernels are not yet "
+             "measured on a GPU).")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        for field in ("use_rollout_log_probs", "use_tis", "batch_normalize"):
-            if not isinstance(getattr(self, field), bool):
-                raise _bad(field, getattr(self, field), "must be a bool")
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("level", self.level, LEVELS)
-        _check_choice("rs_level", self.rs_level, LEVELS, allow_none=True)
-        _check_choice("rejected_denominator", self.rejected_denominator, DENOMINATORS)
-        _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        _check_choice("kernels", self.kernels, KERNELS)
-        for field in ("upper", "lower", "rs_upper", "rs_lower", *THRESHOLDS, "eps_clip_high", "dual_clip_c"):
-            _check_number(field, getattr(self, field))
-        for field in ("eps_clip", "safety_bound"):
-            _check_number(field, getattr(self, field), allow_none=False)
-
+        for field, declared in OPTIONS.items():  # each field alone, as declared
+            value = getattr(self, field)
+            if (problem := declared.problem(value, allow_none=DEFAULTS[field] is None)) is not None:
+                raise _bad(field, value, problem)
+        # rules between fields
         _check_upper("upper", self.upper_bound)
         _check_bounds("lower", self.lower_bound, "upper", self.upper_bound)
         if self.rs_level is None and (self.rs_upper is not None or self.rs_lower is not None):
@@ -239,20 +240,6 @@ class TISConfig:
         if self.rs_level is not None:
             _check_upper("rs_upper", self.rs_upper_bound)
             _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)
-        for field, declared in THRESHOLDS.items():
-            value = getattr(self, field)
-            if value is not None and (problem := declared.problem(value)) is not None:
-                raise _bad(field, value, problem)
-        if not 0 <= self.eps_clip < 1:
-            raise _bad("eps_clip", self.eps_clip, "must lie in [0, 1) so that 1 - eps_clip > 0")
-        if self.eps_clip_high is not None and self.eps_clip_high < 0:
-            raise _bad("eps_clip_high", self.eps_clip_high, "must be >= 0")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise _bad("dual_clip_c", self.dual_clip_c, "dual-clip constant must be > 1")
-        if not 0 < self.safety_bound <= MAX_SAFETY_BOUND:
-            raise _bad("safety_bound", self.safety_bound,
-                       f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
-                       f"(exp(88.7)) so that clamped ratios, their products and sums stay finite")
         self._check_algorithm_combinations()
 
     def _check_algorithm_combinations(self) -> None:
@@ -302,7 +289,7 @@ class TISConfig:
     @property
     def plan(self) -> Plan:
         """This configuration resolved once into plain bounds and switches (what the core reads)."""
-        return resolve(self)
+        return _resolve(self)
 
     @property
     def upper_bound(self) -> float:
@@ -368,25 +355,58 @@ class TISConfig:
         return "\n".join(lines)
 
 
-#: ``{field: Threshold}``: every rejection threshold declared on :class:`TISConfig`, in field order.
-THRESHOLDS = declared_thresholds(TISConfig)
-for _field, _declared in THRESHOLDS.items():
-    FLAG_OF[_field] = _declared.flag
-    DESTS_OF[_field] = (_declared.dest, *_declared.aliases)
-assert set(DESTS_OF) == set(FLAG_OF) == {f.name for f in dataclasses.fields(TISConfig)}, "every field needs a flag"
+#: ``{field: Option}``: every field's declaration, in field order (the source of flags, dests, validation).
+OPTIONS: dict[str, Option] = declared_options(TISConfig)
+#: ``{field: Option}``: the rejection thresholds (each drives the row of ``core.rules.RULES`` naming it).
+THRESHOLDS: dict[str, Option] = declared_thresholds(TISConfig)
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TISConfig)}
+#: Options that are not fields: the preset, expanded before the fields' flags.
+PRESET_OPTION = Option(
+    flag="--tis-preset", kind="choice", choices=tuple(PRESETS), metavar="NAME",
+    help="Expand a named preset; explicit flags override it. Presets: "
+         + "; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()),
+    readme="Expand a named preset (table below); explicit flags override it. Default: none.")
+#: Every flag of ``slime_tis.arguments.add_tis_arguments``, in order (the README's flag table).
+ALL_OPTIONS: list[Option] = [*OPTIONS.values(), PRESET_OPTION]
+#: Command-line flag of every field (used in error messages).
+FLAG_OF: dict[str, str] = {field: declared.flag for field, declared in OPTIONS.items()}
+#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
+DESTS_OF: dict[str, tuple[str, ...]] = {field: declared.dests for field, declared in OPTIONS.items()}
+SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind == "switch")
+
+
+@lru_cache(maxsize=64)
+def _resolve(config: TISConfig) -> Plan:
+    """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (hashable, frozen; cached)."""
+    rejecting = config.algorithm != 0
+    rs_level = config.rs_level if rejecting else None
+    return Plan(
+        algorithm=config.algorithm,
+        weighted=config.applies_weights,
+        mode=config.mode,
+        level=config.level,
+        lower=config.lower_bound,
+        upper=config.upper_bound,
+        log_lower=math.log(config.lower_bound),
+        log_upper=math.log(config.upper_bound),
+        mask=config.mode == "mask" and rejecting,
+        rs_level=rs_level,
+        rs_log_lower=math.log(config.rs_lower_bound) if rs_level else 0.0,
+        rs_log_upper=math.log(config.rs_upper_bound) if rs_level else 0.0,
+        batch_normalize=config.batch_normalize,
+        drop_rejected=config.rejected_denominator == "drop",
+        loss_agg=config.loss_agg,
+        eps_low=float(config.eps_clip),
+        eps_high=config.eps_high,
+        dual_clip_c=None if config.dual_clip_c is None else float(config.dual_clip_c),
+        bound=float(config.safety_bound),
+        thresholds=tuple((name, float(getattr(config, name))) for name in THRESHOLDS
+                         if rejecting and getattr(config, name) is not None),
+        kernels=config.kernels,
+    )
 
 
 def config_fields_from_args(args: Any) -> dict[str, Any]:
     """``TISConfig`` fields from a namespace: preset first, then every flag that was given."""
-    preset = getattr(args, "tis_preset", None)
-    fields: dict[str, Any] = preset_fields(preset) if preset else {}
-    for field, dests in DESTS_OF.items():
-        given = {d: getattr(args, d) for d in dests if getattr(args, d, None) is not None}
-        if field in SWITCHES:  # strictly parsed: a YAML "false" (a string) must not turn the switch on
-            if any([parse_switch(f"{FLAG_OF[field]} ({d})", v) for d, v in given.items()]):
-                fields[field] = True
-            else:
-                fields.setdefault(field, False)
-        elif given:
-            fields[field] = next(iter(given.values()))
-    return fields
+    preset = getattr(args, PRESET_OPTION.dest, None)
+    return fields_from_args(OPTIONS, args, preset_fields(preset) if preset else {})

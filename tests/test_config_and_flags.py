@@ -149,3 +149,64 @@ def test_kernels_is_one_flag_for_every_kernel():
     assert "kernels=triton" in cfg.describe() and "kernels=torch" in TISConfig().describe()
     with pytest.raises(SystemExit):
         parse(["--tis-kernels", "auto"])
+
+
+# ------------------------------------------------------------------ every field declared once
+def test_every_field_declared_once_and_every_flag_generated():
+    """Each ``TISConfig`` field carries one ``Option``; the parser's flags, dests and help are those declarations."""
+    import dataclasses
+
+    from slime_tis.config import ALL_OPTIONS, DESTS_OF, FLAG_OF, OPTIONS
+
+    assert list(OPTIONS) == [f.name for f in dataclasses.fields(TISConfig)]
+    assert set(FLAG_OF) == set(DESTS_OF) == set(OPTIONS)
+    parser = add_tis_arguments(argparse.ArgumentParser())
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert list(actions) == [o.dest for o in ALL_OPTIONS]
+    for declared in ALL_OPTIONS:
+        action = actions[declared.dest]
+        assert action.option_strings == [declared.flag, *declared.aliases] and action.default is None
+        assert action.help == declared.help and "Default:" in (declared.readme or declared.help)
+        assert action.choices == (list(declared.choices) if declared.choices else None)
+
+
+def test_per_field_validation_is_generated_from_the_declaration():
+    """Every declared range refuses a value outside it with ``FLAG (field) = value: words``; every number refuses
+    NaN and every choice an unknown value, naming the flag."""
+    import math
+    import re
+
+    from slime_tis.config import OPTIONS
+    from slime_tis.config_fields import RANGES
+
+    ranged = {f: o for f, o in OPTIONS.items() if o.valid is not None}
+    assert {"eps_clip", "eps_clip_high", "dual_clip_c", "safety_bound", "veto_threshold"} <= set(ranged)
+    for field, declared in ranged.items():
+        ok, words = RANGES[declared.valid]
+        bad = next(v for v in (-1.0, 0.0, 1.0, 1e9) if not ok(v))
+        with pytest.raises(ValueError, match=rf"^{declared.flag} \({field}\) = {bad!r}: "
+                                             rf"{re.escape(declared.error or words)}"):
+            TISConfig(use_tis=True, **{field: bad})
+    for field, declared in OPTIONS.items():
+        if declared.kind == "number":
+            with pytest.raises(ValueError, match=rf"^{declared.flag} \({field}\) = nan: must be a finite number"):
+                TISConfig(use_tis=True, **{field: math.nan})
+        if declared.kind == "choice":
+            with pytest.raises(ValueError, match=rf"^{declared.flag} \({field}\) = 'nope': must be one of "
+                                                 rf"{re.escape(', '.join(declared.choices))}"):
+                TISConfig(use_tis=True, **{field: "nope"})
+
+
+def test_readme_flag_table_is_the_generated_one():
+    """README.md's flag table is ``flag_table`` of the declarations (``python scripts/readme_flag_table.py --write``
+    regenerates it), so a flag or help text changes in one place."""
+    from pathlib import Path
+
+    from slime_tis.config import ALL_OPTIONS
+    from slime_tis.config_fields import flag_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = flag_table(ALL_OPTIONS)
+    start = readme.index("| flag | meaning and default |")
+    assert readme[start:start + len(table)] == table
+    assert not readme[start + len(table):].startswith("|"), "README has flag rows the declarations lack"

@@ -11,6 +11,8 @@ zeros, garbage values at masked positions), runs verl on it, converts it with
   bounds against ``rs_level="sequence"|"geometric"``: keep masks exactly;
 * the shared off-policy diagnostics of ``compute_offpolicy_metrics`` (and the IS / RS statistics
   that have an exact counterpart): to 1e-4 relative;
+* verl's divergence options (``token_k2/k3``, ``seq_sum_k2/k3``, ``seq_mean_k2/k3``, ``seq_max_k2/k3``) against
+  the rows of the same names, with thresholds placed between units: keep masks exactly, fractions to 1e-4;
 * one asymmetric-bounds case pinning verl's inverted k1 convention (notes_anchors.md D.3): our
   bounds are on ``r = pi_train / pi_rollout``; verl's ``"lo_hi"`` for ``*_k1`` keeps
   ``1/hi <= r <= 1/lo``;
@@ -49,6 +51,10 @@ OmegaConf = pytest.importorskip("omegaconf").OmegaConf
 SEEDS = (0, 1, 2, 3, 4)
 WEIGHT_TOL = dict(rtol=1e-5, atol=1e-6)
 METRIC_RTOL = 1e-4
+#: absolute tolerances where verl's own float32 value is the less accurate side: verl takes log_ppl_diff as the
+#: difference of two float32 per-sequence mean log-probs (magnitude <= 8, each rounded to ~5e-7), which cancels
+#: when the difference is small; ours comes from the float64 sum of the log-ratios (see the last test)
+METRIC_ATOL = {"tis/log_ppl_diff_max": 2e-6, "tis/log_ppl_diff_min": 2e-6}
 
 # verl metric (after "rollout_corr/") -> core metric, compared to METRIC_RTOL relative
 SHARED_DIAGNOSTICS = {
@@ -62,6 +68,8 @@ SHARED_DIAGNOSTICS = {
     "rollout_log_ppl": "tis/rollout_log_ppl",
     "log_ppl_diff": "tis/log_ppl_diff",
     "log_ppl_abs_diff": "tis/log_ppl_abs_diff",
+    "log_ppl_diff_max": "tis/log_ppl_diff_max",
+    "log_ppl_diff_min": "tis/log_ppl_diff_min",
     "ppl_ratio": "tis/ppl_ratio",
 }
 
@@ -192,7 +200,7 @@ def assert_metrics_match(ours: dict[str, float], verl: dict[str, float], pairs: 
     bad = []
     for verl_key, our_key in pairs.items():
         a, b = ours[our_key], verl[verl_key]
-        if not math.isclose(a, b, rel_tol=METRIC_RTOL, abs_tol=1e-12):
+        if not math.isclose(a, b, rel_tol=METRIC_RTOL, abs_tol=METRIC_ATOL.get(our_key, 1e-12)):
             rel = abs(a - b) / max(abs(b), 1e-30)
             bad.append(f"{our_key}={a!r} vs verl {verl_key}={b!r} (rel {rel:.2e})")
     assert not bad, "metrics differ from verl:\n  " + "\n  ".join(bad)
@@ -224,7 +232,8 @@ def test_truncated_is_weights_and_metrics_match_verl(seed: int, level: str) -> N
     if level == "token":
         # token units: verl's applied-weight statistics are ours exactly
         pairs.update(rollout_is_mean="tis/weight_mean", rollout_is_max="tis/weight_max",
-                     rollout_is_min="tis/weight_min", rollout_is_eff_sample_size="tis/ess")
+                     rollout_is_min="tis/weight_min", rollout_is_eff_sample_size="tis/ess",
+                     rollout_is_std="tis/weight_std")
     else:
         # sequence units: verl reports the unclamped extreme sequence ratios (ours: ratio_min/max);
         # its mean / ESS weight sequences by their token count, ours count each sequence once
@@ -277,6 +286,28 @@ def test_symmetric_rejection_matches_verl(
            f"rollout_rs_{option}_fraction_low": "tis/rs_fraction_high"},
     )
     assert_metrics_match(ours, v_metrics, pairs)
+    # sequence-level rejection: the sequences with a rejected token are the rejected sequences
+    assert ours["tis/rs_seq_masked_fraction"] == ours["tis/rejected_seq_fraction"]
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+@pytest.mark.parametrize("u", [2.0, 1.05])
+def test_token_rejection_is_verl_token_k1(seed: int, u: float) -> None:
+    """``rs_level="token"`` with bounds ``[1/u, u]`` is verl's ``token_k1`` (the third k1 option, with
+    ``seq_sum_k1`` = sequence and ``seq_mean_k1`` = geometric above): keep masks exactly. Token log-ratios are
+    random float32 values, none equal to ``+-log u``."""
+    batch = make_batch(seed)
+    _, v_mask, v_metrics = run_verl(batch, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                                    rollout_rs_threshold=u)
+    res, ours = run_core(batch, TISConfig(use_tis=True, upper=2.0, rs_level="token", rs_lower=1 / u, rs_upper=u))
+    assert torch.equal(res.keep_mask, batch.pack(v_mask) != 0)
+    assert 0.0 < ours["tis/rejected_token_fraction"] < 0.95
+    assert_metrics_match(ours, v_metrics, {
+        "rollout_rs_masked_fraction": "tis/rejected_token_fraction",
+        "rollout_rs_seq_masked_fraction": "tis/rs_seq_masked_fraction",
+        "rollout_rs_token_k1_fraction_high": "tis/rs_fraction_low",
+        "rollout_rs_token_k1_fraction_low": "tis/rs_fraction_high",
+    })
 
 
 @pytest.mark.parametrize(("rs_level", "option"), [("geometric", "seq_mean_k1"), ("sequence", "seq_sum_k1")])
@@ -323,6 +354,96 @@ def test_asymmetric_bounds_document_verl_k1_inversion(rs_level: str, option: str
         f"rollout_rs_{option}_fraction_high": "tis/rs_fraction_low",
         f"rollout_rs_{option}_fraction_low": "tis/rs_fraction_high",
     })
+
+
+# ------------------------------------------------------------------------- divergence rejection
+def _divergence_rows() -> list:
+    """The rows of ``RULES`` that are verl rejection options (threshold field ``<option>_threshold``)."""
+    from slime_tis.core.rules import RULES
+
+    return [rule for rule in RULES if rule.threshold is not None
+            and rule.threshold.removesuffix("_threshold") in rc.SUPPORTED_ROLLOUT_RS_OPTIONS]
+
+
+def _unit_statistics(batch: Batch, option: str) -> torch.Tensor:
+    """float64 statistic of verl's ``option`` per valid token (token options) or per row, as verl defines it:
+    ``k2 = lc^2 / 2``, ``k3 = exp(lc) - 1 - lc`` of ``lc = clamp(lp_old - lp_rollout, -20, 20)``."""
+    statistic, k = option.rsplit("_", 1)
+    lc = (batch.lp_old - batch.lp_rollout).double().clamp(-20.0, 20.0)
+    per_token = 0.5 * lc.square() if k == "k2" else torch.expm1(lc) - lc
+    valid = batch.mask != 0
+    if statistic == "token":
+        return per_token[valid]
+    if statistic == "seq_max":
+        return torch.where(valid, per_token, -math.inf).max(-1).values
+    total = torch.where(valid, per_token, 0.0).sum(-1)
+    return total if statistic == "seq_sum" else total / batch.mask.double().sum(-1)
+
+
+def _threshold_in_a_gap(values: torch.Tensor) -> float:
+    """A threshold between two neighbouring unit statistics in the middle of their distribution, at the widest
+    such gap: every unit is then at least half that gap away from it, far more than the float32 rounding by which
+    the two sides' statistics differ (~1e-6 relative for sums of <= 160 terms), so the masks must agree exactly.
+    """
+    v = values.sort().values
+    lo, hi = int(0.3 * len(v)), int(0.7 * len(v))
+    gaps = v[lo + 1:hi + 1] - v[lo:hi]
+    i = lo + int(gaps.argmax())
+    assert float(gaps.max()) > 1e-3 * float(v[i + 1]), "test data must leave a gap between unit statistics"
+    return float((v[i] + v[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_catastrophic_token_fraction_is_verl_token_k1_high_side(seed: int) -> None:
+    """``tis/catastrophic_token_fraction`` (valid tokens with raw ratio ``r_t < v``, the tokens the veto tests)
+    is verl's ``token_k1`` fraction above ``log(1/v)`` of ``-clamp(l, -20, 20)`` (verl 0.9.1 has no veto; for
+    ``v > e^-20`` the clamp changes nothing); the veto's keep mask is every sequence without such a token."""
+    v = math.exp(-1.5)  # the outliers of make_batch reach l = -3; no token lies at l = -1.5 exactly (random)
+    batch = make_batch(seed)
+    _, _, v_metrics = run_verl(batch, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                               rollout_rs_threshold=f"{v!r}_{1 / v!r}")
+    res, ours = run_core(batch, TISConfig(use_tis=True, upper=2.0, veto_threshold=v))
+    assert 0.0 < ours["tis/catastrophic_token_fraction"] < 0.05
+    assert_metrics_match(ours, v_metrics, {"rollout_rs_token_k1_fraction_high": "tis/catastrophic_token_fraction"})
+    catastrophic_rows = ((batch.lp_old - batch.lp_rollout < math.log(v)) & (batch.mask != 0)).any(-1)
+    expected_keep = batch.pack((~catastrophic_rows)[:, None].expand_as(batch.mask).float()) != 0
+    assert torch.equal(res.keep_mask, expected_keep & batch.p_mask)
+
+
+def test_verl_rejection_family_is_covered() -> None:
+    """Every option of verl 0.9.1's ``rollout_rs`` is a row here: the k1 options are ``rs_level`` (token_k1 =
+    token, seq_sum_k1 = sequence, seq_mean_k1 = geometric; bounds on r, tested above), every other one is the
+    divergence row of its name."""
+    k1 = {"token_k1", "seq_sum_k1", "seq_mean_k1"}
+    assert k1 <= set(rc.SUPPORTED_ROLLOUT_RS_OPTIONS)
+    rows = {rule.threshold.removesuffix("_threshold") for rule in _divergence_rows()}
+    assert rows == set(rc.SUPPORTED_ROLLOUT_RS_OPTIONS) - k1
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+@pytest.mark.parametrize("rule", _divergence_rows(), ids=lambda r: r.threshold.removesuffix("_threshold"))
+def test_divergence_rejection_matches_verl(seed: int, rule) -> None:
+    """Every divergence row (``token_k2``, ``seq_sum_k3``, ``seq_max_k2``, ...) against verl's option of that name,
+    with a threshold between units (:func:`_threshold_in_a_gap`): keep masks exactly, fractions to METRIC_RTOL
+    (ratios of exact counts; the rtol only covers verl's float32 means)."""
+    option = rule.threshold.removesuffix("_threshold")
+    batch = make_batch(seed)
+    t = _threshold_in_a_gap(_unit_statistics(batch, option))
+    _, v_mask, v_metrics = run_verl(batch, rollout_is="token", rollout_is_threshold=2.0, rollout_rs=option,
+                                    rollout_rs_threshold=t)
+    res, ours = run_core(batch, TISConfig(use_tis=True, mode="truncate", level="token", upper=2.0,
+                                          **{rule.threshold: t}))
+
+    assert torch.equal(res.keep_mask, batch.pack(v_mask) != 0)
+    rejected = ours["tis/rejected_token_fraction"]
+    assert 0.05 < rejected < 0.95, f"test data should reject some but not all tokens, got {rejected}"
+    assert_metrics_match(ours, v_metrics, {
+        f"rollout_rs_{option}_fraction_high": rule.metric,
+        "rollout_rs_masked_fraction": "tis/rejected_token_fraction",
+        "rollout_rs_seq_masked_fraction": "tis/rs_seq_masked_fraction",
+    })
+    if rule.level(TISConfig(use_tis=True, **{rule.threshold: t}).plan) == "token":  # some sequences partly kept
+        assert ours["tis/rs_seq_masked_fraction"] > ours["tis/rejected_seq_fraction"]
 
 
 # ------------------------------------------------------------------------- algorithm 2 loss

@@ -95,6 +95,7 @@ def tis_statistics(
         "tis.n_seq_valid": _total(has),
         "tis.n_seq": _total(seq_ok),
         "tis.n_seq_rejected": _total(verdict.seq_rejected & has),
+        "tis.n_seq_masked": _total(verdict.seq_masked & has),
         "tis.train_log_ppl_sum": logs[0].sum(),
         "tis.train_ppl_sum": exps[0].sum(),
         "tis.rollout_log_ppl_sum": logs[1].sum(),
@@ -117,8 +118,10 @@ def tis_statistics(
         units["tis.ratio_sum"] = e_sum + n_tok
         units["tis.ratio_sq_sum"] = tok["tis.r2_sum"]
     units["tis.n_kept_units"] = n_kept_units.to(F64)
-    units["tis.w_sum"] = _total(kept_weights)
-    units["tis.w_sq_sum"] = torch.dot(kept_weights, kept_weights).to(F64)
+    # float64 sums: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
+    w64 = kept_weights.to(F64)
+    units["tis.w_sum"] = w64.sum()
+    units["tis.w_sq_sum"] = torch.dot(w64, w64)
     if plan.rs_level is not None:
         rs_units = tok if plan.rs_level == "token" else seq
         rs_units["tis.n_rs_units"] = n_tok if plan.rs_level == "token" else seq["tis.n_seq"]
@@ -129,8 +132,11 @@ def tis_statistics(
         seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
 
     (lr_min, lr_max), (w_min, w_max) = _extremes(level_log, ratios.unit_ok(plan.level)), _extremes(weights, kept_units)
-    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min}
-    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max}
+    inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
+    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min,
+            "tis.log_ppl_diff_min": torch.cat([torch.where(seq_ok, mean_diff, inf), inf]).min()}
+    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max,
+            "tis.log_ppl_diff_max": torch.cat([torch.where(seq_ok, mean_diff, -inf), -inf]).max()}
     return MetricStats(token_sums=tok, seq_sums=seq, mins=mins, maxs=maxs)
 
 

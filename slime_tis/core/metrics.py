@@ -28,7 +28,7 @@ log_ppl_abs_diff           mean_{i in S} |mean_t lp_rollout_t - mean_t lp_train_
 ppl_ratio                  mean_{i in S} exp(clamp(mean_t lp_rollout_t - mean_t lp_train_t, -B, B))
 ratio_mean / ratio_std     mean / std of exp(clamp(L_u, -B, B)) over units, before bounds
 ratio_min / ratio_max      exp(min_u L_u) / exp(max_u L_u): true extremes, unclamped up to e^700 (float64)
-weight_mean/min/max        of applied weights w_u over kept units (after bounds and batch-norm)
+weight_mean/min/max/std    of applied weights w_u over kept units (after bounds and batch-norm)
 ess                        (sum_u w_u)^2 / (n_kept_units * sum_u w_u^2) over kept units
 truncate_fraction          units with L_u > log(upper) / units           (truncate mode)
 clip_fraction_low/high     units with L_u < log(lower) / > log(upper)    (clip mode)
@@ -40,6 +40,8 @@ nonfinite_seq_fraction     sequences with a non-finite value / sequences with va
 rejected_token_fraction    valid tokens rejected for any reason / valid tokens
 rejected_seq_fraction      sequences rejected as a whole (non-finite, veto, sequence-level rule)
                            / sequences with valid tokens
+rs_seq_masked_fraction     sequences with at least one token rejected by a rule (as a whole or by a
+                           token-level rule) / sequences with valid tokens
 batch_norm_factor          mean of the applied batch-normalisation factors
 num_tokens / num_seqs      valid tokens / sequences with valid tokens
 =========================  ==========================================================================
@@ -143,12 +145,14 @@ class MetricStats:
             nums = torch.stack([v[num] - v[den] if num in _MINUS_ONE else v[num] for _, num, den in present])
             values = safe_ratio(nums, torch.stack([v[den] for _, _, den in present]))
             out.update(zip((name for name, _, _ in present), values.unbind(0)))
-        if "tis.ratio_sum" in v:
-            n = v["tis.n_units"]
-            mean = safe_ratio(v["tis.ratio_sum"], n)
-            out["tis/ratio_std"] = (safe_ratio(v["tis.ratio_sq_sum"], n) - mean * mean).clamp(min=0).sqrt()
-        for pairs, log_space in ((_RATIO_EXTREMES, True), (_WEIGHT_EXTREMES, False)):
-            pairs = [(name, key) for name, key in pairs if key in v]
+        for name, total, squares, count in _STD_METRICS:
+            if total in v and squares in v and count in v:
+                mean = safe_ratio(v[total], v[count])
+                out[name] = (safe_ratio(v[squares], v[count]) - mean * mean).clamp(min=0).sqrt()
+        extremes = [*self.mins, *self.maxs]
+        for log_space in (True, False):
+            pairs = [(_LOG_EXTREMES[key] if log_space else key.replace(".", "/", 1), key)
+                     for key in extremes if (key in _LOG_EXTREMES) == log_space]
             if not pairs:
                 continue
             raw = torch.stack([v[key] for _, key in pairs])
@@ -188,6 +192,7 @@ _RATIO_METRICS: list[tuple[str, str, str]] = [
     *((rule.metric, rule.key, rule.denominator) for rule in RULES),
     ("tis/rejected_token_fraction", "tis.n_tok_rejected", "tis.n_tok_valid"),
     ("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid"),
+    ("tis/rs_seq_masked_fraction", "tis.n_seq_masked", "tis.n_seq_valid"),
     ("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls"),
     ("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept"),
     ("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept"),
@@ -196,5 +201,11 @@ _RATIO_METRICS: list[tuple[str, str, str]] = [
     ("policy/nonfinite_seq_fraction", "policy.n_seq_nonfinite", "policy.n_seq_valid"),
 ]
 _MINUS_ONE = {"tis.r2_sum", "tis.chi2_seq_sum"}  # chi2 = mean - 1: the numerator is sum - count
-_RATIO_EXTREMES = [("tis/ratio_min", "tis.log_ratio_min"), ("tis/ratio_max", "tis.log_ratio_max")]
-_WEIGHT_EXTREMES = [("tis/weight_min", "tis.weight_min"), ("tis/weight_max", "tis.weight_max")]
+#: (metric, sum key, sum-of-squares key, count key): std = sqrt(max(squares/count - (sum/count)^2, 0)), 0 when empty
+_STD_METRICS: list[tuple[str, str, str, str]] = [
+    ("tis/ratio_std", "tis.ratio_sum", "tis.ratio_sq_sum", "tis.n_units"),
+    ("tis/weight_std", "tis.w_sum", "tis.w_sq_sum", "tis.n_kept_units"),
+]
+#: Minima / maxima reported as ``exp`` of a log-space statistic; every other one, ``tis.X``, is the metric ``tis/X``
+#: itself (so a new extreme is one ``mins`` / ``maxs`` entry of ``core.diagnostics``).
+_LOG_EXTREMES = {"tis.log_ratio_min": "tis/ratio_min", "tis.log_ratio_max": "tis/ratio_max"}

@@ -16,7 +16,7 @@ elsewhere); it is excluded from every diagnostic and rejected. Invalid positions
 Per-sequence sums ``[n_seq, k]`` float64 (``index_add_``, each sequence its own row) of the token columns::
 
     l, lp_rollout, valid                             (COLUMNS)
-    plus one column per active rule that needs one (e.g. veto: 1[l_t < log v]; seq_mean_k3: k3_t)
+    plus one column per active rule that needs one (e.g. veto: 1[l_t < log v]; a mean-of-k3 rule: k3_t)
 
 are completed over context parallelism by one ``reducer.sequence_sum`` call. A non-finite value makes its
 sequence's sum of ``l`` non-finite (and no other sequence's): that is the non-finite flag. Every

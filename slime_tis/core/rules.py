@@ -13,16 +13,24 @@ metric                 level      test (per unit)                             re
 =====================  =========  ==========================================  =======  ===========
 nonfinite_seq_fraction sequence   NaN/inf at a valid token (always on)        yes      n_seq_valid
 veto_seq_fraction      sequence   some valid token has l_t < log v            yes      n_seq
+catastrophic_token_    token      l_t < log v (the tokens the veto tests)      no       n_tok
+fraction
 mask_fraction_low/high level      L < log lower / L > log upper (mask mode)   yes      n_units
 rs_fraction_low/high   rs_level   L < log rs_lower / L > log rs_upper         yes      n_rs_units
-seq_mean_k3_fraction   sequence   mean_t k3_t > threshold                     yes      n_seq
-seq_max_k3_fraction    sequence   max_t k3_t > threshold                      yes      n_seq
+<option>_fraction      token      k_t > threshold (``token_k2/k3``)           yes      n_tok
+<option>_fraction      sequence   sum_t / mean_t / max_t k_t > threshold      yes      n_seq
+                                  (``seq_sum_*``, ``seq_mean_*``, ``seq_max_*``)
 truncate_fraction      level      L > log upper (truncate mode, weighted)     no       n_units
 clip_fraction_low/high level      L < log lower / L > log upper (clip mode)   no       n_units
 =====================  =========  ==========================================  =======  ===========
 
+The ``<option>`` rows are verl's rejection options of the same names (:func:`_divergence`), with the per-token
+divergences ``k2 = (log r)^2 / 2`` and ``k3 = r - 1 - log r`` of the clamped log-ratio (:data:`DIVERGENCES`);
+verl's ``k1`` options are ``rs_level`` token / sequence / geometric (``token_k1``, ``seq_sum_k1``,
+``seq_mean_k1``), whose bounds are stated on ``r`` here (verl's ``"lo_hi"`` keeps ``1/hi <= r <= 1/lo``).
+
 Every test is False outside its diagnostic domain: level log-ratios are 0 there and every pair of
-bounds contains 1; per-sequence statistics are 0 there and k3 thresholds are > 0. Rejection never
+bounds contains 1; per-sequence statistics and divergences are 0 there and their thresholds are > 0. Rejection never
 changes a weight, only the keep mask.
 """
 
@@ -64,9 +72,48 @@ def _above(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
 
 
 _sequence = lambda p: "sequence"  # noqa: E731
+_token = lambda p: "token"  # noqa: E731
 _mask = lambda p: p.level if p.mask else None  # noqa: E731
 _truncate = lambda p: p.level if p.weighted and p.mode == "truncate" else None  # noqa: E731
 _clip = lambda p: p.level if p.weighted and p.mode == "clip" else None  # noqa: E731
+
+def _k2(plan: Plan, log_ratio: Tensor) -> Tensor:
+    """``k2 = (log r)^2 / 2`` of the clamped log-ratio ``lc = clamp(l, -B, B)`` (verl's ``token_k2``)."""
+    return 0.5 * log_ratio.clamp(-plan.bound, plan.bound).square()
+
+
+def _k3(plan: Plan, log_ratio: Tensor) -> Tensor:
+    """``k3 = r - 1 - log r = expm1(lc) - lc`` (verl's ``token_k3``; exact near ``r = 1``, never negative)."""
+    return ratio_moments(log_ratio, plan.bound)[2]
+
+
+#: Per-token divergences of verl's rejection options, by suffix (``k1`` is ``--tis-rs-level``, bounds on r).
+DIVERGENCES: dict[str, Callable[[Plan, Tensor], Tensor]] = {"k2": _k2, "k3": _k3}
+
+
+def _divergence(option: str) -> Rule:
+    """The row of verl's rejection option ``option`` = ``<statistic>_<k>`` (``token_k2``, ``seq_sum_k3``,
+    ``seq_mean_k2``, ``seq_max_k3``, ...): reject the unit whose statistic of the per-token divergence ``k``
+    (:data:`DIVERGENCES`) exceeds the ``TISConfig`` field ``<option>_threshold``; verl keeps ``stat <= t``.
+
+    ``token``: the token, ``k_t > t``. ``seq_sum`` / ``seq_mean``: the sequence, ``sum_t k_t > t`` /
+    ``mean_t k_t > t`` over its valid tokens (column ``k_t``). ``seq_max``: the sequence, ``max_t k_t > t``,
+    i.e. ``sum_t 1[k_t > t] > 0`` (an indicator column: exact, and a sum completes over context parallelism).
+    Metric ``tis/<option>_fraction``: units rejected / units of the domain.
+    """
+    statistic, k = option.rsplit("_", 1)
+    field, key, divergence = f"{option}_threshold", f"tis.{option}_count", DIVERGENCES[k]
+    metric = f"tis/{option}_fraction"
+    if statistic == "token":
+        return Rule(metric, key, _token, lambda p, r, lvl: divergence(p, r.log_ratio) > p.threshold(field), True,
+                    "tis.n_tok", threshold=field)
+    if statistic == "seq_max":
+        return Rule(metric, key, _sequence, lambda p, r, lvl: r.column(key) > 0, True, "tis.n_seq",
+                    column=lambda p: lambda log_r: divergence(p, log_r) > p.threshold(field), threshold=field)
+    read = {"seq_sum": Ratios.column, "seq_mean": Ratios.column_mean}[statistic]
+    return Rule(metric, key, _sequence, lambda p, r, lvl: read(r, key) > p.threshold(field), True, "tis.n_seq",
+                column=lambda p: lambda log_r: divergence(p, log_r), threshold=field)
+
 
 RULES: tuple[Rule, ...] = (
     Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", _sequence,
@@ -74,20 +121,23 @@ RULES: tuple[Rule, ...] = (
     Rule("tis/veto_seq_fraction", "tis.veto_count", _sequence,
          lambda p, r, lvl: r.column("tis.veto_count") > 0, True, "tis.n_seq",
          column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold"),
+    Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
+         lambda p, r, lvl: r.log_ratio < math.log(p.threshold("veto_threshold")), False, "tis.n_tok",
+         threshold="veto_threshold"),
     Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units"),
     Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
          "tis.n_rs_units"),
     Rule("tis/rs_fraction_high", "tis.rs_high_count", lambda p: p.rs_level, _above("rs_log_upper"), True,
          "tis.n_rs_units"),
-    Rule("tis/seq_mean_k3_fraction", "tis.seq_mean_k3_count", _sequence,
-         lambda p, r, lvl: r.column_mean("tis.seq_mean_k3_count") > p.threshold("seq_mean_k3_threshold"), True,
-         "tis.n_seq", column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2],
-         threshold="seq_mean_k3_threshold"),
-    Rule("tis/seq_max_k3_fraction", "tis.seq_max_k3_count", _sequence,
-         lambda p, r, lvl: r.column("tis.seq_max_k3_count") > 0, True, "tis.n_seq",
-         column=lambda p: lambda log_r: ratio_moments(log_r, p.bound)[2] > p.threshold("seq_max_k3_threshold"),
-         threshold="seq_max_k3_threshold"),
+    _divergence("seq_mean_k3"),
+    _divergence("seq_max_k3"),
+    _divergence("token_k2"),
+    _divergence("token_k3"),
+    _divergence("seq_sum_k2"),
+    _divergence("seq_sum_k3"),
+    _divergence("seq_mean_k2"),
+    _divergence("seq_max_k2"),
     Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units"),
     Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units"),
     Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units"),
@@ -101,9 +151,37 @@ def active(plan: Plan) -> list[tuple[Rule, str]]:
             and (level := rule.level(plan)) is not None]
 
 
+#: Column of the tokens hit by a token-level rejecting row, summed per sequence: a sequence with a rejected token
+#: (complete over context parallelism, like every column). Present while a token-level rejecting row is active.
+TOKEN_REJECTIONS = "tis.token_rejections"
+
+
+class _TokenLogRatios:
+    """What a token-level row's test reads (the token log-ratios ``l``), before the per-sequence sums exist."""
+
+    def __init__(self, log_ratio: Tensor) -> None:
+        self.log_ratio = log_ratio
+
+    def level_log_ratio(self, level: str) -> Tensor:
+        return self.log_ratio
+
+
 def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
-    """Token columns the active rules need summed per sequence, named by the rule's key."""
-    return {rule.key: rule.column(plan) for rule, _ in active(plan) if rule.column is not None}
+    """Token columns the active rules need summed per sequence, named by the rule's key, plus
+    :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads only token log-ratios)."""
+    rows = active(plan)
+    columns = {rule.key: rule.column(plan) for rule, _ in rows if rule.column is not None}
+    token_rows = [rule for rule, level in rows if rule.rejects and level == "token"]
+    if token_rows:
+        def token_rejections(log_r: Tensor) -> Tensor:
+            view = _TokenLogRatios(log_r)
+            hit = torch.zeros_like(log_r, dtype=torch.bool)
+            for rule in token_rows:
+                hit = hit | rule.test(plan, view, "token")
+            return hit
+
+        columns[TOKEN_REJECTIONS] = token_rejections
+    return columns
 
 
 @dataclass(frozen=True)
@@ -113,18 +191,21 @@ class Verdict:
     ``hits``: ``(rule, level, mask)`` per active row, mask ``[T]`` or ``[n_seq]`` bool.
     ``seq_rejected``: ``[n_seq]`` sequences rejected as a whole. ``token_rejected``: ``[T]`` tokens
     rejected by a token-level rule, or None. ``keep``: ``[T]`` valid tokens that survive every rule.
+    ``seq_masked``: ``[n_seq]`` sequences with at least one token rejected by a rule (whole or token-level;
+    complete over context parallelism).
     """
 
     hits: list[tuple[Rule, str, Tensor]]
     seq_rejected: Tensor
     token_rejected: Tensor | None
     keep: Tensor
+    seq_masked: Tensor
 
     def with_rejected_tokens(self, rejected: Tensor) -> Verdict:
         """The verdict with ``[T]`` bool ``rejected`` tokens rejected as well, as by a token-level rule
         (e.g. a host's own mask applied before the correction); weights and rows' hits are unchanged."""
         token = rejected if self.token_rejected is None else self.token_rejected | rejected
-        return Verdict(self.hits, self.seq_rejected, token, self.keep & ~rejected)
+        return Verdict(self.hits, self.seq_rejected, token, self.keep & ~rejected, self.seq_masked)
 
 
 def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
@@ -140,6 +221,8 @@ def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
         else:
             seq_rejected = seq_rejected | mask
     keep = (~seq_rejected).index_select(0, ratios.seq_id) & ratios.valid
+    seq_masked = seq_rejected
     if token_rejected is not None:
         keep = keep & ~token_rejected
-    return Verdict(hits, seq_rejected, token_rejected, keep)
+        seq_masked = seq_rejected | (ratios.column(TOKEN_REJECTIONS) > 0)
+    return Verdict(hits, seq_rejected, token_rejected, keep, seq_masked)

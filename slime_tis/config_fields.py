@@ -1,0 +1,207 @@
+"""Declarations of the ``TISConfig`` fields: one :class:`Option` per field, the single source of its flag.
+
+Each field of ``TISConfig`` (``slime_tis.config``) is declared with :func:`option` (or :func:`threshold`, an option
+for a rejection rule's threshold): its command-line flag and host aliases, its kind (a switch, a choice or a
+number), its choices or valid range, its help text (ending with the effective default) and, where it has one, its
+start-up line. Everything else is generated from these declarations:
+
+* the argparse flags (:func:`add_options`, used by ``slime_tis.arguments.add_tis_arguments``);
+* the argparse dests read back into fields (:func:`fields_from_args`, ``TISConfig.from_args``);
+* the per-field validation and its error messages (:meth:`Option.problem`, ``TISConfig.__post_init__``);
+  rules between fields (``lower < upper``, algorithm combinations) stay hand-written in ``config.py``;
+* the threshold lines of ``TISConfig.describe()``;
+* the README's flag table (:func:`flag_table`; ``python scripts/readme_flag_table.py --write`` rewrites it).
+
+Options that are not fields (``--tis-preset``) are declared here as :data:`EXTRA_OPTIONS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Option", "option", "threshold", "declared_options", "RANGES", "SWITCH_WORDS", "parse_switch",
+           "add_options", "fields_from_args", "flag_table"]
+
+#: Spellings of a switch's value (case-insensitive strings; YAML quotes keep ``"false"`` a string).
+SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+#: Largest ``--tis-safety-bound``: ``exp(B)`` is float32's largest value at ``B = 88.7``; at 60, ``exp(B) = 1.1e26``
+#: leaves a factor 3e12 for the advantages and the sums over tokens in which clamped ratios appear.
+MAX_SAFETY_BOUND = 60.0
+
+#: Valid ranges of a number: the test and the words of the error message.
+RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "> 0": (lambda v: v > 0, "must be > 0"),
+    ">= 0": (lambda v: v >= 0, "must be >= 0"),
+    "> 1": (lambda v: v > 1, "must be > 1"),
+    "in (0, 1)": (lambda v: 0 < v < 1, "must lie in (0, 1)"),
+    "in [0, 1)": (lambda v: 0 <= v < 1, "must lie in [0, 1)"),
+    f"in (0, {MAX_SAFETY_BOUND:g}]": (lambda v: 0 < v <= MAX_SAFETY_BOUND, f"must lie in (0, {MAX_SAFETY_BOUND:g}]"),
+}
+
+KINDS = ("switch", "choice", "number")
+
+
+@dataclass(frozen=True)
+class Option:
+    """Declaration of one command-line option (the metadata of a ``TISConfig`` field, or an extra option).
+
+    Attributes:
+        flag: command-line flag; its argparse dest is the flag without ``--``, ``-`` -> ``_``.
+        help: argparse help, ending with the effective default ("Default: off.").
+        kind: ``"switch"`` (a bool turned on by the flag), ``"choice"`` (one of ``choices``) or ``"number"``.
+        choices: the allowed values of a choice.
+        valid: key of :data:`RANGES`, the valid range of a number (``None``: any finite number).
+        why: reason appended to the range's words in the error message, ``"words (why)"``.
+        error: the whole error text of an out-of-range value instead of ``"words (why)"``.
+        describe: the ``TISConfig.describe()`` line while the field is set, ``{value:g}`` is its value.
+        aliases: other flags for the same value (a host's spelling); their dests are read too.
+        readme: the README table's text when it differs from ``help``.
+        metavar: shown after the flag in the README table (e.g. ``NAME``).
+    """
+
+    flag: str
+    help: str
+    kind: str = "number"
+    choices: tuple[str, ...] | None = None
+    valid: str | None = None
+    why: str = ""
+    error: str = ""
+    describe: str = ""
+    aliases: tuple[str, ...] = ()
+    readme: str = ""
+    metavar: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Option {self.flag}: kind = {self.kind!r}: must be one of {', '.join(KINDS)}")
+        if self.valid is not None and self.valid not in RANGES:
+            raise ValueError(f"Option {self.flag}: valid = {self.valid!r}: must be one of {', '.join(RANGES)}")
+        if (self.kind == "choice") != (self.choices is not None):
+            raise ValueError(f"Option {self.flag}: choices are given exactly for kind 'choice'")
+
+    @property
+    def dest(self) -> str:
+        return _dest(self.flag)
+
+    @property
+    def dests(self) -> tuple[str, ...]:
+        """Every argparse dest that may carry the value: ours first, then the aliases' (a host's)."""
+        return (self.dest, *(_dest(a) for a in self.aliases))
+
+    def problem(self, value: Any, allow_none: bool) -> str | None:
+        """The error text for an invalid ``value`` of this option, or None when it is valid."""
+        if value is None and allow_none:
+            return None
+        if self.kind == "switch":
+            return None if isinstance(value, bool) else "must be a bool"
+        if self.kind == "choice":
+            if value in self.choices:
+                return None
+            return f"must be one of {', '.join(self.choices)}" + (" or None" if allow_none else "")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return "must be a finite number"
+        if self.valid is None:
+            return None
+        ok, words = RANGES[self.valid]
+        if ok(value):
+            return None
+        return self.error or words + (f" ({self.why})" if self.why else "")
+
+    def argparse_kwargs(self) -> dict[str, Any]:
+        """``add_argument`` keyword arguments: every option defaults to None ("not given")."""
+        if self.kind == "switch":
+            return dict(action="store_true", default=None, help=self.help)
+        if self.kind == "choice":
+            return dict(choices=list(self.choices), default=None, help=self.help)
+        return dict(type=float, default=None, help=self.help)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def option(default: Any, **declaration: Any) -> Any:
+    """A ``TISConfig`` field with default ``default`` carrying an :class:`Option`."""
+    return dataclasses.field(default=default, metadata={"option": Option(**declaration)})
+
+
+def threshold(**declaration: Any) -> Any:
+    """A rejection rule's threshold: a number field ``float | None = None`` (None = rule off) whose declaration
+    states its valid range and start-up line (the rule's row in ``core.rules.RULES`` names the field)."""
+    return dataclasses.field(default=None, metadata={"option": Option(**declaration), "threshold": True})
+
+
+def declared_options(config: Any) -> dict[str, Option]:
+    """``{field name: Option}`` of a ``TISConfig`` class or instance, in field order."""
+    return {f.name: f.metadata["option"] for f in dataclasses.fields(config)}
+
+
+def declared_thresholds(config: Any) -> dict[str, Option]:
+    """The threshold fields' options, in field order."""
+    return {f.name: f.metadata["option"] for f in dataclasses.fields(config) if f.metadata.get("threshold")}
+
+
+def parse_switch(name: str, value: Any) -> bool:
+    """A switch's value from a flag, a preset or a YAML key: a bool, 0 / 1, or one of :data:`SWITCH_WORDS`.
+
+    Anything else (``"flase"``, ``2``, ``[]``) raises ``ValueError`` naming ``name`` and the value, so that a
+    quoted ``"false"`` can never turn a switch on.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in SWITCH_WORDS:
+        return SWITCH_WORDS[value.strip().lower()]
+    raise ValueError(f"{name} = {value!r}: expected a boolean (true/false, yes/no, on/off or 1/0)")
+
+
+def add_options(parser: argparse.ArgumentParser, options: list[Option], title: str) -> argparse.ArgumentParser:
+    """Add ``options`` to ``parser`` in one group, reusing any flag the parser already defines; returns it."""
+    existing = parser._option_string_actions  # argparse keeps every registered option string here
+    existing_dests = {a.dest for a in parser._actions}
+    group = parser.add_argument_group(title)
+    for declared in options:
+        strings = [declared.flag, *declared.aliases]
+        free = [s for s in strings if s not in existing]
+        if not free or (declared.dest in existing_dests and len(free) < len(strings)):
+            continue  # the host already defines this option: reuse it
+        group.add_argument(*free, dest=declared.dest, **declared.argparse_kwargs())
+    return parser
+
+
+def fields_from_args(options: dict[str, Option], args: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` updated with every option given in namespace ``args`` (any of its dests).
+
+    A switch is on if any of its dests is (strictly parsed: a YAML ``"false"``, a string, must not turn it on),
+    else it keeps its value in ``fields`` (a preset's) or is off.
+    """
+    for field, declared in options.items():
+        given = {d: getattr(args, d) for d in declared.dests if getattr(args, d, None) is not None}
+        if declared.kind == "switch":
+            if any([parse_switch(f"{declared.flag} ({d})", v) for d, v in given.items()]):
+                fields[field] = True
+            else:
+                fields.setdefault(field, False)
+        elif given:
+            fields[field] = next(iter(given.values()))
+    return fields
+
+
+def flag_table(options: list[Option]) -> str:
+    """The README's flag table (markdown), one row per option in declaration order."""
+    rows = ["| flag | meaning and default |", "|---|---|"]
+    for declared in options:
+        flags = ", ".join(f"`{s}`" for s in (declared.flag, *declared.aliases))
+        if declared.metavar:  # a named value (its choices are listed elsewhere)
+            flags = f"`{declared.flag} {declared.metavar}`"
+        elif declared.kind == "choice":
+            flags += " {" + ",".join(declared.choices) + "}"
+        rows.append(f"| {flags} | {declared.readme or declared.help} |")
+    return "\n".join(rows) + "\n"
