@@ -63,6 +63,12 @@ class Algorithm:
         return self.anchor is not None
 
     @property
+    def step_batch_norm(self) -> bool:
+        """Batch normalisation covers the whole step, fixed before it (the weights read pi_old, known before the
+        step: algorithm 2); otherwise (algorithm 3) each micro-batch normalises over its own data."""
+        return self.weighted and self.lp_train == "lp_old"
+
+    @property
     def rejects(self) -> bool:
         """Rejection rules act (algorithms 1-3); algorithm 0 rejects only non-finite data."""
         return self.reads_rollout

@@ -29,6 +29,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, rule_columns
+from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
 from slime_tis.core.weights import normalisation_factor, unit_weights
 
 __all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "scalar_tensor",
@@ -152,8 +153,7 @@ def correct(
         factor: Tensor | None = None
         if plan.batch_normalize:
             if batch_norm_factor is None:
-                total = reducer.batch_sum(torch.stack([norm_sum, norm_count]), per_sequence=plan.per_sequence)
-                factor = normalisation_factor(total[0], total[1])
+                factor = batch_norm_factor_over(plan, norm_sum, norm_count, reducer)
             else:
                 factor = scalar_tensor(batch_norm_factor, weights.device)
             weights, kept_weights = weights * factor, kept_weights * factor

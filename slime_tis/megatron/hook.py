@@ -200,10 +200,9 @@ class TISForwardBackward:
                 num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
                 chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
             if batches is not None and lps is not None:
+                pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
                 if pi_old_pass:
                     batches = self._fill_missing_pi_old(batches, lps)
-                else:
-                    pre = lps
         plan = (plan_step(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
                 if batches is not None else None)
         collector: list[MetricStats] = []

@@ -13,9 +13,13 @@ data-parallel (x context-parallel) ranks:
 The loss of micro-batch ``k`` is then ``local_sum_k / D``, so the sum over micro-batches and ranks is
 the whole-batch loss whatever the micro-batch, DP, CP or PP sizes (SPEC "Loss aggregation").
 
-Keep masks (``--tis-rejected-denominator drop``) reproduce exactly what ``policy_loss`` will decide:
-the training-side log-probs are ``lp_old`` (algorithms 0, 2) or ``lp_theta`` at the step's parameters
-(algorithms 1, 3; obtained by a forward-only pass, see ``recompute``).
+Keep masks (``--tis-rejected-denominator drop``) and the batch-norm sums come from the same correction call as
+``policy_loss`` makes, on the same inputs (``core.algorithms.correction_inputs``, the algorithm's row): the
+training-side log-probs are ``lp_old`` (algorithms 0, 2) or ``lp_theta`` at the step's parameters (algorithms
+1, 3); ``lp_theta`` is known before the step only from a forward-only pass at its parameters (``recompute``:
+the pi_old pass of ``pi_old="auto"`` or the pre-pass of algorithms 1, 3), and wherever it is known, its
+non-finite values reject their sequence here as in the loss. Without such a pass (``pi_old="rollout"``)
+the totals see every input but ``lp_theta``.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator, normalisation_factor
+from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator
+from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import as_valid_mask
+from slime_tis.core.weights import batch_norm_factor
 from slime_tis.megatron.batch import TISBatch
 
 __all__ = ["StepPlan", "plan_step", "needs_pre_pass", "needs_pi_old_pass"]
@@ -47,23 +53,27 @@ def needs_pi_old_pass(cfg: TISConfig) -> bool:
     """Algorithms 0 and 2 with pi_old taken from the training forward (``pi_old="auto"``, one optimizer step per
     rollout: pi_old = sg(pi_theta) at the step's parameters): whether the plan needs pi_old of every micro-batch
     before the first loss, i.e. a forward-only pass. Only ``drop`` (keep masks enter the denominator) and
-    algorithm 2's batch normalisation (its factor is a whole-batch mean of the weights) need it; otherwise each
-    micro-batch's loss takes ``lp_old = lp_theta.detach()`` from its own training forward, at no extra cost."""
-    return cfg.needs_old_log_probs and (cfg.rejected_denominator == "drop"
-                                        or (cfg.algorithm == 2 and cfg.batch_normalize))
+    the batch normalisation of a weighted algorithm with pi_old (algorithm 2; its factor is a whole-batch mean of
+    the weights) need it; otherwise each micro-batch's loss takes ``lp_old = lp_theta.detach()`` from its own
+    training forward, at no extra cost."""
+    row = algorithm_of(cfg)
+    return row.needs_pi_old and (cfg.rejected_denominator == "drop" or (row.step_batch_norm and cfg.batch_normalize))
 
 
 def needs_pre_pass(cfg: TISConfig) -> bool:
-    """Algorithms 1 and 3 with ``drop`` and a rejecting rule need ``lp_theta`` of the whole step up front."""
-    return cfg.algorithm in (1, 3) and cfg.rejected_denominator == "drop" and cfg.rejects
+    """Algorithms whose ratios read ``lp_theta`` (1, 3) with ``drop`` and a rejecting rule need ``lp_theta`` of the
+    whole step up front."""
+    return algorithm_of(cfg).lp_train == "lp_theta" and cfg.rejected_denominator == "drop" and cfg.rejects
 
 
-def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer) -> TISResult:
-    """The correction ``policy_loss`` will compute for this micro-batch: its keep mask (non-finite, mask
-    mode, RS, veto) and its unnormalised batch-norm sums, from one ``compute_tis`` call."""
-    alg = cfg.algorithm
-    lp_rollout = batch.rollout_log_probs if alg != 0 else lp_train
-    extra = (batch.advantages.float(),) + ((lp_train,) if alg == 2 else ())
+def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer,
+                     lp_theta: Tensor | None) -> TISResult:
+    """The correction ``policy_loss`` will compute for this micro-batch (the same inputs, the algorithm's row):
+    its keep mask (non-finite, mask mode, RS, veto) and its unnormalised batch-norm sums, from one call."""
+    row = algorithm_of(cfg)
+    lp_train, lp_rollout, extra = correction_inputs(
+        cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs if row.reads_rollout else None,
+        advantages=batch.advantages.float(), lp_theta=None if lp_theta is None else lp_theta.float())
     # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
     # per-call all-reduce
     return compute_tis(cfg, lp_train, lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
@@ -78,8 +88,8 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         batches: this rank's micro-batches of the step, with ``old_log_probs`` filled for algorithms 0, 2.
         reducer: the distributed reducer (``MegatronReducer``); every rank of the DP x CP group calls
             this function with the same number of micro-batches.
-        pre_log_probs: ``lp_theta`` at the step's parameters per micro-batch (only when
-            :func:`needs_pre_pass`).
+        pre_log_probs: ``lp_theta`` at the step's parameters per micro-batch, where a forward-only pass
+            computed it (:func:`needs_pre_pass`, or the pi_old pass of :func:`needs_pi_old_pass`).
         pi_old_from_theta: algorithms 0, 2 without a pi_old pass (not :func:`needs_pi_old_pass`): a missing
             ``old_log_probs`` is the loss's detached ``lp_theta``, which nothing here needs.
 
@@ -88,40 +98,37 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     """
     if not batches:
         raise ValueError("plan_step needs at least one micro-batch")
-    alg = cfg.algorithm
+    row = algorithm_of(cfg)
     device = batches[0].labels.device
     drop = cfg.rejected_denominator == "drop"
     seq_domain = cfg.loss_agg != "token-mean"
-    bn = alg == 2 and cfg.batch_normalize
-    bn_seq = cfg.level != "token"
+    bn = row.step_batch_norm and cfg.batch_normalize  # algorithm 2: once per step
     den = torch.zeros((), dtype=torch.float32, device=device)
     n_tok = torch.zeros((), dtype=torch.float32, device=device)
-    bn_sums = torch.zeros(2, dtype=torch.float32, device=device)
+    norm_sum = torch.zeros((), dtype=torch.float32, device=device)
+    norm_count = torch.zeros((), dtype=torch.float32, device=device)
     for k, b in enumerate(batches):
-        if alg in (0, 2) and b.old_log_probs is None and not pi_old_from_theta:
-            raise ValueError(f"micro-batch {k}: algorithm {alg} needs old_log_probs (pi_old): compute it once per "
-                             "rollout with compute_old_log_probs (or supply it), or use pi_old='auto'")
-        if alg in (1, 2, 3) and b.rollout_log_probs is None:
-            raise ValueError(f"micro-batch {k}: algorithm {alg} needs rollout_log_probs in its TISBatch")
+        if row.needs_pi_old and b.old_log_probs is None and not pi_old_from_theta:
+            raise ValueError(f"micro-batch {k}: algorithm {row.number} needs old_log_probs (pi_old): compute it once "
+                             "per rollout with compute_old_log_probs (or supply it), or use pi_old='auto'")
+        if row.reads_rollout and b.rollout_log_probs is None:
+            raise ValueError(f"micro-batch {k}: algorithm {row.number} needs rollout_log_probs in its TISBatch")
+        lp_theta = pre_log_probs[k] if pre_log_probs else None
         keep = None
         res = None
-        if drop:
-            lp_train = b.old_log_probs if alg in (0, 2) else (pre_log_probs[k] if pre_log_probs else None)
+        if drop or bn:
+            lp_train = b.old_log_probs if row.lp_train == "lp_old" else lp_theta
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs
-            res = _step_correction(cfg, b, lp_train.float(), reducer)
-            keep = res.keep_mask
+            res = _step_correction(cfg, b, lp_train.float(), reducer, lp_theta)
+            keep = res.keep_mask if drop else None
         den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)
         n_tok = n_tok + as_valid_mask(b.loss_mask).float().sum()
-        if bn:  # algorithm 2: the same call as for drop (lp_train = pi_old), made once
-            res = res if res is not None else _step_correction(cfg, b, b.old_log_probs.float(), reducer)
-            bn_sums = bn_sums + torch.stack([res.norm_sum, res.norm_count])
+        if bn:
+            norm_sum, norm_count = norm_sum + res.norm_sum, norm_count + res.norm_count
     # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
     den = reducer.batch_sum(den, per_sequence=seq_domain)
     n_tok = reducer.batch_sum(n_tok)
-    factor = None
-    if bn:
-        total = reducer.batch_sum(bn_sums, per_sequence=bn_seq)
-        factor = normalisation_factor(total[0], total[1])
+    factor = batch_norm_factor(cfg.plan, norm_sum, norm_count, reducer) if bn else None
     return StepPlan(denominator=den, num_tokens=n_tok, batch_norm_factor=factor,
                     num_microbatches=len(batches))
