@@ -1,4 +1,4 @@
-"""Step plan: the global quantities every micro-batch's loss needs, computed once before the first one.
+"""Step totals: the global quantities every micro-batch's loss needs, computed once before the first one.
 
 For the ``M`` micro-batches of one optimizer step on this rank (last pipeline stage) and the
 data-parallel (x context-parallel) ranks:
@@ -36,11 +36,11 @@ from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.weights import batch_norm_factor
 from slime_tis.megatron.batch import TISBatch
 
-__all__ = ["StepPlan", "plan_step", "needs_pre_pass", "needs_pi_old_pass"]
+__all__ = ["StepTotals", "step_totals", "needs_pre_pass", "needs_pi_old_pass", "StepPlan", "plan_step"]
 
 
 @dataclass
-class StepPlan:
+class StepTotals:
     """Global per-step quantities (scalar float32 tensors on the batch device; see module docstring)."""
 
     denominator: Tensor
@@ -51,7 +51,7 @@ class StepPlan:
 
 def needs_pi_old_pass(cfg: TISConfig) -> bool:
     """Algorithms 0 and 2 with pi_old taken from the training forward (``pi_old="auto"``, one optimizer step per
-    rollout: pi_old = sg(pi_theta) at the step's parameters): whether the plan needs pi_old of every micro-batch
+    rollout: pi_old = sg(pi_theta) at the step's parameters): whether the step totals need pi_old of every micro-batch
     before the first loss, i.e. a forward-only pass. Only ``drop`` (keep masks enter the denominator) and
     the batch normalisation of a weighted algorithm with pi_old (algorithm 2; its factor is a whole-batch mean of
     the weights) need it; otherwise each micro-batch's loss takes ``lp_old = lp_theta.detach()`` from its own
@@ -80,8 +80,8 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
                        batch_norm_factor=1.0, extra_finite=extra)
 
 
-def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
-              pre_log_probs: list[Tensor] | None = None, pi_old_from_theta: bool = False) -> StepPlan:
+def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
+                pre_log_probs: list[Tensor] | None = None, pi_old_from_theta: bool = False) -> StepTotals:
     """Global denominator, token count and (algorithm 2) batch-norm factor for one optimizer step.
 
     Args:
@@ -97,7 +97,7 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     for the token domain and one for the sequence domain.
     """
     if not batches:
-        raise ValueError("plan_step needs at least one micro-batch")
+        raise ValueError("step_totals needs at least one micro-batch")
     row = algorithm_of(cfg)
     device = batches[0].labels.device
     drop = cfg.rejected_denominator == "drop"
@@ -130,5 +130,10 @@ def plan_step(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     den = reducer.batch_sum(den, per_sequence=seq_domain)
     n_tok = reducer.batch_sum(n_tok)
     factor = batch_norm_factor(cfg.plan, norm_sum, norm_count, reducer) if bn else None
-    return StepPlan(denominator=den, num_tokens=n_tok, batch_norm_factor=factor,
+    return StepTotals(denominator=den, num_tokens=n_tok, batch_norm_factor=factor,
                     num_microbatches=len(batches))
+
+
+#: Earlier names of :class:`StepTotals` and :func:`step_totals`.
+StepPlan = StepTotals
+plan_step = step_totals
