@@ -176,9 +176,8 @@ class TISForwardBackward:
             return self.forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, forward_only=True, **kwargs)
-        with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):
-            return self._train(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                               num_microbatches=num_microbatches, **kwargs)
+        return self._train(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                           num_microbatches=num_microbatches, **kwargs)
 
     def _train(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
                **kwargs: Any) -> list:
@@ -204,25 +203,26 @@ class TISForwardBackward:
         pi_old_pass = self.recomputes_pi_old and needs_pi_old_pass(cfg)
         pi_old_from_theta = self.recomputes_pi_old and not pi_old_pass  # no extra forward: sg(lp_theta)
         self.last_recomputed = pi_old_pass or needs_pre_pass(cfg)
-        if self.last_recomputed:
-            lps = recompute_log_probs(
-                self.forward_backward_func, forward_step_func, items, model, batches=batches,
-                num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
-                chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
-            if batches is not None and lps is not None:
-                pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
-                if pi_old_pass:
-                    batches = self._fill_missing_pi_old(batches, lps)
-        totals = (step_totals(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
-                  if batches is not None else None)
         collector: list[MetricStats] = []
-        forward_step = forward_step_with_tis_loss(
-            forward_step_func, cfg, batches, totals, form, reducer, collector=collector,
-            temperature=self.temperature, chunk_size=self.chunk_size, output_layer=self.output_layer,
-            pi_old_from_theta=pi_old_from_theta)
-        out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
-                                         model=model, num_microbatches=num_microbatches, forward_only=False,
-                                         **kwargs)
+        with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):  # steps 3-5
+            if self.last_recomputed:
+                lps = recompute_log_probs(
+                    self.forward_backward_func, forward_step_func, items, model, batches=batches,
+                    num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
+                    chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
+                if batches is not None and lps is not None:
+                    pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
+                    if pi_old_pass:
+                        batches = self._fill_missing_pi_old(batches, lps)
+            totals = (step_totals(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
+                      if batches is not None else None)
+            forward_step = forward_step_with_tis_loss(
+                forward_step_func, cfg, batches, totals, form, reducer, collector=collector,
+                temperature=self.temperature, chunk_size=self.chunk_size, output_layer=self.output_layer,
+                pi_old_from_theta=pi_old_from_theta)
+            out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
+                                             model=model, num_microbatches=num_microbatches, forward_only=False,
+                                             **kwargs)
         self.last_totals = totals
         self.last_metrics = aggregate_metrics(collector, reducer, step=self.train_call) if is_last else {}
         if is_last and self.metrics_in_loss_dicts:
