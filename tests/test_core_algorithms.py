@@ -75,17 +75,18 @@ def test_table_agrees_with_the_config_switches():
 @pytest.mark.parametrize("alg", [0, 1, 2, 3])
 @pytest.mark.parametrize("poison", ["lp_theta", "lp_old", "lp_rollout", "advantages"])
 def test_one_non_finite_policy(alg, poison):
-    """Sequence A is rejected iff the poisoned input is one the algorithm reads (algorithm 0 reads lp_rollout for
-    its diagnostics when given); loss and gradient stay finite either way."""
+    """Sequence A is rejected iff the poisoned input is one the algorithm's loss reads (algorithm 0's loss does not
+    read lp_rollout: a NaN there only leaves A out of its diagnostics); loss and gradient stay finite either way."""
     x = _inputs(poison)
     theta = x["lp_theta"].requires_grad_(True)
     out = policy_loss(CONFIGS[alg], theta, x["lp_old"], x["lp_rollout"], x["advantages"], MASK, CU)
     out.loss.backward()
-    reads = set(ALGORITHMS[alg].finite) | {"lp_rollout"}
-    rejected = poison in reads
+    rejected = poison in ALGORITHMS[alg].finite
     assert out.keep_mask.tolist() == [not rejected] * 3 + [True] * 3
     assert out.stats.finalize()["policy/nonfinite_seq_fraction"].item() == pytest.approx(0.5 if rejected else 0.0)
     assert torch.isfinite(out.loss) and torch.isfinite(theta.grad).all()
+    diagnosed = poison in ("lp_rollout", "lp_old") if alg == 0 else rejected  # algorithm 0: lp_old vs lp_rollout
+    assert out.stats.finalize()["tis/nonfinite_seq_fraction"].item() == pytest.approx(0.5 if diagnosed else 0.0)
 
 
 @pytest.mark.parametrize("with_rollout", [True, False])

@@ -9,22 +9,24 @@ importance weight of ``r = pi_train / pi_rollout``, ``ppo(rho)`` the clipped sur
     2    yes     lp_old       yes       lp_old                    w * ppo(exp(lp_theta - lp_old))
     3    no      (none)       yes       sg(lp_theta)              -w * A * lp_theta
 
-The non-finite policy, the same for every algorithm and adapter: **a sequence counts only if every input its
-loss reads is finite at all its valid tokens** (the row's :attr:`Algorithm.finite`: lp_theta, the advantages,
-lp_old where the row needs pi_old, lp_rollout where it reads rollout log-probs; algorithm 0 reads them for its
-diagnostics whenever they are given). Such a sequence is rejected and counted (``nonfinite_seq_fraction``);
-:func:`correction_inputs` lays these inputs out for the one correction call (``core.correction.correct``) that
+The non-finite policy, the same for every algorithm and adapter: **a sequence counts in the loss only if every
+input its loss reads is finite at all its valid tokens** (the row's :attr:`Algorithm.finite`: lp_theta, the
+advantages, lp_old where the row needs pi_old, lp_rollout where the loss reads it). Such a sequence is rejected
+and counted (``nonfinite_seq_fraction``). In algorithms 1-3 the correction decides the loss, so its diagnostics
+see the same sequences; algorithm 0's correction only diagnoses (its ``tis/*`` metrics cover the sequences with
+finite lp_old and lp_rollout) and its loss's inputs are one more per-sequence column of the same call.
+:func:`correction_inputs` lays the inputs out for the one correction call (``core.correction.correct``) that
 decides it, so the loss, the Megatron step totals and the slime hooks decide alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
-__all__ = ["Algorithm", "ALGORITHMS", "algorithm_of", "correction_inputs"]
+__all__ = ["Algorithm", "ALGORITHMS", "CorrectionInputs", "algorithm_of", "correction_inputs"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,7 @@ class Algorithm:
 
     @property
     def finite(self) -> tuple[str, ...]:
-        """Inputs that must be finite at every valid token of a sequence for it to count (lp_rollout also in
-        algorithm 0 when it is given)."""
+        """Inputs that must be finite at every valid token of a sequence for it to count in the loss."""
         return (("lp_theta",) + (("lp_old",) if self.needs_pi_old else ())
                 + (("lp_rollout",) if self.reads_rollout else ()) + ("advantages",))
 
@@ -94,9 +95,18 @@ def algorithm_of(config: Any) -> Algorithm:
     return ALGORITHMS[number]
 
 
+class CorrectionInputs(NamedTuple):
+    """The inputs of one correction call (``core.correction.correct`` / ``compute_tis``)."""
+
+    lp_train: Tensor
+    lp_rollout: Tensor
+    extra_finite: tuple[Tensor, ...]
+    loss_finite: tuple[Tensor, ...]
+
+
 def correction_inputs(config: Any, *, lp_train: Tensor, lp_rollout: Tensor | None, advantages: Tensor | None,
-                      lp_theta: Tensor | None = None) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-    """``(lp_train, lp_rollout, extra_finite)`` of the correction call that decides which sequences count.
+                      lp_theta: Tensor | None = None) -> CorrectionInputs:
+    """The inputs of the correction call that decides which sequences count (module docstring).
 
     Args:
         lp_train: ``[T]`` the row's training-side log-probs (:attr:`Algorithm.lp_train`).
@@ -108,9 +118,16 @@ def correction_inputs(config: Any, *, lp_train: Tensor, lp_rollout: Tensor | Non
             ``lp_train`` is ``lp_old``); ``None`` where not known (before the step, without a forward pass at
             its parameters).
 
-    Every tensor is detached; the non-finite valid entries of any of them reject their sequence.
+    Returns:
+        Detached tensors. Rows that correct (1-3): ``extra_finite`` holds the loss's other inputs (their
+        non-finite valid entries reject the sequence, diagnostics included); ``loss_finite`` is empty.
+        Algorithm 0: ``extra_finite`` is empty (the diagnostics compare lp_old with lp_rollout only) and
+        ``loss_finite`` holds the loss's inputs (they decide its keep mask, whatever the rollout data).
     """
     row = algorithm_of(config)
-    extra = tuple(t.detach() for t in (advantages, lp_theta if row.lp_train == "lp_old" else None)
-                  if t is not None)
-    return lp_train.detach(), (lp_train if lp_rollout is None else lp_rollout).detach(), extra
+    rollout = lp_train if lp_rollout is None else lp_rollout
+    others = tuple(t.detach() for t in (advantages, lp_theta if row.lp_train == "lp_old" else None)
+                   if t is not None)
+    if row.rejects:
+        return CorrectionInputs(lp_train.detach(), rollout.detach(), others, ())
+    return CorrectionInputs(lp_train.detach(), rollout.detach(), (), (lp_train.detach(),) + others)

@@ -173,16 +173,16 @@ def policy_loss(
     layout = packed_layout(cu_seqlens, n_tokens, theta.device)
 
     # one correction decides everything: weights, rejection, and which sequences count (core.algorithms)
-    lp_train, lp_ratio_rollout, extra = correction_inputs(
-        plan, lp_train=old if row.lp_train == "lp_old" else theta_d,
-        lp_rollout=None if lp_rollout is None else lp_rollout.detach().float(), advantages=adv, lp_theta=theta_d)
-    tis = correct(plan, lp_train, lp_ratio_rollout, valid, layout, reducer,
-                  batch_norm_factor=batch_norm_factor, extra_finite=extra)
+    inputs = correction_inputs(plan, lp_train=old if row.lp_train == "lp_old" else theta_d,
+                               lp_rollout=lp_rollout, advantages=adv, lp_theta=theta_d)
+    tis = correct(plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer,
+                  batch_norm_factor=batch_norm_factor, extra_finite=inputs.extra_finite,
+                  loss_finite=inputs.loss_finite)
     ratios = tis.ratios
     keep = tis.keep_mask
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
-        keep = as_valid_mask(keep_override) & ratios.token_ok
+        keep = as_valid_mask(keep_override) & tis.loss_ok
     weights = tis.weights if row.rejects else torch.ones_like(theta_d)  # algorithm 0: no correction, w = 1
     tis_stats = tis.stats if lp_rollout is not None else _empty(tis.stats)  # algorithm 0 without rollout data
 
@@ -215,11 +215,11 @@ def policy_loss(
         denominator = reducer.batch_sum(local, per_sequence=plan.loss_agg != "token-mean")
     loss = numerator / scalar_tensor(denominator, theta.device).clamp(min=1.0)
 
-    return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(plan, valid, keep, ratios, anchor_k, theta_k,
+    return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(plan, valid, keep, tis, anchor_k, theta_k,
                                                                 clip_active, dual_active)), keep, weights, tis)
 
 
-def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, ratios: Any, anchor_k: Tensor, theta_k: Tensor,
+def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, tis: TISResult, anchor_k: Tensor, theta_k: Tensor,
                   clip_active: Tensor | None, dual_active: Tensor | None) -> MetricStats:
     """``policy.*`` statistics (keys depend on the plan only)."""
     token_sums = {
@@ -231,8 +231,8 @@ def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, ratios: Any, anchor_k
         token_sums["policy.clip_count"] = clip_active.sum(dtype=F64)
         if plan.dual_clip_c is not None:
             token_sums["policy.dual_clip_count"] = dual_active.sum(dtype=F64)
-    seq_sums = {"policy.n_seq_valid": ratios.seq_has_tokens.sum(dtype=F64),
-                "policy.n_seq_nonfinite": ratios.seq_nonfinite.sum(dtype=F64)}
+    seq_sums = {"policy.n_seq_valid": tis.ratios.seq_has_tokens.sum(dtype=F64),
+                "policy.n_seq_nonfinite": tis.seq_loss_nonfinite.sum(dtype=F64)}
     return MetricStats(token_sums=token_sums, seq_sums=seq_sums)
 
 

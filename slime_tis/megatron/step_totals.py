@@ -71,13 +71,13 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
     """The correction ``policy_loss`` will compute for this micro-batch (the same inputs, the algorithm's row):
     its keep mask (non-finite, mask mode, RS, veto) and its unnormalised batch-norm sums, from one call."""
     row = algorithm_of(cfg)
-    lp_train, lp_rollout, extra = correction_inputs(
+    inputs = correction_inputs(
         cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs if row.reads_rollout else None,
         advantages=batch.advantages.float(), lp_theta=None if lp_theta is None else lp_theta.float())
     # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
     # per-call all-reduce
-    return compute_tis(cfg, lp_train, lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
-                       batch_norm_factor=1.0, extra_finite=extra)
+    return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
+                       batch_norm_factor=1.0, extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite)
 
 
 def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,

@@ -102,11 +102,11 @@ def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: 
     lp = packed.cat_local("train log-probs", list(lp_train)).to(device)
     lp_rollout = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
     adv = data.get("advantages")
-    lp, lp_rollout, extra = correction_inputs(
-        cfg, lp_train=lp, lp_rollout=lp_rollout,
-        advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
-    res = compute_tis(cfg.replace(batch_normalize=False), lp, lp_rollout, packed.local_mask, packed.cu_seqlens,
-                      reducer=ctx.reducer, extra_finite=extra)
+    inputs = correction_inputs(cfg, lp_train=lp, lp_rollout=lp_rollout,
+                               advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
+    res = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout, packed.local_mask,
+                      packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
+                      loss_finite=inputs.loss_finite)
     n = len(masks)
     keep_full = [k != 0 for k in packed.full_keep_masks(res.keep_mask, ctx.reducer)] if n else []
     sample = packed.full_sample_index()

@@ -201,10 +201,10 @@ def reinforce_is_loss(
         if counted is not None:  # decisions and K_g counted before the step, at its parameters
             coef, keep_override = counted
         elif drop:  # the keep decision does not depend on the coefficients
-            lp_train, lp_ratio_rollout, extra = correction_inputs(cfg, lp_train=lp_theta, lp_rollout=lp_rollout,
-                                                                  advantages=advantages)
-            keep_pre = compute_tis(cfg.replace(batch_normalize=False), lp_train, lp_ratio_rollout, packed.local_mask,
-                                   packed.cu_seqlens, reducer=ctx.reducer, extra_finite=extra).keep_mask
+            inputs = correction_inputs(cfg, lp_train=lp_theta, lp_rollout=lp_rollout, advantages=advantages)
+            keep_pre = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
+                                   packed.local_mask, packed.cu_seqlens, reducer=ctx.reducer,
+                                   extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite).keep_mask
             coef = _local_drop_coefficients(batch, packed, keep_pre, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)

@@ -137,11 +137,12 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     if want_norm:
         # the loss's inputs known now (pi_old, rollout log-probs, advantages): what they reject is left out here too
         advantages = rollout_data.get("advantages")
-        lp_train, lp_ratio_rollout, extra = correction_inputs(
+        inputs = correction_inputs(
             cfg, lp_train=lp_old, lp_rollout=lp_rollout,
             advantages=None if advantages is None else packed.cat_local("advantages", advantages).to(lp_old.device))
-        res = compute_tis(cfg.replace(batch_normalize=False), lp_train, lp_ratio_rollout, packed.local_mask,
-                          packed.cu_seqlens, reducer=ctx.reducer, extra_finite=extra)
+        res = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout, packed.local_mask,
+                          packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
+                          loss_finite=inputs.loss_finite)
         factor = batch_norm_factor(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
         STATE.set_factor(rollout_id, factor, cfg)
 

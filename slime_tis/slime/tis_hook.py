@@ -130,22 +130,22 @@ def compute_tis_for_slime(
         )
     factor = _batch_norm_factor(cfg)
     # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
-    lp_train, lp_rollout, extra = correction_inputs(cfg, lp_train=lp_train, lp_rollout=lp_rollout,
-                                                    advantages=pg_loss.detach())
+    inputs = correction_inputs(cfg, lp_train=lp_train, lp_rollout=lp_rollout, advantages=pg_loss.detach())
     opsm = None
     if getattr(args, "use_opsm", False):  # tokens slime's OPSM zeroed are not kept
         adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
         opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
     res = compute_tis(
         cfg,
-        lp_train,
-        lp_rollout,
+        inputs.lp_train,
+        inputs.lp_rollout,
         packed.local_mask,
         packed.cu_seqlens,
         reducer=ctx.reducer,
         batch_norm_factor=factor,
-        extra_finite=extra,
+        extra_finite=inputs.extra_finite,
         reject=opsm,
+        loss_finite=inputs.loss_finite,
     )
     metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
     if rollout_log_probs:
