@@ -53,6 +53,8 @@ class TISResult:
             batch-normalisation factor ``norm_count / norm_sum`` (sequence units: over DP only).
         ratios: the per-token / per-sequence log-ratios (:class:`slime_tis.core.ratios.Ratios`).
         verdict: what each rule of ``slime_tis.core.rules.RULES`` hit (:class:`~slime_tis.core.rules.Verdict`).
+        loss_keep: bool, the tokens the loss keeps: ``keep_mask``, or with ``loss_finite`` (a correction that only
+            diagnoses) the ``loss_ok`` tokens not in ``reject``.
         loss_ok: bool, valid tokens of the sequences that count in the loss (finite inputs, ``core.algorithms``);
             ``ratios.token_ok`` unless ``loss_finite`` was given.
         seq_loss_nonfinite: ``[n_seq]`` bool, sequences with valid tokens that do not count for a non-finite
@@ -66,6 +68,7 @@ class TISResult:
     norm_count: Tensor
     ratios: Ratios
     verdict: Verdict | None = None
+    loss_keep: Tensor | None = None
     loss_ok: Tensor | None = None
     seq_loss_nonfinite: Tensor | None = None
 
@@ -118,7 +121,7 @@ def compute_tis(
             their loss before the correction): not kept, counted as rejected tokens, left out of the kept-unit
             statistics like a token-level rule's rejections; the diagnostics still see them.
         loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
-            whose non-finite valid entries take their sequence out of the keep mask, not out of the diagnostics
+            whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
             (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
 
     Raises:
@@ -183,9 +186,10 @@ def correct(
         per_token = layout.expand(weights) if plan.per_sequence else weights
         token_weights = torch.where(ratios.token_ok, per_token, 0.0)
         stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, norm_count, factor)
-        keep, loss_ok, seq_loss_nonfinite = verdict.keep, ratios.token_ok, ratios.seq_nonfinite
+        loss_keep, loss_ok, seq_loss_nonfinite = verdict.keep, ratios.token_ok, ratios.seq_nonfinite
         if loss_finite:
             seq_loss_nonfinite = ratios.seq_has_tokens & (ratios.seq_sums[:, ratios.columns.index(LOSS_NONFINITE)] > 0)
             loss_ok = valid & ~layout.expand(seq_loss_nonfinite)
-            keep = loss_ok if reject is None else loss_ok & ~reject
-    return TISResult(token_weights, keep, stats, norm_sum, norm_count, ratios, verdict, loss_ok, seq_loss_nonfinite)
+            loss_keep = loss_ok if reject is None else loss_ok & ~reject
+    return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict, loss_keep, loss_ok,
+                     seq_loss_nonfinite)

@@ -179,7 +179,7 @@ def policy_loss(
                   batch_norm_factor=batch_norm_factor, extra_finite=inputs.extra_finite,
                   loss_finite=inputs.loss_finite)
     ratios = tis.ratios
-    keep = tis.keep_mask
+    keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
         keep = as_valid_mask(keep_override) & tis.loss_ok

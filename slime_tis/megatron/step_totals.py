@@ -121,7 +121,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs
             res = _step_correction(cfg, b, lp_train.float(), reducer, lp_theta)
-            keep = res.keep_mask if drop else None
+            keep = res.loss_keep if drop else None
         den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)
         n_tok = n_tok + as_valid_mask(b.loss_mask).float().sum()
         if bn:

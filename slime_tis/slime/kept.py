@@ -108,7 +108,7 @@ def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: 
                       packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
                       loss_finite=inputs.loss_finite)
     n = len(masks)
-    keep_full = [k != 0 for k in packed.full_keep_masks(res.keep_mask, ctx.reducer)] if n else []
+    keep_full = [k != 0 for k in packed.full_keep_masks(res.loss_keep, ctx.reducer)] if n else []
     sample = packed.full_sample_index()
     valid = torch.zeros(n, device=device).index_add_(0, sample, (packed.full_mask != 0).float())
     kept = torch.zeros(n, device=device).index_add_(0, sample, torch.cat(keep_full).float()) if n else valid

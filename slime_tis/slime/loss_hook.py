@@ -204,7 +204,7 @@ def reinforce_is_loss(
             inputs = correction_inputs(cfg, lp_train=lp_theta, lp_rollout=lp_rollout, advantages=advantages)
             keep_pre = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
                                    packed.local_mask, packed.cu_seqlens, reducer=ctx.reducer,
-                                   extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite).keep_mask
+                                   extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite).loss_keep
             coef = _local_drop_coefficients(batch, packed, keep_pre, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)

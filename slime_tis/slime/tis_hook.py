@@ -154,7 +154,7 @@ def compute_tis_for_slime(
     if not row.rejects:  # algorithm 0, --get-mismatch-metrics without correction: diagnostics only
         return pg_loss, list(loss_masks), metrics
 
-    keep = res.keep_mask
+    keep = res.loss_keep
     zero = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
     new_loss = pg_loss * res.weights.to(pg_loss.dtype) if row.weighted else pg_loss
     masks = packed.full_keep_masks(keep, ctx.reducer)
