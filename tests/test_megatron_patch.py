@@ -123,7 +123,7 @@ def test_micro_batch_index_counts_per_model_chunk_through_wrappers():
     schedule passes the unwrapped GPTModel where the other schedules pass the DDP wrapper: one count."""
     import torch
 
-    from slime_tis.megatron.recompute import MicroBatchCounter
+    from slime_tis.megatron.schedule import MicroBatchCounter
 
     inner, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     wrapper = torch.nn.Module()

@@ -29,7 +29,11 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, packed_ratios
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, rule_columns
+from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
 from slime_tis.core.weights import normalisation_factor, unit_weights
+
+#: The per-sequence column of ``loss_finite`` (``correct``).
+LOSS_NONFINITE = "loss_nonfinite"
 
 __all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "scalar_tensor",
            "normalisation_factor"]
@@ -49,6 +53,12 @@ class TISResult:
             batch-normalisation factor ``norm_count / norm_sum`` (sequence units: over DP only).
         ratios: the per-token / per-sequence log-ratios (:class:`slime_tis.core.ratios.Ratios`).
         verdict: what each rule of ``slime_tis.core.rules.RULES`` hit (:class:`~slime_tis.core.rules.Verdict`).
+        loss_keep: bool, the tokens the loss keeps: ``keep_mask``, or with ``loss_finite`` (a correction that only
+            diagnoses) the ``loss_ok`` tokens not in ``reject``.
+        loss_ok: bool, valid tokens of the sequences that count in the loss (finite inputs, ``core.algorithms``);
+            ``ratios.token_ok`` unless ``loss_finite`` was given.
+        seq_loss_nonfinite: ``[n_seq]`` bool, sequences with valid tokens that do not count for a non-finite
+            input (``ratios.seq_nonfinite`` unless ``loss_finite`` was given).
     """
 
     weights: Tensor
@@ -58,6 +68,9 @@ class TISResult:
     norm_count: Tensor
     ratios: Ratios
     verdict: Verdict | None = None
+    loss_keep: Tensor | None = None
+    loss_ok: Tensor | None = None
+    seq_loss_nonfinite: Tensor | None = None
 
 
 def plan_of(config: Any) -> Plan:
@@ -88,6 +101,7 @@ def compute_tis(
     batch_norm_factor: Tensor | float | None = None,
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
+    loss_finite: tuple[Tensor, ...] = (),
 ) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
 
@@ -106,13 +120,17 @@ def compute_tis(
         reject: optional ``[T]`` bool, tokens the host has already rejected (e.g. slime's OPSM, which zeroes
             their loss before the correction): not kept, counted as rejected tokens, left out of the kept-unit
             statistics like a token-level rule's rejections; the diagnostics still see them.
+        loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
+            whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
+            (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
 
     Raises:
         ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
     """
     n_tokens = check_packed(
         {"lp_train": lp_train, "lp_rollout": lp_rollout, "loss_mask": loss_mask,
-         **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)}, "reject": reject},
+         **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)},
+         **{f"loss_finite[{i}]": t for i, t in enumerate(loss_finite)}, "reject": reject},
         cu_seqlens,
     )
     for name, t in (("lp_train", lp_train), ("lp_rollout", lp_rollout)):
@@ -121,7 +139,7 @@ def compute_tis(
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
-                   reject=None if reject is None else as_valid_mask(reject))
+                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite)
 
 
 def correct(
@@ -135,11 +153,19 @@ def correct(
     batch_norm_factor: Tensor | float | None = None,
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
+    loss_finite: tuple[Tensor, ...] = (),
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     with torch.no_grad():
+        columns = rule_columns(plan)
+        if loss_finite:  # 1 where a loss input is not finite at a valid token, summed per sequence
+            bad = torch.zeros_like(valid)
+            for t in loss_finite:
+                bad = bad | ~torch.isfinite(t.detach())
+            bad_column = (valid & bad).to(torch.float64)
+            columns = {**columns, LOSS_NONFINITE: lambda _l: bad_column}
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
-                               extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=rule_columns(plan),
+                               extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=columns,
                                kernels=plan.kernels)
         verdict = evaluate(plan, ratios)
         if reject is not None:
@@ -152,8 +178,7 @@ def correct(
         factor: Tensor | None = None
         if plan.batch_normalize:
             if batch_norm_factor is None:
-                total = reducer.batch_sum(torch.stack([norm_sum, norm_count]), per_sequence=plan.per_sequence)
-                factor = normalisation_factor(total[0], total[1])
+                factor = batch_norm_factor_over(plan, norm_sum, norm_count, reducer)
             else:
                 factor = scalar_tensor(batch_norm_factor, weights.device)
             weights, kept_weights = weights * factor, kept_weights * factor
@@ -161,4 +186,10 @@ def correct(
         per_token = layout.expand(weights) if plan.per_sequence else weights
         token_weights = torch.where(ratios.token_ok, per_token, 0.0)
         stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, norm_count, factor)
-    return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict)
+        loss_keep, loss_ok, seq_loss_nonfinite = verdict.keep, ratios.token_ok, ratios.seq_nonfinite
+        if loss_finite:
+            seq_loss_nonfinite = ratios.seq_has_tokens & (ratios.seq_sums[:, ratios.columns.index(LOSS_NONFINITE)] > 0)
+            loss_ok = valid & ~layout.expand(seq_loss_nonfinite)
+            loss_keep = loss_ok if reject is None else loss_ok & ~reject
+    return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict, loss_keep, loss_ok,
+                     seq_loss_nonfinite)

@@ -24,12 +24,14 @@ Aggregation (``loss = numerator / denominator``; the denominator is global when 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import TISResult, as_valid_mask, correct, plan_of, scalar_tensor
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
@@ -146,13 +148,12 @@ def policy_loss(
     """
     plan = plan_of(config)
     reducer = reducer or LocalReducer()
-    alg = plan.algorithm
-    uses_old = alg in (0, 2)
-    if uses_old and lp_old is None:
-        raise ValueError(f"algorithm {alg} ({_name(config)}) needs lp_old (the Megatron recompute)")
-    if alg != 0 and lp_rollout is None:
-        raise ValueError(f"algorithm {alg} ({_name(config)}) needs lp_rollout (rollout log-probs)")
-    tensors = {"lp_theta": lp_theta, "lp_old": lp_old if uses_old else None, "lp_rollout": lp_rollout,
+    row = algorithm_of(plan)
+    if row.needs_pi_old and lp_old is None:
+        raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_old (the Megatron recompute)")
+    if row.reads_rollout and lp_rollout is None:
+        raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_rollout (rollout log-probs)")
+    tensors = {"lp_theta": lp_theta, "lp_old": lp_old if row.needs_pi_old else None, "lp_rollout": lp_rollout,
                "advantages": advantages, "loss_mask": loss_mask}
     n_tokens = check_packed(tensors, cu_seqlens)
     for name in ("lp_theta", "lp_old", "lp_rollout", "advantages"):
@@ -167,42 +168,36 @@ def policy_loss(
     theta = lp_theta.float()
     theta_d = theta.detach()
     adv = advantages.detach().float()
-    old = lp_old.detach().float() if uses_old else None
+    old = lp_old.detach().float() if row.needs_pi_old else None
     valid = as_valid_mask(loss_mask)
     layout = packed_layout(cu_seqlens, n_tokens, theta.device)
 
-    tis: TISResult | None = None
-    if lp_rollout is not None:
-        lp_train = old if uses_old else theta_d
-        extra = () if alg == 0 else ((adv, theta_d) if alg == 2 else (adv,))
-        tis = correct(plan, lp_train, lp_rollout, valid, layout, reducer,
-                      batch_norm_factor=batch_norm_factor, extra_finite=extra)
-        tis_stats = tis.stats
-    else:  # algorithm 0 without rollout log-probs: the same keys and collectives, on no valid token (zeros)
-        tis_stats = correct(plan, old, old, torch.zeros_like(valid), layout, reducer).stats
-    if alg != 0:
-        own = tis
-        keep, weights = tis.keep_mask, tis.weights
-        if keep_override is not None:
-            check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
-            keep = as_valid_mask(keep_override) & tis.ratios.token_ok
-    else:  # algorithm 0 rejects only non-finite inputs of its own loss (rollout data changes nothing)
-        with torch.no_grad():
-            own = correct(plan, old, theta_d, valid, layout, reducer, extra_finite=(adv,))
-        keep, weights = own.ratios.token_ok, torch.ones_like(theta_d)
-    ratios = own.ratios
+    # one correction decides everything: weights, rejection, and which sequences count (core.algorithms)
+    inputs = correction_inputs(plan, lp_train=old if row.lp_train == "lp_old" else theta_d,
+                               lp_rollout=lp_rollout, advantages=adv, lp_theta=theta_d)
+    tis = correct(plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer,
+                  batch_norm_factor=batch_norm_factor, extra_finite=inputs.extra_finite,
+                  loss_finite=inputs.loss_finite)
+    ratios = tis.ratios
+    keep = tis.loss_keep
+    if keep_override is not None:
+        check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
+        keep = as_valid_mask(keep_override) & tis.loss_ok
+    weights = tis.weights if row.rejects else torch.ones_like(theta_d)  # algorithm 0: no correction, w = 1
+    tis_stats = tis.stats if lp_rollout is not None else _empty(tis.stats)  # algorithm 0 without rollout data
 
     # select before any arithmetic: at tokens not kept every input is 0, the loss there is +-0 with zero gradient
     theta_k = torch.where(keep, theta, 0.0)
     adv_k = torch.where(keep, adv, 0.0)
-    anchor_k = torch.where(keep, old if uses_old else lp_rollout.detach().float(), 0.0)
     clip_active = dual_active = None
-    if alg == 3:
+    if not row.ppo:
+        anchor_k = torch.where(keep, lp_rollout.detach().float(), 0.0)
         per_token = -weights * adv_k * theta_k
     else:
+        anchor_k = torch.where(keep, old if row.anchor == "lp_old" else lp_rollout.detach().float(), 0.0)
         per_token, clip_active, dual_active = ppo_clip_term(theta_k - anchor_k, adv_k, plan.eps_low, plan.eps_high,
                                                             plan.dual_clip_c, plan.bound)
-        if alg == 2:
+        if row.weighted:
             per_token = weights * per_token
 
     kept_counts = sequence_counts(keep, layout, reducer) if plan.drop_rejected and \
@@ -220,11 +215,11 @@ def policy_loss(
         denominator = reducer.batch_sum(local, per_sequence=plan.loss_agg != "token-mean")
     loss = numerator / scalar_tensor(denominator, theta.device).clamp(min=1.0)
 
-    return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(plan, valid, keep, ratios, anchor_k, theta_k,
+    return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(plan, valid, keep, tis, anchor_k, theta_k,
                                                                 clip_active, dual_active)), keep, weights, tis)
 
 
-def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, ratios: Any, anchor_k: Tensor, theta_k: Tensor,
+def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, tis: TISResult, anchor_k: Tensor, theta_k: Tensor,
                   clip_active: Tensor | None, dual_active: Tensor | None) -> MetricStats:
     """``policy.*`` statistics (keys depend on the plan only)."""
     token_sums = {
@@ -232,13 +227,22 @@ def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, ratios: Any, anchor_k
         "policy.n_tok_kept": keep.sum(dtype=F64),
         "policy.ppo_kl_sum": (anchor_k - theta_k.detach()).sum(dtype=F64),
     }
-    if plan.algorithm != 3:  # both masks are False at tokens not kept (all inputs 0 there)
+    if algorithm_of(plan).ppo:  # both masks are False at tokens not kept (all inputs 0 there)
         token_sums["policy.clip_count"] = clip_active.sum(dtype=F64)
         if plan.dual_clip_c is not None:
             token_sums["policy.dual_clip_count"] = dual_active.sum(dtype=F64)
-    seq_sums = {"policy.n_seq_valid": ratios.seq_has_tokens.sum(dtype=F64),
-                "policy.n_seq_nonfinite": ratios.seq_nonfinite.sum(dtype=F64)}
+    seq_sums = {"policy.n_seq_valid": tis.ratios.seq_has_tokens.sum(dtype=F64),
+                "policy.n_seq_nonfinite": tis.seq_loss_nonfinite.sum(dtype=F64)}
     return MetricStats(token_sums=token_sums, seq_sums=seq_sums)
+
+
+def _empty(stats: MetricStats) -> MetricStats:
+    """The same keys on no token: sums 0, extremes of an empty domain (+inf minima, -inf maxima)."""
+    def fill(d: dict[str, Tensor], value: float) -> dict[str, Tensor]:
+        return {k: torch.full_like(v, value) for k, v in d.items()}
+
+    return MetricStats(fill(stats.token_sums, 0.0), fill(stats.seq_sums, 0.0), fill(stats.mins, math.inf),
+                       fill(stats.maxs, -math.inf))
 
 
 def _name(config: Any) -> str:

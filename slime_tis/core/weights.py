@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from slime_tis.core.plan import Plan
+from slime_tis.core.reducer import Reducer
 
-__all__ = ["unit_weights", "normalisation_factor"]
+__all__ = ["unit_weights", "normalisation_factor", "batch_norm_factor"]
 
 
 def unit_weights(plan: Plan, level_log_ratio: Tensor) -> Tensor:
@@ -39,3 +40,14 @@ def normalisation_factor(weight_sum: Tensor, unit_count: Tensor) -> Tensor:
     ok = weight_sum > 0
     return torch.where(ok, unit_count / torch.where(ok, weight_sum, torch.ones_like(weight_sum)),
                        torch.ones_like(weight_sum))
+
+
+def batch_norm_factor(plan: Plan, norm_sum: Tensor, norm_count: Tensor, reducer: Reducer) -> Tensor:
+    """The batch-normalisation factor over every rank: ``f = sum norm_count / sum norm_sum``.
+
+    ``norm_sum``, ``norm_count``: 0-d, this rank's sum of unnormalised kept weights and its number of kept units
+    (``TISResult.norm_sum`` / ``norm_count``, summed over the micro-batches the factor covers). Token units are
+    summed over DP x CP, sequence units over DP only (every CP rank holds each sequence whole). One collective.
+    """
+    total = reducer.batch_sum(torch.stack([norm_sum.float(), norm_count.float()]), per_sequence=plan.per_sequence)
+    return normalisation_factor(total[0], total[1])

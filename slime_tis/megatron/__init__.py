@@ -10,7 +10,8 @@ Public API::
     TISBatch                               per-micro-batch RL fields (packed, CP-local)
     vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (kernels="triton": fused)
     MegatronReducer                        the core's Reducer on parallel_state groups
-    plan_step, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces
+    step_totals, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces, in the hook's
+                                   order (StepPlan / plan_step: earlier names of StepTotals / step_totals)
 
 Importing this package does not import megatron-core; the functions that need it import it lazily.
 """
@@ -23,10 +24,10 @@ from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.patch import tis_patch
-from slime_tis.megatron.plan import StepPlan, needs_pre_pass, plan_step
 from slime_tis.megatron.recompute import recompute_log_probs
 from slime_tis.megatron.reduce import MegatronReducer
 from slime_tis.megatron.rollout import compute_old_log_probs, rollout_step_iterator
+from slime_tis.megatron.step_totals import StepPlan, StepTotals, needs_pre_pass, plan_step, step_totals
 
 __all__ = [
     "tis_forward_backward_func",
@@ -46,6 +47,8 @@ __all__ = [
     "LossForm",
     "loss_form_for",
     "make_loss_func",
+    "StepTotals",
+    "step_totals",
     "StepPlan",
     "plan_step",
     "needs_pre_pass",

@@ -5,21 +5,23 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
 0. on the hook's first call only: compare the configuration and the hook's settings across every rank of the
    job (``agreement``: a ``ValueError`` naming the differing setting on every rank, before any collective
    whose shape or group depends on them; settings already found equal in the process issue no collective);
-1. materialise the step's ``num_microbatches`` items from ``data_iterator`` (one list per virtual stage);
+1. materialise the step's ``num_microbatches`` items from ``data_iterator`` (one list per virtual stage;
+   ``schedule``);
 2. on the last pipeline stage: the step's ``TISBatch`` list, broadcast from tensor-parallel rank 0 under
-   TP > 1 (``tp_data``; Megatron-LM gives data to TP rank 0 only);
+   TP > 1 (``tp_data.step_batches``, as the rollout's pi_old pass; Megatron-LM gives data to TP rank 0 only);
 3. pi_old (algorithms 0, 2): taken as given from ``TISBatch.old_log_probs`` (computed once per rollout by
    :meth:`TISForwardBackward.compute_old_log_probs` / ``rollout.compute_old_log_probs``, or supplied by the
    caller), never overwritten. In the per-call mode (``pi_old="auto"`` before any rollout pass: one optimizer
    step per rollout, so pi_old = sg(pi_theta) at the step's parameters) a micro-batch without it takes the
    detached log-probs of its own training forward, at no extra cost; only ``drop`` and algorithm 2's batch
    normalisation, which need pi_old of the whole step before the first loss, run a forward-only pass at the
-   start of the call (``plan.needs_pi_old_pass``). Whether a pass runs is decided by the configuration and
+   start of the call (``step_totals.needs_pi_old_pass``). Whether a pass runs is decided by the configuration and
    the hook's mode, identically on every rank, never by the data;
-4. on the last pipeline stage: the step plan (global denominator, token count, algorithm-2 batch-norm
-   factor; ``plan.plan_step``) on megatron's DP / CP groups;
+4. on the last pipeline stage: the step totals (global denominator, token count, algorithm-2 batch-norm
+   factor; ``step_totals.step_totals``) on megatron's DP / CP groups;
 5. megatron's training schedule with the launcher's ``forward_step_func`` wrapped so that its loss
-   function is ours (``loss.make_loss_func``); every keyword (``return_schedule_plan``, ...) is forwarded;
+   function is ours (``loss.forward_step_with_tis_loss``, ``loss.make_loss_func``); every keyword
+   (``return_schedule_plan``, ...) is forwarded;
 6. the step metrics: merged, reduced once, finalized (``metrics.aggregate_metrics``) into ``last_metrics``
    and added to every micro-batch loss dict as ``[value, 1]`` (``loss_dict``: Megatron-LM's
    ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank). The
@@ -53,17 +55,19 @@ from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
+from slime_tis.core.algorithms import algorithm_of
 from slime_tis.megatron.agreement import check_settings_agree, hook_settings
 from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
-from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
+from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.model_dtype_output import model_dtype_output_during
 from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
-from slime_tis.megatron.plan import StepPlan, needs_pi_old_pass, needs_pre_pass, plan_step
-from slime_tis.megatron.recompute import MicroBatchCounter, materialise, recompute_log_probs, replay
+from slime_tis.megatron.recompute import recompute_log_probs
 from slime_tis.megatron.rollout import compute_old_log_probs
-from slime_tis.megatron.tp_data import tis_batches_on_this_tp_rank
+from slime_tis.megatron.schedule import materialise, replay
+from slime_tis.megatron.step_totals import StepTotals, needs_pi_old_pass, needs_pre_pass, step_totals
+from slime_tis.megatron.tp_data import step_batches
 
 __all__ = ["TISForwardBackward", "tis_forward_backward_func", "default_get_tis_batch", "PI_OLD_MODES"]
 
@@ -91,7 +95,8 @@ class TISForwardBackward:
     Attributes:
         last_metrics: finalized metrics of the last training call (dict of float64 scalar tensors on the
             last pipeline stage, identical on its DP x CP ranks; ``{}`` elsewhere).
-        last_plan: the :class:`StepPlan` of the last training call (last stage) or ``None``.
+        last_totals: the :class:`~slime_tis.megatron.step_totals.StepTotals` of the last training call (last
+            stage) or ``None`` (also as ``last_plan``).
         last_recomputed: whether the last training call ran a pi_old recompute pass.
         output_layer: ``None``, ``"fused"`` or ``"fp32"`` (from ``fused_output_layer`` / ``fp32_lm_head``).
     """
@@ -123,7 +128,7 @@ class TISForwardBackward:
         self.grad_average = grad_average
         self.metrics_in_loss_dicts = bool(metrics_in_loss_dicts)
         self.last_metrics: dict[str, Tensor] = {}
-        self.last_plan: StepPlan | None = None
+        self.last_totals: StepTotals | None = None
         self.last_recomputed = False
         self.train_call = 0  # process-wide number of this hook's last training call (``_TRAINING_CALLS``)
         self._settings_agreed = False
@@ -137,12 +142,18 @@ class TISForwardBackward:
             self._settings_agreed = True
 
     @property
+    def last_plan(self) -> StepTotals | None:
+        """Earlier name of :attr:`last_totals`."""
+        return self.last_totals
+
+    @property
     def recomputes_pi_old(self) -> bool:
         """Whether a training call takes pi_old at its own parameters (``pi_old="auto"``, algorithms 0 and 2: one
-        optimizer step per rollout). It costs a forward-only pass only where :func:`~slime_tis.megatron.plan.
-        needs_pi_old_pass` (``drop``, algorithm 2's batch normalisation); otherwise each micro-batch's loss uses
-        the detached log-probs of its own training forward. Configuration and mode only, never data."""
-        return self.cfg.needs_old_log_probs and self.pi_old == "auto"
+        optimizer step per rollout). It costs a forward-only pass only where
+        :func:`~slime_tis.megatron.step_totals.needs_pi_old_pass` (``drop``, algorithm 2's batch normalisation);
+        otherwise each micro-batch's loss uses the detached log-probs of its own training forward. Configuration
+        and mode only, never data."""
+        return algorithm_of(self.cfg).needs_pi_old and self.pi_old == "auto"
 
     def compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
                               num_microbatches: int, num_steps: int = 1, **schedule_kwargs: Any) -> Any:
@@ -155,7 +166,7 @@ class TISForwardBackward:
             num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
             chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
             fused_output_layer=self.output_layer == "fused", fp32_lm_head=self.output_layer == "fp32",
-            run_pass=self.cfg.needs_old_log_probs, kernels=self.cfg.kernels, **schedule_kwargs)
+            run_pass=algorithm_of(self.cfg).needs_pi_old, kernels=self.cfg.kernels, **schedule_kwargs)
         self.pi_old = "rollout"
         return items
 
@@ -165,9 +176,8 @@ class TISForwardBackward:
             return self.forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, forward_only=True, **kwargs)
-        with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):
-            return self._train(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                               num_microbatches=num_microbatches, **kwargs)
+        return self._train(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                           num_microbatches=num_microbatches, **kwargs)
 
     def _train(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
                **kwargs: Any) -> list:
@@ -186,33 +196,34 @@ class TISForwardBackward:
         form = loss_form_for(get_model_config(chunks[0]), chunks, num_microbatches, grad_average=self.grad_average)
         batches: list[TISBatch] | None = None
         if is_last:
-            last_items = None if items is None else (items[-1] if vpp else items)
-            local = [self.get_tis_batch(it) for it in last_items] if last_items is not None else None
-            batches = tis_batches_on_this_tp_rank(local, broadcast=self.broadcast_over_tp)
+            _, batches = step_batches(items, vpp=vpp, get_tis_batch=self.get_tis_batch,
+                                      broadcast=self.broadcast_over_tp)
         reducer = self.reducer or reducer_for_schedule(kwargs)
         pre: list[Tensor] | None = None
         pi_old_pass = self.recomputes_pi_old and needs_pi_old_pass(cfg)
         pi_old_from_theta = self.recomputes_pi_old and not pi_old_pass  # no extra forward: sg(lp_theta)
         self.last_recomputed = pi_old_pass or needs_pre_pass(cfg)
-        if self.last_recomputed:
-            lps = recompute_log_probs(
-                self.forward_backward_func, forward_step_func, items, model, batches=batches,
-                num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
-                chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
-            if batches is not None and lps is not None:
-                if pi_old_pass:
-                    batches = self._fill_missing_pi_old(batches, lps)
-                else:
-                    pre = lps
-        plan = (plan_step(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
-                if batches is not None else None)
         collector: list[MetricStats] = []
-        forward_step = self._wrap_forward_step(forward_step_func, batches, plan, form, reducer, collector,
-                                               pi_old_from_theta)
-        out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
-                                         model=model, num_microbatches=num_microbatches, forward_only=False,
-                                         **kwargs)
-        self.last_plan = plan
+        with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):  # steps 3-5
+            if self.last_recomputed:
+                lps = recompute_log_probs(
+                    self.forward_backward_func, forward_step_func, items, model, batches=batches,
+                    num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
+                    chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
+                if batches is not None and lps is not None:
+                    pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
+                    if pi_old_pass:
+                        batches = self._fill_missing_pi_old(batches, lps)
+            totals = (step_totals(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
+                      if batches is not None else None)
+            forward_step = forward_step_with_tis_loss(
+                forward_step_func, cfg, batches, totals, form, reducer, collector=collector,
+                temperature=self.temperature, chunk_size=self.chunk_size, output_layer=self.output_layer,
+                pi_old_from_theta=pi_old_from_theta)
+            out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
+                                             model=model, num_microbatches=num_microbatches, forward_only=False,
+                                             **kwargs)
+        self.last_totals = totals
         self.last_metrics = aggregate_metrics(collector, reducer, step=self.train_call) if is_last else {}
         if is_last and self.metrics_in_loss_dicts:
             add_metrics_to_loss_dicts(out, self.last_metrics)
@@ -230,23 +241,6 @@ class TISForwardBackward:
                           stacklevel=3)
         return [b if b.old_log_probs is not None else dataclasses.replace(b, old_log_probs=lp)
                 for b, lp in zip(batches, lps)]
-
-    def _wrap_forward_step(self, forward_step_func: Callable, batches: list[TISBatch] | None,
-                           plan: StepPlan | None, form: LossForm, reducer: Reducer,
-                           collector: list[MetricStats], pi_old_from_theta: bool = False) -> Callable:
-        cfg, temperature, chunk_size, output_layer = self.cfg, self.temperature, self.chunk_size, self.output_layer
-        counter = MicroBatchCounter()
-
-        def forward_step(data_iterator, model_chunk, *args, **kwargs):
-            index = counter.next_index(model_chunk)
-            output, user_loss_func = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
-            if batches is None or plan is None:
-                return output, user_loss_func  # not the last stage: megatron never calls the loss here
-            return output, make_loss_func(cfg, batches[index], plan, form, reducer, collector=collector,
-                                          temperature=temperature, chunk_size=chunk_size, model_chunk=model_chunk,
-                                          output_layer=output_layer, pi_old_from_theta=pi_old_from_theta)
-
-        return forward_step
 
 
 def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,

@@ -2,8 +2,9 @@
 
 ``make_loss_func(...)(output_tensor)``:
 
-    lp_theta, H = vocab_parallel_log_probs_and_entropy(logits / temperature, labels)   [T] fp32
-                  (output layer mode "fused": fused_log_probs(model_chunk, hidden, labels), no logits)
+    lp_theta, H = output_to_log_probs(output_tensor, batch)                            [T] fp32
+                  (``recompute``: vocab-parallel log-softmax of logits / temperature, or the fused
+                  output layer from the hidden states)
     out         = policy_loss(cfg, lp_theta, lp_old, lp_rollout, A, mask, cu_seqlens,
                               reducer, denominator=D, batch_norm_factor=f)             loss = local_sum / D
 
@@ -36,11 +37,12 @@ from slime_tis.core import MetricStats, Reducer, policy_loss
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.metrics import column_sums
 from slime_tis.megatron.batch import TISBatch
-from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.loss_dict import report_pair
-from slime_tis.megatron.plan import StepPlan
+from slime_tis.megatron.recompute import output_to_log_probs
+from slime_tis.megatron.schedule import MicroBatchCounter
+from slime_tis.megatron.step_totals import StepTotals
 
-__all__ = ["LossForm", "loss_form_for", "make_loss_func", "logits_to_log_probs", "output_to_log_probs"]
+__all__ = ["LossForm", "loss_form_for", "make_loss_func", "forward_step_with_tis_loss"]
 
 
 @dataclass(frozen=True)
@@ -86,60 +88,7 @@ def loss_form_for(model_config, model_chunks: list, num_microbatches: int, *,
                     report_ranks=dp_cp)
 
 
-def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, chunk_size: int,
-                        with_entropy: bool, kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
-    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``.
-
-    Positions outside ``batch.loss_mask`` (prompts, padding) are skipped: their log-prob and entropy are 0 and
-    their logit gradient is zero (the Triton kernels, ``kernels="triton"``, do no work for them; docs/kernels.md).
-    """
-    vp = logits.shape[-1]
-    flat = logits.reshape(-1, vp)
-    if flat.shape[0] != batch.num_tokens:
-        raise ValueError(
-            f"logits have {flat.shape[0]} positions ({tuple(logits.shape)}) but the micro-batch's TISBatch "
-            f"has {batch.num_tokens} tokens; build it with TISBatch.from_padded(..., cp_slice=True) for CP, "
-            "and return [B, S_local, V/TP] logits (model called without labels)")
-    return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=temperature,
-                                                chunk_size=chunk_size, with_entropy=with_entropy,
-                                                row_mask=batch.loss_mask, kernels=kernels)
-
-
-def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=None, output_layer: str | None = None,
-                        temperature: float, chunk_size: int, with_entropy: bool,
-                        kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
-    """The model's output for one micro-batch -> ``lp [T]`` (and entropy), per output-layer mode:
-
-    * ``None`` / ``"fp32"``: ``output_tensor`` are the logits ``[..., V/TP]`` (float32 in ``"fp32"`` mode):
-      :func:`logits_to_log_probs`;
-    * ``"fused"``: ``output_tensor`` are the hidden states ``[B, S, H]`` the fused-mode model returned:
-      ``fused_log_probs(model_chunk, hidden, labels, temperature, loss_mask)`` with the chunk's (tied) output
-      weight (``slime_tis.megatron.output_layer``); no logits tensor, float32 accumulation.
-
-    ``kernels`` (``TISConfig.kernels``): ``"torch"`` or ``"triton"`` for either function. Masked positions get
-    ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
-    (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits. Float32 logits
-    from a bf16 / fp16 model in mode ``None`` warn once (``model_dtype_output.warn_if_upcast_logits``).
-    """
-    from slime_tis.megatron.model_dtype_output import warn_if_upcast_logits
-    from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
-
-    if output_layer == "fused":
-        if model_chunk is None:
-            raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
-        lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=temperature,
-                                      loss_mask=batch.loss_mask, kernels=kernels)
-        return lp, (entropy if with_entropy else None)
-    if model_chunk is not None and returns_hidden_states(model_chunk):
-        raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "
-                         "but the hook was built without fused_output_layer=True (--tis-fused-output-layer)")
-    if output_layer is None:
-        warn_if_upcast_logits(output_tensor, model_chunk)
-    return logits_to_log_probs(output_tensor, batch, temperature=temperature, chunk_size=chunk_size,
-                               with_entropy=with_entropy, kernels=kernels)
-
-
-def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossForm, reducer: Reducer, *,
+def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: LossForm, reducer: Reducer, *,
                    collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
                    model_chunk=None, output_layer: str | None = None,
                    pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
@@ -160,8 +109,8 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossFo
         if lp_old is None and pi_old_from_theta:
             lp_old = lp.detach()
         out = policy_loss(cfg, lp, lp_old, batch.rollout_log_probs, batch.advantages,
-                          batch.loss_mask, batch.cu_seqlens, reducer=reducer, denominator=plan.denominator,
-                          batch_norm_factor=plan.batch_norm_factor)
+                          batch.loss_mask, batch.cu_seqlens, reducer=reducer, denominator=totals.denominator,
+                          batch_norm_factor=totals.batch_norm_factor)
         valid = as_valid_mask(batch.loss_mask)
         zero = torch.zeros((), dtype=torch.float32, device=lp.device)
         extra = MetricStats(token_sums={
@@ -172,7 +121,29 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, plan: StepPlan, form: LossFo
         metrics = {"loss": report_pair(out.loss.detach() * (form.num_microbatches * form.report_ranks))}
         if form.per_token:
             n_local = valid.sum().to(torch.int)
-            return out.loss * plan.num_tokens, n_local, metrics
+            return out.loss * totals.num_tokens, n_local, metrics
         return out.loss * form.two_tuple_scale, metrics
 
     return loss_func
+
+
+def forward_step_with_tis_loss(forward_step_func: Callable, cfg: TISConfig, batches: list[TISBatch] | None,
+                               totals: StepTotals | None, form: LossForm, reducer: Reducer, *,
+                               collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
+                               output_layer: str | None = None, pi_old_from_theta: bool = False) -> Callable:
+    """The launcher's ``forward_step_func`` with this step's loss function: micro-batch ``k`` (counted per model
+    chunk, :class:`~slime_tis.megatron.schedule.MicroBatchCounter`) gets ``make_loss_func`` of ``batches[k]``.
+    Off the last pipeline stage (``batches`` / ``totals`` ``None``) the launcher's own loss function is returned:
+    megatron never calls it there."""
+    counter = MicroBatchCounter()
+
+    def forward_step(data_iterator, model_chunk, *args, **kwargs):
+        index = counter.next_index(model_chunk)
+        output, user_loss_func = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
+        if batches is None or totals is None:
+            return output, user_loss_func
+        return output, make_loss_func(cfg, batches[index], totals, form, reducer, collector=collector,
+                                      temperature=temperature, chunk_size=chunk_size, model_chunk=model_chunk,
+                                      output_layer=output_layer, pi_old_from_theta=pi_old_from_theta)
+
+    return forward_step

@@ -1,58 +1,22 @@
-"""Step metrics: merge per-micro-batch statistics, reduce once over ranks, finalize.
+"""Step metrics of the Megatron hook: the core's step reduction plus two Megatron entries.
 
-``aggregate_metrics`` returns the core's ``tis/*`` and ``policy/*`` metrics plus
+``aggregate_metrics`` returns the core's ``tis/*`` and ``policy/*`` metrics (``core.step_metrics``: merged over
+micro-batches, checked to agree across DP x CP, reduced once with SUM / MIN / MAX) plus
 
     loss            = sum_{micro-batches, DP x CP} local_sum / D      (the exact global loss)
     policy/entropy  = mean over valid tokens of the entropy of softmax(logits / temperature)
-
-Each statistic is reduced with its own operator (SUM for sums, MIN for minima, MAX for maxima) on
-megatron's DP x CP (or DP) group: one collective per operator, outside the loss path.
-
-Collectives depend on the configuration and layout only: the reduction stacks every statistic of a kind
-into one tensor, so every rank must hold the same statistic names (the core's schema, fixed by the
-configuration). Before reducing, a signature of the names (CRC32 per kind) and the caller's step number is
-compared across DP x CP with one MIN and one MAX (always issued, same shape everywhere); ranks whose names
-differ raise a ``ValueError`` naming their statistics instead of hanging or mixing unrelated values, ranks
-whose steps differ (a rank went on after its previous step raised, and its collectives were paired with
-another step's) raise a ``RuntimeError``.
 """
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 from torch import Tensor
 
 from slime_tis.core import MetricStats, Reducer
 from slime_tis.core.metrics import safe_ratio
+from slime_tis.core.step_metrics import check_schema_agrees, merge_stats, reduce_step_metrics
 
 __all__ = ["aggregate_metrics", "check_schema_agrees"]
-
-
-def _kinds(stats: MetricStats) -> dict[str, dict[str, Tensor]]:
-    return {"token_sums": stats.token_sums, "seq_sums": stats.seq_sums, "mins": stats.mins, "maxs": stats.maxs}
-
-
-def check_schema_agrees(stats: MetricStats, reducer: Reducer, *, step: int | None = None) -> None:
-    """Raise ``ValueError`` if the statistic names differ across the DP x CP ranks, ``RuntimeError`` if their
-    ``step`` numbers do (two small collectives; ``step=None`` compares as -1)."""
-    kinds = _kinds(stats)
-    device = next((t.device for d in kinds.values() for t in d.values()), torch.device("cpu"))
-    sig = torch.tensor([float(zlib.crc32(",".join(sorted(d)).encode())) for d in kinds.values()]
-                       + [float(-1 if step is None else step)], dtype=torch.float64, device=device)
-    low, high = reducer.batch_min(sig), reducer.batch_max(sig)
-    if low[-1] != high[-1]:  # host-sync-ok (after the schedule, outside the loss path)
-        raise RuntimeError(
-            f"training calls out of step across data-parallel x context-parallel ranks: this rank is in call {step}, "
-            f"the ranks in calls {int(low[-1])} to {int(high[-1])}. A call raised on some rank and its "
-            "launcher went on, so this call's collectives were paired with another call's: its gradients and "
-            "metrics are invalid. Do not continue after an error in a training call; restart from a checkpoint")
-    if not torch.equal(low, high):  # host-sync-ok (after the schedule, outside the loss path)
-        names = {k: sorted(d) for k, d in kinds.items()}
-        raise ValueError("the step's metric statistics differ across data-parallel x context-parallel ranks (an "
-                         "input present on some ranks only, e.g. rollout_log_probs in some TISBatch items); "
-                         f"this rank has {names}")
 
 
 def aggregate_metrics(stats: list[MetricStats], reducer: Reducer, *, step: int | None = None) -> dict[str, Tensor]:
@@ -60,14 +24,10 @@ def aggregate_metrics(stats: list[MetricStats], reducer: Reducer, *, step: int |
 
     ``step``: the caller's step (training-call) number, which must be equal on every rank (see the module doc).
     """
-    if not stats:
+    merged = merge_stats(stats)
+    if merged is None:
         return {}
-    merged = stats[0]
-    for s in stats[1:]:
-        merged = merged.merge(s)
-    check_schema_agrees(merged, reducer, step=step)
-    reduced = merged.reduce(reducer)
-    out = reduced.finalize()
+    reduced, out = reduce_step_metrics(merged, reducer, step=step)
     sums = reduced.token_sums
     if "megatron.loss_sum" in sums:
         out["loss"] = sums["megatron.loss_sum"].double()

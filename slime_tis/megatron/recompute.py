@@ -1,108 +1,86 @@
-"""Forward-only pass over a step's micro-batches that records ``log pi(labels)`` at the current parameters.
+"""Log-probs: ``log pi(labels)`` from the model's output (the loss and every pass take them here), and the
+forward-only pass over a step's micro-batches that records them at the current parameters.
 
 Used for the old-log-prob recompute of algorithms 0 and 2 (``lp_old``, the "proximal" policy at the
 start of the step) and skipped for algorithms 1 and 3, which use the rollout log-probs instead (unless
 ``--tis-rejected-denominator drop`` needs the step's kept-token count before the first backward, see
-``plan.needs_pre_pass``). It runs megatron's own schedule with ``forward_only=True`` under
+``step_totals.needs_pre_pass``). It runs megatron's own schedule with ``forward_only=True`` under
 ``torch.no_grad()``, so pipeline stages exchange activations exactly as in training; the log-probs
 (float32, logits divided by the rollout temperature) exist on the last stage only. With an output-layer
 mode (``"fused"``, ``"fp32"``) the pass runs with the model in that mode and takes the log-probs exactly as
-the training loss does (``loss.output_to_log_probs``), so pi_old and pi_theta come from the same kernel.
+the training loss does (:func:`output_to_log_probs`), so pi_old and pi_theta come from the same kernel.
 megatron's ``Float16Module`` returns the last stage's output in the model's dtype during the pass
 (``model_dtype_output.model_dtype_output_during``), as in the training step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from slime_tis.megatron.batch import TISBatch
-from slime_tis.megatron.loss import output_to_log_probs
+from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.model_dtype_output import model_dtype_output_during
 from slime_tis.megatron.output_layer import output_layer_mode_during
+from slime_tis.megatron.schedule import MicroBatchCounter, replay
 
-__all__ = ["ReplayIterator", "MicroBatchCounter", "recompute_log_probs", "replay", "materialise"]
-
-
-class MicroBatchCounter:
-    """Micro-batch index of each ``forward_step`` call: megatron runs every model chunk's forward over the
-    micro-batches in order 0, 1, ..., so the ``n``-th call with a given chunk is micro-batch ``n``. Works
-    where the data iterator is ``None`` (tensor-parallel ranks > 0 in Megatron-LM) or not ours. Chunks are
-    keyed by the innermost module (``.module`` unwrapped): the combined 1F1B schedule passes the unwrapped
-    model where the others pass the DDP wrapper."""
-
-    def __init__(self) -> None:
-        self._calls: dict[int, int] = {}
-
-    def next_index(self, model_chunk: Any) -> int:
-        inner = model_chunk
-        while isinstance(getattr(inner, "module", None), torch.nn.Module):
-            inner = inner.module
-        key = id(inner)
-        index = self._calls.get(key, 0)
-        self._calls[key] = index + 1
-        return index
+__all__ = ["logits_to_log_probs", "output_to_log_probs", "recompute_log_probs"]
 
 
-def materialise(data_iterator: Any, num_microbatches: int, vpp: bool) -> Any:
-    """Read ``num_microbatches`` items from the iterator (a list per virtual stage when ``vpp``; ``None``
-    stays ``None``; a list is taken as the items themselves)."""
+def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, chunk_size: int,
+                        with_entropy: bool, kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
+    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``.
 
-    def take(it):
-        if it is None:
-            return None
-        if isinstance(it, list):
-            it = iter(it)
-        items = []
-        for k in range(num_microbatches):
-            try:
-                items.append(next(it))
-            except StopIteration:
-                raise ValueError(f"data_iterator ran out after {k} of "
-                                 f"num_microbatches={num_microbatches} items") from None
-        return items
-
-    if data_iterator is None:
-        return None
-    if vpp:
-        if not isinstance(data_iterator, list):
-            raise ValueError("with several model chunks (virtual pipeline stages) data_iterator must be a list "
-                             f"with one iterator per chunk, got {type(data_iterator).__name__}")
-        return [take(it) for it in data_iterator]
-    if isinstance(data_iterator, list) and len(data_iterator) == 1 and hasattr(data_iterator[0], "__next__"):
-        data_iterator = data_iterator[0]  # megatron accepts [iterator] for one model chunk
-    return take(data_iterator)
+    Positions outside ``batch.loss_mask`` (prompts, padding) are skipped: their log-prob and entropy are 0 and
+    their logit gradient is zero (the Triton kernels, ``kernels="triton"``, do no work for them; docs/kernels.md).
+    """
+    vp = logits.shape[-1]
+    flat = logits.reshape(-1, vp)
+    if flat.shape[0] != batch.num_tokens:
+        raise ValueError(
+            f"logits have {flat.shape[0]} positions ({tuple(logits.shape)}) but the micro-batch's TISBatch "
+            f"has {batch.num_tokens} tokens; build it with TISBatch.from_padded(..., cp_slice=True) for CP, "
+            "and return [B, S_local, V/TP] logits (model called without labels)")
+    return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=temperature,
+                                                chunk_size=chunk_size, with_entropy=with_entropy,
+                                                row_mask=batch.loss_mask, kernels=kernels)
 
 
-class ReplayIterator(Iterator):
-    """Iterates over a materialised list of micro-batch items and remembers the last one handed out."""
+def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=None, output_layer: str | None = None,
+                        temperature: float, chunk_size: int, with_entropy: bool,
+                        kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
+    """The model's output for one micro-batch -> ``lp [T]`` (and entropy), per output-layer mode:
 
-    def __init__(self, items: list[Any]) -> None:
-        self.items = items
-        self.index = -1
+    * ``None`` / ``"fp32"``: ``output_tensor`` are the logits ``[..., V/TP]`` (float32 in ``"fp32"`` mode):
+      :func:`logits_to_log_probs`;
+    * ``"fused"``: ``output_tensor`` are the hidden states ``[B, S, H]`` the fused-mode model returned:
+      ``fused_log_probs(model_chunk, hidden, labels, temperature, loss_mask)`` with the chunk's (tied) output
+      weight (``slime_tis.megatron.output_layer``); no logits tensor, float32 accumulation.
 
-    def __next__(self) -> Any:
-        if self.index + 1 >= len(self.items):
-            raise StopIteration
-        self.index += 1
-        return self.items[self.index]
+    ``kernels`` (``TISConfig.kernels``): ``"torch"`` or ``"triton"`` for either function. Masked positions get
+    ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
+    (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits. Float32 logits
+    from a bf16 / fp16 model in mode ``None`` warn once (``model_dtype_output.warn_if_upcast_logits``).
+    """
+    from slime_tis.megatron.model_dtype_output import warn_if_upcast_logits
+    from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
 
-    @property
-    def last(self) -> Any:
-        return self.items[self.index] if self.index >= 0 else None
-
-
-def replay(items: list[Any] | list[list[Any]] | None, vpp: bool) -> Any:
-    """Fresh replay iterator(s) in the shape megatron expects (one per virtual stage when ``vpp``)."""
-    if items is None:
-        return None
-    if vpp:
-        return [ReplayIterator(chunk) if chunk is not None else None for chunk in items]
-    return ReplayIterator(items)
+    if output_layer == "fused":
+        if model_chunk is None:
+            raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
+        lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=temperature,
+                                      loss_mask=batch.loss_mask, kernels=kernels)
+        return lp, (entropy if with_entropy else None)
+    if model_chunk is not None and returns_hidden_states(model_chunk):
+        raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "
+                         "but the hook was built without fused_output_layer=True (--tis-fused-output-layer)")
+    if output_layer is None:
+        warn_if_upcast_logits(output_tensor, model_chunk)
+    return logits_to_log_probs(output_tensor, batch, temperature=temperature, chunk_size=chunk_size,
+                               with_entropy=with_entropy, kernels=kernels)
 
 
 def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any,

@@ -43,8 +43,9 @@ from torch import Tensor
 
 from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
 from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
-from slime_tis.megatron.recompute import materialise, recompute_log_probs
-from slime_tis.megatron.tp_data import tis_batches_on_this_tp_rank
+from slime_tis.megatron.recompute import recompute_log_probs
+from slime_tis.megatron.schedule import materialise, step_items
+from slime_tis.megatron.tp_data import step_batches
 
 __all__ = ["compute_old_log_probs", "rollout_step_iterator"]
 
@@ -57,14 +58,12 @@ def rollout_step_iterator(items: Any, step: int, num_microbatches: int) -> Any:
     """An iterator over the ``num_microbatches`` items of optimizer step ``step`` of a rollout's items
     (as returned by :func:`compute_old_log_probs`; one iterator per virtual stage for a list of lists;
     ``None`` stays ``None``)."""
-    if items is None:
+    chunk = step_items(items, step, num_microbatches)
+    if chunk is None:
         return None
-    lo, hi = step * num_microbatches, (step + 1) * num_microbatches
-    if items and isinstance(items[0], list):
-        return [iter(chunk[lo:hi]) if chunk is not None else None for chunk in items]
-    if hi > len(items):
-        raise ValueError(f"step {step} needs items {lo}..{hi - 1} but the rollout has {len(items)} items")
-    return iter(items[lo:hi])
+    if chunk and isinstance(items[0], list):
+        return [iter(c) if c is not None else None for c in chunk]
+    return iter(chunk)
 
 
 def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, data_iterator: Any,
@@ -87,7 +86,7 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
         kernels: ``TISConfig.kernels`` of the training steps (``"torch"`` or ``"triton"``).
         schedule_kwargs: the training steps' schedule arguments (``seq_length``, ``micro_batch_size``, ...).
         run_pass: ``False`` materialises the items without a forward (algorithms 1 and 3 never read pi_old; the
-            hook passes its configuration's ``needs_old_log_probs``).
+            hook passes its algorithm's ``needs_pi_old``, ``core.algorithms``).
 
     Returns:
         The materialised items (a list, a list per model chunk, or ``None``), to be replayed to the
@@ -119,21 +118,13 @@ def _fill_old_log_probs(forward_backward_func: Callable, forward_step_func: Call
                         output_layer: str | None, kernels: str, **schedule_kwargs: Any) -> None:
     """One forward-only pass per optimizer step; pi_old into the items' ``TISBatch`` (last stage)."""
     for step in range(num_steps):
-        lo, hi = step * num_microbatches, (step + 1) * num_microbatches
-        if items is None:
-            step_items = None
-        elif vpp:
-            step_items = [c[lo:hi] if c is not None else None for c in items]
-        else:
-            step_items = items[lo:hi]
+        items_k = step_items(items, step, num_microbatches)
         local: list[TISBatch] | None = None
         batches: list[TISBatch] | None = None
         if is_last:
-            last_items = None if step_items is None else (step_items[-1] if vpp else step_items)
-            local = [get_tis_batch(it) for it in last_items] if last_items is not None else None
-            batches = tis_batches_on_this_tp_rank(local, broadcast=broadcast_over_tp)
+            local, batches = step_batches(items_k, vpp=vpp, get_tis_batch=get_tis_batch, broadcast=broadcast_over_tp)
         lps: list[Tensor] | None = recompute_log_probs(
-            forward_backward_func, forward_step_func, step_items, model, batches=batches,
+            forward_backward_func, forward_step_func, items_k, model, batches=batches,
             num_microbatches=num_microbatches, vpp=vpp, temperature=temperature, chunk_size=chunk_size,
             output_layer=output_layer, kernels=kernels, **schedule_kwargs)
         if lps is not None:

@@ -16,13 +16,15 @@ on TP rank 0 (blocking, outside the loss path) and back to the device on the rec
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from slime_tis.megatron.batch import TISBatch
 
-__all__ = ["tis_batches_on_this_tp_rank"]
+__all__ = ["tis_batches_on_this_tp_rank", "step_batches"]
 
 _NO_ITERATOR = (
     "the last pipeline stage needs the step's TISBatch items on this tensor-parallel rank (TP rank {tp_rank} of "
@@ -80,3 +82,14 @@ def tis_batches_on_this_tp_rank(local: list[TISBatch] | None, *, broadcast: bool
     device_type, received = payload[0]
     device = _local_device(device_type)
     return [_move(b, device) for b in received]
+
+
+def step_batches(items: Any, *, vpp: bool, get_tis_batch: Callable[[Any], TISBatch], broadcast: bool,
+                 ) -> tuple[list[TISBatch] | None, list[TISBatch]]:
+    """The step batch of the last pipeline stage: ``(local, batches)``, this rank's ``TISBatch`` of each of the
+    step's items (``None`` where it has no items; the last virtual stage's items under ``vpp``) and the list the
+    loss uses on this TP rank (:func:`tis_batches_on_this_tp_rank`). The training call and the rollout's pi_old
+    pass both take their batches here."""
+    last_items = None if items is None else (items[-1] if vpp else items)
+    local = [get_tis_batch(it) for it in last_items] if last_items is not None else None
+    return local, tis_batches_on_this_tp_rank(local, broadcast=broadcast)

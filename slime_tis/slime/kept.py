@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.core import compute_tis
+from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.parallel import ParallelContext
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
@@ -65,7 +66,7 @@ class DropPlan:
 
 def drop_applies(cfg: Any) -> bool:
     """``drop`` with slime's per-rollout mean (the case that needs ``K_g``)."""
-    return cfg.rejected_denominator == "drop" and cfg.algorithm != 0 and cfg.loss_agg == "seq-mean-token-mean"
+    return cfg.rejected_denominator == "drop" and algorithm_of(cfg).rejects and cfg.loss_agg == "seq-mean-token-mean"
 
 
 def step_hook_configured(args: Any) -> bool:
@@ -76,12 +77,12 @@ def step_hook_configured(args: Any) -> bool:
 
 def check_drop_config(args: Any, cfg: Any) -> None:
     """Configuration-level refusals of ``drop`` (raised by the rollout-data hook and the loss hooks)."""
-    if cfg.rejected_denominator != "drop" or cfg.algorithm == 0:
+    if cfg.rejected_denominator != "drop" or not algorithm_of(cfg).rejects:
         return
     if getattr(args, "calculate_per_token_loss", False):
         raise ValueError(PER_TOKEN)
     reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
-    if reducer is not None and cfg.algorithm != 3:
+    if reducer is not None and algorithm_of(cfg).ppo:  # slime's own PPO loss (not the REINFORCE custom loss)
         raise ValueError(
             f"tis_rejected_denominator = 'drop' with --custom-pg-loss-reducer-function-path {reducer}: the TIS "
             "hook rescales each rollout's loss by N_g / K_g for slime's default reducer (which divides by "
@@ -101,11 +102,13 @@ def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: 
     lp = packed.cat_local("train log-probs", list(lp_train)).to(device)
     lp_rollout = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
     adv = data.get("advantages")
-    extra = () if adv is None else (packed.cat_local("advantages", adv).to(device),)
-    res = compute_tis(cfg.replace(batch_normalize=False), lp, lp_rollout, packed.local_mask, packed.cu_seqlens,
-                      reducer=ctx.reducer, extra_finite=extra)
+    inputs = correction_inputs(cfg, lp_train=lp, lp_rollout=lp_rollout,
+                               advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
+    res = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout, packed.local_mask,
+                      packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
+                      loss_finite=inputs.loss_finite)
     n = len(masks)
-    keep_full = [k != 0 for k in packed.full_keep_masks(res.keep_mask, ctx.reducer)] if n else []
+    keep_full = [k != 0 for k in packed.full_keep_masks(res.loss_keep, ctx.reducer)] if n else []
     sample = packed.full_sample_index()
     valid = torch.zeros(n, device=device).index_add_(0, sample, (packed.full_mask != 0).float())
     kept = torch.zeros(n, device=device).index_add_(0, sample, torch.cat(keep_full).float()) if n else valid
@@ -121,12 +124,13 @@ def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
     head = ("tis_rejected_denominator = 'drop': this rollout batch has rollouts of several samples, which slime's "
             "packing puts in different micro-batches or on different data-parallel ranks, so each rollout's "
             "kept-token count K_g must be counted before its loss is computed; ")
-    if cfg.algorithm == 3 and steps == 1:
+    custom = not algorithm_of(cfg).ppo  # the REINFORCE custom loss (algorithm 3)
+    if custom and steps == 1:
         return head + (
             "the custom loss decides at pi_theta, which with one optimizer step per rollout is slime's pi_old: "
             "add --get-mismatch-metrics (slime's forward-only pass over the rollout), or "
             f"--custom-megatron-before-train-step-hook-path {STEP_HOOK} (the same pass, run by the hook)")
-    if cfg.algorithm == 3:
+    if custom:
         return head + (
             f"with {steps} optimizer steps per rollout the decisions change at every step: add "
             f"--custom-megatron-before-train-step-hook-path {STEP_HOOK} (one forward-only pass over each step's "
@@ -147,7 +151,7 @@ def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: Pa
     check_drop_config(args, cfg)
     steps = n_steps(rollout_data)
     recomputed = slime_recomputes_pi_old(args, steps)
-    custom = cfg.algorithm == 3
+    custom = not algorithm_of(cfg).ppo  # the REINFORCE custom loss (algorithm 3)
     hook = custom and step_hook_configured(args)
     if hook and getattr(args, "use_routing_replay", False):
         raise ValueError(f"{STEP_HOOK} counts kept tokens with an extra forward pass, which would consume slime's "

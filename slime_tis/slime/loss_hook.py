@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.core import compute_tis, policy_loss
+from slime_tis.core.algorithms import correction_inputs
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import check_drop_config, drop_applies
@@ -200,10 +201,10 @@ def reinforce_is_loss(
         if counted is not None:  # decisions and K_g counted before the step, at its parameters
             coef, keep_override = counted
         elif drop:  # the keep decision does not depend on the coefficients
-            keep_pre = compute_tis(
-                cfg.replace(batch_normalize=False), lp_theta.detach(), lp_rollout, packed.local_mask,
-                packed.cu_seqlens, reducer=ctx.reducer, extra_finite=(advantages,),
-            ).keep_mask
+            inputs = correction_inputs(cfg, lp_train=lp_theta, lp_rollout=lp_rollout, advantages=advantages)
+            keep_pre = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
+                                   packed.local_mask, packed.cu_seqlens, reducer=ctx.reducer,
+                                   extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite).loss_keep
             coef = _local_drop_coefficients(batch, packed, keep_pre, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)

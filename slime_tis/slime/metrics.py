@@ -16,7 +16,8 @@ data, which still count in slime's denominator).
 **Exact path.** The hooks also add the core's :class:`MetricStats` of every micro-batch to a
 process-wide :data:`COLLECTOR`. :func:`log_exact_metrics` (usable as slime's
 ``--custom-megatron-before-train-step-hook-path``) reduces them over DP x CP with SUM / MIN / MAX
-and finalises them into the SPEC metrics (true token means, true min/max, ess, ...); they are
+(after checking that every rank holds the same statistics, ``core.step_metrics``) and finalises them into
+the documented metrics (true token means, true min/max, ess, ...); they are
 logged, kept in ``COLLECTOR.last``, and appended as JSON to ``args.tis_metrics_path`` if set.
 Micro-batches re-run under ``--recompute-loss-function`` (activation checkpointing replays the
 loss in backward) are counted once: stats are keyed by the identity of the micro-batch's rollout
@@ -40,6 +41,8 @@ from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats
 from slime_tis.core.correction import TISResult
 from slime_tis.core.diagnostics import token_metrics as core_token_metrics
+from slime_tis.core.reducer import LocalReducer
+from slime_tis.core.step_metrics import reduce_step_metrics
 
 __all__ = ["COLLECTOR", "ExactMetricsCollector", "log_exact_metrics", "token_metrics"]
 
@@ -92,9 +95,8 @@ class ExactMetricsCollector:
         self.reducer = None
         if stats is None:
             return {}
-        if reducer is not None:
-            stats = stats.reduce(reducer)
-        values = {k: float(v) for k, v in stats.finalize().items()}  # host-sync-ok (once per step, logging)
+        _, metrics = reduce_step_metrics(stats, reducer or LocalReducer())
+        values = {k: float(v) for k, v in metrics.items()}  # host-sync-ok (once per step, logging)
         self.last = values
         return values
 

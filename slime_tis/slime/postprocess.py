@@ -46,7 +46,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.core import compute_tis, normalisation_factor
+from slime_tis.core import compute_tis
+from slime_tis.core.algorithms import algorithm_of, correction_inputs
+from slime_tis.core.weights import batch_norm_factor
 from slime_tis.dump import records_from_samples, write_logprob_dump
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
@@ -91,11 +93,12 @@ def uses_reinforce_is_loss(args: Any) -> bool:
 def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str, Any]) -> None:
     """slime's rollout-data hook (module docstring). Modifies nothing in ``rollout_data``."""
     cfg = tis_config_from_slime_args(args, algorithm=3 if uses_reinforce_is_loss(args) else None)
-    want_norm = cfg.batch_normalize and cfg.algorithm == 2
+    row = algorithm_of(cfg)
+    want_norm = cfg.batch_normalize and row.step_batch_norm
     dump_dir = getattr(args, "tis_dump_dir", None)
     flush_recorded_train_log_probs(args)  # the previous rollout's recorded training log-probs (algorithm 3)
     STATE.clear()
-    if cfg.algorithm != 3:
+    if row.ppo:  # slime's own PPO loss (OPSM is applied there)
         check_opsm(args)
         if want_norm and getattr(args, "use_opsm", False):
             raise ValueError("tis_batch_normalize with --use-opsm: the global factor is fixed before training, but "
@@ -103,7 +106,7 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     masks = rollout_data.get("loss_masks") or []
     positions = rollout_data.get("partition")
     units = unit_keys(rollout_data, range(len(masks)) if positions is None else positions)
-    use_opsm = getattr(args, "use_opsm", False) and cfg.algorithm != 3
+    use_opsm = getattr(args, "use_opsm", False) and row.ppo
     STATE.rollouts.register(masks, units, rollout_data.get("advantages") if use_opsm else None)
     recording = recording_enabled(args)
     if recording:
@@ -132,22 +135,15 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     lp_rollout = packed.cat_local("rollout_log_probs", rollout_data["rollout_log_probs"]).to(lp_old.device)
 
     if want_norm:
-        # sequences with non-finite advantages are rejected by the loss as well: leave them out here too
+        # the loss's inputs known now (pi_old, rollout log-probs, advantages): what they reject is left out here too
         advantages = rollout_data.get("advantages")
-        extra = () if advantages is None else (packed.cat_local("advantages", advantages).to(lp_old.device),)
-        res = compute_tis(
-            cfg.replace(batch_normalize=False),
-            lp_old,
-            lp_rollout,
-            packed.local_mask,
-            packed.cu_seqlens,
-            reducer=ctx.reducer,
-            extra_finite=extra,
-        )
-        totals = ctx.reducer.batch_sum(
-            torch.stack([res.norm_sum, res.norm_count]), per_sequence=cfg.level != "token"
-        )
-        factor = normalisation_factor(totals[0], totals[1])
+        inputs = correction_inputs(
+            cfg, lp_train=lp_old, lp_rollout=lp_rollout,
+            advantages=None if advantages is None else packed.cat_local("advantages", advantages).to(lp_old.device))
+        res = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout, packed.local_mask,
+                          packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
+                          loss_finite=inputs.loss_finite)
+        factor = batch_norm_factor(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
         STATE.set_factor(rollout_id, factor, cfg)
 
     if dump_dir:

@@ -55,6 +55,7 @@ from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import compute_tis
+from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import check_drop_config, drop_applies
@@ -68,7 +69,7 @@ __all__ = ["compute_tis_for_slime"]
 
 
 def _batch_norm_factor(cfg: TISConfig) -> Tensor | None:
-    if not (cfg.batch_normalize and cfg.algorithm == 2):
+    if not (cfg.batch_normalize and algorithm_of(cfg).step_batch_norm):
         return None
     if STATE.batch_norm_factor is None or STATE.batch_norm_key != cfg:
         raise RuntimeError(
@@ -109,7 +110,8 @@ def compute_tis_for_slime(
 ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     """slime's TIS-function contract (module docstring); returns ``(pg_loss, masks, metrics)``."""
     cfg = tis_config_from_slime_args(args)
-    if cfg.algorithm == 3:
+    row = algorithm_of(cfg)
+    if not row.ppo:
         raise ValueError(
             "use_tis and use_rollout_logprobs are both set (algorithm 3, REINFORCE + IS): slime's PPO loss "
             "cannot express it; use --loss-type custom_loss --custom-loss-function-path "
@@ -127,33 +129,34 @@ def compute_tis_for_slime(
             "tokens; slime passes a flat CP-local per-token loss"
         )
     factor = _batch_norm_factor(cfg)
-    # a non-finite pg_loss at a valid token (e.g. NaN advantages) rejects its sequence as well
-    extra = (pg_loss.detach(),) if cfg.algorithm != 0 else ()
+    # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
+    inputs = correction_inputs(cfg, lp_train=lp_train, lp_rollout=lp_rollout, advantages=pg_loss.detach())
     opsm = None
     if getattr(args, "use_opsm", False):  # tokens slime's OPSM zeroed are not kept
         adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
         opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
     res = compute_tis(
         cfg,
-        lp_train,
-        lp_rollout,
+        inputs.lp_train,
+        inputs.lp_rollout,
         packed.local_mask,
         packed.cu_seqlens,
         reducer=ctx.reducer,
         batch_norm_factor=factor,
-        extra_finite=extra,
+        extra_finite=inputs.extra_finite,
         reject=opsm,
+        loss_finite=inputs.loss_finite,
     )
     metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
     if rollout_log_probs:
         COLLECTOR.add(res.stats, list(rollout_log_probs), ctx.reducer)
 
-    if cfg.algorithm == 0:  # --get-mismatch-metrics without correction: diagnostics only
+    if not row.rejects:  # algorithm 0, --get-mismatch-metrics without correction: diagnostics only
         return pg_loss, list(loss_masks), metrics
 
-    keep = res.keep_mask
+    keep = res.loss_keep
     zero = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
-    new_loss = pg_loss * res.weights.to(pg_loss.dtype) if cfg.applies_weights else pg_loss
+    new_loss = pg_loss * res.weights.to(pg_loss.dtype) if row.weighted else pg_loss
     masks = packed.full_keep_masks(keep, ctx.reducer)
     if drop_applies(cfg):
         scale = _drop_scale(loss_masks, train_log_probs, packed, masks)

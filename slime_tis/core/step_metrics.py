@@ -1,0 +1,71 @@
+"""A step's metrics from its micro-batches' statistics: merge, check the ranks agree, reduce once, finalize.
+
+Both adapters flush a step with :func:`reduce_step_metrics` (Megatron: ``megatron.metrics.aggregate_metrics``;
+slime: ``slime.metrics.ExactMetricsCollector.flush``). Each statistic is reduced with its own operator (SUM for
+sums, MIN for minima, MAX for maxima) over DP x CP (or DP): one collective per operator, outside the loss path.
+
+The reduction stacks every statistic of a kind into one tensor, so every rank must hold the same statistic
+names (the core's schema, fixed by the configuration). Before reducing, a signature of the names (CRC32 per
+kind) and the caller's step number is compared across DP x CP with one MIN and one MAX (always issued, same
+shape everywhere): ranks whose names differ raise a ``ValueError`` naming their statistics instead of hanging
+or mixing unrelated values; ranks whose steps differ (a rank went on after its previous step raised, and its
+collectives were paired with another step's) raise a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import Tensor
+
+from slime_tis.core.metrics import MetricStats
+from slime_tis.core.reducer import Reducer
+
+__all__ = ["check_schema_agrees", "merge_stats", "reduce_step_metrics"]
+
+
+def _kinds(stats: MetricStats) -> dict[str, dict[str, Tensor]]:
+    return {"token_sums": stats.token_sums, "seq_sums": stats.seq_sums, "mins": stats.mins, "maxs": stats.maxs}
+
+
+def check_schema_agrees(stats: MetricStats, reducer: Reducer, *, step: int | None = None) -> None:
+    """Raise ``ValueError`` if the statistic names differ across the DP x CP ranks, ``RuntimeError`` if their
+    ``step`` numbers do (two small collectives; ``step=None`` compares as -1)."""
+    kinds = _kinds(stats)
+    device = next((t.device for d in kinds.values() for t in d.values()), torch.device("cpu"))
+    sig = torch.tensor([float(zlib.crc32(",".join(sorted(d)).encode())) for d in kinds.values()]
+                       + [float(-1 if step is None else step)], dtype=torch.float64, device=device)
+    low, high = reducer.batch_min(sig), reducer.batch_max(sig)
+    if low[-1] != high[-1]:  # host-sync-ok (after the schedule, outside the loss path)
+        raise RuntimeError(
+            f"training calls out of step across data-parallel x context-parallel ranks: this rank is in call {step}, "
+            f"the ranks in calls {int(low[-1])} to {int(high[-1])}. A call raised on some rank and its "
+            "launcher went on, so this call's collectives were paired with another call's: its gradients and "
+            "metrics are invalid. Do not continue after an error in a training call; restart from a checkpoint")
+    if not torch.equal(low, high):  # host-sync-ok (after the schedule, outside the loss path)
+        names = {k: sorted(d) for k, d in kinds.items()}
+        raise ValueError("the step's metric statistics differ across data-parallel x context-parallel ranks (an "
+                         "input present on some ranks only, e.g. rollout_log_probs in some TISBatch items); "
+                         f"this rank has {names}")
+
+
+def merge_stats(stats: list[MetricStats]) -> MetricStats | None:
+    """The micro-batches' statistics merged (sums add, extrema combine); ``None`` for none."""
+    if not stats:
+        return None
+    merged = stats[0]
+    for s in stats[1:]:
+        merged = merged.merge(s)
+    return merged
+
+
+def reduce_step_metrics(stats: MetricStats, reducer: Reducer, *, step: int | None = None
+                        ) -> tuple[MetricStats, dict[str, Tensor]]:
+    """``(reduced statistics, finalized metrics)`` of one step's merged statistics over the ranks.
+
+    Every rank of the DP x CP group calls it with the same statistic names and ``step`` (module docstring).
+    """
+    check_schema_agrees(stats, reducer, step=step)
+    reduced = stats.reduce(reducer)
+    return reduced, reduced.finalize()
