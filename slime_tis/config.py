@@ -46,6 +46,7 @@ from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
     parse_switch,
     threshold,
 )
+from slime_tis.core.algorithms import algorithm_of
 from slime_tis.core.plan import Plan
 from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
 from slime_tis.presets import PRESETS, preset_fields
@@ -243,8 +244,8 @@ class TISConfig:
         self._check_algorithm_combinations()
 
     def _check_algorithm_combinations(self) -> None:
-        alg = self.algorithm
-        if alg == 0:
+        alg = algorithm_of(self.algorithm)
+        if not alg.rejects:
             why = ("algorithm 0 (neither --use-rollout-log-probs nor --use-tis) has no rollout log-probs in its "
                    "loss, so it cannot reject; use algorithm 1, 2 or 3")
             if self.rs_level is not None:
@@ -254,8 +255,8 @@ class TISConfig:
                     raise _bad(field, getattr(self, field), why)
             if self.mode == "mask":
                 raise _bad("mode", self.mode, why)
-        if alg in (0, 1) and self.batch_normalize:
-            raise _bad("batch_normalize", True, f"algorithm {alg} applies no importance weights "
+        if not alg.weighted and self.batch_normalize:
+            raise _bad("batch_normalize", True, f"algorithm {alg.number} applies no importance weights "
                        "(weights are identically 1); batch normalisation needs --use-tis")
 
     # ------------------------------------------------------------------ derived values
@@ -270,18 +271,18 @@ class TISConfig:
 
     @property
     def needs_old_log_probs(self) -> bool:
-        """Algorithms 0 and 2 need the Megatron recompute of pi_old; 1 and 3 skip it."""
-        return self.algorithm in (0, 2)
+        """Algorithms 0 and 2 need the Megatron recompute of pi_old; 1 and 3 skip it (``core.algorithms``)."""
+        return algorithm_of(self.algorithm).needs_pi_old
 
     @property
     def applies_weights(self) -> bool:
-        """Importance weights multiply the loss (algorithms 2 and 3)."""
-        return self.use_tis
+        """Importance weights multiply the loss (algorithms 2 and 3; ``core.algorithms``)."""
+        return algorithm_of(self.algorithm).weighted
 
     @property
     def rejects(self) -> bool:
         """Whether any configured rule can reject tokens or sequences (besides non-finite data)."""
-        return self.algorithm != 0 and (
+        return algorithm_of(self.algorithm).rejects and (
             self.mode == "mask" or self.rs_level is not None
             or any(getattr(self, field) is not None for field in THRESHOLDS)
         )
@@ -378,7 +379,7 @@ SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind =
 @lru_cache(maxsize=64)
 def _resolve(config: TISConfig) -> Plan:
     """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (hashable, frozen; cached)."""
-    rejecting = config.algorithm != 0
+    rejecting = algorithm_of(config.algorithm).rejects
     rs_level = config.rs_level if rejecting else None
     return Plan(
         algorithm=config.algorithm,
