@@ -185,7 +185,7 @@ def test_launcher_run_dir_lifecycle(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert (run / "args.json").read_bytes() == args_json  # never rewritten by a resume
     assert _steps(run / "metrics.jsonl") == [0, 1]
-    from slime_tis.dump import read_logprob_dump
+    from slime_tis.tools.dump import read_logprob_dump
 
     dump = read_logprob_dump(run / "logprobs.jsonl")
     assert dump.notes == [] and dump.step.tolist() == [0] * 8 + [1] * 8  # each step once, no torn line left

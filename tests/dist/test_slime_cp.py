@@ -59,7 +59,6 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
 
     from slime_tis import TISConfig, compute_tis
     from slime_tis.core import LocalReducer, normalisation_factor
-    from slime_tis.dump import read_logprob_dump
     from slime_tis.slime import (
         COLLECTOR,
         compute_tis_for_slime,
@@ -69,6 +68,7 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
         token_metrics,
     )
     from slime_tis.slime.state import STATE
+    from slime_tis.tools.dump import read_logprob_dump
 
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(context_parallel_size=2)
