@@ -5,13 +5,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from examples.compare import summarize, table  # noqa: E402
 from examples.plot import main as plot_main  # noqa: E402

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from examples.rl.ckpt_manifest import MANIFEST, CheckpointIntegrityError, verify_manifest, write_manifest  # noqa: E402
 from examples.rl.run_dir import RunDirError, clear, cut_from_step, write_saved  # noqa: E402

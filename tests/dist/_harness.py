@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (for _cpu; "tests" is shadowed by verl)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root (slime_tis, patches)
-from _cpu import cpu_shim  # noqa: E402
+from _cpu import cpu_shim
 
 cpu_shim.enable_cuda_to_cpu_mode()
 
 from _cpu.cpu_cp_attention import CPUContextParallelAttention  # noqa: E402
+from _plans import CASES, LAYOUTS, Layout  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
@@ -41,9 +37,6 @@ from slime_tis import MetricStats, TISConfig, policy_loss  # noqa: E402
 from slime_tis.core import LocalReducer, loss_denominator  # noqa: E402
 from slime_tis.megatron import TISBatch, tis_forward_backward_func  # noqa: E402
 from slime_tis.megatron.batch import cp_slice_padded  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plans import CASES, LAYOUTS, Layout  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 64, 16, 32, 4, 4
 GLOBAL_ROWS = 8

@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
-from slime_tis.megatron import vocab_parallel_log_probs_and_entropy  # noqa: E402
+from slime_tis.kernels.dispatch import KernelFallbackWarning
+from slime_tis.megatron import vocab_parallel_log_probs_and_entropy
 
 VP, T, TAU = 24, 8, 0.7
 

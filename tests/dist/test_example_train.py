@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import free_port, torchrun  # noqa: E402
+from _launch import free_port, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -284,7 +282,6 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
         args = ["--steps", "3", "--use-tis", "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0"]
         _python_train(["--run-dir", str(tmp_path / "http"), "--sglang-url", f"http://127.0.0.1:{port}", *args])
         _python_train(["--run-dir", str(tmp_path / "embedded"), "--engine-dtype", "float32", *args])
-        sys.path.insert(0, ROOT)
         from examples.rl.http_client import SGLangClient as Client
 
         info = Client(f"http://127.0.0.1:{port}")._call("GET", "/get_model_info")
