@@ -22,7 +22,7 @@ logits gradient (``max_memory_allocated`` during one run minus the allocation be
 gradient bytes where the method allocates one); whether forward + backward ran under
 ``torch.cuda.set_sync_debug_mode("error")``. Before timing, triton and torch are compared on every case.
 
-Targets (issue 12): 16k x 32k <= 2 ms and no slower than Liger; 16k x 152k <= 8 ms; half rows masked <= 0.6x
+Targets: 16k x 32k <= 2 ms and no slower than Liger; 16k x 152k <= 8 ms; half rows masked <= 0.6x
 of all rows. Without a GPU the script exits with a message (nothing is measured); ``--cpu-smoke`` runs
 its code paths on tiny shapes under ``TRITON_INTERPRET=1`` (times there mean nothing).
 """

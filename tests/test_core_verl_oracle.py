@@ -11,7 +11,7 @@ zeros, garbage values at masked positions), runs verl on it, converts it with
   bounds against ``rs_level="sequence"|"geometric"``: keep masks exactly;
 * the shared off-policy diagnostics of ``compute_offpolicy_metrics`` (and the IS / RS statistics
   that have an exact counterpart): to 1e-4 relative;
-* one asymmetric-bounds case pinning verl's inverted k1 convention (notes_anchors.md D.3): our
+* one asymmetric-bounds case pinning verl's inverted k1 convention (docs/semantics.md, bounds): our
   bounds are on ``r = pi_train / pi_rollout``; verl's ``"lo_hi"`` for ``*_k1`` keeps
   ``1/hi <= r <= 1/lo``;
 * algorithm 2's aggregated loss and gradient against verl's vanilla PPO loss with IS weights
@@ -385,7 +385,7 @@ def test_log_ppl_diff_is_accurate_for_long_sequences_with_small_mismatch() -> No
     of two per-sequence mean log-probs (magnitude ~5, each a float32 sum of ~1e4) cancels almost
     every significant digit (relative error ~3e-3 here before the fix; verl's own float32 value is off by
     ~2e-4). The core now takes it from the per-sequence log-ratio sum, to ~1e-6:
-    ``mean_t lp_rollout - mean_t lp_train = -seq_log_ratio_sum / n`` (docs/requests/core.md item 1).
+    ``mean_t lp_rollout - mean_t lp_train = -seq_log_ratio_sum / n``.
     """
     g = torch.Generator().manual_seed(0)
     lp_rollout = -10.0 * torch.rand(8, 2048, generator=g)

@@ -1,4 +1,4 @@
-"""``slime-tis diagnose`` on slime's own debug dumps (issue 11, item 11).
+"""``slime-tis diagnose`` on slime's own debug dumps (``--save-debug-train-data`` files).
 
 The files are built the way slime writes them (THUDM/slime 624b824):
 

@@ -66,7 +66,8 @@ def setup_parallel(layout: Layout) -> None:
 
 def build_model(layout: Layout, *, pre: bool | None = None, post: bool | None = None,
                 vp_stage: int | None = None) -> GPTModel:
-    """Tiny GPT with the local spec (CPU CP attention); parallel sizes also in the config (gotcha G1)."""
+    """Tiny GPT with the local spec (CPU CP attention); parallel sizes also in the config (megatron reads
+    them from both ``parallel_state`` and ``TransformerConfig``; they must agree)."""
     vpp = layout.vpp if layout.vpp > 1 else None
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
@@ -180,7 +181,7 @@ def oracle(cfg: TISConfig, weights: dict[str, torch.Tensor], batch: GlobalBatch,
            microbatch_rows: list[list[int]]) -> Oracle:
     """Plain autograd on the TP=PP=CP=1 model and the whole batch (one ``policy_loss`` call).
 
-    Algorithm 3 with batch normalisation normalises per micro-batch over DP x CP (SPEC), i.e. per *global*
+    Algorithm 3 with batch normalisation normalises per micro-batch over DP x CP (docs/semantics.md), i.e. per *global*
     micro-batch ``k`` (the union of micro-batch ``k`` of every DP rank): ``microbatch_rows`` gives them and
     the oracle then calls ``policy_loss`` once per global micro-batch with the global denominator.
     """
