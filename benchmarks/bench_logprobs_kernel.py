@@ -22,7 +22,7 @@ logits gradient (``max_memory_allocated`` during one run minus the allocation be
 gradient bytes where the method allocates one); whether forward + backward ran under
 ``torch.cuda.set_sync_debug_mode("error")``. Before timing, triton and torch are compared on every case.
 
-Targets (issue 12): 16k x 32k <= 2 ms and no slower than Liger; 16k x 152k <= 8 ms; half rows masked <= 0.6x
+Targets: 16k x 32k <= 2 ms and no slower than Liger; 16k x 152k <= 8 ms; half rows masked <= 0.6x
 of all rows. Without a GPU the script exits with a message (nothing is measured); ``--cpu-smoke`` runs
 its code paths on tiny shapes under ``TRITON_INTERPRET=1`` (times there mean nothing).
 """
@@ -123,9 +123,9 @@ def _methods(torch, args, logits, targets, keep, w_lp, w_h):
 
     mask = None if bool(keep.all()) else keep  # host read here, outside every timed region
 
-    def ours(impl: str):
+    def ours(kernels: str):
         def run():
-            lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=mask, kernels=impl,
+            lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=mask, kernels=kernels,
                                chunk_size=args.chunk_size)
             return torch.autograd.grad([lp, ent], logits, [w_lp, w_h])[0]
         return run
@@ -159,9 +159,9 @@ def _check(torch, logits, targets, keep) -> str:
     from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
 
     out = {}
-    for impl in ("triton", "torch"):
-        lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=keep, kernels=impl)
-        out[impl] = (lp.detach(), ent.detach(), torch.autograd.grad(lp.sum() + ent.sum(), logits)[0].float())
+    for kernels in ("triton", "torch"):
+        lp, ent = lp_and_h(logits, targets, temperature=TAU, tp_group=None, row_mask=keep, kernels=kernels)
+        out[kernels] = (lp.detach(), ent.detach(), torch.autograd.grad(lp.sum() + ent.sum(), logits)[0].float())
     err = [float((a - b).abs().max()) for a, b in zip(out["triton"], out["torch"])]
     err[2] /= float(out["torch"][2].abs().max().clamp(min=1e-30))
     if err[0] > 1e-3 or err[1] > 1e-3 or err[2] > 2**-6:

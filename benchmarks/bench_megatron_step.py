@@ -18,7 +18,7 @@ above what the model held before it. Variants:
   forward, no extra pass), the launcher's ``forward_step`` unchanged (the hook reads the bf16 logits);
 * ``hook alg2``: algorithm 2, token truncate (the TIS weight from the rollout log-probs);
 * ``hook alg0 fp32 head`` / ``hook alg0 fused``: ``--tis-fp32-lm-head`` / ``--tis-fused-output-layer``;
-* ``hook alg0 triton``: the Triton kernels (``--tis-kernels triton``) where the configuration has that switch.
+* ``hook alg0 triton``: the Triton kernels (``--tis-kernels triton``).
 
 Target: ``hook alg0`` within 5% of ``plain``. Without CUDA (and without ``--device cpu``) it exits 2.
 """
@@ -26,7 +26,6 @@ Target: ``hook alg0`` within 5% of ``plain``. Without CUDA (and without ``--devi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -135,7 +134,6 @@ def variants(args) -> dict:
     from slime_tis.megatron import tis_forward_backward_func
 
     fbf = get_forward_backward_func()
-    has_kernels = "kernels" in {f.name for f in dataclasses.fields(TISConfig)}
 
     def hook(cfg, **kw):
         return tis_forward_backward_func(fbf, cfg, temperature=1.0, chunk_size=args.chunk_size, **kw), forward_step
@@ -145,10 +143,7 @@ def variants(args) -> dict:
            "hook alg2": hook(TISConfig(use_tis=True, mode="truncate", level="token")),
            "hook alg0 fp32 head": hook(TISConfig(), fp32_lm_head=True),
            "hook alg0 fused": hook(TISConfig(), fused_output_layer=True)}
-    if has_kernels:
-        out["hook alg0 triton"] = hook(TISConfig(kernels="triton"))
-    else:
-        out["hook alg0 triton"] = "skipped: this version has no kernels switch (Triton on CUDA by default)"
+    out["hook alg0 triton"] = hook(TISConfig(kernels="triton"))
     return out
 
 
@@ -212,9 +207,6 @@ def main(argv=None) -> int:
     wanted = None if args.only is None else set(args.only.split(","))
     for name, v in variants(args).items():
         if wanted is not None and name not in wanted:
-            continue
-        if isinstance(v, str):
-            results["variants"][name] = {"note": v}
             continue
         try:
             results["variants"][name] = time_variant(args, args.device, ddp, items, *v)

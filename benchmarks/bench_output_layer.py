@@ -62,13 +62,8 @@ def method_fused(h, w, y, g1, g2, tau):
 
 
 def _triton_log_probs(logits, y, tau):
-    """The log-prob kernels ``method_unfused`` uses (``kernels="triton"``; Triton by default on CUDA before
-    that switch existed)."""
-    import inspect
-
-    params = inspect.signature(vocab_parallel_log_probs_and_entropy).parameters
-    kw = {"kernels": "triton"} if "kernels" in params else {}
-    return vocab_parallel_log_probs_and_entropy(logits, y, temperature=tau, tp_group=None, **kw)
+    """The log-prob kernels ``method_unfused`` uses (``kernels="triton"``)."""
+    return vocab_parallel_log_probs_and_entropy(logits, y, temperature=tau, tp_group=None, kernels="triton")
 
 
 def method_fp32_head(h, w, y, g1, g2, tau):

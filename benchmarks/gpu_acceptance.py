@@ -30,7 +30,6 @@ that cannot run fails its check instead of being compared with itself.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -44,20 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TAU = 0.7
 
 
-def _backend_kw(fn, name: str) -> dict:
-    """The keyword that picks the Triton or torch code of ``fn`` (``kernels=``; earlier ``impl=`` / ``backend=``)."""
-    params = inspect.signature(fn).parameters
-    for key in ("kernels", "impl", "backend"):
-        if key in params:
-            return {key: name}
-    raise TypeError(f"{fn.__name__} takes none of kernels= / impl= / backend=")
-
-
 def _strict_kernels() -> None:
-    try:
-        from slime_tis.kernels.dispatch import KernelFallbackWarning
-    except ImportError:  # no fallback in this version: a failing kernel raises anyway
-        return
+    from slime_tis.kernels.dispatch import KernelFallbackWarning
+
     warnings.simplefilter("error", KernelFallbackWarning)
 
 
@@ -125,7 +113,7 @@ def check_logprobs(torch, t: int, v: int, dev: str, rows_per_chunk: int) -> dict
     failures = []
     for name in ("triton", "torch"):
         zz = z.clone().requires_grad_(True)
-        lp, ent = lp_and_h(zz, y, temperature=TAU, tp_group=None, row_mask=keep, **_backend_kw(lp_and_h, name))
+        lp, ent = lp_and_h(zz, y, temperature=TAU, tp_group=None, row_mask=keep, kernels=name)
         (grad,) = torch.autograd.grad([lp, ent], zz, [w_lp, w_h])
         lp, ent = lp.detach().double(), ent.detach().double()
         gmax, gerr = 0.0, 0.0
@@ -190,7 +178,7 @@ def check_output_layer(torch, t: int, h: int, v: int, dev: str) -> dict:
     failures = []
     for name in ("triton", "torch"):
         hh, ww = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        lp, ent = fused(hh, ww, y, temperature=TAU, loss_mask=keep, tp_group=None, **_backend_kw(fused, name))
+        lp, ent = fused(hh, ww, y, temperature=TAU, loss_mask=keep, tp_group=None, kernels=name)
         gh, gw = torch.autograd.grad((lp * w_lp_k).sum() + (ent * w_h_k).sum(), [hh, ww])
         res = {
             "lp_err": float((lp.detach().double()[clean] - lp64).abs().max()),

@@ -16,7 +16,7 @@ micro-batch ``loss_func(logits)`` then ``backward``. Compared, per micro-batch a
 
 On CUDA the hook's loss path (``loss_func`` and ``backward``) runs under
 ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation raises and is reported. Peak GPU
-memory of each path is printed too. Numbers go to the issue note (issue 5, item 7).
+memory of each path is printed too.
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write(out + "\n")
     if args.plot:
-        from slime_tis.plot import main as plot_main
+        from examples.plot import main as plot_main
 
         dirs = [run_dir(args.out_dir, mm, alg, args.seeds[0]) for mm in args.mismatch for alg in args.algs]
         plot_main([*dirs, "-o", os.path.join(args.out_dir, "compare.png"), "--smooth", "3"])

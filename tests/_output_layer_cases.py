@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slime_tis.kernels.output_layer import (  # noqa: E402
+from slime_tis.kernels.output_layer import (
     fused_log_probs_and_entropy,
     reference_log_probs_and_entropy,
 )

@@ -13,7 +13,7 @@ zeros, garbage values at masked positions), runs verl on it, converts it with
   that have an exact counterpart): to 1e-4 relative;
 * verl's divergence options (``token_k2/k3``, ``seq_sum_k2/k3``, ``seq_mean_k2/k3``, ``seq_max_k2/k3``) against
   the rows of the same names, with thresholds placed between units: keep masks exactly, fractions to 1e-4;
-* one asymmetric-bounds case pinning verl's inverted k1 convention (notes_anchors.md D.3): our
+* one asymmetric-bounds case pinning verl's inverted k1 convention (docs/semantics.md, bounds): our
   bounds are on ``r = pi_train / pi_rollout``; verl's ``"lo_hi"`` for ``*_k1`` keeps
   ``1/hi <= r <= 1/lo``;
 * algorithm 2's aggregated loss and gradient against verl's vanilla PPO loss with IS weights
@@ -506,7 +506,7 @@ def test_log_ppl_diff_is_accurate_for_long_sequences_with_small_mismatch() -> No
     of two per-sequence mean log-probs (magnitude ~5, each a float32 sum of ~1e4) cancels almost
     every significant digit (relative error ~3e-3 here before the fix; verl's own float32 value is off by
     ~2e-4). The core now takes it from the per-sequence log-ratio sum, to ~1e-6:
-    ``mean_t lp_rollout - mean_t lp_train = -seq_log_ratio_sum / n`` (docs/requests/core.md item 1).
+    ``mean_t lp_rollout - mean_t lp_train = -seq_log_ratio_sum / n``.
     """
     g = torch.Generator().manual_seed(0)
     lp_rollout = -10.0 * torch.rand(8, 2048, generator=g)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from slime_tis import TISConfig, compute_tis
-from slime_tis.cli import main as cli_main
-from slime_tis.diagnose import PERCENTILES, diagnose, write_histogram
-from slime_tis.dump import read_logprob_dump, write_logprob_dump
+from slime_tis.tools.cli import main as cli_main
+from slime_tis.tools.diagnose import PERCENTILES, diagnose, write_histogram
+from slime_tis.tools.dump import read_logprob_dump, write_logprob_dump
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,9 +170,11 @@ def test_cli_on_example_job_dump(example_run, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_plot_subcommand_is_wired(example_run, tmp_path, capsys):
+def test_example_plot_reads_the_example_job_run(example_run, tmp_path, capsys):
+    from examples.plot import main as plot_main
+
     out = tmp_path / "curves.png"
-    assert cli_main(["plot", str(example_run), "-o", str(out)]) == 0
+    assert plot_main([str(example_run), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

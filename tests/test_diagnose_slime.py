@@ -1,4 +1,4 @@
-"""``slime-tis diagnose`` on slime's own debug dumps (issue 11, item 11).
+"""``slime-tis diagnose`` on slime's own debug dumps (``--save-debug-train-data`` files).
 
 The files are built the way slime writes them (THUDM/slime 624b824):
 
@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from slime_tis import TISConfig, compute_tis
-from slime_tis.cli import main as cli_main
-from slime_tis.dump import read_logprob_dump
+from slime_tis.tools.cli import main as cli_main
+from slime_tis.tools.dump import read_logprob_dump
 
 PROMPT = 3
 

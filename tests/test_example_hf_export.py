@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
+from test_example_rl import CFG, random_weights
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from test_example_rl import CFG, random_weights  # noqa: E402
-
-from examples.rl.model import WEIGHTS_FILE, KVCacheGPT, save_hf_checkpoint  # noqa: E402
-from examples.rl.rollout_engine import EmbeddedEngine  # noqa: E402
-from examples.rl.task import EOS, SEP  # noqa: E402
+from examples.rl.model import WEIGHTS_FILE, KVCacheGPT, save_hf_checkpoint
+from examples.rl.rollout_engine import EmbeddedEngine
+from examples.rl.task import EOS, SEP
 
 transformers = pytest.importorskip("transformers", reason="install the test extras: pip install -e '.[test]'")
 

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,15 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from examples.rl.http_client import SGLangClient, SGLangHTTPError  # noqa: E402
-from examples.rl.http_server import serve  # noqa: E402
-from examples.rl.model import ModelConfig, save_hf_checkpoint  # noqa: E402
-from examples.rl.rollout_engine import EmbeddedEngine  # noqa: E402
-from examples.rl.task import EOS, SEP  # noqa: E402
+from examples.rl.http_client import SGLangClient, SGLangHTTPError
+from examples.rl.http_server import serve
+from examples.rl.model import ModelConfig, save_hf_checkpoint
+from examples.rl.rollout_engine import EmbeddedEngine
+from examples.rl.task import EOS, SEP
 
 CFG = ModelConfig(num_layers=1, hidden_size=16, num_heads=2, max_seq_len=12)
 REQ = {"input_ids": [1, 2, SEP], "return_logprob": True,
@@ -276,7 +271,7 @@ def _call_bounded(client: SGLangClient, limit: float) -> tuple[BaseException | N
     def run():
         try:
             client.generate(REQ)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             out[0] = e
 
     t0 = time.monotonic()

@@ -1,21 +1,18 @@
-"""slime_tis.plot (PNG curves of several runs) and examples.compare's table, on hand-written run logs."""
+"""examples.plot (PNG curves of several runs) and examples.compare's table, on hand-written run logs."""
 
 from __future__ import annotations
 
 import json
 import os
 import struct
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from examples.compare import summarize, table  # noqa: E402
-from slime_tis.plot import main as plot_main  # noqa: E402
-from slime_tis.plot import read_run  # noqa: E402
+from examples.plot import main as plot_main  # noqa: E402
+from examples.plot import read_run  # noqa: E402
 
 
 def _write_run(d, rows, algorithm=None, wall=None):
@@ -223,3 +220,45 @@ def test_results_table_presets(tmp_path):
     proc, argv = _results_table_argv(tmp_path, "bogus")
     assert proc.returncode == 2 and argv is None
     assert "GRID must be 'main' or 'quant', got 'bogus'" in proc.stderr
+
+
+# ------------------------------------------------------------------ malformed input to examples.plot
+def _one_line_plot_error(capsys, argv: list[str], *needles: str) -> str:
+    """``python -m examples.plot ARGV`` fails with exit status 2 and one stderr line holding every needle."""
+    rc = plot_main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, (rc, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+PLOT_CASES = {
+    "array line": ('[{"step": 1}]', ["metrics.jsonl:2", "must be a JSON object"]),
+    "step 1e400": ('{"step": 1e400, "reward": 0.5}', ["metrics.jsonl:2", "'step' must be an integer"]),
+    "step string": ('{"step": "abc", "reward": 0.5}', ["metrics.jsonl:2", "'step' must be an integer"]),
+    "broken line": ('{"step": 1, "rew', ["metrics.jsonl:2", "not valid JSON"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PLOT_CASES))
+def test_plot_malformed_metrics(case, tmp_path, capsys):
+    line, needles = PLOT_CASES[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "reward": 0.1}\n' + line + '\n{"step": 2, "reward": 0.2}\n')
+    _one_line_plot_error(capsys, [str(run), "-o", str(tmp_path / "c.png")], *needles)
+
+
+def test_plot_tolerates_torn_last_line_and_odd_args_json(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "reward": 0.1}\n{"step": 1, "reward": 0.2}\n{"step": 2, "re')
+    (run / "args.json").write_text("[1, 2]")  # not an object: no label suffix, no crash
+    assert plot_main([str(run), "-o", str(tmp_path / "c.png"), "--metrics", "reward"]) == 0
+    err = capsys.readouterr().err
+    assert "note: " in err and "metrics.jsonl:3: the last line is incomplete" in err
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    _one_line_plot_error(capsys, [str(run)], "is not a run directory")

@@ -3,23 +3,14 @@ hand-quantised weights, and int8 / fp8 rollouts carry a larger mismatch than bf1
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from test_example_rl import CFG, random_weights
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from test_example_rl import CFG, random_weights  # noqa: E402
-
-from examples.rl.model import KVCacheGPT  # noqa: E402
-from examples.rl.quant import quantize  # noqa: E402
-from examples.rl.rollout_engine import EmbeddedEngine  # noqa: E402
-from examples.rl.task import EOS, SEP  # noqa: E402
+from examples.rl.model import KVCacheGPT
+from examples.rl.quant import quantize
+from examples.rl.rollout_engine import EmbeddedEngine
+from examples.rl.task import EOS, SEP
 
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 

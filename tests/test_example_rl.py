@@ -14,8 +14,6 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from examples.rl.batch import build_batch, grpo_advantages, parse_responses  # noqa: E402
 from examples.rl.http_client import SGLangClient, SGLangHTTPError  # noqa: E402

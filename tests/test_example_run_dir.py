@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from examples.rl.ckpt_manifest import MANIFEST, CheckpointIntegrityError, verify_manifest, write_manifest  # noqa: E402
 from examples.rl.run_dir import RunDirError, clear, cut_from_step, write_saved  # noqa: E402
@@ -185,7 +183,7 @@ def test_launcher_run_dir_lifecycle(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert (run / "args.json").read_bytes() == args_json  # never rewritten by a resume
     assert _steps(run / "metrics.jsonl") == [0, 1]
-    from slime_tis.dump import read_logprob_dump
+    from slime_tis.tools.dump import read_logprob_dump
 
     dump = read_logprob_dump(run / "logprobs.jsonl")
     assert dump.notes == [] and dump.step.tolist() == [0] * 8 + [1] * 8  # each step once, no torn line left

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _output_layer_cases import CASES, accumulation, accuracy, non_finite, run
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _output_layer_cases import CASES, accumulation, accuracy, non_finite, run  # noqa: E402
-
-from slime_tis.kernels import dispatch  # noqa: E402
-from slime_tis.kernels.output_layer import (  # noqa: E402
+from slime_tis.kernels import dispatch
+from slime_tis.kernels.output_layer import (
     fused_log_probs_and_entropy,
     reference_log_probs_and_entropy,
 )

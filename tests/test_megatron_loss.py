@@ -147,7 +147,7 @@ def test_two_tuple_scale_undoes_megatron_scaling(cp_size, grad_average):
 
 
 def test_metrics_are_clones_safe_from_in_place_scaling():
-    """Gotcha G2: the schedule runs ``output_tensor *= cp; /= M`` on the returned loss."""
+    """The schedule runs ``output_tensor *= cp; /= M`` on the returned loss in place: the metrics must not alias it."""
     cfg = CFGS["alg2_tok_trunc_bn"]
     logits, labels, mask, adv, lp, rollout = _data(1)
     batches = _microbatches(labels, mask, adv, rollout, lp, 1)

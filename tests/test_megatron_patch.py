@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import sys
 import types
-from pathlib import Path
 
+import megatron.core.pipeline_parallel as pp_pkg
 import pytest
+from megatron.core.pipeline_parallel import schedules
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root: patches/
-
-import megatron.core.pipeline_parallel as pp_pkg  # noqa: E402
-from megatron.core.pipeline_parallel import schedules  # noqa: E402
-
-from slime_tis import TISConfig  # noqa: E402
-from slime_tis.megatron import (  # noqa: E402
+from slime_tis import TISConfig
+from slime_tis.megatron import (
     TISForwardBackward,
     add_megatron_tis_arguments,
     default_get_tis_batch,
     tis_forward_backward_func,
-    tis_patch,  # noqa: E402
+    tis_patch,
 )
 
 

@@ -1,4 +1,4 @@
-"""Malformed input to ``slime-tis diagnose`` and ``slime-tis plot``: one line naming the file, the record
+"""Malformed input to ``slime-tis diagnose``: one line naming the file, the record
 (line) and the field, exit status 2, no traceback; nothing silently accepted; sizes checked before
 anything is allocated; a torn final line tolerated and reported; an empty domain said so; quantiles of
 more than 2**24 values."""
@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_tis.cli import main as cli_main
-from slime_tis.diagnose import diagnose, quantiles
-from slime_tis.dump import DumpFormatError, read_logprob_dump, write_logprob_dump
-from slime_tis.plot import main as plot_main
+from slime_tis.tools.cli import main as cli_main
+from slime_tis.tools.diagnose import diagnose, quantiles
+from slime_tis.tools.dump import DumpFormatError, read_logprob_dump, write_logprob_dump
 
 GOOD = {"train_log_probs": [-0.5, -1.0, -0.25], "rollout_log_probs": [-0.4, -1.1, -0.3], "loss_mask": [1, 1, 0],
         "step": 0, "token_ids": [3, 4, 5], "reward": 1.0}
@@ -35,7 +34,7 @@ def _rec(**changes) -> str:
 
 def _one_line_error(capsys, argv: list[str], *needles: str) -> str:
     """``slime-tis ARGV`` fails with exit status 2 and one stderr line holding every needle."""
-    rc = cli_main(argv) if argv[0] != "plot" else plot_main(argv[1:])
+    rc = cli_main(argv)
     err = capsys.readouterr().err.strip()
     assert rc == 2, (rc, err)
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
@@ -239,34 +238,3 @@ def test_quantiles_match_torch_and_scale_past_two_to_the_24():
     n = (1 << 24) + 3  # torch.quantile refuses inputs larger than 2**24
     big = torch.arange(n, dtype=torch.float32).flip(0)
     assert quantiles(big, [0.0, 0.5, 1.0]) == [0.0, (n - 1) / 2, float(n - 1)]
-
-
-# ------------------------------------------------------------------ slime-tis plot
-PLOT_CASES = {
-    "array line": ('[{"step": 1}]', ["metrics.jsonl:2", "must be a JSON object"]),
-    "step 1e400": ('{"step": 1e400, "reward": 0.5}', ["metrics.jsonl:2", "'step' must be an integer"]),
-    "step string": ('{"step": "abc", "reward": 0.5}', ["metrics.jsonl:2", "'step' must be an integer"]),
-    "broken line": ('{"step": 1, "rew', ["metrics.jsonl:2", "not valid JSON"]),
-}
-
-
-@pytest.mark.parametrize("case", list(PLOT_CASES))
-def test_plot_malformed_metrics(case, tmp_path, capsys):
-    line, needles = PLOT_CASES[case]
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 0, "reward": 0.1}\n' + line + '\n{"step": 2, "reward": 0.2}\n')
-    _one_line_error(capsys, ["plot", str(run), "-o", str(tmp_path / "c.png")], *needles)
-
-
-def test_plot_tolerates_torn_last_line_and_odd_args_json(tmp_path, capsys):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 0, "reward": 0.1}\n{"step": 1, "reward": 0.2}\n{"step": 2, "re')
-    (run / "args.json").write_text("[1, 2]")  # not an object: no label suffix, no crash
-    assert plot_main([str(run), "-o", str(tmp_path / "c.png"), "--metrics", "reward"]) == 0
-    err = capsys.readouterr().err
-    assert "note: " in err and "metrics.jsonl:3: the last line is incomplete" in err
-    (run / "metrics.jsonl").unlink()
-    (run / "metrics.jsonl").mkdir()
-    _one_line_error(capsys, ["plot", str(run)], "is not a run directory")

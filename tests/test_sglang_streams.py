@@ -1,4 +1,4 @@
-"""SGLang streams, finish reasons, top-k default and sampling log-probs (issue 11, items 6-10).
+"""SGLang streams, finish reasons, top-k default and sampling log-probs.
 
 Payloads come from ``tests/_sglang_server_model.py``, a model of SGLang 0.5.23's own response code
 (``tokenizer_manager.py``, ``http_server.py``, ``schedule_batch.py``, ``sampling_mask.py``,
@@ -50,7 +50,7 @@ def stream_lines(steps, *, incremental=False, done=True, finish=STOP, rid="r"):
     return lines + ([DONE] if done else [])
 
 
-# ------------------------------------------------------------------ item 6: cut-off streams
+# ------------------------------------------------------------------ cut-off streams
 @pytest.mark.parametrize("incremental", [False, True])
 def test_stream_cut_off_before_finishing_chunk_is_rejected_and_counted(incremental):
     full = stream_lines([2, 2, 2], incremental=incremental)
@@ -93,7 +93,7 @@ def test_batch_stream_one_request_cut_off_others_kept():
     assert not sb.rejected and sb.token_ids.tolist() == IDS
 
 
-# ------------------------------------------------------------------ item 7: lists grown past the length field
+# ------------------------------------------------------------------ lists grown past the length field
 def test_batch_stream_chunk_serialised_after_its_lists_grew():
     """n > 1: the chunk of request 0 built at step 1 waits while request 1's chunk is sent; meanwhile the
     tokenizer manager handles step 2 and extends request 0's lists in place (SGLang passes them by
@@ -148,7 +148,7 @@ def test_cumulative_stream_with_nan_logprob_merges_and_is_rejected_as_nonfinite(
     assert s.nonfinite and s.finish_error is None and s.reasons == ["1 None log-prob(s) at generated token(s) 1"]
 
 
-# ------------------------------------------------------------------ item 8: finish_reason
+# ------------------------------------------------------------------ finish_reason
 def response(finish, n=3):
     st = RequestState("q", stream=False)
     return st.step(LPS[:n], IDS[:n], finish=finish)
@@ -196,7 +196,7 @@ def test_streamed_abort_and_multi_turn_abort():
     assert t.reasons == ["turn 1: SGLang aborted the request (finish_reason abort: message 'Aborted')"]
 
 
-# ------------------------------------------------------------------ item 9: top_k = TOP_K_ALL
+# ------------------------------------------------------------------ top_k = TOP_K_ALL
 @pytest.mark.parametrize("top_k", [1073741824, 1 << 31, -1])
 def test_sglang_no_top_k_value_does_not_warn(top_k):
     with warnings.catch_warnings():
@@ -211,7 +211,7 @@ def test_top_k_just_below_sglang_all_still_warns():
         check_sampling_params({"top_k": 1073741823})
 
 
-# ------------------------------------------------------------------ item 10: sampling log-probs
+# ------------------------------------------------------------------ sampling log-probs
 def truncated_distribution(seed, vocab=12, top_p=0.8):
     """Full and top-p-renormalised log-probs of one step, and the kept support (SGLang: top_p_renorm_prob;
     the selected log-prob is log(p_sel / S), sampler.py _build_sampling_mask_output)."""

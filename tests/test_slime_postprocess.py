@@ -7,9 +7,9 @@ import torch
 from _slime_oracle import SlimeBatch, args_ns, make_batch
 
 from slime_tis import TISConfig, compute_tis
-from slime_tis.dump import read_logprob_dump
 from slime_tis.slime import compute_tis_for_slime, postprocess_rollout_data
 from slime_tis.slime.state import STATE
+from slime_tis.tools.dump import read_logprob_dump
 
 
 def rollout_data(b: SlimeBatch) -> dict:

@@ -15,9 +15,9 @@ import pytest
 import torch
 from _slime_oracle import args_ns, make_batch, slime_sum_of_sample_mean
 
-from slime_tis.dump import read_logprob_dump
 from slime_tis.slime import flush_recorded_train_log_probs, postprocess_rollout_data, reinforce_is_loss
 from slime_tis.slime.record import RECORDER
+from slime_tis.tools.dump import read_logprob_dump
 
 VOCAB = 11
 

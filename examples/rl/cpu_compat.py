@@ -168,7 +168,3 @@ def enable(*, force: bool = False) -> bool:
     _CudaToCpuMode().__enter__()
     _enabled = True
     return True
-
-
-def is_enabled() -> bool:
-    return _enabled

@@ -173,7 +173,7 @@ def cut_from_step(path: str, start: int) -> list[str]:
     """Truncate the JSONL file ``path`` before its first record with ``step >= start`` (records are written
     in step order; header lines without ``step`` are kept), and before a torn last line; complete a last
     line that lacks only its newline. Returns notes on what was cut (torn lines)."""
-    from slime_tis.jsonl import read_jsonl, torn_tail
+    from slime_tis.tools.jsonl import read_jsonl, torn_tail
 
     if not os.path.isfile(path):
         return []

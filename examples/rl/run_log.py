@@ -79,11 +79,3 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
-
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """All rows of ``RUN_DIR/metrics.jsonl`` (the last row wins for a repeated step; a torn last line, left by
-    a crash, is skipped)."""
-    from slime_tis.plot import read_run
-
-    return read_run(run_dir)

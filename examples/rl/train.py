@@ -440,7 +440,7 @@ class Trainer:
         (gathered over DP onto the logging rank); the file is ``slime-tis diagnose`` input."""
         from megatron.core import parallel_state as ps
 
-        from slime_tis.dump import write_logprob_dump
+        from slime_tis.tools.dump import write_logprob_dump
 
         if not ps.is_pipeline_last_stage():
             return

@@ -28,7 +28,6 @@ __all__ = [
     "check_offsets",
     "offsets_on",
     "sequence_ids",
-    "segment_sum",
     "padded_to_packed",
     "packed_to_padded",
 ]
@@ -168,16 +167,6 @@ def sequence_ids(cu_seqlens: Tensor, n_tokens: int, device: torch.device) -> Ten
     """
     offsets = offsets_on(cu_seqlens, device)
     return torch.repeat_interleave(offsets[1:] - offsets[:-1], output_size=n_tokens)
-
-
-def segment_sum(values: Tensor, seq_id: Tensor, n_seq: int) -> Tensor:
-    """Per-sequence sums: ``out[i, ...] = sum_{t: seq_id[t] = i} values[t, ...]``.
-
-    ``values`` is ``[T]`` or ``[T, k]``; the result is ``[n_seq]`` or ``[n_seq, k]`` in the dtype of
-    ``values``.
-    """
-    out = torch.zeros((n_seq, *values.shape[1:]), dtype=values.dtype, device=values.device)
-    return out.index_add_(0, seq_id, values)
 
 
 def padded_to_packed(padded: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

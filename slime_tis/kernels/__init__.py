@@ -1,8 +1,10 @@
-"""GPU kernels (Triton) beside the torch reference they must equal.
+"""GPU kernels (Triton) beside the torch reference they must equal; they take their process group as an argument
+and never import the Megatron adapter.
 
-Each submodule imports triton at its top, so import a submodule only where triton is installed; the
-callers (e.g. :mod:`slime_tis.megatron.logprobs`) import them lazily and fall back to the torch path.
-CI runs the kernels on CPU under ``TRITON_INTERPRET=1``. ``output_layer`` (the fused output layer) is
-the exception: it holds the torch reference itself and imports its kernels (``_output_layer_triton``) only
-on the Triton path, so it imports without triton.
+``logprobs`` and ``correction`` import triton at their top, so import them only where triton is installed; the
+callers (e.g. :mod:`slime_tis.megatron.logprobs`) reach them through :mod:`slime_tis.kernels.dispatch` (the
+``kernels="torch"|"triton"`` switch) and fall back to the torch path. ``output_layer`` holds its torch reference
+itself and imports its kernels (``_output_layer_triton``) only on the Triton path; ``logprobs_torch`` (the torch
+backward of the log-prob kernel), ``matmul`` and ``dispatch`` need no triton. CI runs the kernels on CPU under
+``TRITON_INTERPRET=1``.
 """

@@ -49,6 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from slime_tis.kernels.dispatch import KernelLaunchError, fall_back, launching
+from slime_tis.kernels.logprobs_torch import grad_logits
 
 __all__ = ["fused_log_probs_and_entropy", "default_block_v"]
 
@@ -254,9 +255,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
 
 
 def _torch_grad(ctx, logits, targets, row_mask, log_z, entropy, grad_lp, grad_h) -> Tensor:
-    """The torch code's ``dL/dz`` (``slime_tis.megatron.logprobs.grad_logits``) from this forward's state."""
-    from slime_tis.megatron.logprobs import grad_logits
-
+    """The torch code's ``dL/dz`` (:func:`slime_tis.kernels.logprobs_torch.grad_logits`) from this forward's state."""
     local = targets - ctx.vocab_start
     in_shard = (local >= 0) & (local < logits.shape[1])
     safe_idx = torch.where(in_shard, local, torch.zeros_like(local))

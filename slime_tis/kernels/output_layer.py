@@ -56,12 +56,10 @@ _NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
 _TRITON = "slime_tis.kernels._output_layer_triton"
 
 
-def _tp_group(tp_group):
-    if isinstance(tp_group, str):
-        if tp_group != "default":
-            raise ValueError(f"tp_group must be 'default', None or a process group, got {tp_group!r}")
-        from slime_tis.megatron.logprobs import default_tp_group
-        return default_tp_group()
+def _check_group(tp_group):
+    """``tp_group`` is a process group or ``None``: the kernels never look up megatron's groups themselves."""
+    if tp_group is not None and not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
+        raise ValueError(f"tp_group must be a torch.distributed process group or None, got {tp_group!r}")
     return tp_group
 
 
@@ -252,8 +250,8 @@ def fused_log_probs_and_entropy(
         temperature: > 0; the logits are divided by it.
         loss_mask: optional ``[...]``; rows where it is 0 return 0 and get zero gradients (and, on the
             Triton path, cost no matmul).
-        tp_group: group over which the vocabulary is split; ``None``: no TP; ``"default"``: megatron's TP
-            group when model parallel is initialised.
+        tp_group: process group over which the vocabulary is split; ``None``: no TP (the caller passes
+            megatron's TP group: :mod:`slime_tis.megatron.output_layer`).
         reduce_hidden_grad: all-reduce ``dL/dhidden`` over ``tp_group`` (True: the returned gradient is the
             full one). False when the caller's own region does it (megatron's
             ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather, see
@@ -285,7 +283,7 @@ def fused_log_probs_and_entropy(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     tk = dispatch.triton_module("output_layer", _TRITON, hidden.device, dispatch.check_kernels(kernels))
-    group = _tp_group(tp_group)
+    group = _check_group(tp_group)
     tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_y = targets.reshape(-1).to(torch.int64)

@@ -40,12 +40,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.kernels import dispatch
+from slime_tis.kernels.logprobs_torch import fp32_chunk, grad_logits
 
 __all__ = ["vocab_parallel_log_probs_and_entropy", "default_tp_group"]
 
 
 _FMIN = torch.finfo(torch.float32).min
-_LOGP_MIN = -200.0  # log p clamp in the backward: exp(-200) == 0 in float32, and (log p + H) stays finite
 
 
 def default_tp_group() -> dist.ProcessGroup | None:
@@ -63,16 +63,6 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
-
-
-def _fp32_chunk(logits: Tensor, start: int, end: int, temperature: float) -> Tensor:
-    """A fresh float32 copy of ``logits[start:end] / temperature`` (never aliases the input)."""
-    chunk = logits[start:end]
-    x = torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device)
-    x.copy_(chunk)
-    if temperature != 1.0:
-        x.div_(temperature)
-    return x
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
@@ -95,7 +85,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         sums = torch.zeros(n_tok, 3, dtype=torch.float32, device=logits.device)
         for start in range(0, n_tok, chunk_size):
             end = min(start + chunk_size, n_tok)
-            y = _fp32_chunk(logits, start, end, temperature)
+            y = fp32_chunk(logits, start, end, temperature)
             y.sub_(row_max[start:end, None]).clamp_(min=_FMIN)     # y = x - m (-inf logits -> finite, e = 0)
             e = torch.exp(y)
             sums[start:end, 0] = e.sum(dim=-1)
@@ -128,48 +118,6 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         grad = grad_logits(logits, safe_idx, in_shard, log_z, entropy, keep, grad_lp, grad_h,
                            temperature=ctx.temperature, chunk_size=ctx.chunk_size, with_entropy=ctx.with_entropy)
         return grad, None, None, None, None, None, None, None
-
-
-def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tensor, entropy: Tensor,
-                keep: Tensor | None, grad_lp: Tensor | None, grad_h: Tensor | None, *, temperature: float,
-                chunk_size: int, with_entropy: bool) -> Tensor:
-    """``dL/dz [T, Vp]`` in the logits' dtype (module docstring), ``chunk_size`` rows at a time.
-
-    ``safe_idx`` / ``in_shard [T]``: the target's column in this shard (0 when not in it) / whether it is;
-    ``logZ``, ``H [T]``: global, from the forward; ``keep [T]``: the row mask or ``None``. Also the fallback of
-    the Triton kernels' backward (``slime_tis.kernels.logprobs``).
-    """
-    n_tok = logits.shape[0]
-    grad = torch.empty_like(logits)
-    g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
-    use_h = with_entropy and grad_h is not None
-    # rows with an upstream gradient: the others (masked, rejected tokens) get exact zeros, selected rather
-    # than multiplied by 0, so that a non-finite row (a rejected NaN log-prob) puts no NaN into the gradient
-    live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
-    if keep is not None:
-        live &= keep
-    for start in range(0, n_tok, chunk_size):
-        end = min(start + chunk_size, n_tok)
-        y = _fp32_chunk(logits, start, end, temperature)
-        y.sub_(log_z[start:end, None]).clamp_(min=_LOGP_MIN)  # y = x - logZ = log p (-inf -> p = 0)
-        p = torch.exp(y)
-        gl = g_lp[start:end, None]
-        if use_h:
-            # p * (-g_lp - g_H (log p + H))
-            y.add_(entropy[start:end, None]).mul_(-grad_h[start:end, None]).sub_(gl)
-        else:
-            y.copy_(-gl.expand_as(y))
-        y.mul_(p)
-        del p
-        # onehot term: + g_lp at the target column on the owning rank
-        hit = torch.where(in_shard[start:end], g_lp[start:end], torch.zeros_like(g_lp[start:end]))
-        y.scatter_add_(1, safe_idx[start:end, None], hit[:, None])
-        if temperature != 1.0:
-            y.div_(temperature)
-        y.masked_fill_(~live[start:end, None], 0.0)
-        grad[start:end].copy_(y)
-        del y
-    return grad
 
 
 def vocab_parallel_log_probs_and_entropy(

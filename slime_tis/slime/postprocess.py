@@ -49,7 +49,6 @@ from torch import Tensor
 from slime_tis.core import compute_tis
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.weights import batch_norm_factor
-from slime_tis.dump import records_from_samples, write_logprob_dump
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import drop_applies, plan_rollout_drop
@@ -58,6 +57,7 @@ from slime_tis.slime.parallel import ParallelContext, parallel_context
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.rollouts import unit_keys
 from slime_tis.slime.state import STATE
+from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
 __all__ = ["gather_full_responses", "postprocess_rollout_data"]
 

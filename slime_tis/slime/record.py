@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import parse_switch
-from slime_tis.dump import records_from_samples, write_logprob_dump
+from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
 __all__ = ["RECORDER", "TrainLogProbRecorder", "flush_recorded_train_log_probs", "recording_enabled"]
 

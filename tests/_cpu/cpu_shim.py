@@ -9,14 +9,7 @@ their tensors on the CPU even on a machine with a GPU. Never imported by the ``s
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from examples.rl import cpu_compat  # noqa: E402
+from examples.rl import cpu_compat
 
 cpu_compat.patch_runtime(force=True)
 

@@ -11,12 +11,9 @@ python _example_ckpt_tool.py plain CKPT_DIR OUT.pt
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
 

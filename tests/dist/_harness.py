@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (for _cpu; "tests" is shadowed by verl)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root (slime_tis, patches)
-from _cpu import cpu_shim  # noqa: E402
+from _cpu import cpu_shim
 
 cpu_shim.enable_cuda_to_cpu_mode()
 
 from _cpu.cpu_cp_attention import CPUContextParallelAttention  # noqa: E402
+from _plans import CASES, LAYOUTS, Layout  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
@@ -41,9 +37,6 @@ from slime_tis import MetricStats, TISConfig, policy_loss  # noqa: E402
 from slime_tis.core import LocalReducer, loss_denominator  # noqa: E402
 from slime_tis.megatron import TISBatch, tis_forward_backward_func  # noqa: E402
 from slime_tis.megatron.batch import cp_slice_padded  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plans import CASES, LAYOUTS, Layout  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 64, 16, 32, 4, 4
 GLOBAL_ROWS = 8
@@ -73,7 +66,8 @@ def setup_parallel(layout: Layout) -> None:
 
 def build_model(layout: Layout, *, pre: bool | None = None, post: bool | None = None,
                 vp_stage: int | None = None) -> GPTModel:
-    """Tiny GPT with the local spec (CPU CP attention); parallel sizes also in the config (gotcha G1)."""
+    """Tiny GPT with the local spec (CPU CP attention); parallel sizes also in the config (megatron reads
+    them from both ``parallel_state`` and ``TransformerConfig``; they must agree)."""
     vpp = layout.vpp if layout.vpp > 1 else None
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
@@ -187,7 +181,7 @@ def oracle(cfg: TISConfig, weights: dict[str, torch.Tensor], batch: GlobalBatch,
            microbatch_rows: list[list[int]]) -> Oracle:
     """Plain autograd on the TP=PP=CP=1 model and the whole batch (one ``policy_loss`` call).
 
-    Algorithm 3 with batch normalisation normalises per micro-batch over DP x CP (SPEC), i.e. per *global*
+    Algorithm 3 with batch normalisation normalises per micro-batch over DP x CP (docs/semantics.md), i.e. per *global*
     micro-batch ``k`` (the union of micro-batch ``k`` of every DP rank): ``microbatch_rows`` gives them and
     the oracle then calls ``policy_loss`` once per global micro-batch with the global denominator.
     """

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch.distributed as dist  # noqa: E402
-from _harness import (  # noqa: E402
+import torch.distributed as dist
+from _harness import (
     SEQ,
     TEMPERATURE,
     build_ddp_chunks,
@@ -31,14 +28,14 @@ from _harness import (  # noqa: E402
     row_assignment,
     setup_parallel,
 )
-from _plans import LAYOUTS, Layout  # noqa: E402
-from _slime_oracle import args_ns, make_batch  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from _plans import LAYOUTS, Layout
+from _slime_oracle import args_ns, make_batch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from slime_tis import TISConfig  # noqa: E402
-from slime_tis.megatron import default_get_tis_batch, tis_forward_backward_func  # noqa: E402
-from slime_tis.slime import postprocess_rollout_data  # noqa: E402
+from slime_tis import TISConfig
+from slime_tis.megatron import default_get_tis_batch, tis_forward_backward_func
+from slime_tis.slime import postprocess_rollout_data
 
 ALG3 = dict(use_rollout_log_probs=True, use_tis=True)
 M = 2
@@ -107,7 +104,7 @@ def run(name: str, weights, lp_full) -> dict:
         try:
             fb(forward_step_func=forward_step, data_iterator=iter(make_items(batch, rows)), model=ddps,
                num_microbatches=M, seq_length=SEQ, micro_batch_size=len(rows[0]), forward_only=False)
-        except Exception as e:  # noqa: BLE001 - the launcher that catches and goes on
+        except Exception as e:
             record.setdefault("errors", []).append({"error": type(e).__name__, "message": str(e)})
             if not isinstance(e, ValueError) or "injected" not in str(e):
                 break  # a check fired: stop, as every rank does at the same point
@@ -123,7 +120,7 @@ def run_slime(name: str) -> dict:
     try:
         postprocess_rollout_data(args_ns(**SLIME_SCENARIOS[name]()), 0, b.rollout_data() | {"log_probs": b.train})
         record["ok"] = {}
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         record["errors"] = [{"error": type(e).__name__, "message": str(e)}]
     return record
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-from _harness import (  # noqa: E402
+import torch
+from _harness import (
     SEQ,
     TEMPERATURE,
     build_ddp_chunks,
@@ -23,11 +20,11 @@ from _harness import (  # noqa: E402
     make_items,
     row_assignment,
 )
-from _plans import LAYOUTS  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from _plans import LAYOUTS
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from slime_tis import TISConfig  # noqa: E402
-from slime_tis.megatron import rollout_step_iterator, tis_forward_backward_func  # noqa: E402
+from slime_tis import TISConfig
+from slime_tis.megatron import rollout_step_iterator, tis_forward_backward_func
 
 ALGS = {0: {}, 1: {"use_rollout_log_probs": True}, 2: {"use_tis": True},
         3: {"use_rollout_log_probs": True, "use_tis": True}}

@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
-from slime_tis.megatron import vocab_parallel_log_probs_and_entropy  # noqa: E402
+from slime_tis.kernels.dispatch import KernelFallbackWarning
+from slime_tis.megatron import vocab_parallel_log_probs_and_entropy
 
 VP, T, TAU = 24, 8, 0.7
 
@@ -39,10 +37,10 @@ def _oracle(full: torch.Tensor, targets: torch.Tensor, w_lp: torch.Tensor, w_h: 
     return lp.detach(), ent.detach(), torch.where(keep[:, None], grad, 0.0)
 
 
-def _run(shard: torch.Tensor, targets, w_lp, w_h, keep, impl: str):
+def _run(shard: torch.Tensor, targets, w_lp, w_h, keep, kernels: str):
     z = shard.clone().requires_grad_(True)
     lp, ent = vocab_parallel_log_probs_and_entropy(z, targets, temperature=TAU, tp_group=dist.group.WORLD,
-                                                   row_mask=keep, kernels=impl, chunk_size=3)
+                                                   row_mask=keep, kernels=kernels, chunk_size=3)
     (grad,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_h).sum(), z)
     return lp.detach(), ent.detach(), grad
 
@@ -77,7 +75,7 @@ def main() -> None:
             logits = logits.clone()
             logits[~mask] = float("nan")                        # masked rows are never read
         row_mask = None if bool(mask.all()) else mask
-        got = {impl: _run(logits[:, cols], targets, w_lp, w_h, row_mask, impl) for impl in ("triton", "torch")}
+        got = {k: _run(logits[:, cols], targets, w_lp, w_h, row_mask, k) for k in ("triton", "torch")}
         lp, ent, grad = got["triton"]
         grad_tol = 2**-7 * float(grad_ref[:, cols].abs().max()) + 1e-5 if dtype == torch.bfloat16 else 1e-5
         checks[f"{name}/lp"] = [float((lp.double() - lp_ref).abs().max()), 2e-5]

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import traceback
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (for _cpu)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _cpu import cpu_shim  # noqa: E402, F401  (CPU patches for megatron-core)
+import torch
+import torch.distributed as dist
+from _cpu import cpu_shim  # noqa: F401  (CPU patches for megatron-core)
 
-from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
-from slime_tis.kernels.output_layer import (  # noqa: E402
+from slime_tis.kernels.dispatch import KernelFallbackWarning
+from slime_tis.kernels.output_layer import (
     fused_log_probs_and_entropy,
     reference_log_probs_and_entropy,
 )

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _harness import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from _harness import (
     TEMPERATURE,
     full_weights_and_log_probs,
     init_distributed,
@@ -28,11 +25,11 @@ from _harness import (  # noqa: E402
     run_case,
     setup_parallel,
 )
-from _plans import CASES, LAYOUTS, plan_checks  # noqa: E402
-from _rollout_harness import clean_batch, hand_reference, run_rollout_case  # noqa: E402
+from _plans import CASES, LAYOUTS, plan_checks
+from _rollout_harness import clean_batch, hand_reference, run_rollout_case
 
-from slime_tis import TISConfig  # noqa: E402
-from slime_tis.megatron import MegatronReducer  # noqa: E402
+from slime_tis import TISConfig
+from slime_tis.megatron import MegatronReducer
 
 
 class NoCPReducer(MegatronReducer):

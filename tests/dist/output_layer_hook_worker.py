@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _harness import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from _harness import (
     HEADS,
     HIDDEN,
     LAYERS,
@@ -47,13 +44,13 @@ from _harness import (  # noqa: E402
     row_assignment,
     setup_parallel,
 )
-from _plans import CASES, LAYOUTS  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from _plans import CASES, LAYOUTS
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from slime_tis import TISConfig  # noqa: E402
-from slime_tis.megatron import rollout_step_iterator, tis_forward_backward_func  # noqa: E402
-from slime_tis.megatron.output_layer import output_layer_mode  # noqa: E402
+from slime_tis import TISConfig
+from slime_tis.megatron import rollout_step_iterator, tis_forward_backward_func
+from slime_tis.megatron.output_layer import output_layer_mode
 
 CASE = "a2_tok_trunc"
 M = 2

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import free_port, torchrun  # noqa: E402
+from _launch import free_port, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -179,7 +177,7 @@ def test_fifty_step_run_raises_reward_and_writes_dump(tmp_path):
     rewards = [r["reward"] for r in _rows(run)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.15 and last > first + 0.15, (first, last)
-    from slime_tis.dump import read_logprob_dump
+    from slime_tis.tools.dump import read_logprob_dump
 
     dump = read_logprob_dump(str(run / "logprobs.jsonl"))
     assert sorted(set(dump.step.tolist())) == [0, 25, 49] and dump.n_seq == 3 * 256
@@ -187,11 +185,12 @@ def test_fifty_step_run_raises_reward_and_writes_dump(tmp_path):
     # bf16 decode vs fp32 training: close, not identical
     gap = (dump.train_log_probs - dump.rollout_log_probs).abs()
     assert 0 < gap.max() < 0.5
-    # the dump is `slime-tis diagnose` input; the curves are `slime-tis plot` input
-    from slime_tis.cli import main as cli
+    # the dump is `slime-tis diagnose` input; the curves are `python -m examples.plot` input
+    from examples.plot import main as plot_main
+    from slime_tis.tools.cli import main as cli
 
     assert cli(["diagnose", str(run / "logprobs.jsonl")]) == 0
-    assert cli(["plot", str(run), "-o", str(tmp_path / "curves.png")]) == 0
+    assert plot_main([str(run), "-o", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
@@ -283,7 +282,6 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
         args = ["--steps", "3", "--use-tis", "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0"]
         _python_train(["--run-dir", str(tmp_path / "http"), "--sglang-url", f"http://127.0.0.1:{port}", *args])
         _python_train(["--run-dir", str(tmp_path / "embedded"), "--engine-dtype", "float32", *args])
-        sys.path.insert(0, ROOT)
         from examples.rl.http_client import SGLangClient as Client
 
         info = Client(f"http://127.0.0.1:{port}")._call("GET", "/get_model_info")

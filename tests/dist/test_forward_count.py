@@ -10,13 +10,11 @@ algorithms 1/3 need the pre-pass)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 from _launch import torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -9,16 +9,12 @@ tests/test_kernels_logprobs.py).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import torchrun  # noqa: E402
+from _launch import torchrun
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 LAUNCH_TIMEOUT_S = 300
 
 

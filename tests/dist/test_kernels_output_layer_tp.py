@@ -18,18 +18,14 @@ relative (max-abs) on gradients (float32 rounding of O(H) and O(V) sums, summed 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import torchrun  # noqa: E402
+from _launch import torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 TIMEOUT_S = 420
 
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import torchrun  # noqa: E402
+from _launch import torchrun
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 30.0  # long enough for torchrun (a torch import) to start both workers on a loaded machine

@@ -24,14 +24,11 @@ Controls run the same checks with a deliberately broken reducer and must disagre
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
 from _launch import torchrun  # noqa: E402
 from _plans import NPROC, check_id, plan_checks  # noqa: E402
 

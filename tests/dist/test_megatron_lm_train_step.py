@@ -5,16 +5,10 @@ direct wrapper (tests/dist/test_megatron_dist.py), at 1 process and at DP=2, PP=
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _megatron_lm_real import available  # noqa: E402
-from _plans import check_id, plan_checks  # noqa: E402
-from test_megatron_dist import LAUNCH_TIMEOUT_S, _assert_matches_oracle, _of, _results  # noqa: E402
+from _megatron_lm_real import available
+from _plans import check_id, plan_checks
+from test_megatron_dist import LAUNCH_TIMEOUT_S, _assert_matches_oracle, _of, _results
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow,
               pytest.mark.skipif(not available(), reason="megatron.training ships with megatron-core >= 0.17")]

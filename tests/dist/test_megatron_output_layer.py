@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import torchrun  # noqa: E402
+from _launch import torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 TIMEOUT_S = 420
 HIDDEN, VOCAB = 32, 64
 REL = 1e-5

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 from _launch import torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

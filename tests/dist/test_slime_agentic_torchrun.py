@@ -19,13 +19,10 @@ Run directly:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import torchrun  # noqa: E402
+from _launch import torchrun
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
@@ -44,8 +41,6 @@ def test_slime_agentic_dp_cp_tp(tmp_path):
 
 
 def _worker(out: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
     from _cpu import cpu_shim  # noqa: F401  (megatron on a CPU-only torch)

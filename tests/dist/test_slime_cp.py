@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import torchrun  # noqa: E402
+from _launch import torchrun
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
@@ -48,9 +45,7 @@ def test_slime_hooks_cp2(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ worker
-def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
-    sys.path.insert(0, str(ROOT / "tests"))
-    sys.path.insert(0, str(ROOT))
+def _worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
     from _cpu import cpu_shim  # noqa: F401  (megatron on a CPU-only torch)
@@ -59,7 +54,6 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
 
     from slime_tis import TISConfig, compute_tis
     from slime_tis.core import LocalReducer, normalisation_factor
-    from slime_tis.dump import read_logprob_dump
     from slime_tis.slime import (
         COLLECTOR,
         compute_tis_for_slime,
@@ -69,6 +63,7 @@ def _worker(out: Path) -> None:  # noqa: C901 - one linear script of checks
         token_metrics,
     )
     from slime_tis.slime.state import STATE
+    from slime_tis.tools.dump import read_logprob_dump
 
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(context_parallel_size=2)

@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from slime_tis import TISConfig, compute_tis, policy_loss  # noqa: E402
+from slime_tis import TISConfig, compute_tis, policy_loss
 
 N_SEQ, MAX_LEN = 5, 12
 

@@ -3,9 +3,7 @@
 ``slime-tis diagnose FILE [FILE ...]``: off-policy diagnostics of log-prob dumps
 (``docs/dump_format.md``; slime's own ``--save-debug-train-data`` files too, merged): a table per
 percentile and per response-length bucket, a recommended configuration with its reasoning, and a
-histogram PNG of the per-token log-ratios.
-
-``slime-tis plot RUN_DIR [RUN_DIR ...]``: training curves of example-job runs (``slime_tis.plot``).
+histogram PNG of the per-token log-ratios. (The example job's training curves: ``python -m examples.plot``.)
 
 Malformed input ends in one line naming the file, record and field, and exit status 2 (no traceback);
 ``diagnose`` exits 1 when the dump holds no usable token (it says so instead of recommending).
@@ -70,8 +68,8 @@ def _diagnose(ns: argparse.Namespace) -> int:
     import torch
 
     from slime_tis.config import TISConfig
-    from slime_tis.diagnose import diagnose, format_report, write_histogram
-    from slime_tis.dump import read_logprob_dump
+    from slime_tis.tools.diagnose import diagnose, format_report, write_histogram
+    from slime_tis.tools.dump import read_logprob_dump
 
     dump = read_logprob_dump(ns.files)
     for note in dump.notes:
@@ -109,14 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``slime-tis``; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="slime-tis", description="rollout-correction tools for slime_tis")
-    sub = parser.add_subparsers(dest="command", metavar="{diagnose,plot}")
+    sub = parser.add_subparsers(dest="command", metavar="{diagnose}")
     _diagnose_parser(sub)
-    sub.add_parser("plot", help="PNG curves of example-job run directories (see slime-tis plot --help)",
-                   add_help=False)
-    if argv[:1] == ["plot"]:
-        from slime_tis.plot import main as plot_main  # lazy: matplotlib only when plotting
-
-        return plot_main(argv[1:])
     ns = parser.parse_args(argv)
     if ns.command is None:
         parser.print_help()

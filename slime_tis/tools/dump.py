@@ -25,7 +25,7 @@ and the slime hooks write it. Two encodings, chosen by the file suffix:
 Missing per-sequence integers are stored as ``-1`` and missing rewards as NaN.
 
 :func:`read_logprob_dump` also reads slime's own ``--save-debug-train-data`` files (``.pt``, see
-:mod:`slime_tis.slime_dump`), merging several files of one rollout.
+:mod:`slime_tis.tools.slime_dump`), merging several files of one rollout.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.jsonl import JSONLError, read_jsonl
-from slime_tis.slime_dump import is_slime_dump, slime_records
+from slime_tis.tools.jsonl import JSONLError, read_jsonl
+from slime_tis.tools.slime_dump import is_slime_dump, slime_records
 
 __all__ = [
     "DumpFormatError",
@@ -53,7 +53,6 @@ __all__ = [
     "records_from_packed",
     "records_from_samples",
     "write_logprob_dump",
-    "write_packed_dump",
 ]
 
 class DumpFormatError(ValueError):
@@ -453,34 +452,6 @@ def write_logprob_dump(
     return len(recs)
 
 
-def write_packed_dump(
-    path: str | os.PathLike,
-    *,
-    train_log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    step: int | Sequence[int] | Tensor | None = None,
-    sample_index: Sequence[int] | Tensor | None = None,
-    token_ids: Tensor | None = None,
-    reward: Sequence[float] | Tensor | None = None,
-    append: bool = True,
-    meta: Mapping[str, Any] | None = None,
-) -> int:
-    """Convenience: :func:`records_from_packed` + :func:`write_logprob_dump` (appends by default)."""
-    recs = records_from_packed(
-        train_log_probs,
-        rollout_log_probs,
-        loss_mask,
-        cu_seqlens,
-        step=step,
-        sample_index=sample_index,
-        token_ids=token_ids,
-        reward=reward,
-    )
-    return write_logprob_dump(path, recs, append=append, meta=meta)
-
-
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
     """Records, header meta and notes (a torn last line is dropped and noted) of a ``.jsonl`` dump."""
     recs: list[dict[str, Any]] = []
@@ -626,7 +597,7 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
 def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> LogprobDump:
     """Read one dump file, or several (concatenated in order), into one :class:`LogprobDump`.
 
-    ``.pt`` files may also be slime's ``--save-debug-train-data`` dumps (:mod:`slime_tis.slime_dump`):
+    ``.pt`` files may also be slime's ``--save-debug-train-data`` dumps (:mod:`slime_tis.tools.slime_dump`):
     all of them are merged (several files of one rollout included) and follow the other files.
 
     A torn last line of a ``.jsonl`` file (no newline, not valid JSON: a write cut short) is dropped and

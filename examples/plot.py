@@ -1,4 +1,4 @@
-"""``slime-tis plot RUN_DIR [RUN_DIR ...]``: training curves of one or more runs as a PNG.
+"""``python -m examples.plot RUN_DIR [RUN_DIR ...]``: the example job's training curves of one or more runs as a PNG.
 
 Each run directory holds ``metrics.jsonl`` (one JSON object per step with at least ``step``; written by
 the example job, ``examples/rl/train.py``). One panel per metric, every run overlaid in each panel
@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from slime_tis.jsonl import read_jsonl
+from slime_tis.tools.jsonl import read_jsonl
 
 DEFAULT_METRICS = ("reward", "tis/kl", "tis/k3_kl", "grad_norm", "tis/rejected_token_fraction")
 TITLES = {
@@ -117,7 +117,7 @@ def plot_runs(
     notes: list[str] = []
     runs = [(run_label(d), read_run(d, notes)) for d in run_dirs]
     for note in notes:
-        print(f"slime-tis plot: note: {note}", file=sys.stderr)
+        print(f"examples.plot: note: {note}", file=sys.stderr)
     ncols = min(3, len(metrics))
     nrows = -(-len(metrics) // ncols)
     fig, grid = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.4 * nrows), squeeze=False)
@@ -162,7 +162,7 @@ def plot_runs(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slime-tis plot", description="Training curves of one or more runs as a PNG.")
+    p = argparse.ArgumentParser(prog="python -m examples.plot", description="Training curves of runs as a PNG.")
     p.add_argument("run_dirs", nargs="+", help="run directories containing metrics.jsonl")
     p.add_argument("-o", "--out", default=None, help="output PNG (default: curves.png in the first run dir)")
     p.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="metric keys, one panel each")
@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """CLI entry point (``slime-tis plot``); returns the exit status."""
-    from slime_tis.cli import run_reporting_errors
+    """CLI entry point (``python -m examples.plot``); returns the exit status."""
+    from slime_tis.tools.cli import run_reporting_errors
 
     args = build_parser().parse_args(argv)
     out = args.out or os.path.join(args.run_dirs[0], "curves.png")
@@ -183,4 +183,8 @@ def main(argv: list[str]) -> int:
         print(f"wrote {path}")
         return 0
 
-    return run_reporting_errors("slime-tis plot", run)
+    return run_reporting_errors("examples.plot", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -44,7 +44,7 @@ from torch import Tensor
 from slime_tis.config import FLAG_OF, TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.correction import TISResult
-from slime_tis.dump import LogprobDump
+from slime_tis.tools.dump import LogprobDump
 
 __all__ = [
     "PERCENTILES",

@@ -1,0 +1,78 @@
+"""The torch backward of token log-probs and entropies from vocab-parallel logits (no communication).
+
+Rank ``r`` of the tensor-parallel group holds the logit columns ``[vocab_start, vocab_start + Vp)``; with
+``x = z / tau``, the global ``logZ`` and entropy ``H`` saved by the forward, ``p_v = exp(x_v - logZ)``, target
+``y`` and upstream gradients ``g_lp``, ``g_H`` (all ``[T]``):
+
+    d lp / d x_v = [v = y] - p_v
+    d H  / d x_v = -p_v (x_v - logZ + H)
+    d L  / d z_v = (g_lp ([v = y] - p_v) - g_H p_v (log p_v + H)) / tau
+
+``log p`` is clamped at ``LOGP_MIN`` (``p`` is exactly 0 in float32 below about -104), so a -inf logit gives a
+zero gradient for any upstream gradient; rows whose upstream gradients are both 0 (masked, rejected tokens)
+or outside ``keep`` get exact zeros (selected, never ``0 * NaN``). Shared by the torch path
+(:mod:`slime_tis.megatron.logprobs`) and the Triton kernel's fallback (:mod:`slime_tis.kernels.logprobs`);
+it takes tensors only, no process group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["LOGP_MIN", "fp32_chunk", "grad_logits"]
+
+LOGP_MIN = -200.0  # log p clamp in the backward: exp(-200) == 0 in float32, and (log p + H) stays finite
+
+
+def fp32_chunk(logits: Tensor, start: int, end: int, temperature: float) -> Tensor:
+    """A fresh float32 copy of ``logits[start:end] / temperature`` (never aliases the input)."""
+    chunk = logits[start:end]
+    x = torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device)
+    x.copy_(chunk)
+    if temperature != 1.0:
+        x.div_(temperature)
+    return x
+
+
+def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tensor, entropy: Tensor,
+                keep: Tensor | None, grad_lp: Tensor | None, grad_h: Tensor | None, *, temperature: float,
+                chunk_size: int, with_entropy: bool) -> Tensor:
+    """``dL/dz [T, Vp]`` in the logits' dtype, ``chunk_size`` rows at a time (formula: module docstring).
+
+    ``safe_idx`` / ``in_shard [T]``: the target's column in this shard (0 when not in it) / whether it is;
+    ``logZ``, ``H [T]``: global, from the forward; ``keep [T]``: the row mask or ``None``. The torch backward of
+    :func:`slime_tis.megatron.logprobs.vocab_parallel_log_probs_and_entropy` and the fallback of the Triton
+    kernel's backward (:mod:`slime_tis.kernels.logprobs`).
+    """
+    n_tok = logits.shape[0]
+    grad = torch.empty_like(logits)
+    g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
+    use_h = with_entropy and grad_h is not None
+    # rows with an upstream gradient: the others (masked, rejected tokens) get exact zeros, selected rather
+    # than multiplied by 0, so that a non-finite row (a rejected NaN log-prob) puts no NaN into the gradient
+    live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
+    if keep is not None:
+        live &= keep
+    for start in range(0, n_tok, chunk_size):
+        end = min(start + chunk_size, n_tok)
+        y = fp32_chunk(logits, start, end, temperature)
+        y.sub_(log_z[start:end, None]).clamp_(min=LOGP_MIN)  # y = x - logZ = log p (-inf -> p = 0)
+        p = torch.exp(y)
+        gl = g_lp[start:end, None]
+        if use_h:
+            # p * (-g_lp - g_H (log p + H))
+            y.add_(entropy[start:end, None]).mul_(-grad_h[start:end, None]).sub_(gl)
+        else:
+            y.copy_(-gl.expand_as(y))
+        y.mul_(p)
+        del p
+        # onehot term: + g_lp at the target column on the owning rank
+        hit = torch.where(in_shard[start:end], g_lp[start:end], torch.zeros_like(g_lp[start:end]))
+        y.scatter_add_(1, safe_idx[start:end, None], hit[:, None])
+        if temperature != 1.0:
+            y.div_(temperature)
+        y.masked_fill_(~live[start:end, None], 0.0)
+        grad[start:end].copy_(y)
+        del y
+    return grad
