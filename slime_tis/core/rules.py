@@ -62,6 +62,12 @@ class Rule:
     column: Callable[[Plan], TokenColumn] | None = None  # a token column summed per sequence, read by test
     threshold: str | None = None  # the TISConfig field of its threshold (declared there); the row is off while unset
 
+    @property
+    def column_key(self) -> str:
+        """Name of the row's per-sequence column (``Ratios.column``): ``tis.<name>_column``, apart from the count
+        ``key`` it feeds, since a column may hold a sum of divergences rather than a count."""
+        return self.key.removesuffix("_count") + "_column"
+
 
 def _below(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
     return lambda p, r, lvl: r.level_log_ratio(lvl) < getattr(p, bound)
@@ -103,15 +109,16 @@ def _divergence(option: str) -> Rule:
     """
     statistic, k = option.rsplit("_", 1)
     field, key, divergence = f"{option}_threshold", f"tis.{option}_count", DIVERGENCES[k]
+    column_key = f"tis.{option}_column"
     metric = f"tis/{option}_fraction"
     if statistic == "token":
         return Rule(metric, key, _token, lambda p, r, lvl: divergence(p, r.log_ratio) > p.threshold(field), True,
                     "tis.n_tok", threshold=field)
     if statistic == "seq_max":
-        return Rule(metric, key, _sequence, lambda p, r, lvl: r.column(key) > 0, True, "tis.n_seq",
+        return Rule(metric, key, _sequence, lambda p, r, lvl: r.column(column_key) > 0, True, "tis.n_seq",
                     column=lambda p: lambda log_r: divergence(p, log_r) > p.threshold(field), threshold=field)
     read = {"seq_sum": Ratios.column, "seq_mean": Ratios.column_mean}[statistic]
-    return Rule(metric, key, _sequence, lambda p, r, lvl: read(r, key) > p.threshold(field), True, "tis.n_seq",
+    return Rule(metric, key, _sequence, lambda p, r, lvl: read(r, column_key) > p.threshold(field), True, "tis.n_seq",
                 column=lambda p: lambda log_r: divergence(p, log_r), threshold=field)
 
 
@@ -119,7 +126,7 @@ RULES: tuple[Rule, ...] = (
     Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", _sequence,
          lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid"),
     Rule("tis/veto_seq_fraction", "tis.veto_count", _sequence,
-         lambda p, r, lvl: r.column("tis.veto_count") > 0, True, "tis.n_seq",
+         lambda p, r, lvl: r.column("tis.veto_column") > 0, True, "tis.n_seq",
          column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold"),
     Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
          lambda p, r, lvl: r.log_ratio < math.log(p.threshold("veto_threshold")), False, "tis.n_tok",
@@ -167,10 +174,10 @@ class _TokenLogRatios:
 
 
 def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
-    """Token columns the active rules need summed per sequence, named by the rule's key, plus
+    """Token columns the active rules need summed per sequence, named by the rule's ``column_key``, plus
     :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads only token log-ratios)."""
     rows = active(plan)
-    columns = {rule.key: rule.column(plan) for rule, _ in rows if rule.column is not None}
+    columns = {rule.column_key: rule.column(plan) for rule, _ in rows if rule.column is not None}
     token_rows = [rule for rule, level in rows if rule.rejects and level == "token"]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:

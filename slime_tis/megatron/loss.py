@@ -17,7 +17,7 @@ parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D``
 * ``calculate_per_token_loss=True``: 3-tuple ``(loss * N, n_local, metrics)``; megatron leaves the loss
   alone, sums gradients and divides them by ``sum n_local = N`` in ``finalize_model_grads``.
 
-The metrics dict holds detached clones (the schedule scales the returned loss in place, gotcha G2);
+The metrics dict holds detached clones (megatron-core's schedule scales the returned loss in place);
 the micro-batch's ``MetricStats`` go to ``collector`` for one reduction after the schedule. Its ``"loss"``
 entry is Megatron-LM's ``[value, count]`` reporting pair ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks):
 ``train_step`` sums the pairs over the ``M`` micro-batches, all-reduces them over DP x CP and logs

@@ -67,7 +67,7 @@ def materialise(data_iterator: Any, num_microbatches: int, vpp: bool) -> Any:
 
 
 class ReplayIterator(Iterator):
-    """Iterates over a materialised list of micro-batch items and remembers the last one handed out."""
+    """Iterates over a materialised list of micro-batch items in order."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
@@ -78,10 +78,6 @@ class ReplayIterator(Iterator):
             raise StopIteration
         self.index += 1
         return self.items[self.index]
-
-    @property
-    def last(self) -> Any:
-        return self.items[self.index] if self.index >= 0 else None
 
 
 def replay(items: list[Any] | list[list[Any]] | None, vpp: bool) -> Any:

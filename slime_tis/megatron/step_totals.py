@@ -11,7 +11,7 @@ data-parallel (x context-parallel) ranks:
          (units: tokens over DP x CP, or sequences over DP only)
 
 The loss of micro-batch ``k`` is then ``local_sum_k / D``, so the sum over micro-batches and ranks is
-the whole-batch loss whatever the micro-batch, DP, CP or PP sizes (SPEC "Loss aggregation").
+the whole-batch loss whatever the micro-batch, DP, CP or PP sizes (docs/semantics.md, "Loss aggregation").
 
 Keep masks (``--tis-rejected-denominator drop``) and the batch-norm sums come from the same correction call as
 ``policy_loss`` makes, on the same inputs (``core.algorithms.correction_inputs``, the algorithm's row): the
