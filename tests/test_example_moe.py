@@ -244,8 +244,8 @@ def test_megatron_moe_export_matches_kv_cache_decoder():
 def _train(run_dir, *extra: str) -> list[dict]:
     cmd = [
         sys.executable, "-m", "examples.rl.train", "--run-dir", str(run_dir), "--no-progress", "--steps", "4",
-        "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0", "--hidden-size", "32",
-        "--lr", "1e-2", "--moe-experts", "4", "--moe-topk", "2", "--use-tis", *extra,
+        "--prompts-per-step", "16", "--group-size", "4", "--dump-interval", "0", "--lr", "1e-2",
+        "--moe-experts", "4", "--moe-topk", "2", "--use-tis", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -256,18 +256,19 @@ def _train(run_dir, *extra: str) -> list[dict]:
 
 def test_routing_replay_removes_the_routing_mismatch_and_lowers_k3(tmp_path):
     """Same seed, same initial weights and prompts: without replay training routes some loss tokens to other
-    experts than the bf16 engine did; with replay it uses the engine's experts (mismatch exactly 0, though its
-    own router still disagrees), and the training/rollout k3 KL is lower at every step after the first update."""
+    experts than the bf16 engine did; with replay it uses the engine's experts (mismatch exactly 0 at every
+    step, though its own router still disagrees), and the training/rollout k3 KL over the steps after the first
+    update is less than half (measured: 9.4e-5 vs 6.1e-6)."""
     plain = _train(tmp_path / "plain")
     replay = _train(tmp_path / "replay", "--routing-replay")
-    assert all(r["moe/routing_decisions"] > 0 for r in plain + replay)
-    assert all(r["moe/routing_mismatch"] > 0.005 for r in plain)
+    assert all(r["moe/routing_decisions"] > 400 for r in plain + replay)  # 64 sequences x >= 3 tokens x 2 layers
+    assert sum(r["moe/routing_mismatch"] for r in plain) > 0.005
     assert all(r["moe/routing_mismatch"] == r["moe/router_disagreement"] for r in plain)
     assert all(r["moe/routing_mismatch"] == 0.0 for r in replay)
-    assert all(r["moe/router_disagreement"] > 0.005 for r in replay)  # replay overrode real disagreements
-    k3_plain = [r["tis/k3_kl"] for r in plain[1:]]
-    k3_replay = [r["tis/k3_kl"] for r in replay[1:]]
-    assert sum(k3_replay) < 0.5 * sum(k3_plain), (k3_replay, k3_plain)
+    assert sum(r["moe/router_disagreement"] for r in replay) > 0.005  # replay overrode real disagreements
+    k3_plain = sum(r["tis/k3_kl"] for r in plain[1:])
+    k3_replay = sum(r["tis/k3_kl"] for r in replay[1:])
+    assert k3_replay < 0.5 * k3_plain, (k3_replay, k3_plain)
 
 
 def test_launcher_validates_moe_arguments():

@@ -20,8 +20,11 @@ difference.
   (from its float32 logits) differs from the engine's (what replay removes; equal to the first without
   replay).
 
-Counts are accumulated as tensors (no host sync in the forward) and summed over all ranks once per step
-(:meth:`RoutingProbe.step_metrics`: one all-reduce of 3 numbers, on every rank, whenever the model is MoE).
+The trainer counts during the rollout's first optimizer step (epoch 0, step 0: the parameters the engine
+sampled with, unless ``--rollout-lag``), so the numbers measure the numerical mismatch, not the policy's
+movement over the later optimizer steps of the rollout. Counts are accumulated as tensors (no host sync in
+the forward) and summed over all ranks once per step (:meth:`RoutingProbe.step_metrics`: one all-reduce of
+3 numbers, on every rank, whenever the model is MoE).
 """
 
 from __future__ import annotations

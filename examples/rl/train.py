@@ -403,9 +403,9 @@ class Trainer:
             )
         all_ok = True
         for epoch in range(self.args.ppo_epochs):
-            if self.probe is not None:  # routing disagreement: every micro-batch once, in the first epoch
-                self.probe.counting = epoch == 0
             for s in range(n_steps):
+                if self.probe is not None:  # routing disagreement: at the parameters the rollout was sampled with
+                    self.probe.counting = epoch == 0 and s == 0
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 self.forward_backward(
