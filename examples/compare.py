@@ -34,6 +34,8 @@ seeds with 95 % CI); the run's largest grad norm as median [min, max] over seeds
 token fraction; wall time; for MoE runs also the mean fraction of routing decisions where training used other
 experts than the engine (``moe/routing_mismatch``) and where its router would have chosen others
 (``moe/router_disagreement``; equal without replay).
+``--headline`` trains nothing and prints, per algorithm and seed, each setting's mean ``tis/k3_kl`` (and routing
+mismatch for MoE settings) and its ratio to the first setting's (the quickstart's per-seed headline).
 ``--plot`` writes ``OUT_DIR/compare.png`` (first seed) and, with several seeds, ``OUT_DIR/bands.png``
 (per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
 """
@@ -249,6 +251,38 @@ def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]
     return "\n".join(lines)
 
 
+def headline(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
+    """Per algorithm and seed: every setting's mean ``tis/k3_kl`` (with ``moe/routing_mismatch`` where logged)
+    and the first setting's k3 divided by it, then the smallest such ratio over the seeds."""
+    lines = []
+    for alg in algs:
+        ratios: dict[str, list[float]] = {mm: [] for mm in mismatches[1:]}
+        for seed in seeds:
+            parts = []
+            k3: dict[str, float] = {}
+            for mm in mismatches:
+                d = run_dir(out_dir, mm, alg, seed)
+                if not os.path.exists(os.path.join(d, "metrics.jsonl")):
+                    continue
+                r = summarize(d)
+                k3[mm] = r["mean tis/k3_kl"]
+                text = f"{mm}: k3_kl {r['mean tis/k3_kl']:.2e}"
+                if math.isfinite(r["mean moe/routing_mismatch"]):
+                    text += f", routing mismatch {r['mean moe/routing_mismatch']:.4f}"
+                if mm != mismatches[0] and mismatches[0] in k3 and k3[mm] > 0:
+                    ratios[mm].append(k3[mismatches[0]] / k3[mm])
+                    text += f" ({ratios[mm][-1]:.0f}x lower)"
+                parts.append(text)
+            lines.append(f"alg {alg} seed {seed}: " + " | ".join(parts))
+        for mm, rs in ratios.items():
+            if rs:
+                lines.append(
+                    f"alg {alg}: mean tis/k3_kl under {mismatches[0]} / under {mm}: at least {min(rs):.0f}x on each of "
+                    f"{len(rs)} seeds"
+                )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     train_extra: list[str] = []
@@ -273,11 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="runs/compare")
     p.add_argument("--table-only", action="store_true", help="do not train; tabulate existing runs")
     p.add_argument("--plot", action="store_true", help="also write OUT_DIR/compare.png (and bands.png)")
+    p.add_argument(
+        "--headline", action="store_true", help="do not train; print per-seed k3_kl of each setting vs the first"
+    )
     p.add_argument("--train-args", default="", help='extra flags for every run, e.g. "--tis-mode mask"')
     args = p.parse_args(argv)
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     extra = args.train_args.split() + train_extra
+    if args.headline:
+        print(headline(args.out_dir, args.mismatch, args.algs, args.seeds))
+        return 0
     if not args.table_only:
         grid = [(mm, alg, seed) for mm in args.mismatch for alg in args.algs for seed in args.seeds]
         os.makedirs(args.out_dir, exist_ok=True)

@@ -280,3 +280,65 @@ def test_launcher_validates_moe_arguments():
         validate(build_parser().parse_args(["--moe-experts", "4", "--moe-topk", "5"]), world_size=1)
     with pytest.raises(ValueError, match="--moe-experts must be >= 0, got -2"):
         validate(build_parser().parse_args(["--moe-experts", "-2"]), world_size=1)
+
+
+def _write_moe_run(d, k3: float, mismatch: float | None, n: int = 12) -> None:
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        for s in range(n):
+            r = {
+                "step": s,
+                "reward": 0.1 + 0.01 * s,
+                "grad_norm": 1.0,
+                "tis/k3_kl": k3,
+                "tis/rejected_token_fraction": 0,
+            }
+            if mismatch is not None:
+                r.update({"moe/routing_mismatch": mismatch, "moe/router_disagreement": 0.05})
+            f.write(json.dumps(r) + "\n")
+
+
+def test_compare_table_and_headline_for_moe_settings(tmp_path):
+    from examples.compare import headline, table
+
+    for seed in range(3):
+        _write_moe_run(tmp_path / f"moe-alg2-s{seed}", 1e-4 * (seed + 1), 0.05)
+        _write_moe_run(tmp_path / f"moe-replay-alg2-s{seed}", 2e-6, 0.0)
+        _write_moe_run(tmp_path / f"bf16-alg2-s{seed}", 1e-5, None)
+    lines = table(str(tmp_path), ["bf16", "moe", "moe-replay"], ["2"], [0, 1, 2]).splitlines()
+    assert lines[0].endswith("| routing mismatch (used vs engine) | router disagreement |")
+    assert lines[2].endswith("| n/a | n/a |")  # dense: no routing
+    assert lines[3].endswith("| 0.0500 ± 0.0000 | 0.0500 ± 0.0000 |")
+    assert lines[4].endswith("| 0.0000 ± 0.0000 | 0.0500 ± 0.0000 |")
+    assert "routing mismatch" not in table(str(tmp_path), ["bf16"], ["2"], [0, 1, 2]).splitlines()[0]
+    text = headline(str(tmp_path), ["moe", "moe-replay"], ["2"], [0, 1, 2]).splitlines()
+    assert text[0] == (
+        "alg 2 seed 0: moe: k3_kl 1.00e-04, routing mismatch 0.0500 | "
+        "moe-replay: k3_kl 2.00e-06, routing mismatch 0.0000 (50x lower)"
+    )
+    assert text[-1] == "alg 2: mean tis/k3_kl under moe / under moe-replay: at least 50x on each of 3 seeds"
+
+
+def test_results_table_moe_preset(tmp_path):
+    rec, fake = tmp_path / "argv.txt", tmp_path / "fake_python.sh"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {rec}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "GRID": "moe"}
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "examples", "results_table.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    argv = rec.read_text().splitlines()
+    assert argv[argv.index("--algs") + 1 : argv.index("--mismatch")] == ["0", "2", "2-geo-mis", "3-seq"]
+    assert argv[argv.index("--mismatch") + 1 : argv.index("--mismatch") + 4] == ["bf16", "moe", "moe-replay"]
+    assert "--train-args=--steps-per-rollout 2 --ppo-epochs 2" in argv
+    assert argv[argv.index("--seeds") + 1 : argv.index("--seeds") + 6] == ["0", "1", "2", "3", "4"]
+    assert argv[argv.index("--steps") + 1] == "50" and argv[argv.index("--out-dir") + 1] == "runs/results_moe"
+    from examples.compare import ALG_FLAGS, MISMATCH
+
+    assert ALG_FLAGS["3-seq"] == ["--use-rollout-log-probs", "--use-tis", "--tis-level", "sequence"]
+    assert MISMATCH["moe-replay"] == [*MISMATCH["moe"], "--routing-replay"]
