@@ -14,6 +14,7 @@
 #   bash examples/quickstart.sh                                   # defaults above
 #   MISMATCH=lag2 ALGS="0 2" SEEDS=0 STEPS=80 bash examples/quickstart.sh   # the previous quickstart (one seed)
 #   TRAIN_ARGS="--steps-per-rollout 1 --ppo-epochs 1" bash examples/quickstart.sh   # one step per rollout
+#   SKIP_INSTALL=1 VENV_PY=/path/to/python bash examples/quickstart.sh    # an existing environment, no install
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
