@@ -5,11 +5,12 @@
 # rollout (--steps-per-rollout 2 --ppo-epochs 2). Prints the comparison table, a per-seed headline and writes
 # runs/quickstart/compare.png and bands.png.
 # The headline: the bf16 engine's router sends some tokens to other experts than the float32 training router
-# (moe/routing_mismatch, a few % of the decisions), which multiplies the training/rollout mismatch (tis/k3_kl);
-# routing replay sets the routing mismatch to exactly 0 and lowers k3_kl by one to two orders of magnitude on
-# every seed. Both are far outside seed noise, so the claim holds on any CPU (the individual numbers do not
-# reproduce across CPU models or thread counts: README, "What reproduces").
-# Six runs, two at a time (JOBS=2): about 2 minutes of training on 2 CPU cores, plus the install.
+# (moe/routing_mismatch, about 0.2 % of the decisions), which multiplies the training/rollout mismatch
+# (tis/k3_kl); routing replay sets the routing mismatch to exactly 0 and lowers the mean k3_kl 4-10x on every
+# seed (measured). Both are far outside seed noise, so the claim holds on any CPU (the individual numbers do not
+# reproduce across CPU models or thread counts: README, "What reproduces exactly").
+# Six runs, two at a time (JOBS=2): about 1.5 minutes of training on 2 idle CPU cores, plus the install
+# (4.5 minutes measured on a 2-core machine shared with other jobs).
 #
 #   bash examples/quickstart.sh                                   # defaults above
 #   MISMATCH=lag2 ALGS="0 2" SEEDS=0 STEPS=80 bash examples/quickstart.sh   # the previous quickstart (one seed)
