@@ -342,3 +342,35 @@ def test_results_table_moe_preset(tmp_path):
 
     assert ALG_FLAGS["3-seq"] == ["--use-rollout-log-probs", "--use-tis", "--tis-level", "sequence"]
     assert MISMATCH["moe-replay"] == [*MISMATCH["moe"], "--routing-replay"]
+
+
+def test_http_path_carries_routed_experts_and_moe_weights(tmp_path):
+    """Over HTTP (the --sglang-url path): the MoE checkpoint is pushed with /update_weights_from_disk and the
+    routed experts come back in meta_info exactly as from the in-process engine."""
+    from examples.rl.http_client import SGLangClient
+    from examples.rl.http_server import serve
+    from examples.rl.weight_sync import DiskWeightSync
+
+    engine = EmbeddedEngine(CFG)
+    server, url = serve(engine, weights_root=str(tmp_path))
+    try:
+        client = SGLangClient(url)
+        client.wait_healthy(timeout=10)
+        DiskWeightSync(client, str(tmp_path / "w"), CFG, 11).push(moe_weights(), 0)
+        req = {
+            "input_ids": [[1, 2, 3, 10]] * 2,
+            "sampling_params": {"max_new_tokens": 4, "stop_token_ids": [11], "sampling_seed": 5},
+            "return_logprob": True,
+            "return_routed_experts": True,
+        }
+        over_http = client.generate(req)
+        local = EmbeddedEngine(CFG)
+        local.load_weights(moe_weights())
+        direct = local.generate(req)
+        assert [r["meta_info"]["routed_experts"] for r in over_http] == [
+            r["meta_info"]["routed_experts"] for r in direct
+        ]
+        assert [r["output_ids"] for r in over_http] == [r["output_ids"] for r in direct]
+    finally:
+        server.shutdown()
+        server.server_close()
