@@ -15,7 +15,8 @@
 # GRID=moe: the mixture-of-experts study (docs/example.md, "Mixture of experts: routing mismatch and replay"):
 #   algorithms 0, 2 (token truncation), 2 with geometric masking, 3 with sequence truncation x {dense (bf16
 #   engine), MoE (4 experts, top-2, bf16 engine), MoE + rollout routing replay} at the default size, 4 optimizer
-#   steps per rollout, seeds 0-4, STEPS (default 50, to fit a 2-core machine in about 25 minutes). 60 runs.
+#   steps per rollout, seeds 0-4, STEPS (default 50 instead of 80, for a 2-core machine). 60 runs; measured:
+#   about 40 min wall with JOBS=2 on a 2-core machine shared with other jobs (56-118 s per run).
 #
 #   bash examples/results_table.sh                                   # the main grid, 2 runs at a time
 #   GRID=quant bash examples/results_table.sh                        # the quantized-rollout grid
