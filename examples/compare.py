@@ -10,7 +10,8 @@ Everything after ``--`` is passed to every ``examples.rl.train`` run (as is ``--
 Algorithms are selected by the plugin's flags only (``ALG_FLAGS``: ``0``-``3`` with default TIS settings =
 token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean masking with bounds
 [1/1.5, 1.5], the setting ``slime-tis diagnose`` recommends on this job's lag-2 dumps; ``2-tok-mis`` /
-``3-tok-mis`` = token-level masking at [0.5, 2], IcePop-style). Mismatch settings (``MISMATCH``):
+``3-tok-mis`` = token-level masking at [0.5, 2], IcePop-style; ``3-seq`` = sequence-level truncation at 2).
+Mismatch settings (``MISMATCH``):
 
 * ``none``  - engine decodes in float32 (same math as training up to summation order);
 * ``bf16``  - engine decodes in bfloat16 with a KV cache (the default training/inference mismatch);
@@ -18,7 +19,10 @@ token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean mask
 * ``int8`` / ``fp8`` - bf16 engine serving weight-only int8 / fp8-e4m3 linear layers (per output channel);
 * ``fp8-tensor`` - the same fp8 with one scale per weight tensor;
 * ``lag2``  - bf16 and ``--rollout-lag 2`` (rollouts from the policy of two steps ago);
-* ``noise`` - bf16 and ``--rollout-logit-noise 0.5`` (a strong, injected behaviour-policy shift).
+* ``noise`` - bf16 and ``--rollout-logit-noise 0.5`` (a strong, injected behaviour-policy shift);
+* ``moe``   - bf16 engine, mixture-of-experts model (4 experts, top-2): the bf16 router sends some tokens to
+  other experts than the float32 training router;
+* ``moe-replay`` - the same with rollout routing replay (training uses the engine's experts).
 
 Each run goes to ``OUT_DIR/<mismatch>-alg<k>-s<seed>`` (run directory of ``examples.rl.train``). Columns:
 final reward (mean of the last ``FINAL_STEPS`` = 10 steps) with its 95 % t confidence interval over seeds; the
@@ -27,7 +31,11 @@ paired difference to algorithm 0 under the same mismatch and seeds, ``*`` when i
 that all plateau near 1 can still differ in how fast they get there); mean and max ``tis/k3_kl`` (mean over
 seeds with 95 % CI); the run's largest grad norm as median [min, max] over seeds (heavy-tailed: one spike of
 1e5 makes a t interval meaningless) and the number of steps with grad norm > ``GRAD_SPIKE`` = 5; mean rejected
-token fraction; wall time.
+token fraction; wall time; for MoE runs also the mean fraction of routing decisions where training used other
+experts than the engine (``moe/routing_mismatch``) and where its router would have chosen others
+(``moe/router_disagreement``; equal without replay).
+``--headline`` trains nothing and prints, per algorithm and seed, each setting's mean ``tis/k3_kl`` (and routing
+mismatch for MoE settings) and its ratio to the first setting's (the quickstart's per-seed headline).
 ``--plot`` writes ``OUT_DIR/compare.png`` (first seed) and, with several seeds, ``OUT_DIR/bands.png``
 (per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
 """
@@ -58,7 +66,9 @@ ALG_FLAGS: dict[str, list[str]] = {
     "3-geo-mis": ["--use-rollout-log-probs", "--use-tis", *GEO_MIS],
     "2-tok-mis": ["--use-tis", *TOKEN_MIS],
     "3-tok-mis": ["--use-rollout-log-probs", "--use-tis", *TOKEN_MIS],
+    "3-seq": ["--use-rollout-log-probs", "--use-tis", "--tis-level", "sequence"],
 }
+MOE = ["--moe-experts", "4", "--moe-topk", "2"]
 MISMATCH: dict[str, list[str]] = {
     "none": ["--engine-dtype", "float32"],
     "bf16": [],
@@ -68,6 +78,8 @@ MISMATCH: dict[str, list[str]] = {
     "fp8-tensor": ["--engine-quant", "fp8-tensor"],
     "lag2": ["--rollout-lag", "2"],
     "noise": ["--rollout-logit-noise", "0.5"],
+    "moe": MOE,
+    "moe-replay": [*MOE, "--routing-replay"],
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the final reward is the mean over this many last steps (the runs are chosen long enough to plateau)
@@ -87,6 +99,11 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     (f"steps with grad norm > {GRAD_SPIKE:g}", "grad spikes", "ci"),
     ("rejected frac", "rejected frac", "ci"),
     ("wall s", "wall s", "ci"),
+)
+#: extra columns when a MoE setting is in the table
+TABLE_MOE: tuple[tuple[str, str, str], ...] = (
+    ("routing mismatch (used vs engine)", "mean moe/routing_mismatch", "ci"),
+    ("router disagreement", "mean moe/router_disagreement", "ci"),
 )
 COLUMNS = ("mismatch", "alg", *(header for header, _, _ in TABLE))
 
@@ -146,6 +163,7 @@ def summarize(d: str) -> dict[str, float]:
         return [r[key] for r in ordered if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
 
     rewards = values("reward")
+    moe_used, moe_own = values("moe/routing_mismatch"), values("moe/router_disagreement")
     k3, gn, rej = values("tis/k3_kl"), values("grad_norm"), values("tis/rejected_token_fraction")
     wall = float("nan")
     if os.path.exists(os.path.join(d, "wall_time.json")):
@@ -160,6 +178,8 @@ def summarize(d: str) -> dict[str, float]:
         "max grad norm": max(gn) if gn else float("nan"),
         "rejected frac": sum(rej) / len(rej) if rej else 0.0,
         "wall s": wall,
+        "mean moe/routing_mismatch": sum(moe_used) / len(moe_used) if moe_used else float("nan"),
+        "mean moe/router_disagreement": sum(moe_own) / len(moe_own) if moe_own else float("nan"),
     }
 
 
@@ -172,6 +192,8 @@ FORMATS = {
     "max grad norm": "{:.2f}",
     "rejected frac": "{:.3f}",
     "wall s": "{:.0f}",
+    "mean moe/routing_mismatch": "{:.4f}",
+    "mean moe/router_disagreement": "{:.4f}",
 }
 
 
@@ -200,8 +222,11 @@ def _runs(out_dir: str, mm: str, alg: str, seeds: list[int]) -> dict[int, dict[s
 
 
 def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
-    """A markdown table over the runs found in ``out_dir`` (columns: ``TABLE``; see the module docstring)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    """A markdown table over the runs found in ``out_dir`` (columns: ``TABLE``, and ``TABLE_MOE`` when a
+    ``moe`` setting is among ``mismatches``; see the module docstring)."""
+    spec = TABLE + (TABLE_MOE if any(mm.startswith("moe") for mm in mismatches) else ())
+    columns = ("mismatch", "alg", *(header for header, _, _ in spec))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for mm in mismatches:
         base = _runs(out_dir, mm, "0", seeds)
         for alg in algs:
@@ -209,7 +234,7 @@ def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]
             if not runs:
                 continue
             cells = [mm, alg]
-            for _, key, how in TABLE:
+            for _, key, how in spec:
                 values = {s: r[key] for s, r in runs.items()}
                 if how == "range":
                     cells.append(_fmt_median_range(list(values.values()), FORMATS[key]))
@@ -223,6 +248,38 @@ def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]
                     d = paired_difference(values, {s: r[key] for s, r in base.items()})
                     cells.append(_fmt_ci(d, FORMATS[key], signed=True) + (" *" if d.excludes_zero else ""))
             lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def headline(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
+    """Per algorithm and seed: every setting's mean ``tis/k3_kl`` (with ``moe/routing_mismatch`` where logged)
+    and the first setting's k3 divided by it, then the smallest such ratio over the seeds."""
+    lines = []
+    for alg in algs:
+        ratios: dict[str, list[float]] = {mm: [] for mm in mismatches[1:]}
+        for seed in seeds:
+            parts = []
+            k3: dict[str, float] = {}
+            for mm in mismatches:
+                d = run_dir(out_dir, mm, alg, seed)
+                if not os.path.exists(os.path.join(d, "metrics.jsonl")):
+                    continue
+                r = summarize(d)
+                k3[mm] = r["mean tis/k3_kl"]
+                text = f"{mm}: k3_kl {r['mean tis/k3_kl']:.2e}"
+                if math.isfinite(r["mean moe/routing_mismatch"]):
+                    text += f", routing mismatch {r['mean moe/routing_mismatch']:.4f}"
+                if mm != mismatches[0] and mismatches[0] in k3 and k3[mm] > 0:
+                    ratios[mm].append(k3[mismatches[0]] / k3[mm])
+                    text += f" ({ratios[mm][-1]:.0f}x lower)"
+                parts.append(text)
+            lines.append(f"alg {alg} seed {seed}: " + " | ".join(parts))
+        for mm, rs in ratios.items():
+            if rs:
+                lines.append(
+                    f"alg {alg}: mean tis/k3_kl under {mismatches[0]} / under {mm}: at least {min(rs):.0f}x on each of "
+                    f"{len(rs)} seeds"
+                )
     return "\n".join(lines)
 
 
@@ -250,11 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="runs/compare")
     p.add_argument("--table-only", action="store_true", help="do not train; tabulate existing runs")
     p.add_argument("--plot", action="store_true", help="also write OUT_DIR/compare.png (and bands.png)")
+    p.add_argument(
+        "--headline", action="store_true", help="do not train; print per-seed k3_kl of each setting vs the first"
+    )
     p.add_argument("--train-args", default="", help='extra flags for every run, e.g. "--tis-mode mask"')
     args = p.parse_args(argv)
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     extra = args.train_args.split() + train_extra
+    if args.headline:
+        print(headline(args.out_dir, args.mismatch, args.algs, args.seeds))
+        return 0
     if not args.table_only:
         grid = [(mm, alg, seed) for mm in args.mismatch for alg in args.algs for seed in args.seeds]
         os.makedirs(args.out_dir, exist_ok=True)

@@ -12,9 +12,15 @@
 #   matter"): hidden size 256, fp8 engine, the same 4 optimizer steps per rollout, algorithms 0, 2 and 2 with
 #   geometric masking, seeds 0-4, 80 steps. 15 runs; measured: about 21 min with JOBS=2 on 2 cores
 #   (about 2.8 min per run). Add engines with e.g. `--mismatch bf16 int8 fp8 fp8-tensor` (4x the runs).
+# GRID=moe: the mixture-of-experts study (docs/example.md, "Mixture of experts: routing mismatch and replay"):
+#   algorithms 0, 2 (token truncation), 2 with geometric masking, 3 with sequence truncation x {dense (bf16
+#   engine), MoE (4 experts, top-2, bf16 engine), MoE + rollout routing replay} at the default size, 4 optimizer
+#   steps per rollout, seeds 0-4, STEPS (default 50 instead of 80, for a 2-core machine). 60 runs; measured:
+#   about 40 min wall with JOBS=2 on a 2-core machine shared with other jobs (56-118 s per run).
 #
 #   bash examples/results_table.sh                                   # the main grid, 2 runs at a time
 #   GRID=quant bash examples/results_table.sh                        # the quantized-rollout grid
+#   GRID=moe bash examples/results_table.sh                          # the MoE routing grid
 #   JOBS=8 STEPS=150 bash examples/results_table.sh                  # 8 runs in parallel (many-core / GPU box)
 #   bash examples/results_table.sh --algs 0 2 --mismatch int8        # extra args go to examples.compare ...
 #   bash examples/results_table.sh -- --rollout-temperature 0.8      # ... and after `--` to every run
@@ -38,8 +44,14 @@ quant)
     PRESET=(--algs 0 2 2-geo-mis --mismatch fp8
         "--train-args=--hidden-size 256 --steps-per-rollout 2 --ppo-epochs 2")
     ;;
+moe)
+    OUT=${OUT:-runs/results_moe}
+    STEPS=${STEPS:-50}
+    PRESET=(--algs 0 2 2-geo-mis 3-seq --mismatch bf16 moe moe-replay
+        "--train-args=--steps-per-rollout 2 --ppo-epochs 2")
+    ;;
 *)
-    echo "results_table.sh: GRID must be 'main' or 'quant', got '$GRID'" >&2
+    echo "results_table.sh: GRID must be 'main', 'quant' or 'moe', got '$GRID'" >&2
     exit 2
     ;;
 esac

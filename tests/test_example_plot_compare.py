@@ -219,7 +219,7 @@ def test_results_table_presets(tmp_path):
 
     proc, argv = _results_table_argv(tmp_path, "bogus")
     assert proc.returncode == 2 and argv is None
-    assert "GRID must be 'main' or 'quant', got 'bogus'" in proc.stderr
+    assert "GRID must be 'main', 'quant' or 'moe', got 'bogus'" in proc.stderr
 
 
 # ------------------------------------------------------------------ malformed input to examples.plot

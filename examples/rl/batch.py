@@ -12,6 +12,8 @@ Row layout, for sequence ``i`` with prompt length ``P`` and ``R_i`` response tok
     loss_mask[i, s]  = 1  iff  P - 1 <= s < P - 1 + R_i        (positions that predict a response token)
     rollout_lp[i, s] = SGLang log-prob of labels[i, s] where loss_mask, else 0
     advantages[i, s] = A_i (GRPO, broadcast over the row)
+    routed_experts[i, s] = experts the engine routed input token s to, [num_layers, k]  (MoE + replay only;
+                       -1 where the engine did not run the token: the last response token and padding)
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class RolloutBatch:
     """A step's global batch (identical on every rank after the broadcast).
 
     tokens, labels: ``[N, S]`` int64; loss_mask: ``[N, S]`` bool; rollout_log_probs, advantages: ``[N, S]``
-    float32; rewards, response_lengths, sglang_rejected: ``[N]``; prompts: ``[N, P]`` int64.
+    float32; rewards, response_lengths, sglang_rejected: ``[N]``; prompts: ``[N, P]`` int64; routed_experts:
+    ``[N, S, num_layers, k]`` int64 or ``None`` (only when the engine was asked for them).
     """
 
     tokens: torch.Tensor
@@ -41,6 +44,7 @@ class RolloutBatch:
     response_lengths: torch.Tensor
     prompts: torch.Tensor
     sglang_rejected: torch.Tensor
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -48,7 +52,9 @@ class RolloutBatch:
 
     def rows(self, start: int, stop: int) -> RolloutBatch:
         """Sequences ``start:stop`` (a data-parallel shard or a micro-batch)."""
-        return RolloutBatch(**{k: getattr(self, k)[start:stop] for k in self.__dataclass_fields__})
+        return RolloutBatch(
+            **{k: None if getattr(self, k) is None else getattr(self, k)[start:stop] for k in self.__dataclass_fields__}
+        )
 
     def to_payload(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -85,11 +91,43 @@ def grpo_advantages(
     return centred.reshape(-1)
 
 
+def routed_experts_rows(responses: list[dict[str, Any]], seq_len: int, num_layers: int, topk: int) -> torch.Tensor:
+    """The engine's experts per input position, ``[N, seq_len, num_layers, topk]`` (``-1`` past what the
+    engine ran), from each response's ``meta_info.routed_experts`` (``prompt + completion - 1`` positions)."""
+    from examples.rl.rollout_engine import decode_routed_experts
+
+    out = torch.full((len(responses), seq_len, num_layers, topk), -1, dtype=torch.long)
+    for i, r in enumerate(responses):  # host data (response parsing)
+        meta = r.get("meta_info") if isinstance(r, dict) else None
+        data = meta.get("routed_experts") if isinstance(meta, dict) else None
+        if not isinstance(data, str):
+            raise ValueError(
+                f"response {i} has no meta_info.routed_experts (ask with return_routed_experts=true "
+                "from a mixture-of-experts engine)"
+            )
+        experts = decode_routed_experts(data, num_layers, topk)
+        expected = meta.get("prompt_tokens", 0) + meta.get("completion_tokens", 0) - 1
+        if experts.shape[0] != expected or expected > seq_len:
+            raise ValueError(
+                f"response {i}: routed_experts covers {experts.shape[0]} positions, expected "
+                f"prompt_tokens + completion_tokens - 1 = {expected} (at most {seq_len})"
+            )
+        out[i, : experts.shape[0]] = experts
+    return out
+
+
 def build_batch(
-    task: DigitTask, prompts: torch.Tensor, packed: Any, group_size: int, *, std_normalize: bool = True
+    task: DigitTask,
+    prompts: torch.Tensor,
+    packed: Any,
+    group_size: int,
+    *,
+    std_normalize: bool = True,
+    routed_experts: torch.Tensor | None = None,
 ) -> RolloutBatch:
     """Lay out parsed responses (``PackedRollouts`` with ``n`` sequences) for ``prompts [n, P]`` (each
-    prompt repeated ``group_size`` times consecutively)."""
+    prompt repeated ``group_size`` times consecutively); ``routed_experts`` (:func:`routed_experts_rows`) is
+    carried as is."""
     n, plen = prompts.shape
     cu = packed.cu_seqlens
     if cu.numel() - 1 != n:
@@ -128,4 +166,5 @@ def build_batch(
         response_lengths=lengths,
         prompts=prompts,
         sglang_rejected=packed.rejected.float(),
+        routed_experts=routed_experts,
     )

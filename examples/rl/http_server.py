@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         default=ModelConfig.max_seq_len,
         help="positions (the trainer uses max(16, 2 * num_digits + 2))",
     )
+    p.add_argument("--moe-experts", type=int, default=0, help="mixture of experts (as the trainer's --moe-experts)")
+    p.add_argument("--moe-topk", type=int, default=2, help="experts per token (with --moe-experts)")
     p.add_argument(
         "--weights-root",
         default=None,
@@ -274,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-threads", type=int, default=DEFAULT_MAX_THREADS, help="connections served at once")
     args = p.parse_args(argv)
     cfg = ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads, max_seq_len=args.max_seq_len
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_heads=args.num_heads,
+        max_seq_len=args.max_seq_len,
+        moe_experts=args.moe_experts,
+        moe_topk=args.moe_topk if args.moe_experts else 0,
     )
     engine = EmbeddedEngine(
         cfg,

@@ -6,6 +6,14 @@ weights export to the Hugging Face GPT-2 layout (``transformer.h.{i}.attn.c_attn
 layout is the rollout engine's weight format: the embedded :class:`KVCacheGPT` reads it, and a real
 SGLang server loads it via ``/update_weights_from_disk`` (see :mod:`examples.rl.weight_sync`).
 
+Mixture of experts (``moe_experts = E > 0``, ``moe_topk = k``): every block's MLP is a megatron-core MoE layer
+(``TopKRouter``: ``logits = x @ W_gate^T`` ``[T, E]``, the top-k experts by logit, weights
+``softmax(top-k logits)``; ``SequentialMLP`` experts, each a GPT-2 MLP without biases; output
+``sum_j w_j * expert_{i_j}(x)``). Its weights export as ``transformer.h.{i}.mlp.gate.weight`` ``[E, h]`` and
+``transformer.h.{i}.mlp.experts.{e}.c_fc.weight`` / ``.c_proj.weight`` (Conv1D layout), and the config as
+``num_local_experts`` / ``num_experts_per_tok``; the MoE model has no linear biases (the attention biases export
+as zeros so the GPT-2 layout is kept). Only the embedded engine reads this MoE variant of the layout.
+
 Tensor shapes: hidden ``h``, heads ``n``, head dim ``d = h / n``, vocab ``V``.
 Megatron fused QKV is ``[n * 3d, h]`` grouped per head (``[q_j; k_j; v_j]`` for head j, no GQA);
 GPT-2 ``c_attn`` is a Conv1D ``[h, 3h]`` laid out ``[Q | K | V]`` (all heads of Q first).
@@ -17,7 +25,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +43,23 @@ class ModelConfig:
     num_heads: int = 4
     max_seq_len: int = 16
     layernorm_eps: float = 1e-5
+    moe_experts: int = 0  # 0 = dense MLP; E > 0 = a mixture of E experts in every block
+    moe_topk: int = 0  # experts per token (1 <= k <= E when moe_experts > 0)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.moe_experts < 0 or (self.moe_experts == 0 and self.moe_topk != 0):
+            raise ValueError(
+                f"moe_experts must be >= 0 (and moe_topk 0 for a dense model), got moe_experts="
+                f"{self.moe_experts}, moe_topk={self.moe_topk}"
+            )
+        if self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts:
+            raise ValueError(f"moe_topk must be in [1, moe_experts={self.moe_experts}], got {self.moe_topk}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
 
     def to_hf_config(self, eos_token_id: int) -> dict:
         """A Hugging Face ``config.json`` (GPT2LMHeadModel) describing the same network."""
@@ -58,12 +79,38 @@ class ModelConfig:
             "eos_token_id": eos_token_id,
             "torch_dtype": "float32",
             "dtype": "float32",
+            **({"num_local_experts": self.moe_experts, "num_experts_per_tok": self.moe_topk} if self.is_moe else {}),
         }
 
 
 # --------------------------------------------------------------------------------------------------
 # megatron-core side
 # --------------------------------------------------------------------------------------------------
+def _moe_config(cfg: ModelConfig) -> dict:
+    """TransformerConfig fields of the MoE variant (empty for the dense model, whose config is unchanged).
+
+    Top-k router on the raw logits with softmax over the chosen k (megatron's default ``score_function``),
+    no load-balancing loss, no token dropping, ``SequentialMLP`` experts (no grouped GEMM, no
+    transformer-engine), the router's replay hook enabled (inactive unless a replay is set, see
+    :mod:`examples.rl.moe`). No linear biases: megatron-core 0.16's expert MLP adds its bias in place on a
+    custom-function view, which autograd refuses on CPU.
+    """
+    if not cfg.is_moe:
+        return {}
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 without transformer-engine: unbound name
+        moe_utils.te_general_gemm = None
+    return {
+        "num_moe_experts": cfg.moe_experts,
+        "moe_router_topk": cfg.moe_topk,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_enable_routing_replay": True,
+        "add_bias_linear": False,
+    }
+
+
 def build_megatron_gpt(
     cfg: ModelConfig, *, tp: int = 1, pp: int = 1, use_cpu_initialization: bool = True
 ) -> torch.nn.Module:
@@ -79,6 +126,7 @@ def build_megatron_gpt(
 
     if cfg.num_layers % pp:
         raise ValueError(f"num_layers ({cfg.num_layers}) must be divisible by the pipeline size ({pp})")
+    moe = _moe_config(cfg)
     tcfg = TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -93,10 +141,16 @@ def build_megatron_gpt(
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
+        **moe,
+    )
+    spec = (
+        get_gpt_layer_local_spec(num_experts=cfg.moe_experts, moe_grouped_gemm=False)
+        if moe
+        else (get_gpt_layer_local_spec())
     )
     return GPTModel(
         config=tcfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
         pre_process=ps.is_pipeline_first_stage(),
@@ -129,14 +183,25 @@ def export_local_gpt2_weights(model: torch.nn.Module, cfg: ModelConfig) -> dict[
         p = f"transformer.h.{i}."
         put(p + "ln_1.weight", layer.input_layernorm.weight)
         put(p + "ln_1.bias", layer.input_layernorm.bias)
-        qkv_w = layer.self_attention.linear_qkv.weight.view(n, 3, d, h)  # [head, q/k/v, d, h]
-        qkv_b = layer.self_attention.linear_qkv.bias.view(n, 3, d)
+        attn = layer.self_attention
+        qkv_w = attn.linear_qkv.weight.view(n, 3, d, h)  # [head, q/k/v, d, h]
         put(p + "attn.c_attn.weight", qkv_w.permute(1, 0, 2, 3).reshape(3 * h, h).t())
-        put(p + "attn.c_attn.bias", qkv_b.permute(1, 0, 2).reshape(3 * h))
-        put(p + "attn.c_proj.weight", layer.self_attention.linear_proj.weight.t())
-        put(p + "attn.c_proj.bias", layer.self_attention.linear_proj.bias)
+        put(p + "attn.c_proj.weight", attn.linear_proj.weight.t())
+        if attn.linear_qkv.bias is not None:
+            qkv_b = attn.linear_qkv.bias.view(n, 3, d)
+            put(p + "attn.c_attn.bias", qkv_b.permute(1, 0, 2).reshape(3 * h))
+            put(p + "attn.c_proj.bias", attn.linear_proj.bias)
+        else:  # the MoE model has no linear biases: zeros keep the GPT-2 layout
+            put(p + "attn.c_attn.bias", torch.zeros(3 * h))
+            put(p + "attn.c_proj.bias", torch.zeros(h))
         put(p + "ln_2.weight", layer.pre_mlp_layernorm.weight)
         put(p + "ln_2.bias", layer.pre_mlp_layernorm.bias)
+        if cfg.is_moe:
+            put(p + "mlp.gate.weight", layer.mlp.router.weight)  # [E, h]
+            for e, expert in enumerate(layer.mlp.experts.local_experts):
+                put(p + f"mlp.experts.{e}.c_fc.weight", expert.linear_fc1.weight.t())
+                put(p + f"mlp.experts.{e}.c_proj.weight", expert.linear_fc2.weight.t())
+            continue
         put(p + "mlp.c_fc.weight", layer.mlp.linear_fc1.weight.t())
         put(p + "mlp.c_fc.bias", layer.mlp.linear_fc1.bias)
         put(p + "mlp.c_proj.weight", layer.mlp.linear_fc2.weight.t())
@@ -205,6 +270,8 @@ def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         num_heads=hf["n_head"],
         max_seq_len=hf["n_positions"],
         layernorm_eps=hf["layer_norm_epsilon"],
+        moe_experts=hf.get("num_local_experts", 0),
+        moe_topk=hf.get("num_experts_per_tok", 0),
     )
     weights = load_file(os.path.join(path, WEIGHTS_FILE), device="cpu")
     return cfg, weights
@@ -225,6 +292,11 @@ class KVCacheGPT:
     to ``dtype``) in every forward. ``lm_head_fp32``: the output projection reads the float32 weight and
     the hidden state upcast to float32, ``logits = float32(h) @ W_lm^T`` in float32 (the inference-side
     LM-head fix; everything before it stays in ``dtype``).
+
+    MoE blocks route as the training router does, but in ``dtype``: ``logits = m @ W_gate^T`` (``[B, L, E]`` in
+    ``dtype``), the top-k experts by those logits, weights ``softmax(float32(top-k logits))`` rounded to
+    ``dtype``, output ``sum_j w_j * expert_{i_j}(m)``. Rounded logits reorder near-ties, so some tokens go to
+    other experts than in training. ``routes`` (a list) receives every block's chosen experts ``[B, L, k]``.
     """
 
     def __init__(
@@ -264,12 +336,17 @@ class KVCacheGPT:
 
     @torch.no_grad()
     def forward(
-        self, tokens: torch.Tensor, start_pos: int, cache: list[tuple[torch.Tensor, torch.Tensor]] | None
+        self,
+        tokens: torch.Tensor,
+        start_pos: int,
+        cache: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        routes: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list]:
         """Run ``tokens [B, L]`` at positions ``start_pos..start_pos+L-1`` given the cache of the
         previous ``start_pos`` positions. Returns float32 logits ``[B, L, V]`` and the extended cache
-        (per layer ``(k, v)`` each ``[B, n, start_pos + L, d]``)."""
-        x, new_cache = self.hidden(tokens, start_pos, cache)
+        (per layer ``(k, v)`` each ``[B, n, start_pos + L, d]``); a MoE model appends each block's experts
+        ``[B, L, k]`` to ``routes`` when given."""
+        x, new_cache = self.hidden(tokens, start_pos, cache, routes)
         return self.lm_head(x), new_cache
 
     @torch.no_grad()
@@ -282,7 +359,11 @@ class KVCacheGPT:
 
     @torch.no_grad()
     def hidden(
-        self, tokens: torch.Tensor, start_pos: int, cache: list[tuple[torch.Tensor, torch.Tensor]] | None
+        self,
+        tokens: torch.Tensor,
+        start_pos: int,
+        cache: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        routes: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list]:
         """The transformer up to and including the final LayerNorm: ``[B, L, h]`` in ``dtype``, and the cache."""
         cfg, w = self.cfg, self.w
@@ -310,9 +391,27 @@ class KVCacheGPT:
             att = att.transpose(1, 2).reshape(b, length, cfg.hidden_size)
             x = x + att @ self.weight(p + "attn.c_proj.weight") + w[p + "attn.c_proj.bias"]
             m = self._ln(x, p + "ln_2")
+            if cfg.is_moe:
+                x = x + self._moe(m, p, routes)
+                continue
             m = GELU_TANH(m @ self.weight(p + "mlp.c_fc.weight") + w[p + "mlp.c_fc.bias"])
             x = x + m @ self.weight(p + "mlp.c_proj.weight") + w[p + "mlp.c_proj.bias"]
         return self._ln(x, "transformer.ln_f"), new_cache
+
+    def _moe(self, m: torch.Tensor, p: str, routes: list[torch.Tensor] | None) -> torch.Tensor:
+        """The MoE block ``[B, L, h] -> [B, L, h]`` in ``dtype`` (class docstring). Every expert runs on every
+        token (tiny model: cheaper than dispatching); the top-k are gathered."""
+        logits = m @ self.w[p + "mlp.gate.weight"].t()  # [B, L, E] in dtype
+        top_logits, top_idx = logits.topk(self.cfg.moe_topk, dim=-1)  # [B, L, k]
+        weights = torch.softmax(top_logits.float(), dim=-1).to(self.dtype)
+        experts = [p + f"mlp.experts.{e}." for e in range(self.cfg.moe_experts)]
+        outs = torch.stack(
+            [GELU_TANH(m @ self.weight(q + "c_fc.weight")) @ self.weight(q + "c_proj.weight") for q in experts], dim=-2
+        )  # [B, L, E, h]
+        chosen = outs.gather(-2, top_idx.unsqueeze(-1).expand(*top_idx.shape, outs.shape[-1]))  # [B, L, k, h]
+        if routes is not None:
+            routes.append(top_idx)
+        return (weights.unsqueeze(-1) * chosen).sum(dim=-2)
 
 
 def _expected_keys(cfg: ModelConfig) -> list[str]:
@@ -324,10 +423,11 @@ def _expected_keys(cfg: ModelConfig) -> list[str]:
     ]
     for i in range(cfg.num_layers):
         p = f"transformer.h.{i}."
-        for name in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        for name in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj") + (() if cfg.is_moe else ("mlp.c_fc", "mlp.c_proj")):
             keys += [p + name + ".weight", p + name + ".bias"]
+        if cfg.is_moe:
+            keys.append(p + "mlp.gate.weight")
+            for e in range(cfg.moe_experts):
+                keys += [p + f"mlp.experts.{e}.c_fc.weight", p + f"mlp.experts.{e}.c_proj.weight"]
     return keys
 
-
-def config_dict(cfg: ModelConfig) -> dict:
-    return asdict(cfg)

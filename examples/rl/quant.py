@@ -61,6 +61,7 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantizedWeight:
 
 
 def is_quantized_linear(name: str) -> bool:
-    """The GPT-2 weights a weight-only scheme quantizes: the four linear layers of every block
-    (embeddings, LayerNorms, biases and the tied LM head stay in the compute dtype)."""
-    return name.endswith(("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"))
+    """The GPT-2 weights a weight-only scheme quantizes: the four linear layers of every block, and every MoE
+    expert's two (embeddings, LayerNorms, biases, the MoE router and the tied LM head stay in the compute
+    dtype)."""
+    return name.endswith(("attn.c_attn.weight", ".c_proj.weight", ".c_fc.weight"))

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from examples.rl.batch import RolloutBatch, build_batch, parse_responses
+from examples.rl.batch import RolloutBatch, build_batch, parse_responses, routed_experts_rows
 from examples.rl.task import EOS, DigitTask
 
 
@@ -29,6 +29,9 @@ class RolloutSettings:
     top_k: int = -1
     seed: int = 0
     std_normalize: bool = True
+    #: MoE routing replay: ask for SGLang's ``return_routed_experts`` and carry them in the batch
+    #: (``(num_layers, topk)`` of the model, or ``None``)
+    routed_experts_shape: tuple[int, int] | None = None
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -51,6 +54,7 @@ def make_request(prompts: torch.Tensor, task: DigitTask, s: RolloutSettings, sam
         },
         "return_logprob": True,
         "logprob_start_len": -1,
+        **({"return_routed_experts": True} if s.routed_experts_shape is not None else {}),
     }
 
 
@@ -64,4 +68,7 @@ def collect_rollout(backend: GenerateBackend, task: DigitTask, s: RolloutSetting
         got = len(responses) if isinstance(responses, list) else type(responses).__name__
         raise ValueError(f"/generate returned {got} responses for {prompts.shape[0]} prompts")
     packed = parse_responses(responses, request["sampling_params"])
-    return build_batch(task, prompts, packed, s.group_size, std_normalize=s.std_normalize)
+    routed = None
+    if s.routed_experts_shape is not None:
+        routed = routed_experts_rows(responses, prompts.shape[1] + task.max_new_tokens, *s.routed_experts_shape)
+    return build_batch(task, prompts, packed, s.group_size, std_normalize=s.std_normalize, routed_experts=routed)

@@ -7,14 +7,20 @@ request::
     {"input_ids": [[...], ...] or [...],
      "sampling_params": {"temperature": 1.0, "max_new_tokens": 5, "stop_token_ids": [11],
                          "top_p": 1.0, "top_k": -1, "sampling_seed": 1234},
-     "return_logprob": true}
+     "return_logprob": true, "return_routed_experts": false}
 
 response (one dict per prompt; a list when ``input_ids`` is a list of lists)::
 
     {"text": "", "output_ids": [7, 3, 11],
      "meta_info": {"id": "...", "prompt_tokens": 5, "completion_tokens": 3,
                    "finish_reason": {"type": "stop", "matched": 11} | {"type": "length", "length": 5},
-                   "output_token_logprobs": [[logprob, token_id, None], ...]}}
+                   "output_token_logprobs": [[logprob, token_id, None], ...],
+                   "routed_experts": "<base64>"}}     (only with return_routed_experts, MoE models)
+
+``routed_experts`` follows SGLang's ``return_routed_experts``: the experts the engine's router chose for every
+token it ran through the model (the prompt and every output token but the last: ``prompt_tokens +
+completion_tokens - 1`` positions), as base64 of little-endian int32 ``[positions, num_layers, topk]``
+(:func:`decode_routed_experts`).
 
 As in SGLang, the reported log-prob is ``log_softmax(logits / temperature)`` of the sampled token over
 the full vocabulary (top-p/top-k change what is sampled, not the reported log-prob), and the stop
@@ -31,6 +37,7 @@ Sampling is reproducible: with ``sampling_seed`` the same request gives the same
 
 from __future__ import annotations
 
+import base64
 import itertools
 import math
 import threading
@@ -125,6 +132,11 @@ class EmbeddedEngine:
         params = _SamplingParams.parse(sp or {}, self.cfg.vocab_size)
         if request.get("return_logprob", False) is not True:
             raise ValueError("the embedded engine only serves return_logprob=true requests")
+        want_routes = request.get("return_routed_experts", False)
+        if not isinstance(want_routes, bool):
+            raise ValueError(f"return_routed_experts must be true or false, got {_short(want_routes)}")
+        if want_routes and not self.cfg.is_moe:
+            raise ValueError("return_routed_experts=true needs a mixture-of-experts model; this engine's is dense")
         gen = torch.Generator().manual_seed(params.seed)
         out = [None] * len(prompts)
         by_len: dict[int, list[int]] = {}
@@ -132,7 +144,8 @@ class EmbeddedEngine:
             by_len.setdefault(len(p), []).append(i)
         for length in sorted(by_len):
             rows = by_len[length]
-            results = self._decode(model, torch.tensor([prompts[i] for i in rows], dtype=torch.long), params, gen)
+            batch = torch.tensor([prompts[i] for i in rows], dtype=torch.long)
+            results = self._decode(model, batch, params, gen, want_routes)
             for i, res in zip(rows, results):
                 out[i] = res
         return out[0] if single else out
@@ -144,19 +157,30 @@ class EmbeddedEngine:
         if not isinstance(prompt, list) or not prompt:
             raise ValueError(f"{name} must be a non-empty list of token ids, got {_short(prompt)}")
         if len(prompt) > limit:
-            raise ValueError(f"{name} has {len(prompt)} tokens; the model holds {self.cfg.max_seq_len} positions, "
-                             f"so a prompt has at most {limit}")
+            raise ValueError(
+                f"{name} has {len(prompt)} tokens; the model holds {self.cfg.max_seq_len} positions, "
+                f"so a prompt has at most {limit}"
+            )
         for t, tok in enumerate(prompt):
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < v:
                 raise ValueError(f"{name}[{t}] = {_short(tok)} is not a token id in [0, {v})")
 
     def _decode(
-        self, model: KVCacheGPT, prompts: torch.Tensor, p: _SamplingParams, gen: torch.Generator
+        self, model: KVCacheGPT, prompts: torch.Tensor, p: _SamplingParams, gen: torch.Generator, want_routes: bool
     ) -> list[dict[str, Any]]:
         """Incremental decoding of a batch of equal-length prompts ``[B, P]``."""
         b, plen = prompts.shape
         max_new = min(p.max_new_tokens, self.cfg.max_seq_len - plen)
-        logits, cache = model.forward(prompts.to(model.device), 0, None)
+        steps: list[torch.Tensor] = []  # per forward call: experts [B, L, num_layers, k]
+
+        def run(tokens: torch.Tensor, start: int, cache: Any) -> tuple[torch.Tensor, Any]:
+            routes: list[torch.Tensor] | None = [] if want_routes else None
+            logits, cache = model.forward(tokens.to(model.device), start, cache, routes)
+            if routes is not None:
+                steps.append(torch.stack(routes, dim=2).cpu())
+            return logits, cache
+
+        logits, cache = run(prompts, 0, None)
         last = logits[:, -1]
         tokens = torch.zeros(b, max_new, dtype=torch.long)
         logps = torch.zeros(b, max_new, dtype=torch.float32)
@@ -177,8 +201,9 @@ class EmbeddedEngine:
             done |= hit
             if bool(done.all()) or t == max_new - 1:  # host-sync-ok (engine control flow)
                 break
-            logits, cache = model.forward(tok[:, None].to(model.device), plen + t, cache)
+            logits, cache = run(tok[:, None], plen + t, cache)
             last = logits[:, -1]
+        routed = torch.cat(steps, dim=1).to(torch.int32) if want_routes else None  # [B, P + fed, num_layers, k]
         out = []
         for i in range(b):  # build per-prompt JSON-able responses (host data)
             n = int(lengths[i])
@@ -196,10 +221,35 @@ class EmbeddedEngine:
                             {"type": "stop", "matched": ids[-1]} if stopped else {"type": "length", "length": n}
                         ),
                         "output_token_logprobs": [[lp, tid, None] for lp, tid in zip(logps[i, :n].tolist(), ids)],
+                        **({"routed_experts": encode_routed_experts(routed[i, : plen + n - 1])} if want_routes else {}),
                     },
                 }
             )
         return out
+
+
+def encode_routed_experts(experts: torch.Tensor) -> str:
+    """``experts [positions, num_layers, k]`` -> base64 of little-endian int32 (SGLang's wire format)."""
+    return base64.b64encode(experts.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(data: str, num_layers: int, topk: int) -> torch.Tensor:
+    """Inverse of :func:`encode_routed_experts`: int64 ``[positions, num_layers, topk]``; raises ``ValueError``
+    naming the sizes when the payload is not a whole number of positions."""
+    import numpy as np
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"routed_experts is not base64: {e}") from e
+    per_pos = 4 * num_layers * topk
+    if len(raw) % per_pos:
+        raise ValueError(
+            f"routed_experts has {len(raw)} bytes, not a multiple of 4 x num_layers ({num_layers}) x "
+            f"topk ({topk}) = {per_pos}"
+        )
+    arr = np.frombuffer(raw, dtype="<i4").astype("int64").reshape(-1, num_layers, topk)
+    return torch.from_numpy(arr.copy())
 
 
 class _SamplingParams:
@@ -244,8 +294,9 @@ class _SamplingParams:
         if not isinstance(stops, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stops
         ):
-            raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids in [0, {vocab_size}), "
-                             f"got {_short(stops)}")
+            raise ValueError(
+                f"sampling_params.stop_token_ids must be a list of token ids in [0, {vocab_size}), got {_short(stops)}"
+            )
         return cls(temperature, max_new, list(stops), top_p, top_k, seed)
 
 

@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-heads", type=int, default=4)
+    g.add_argument(
+        "--moe-experts",
+        type=int,
+        default=0,
+        help="mixture of experts: every block's MLP becomes E experts behind a top-k router (megatron-core MoE "
+        "layer; 0 = the dense GPT-2 MLP)",
+    )
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token (with --moe-experts)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--clip-grad", type=float, default=1.0)
@@ -127,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="embedded engine: Gaussian noise std added to decode logits (stronger mismatch)",
     )
+    g.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="MoE rollout routing replay: training uses the experts the engine chose per token (returned as "
+        "SGLang's return_routed_experts) instead of its own router's top-k",
+    )
     add_tis_arguments(p)
     return p
 
@@ -136,11 +150,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("save_interval", "dump_interval", "rollout_lag", "rollout_logit_noise"):
+    for name in ("save_interval", "dump_interval", "rollout_lag", "rollout_logit_noise", "moe_experts"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.rollout_temperature <= 0:
         raise ValueError(f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
+    if args.moe_experts and not 1 <= args.moe_topk <= args.moe_experts:
+        raise ValueError(f"--moe-topk must be in [1, --moe-experts={args.moe_experts}], got {args.moe_topk}")
+    if args.routing_replay and not args.moe_experts:
+        raise ValueError("--routing-replay replays the engine's expert choices: it needs --moe-experts > 0")
     dp = world_size // args.pp
     n = args.prompts_per_step * args.group_size
     if n % (dp * args.num_microbatches * args.steps_per_rollout):
@@ -230,6 +248,8 @@ class Trainer:
             hidden_size=args.hidden_size,
             num_heads=args.num_heads,
             max_seq_len=max(16, self.task.max_seq_len),
+            moe_experts=args.moe_experts,
+            moe_topk=args.moe_topk if args.moe_experts else 0,
         )
         self.tis_cfg = TISConfig.from_args(args)
         self.layout = {"world_size": info.world_size, "pp": args.pp}
@@ -262,6 +282,11 @@ class Trainer:
             get_forward_backward_func(), self.tis_cfg, temperature=args.rollout_temperature
         )
         self.backend, self.sync = self._make_rollout_backend() if info.is_engine_rank else (None, None)
+        self.probe = None  # MoE: routing replay and the training/engine routing disagreement
+        if self.mcfg.is_moe:
+            from examples.rl.moe import RoutingProbe
+
+            self.probe = RoutingProbe(self.model, replay=args.routing_replay)
 
     # ------------------------------------------------------------------ rollout side (engine rank)
     def _make_rollout_backend(self) -> tuple[Any, Any]:
@@ -308,6 +333,7 @@ class Trainer:
                 a.rollout_top_k,
                 a.seed,
                 not a.no_adv_std_normalize,
+                (self.mcfg.num_layers, self.mcfg.moe_topk) if self.mcfg.is_moe else None,
             )
             payload = [collect_rollout(self.backend, self.task, settings, step).to_payload()]
         if self.info.world_size > 1:
@@ -340,13 +366,15 @@ class Trainer:
                         mb.rollout_log_probs.to(dev),
                     ),
                     "rows": mb,
+                    "routed_experts": mb.routed_experts,
                 }
             )
         return items, mbs
 
-    @staticmethod
-    def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, None]:
+    def _forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, None]:
         item = next(data_iterator)
+        if self.probe is not None:  # MoE: this micro-batch's engine experts (replay, disagreement counts)
+            self.probe.begin(item["routed_experts"], item["rows"].loss_mask.to(self.info.device))
         return model(item["tokens"], item["position_ids"], item["attention_mask"]), None
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -374,8 +402,10 @@ class Trainer:
                 micro_batch_size=mbs,
             )
         all_ok = True
-        for _epoch in range(self.args.ppo_epochs):
+        for epoch in range(self.args.ppo_epochs):
             for s in range(n_steps):
+                if self.probe is not None:  # routing disagreement: at the parameters the rollout was sampled with
+                    self.probe.counting = epoch == 0 and s == 0
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 self.forward_backward(
@@ -391,6 +421,9 @@ class Trainer:
                 all_ok = all_ok and ok
         ok = all_ok  # the metrics below are those of the rollout's last optimizer step
         metrics = {k: float(v) for k, v in self.forward_backward.last_metrics.items()}  # host-sync-ok (logging)
+        if self.probe is not None:
+            self.probe.counting = False
+            metrics.update(self.probe.step_metrics(self.info.world_size))
         if dump:
             self._dump(step, items, extra_lp)
         self._push_weights(step + 1)
