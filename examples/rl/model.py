@@ -430,4 +430,3 @@ def _expected_keys(cfg: ModelConfig) -> list[str]:
             for e in range(cfg.moe_experts):
                 keys += [p + f"mlp.experts.{e}.c_fc.weight", p + f"mlp.experts.{e}.c_proj.weight"]
     return keys
-
