@@ -18,7 +18,7 @@ from torch import Tensor
 from slime_tis.core import Reducer
 from slime_tis.slime.layout import local_response_index
 
-__all__ = ["SlimePacked", "pack_slime_batch"]
+__all__ = ["SlimePacked", "gather_full_responses", "pack_slime_batch"]
 
 
 @dataclass
@@ -120,3 +120,12 @@ def pack_slime_batch(
         response_lengths=resp,
         local_lengths=local_lengths,
     )
+
+
+def gather_full_responses(packed: SlimePacked, local: Tensor, reducer: Reducer) -> list[Tensor]:
+    """Context-parallel-local packed ``[T_local]`` values -> full-length ``[len_i]`` float32 per-sample tensors
+    (one ``reducer.sequence_sum``: each CP rank contributes its positions, zeros elsewhere)."""
+    full = torch.zeros(packed.full_mask.shape[0], dtype=torch.float32, device=local.device)
+    full[packed.index] = local.float()
+    full = reducer.sequence_sum(full.unsqueeze(1))[:, 0]
+    return list(full.split(packed.response_lengths))

@@ -43,13 +43,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from slime_tis.core import compute_tis
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.weights import batch_norm_factor
-from slime_tis.slime.batch import SlimePacked, pack_slime_batch
+from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import drop_applies, plan_rollout_drop
 from slime_tis.slime.opsm import check_opsm
@@ -59,17 +56,9 @@ from slime_tis.slime.rollouts import unit_keys
 from slime_tis.slime.state import STATE
 from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
-__all__ = ["gather_full_responses", "postprocess_rollout_data"]
+__all__ = ["postprocess_rollout_data"]
 
 logger = logging.getLogger("slime_tis.slime")
-
-
-def gather_full_responses(packed: SlimePacked, local: Tensor, ctx: ParallelContext) -> list[Tensor]:
-    """CP-local packed ``[T_local]`` values -> full-length per-sample tensors (one CP all-reduce)."""
-    full = torch.zeros(packed.full_mask.shape[0], dtype=torch.float32, device=local.device)
-    full[packed.index] = local.float()
-    full = ctx.reducer.sequence_sum(full.unsqueeze(1))[:, 0]
-    return list(full.split(packed.response_lengths))
 
 
 def _needs_log_probs(args: Any, rollout_data: dict[str, Any], ctx: ParallelContext, what: str) -> bool:
@@ -147,8 +136,8 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
         STATE.set_factor(rollout_id, factor, cfg)
 
     if dump_dir:
-        train_full = gather_full_responses(packed, lp_old, ctx)
-        rollout_full = gather_full_responses(packed, lp_rollout, ctx)
+        train_full = gather_full_responses(packed, lp_old, ctx.reducer)
+        rollout_full = gather_full_responses(packed, lp_rollout, ctx.reducer)
         if ctx.cp_rank == 0 and ctx.tp_rank == 0:
             path = Path(dump_dir) / f"logprobs_dp{ctx.dp_rank}.jsonl"
             recs = records_from_samples(

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import parse_switch
+from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
 from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
 __all__ = ["RECORDER", "TrainLogProbRecorder", "flush_recorded_train_log_probs", "recording_enabled"]
@@ -98,9 +99,7 @@ def flush_recorded_train_log_probs(args: Any, *, meta: dict[str, Any] | None = N
     without recording, or when nothing of the rollout was registered). Returns the number of records
     written on this rank. Samples the loss never saw (other pipeline stages) are not written.
     """
-    from slime_tis.slime.batch import pack_slime_batch
     from slime_tis.slime.parallel import parallel_context
-    from slime_tis.slime.postprocess import gather_full_responses
 
     dump_dir = getattr(args, "tis_dump_dir", None)
     data = RECORDER.rollout
@@ -115,9 +114,9 @@ def flush_recorded_train_log_probs(args: Any, *, meta: dict[str, Any] | None = N
     device = packed.full_mask.device
     local = [g if g is not None else torch.zeros(int(n), device=device)
              for g, n in zip(got, packed.local_lengths.tolist())]  # host-sync-ok (CPU lengths; outside the loss)
-    train_full = gather_full_responses(packed, packed.cat_local("recorded log-probs", local).to(device), ctx)
+    train_full = gather_full_responses(packed, packed.cat_local("recorded log-probs", local).to(device), ctx.reducer)
     rollout_local = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
-    rollout_full = gather_full_responses(packed, rollout_local, ctx)
+    rollout_full = gather_full_responses(packed, rollout_local, ctx.reducer)
     keep = [i for i, g in enumerate(got) if g is not None]
     RECORDER.clear()
     if not keep or ctx.cp_rank != 0 or ctx.tp_rank != 0:
