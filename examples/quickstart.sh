@@ -9,7 +9,7 @@
 # (tis/k3_kl); routing replay sets the routing mismatch to exactly 0 and lowers the mean k3_kl 4-10x on every
 # seed (measured). Both are far outside seed noise, so the claim holds on any CPU (the individual numbers do not
 # reproduce across CPU models or thread counts: README, "What reproduces exactly").
-# Six runs, two at a time (JOBS=2): about 1.5 minutes of training on 2 idle CPU cores, plus the install
+# Six runs, two at a time (JOBS=2): 105 s of training on 2 idle CPU cores, plus the install
 # (4.5 minutes measured on a 2-core machine shared with other jobs).
 #
 #   bash examples/quickstart.sh                                   # defaults above
