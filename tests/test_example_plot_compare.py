@@ -7,12 +7,13 @@ import os
 import struct
 
 import pytest
+from _one_line_error import assert_one_line_error
+
+from examples.compare import summarize, table
+from examples.plot import main as plot_main
+from examples.plot import read_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from examples.compare import summarize, table  # noqa: E402
-from examples.plot import main as plot_main  # noqa: E402
-from examples.plot import read_run  # noqa: E402
 
 
 def _write_run(d, rows, algorithm=None, wall=None):
@@ -225,13 +226,7 @@ def test_results_table_presets(tmp_path):
 # ------------------------------------------------------------------ malformed input to examples.plot
 def _one_line_plot_error(capsys, argv: list[str], *needles: str) -> str:
     """``python -m examples.plot ARGV`` fails with exit status 2 and one stderr line holding every needle."""
-    rc = plot_main(argv)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, (rc, err)
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
+    return assert_one_line_error(capsys, plot_main, argv, *needles)
 
 
 PLOT_CASES = {

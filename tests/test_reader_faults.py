@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _one_line_error import assert_one_line_error
 
 from slime_tis.tools.cli import main as cli_main
 from slime_tis.tools.diagnose import diagnose, quantiles
@@ -34,13 +35,7 @@ def _rec(**changes) -> str:
 
 def _one_line_error(capsys, argv: list[str], *needles: str) -> str:
     """``slime-tis ARGV`` fails with exit status 2 and one stderr line holding every needle."""
-    rc = cli_main(argv)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, (rc, err)
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
+    return assert_one_line_error(capsys, cli_main, argv, *needles)
 
 
 # ------------------------------------------------------------------ .jsonl dumps
