@@ -16,15 +16,10 @@ import math
 
 import pytest
 import torch
+from _hand_batch import CU, LP_ROLLOUT, LP_TRAIN, MASK, NAN, R
 
 from slime_tis import TISConfig, compute_tis, loss_denominator, policy_loss
 
-NAN = float("nan")
-CU = torch.tensor([0, 3, 5])
-MASK = torch.tensor([1, 1, 1, 1, 0], dtype=torch.bool)
-LP_ROLLOUT = torch.tensor([-1.0, -1.0, -1.0, -2.0, NAN])
-R = [3.0, 0.25, 1.5, 0.8]
-LP_TRAIN = LP_ROLLOUT + torch.tensor([math.log(x) for x in R] + [NAN])
 RHO = [1.5, 0.5, 1.0, 1.1]
 ADV = torch.tensor([1.0, -1.0, 2.0, -0.5, NAN])
 PPO = [-1.2, 0.8, -2.0, 0.55]
