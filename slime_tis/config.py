@@ -30,6 +30,7 @@ fields (bounds, algorithm combinations) are written out in ``__post_init__``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -40,14 +41,19 @@ from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
     SWITCH_WORDS,
     Option,
     declared_options,
+    declared_surrogate_options,
     declared_thresholds,
     fields_from_args,
     option,
     parse_switch,
+    surrogate_option,  # noqa: F401  (the declaration of a surrogate's options, next to the surrogate fields)
     threshold,
 )
+from slime_tis.core.aggregation import AGGREGATIONS
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.core.plan import Plan
+from slime_tis.core.surrogates import SURROGATES, surrogate_of
+from slime_tis.core.terms import KL_ESTIMATORS
 from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
 from slime_tis.presets import PRESETS, preset_fields
 
@@ -56,8 +62,11 @@ __all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF
 
 MODES = ("truncate", "clip", "mask")
 LEVELS = ("token", "sequence", "geometric")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGGS = tuple(AGGREGATIONS)
 DENOMINATORS = ("keep", "drop")
+
+logger = logging.getLogger("slime_tis")
+_WARNED: set = set()  # configurations whose inert options were logged
 
 DEFAULT_UPPER = 2.0
 DEFAULT_GEOMETRIC_UPPER = 1.001
@@ -203,7 +212,8 @@ class TISConfig:
              "Default: keep.")
     loss_agg: str = option(
         "token-mean", flag="--tis-loss-agg", kind="choice", choices=LOSS_AGGS,
-        help="Loss aggregation over the global batch. Default: token-mean.")
+        help="Loss aggregation over the global batch (token-sum: the sum over the global batch's counted tokens, "
+             "whatever the DP size). Default: token-mean.")
     eps_clip: float = option(
         0.2, flag="--eps-clip", valid="in [0, 1)", error="must lie in [0, 1) so that 1 - eps_clip > 0",
         help="PPO clip epsilon (low side). Default: 0.2.")
@@ -212,6 +222,25 @@ class TISConfig:
     dual_clip_c: float | None = option(
         None, flag="--eps-clip-c", valid="> 1", error="dual-clip constant must be > 1",
         help="Dual-clip constant c > 1 for negative advantages. Default: off.")
+    loss_mode: str | None = option(
+        None, flag="--tis-loss-mode", kind="choice", choices=tuple(SURROGATES),
+        help="Policy-loss surrogate (verl's loss_mode names; ppo_clip is verl's vanilla): ppo_clip, gspo and "
+             "cispo need a ratio anchor (algorithms 0-2); reinforce and on_policy (ratio pi_theta/sg(pi_theta)) "
+             "fit every algorithm. Default: ppo_clip for algorithms 0-2, reinforce for algorithm 3.")
+    kl_coef: float = option(
+        0.0, flag="--tis-kl-coef", valid=">= 0",
+        help="Coefficient of the reference-KL term added to the loss per kept token (needs reference "
+             "log-probs). Default: 0 (off).")
+    kl_estimator: str = option(
+        "k3", flag="--tis-kl-estimator", kind="choice", choices=KL_ESTIMATORS,
+        help="Reference-KL estimator of d = log pi_theta - log pi_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d, "
+             "low_var_kl = clamp(k3, -10, 10). Default: k3.")
+    kl_importance_weighted: bool = option(
+        False, flag="--tis-kl-importance-weighted", kind="switch",
+        help="Multiply the KL term by the token's rollout-correction weight (algorithms 2, 3). Default: off.")
+    entropy_coef: float = option(
+        0.0, flag="--tis-entropy-coef", valid=">= 0",
+        help="Entropy bonus: subtract this times the policy's entropy per kept token. Default: 0 (off).")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
         error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
@@ -255,6 +284,15 @@ class TISConfig:
                     raise _bad(field, getattr(self, field), why)
             if self.mode == "mask":
                 raise _bad("mode", self.mode, why)
+        sur = surrogate_of(self.surrogate)
+        if sur.anchored and alg.anchor is None:
+            why = (f"{sur.name} reads a ratio against an anchor, and algorithm 3 has none: its weight "
+                   "w = sg(pi_theta) / pi_rollout is that ratio already")
+            if sur.name == "cispo":
+                why = ("CISPO anchored at the rollout policy clips the ratio pi_theta / pi_rollout that algorithm 3 "
+                       "already applies as its weight: the weight would count twice")
+            raise _bad("loss_mode", self.loss_mode, why + "; use algorithm 1 (--use-rollout-log-probs, anchor "
+                       "pi_rollout, no weight) or 2 (--use-tis, anchor pi_old, weight pi_old / pi_rollout)")
         if not alg.weighted and self.batch_normalize:
             raise _bad("batch_normalize", True, f"algorithm {alg.number} applies no importance weights "
                        "(weights are identically 1); batch normalisation needs --use-tis")
@@ -264,6 +302,45 @@ class TISConfig:
     def algorithm(self) -> int:
         """0..3 from (use_rollout_log_probs, use_tis), see the module table."""
         return int(self.use_rollout_log_probs) + 2 * int(self.use_tis)
+
+    @property
+    def surrogate(self) -> str:
+        """The policy-loss surrogate: ``loss_mode``, or the algorithm's own (``core.algorithms``)."""
+        return self.loss_mode if self.loss_mode is not None else algorithm_of(self.algorithm).surrogate
+
+    def inert_options(self) -> list[str]:
+        """One line per option that is set but does nothing in this combination (logged once at start-up)."""
+        alg, sur = algorithm_of(self.algorithm), surrogate_of(self.surrogate)
+        lines = []
+        if self.dual_clip_c is not None and not sur.dual_clip:
+            lines.append(f"--eps-clip-c does nothing with the {sur.name} surrogate (algorithm {alg.number})")
+        if (self.eps_clip != DEFAULTS["eps_clip"] or self.eps_clip_high is not None) and not sur.clips:
+            lines.append(f"--eps-clip / --eps-clip-high do nothing with the {sur.name} surrogate, which does not clip")
+        if self.lower is not None and self.mode == "truncate":
+            lines.append("--tis-lower-bound does nothing in truncate mode (w = min(r, upper))")
+        if (self.upper is not None or self.lower is not None) and not alg.weighted and self.mode != "mask":
+            lines.append(f"--tis-upper-bound / --tis-lower-bound do nothing: algorithm {alg.number} applies no "
+                         "weights and --tis-mode is not mask")
+        if self.kl_coef == 0.0 and (self.kl_estimator != DEFAULTS["kl_estimator"] or self.kl_importance_weighted):
+            lines.append("--tis-kl-estimator / --tis-kl-importance-weighted do nothing while --tis-kl-coef is 0")
+        elif self.kl_importance_weighted and not alg.weighted:
+            lines.append(f"--tis-kl-importance-weighted does nothing: algorithm {alg.number} applies no weights")
+        for field, owner in SURROGATE_OPTIONS.items():
+            if owner != sur.name and getattr(self, field) != DEFAULTS[field]:
+                lines.append(f"{FLAG_OF[field]} does nothing with the {sur.name} surrogate (it is {owner}'s)")
+        if sur.name == "gspo" and max(self.eps_clip, self.eps_high) >= 0.01:
+            lines.append(f"gspo clips the sequence's geometric-mean ratio at [1-{self.eps_clip:g}, 1+{self.eps_high:g}]"
+                         ": token-level clip ranges rarely clip it (the GSPO paper uses --eps-clip 3e-4 "
+                         "--eps-clip-high 4e-4)")
+        return lines
+
+    def warn_inert(self) -> None:
+        """Log :meth:`inert_options` once per configuration (start-up)."""
+        if self in _WARNED:
+            return
+        _WARNED.add(self)
+        for line in self.inert_options():
+            logger.warning("slime_tis: %s", line)
 
     @property
     def algorithm_name(self) -> str:
@@ -349,8 +426,12 @@ class TISConfig:
                 lines.append("  " + declared.describe.format(value=getattr(self, field)))
         lines.append(f"  batch_normalize={self.batch_normalize} rejected_denominator={self.rejected_denominator} "
                      f"loss_agg={self.loss_agg}")
-        lines.append(f"  ppo clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] dual_clip_c={self.dual_clip_c} "
-                     f"safety_bound={self.safety_bound:g}")
+        lines.append(f"  loss={self.surrogate} clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] "
+                     f"dual_clip_c={self.dual_clip_c} safety_bound={self.safety_bound:g}")
+        if self.kl_coef != 0.0 or self.entropy_coef != 0.0:
+            lines.append(f"  kl_coef={self.kl_coef:g} kl_estimator={self.kl_estimator} "
+                         f"kl_importance_weighted={self.kl_importance_weighted} entropy_coef={self.entropy_coef:g}")
+        lines += [f"  warning: {line}" for line in self.inert_options()]
         lines.append(f"  kernels={self.kernels}" + (" (Triton: not yet measured on a GPU; torch code where it "
                                                      "cannot run, with a warning)" if self.kernels == "triton" else ""))
         return "\n".join(lines)
@@ -373,6 +454,8 @@ ALL_OPTIONS: list[Option] = [*OPTIONS.values(), PRESET_OPTION]
 FLAG_OF: dict[str, str] = {field: declared.flag for field, declared in OPTIONS.items()}
 #: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
 DESTS_OF: dict[str, tuple[str, ...]] = {field: declared.dests for field, declared in OPTIONS.items()}
+#: ``{field: surrogate}``: the options of one surrogate each (``Plan.surrogate_params`` while it is chosen).
+SURROGATE_OPTIONS: dict[str, str] = declared_surrogate_options(TISConfig)
 SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind == "switch")
 
 
@@ -404,6 +487,13 @@ def _resolve(config: TISConfig) -> Plan:
         thresholds=tuple((name, float(getattr(config, name))) for name in THRESHOLDS
                          if rejecting and getattr(config, name) is not None),
         kernels=config.kernels,
+        surrogate=config.surrogate,
+        surrogate_params=tuple((f, float(getattr(config, f))) for f, owner in SURROGATE_OPTIONS.items()
+                               if owner == config.surrogate),
+        kl_coef=float(config.kl_coef),
+        kl_estimator=config.kl_estimator,
+        kl_importance_weighted=config.kl_importance_weighted and algorithm_of(config.algorithm).weighted,
+        entropy_coef=float(config.entropy_coef),
     )
 
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Option", "option", "threshold", "declared_options", "RANGES", "SWITCH_WORDS", "parse_switch",
+__all__ = ["Option", "option", "threshold", "surrogate_option", "declared_options", "declared_surrogate_options",
+           "RANGES", "SWITCH_WORDS", "parse_switch",
            "add_options", "fields_from_args", "flag_table"]
 
 #: Spellings of a switch's value (case-insensitive strings; YAML quotes keep ``"false"`` a string).
@@ -135,6 +136,17 @@ def threshold(**declaration: Any) -> Any:
     """A rejection rule's threshold: a number field ``float | None = None`` (None = rule off) whose declaration
     states its valid range and start-up line (the rule's row in ``core.rules.RULES`` names the field)."""
     return dataclasses.field(default=None, metadata={"option": Option(**declaration), "threshold": True})
+
+
+def surrogate_option(surrogate: str, default: float, **declaration: Any) -> Any:
+    """An option of one surrogate (a row of ``core.surrogates.SURROGATES``): a number field that reaches the core
+    as ``(name, value)`` in ``Plan.surrogate_params`` while that surrogate is chosen (read with ``plan.param``)."""
+    return dataclasses.field(default=default, metadata={"option": Option(**declaration), "surrogate": surrogate})
+
+
+def declared_surrogate_options(config: Any) -> dict[str, str]:
+    """``{field name: surrogate}`` of the surrogates' options, in field order."""
+    return {f.name: f.metadata["surrogate"] for f in dataclasses.fields(config) if "surrogate" in f.metadata}
 
 
 def declared_options(config: Any) -> dict[str, Option]:

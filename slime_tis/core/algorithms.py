@@ -1,13 +1,19 @@
 """The four algorithms, one row each: what every adapter asks of an algorithm is read here.
 
 ``algorithm = use_rollout_log_probs + 2 * use_tis``. Per kept token (``A`` advantage, ``w`` the detached
-importance weight of ``r = pi_train / pi_rollout``, ``ppo(rho)`` the clipped surrogate of ``core.losses``)::
+importance weight of ``r = pi_train / pi_rollout``, ``f`` the surrogate of ``core.surrogates``; its default is the
+row's, ``--tis-policy-loss`` picks another)::
 
-    alg  pi_old  PPO anchor   weighted  lp_train (r's numerator)  per-token loss
-    0    yes     lp_old       no        lp_old                    ppo(exp(lp_theta - lp_old))
-    1    no      lp_rollout   no        sg(lp_theta)              ppo(exp(lp_theta - lp_rollout))
-    2    yes     lp_old       yes       lp_old                    w * ppo(exp(lp_theta - lp_old))
-    3    no      (none)       yes       sg(lp_theta)              -w * A * lp_theta
+    alg  pi_old  anchor       weighted  lp_train (r's numerator)  surrogate  per-token loss
+    0    yes     lp_old       no        lp_old                    ppo_clip   f(lp_theta, anchor)
+    1    no      lp_rollout   no        sg(lp_theta)              ppo_clip   f(lp_theta, anchor)
+    2    yes     lp_old       yes       lp_old                    ppo_clip   w * f(lp_theta, anchor)
+    3    no      (none)       yes       sg(lp_theta)              reinforce  w * f(lp_theta)      (f = -A lp_theta)
+
+A surrogate with a ratio (``ppo_clip``, ``gspo``, ``cispo``) needs the row's anchor: algorithm 3 has none (its weight
+``w = sg(pi_theta) / pi_rollout`` is already the ratio against the rollout policy; a rollout-anchored ratio on top
+would count it twice), so it takes the surrogates without a ratio (``reinforce``, ``on_policy``), which every
+algorithm takes.
 
 The non-finite policy, the same for every algorithm and adapter: **a sequence counts in the loss only if every
 input its loss reads is finite at all its valid tokens** (the row's :attr:`Algorithm.finite`: lp_theta, the
@@ -41,6 +47,7 @@ class Algorithm:
         lp_train: the training-side log-prob of ``r = pi_train / pi_rollout``: ``"lp_old"`` or ``"lp_theta"``
             (detached).
         reads_rollout: the loss needs rollout log-probs (algorithm 0 takes them for diagnostics only).
+        surrogate: the default surrogate (a row of ``core.surrogates.SURROGATES``).
         loss: the per-token loss, in words (``core.losses`` computes it).
     """
 
@@ -50,6 +57,7 @@ class Algorithm:
     weighted: bool
     lp_train: str
     reads_rollout: bool
+    surrogate: str
     loss: str
 
     @property
@@ -60,7 +68,7 @@ class Algorithm:
 
     @property
     def ppo(self) -> bool:
-        """The loss is the clipped PPO surrogate (algorithms 0-2), not REINFORCE."""
+        """The row has a ratio anchor (algorithms 0-2: the PPO family, slime's own policy loss), not REINFORCE."""
         return self.anchor is not None
 
     @property
@@ -77,13 +85,13 @@ class Algorithm:
 
 ALGORITHMS: dict[int, Algorithm] = {
     0: Algorithm(0, needs_pi_old=True, anchor="lp_old", weighted=False, lp_train="lp_old", reads_rollout=False,
-                 loss="ppo(exp(lp_theta - lp_old))"),
+                 surrogate="ppo_clip", loss="f(lp_theta, lp_old)"),
     1: Algorithm(1, needs_pi_old=False, anchor="lp_rollout", weighted=False, lp_train="lp_theta",
-                 reads_rollout=True, loss="ppo(exp(lp_theta - lp_rollout))"),
+                 reads_rollout=True, surrogate="ppo_clip", loss="f(lp_theta, lp_rollout)"),
     2: Algorithm(2, needs_pi_old=True, anchor="lp_old", weighted=True, lp_train="lp_old", reads_rollout=True,
-                 loss="w * ppo(exp(lp_theta - lp_old))"),
+                 surrogate="ppo_clip", loss="w * f(lp_theta, lp_old)"),
     3: Algorithm(3, needs_pi_old=False, anchor=None, weighted=True, lp_train="lp_theta", reads_rollout=True,
-                 loss="-w * A * lp_theta"),
+                 surrogate="reinforce", loss="w * f(lp_theta)"),
 }
 
 
@@ -105,7 +113,7 @@ class CorrectionInputs(NamedTuple):
 
 
 def correction_inputs(config: Any, *, lp_train: Tensor, lp_rollout: Tensor | None, advantages: Tensor | None,
-                      lp_theta: Tensor | None = None) -> CorrectionInputs:
+                      lp_theta: Tensor | None = None, terms: tuple[Tensor, ...] = ()) -> CorrectionInputs:
     """The inputs of the correction call that decides which sequences count (module docstring).
 
     Args:
@@ -117,6 +125,8 @@ def correction_inputs(config: Any, *, lp_train: Tensor, lp_rollout: Tensor | Non
         lp_theta: ``[T]`` the current log-probs where they are not ``lp_train`` already (rows whose
             ``lp_train`` is ``lp_old``); ``None`` where not known (before the step, without a forward pass at
             its parameters).
+        terms: ``[T]`` inputs of the loss's added terms (reference log-probs, entropy; ``core.terms``): checked
+            like the advantages.
 
     Returns:
         Detached tensors. Rows that correct (1-3): ``extra_finite`` holds the loss's other inputs (their
@@ -126,7 +136,7 @@ def correction_inputs(config: Any, *, lp_train: Tensor, lp_rollout: Tensor | Non
     """
     row = algorithm_of(config)
     rollout = lp_train if lp_rollout is None else lp_rollout
-    others = tuple(t.detach() for t in (advantages, lp_theta if row.lp_train == "lp_old" else None)
+    others = tuple(t.detach() for t in (advantages, lp_theta if row.lp_train == "lp_old" else None, *terms)
                    if t is not None)
     if row.rejects:
         return CorrectionInputs(lp_train.detach(), rollout.detach(), others, ())

@@ -1,25 +1,15 @@
-"""Policy losses of algorithms 0-3 and their aggregation over packed sequences.
+"""The policy loss of one packed micro-batch: correction, surrogate, terms, aggregation.
 
-Per kept token ``t`` (``A`` advantage, ``B`` safety bound, ``w`` detached importance weight)::
+Per kept token ``t`` (``A`` advantage, ``w`` the detached importance weight of the algorithm, ``f`` the
+surrogate of ``core.surrogates`` against the algorithm's anchor, ``core.algorithms``)::
 
-    ppo_term(rho) = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
-                    then, with dual clip c > 1 and A < 0: min(that, -c A)
-    alg 0:  ppo_term(exp(clamp(lp_theta - lp_old,     -B, B)))
-    alg 1:  ppo_term(exp(clamp(lp_theta - lp_rollout, -B, B)))           (rejection only, w = 1)
-    alg 2:  w * ppo_term(exp(clamp(lp_theta - lp_old, -B, B))),  w from lp_old - lp_rollout
-    alg 3:  -w * A * lp_theta,                                   w from sg(lp_theta) - lp_rollout
+    loss_t = [w] * f_t  +  beta * [w] * k(lp_theta_t - lp_ref_t)  -  h * H_t        (terms: ``core.terms``)
 
-Rejected tokens contribute zero loss and zero gradient (every input is selected with
-``torch.where`` first, so a NaN at a rejected or masked position cannot reach loss or gradient).
-
-Aggregation (``loss = numerator / denominator``; the denominator is global when supplied)::
-
-    token-mean:           sum_t loss_t                        / N_tokens
-    seq-mean-token-mean:  sum_i (1 / n_i) sum_{t in i} loss_t / N_seqs
-    seq-mean-token-sum:   sum_i sum_{t in i} loss_t           / N_seqs
-
-``n_i``, ``N_tokens``, ``N_seqs`` count valid tokens / sequences with a valid token
-(``rejected_denominator="keep"``) or kept ones (``"drop"``).
+``[w]``: algorithms 2 and 3 (the KL term's only with ``kl_importance_weighted``). Rejected tokens contribute zero
+loss and zero gradient (every input is selected with ``torch.where`` first, so a NaN at a rejected or masked
+position cannot reach loss or gradient). Aggregation: ``core.aggregation`` (``loss = numerator / max(D, 1)``; the
+denominator is global when supplied), counting valid tokens (``rejected_denominator="keep"``) or kept ones
+(``"drop"``).
 """
 
 from __future__ import annotations
@@ -31,12 +21,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.core.aggregation import aggregate, aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import TISResult, as_valid_mask, correct, plan_of, scalar_tensor
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
+from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
+from slime_tis.core.terms import term_loss
 
 __all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
 
@@ -59,27 +52,6 @@ class PolicyLossOutput:
     tis: TISResult | None
 
 
-def ppo_clip_term(
-    log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float, dual_clip_c: float | None,
-    safety_bound: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Clipped PPO surrogate per token: ``(loss_t, clip_active, dual_clip_active)``.
-
-    ``rho = exp(clamp(log_ratio, -B, B))``, ``loss_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``
-    and, with ``c``, for ``A < 0``: ``loss_t = min(loss_t, -c A)``.
-    """
-    rho = torch.exp(log_ratio.clamp(-safety_bound, safety_bound))
-    unclipped = -advantages * rho
-    clipped = -advantages * rho.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-    if dual_clip_c is None:
-        return loss, clip_active, torch.zeros_like(clip_active)
-    floor = -dual_clip_c * advantages
-    dual_active = (advantages < 0) & (loss > floor)
-    return torch.where(dual_active, floor, loss), clip_active, dual_active
-
-
 def sequence_counts(mask: Tensor, layout: Layout, reducer: Reducer) -> Tensor:
     """``[n_seq]`` float64 count of ``mask`` tokens per sequence, completed over context parallelism."""
     return reducer.sequence_sum(layout.sums(mask.to(F64)[:, None]))[:, 0]
@@ -97,17 +69,18 @@ def loss_denominator(
 
     ``token-mean``: valid (``drop``: kept) tokens on this rank; sum over micro-batches and DP x CP.
     ``seq-mean-*``: sequences with at least one valid (``drop``: kept) token, completed over CP with
-    ``reducer.sequence_sum``; sum over micro-batches and DP only. ``drop`` needs ``keep_mask``.
+    ``reducer.sequence_sum``; sum over micro-batches and DP only. ``token-sum``: 0 (the loss divides by 1).
+    ``drop`` needs ``keep_mask``. The formulas are ``core.aggregation.aggregate``'s, shared with the loss.
     """
     plan = plan_of(config)
     if plan.drop_rejected and keep_mask is None:
         raise ValueError("rejected_denominator='drop' (--tis-rejected-denominator drop) needs keep_mask")
     n_tokens = check_packed({"loss_mask": loss_mask, "keep_mask": keep_mask}, cu_seqlens)
     mask = keep_mask if plan.drop_rejected else as_valid_mask(loss_mask)
-    if plan.loss_agg == "token-mean":
-        return mask.sum(dtype=torch.float32)
-    counts = sequence_counts(mask, packed_layout(cu_seqlens, n_tokens, mask.device), reducer or LocalReducer())
-    return (counts > 0).sum(dtype=torch.float32)
+    layout = packed_layout(cu_seqlens, n_tokens, mask.device)
+    counts = sequence_counts(mask, layout, reducer or LocalReducer()) if aggregation_of(plan.loss_agg).needs_counts \
+        else None
+    return aggregate(plan.loss_agg, None, mask, layout, counts)[1]
 
 
 def policy_loss(
@@ -123,6 +96,8 @@ def policy_loss(
     denominator: Tensor | float | None = None,
     batch_norm_factor: Tensor | float | None = None,
     keep_override: Tensor | None = None,
+    lp_ref: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
@@ -142,6 +117,9 @@ def policy_loss(
         keep_override: optional ``[T]`` bool, rejection decided elsewhere (a host that counted the kept
             tokens before the step, at the step's parameters): the loss keeps exactly these tokens of
             finite sequences instead of the rules' keep mask; the statistics still report the rules.
+        lp_ref: ``[T]`` reference-policy log-probs (needed when ``kl_coef != 0``; ``core.terms``).
+        entropy: ``[T]`` entropy of the current policy at each token, differentiable (needed when
+            ``entropy_coef != 0``).
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
@@ -149,14 +127,20 @@ def policy_loss(
     plan = plan_of(config)
     reducer = reducer or LocalReducer()
     row = algorithm_of(plan)
+    sur = surrogate_of(plan.surrogate)
     if row.needs_pi_old and lp_old is None:
         raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_old (the Megatron recompute)")
     if row.reads_rollout and lp_rollout is None:
         raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_rollout (rollout log-probs)")
+    if plan.kl_coef != 0.0 and lp_ref is None:
+        raise ValueError(f"kl_coef = {plan.kl_coef:g} (--tis-kl-coef) needs lp_ref (reference-policy log-probs)")
+    if plan.entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"entropy_coef = {plan.entropy_coef:g} (--tis-entropy-coef) needs entropy (per token)")
+    terms = (lp_ref if plan.kl_coef != 0.0 else None, entropy if plan.entropy_coef != 0.0 else None)
     tensors = {"lp_theta": lp_theta, "lp_old": lp_old if row.needs_pi_old else None, "lp_rollout": lp_rollout,
-               "advantages": advantages, "loss_mask": loss_mask}
+               "advantages": advantages, "loss_mask": loss_mask, "lp_ref": terms[0], "entropy": terms[1]}
     n_tokens = check_packed(tensors, cu_seqlens)
-    for name in ("lp_theta", "lp_old", "lp_rollout", "advantages"):
+    for name in ("lp_theta", "lp_old", "lp_rollout", "advantages", "lp_ref", "entropy"):
         t = tensors[name]
         if t is not None and not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
@@ -174,11 +158,11 @@ def policy_loss(
 
     # one correction decides everything: weights, rejection, and which sequences count (core.algorithms)
     inputs = correction_inputs(plan, lp_train=old if row.lp_train == "lp_old" else theta_d,
-                               lp_rollout=lp_rollout, advantages=adv, lp_theta=theta_d)
+                               lp_rollout=lp_rollout, advantages=adv, lp_theta=theta_d,
+                               terms=tuple(t for t in terms if t is not None))
     tis = correct(plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer,
                   batch_norm_factor=batch_norm_factor, extra_finite=inputs.extra_finite,
                   loss_finite=inputs.loss_finite)
-    ratios = tis.ratios
     keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
@@ -189,34 +173,29 @@ def policy_loss(
     # select before any arithmetic: at tokens not kept every input is 0, the loss there is +-0 with zero gradient
     theta_k = torch.where(keep, theta, 0.0)
     adv_k = torch.where(keep, adv, 0.0)
-    clip_active = dual_active = None
-    if not row.ppo:
-        anchor_k = torch.where(keep, lp_rollout.detach().float(), 0.0)
-        per_token = -weights * adv_k * theta_k
-    else:
-        anchor_k = torch.where(keep, old if row.anchor == "lp_old" else lp_rollout.detach().float(), 0.0)
-        per_token, clip_active, dual_active = ppo_clip_term(theta_k - anchor_k, adv_k, plan.eps_low, plan.eps_high,
-                                                            plan.dual_clip_c, plan.bound)
-        if row.weighted:
-            per_token = weights * per_token
+    anchor = old if row.anchor == "lp_old" else lp_rollout  # algorithm 3: pi_rollout (for policy/ppo_kl only)
+    anchor_k = torch.where(keep, anchor.detach().float(), 0.0)
+    out = sur.fn(SurrogateInputs(theta_k, anchor_k if sur.anchored else None, adv_k, keep, layout, reducer), plan)
+    per_token = weights * out.loss if row.weighted else out.loss
+    added = term_loss(theta_k, keep, kl_coef=plan.kl_coef, kl_estimator=plan.kl_estimator, lp_ref=terms[0],
+                      kl_weights=weights if plan.kl_importance_weighted and row.weighted else None,
+                      entropy_coef=plan.entropy_coef, entropy=terms[1])
+    if added is not None:
+        per_token = per_token + added
 
-    kept_counts = sequence_counts(keep, layout, reducer) if plan.drop_rejected and \
-        plan.loss_agg != "token-mean" else None
-    if plan.loss_agg == "seq-mean-token-mean":
-        counts = kept_counts.float() if plan.drop_rejected else ratios.seq_count
-        numerator = (per_token / layout.expand(counts.clamp(min=1.0))).sum()
-    else:
-        numerator = per_token.sum()
+    # the counted tokens and their per-sequence counts (the correction's, or the kept ones' under drop)
+    agg = aggregation_of(plan.loss_agg)
+    counted = keep if plan.drop_rejected else valid
+    counts = None
+    if agg.needs_counts:
+        counts = sequence_counts(keep, layout, reducer) if plan.drop_rejected else tis.ratios.seq_count
+    numerator, local = aggregate(plan.loss_agg, per_token, counted, layout, counts)
     if denominator is None:
-        if plan.loss_agg == "token-mean":
-            local = (keep if plan.drop_rejected else valid).sum(dtype=torch.float32)
-        else:
-            local = ((kept_counts > 0) if plan.drop_rejected else ratios.seq_has_tokens).sum(dtype=torch.float32)
-        denominator = reducer.batch_sum(local, per_sequence=plan.loss_agg != "token-mean")
+        denominator = reducer.batch_sum(local, per_sequence=agg.per_sequence)
     loss = numerator / scalar_tensor(denominator, theta.device).clamp(min=1.0)
 
     return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(plan, valid, keep, tis, anchor_k, theta_k,
-                                                                clip_active, dual_active)), keep, weights, tis)
+                                                                out.clip_active, out.dual_active)), keep, weights, tis)
 
 
 def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, tis: TISResult, anchor_k: Tensor, theta_k: Tensor,
@@ -227,9 +206,10 @@ def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, tis: TISResult, ancho
         "policy.n_tok_kept": keep.sum(dtype=F64),
         "policy.ppo_kl_sum": (anchor_k - theta_k.detach()).sum(dtype=F64),
     }
-    if algorithm_of(plan).ppo:  # both masks are False at tokens not kept (all inputs 0 there)
+    sur = surrogate_of(plan.surrogate)
+    if sur.clips:  # both masks are False at tokens not kept (all inputs 0 there)
         token_sums["policy.clip_count"] = clip_active.sum(dtype=F64)
-        if plan.dual_clip_c is not None:
+        if plan.dual_clip_c is not None and sur.dual_clip:
             token_sums["policy.dual_clip_count"] = dual_active.sum(dtype=F64)
     seq_sums = {"policy.n_seq_valid": tis.ratios.seq_has_tokens.sum(dtype=F64),
                 "policy.n_seq_nonfinite": tis.seq_loss_nonfinite.sum(dtype=F64)}

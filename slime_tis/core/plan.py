@@ -31,6 +31,9 @@ class Plan:
         batch_normalize, drop_rejected, loss_agg: loss switches.
         eps_low, eps_high, dual_clip_c: PPO clip. bound: the safety bound B.
         kernels: ``"torch"`` or ``"triton"``: which code computes the token pass (``slime_tis.kernels.dispatch``).
+        surrogate: the policy-loss row of ``core.surrogates.SURROGATES``; surrogate_params: ``(field, value)`` of its
+            options (read with :meth:`param`).
+        kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the terms of ``core.terms``.
     """
 
     algorithm: int
@@ -54,10 +57,20 @@ class Plan:
     bound: float
     thresholds: tuple[tuple[str, float], ...] = ()
     kernels: str = "torch"
+    surrogate: str = "ppo_clip"
+    surrogate_params: tuple[tuple[str, float], ...] = ()
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_importance_weighted: bool = False
+    entropy_coef: float = 0.0
 
     def threshold(self, field: str) -> float | None:
         """The value of the rejection threshold ``field`` (a ``TISConfig`` field name), or None when off."""
         return dict(self.thresholds).get(field)
+
+    def param(self, field: str) -> float:
+        """The value of the surrogate option ``field`` (a ``TISConfig`` field name)."""
+        return dict(self.surrogate_params)[field]
 
     @property
     def per_sequence(self) -> bool:

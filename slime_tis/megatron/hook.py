@@ -119,6 +119,7 @@ class TISForwardBackward:
         self.output_layer = resolve_output_layer_mode(fused_output_layer, fp32_lm_head)
         self.forward_backward_func = forward_backward_func
         self.cfg = cfg
+        cfg.warn_inert()
         self.temperature = float(temperature)
         self.chunk_size = chunk_size
         self.get_tis_batch = get_tis_batch

@@ -5,7 +5,7 @@ data-parallel (x context-parallel) ranks:
 
     D  = sum_{ranks, micro-batches} loss_denominator(...)      global loss denominator
          (token-mean: tokens, summed over DP x CP; seq-mean-*: sequences, completed over CP by
-          ``sequence_sum`` inside the core, then summed over DP only)
+          ``sequence_sum`` inside the core, then summed over DP only; token-sum: 0, the loss divides by 1)
     N  = sum_{ranks, micro-batches} #valid tokens              (DP x CP; used by the 3-tuple loss form)
     f  = sum norm_count / sum norm_sum                          algorithm 2 batch normalisation
          (units: tokens over DP x CP, or sequences over DP only)
@@ -31,6 +31,7 @@ from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator
+from slime_tis.core.aggregation import aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.weights import batch_norm_factor
@@ -101,7 +102,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     row = algorithm_of(cfg)
     device = batches[0].labels.device
     drop = cfg.rejected_denominator == "drop"
-    seq_domain = cfg.loss_agg != "token-mean"
+    seq_domain = aggregation_of(cfg.loss_agg).per_sequence
     bn = row.step_batch_norm and cfg.batch_normalize  # algorithm 2: once per step
     den = torch.zeros((), dtype=torch.float32, device=device)
     n_tok = torch.zeros((), dtype=torch.float32, device=device)

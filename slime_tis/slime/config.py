@@ -112,5 +112,6 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
     if cfg not in _DESCRIBED:
         _DESCRIBED.add(cfg)
         logger.info("%s", cfg.describe())
+        cfg.warn_inert()
     _CACHE[key] = cfg
     return cfg
