@@ -61,6 +61,8 @@ class TISBatch:
         old_log_probs: ``[T]`` pi_old: computed once per rollout by ``compute_old_log_probs`` (or supplied
             by the caller); used exactly as given. ``None``: the hook recomputes it per training call
             (algorithms 0, 2; correct for one optimizer step per rollout only).
+        ref_log_probs: ``[T]`` reference-policy log-probs, CP-local like the others; required by the KL term
+            (``--tis-kl-coef``).
     """
 
     labels: Tensor
@@ -69,9 +71,10 @@ class TISBatch:
     cu_seqlens: Tensor
     rollout_log_probs: Tensor | None = None
     old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None
 
     def __post_init__(self) -> None:
-        for name in ("labels", "loss_mask", "advantages", "rollout_log_probs", "old_log_probs"):
+        for name in ("labels", "loss_mask", "advantages", "rollout_log_probs", "old_log_probs", "ref_log_probs"):
             t = getattr(self, name)
             if t is None:
                 continue
@@ -103,20 +106,20 @@ class TISBatch:
 
     @classmethod
     def from_packed(cls, labels: Tensor, loss_mask: Tensor, advantages: Tensor, cu_seqlens: Tensor,
-                    rollout_log_probs: Tensor | None = None) -> TISBatch:
+                    rollout_log_probs: Tensor | None = None, ref_log_probs: Tensor | None = None) -> TISBatch:
         """Wrap already CP-local packed tensors (THD layout); no copy."""
         return cls(labels=labels, loss_mask=loss_mask, advantages=advantages, cu_seqlens=cu_seqlens,
-                   rollout_log_probs=rollout_log_probs)
+                   rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs)
 
     @classmethod
     def from_padded(cls, labels: Tensor, loss_mask: Tensor, advantages: Tensor,
                     rollout_log_probs: Tensor | None = None, *, seq_ids: Tensor | None = None,
-                    cp_slice: bool = True, cp_size: int | None = None, cp_rank: int | None = None
-                    ) -> TISBatch:
+                    cp_slice: bool = True, cp_size: int | None = None, cp_rank: int | None = None,
+                    ref_log_probs: Tensor | None = None) -> TISBatch:
         """Build from ``[B, S]`` tensors laid out like the model input (one row per model input row).
 
         Args:
-            labels, loss_mask, advantages, rollout_log_probs: ``[B, S]`` (full sequence length when
+            labels, loss_mask, advantages, rollout_log_probs, ref_log_probs: ``[B, S]`` (full sequence length when
                 ``cp_slice``; positions with mask 0, e.g. padding and prompt, may hold any value).
             seq_ids: ``[B, S]`` int sequence index of every position, non-decreasing in row-major order,
                 to pack several sequences per row (padding takes its row's last id). Default: row ``b`` is
@@ -126,7 +129,7 @@ class TISBatch:
             cp_size, cp_rank: default from ``parallel_state`` (1 and 0 when it is not initialised).
         """
         fields = {"labels": labels, "loss_mask": loss_mask, "advantages": advantages,
-                  "rollout_log_probs": rollout_log_probs, "seq_ids": seq_ids}
+                  "rollout_log_probs": rollout_log_probs, "ref_log_probs": ref_log_probs, "seq_ids": seq_ids}
         for name, t in fields.items():
             if t is not None and (not isinstance(t, Tensor) or t.dim() != 2 or t.shape != labels.shape):
                 got = tuple(t.shape) if isinstance(t, Tensor) else t
@@ -154,8 +157,8 @@ class TISBatch:
                    loss_mask=fields["loss_mask"].reshape(-1),
                    advantages=fields["advantages"].reshape(-1),
                    cu_seqlens=cu_seqlens_from_seq_ids(local_ids, n_seq),
-                   rollout_log_probs=(fields["rollout_log_probs"].reshape(-1)
-                                      if fields["rollout_log_probs"] is not None else None))
+                   **{k: (fields[k].reshape(-1) if fields[k] is not None else None)
+                      for k in ("rollout_log_probs", "ref_log_probs")})
 
 
 def _cp_layout() -> tuple[int, int]:

@@ -6,7 +6,10 @@
                   (``recompute``: vocab-parallel log-softmax of logits / temperature, or the fused
                   output layer from the hidden states)
     out         = policy_loss(cfg, lp_theta, lp_old, lp_rollout, A, mask, cu_seqlens,
-                              reducer, denominator=D, batch_norm_factor=f)             loss = local_sum / D
+                              reducer, denominator=D, batch_norm_factor=f,
+                              lp_ref=batch.ref_log_probs, entropy=H)                   loss = local_sum / D
+
+(the surrogate, the KL and entropy terms and the aggregation are the configuration's, all in the core).
 
 and returns what the schedule expects, pre-compensating megatron's own scaling so that the final
 parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D`` (:class:`LossForm`):
@@ -110,7 +113,7 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: Lo
             lp_old = lp.detach()
         out = policy_loss(cfg, lp, lp_old, batch.rollout_log_probs, batch.advantages,
                           batch.loss_mask, batch.cu_seqlens, reducer=reducer, denominator=totals.denominator,
-                          batch_norm_factor=totals.batch_norm_factor)
+                          batch_norm_factor=totals.batch_norm_factor, lp_ref=batch.ref_log_probs, entropy=entropy)
         valid = as_valid_mask(batch.loss_mask)
         zero = torch.zeros((), dtype=torch.float32, device=lp.device)
         extra = MetricStats(token_sums={

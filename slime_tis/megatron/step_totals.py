@@ -74,7 +74,8 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
     row = algorithm_of(cfg)
     inputs = correction_inputs(
         cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs if row.reads_rollout else None,
-        advantages=batch.advantages.float(), lp_theta=None if lp_theta is None else lp_theta.float())
+        advantages=batch.advantages.float(), lp_theta=None if lp_theta is None else lp_theta.float(),
+        terms=(batch.ref_log_probs,) if cfg.kl_coef != 0.0 and batch.ref_log_probs is not None else ())
     # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
     # per-call all-reduce
     return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,

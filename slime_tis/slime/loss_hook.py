@@ -5,7 +5,9 @@ forbid (``--use-rollout-logprobs`` and ``--use-tis`` are mutually exclusive)::
 
     loss_t = -w_t * A_t * lp_theta_t,   w = sg(pi_theta / pi_rollout) at the configured level / mode
 
-computed by the core's :func:`slime_tis.policy_loss` (algorithm 3) on this micro-batch. slime's
+(``tis_loss_mode: on_policy``: ``-w_t * A_t * pi_theta_t / sg(pi_theta_t)``, the same gradient; the surrogates with
+a ratio anchor are refused with algorithm 3), computed by the core's :func:`slime_tis.policy_loss` on this
+micro-batch. slime's
 contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` with ``logits``
 ``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
 
@@ -25,7 +27,9 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 * ``tis_batch_normalize`` normalises per micro-batch over DP x CP (the weights depend on theta);
   every DP x CP rank must run the same number of micro-batches.
 * Entropy bonus (``--entropy-coef``) and KL loss (``--use-kl-loss``, ``--kl-loss-type`` k1 / k2 /
-  k3 / low_var_kl against ``ref_log_probs``) are added as slime's policy loss does, over kept tokens.
+  k3 / low_var_kl against ``ref_log_probs``, the core's estimators ``slime_tis.core.terms``) are added as slime's
+  policy loss does, over kept tokens; the ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused (slime's flags
+  carry these terms).
 * Metrics are scalars reduced with slime's ``sum_of_sample_mean`` (original masks), like slime's
   own; the exact ``MetricStats`` go to :data:`slime_tis.slime.metrics.COLLECTOR`.
 
@@ -51,6 +55,7 @@ from torch import Tensor
 
 from slime_tis.core import compute_tis, policy_loss
 from slime_tis.core.algorithms import correction_inputs
+from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import check_drop_config, drop_applies
@@ -61,7 +66,7 @@ from slime_tis.slime.record import RECORDER, recording_enabled
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
-__all__ = ["kl_penalty", "reinforce_is_loss"]
+__all__ = ["kl_penalty", "check_slime_terms", "reinforce_is_loss"]
 
 logger = logging.getLogger("slime_tis.slime")
 _WARNED_RECOMPUTE = False
@@ -69,19 +74,25 @@ DEFAULT_CHUNK = 4096  # rows per log-softmax chunk when args has no --log-probs-
 
 
 def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
-    """Per-token KL estimator of ``pi_theta`` from ``pi_ref`` (Schulman's k1/k2/k3), ``d = lp - lp_ref``::
+    """slime's ``--kl-loss-type`` estimator of ``pi_theta`` from ``pi_ref``: the core's
+    (:func:`slime_tis.core.terms.kl_estimate`: k1, k2, k3, low_var_kl)."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"--kl-loss-type = {kind!r}: must be one of {', '.join(KL_ESTIMATORS)}")
+    return kl_estimate(lp, lp_ref, kind)
 
-    k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d,   low_var_kl = clamp(k3, -10, 10)
-    """
-    d = lp.float() - lp_ref.float()
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d * d
-    if kind in ("k3", "low_var_kl"):
-        k3 = torch.exp(-d) - 1.0 + d
-        return k3.clamp(-10.0, 10.0) if kind == "low_var_kl" else k3
-    raise ValueError(f"--kl-loss-type = {kind!r}: must be one of k1, k2, k3, low_var_kl")
+
+def check_slime_terms(cfg: Any, *, own_loss: bool) -> None:
+    """In slime the KL and entropy terms are slime's own flags; ``own_loss``: slime's policy loss computes the
+    surrogate (PPO clip, or its ``--advantage-estimator gspo``), so ``tis_loss_mode`` cannot choose another."""
+    for field, theirs in (("kl_coef", "--use-kl-loss --kl-loss-coef --kl-loss-type"), ("entropy_coef",
+                                                                                       "--entropy-coef")):
+        if getattr(cfg, field) != 0.0:
+            raise ValueError(f"tis_{field} = {getattr(cfg, field)!r}: in slime this term is slime's own ({theirs}); "
+                             "remove the tis_ key")
+    if own_loss and cfg.loss_mode not in (None, "ppo_clip"):
+        raise ValueError(f"tis_loss_mode = {cfg.loss_mode!r}: slime's own policy loss computes the surrogate "
+                         "(PPO clip; GSPO with --advantage-estimator gspo) and the TIS function only weights and "
+                         "rejects it; for reinforce / on_policy use the custom loss slime_tis.slime.reinforce_is_loss")
 
 
 def _rollout_denominators(rollout_mask_sums: Any, packed: SlimePacked, device: torch.device) -> Tensor:
@@ -149,6 +160,7 @@ def reinforce_is_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """slime custom loss for algorithm 3 (module docstring). Returns ``(loss, metrics)``."""
     cfg = tis_config_from_slime_args(args, algorithm=3)
+    check_slime_terms(cfg, own_loss=False)
     if getattr(args, "rollout_top_p", 1.0) < 1.0:
         raise ValueError(
             f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss"

@@ -43,6 +43,11 @@ micro-batch when every rollout is one sample; anything else is refused (:mod:`sl
 the rollout-data hook; refused with ``--calculate-per-token-loss`` and with a custom pg-loss reducer).
 Algorithm 2 with ``tis_batch_normalize`` uses the global factor computed before training by
 :func:`slime_tis.slime.postprocess_rollout_data`.
+
+slime's policy loss computes the surrogate itself (PPO clip / dual clip, or GSPO with slime's
+``--advantage-estimator gspo``) and its KL / entropy terms: ``tis_loss_mode`` other than ``ppo_clip`` and the
+``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused with one line
+(:func:`slime_tis.slime.loss_hook.check_slime_terms`).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import check_drop_config, drop_applies
+from slime_tis.slime.loss_hook import check_slime_terms
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
 from slime_tis.slime.parallel import parallel_context
@@ -117,6 +123,7 @@ def compute_tis_for_slime(
             "cannot express it; use --loss-type custom_loss --custom-loss-function-path "
             "slime_tis.slime.reinforce_is_loss (see docs/slime.md)"
         )
+    check_slime_terms(cfg, own_loss=True)
     check_drop_config(args, cfg)
     check_opsm(args)
     ctx = parallel_context()
