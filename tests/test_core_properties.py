@@ -3,7 +3,7 @@
 Random packed batches (variable and zero sequence lengths, random loss masks, log-ratios from
 ~0 to far beyond the safety bound, optional NaN/inf injected at valid and masked positions) and
 random valid configurations (every algorithm, mode, level, bounds, rejection sampling, veto,
-batch-norm, denominator policy, loss aggregation, dual clip). Properties:
+batch-norm, denominator policy, loss aggregation, surrogate, dual clip). Properties:
 
 * weights are detached (no ``grad_fn``, ``requires_grad`` False) even when inputs require grad;
 * truncate never exceeds ``upper``; clip stays in ``[lower, upper]``; weights are 0 outside the
@@ -116,6 +116,7 @@ def configs(draw: st.DrawFn, *, algorithms=(0, 1, 2, 3), modes=("truncate", "cli
     rs_level = draw(st.sampled_from(rs_levels))
     rs_lower, rs_upper = draw(st.sampled_from(_BOUND_PAIRS)) if rs_level else (None, None)
     bn = draw(st.booleans()) if batch_normalize is None else batch_normalize
+    surrogates = ["reinforce", "on_policy"] + (["ppo_clip", "gspo", "cispo"] if alg != 3 else [])
     return TISConfig(
         use_rollout_log_probs=alg in (1, 3),
         use_tis=alg in (2, 3),
@@ -129,7 +130,8 @@ def configs(draw: st.DrawFn, *, algorithms=(0, 1, 2, 3), modes=("truncate", "cli
         veto_threshold=draw(st.sampled_from([None, 1e-3, 0.3])) if veto and has_rollout_rules else None,
         batch_normalize=bn and alg in (2, 3),
         rejected_denominator=draw(st.sampled_from(["keep", "drop"])),
-        loss_agg=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])),
+        loss_agg=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"])),
+        loss_mode=draw(st.sampled_from([None, *surrogates])),
         eps_clip_high=draw(st.sampled_from([None, 0.28])),
         dual_clip_c=draw(st.sampled_from([None, 3.0])),
     )
