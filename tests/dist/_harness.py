@@ -118,6 +118,7 @@ class GlobalBatch:
     seq_ids: torch.Tensor       # [G, S] global sequence id (non-decreasing)
     n_seq: int = 0
     extra: dict = field(default_factory=dict)
+    ref: torch.Tensor | None = None  # [G, S] reference-policy log-probs
 
 
 def make_global_batch(lp_full: torch.Tensor, *, masked_rank_rows: tuple[int, ...] = (), seed: int = 7
@@ -148,7 +149,8 @@ def make_global_batch(lp_full: torch.Tensor, *, masked_rank_rows: tuple[int, ...
     rollout[3, 7] = float("nan")                 # non-finite at a valid token: sequence rejected
     rollout[4, 0] = float("inf")                 # non-finite at a masked (prompt) position: ignored
     advantages[6, SEQ - 1] = float("nan")        # masked position (label of the last token)
-    return GlobalBatch(tokens, labels, mask, advantages, rollout, seq_ids, n_seq)
+    ref = lp_full + 0.2 * torch.randn(GLOBAL_ROWS, SEQ, generator=g)  # reference policy (KL term)
+    return GlobalBatch(tokens, labels, mask, advantages, rollout, seq_ids, n_seq, ref=ref)
 
 
 def _tokens(seed: int) -> torch.Tensor:
@@ -205,7 +207,8 @@ def oracle(cfg: TISConfig, weights: dict[str, torch.Tensor], batch: GlobalBatch,
         cu = cu_seqlens_of(ids, int(ids.max()) + 1)
         out = policy_loss(cfg, lp[sl].reshape(-1), lp[sl].reshape(-1).detach(), batch.rollout[sl].reshape(-1),
                           batch.advantages[sl].reshape(-1), batch.loss_mask[sl].reshape(-1), cu,
-                          reducer=LocalReducer(), denominator=den)
+                          reducer=LocalReducer(), denominator=den, lp_ref=batch.ref[sl].reshape(-1),
+                          entropy=entropy[sl].reshape(-1))
         total = total + out.loss
         stats = stats.merge(out.stats)
     total.backward()
@@ -282,7 +285,7 @@ def make_items(batch: GlobalBatch, rows: list[list[int]]) -> list[dict]:
         idx = torch.tensor(rws)
         ids = batch.seq_ids[idx] - batch.seq_ids[idx].min()
         tb = TISBatch.from_padded(batch.labels[idx], batch.loss_mask[idx], batch.advantages[idx],
-                                  batch.rollout[idx], seq_ids=ids)
+                                  batch.rollout[idx], seq_ids=ids, ref_log_probs=batch.ref[idx])
         pos = torch.arange(SEQ)[None, :].expand(len(rws), SEQ)
         items.append({"tokens": cp_slice_padded(batch.tokens[idx], cp_size, cp_rank),
                       "position_ids": cp_slice_padded(pos, cp_size, cp_rank), "tis": tb})

@@ -50,7 +50,30 @@ CASES: dict[str, dict] = {
                             upper=1.5, batch_normalize=True),
 }
 
-NPROC = {"main2": 2, "main4": 4, "smoke": 2, "one": 1, "train_step1": 1, "train_step2": 2}
+#: The correction cases above, each under every layout of the main plans.
+CORRECTION_CASES = tuple(CASES)
+
+#: The policy-loss registry composed with the correction (surrogates, aggregations, reference-KL and entropy
+#: terms): plan "registry", each under DP=2, CP=2 and PP=2.
+REGISTRY_CASES: dict[str, dict] = {
+    # anchor pi_rollout: the ratio is not 1 (pi_old is the step's own sg(pi_theta) here, where anchors at pi_old
+    # give ratio 1), so the sequence mean needs the CP reduction
+    "a1_gspo_geo_rs": dict(use_rollout_log_probs=True, loss_mode="gspo", rs_level="geometric", rs_upper=1.5,
+                           loss_agg="seq-mean-token-mean"),
+    "a2_gspo_seq_is": dict(use_tis=True, level="sequence", upper=3.0, loss_mode="gspo", eps_clip=0.05,
+                           loss_agg="seq-mean-token-mean"),
+    "a1_cispo_mask_token_sum": dict(use_rollout_log_probs=True, loss_mode="cispo", mode="mask", upper=1.5,
+                                    loss_agg="token-sum"),
+    "a2_cispo_geo_mask_drop": dict(use_tis=True, loss_mode="cispo", mode="mask", level="geometric", upper=1.3,
+                                   rejected_denominator="drop", loss_agg="seq-mean-token-sum"),
+    "a3_on_policy_terms_drop": dict(use_rollout_log_probs=True, use_tis=True, loss_mode="on_policy", kl_coef=0.2,
+                                    kl_importance_weighted=True, entropy_coef=0.01, veto_threshold=0.05,
+                                    rs_level="token", rs_upper=5.0, rejected_denominator="drop"),
+    "a0_kl_k2_entropy_seq": dict(kl_coef=0.1, kl_estimator="k2", entropy_coef=0.02, loss_agg="seq-mean-token-sum"),
+}
+CASES.update(REGISTRY_CASES)
+
+NPROC = {"main2": 2, "registry": 2, "main4": 4, "smoke": 2, "one": 1, "train_step1": 1, "train_step2": 2}
 
 #: checks with ``kind`` "rollout" (2 optimizer steps on one rollout, pi_old computed once) or "supplied"
 #: (caller-supplied pi_old used as given) compare with a hand computation of the clipped PPO loss
@@ -63,10 +86,10 @@ def plan_checks(plan: str) -> list[dict]:
     checks: list[dict] = []
     if plan == "main2":
         for layout in ("pp2", "tp2", "cp2", "dp2"):
-            for case in CASES:
+            for case in CORRECTION_CASES:
                 for m in (1, 4):
                     checks.append(dict(layout=layout, case=case, M=m))
-        for case in CASES:  # interleaved schedule: a list of data iterators and model chunks
+        for case in CORRECTION_CASES:  # interleaved schedule: a list of data iterators and model chunks
             checks.append(dict(layout="pp2vpp2", case=case, M=4))
         for layout in ("dp2_pt", "cp2_pt"):
             for case in ("a0", "a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
@@ -97,7 +120,7 @@ def plan_checks(plan: str) -> list[dict]:
         checks.append(dict(layout="pp2", case="a0", M=2, tag="supplied", kind="supplied"))
     elif plan == "main4":
         for layout in ("tp2pp2", "dp2cp2"):
-            for case in CASES:
+            for case in CORRECTION_CASES:
                 checks.append(dict(layout=layout, case=case, M=4 if layout == "tp2pp2" else 2))
     elif plan == "one":
         for case in ROLLOUT_CASES:
@@ -114,6 +137,10 @@ def plan_checks(plan: str) -> list[dict]:
         for layout in ("dp2", "pp2", "tp2"):
             for case in ("a2_seq_mask_bn", "a3_geo_mask_veto_drop"):
                 checks.append(dict(layout=layout, case=case, M=2, tag="train_step", train_step=True))
+    elif plan == "registry":
+        for layout in ("dp2", "cp2", "pp2"):
+            for case in REGISTRY_CASES:
+                checks.append(dict(layout=layout, case=case, M=2))
     elif plan == "smoke":
         checks.append(dict(layout="dp2", case="a2_tok_trunc", M=2))
     else:

@@ -102,6 +102,7 @@ CONTROLS = [c for c in plan_checks("main2") if c.get("reducer")]
 ROLLOUT2 = [c for c in plan_checks("main2") if c.get("kind")]
 ONE = [c for c in plan_checks("one") if c.get("kind") in ("rollout", "supplied")]
 MAIN4 = plan_checks("main4")
+REGISTRY = plan_checks("registry")
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
@@ -116,6 +117,15 @@ def test_two_processes_match_single_process(check, tmp_path_factory):
 def test_four_processes_match_single_process(check, tmp_path_factory):
     """TP2 x PP2 and DP2 x CP2 on 4 processes."""
     _assert_matches_oracle(_of(_results("main4", tmp_path_factory), check))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("check", REGISTRY, ids=check_id)
+def test_policy_loss_registry_matches_single_process(check, tmp_path_factory):
+    """GSPO (its sequence ratio completed over CP), CISPO, on_policy, token-sum and the reference-KL / entropy
+    terms, composed with weights, rejection and drop, under DP=2, CP=2 and PP=2: loss, gradients and metrics
+    equal one process's whole-batch ``policy_loss``."""
+    _assert_matches_oracle(_of(_results("registry", tmp_path_factory), check))
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
