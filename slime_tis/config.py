@@ -46,7 +46,7 @@ from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
     fields_from_args,
     option,
     parse_switch,
-    surrogate_option,  # noqa: F401  (the declaration of a surrogate's options, next to the surrogate fields)
+    surrogate_option,
     threshold,
 )
 from slime_tis.core.aggregation import AGGREGATIONS
@@ -241,6 +241,12 @@ class TISConfig:
     entropy_coef: float = option(
         0.0, flag="--tis-entropy-coef", valid=">= 0",
         help="Entropy bonus: subtract this times the policy's entropy per kept token. Default: 0 (off).")
+    sapo_tau_pos: float = surrogate_option(
+        "sapo", 1.0, flag="--tis-sapo-tau-pos", valid="> 0",
+        help="SAPO gate temperature for tokens with positive advantage (--tis-loss-mode sapo). Default: 1.0.")
+    sapo_tau_neg: float = surrogate_option(
+        "sapo", 1.05, flag="--tis-sapo-tau-neg", valid="> 0",
+        help="SAPO gate temperature for tokens with advantage <= 0 (--tis-loss-mode sapo). Default: 1.05.")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
         error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "

@@ -10,6 +10,8 @@ safety bound, ``sg`` stop-gradient, ``clip(x) = clamp(x, 1 - eps_low, 1 + eps_hi
                          max(-A s_t, -A clip(s_t))
     cispo      token     -sg(clip(exp(clamp(lp - a, -B, B)))) A lp
     on_policy  (none)    -A exp(lp - sg(lp))          (the ratio forced to 1; its gradient is REINFORCE's)
+    sapo       token     -A (4 / tau) sigmoid(tau (rho - 1)),  rho = exp(clamp(lp - a, -B, B)),
+                         tau = tau_pos if A > 0 else tau_neg   (a soft gate instead of a clip)
 
 The algorithm (``core.algorithms``) supplies the anchor (pi_old in algorithms 0 and 2, pi_rollout in 1) and the
 rollout-correction weight ``w`` that multiplies every row's loss (algorithms 2 and 3); rows with a ratio need an
@@ -144,6 +146,12 @@ def on_policy(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
     return SurrogateTerms(-x.adv * torch.exp(x.lp - x.lp.detach()))
 
 
+def sapo(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
+    rho = torch.exp((x.lp - x.anchor).clamp(-plan.bound, plan.bound))
+    tau = torch.where(x.adv > 0, plan.param("sapo_tau_pos"), plan.param("sapo_tau_neg"))
+    return SurrogateTerms(-x.adv * torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau))
+
+
 SURROGATES: dict[str, Surrogate] = {
     "ppo_clip": Surrogate("ppo_clip", ratio="token", clips=True, dual_clip=True, fn=ppo_clip,
                           formula="max(-A rho, -A clip(rho)), dual clip; rho = pi_theta / pi_anchor"),
@@ -155,6 +163,8 @@ SURROGATES: dict[str, Surrogate] = {
                        formula="-sg(clip(rho)) A log pi_theta; rho = pi_theta / pi_anchor"),
     "on_policy": Surrogate("on_policy", ratio=None, clips=False, dual_clip=False, fn=on_policy,
                            formula="-A pi_theta / sg(pi_theta)"),
+    "sapo": Surrogate("sapo", ratio="token", clips=False, dual_clip=False, fn=sapo,
+                      formula="-A (4 / tau) sigmoid(tau (rho - 1)); tau = tau_pos (A > 0) or tau_neg"),
 }
 
 
