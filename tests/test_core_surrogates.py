@@ -405,3 +405,23 @@ def test_inert_options_are_named_once_at_start_up(caplog) -> None:
         cfg.warn_inert()
         cfg.warn_inert()
     assert [r.getMessage() for r in caplog.records] == [f"slime_tis: {line}" for line in lines]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("taus", [(1.0, 1.05), (0.5, 2.0)])
+def test_sapo_with_rollout_correction_matches_verl(seed: int, taus: tuple[float, float]) -> None:
+    """verl's ``sapo`` (which always aggregates seq-mean-token-mean) with the same ``rollout_is_weights``."""
+    b = _padded_batch(seed)
+    cfg = TISConfig(use_tis=True, loss_mode="sapo", loss_agg="seq-mean-token-mean", sapo_tau_pos=taus[0],
+                    sapo_tau_neg=taus[1])
+    p, cu = _packed(b)
+    out, g = _run(cfg, p["theta"], p["old"], p["rollout"], p["adv"], p["mask"], cu)
+    theta = b["theta"].clone().requires_grad_(True)
+    ref, _ = core_algos.compute_policy_loss_sapo(b["old"], theta, b["adv"], b["mask"], "seq-mean-token-mean",
+                                                 _verl_actor_config(tau_pos=taus[0], tau_neg=taus[1]),
+                                                 rollout_is_weights=torch.exp(b["old"] - b["rollout"]).clamp(max=2.0))
+    ref.backward()
+    torch.testing.assert_close(out.loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, padded_to_packed(theta.grad, b["mask"])[0], rtol=1e-5, atol=1e-7)
+    assert "sapo_tau_pos" not in dict(TISConfig(use_tis=True).plan.surrogate_params)
+    assert any("--tis-sapo-tau-pos does nothing" in s for s in TISConfig(sapo_tau_pos=2.0).inert_options())
