@@ -248,3 +248,33 @@ def test_drop_needs_the_rollout_data_hook():
     args = args_ns(use_rollout_logprobs=True, tis_mode="mask", tis_rejected_denominator="drop")
     with pytest.raises(ValueError, match="--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"):
         reinforce_is_loss(args, slime_batch(b), packed_logits(b), reducer_for(b))
+
+
+def test_on_policy_surrogate_matches_the_core_and_anchored_ones_are_refused():
+    """The custom loss (algorithm 3) expresses ``reinforce`` and ``on_policy``: with ``tis_loss_mode: on_policy``
+    the value is the core's ``-w A`` mean and the gradient REINFORCE's; anchored surrogates and the ``tis_`` KL /
+    entropy keys (slime's own flags carry those terms) are refused in one line."""
+    b = make_batch(5, vocab=VOCAB)
+    grads = {}
+    for mode in ("on_policy", "reinforce"):
+        args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_mode="truncate", tis_level="token",
+                       tis_loss_mode=mode)
+        register(args, b)
+        logits = packed_logits(b)
+        loss, _ = reinforce_is_loss(args, slime_batch(b), logits, reducer_for(b))
+        loss.backward()
+        grads[mode] = logits.grad
+        if mode == "on_policy":
+            lp, _ = oracle_log_probs(b, logits.detach())
+            cfg = TISConfig(use_rollout_log_probs=True, use_tis=True, loss_agg="seq-mean-token-mean",
+                            loss_mode="on_policy")
+            out = policy_loss(cfg, lp, None, b.packed("rollout"), b.packed("advantages"), b.packed("masks"),
+                              b.cu_seqlens(), denominator=1.0)
+            assert float(loss) == pytest.approx(float(out.loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grads["on_policy"], grads["reinforce"], rtol=1e-5, atol=1e-8)
+    for key, value, match in (("tis_loss_mode", "cispo", "weight would count twice"),
+                              ("tis_kl_coef", 0.1, "--use-kl-loss"), ("tis_entropy_coef", 0.1, "--entropy-coef")):
+        args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, **{key: value})
+        with pytest.raises(ValueError, match=match) as err:
+            reinforce_is_loss(args, slime_batch(b), packed_logits(b), reducer_for(b))
+        assert "\n" not in str(err.value)

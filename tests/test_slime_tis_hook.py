@@ -312,3 +312,19 @@ def test_layout_errors_name_the_sample():
                               total_lengths=b.total_lengths, response_lengths=b.response_lengths)
     with pytest.raises(ValueError, match=r"pg_loss has shape \(2,\) but the CP-local log-probs have 3 tokens"):
         call(args, b, torch.zeros(2))
+
+
+def test_surrogates_slime_computes_itself_are_refused_in_one_line():
+    """slime's policy loss computes the PPO surrogate (or its own GSPO) and the KL / entropy terms: the TIS
+    function only weights and rejects it, so ``tis_loss_mode`` other than ``ppo_clip`` and the ``tis_`` term keys
+    are refused; ``ppo_clip`` is accepted."""
+    b = make_batch(3)
+    for key, value, match in (("tis_loss_mode", "gspo", "slime's own policy loss computes the surrogate"),
+                              ("tis_loss_mode", "on_policy", "reinforce_is_loss"),
+                              ("tis_kl_coef", 0.1, "--use-kl-loss"), ("tis_entropy_coef", 0.2, "--entropy-coef")):
+        args = args_ns(use_tis=True, **{key: value})
+        with pytest.raises(ValueError, match=match) as err:
+            call(args, b)
+        assert "\n" not in str(err.value)
+    args = args_ns(use_tis=True, tis_loss_mode="ppo_clip")
+    call(args, b)
