@@ -3,7 +3,7 @@
 The algorithm is derived from two switches (docs/semantics.md):
 
 =========================  ==========  =========  ==========================================
-``use_rollout_log_probs``  ``use_tis``  algorithm  per-token loss
+``use_rollout_log_probs``  ``use_tis``  algorithm  per-token loss (default surrogate)
 =========================  ==========  =========  ==========================================
 False                      False        0          PPO-clip, old = Megatron recompute
 True                       False        1          PPO-clip, old = SGLang log-probs (bypass)
@@ -16,8 +16,9 @@ defaults: ``upper = 2.0`` except mask mode at geometric level (and geometric rej
 where ``upper = 1.001``; ``lower = 1 / upper``. The resolved values are the ``*_bound`` properties;
 ``describe()`` prints them at start-up.
 
-Every invalid value or combination raises ``ValueError`` naming the field, its command-line flag
-and the value.
+``loss_mode`` picks another surrogate (``core.surrogates``); an option that cannot act in the chosen combination is
+named once at start-up (:meth:`TISConfig.inert_options`). Every invalid value or combination raises
+``ValueError`` naming the field, its command-line flag and the value.
 
 Every field is declared once, at the field, with :func:`~slime_tis.config_fields.option` (flag, host aliases,
 kind, choices or valid range, help) or, for a rejection rule's threshold,
@@ -120,6 +121,11 @@ class TISConfig:
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``
             (``eps_clip_high=None`` means symmetric).
         dual_clip_c: dual-clip constant ``c > 1`` for negative advantages; ``None`` = off.
+        loss_mode: the policy-loss surrogate (``core.surrogates.SURROGATES``); ``None`` = the algorithm's own.
+        kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the reference-KL and entropy terms
+            (``core.terms``).
+        sapo_tau_pos, sapo_tau_neg: options of one surrogate (declared with ``surrogate_option``; they reach the
+            plan only while it is chosen).
         safety_bound: ``B``; log-quantities are clamped to ``[-B, B]`` before ``exp``.
         kernels: ``"torch"`` (default) or ``"triton"``: which code computes the log-probs (from logits or, fused,
             from the hidden states) and the correction's token pass; the one switch for every Triton kernel
