@@ -8,7 +8,8 @@ Published cases (inputs and expected values from the peers' test files, asked of
   ``cispo_with_token_is`` and ``gspo_sequence_is``, loss and gradient (float64 there, float32 here: 1e-5
   relative). Their rows shift by one position (``token_mask[:, 1:]``); the packed tokens below are the shifted
   ones.
-* NeMo-RL ``tests/unit/algorithms/test_loss_functions.py`` (NVIDIA-NeMo/RL): ``test_clipped_pg_loss_gspo``,
+* NeMo-RL ``tests/unit/algorithms/test_loss_functions.py`` (NVIDIA-NeMo/RL at
+  03886ff31d7ab31bc71247527f7dbad6f5c821c4): ``test_clipped_pg_loss_gspo``,
   ``test_clipped_pg_loss_gspo_batch_size_2``, ``test_clipped_pg_loss_gspo_importance_sampling_correction``
   (hand values to 4 digits: 1e-3 relative, as theirs).
 * SkyRL ``skyrl-train/tests/cpu/algorithms/test_losses.py`` (NovaSky-AI/SkyRL at
