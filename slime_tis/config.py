@@ -443,9 +443,9 @@ class TISConfig:
         if self.kl_coef != 0.0 or self.entropy_coef != 0.0:
             lines.append(f"  kl_coef={self.kl_coef:g} kl_estimator={self.kl_estimator} "
                          f"kl_importance_weighted={self.kl_importance_weighted} entropy_coef={self.entropy_coef:g}")
-        lines += [f"  warning: {line}" for line in self.inert_options()]
         lines.append(f"  kernels={self.kernels}" + (" (Triton: not yet measured on a GPU; torch code where it "
                                                      "cannot run, with a warning)" if self.kernels == "triton" else ""))
+        lines += [f"  warning: {line}" for line in self.inert_options()]
         return "\n".join(lines)
 
 
