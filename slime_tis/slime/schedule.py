@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["n_steps", "sample_steps", "slime_recomputes_pi_old", "step_micro_batches", "step_view", "StepIterator"]
+__all__ = ["n_steps", "pi_old_pass_flags", "sample_steps", "slime_recomputes_pi_old", "step_micro_batches", "step_view",
+           "StepIterator"]
+
+TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
 
 #: per-sample keys slime's ``forward_only`` reads (``slime/backends/megatron_utils/model.py``), plus the ones
 #: the counting needs
@@ -100,3 +103,13 @@ def slime_recomputes_pi_old(args: Any, steps: int) -> bool:
              and (not a("use_routing_replay") or a("use_rollout_routing_replay"))
              and a("advantage_estimator") != "gspo")
     return (not a("use_rollout_logprobs") or bool(a("get_mismatch_metrics"))) and not reuse
+
+
+def pi_old_pass_flags(args: Any) -> str:
+    """The flags to add so that slime runs its pi_old pass, as slime's argument checks accept them:
+    ``--get-mismatch-metrics``, which slime accepts only with ``--custom-tis-function-path`` (its start-up
+    assertion); the TIS hook is named when ``args`` has no TIS function (e.g. the algorithm-3 custom loss,
+    which never calls it)."""
+    if getattr(args, "custom_tis_function_path", None):
+        return "--get-mismatch-metrics"
+    return f"--get-mismatch-metrics --custom-tis-function-path {TIS_FUNCTION}"
