@@ -18,6 +18,9 @@ mis.py, to the IS bounds); ``rs_veto_threshold`` -> ``tis_veto_threshold`` (only
 as mis.py only vetoes inside RS). slime's vanilla-TIS flags ``--tis-clip`` / ``--tis-clip-low`` are
 not read.
 
+The optional patch's switch ``tis_bypass_skip_recompute`` (:mod:`slime_tis.slime.bypass`) is parsed here too, so
+a value it cannot read is refused at the first hook call.
+
 Loss aggregation is slime's: ``--calculate-per-token-loss`` is ``token-mean``, slime's default
 per-sample mean is ``seq-mean-token-mean``. A ``tis_loss_agg`` key that contradicts it raises.
 """
@@ -29,6 +32,7 @@ from typing import Any
 
 from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
 from slime_tis.slime.agreement import check_slime_settings_agree
+from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY, skip_recompute_requested
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 
@@ -46,6 +50,8 @@ _KEYS = (
     "rs_upper_bound",
     "rs_veto_threshold",
     "calculate_per_token_loss",
+    SKIP_RECOMPUTE_KEY,
+    "use_rollout_logprobs",
 )
 _CACHE: dict[tuple, TISConfig] = {}
 
@@ -92,6 +98,7 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
     if cached is not None:
         return cached
     fields = config_fields_from_args(args)
+    skip_recompute_requested(args)  # the optional patch's switch: a value it would misread is refused here
     _mis_translation(args, fields)
     agg = slime_loss_agg(args)
     given = fields.get("loss_agg")
