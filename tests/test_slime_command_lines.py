@@ -35,6 +35,7 @@ NOT_SLIME_FLAGS = {
     "--mis-veto-threshold": "as above",
     "--mis-batch-normalize": "as above",
     "--tis-level": "slime's mis README names YAML keys as flags; docs say they are YAML keys",
+    "--rs-level": "as above",
     "--rs-batch-refill": "an open slime change (docs: slime's open changes)",
 }
 
@@ -93,6 +94,7 @@ COMMANDS = _commands()
 
 def test_the_docs_have_command_lines():
     assert sum(1 for c in COMMANDS if c[0].startswith("docs/slime.md")) >= 8
+    assert any(c[0].endswith("-after") for c in COMMANDS)  # the run-script diff
 
 
 @pytest.mark.parametrize(("where", "text", "yml", "side"), COMMANDS, ids=[c[0] for c in COMMANDS])
