@@ -18,6 +18,7 @@ mis.py, to the IS bounds); ``rs_veto_threshold`` -> ``tis_veto_threshold`` (only
 as mis.py only vetoes inside RS). slime's vanilla-TIS flags ``--tis-clip`` / ``--tis-clip-low`` are
 not read.
 
+slime options and slime code the hooks cannot follow are refused here too (:mod:`slime_tis.slime.compat`).
 The optional patch's switch ``tis_bypass_skip_recompute`` (:mod:`slime_tis.slime.bypass`) is parsed here too, so
 a value it cannot read is refused at the first hook call.
 
@@ -31,8 +32,10 @@ import logging
 from typing import Any
 
 from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
+from slime_tis.core.algorithms import algorithm_of
 from slime_tis.slime.agreement import check_slime_settings_agree
 from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY, skip_recompute_requested
+from slime_tis.slime.compat import check_slime_compat
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 
@@ -52,6 +55,11 @@ _KEYS = (
     "calculate_per_token_loss",
     SKIP_RECOMPUTE_KEY,
     "use_rollout_logprobs",
+    # read by the start-up checks (slime_tis.slime.compat)
+    "rs_batch_refill",
+    "rollout_top_k",
+    "rollout_top_p",
+    "use_opsm",
 )
 _CACHE: dict[tuple, TISConfig] = {}
 
@@ -115,6 +123,7 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
         fields["use_rollout_log_probs"] = bool(algorithm & 1)
         fields["use_tis"] = bool(algorithm & 2)
     cfg = TISConfig(**fields)
+    check_slime_compat(args, slime_policy_loss=algorithm_of(cfg).ppo)
     check_slime_settings_agree(args, cfg)  # once per configuration, on every rank of the pipeline stage
     if cfg not in _DESCRIBED:
         _DESCRIBED.add(cfg)
