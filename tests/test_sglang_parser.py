@@ -401,3 +401,19 @@ def test_parse_with_sampling_params_and_generate_request_warn():
     }
     with pytest.raises(ValueError, match="input_ids must contain at least one prompt token"):
         generate_request([], {})
+
+
+def test_slimes_replay_of_the_truncated_support_is_not_biased():
+    """slime (--rollout-top-p < 1) asks for the kept ids, its SGLang renormalises over them and its trainer masks
+    its logits to them: no bias, no warning, nothing to declare. Top-k alone or the parameter with top-p 1 is not
+    replayed by slime's trainer."""
+    replay = {"custom_params": {"return_top_p_token_ids": True}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = check_sampling_params({"top_p": 0.9, "top_k": 50, **replay})
+    assert c.truncated and c.replayed and not c.biased and not c.warned
+    for params in ({"top_k": 50, **replay}, {"top_p": 0.9, "custom_params": {"return_top_p_token_ids": "yes"}},
+                   {"top_p": 0.95, "custom_params": {"other": True}}):
+        with pytest.warns(TruncatedSamplingWarning, match=r"--rollout-top-p < 1 so that slime replays"):
+            c = check_sampling_params(params)
+        assert c.biased and not c.replayed

@@ -66,7 +66,7 @@ def test_missing_recompute_is_a_clear_error():
     b = make_batch(13)
     data = rollout_data(b)
     del data["log_probs"]
-    with pytest.raises(ValueError, match="add --get-mismatch-metrics to force the recompute"):
+    with pytest.raises(ValueError, match="add --get-mismatch-metrics .*to force the recompute"):
         postprocess_rollout_data(args_ns(use_tis=True, tis_batch_normalize=True), 0, data)
 
 

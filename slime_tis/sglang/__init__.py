@@ -23,6 +23,7 @@ from typing import Any
 from .response import FINISH_ERROR_METRICS, NAN_STOP, RolloutTokens, SGLangLogprobError, parse_generate_response
 from .sampling import (
     ENV_RENORMALIZED,
+    REPLAY_PARAM,
     TOP_K_ALL,
     SamplingCheck,
     TruncatedSamplingWarning,
@@ -34,6 +35,7 @@ from .trajectory import PackedRollouts, TrajectoryBuilder, collate
 
 __all__ = [
     "ENV_RENORMALIZED",
+    "REPLAY_PARAM",
     "FINISH_ERROR_METRICS",
     "NAN_STOP",
     "PackedRollouts",

@@ -9,18 +9,29 @@ true behaviour log-prob is therefore ``log p_t(y) - log S_t``, and every per-tok
 the correct one (e.g. ``S = 0.9`` at ``top_p = 0.9``: each token's ratio is biased by 0.9, a
 100-token sequence ratio by ``0.9**100``).
 
-SGLang >= 0.5.23 can return the truncated distribution's log-probs itself: request with
-``"return_sampling_mask": true`` and parse with ``rollout_logprobs="sampling"``
-(``meta_info.output_token_sampling_logprobs`` becomes pi_rollout; the ratio is then the true
-importance ratio of the trainer's full-vocabulary policy to the truncated behaviour distribution,
-``S_t`` times the untruncated one). Otherwise, unless the engine returns renormalised log-probs
-*and* the trainer masks its logits to the same support (slime's top-p replay), train with
-``top_p = 1``, ``top_k = -1``, ``min_p = 0``. ``top_k = -1`` and ``top_k >= 2**30`` (SGLang's
-``TOP_K_ALL``, the schema default of ``top_k``) both mean "no top-k".
+The ways out:
+
+* **slime's replay of the truncated support** (slime with ``--rollout-top-p < 1``): slime's rollout asks
+  SGLang for the kept token ids (``sampling_params["custom_params"] = {"return_top_p_token_ids": True}``);
+  SGLang built with slime's patch (slime's image) then returns log-probs renormalised over the kept support
+  (top-p together with top-k / min-p, plus the sampled token) and the kept ids, and slime's trainer masks
+  its logits to the same ids before the log-softmax. Both log-probs are then of the same truncated policy
+  and the ratio is unbiased; slime stops if the engine did not return the ids. A request with
+  ``top_p < 1`` that carries this custom parameter is recognised here as replayed (nothing to declare).
+  slime replays only when ``--rollout-top-p < 1``: top-k or min-p alone are not replayed.
+* SGLang >= 0.5.23 can return the truncated distribution's log-probs itself: request with
+  ``"return_sampling_mask": true`` and parse with ``rollout_logprobs="sampling"``
+  (``meta_info.output_token_sampling_logprobs`` becomes pi_rollout; the ratio is then the true
+  importance ratio of the trainer's full-vocabulary policy to the truncated behaviour distribution,
+  ``S_t`` times the untruncated one).
+* Another engine that returns renormalised log-probs while the trainer masks its logits to the same
+  support: declare it with ``renormalized_logprobs=True`` or the environment variable
+  ``SLIME_TIS_RENORMALIZED_LOGPROBS=1``.
+* Otherwise train with ``top_p = 1``, ``top_k = -1``, ``min_p = 0``. ``top_k = -1`` and
+  ``top_k >= 2**30`` (SGLang's ``TOP_K_ALL``, the schema default of ``top_k``) both mean "no top-k".
 
 This module warns once per process and setting, loudly (``warnings.warn`` and the logger), when
-the sampling parameters truncate and the user did not declare renormalised log-probs
-(``renormalized_logprobs=True`` or the environment variable ``SLIME_TIS_RENORMALIZED_LOGPROBS=1``).
+the sampling parameters truncate and the request is neither replayed nor declared renormalised.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from typing import Any
 
 __all__ = [
     "ENV_RENORMALIZED",
+    "REPLAY_PARAM",
     "TOP_K_ALL",
     "SamplingCheck",
     "TruncatedSamplingWarning",
@@ -44,6 +56,8 @@ __all__ = [
 logger = logging.getLogger("slime_tis.sglang")
 
 ENV_RENORMALIZED = "SLIME_TIS_RENORMALIZED_LOGPROBS"
+#: the ``custom_params`` entry with which slime's rollout asks for the kept token ids it replays in training
+REPLAY_PARAM = "return_top_p_token_ids"
 #: SGLang's "whole vocabulary" top-k (``sampling_params.py``: ``TOP_K_ALL = 1 << 30``), the value
 #: ``-1`` is turned into and the default its request schema shows.
 TOP_K_ALL = 1 << 30
@@ -58,8 +72,10 @@ class TruncatedSamplingWarning(UserWarning):
 class SamplingCheck:
     """Result of :func:`check_sampling_params`.
 
-    ``truncated`` is true when top-p < 1, 0 < top-k < 2**30 or min-p > 0; ``biased`` when it is truncated
-    and renormalised log-probs were not declared; ``warned`` when this call emitted the warning.
+    ``truncated`` is true when top-p < 1, 0 < top-k < 2**30 or min-p > 0; ``replayed`` when the request asks
+    for slime's replay of the truncated support (top-p < 1 and ``custom_params["return_top_p_token_ids"]``);
+    ``biased`` when it is truncated, not replayed and renormalised log-probs were not declared; ``warned`` when
+    this call emitted the warning.
     """
 
     temperature: float
@@ -69,10 +85,18 @@ class SamplingCheck:
     truncated: bool
     biased: bool
     warned: bool
+    replayed: bool = False
 
 
 def _env_declares_renormalized() -> bool:
     return os.environ.get(ENV_RENORMALIZED, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _replayed(params: Mapping[str, Any], top_p: float) -> bool:
+    """slime's rollout asks for the kept token ids (``custom_params``) and replays them in training; slime's
+    trainer masks its logits only when ``--rollout-top-p < 1``."""
+    custom = params.get("custom_params")
+    return top_p < 1.0 and isinstance(custom, Mapping) and custom.get(REPLAY_PARAM) is True
 
 
 def _number(params: Mapping[str, Any], key: str, default: float, kind: type) -> Any:
@@ -94,7 +118,8 @@ def check_sampling_params(
     Args:
         sampling_params: the request's ``sampling_params`` dict (SGLang keys ``temperature``,
             ``top_p``, ``top_k``, ``min_p``; SGLang defaults 1.0, 1.0, -1, 0.0 when absent; ``top_k``
-            -1 and >= ``TOP_K_ALL`` = 2**30 mean no top-k).
+            -1 and >= ``TOP_K_ALL`` = 2**30 mean no top-k; ``custom_params`` with
+            ``return_top_p_token_ids: True`` and ``top_p < 1``: slime's replay, module docstring).
         renormalized_logprobs: the user declares that the engine returns log-probs renormalised
             over the truncated support (and that training masks its logits the same way). ``None``
             reads ``SLIME_TIS_RENORMALIZED_LOGPROBS``.
@@ -121,7 +146,8 @@ def check_sampling_params(
     top_k_on = 0 < top_k < TOP_K_ALL
     truncated = top_p < 1.0 or top_k_on or min_p > 0.0
     declared = _env_declares_renormalized() if renormalized_logprobs is None else bool(renormalized_logprobs)
-    biased = truncated and not declared
+    replayed = _replayed(params, top_p)
+    biased = truncated and not declared and not replayed
     warned = False
     key = (top_p, top_k, min_p)
     if biased and key not in _WARNED:
@@ -137,9 +163,11 @@ def check_sampling_params(
             "with top_p=1, top_k=-1, min_p=0 for TIS/MIS training; or let SGLang (>= 0.5.23) return the "
             "truncated distribution's log-probs: send \"return_sampling_mask\": true "
             "(generate_request(..., sampling_logprobs=True)) and parse with rollout_logprobs=\"sampling\", "
-            "which uses meta_info.output_token_sampling_logprobs as pi_rollout; or make the engine return "
-            "renormalised log-probs and mask the trainer's logits to the same support (slime's top-p replay), "
-            f"then declare it with renormalized_logprobs=True or {ENV_RENORMALIZED}=1."
+            "which uses meta_info.output_token_sampling_logprobs as pi_rollout; or, in slime, sample with "
+            "--rollout-top-p < 1 so that slime replays the truncated support (its request carries "
+            f"custom_params {{\"{REPLAY_PARAM}\": true}}; slime does not replay top-k or min-p alone); or, "
+            "with another engine that returns renormalised log-probs while the trainer masks its logits to the "
+            f"same support, declare it with renormalized_logprobs=True or {ENV_RENORMALIZED}=1."
         )
         logger.warning(msg)
         warnings.warn(msg, TruncatedSamplingWarning, stacklevel=2)
@@ -151,6 +179,7 @@ def check_sampling_params(
         truncated=truncated,
         biased=biased,
         warned=warned,
+        replayed=replayed,
     )
 
 

@@ -18,6 +18,10 @@ mis.py, to the IS bounds); ``rs_veto_threshold`` -> ``tis_veto_threshold`` (only
 as mis.py only vetoes inside RS). slime's vanilla-TIS flags ``--tis-clip`` / ``--tis-clip-low`` are
 not read.
 
+slime options and slime code the hooks cannot follow are refused here too (:mod:`slime_tis.slime.compat`).
+The optional patch's switch ``tis_bypass_skip_recompute`` (:mod:`slime_tis.slime.bypass`) is parsed here too, so
+a value it cannot read is refused at the first hook call.
+
 Loss aggregation is slime's: ``--calculate-per-token-loss`` is ``token-mean``, slime's default
 per-sample mean is ``seq-mean-token-mean``. A ``tis_loss_agg`` key that contradicts it raises.
 """
@@ -28,7 +32,10 @@ import logging
 from typing import Any
 
 from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
+from slime_tis.core.algorithms import algorithm_of
 from slime_tis.slime.agreement import check_slime_settings_agree
+from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY, skip_recompute_requested
+from slime_tis.slime.compat import check_slime_compat
 
 __all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
 
@@ -46,6 +53,13 @@ _KEYS = (
     "rs_upper_bound",
     "rs_veto_threshold",
     "calculate_per_token_loss",
+    SKIP_RECOMPUTE_KEY,
+    "use_rollout_logprobs",
+    # read by the start-up checks (slime_tis.slime.compat)
+    "rs_batch_refill",
+    "rollout_top_k",
+    "rollout_top_p",
+    "use_opsm",
 )
 _CACHE: dict[tuple, TISConfig] = {}
 
@@ -92,6 +106,7 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
     if cached is not None:
         return cached
     fields = config_fields_from_args(args)
+    skip_recompute_requested(args)  # the optional patch's switch: a value it would misread is refused here
     _mis_translation(args, fields)
     agg = slime_loss_agg(args)
     given = fields.get("loss_agg")
@@ -108,6 +123,7 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TI
         fields["use_rollout_log_probs"] = bool(algorithm & 1)
         fields["use_tis"] = bool(algorithm & 2)
     cfg = TISConfig(**fields)
+    check_slime_compat(args, slime_policy_loss=algorithm_of(cfg).ppo)
     check_slime_settings_agree(args, cfg)  # once per configuration, on every rank of the pipeline stage
     if cfg not in _DESCRIBED:
         _DESCRIBED.add(cfg)

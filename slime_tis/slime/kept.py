@@ -36,7 +36,7 @@ from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.parallel import ParallelContext
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
-from slime_tis.slime.schedule import n_steps, sample_steps, slime_recomputes_pi_old
+from slime_tis.slime.schedule import n_steps, pi_old_pass_flags, sample_steps, slime_recomputes_pi_old
 
 __all__ = ["DropPlan", "check_drop_config", "count_kept", "drop_applies", "plan_rollout_drop",
            "step_hook_configured"]
@@ -128,8 +128,9 @@ def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
     if custom and steps == 1:
         return head + (
             "the custom loss decides at pi_theta, which with one optimizer step per rollout is slime's pi_old: "
-            "add --get-mismatch-metrics (slime's forward-only pass over the rollout), or "
-            f"--custom-megatron-before-train-step-hook-path {STEP_HOOK} (the same pass, run by the hook)")
+            f"add {pi_old_pass_flags(args)} (slime's forward-only pass over the rollout; the custom loss never "
+            f"calls the TIS function), or --custom-megatron-before-train-step-hook-path {STEP_HOOK} (the same "
+            "pass, run by the hook)")
     if custom:
         return head + (
             f"with {steps} optimizer steps per rollout the decisions change at every step: add "
@@ -141,7 +142,7 @@ def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
             "TIS function its mask; the hook recovers it per micro-batch, which gives K_g only for rollouts of one "
             "sample. Use 'keep', or replace --use-opsm by tis_rs_level or a k3 rejection threshold")
     return head + ("slime skipped the pi_old recompute (it reuses the training forward with one step per "
-                   "rollout): add --get-mismatch-metrics (slime's forward-only pass over the rollout)")
+                   f"rollout): add {pi_old_pass_flags(args)} (slime's forward-only pass over the rollout)")
 
 
 def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: ParallelContext,

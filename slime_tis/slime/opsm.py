@@ -13,9 +13,10 @@ without dual clip) and ``eps_clip < 1``, a valid token with ``A_t < 0`` has
 
     opsm_t = valid_t and A_t < 0 and pg_loss_t == 0
 
-with ``A`` the advantages the rollout-data hook registered (slime hands the loss the same tensors). CISPO
-(its loss is 0 wherever ``lp_theta = 0``) does not allow this: refused (``eps_clip < 1`` is validated with the
-configuration).
+with ``A`` the advantages the rollout-data hook registered (slime hands the loss the same tensors). CISPO and
+the REINFORCE estimator of an open slime change (``--advantage-estimator reinforce``, ``pg_loss = -A lp_theta``;
+both losses are 0 wherever ``lp_theta = 0``) do not allow this: refused (``eps_clip < 1`` is validated with the
+configuration). A slime that decides OPSM per sequence is refused by :mod:`slime_tis.slime.compat`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from torch import Tensor
 
 __all__ = ["check_opsm", "opsm_rejected"]
 
+#: slime's estimators whose per-token loss is 0 wherever lp_theta = 0 (``compute_cispo_loss``; the REINFORCE
+#: estimator of an open slime change, ``-A lp_theta``), so that a zero loss does not mean OPSM zeroed the token
+ZERO_AT_CERTAIN_TOKENS = ("cispo", "reinforce")
+
 NEEDS_ADVANTAGES = ("--use-opsm: the TIS hook recovers the tokens OPSM zeroed from the advantages, which slime does "
                     "not pass it: add --rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data")
 
@@ -35,10 +40,11 @@ def check_opsm(args: Any) -> None:
     """Refuse the configurations where OPSM's tokens cannot be recovered (module docstring)."""
     if not getattr(args, "use_opsm", False):
         return
-    if getattr(args, "advantage_estimator", None) == "cispo":
-        raise ValueError("--use-opsm with --advantage-estimator cispo: the TIS hook cannot tell the tokens OPSM "
-                         "zeroed (slime does not pass its mask, and CISPO's loss is 0 wherever log pi = 0); "
-                         "use tis_rs_level or a k3 rejection threshold in place of --use-opsm")
+    estimator = getattr(args, "advantage_estimator", None)
+    if estimator in ZERO_AT_CERTAIN_TOKENS:
+        raise ValueError(f"--use-opsm with --advantage-estimator {estimator}: the TIS hook cannot tell the tokens "
+                         f"OPSM zeroed (slime does not pass its mask, and the {estimator} loss is 0 wherever "
+                         "log pi = 0); use tis_rs_level or a k3 rejection threshold in place of --use-opsm")
 
 
 def opsm_rejected(pg_loss: Tensor, advantages: Tensor, valid: Tensor) -> Tensor:

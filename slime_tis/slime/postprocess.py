@@ -53,6 +53,7 @@ from slime_tis.slime.opsm import check_opsm
 from slime_tis.slime.parallel import ParallelContext, parallel_context
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.rollouts import unit_keys
+from slime_tis.slime.schedule import pi_old_pass_flags
 from slime_tis.slime.state import STATE
 from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
@@ -68,8 +69,8 @@ def _needs_log_probs(args: Any, rollout_data: dict[str, Any], ctx: ParallelConte
         return False
     raise ValueError(
         f"{what} needs rollout_data['log_probs'] (the pi_old recompute), which slime skipped "
-        "(fast path: one step per rollout without KL, or --use-rollout-logprobs); add --get-mismatch-metrics to "
-        "force the recompute, or, with the algorithm-3 custom loss, tis_record_train_log_probs: true"
+        f"(fast path: one step per rollout without KL, or --use-rollout-logprobs); add {pi_old_pass_flags(args)} "
+        "to force the recompute, or, with the algorithm-3 custom loss, tis_record_train_log_probs: true"
     )
 
 

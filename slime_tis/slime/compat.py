@@ -1,0 +1,134 @@
+"""slime options and slime code the hooks cannot follow: refused (or warned about) at the first hook call.
+
+The hooks are written against slime 624b824. Some slime options, and some of slime's open changes to its loss
+path once they land, would change what the hooks compute without any error. :func:`check_slime_compat` runs
+when a configuration is first built in a process (the first hook call, before the first training step) and
+turns each of them into a one-line ``ValueError`` (or, where the run stays correct but biased, a warning).
+
+Options:
+
+* ``--rs-batch-refill`` (an open slime change): slime then applies its own sequence rejection in place of the
+  TIS function and refuses the rollout-data and before-train-step hooks; the plugin's hooks would run
+  without the state they share. Refused.
+* ``--rollout-top-k`` > 0 with ``--rollout-top-p`` 1: slime replays the truncated support only when
+  ``--rollout-top-p`` < 1, so the rollout log-probs are of the full distribution while the tokens were drawn
+  from the top-k cut. Warned once (the ratios are biased by the kept mass).
+* ``tis_bypass_skip_recompute`` on with ``--use-rollout-logprobs``, while the installed slime's ``actor.py``
+  does not carry ``patches/slime_alg1_skip_recompute.patch``: slime still runs its pi_old pass, but the hooks
+  would plan as if it had not. Refused.
+
+Probes of the installed slime's code (:func:`slime_function_params`, :func:`slime_source`: the module's source,
+found with ``importlib`` without importing it, or its signature when slime already imported it; nothing is
+found when slime is not installed):
+
+* OPSM decided per sequence (an open slime change: ``compute_opsm_mask`` in ``slime/utils/ppo_utils.py`` takes
+  ``full_advantages``): OPSM then zeroes whole sequences, tokens of either advantage sign, while the TIS hook
+  recovers OPSM's tokens as ``A_t < 0 and pg_loss_t == 0`` (:mod:`slime_tis.slime.opsm`) and would count the
+  others as kept. ``--use-opsm`` with the TIS hook is refused there.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import inspect
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from slime_tis.slime.bypass import skips_pi_old_recompute
+
+__all__ = ["check_slime_compat", "reset_slime_probes", "slime_function_params", "slime_source"]
+
+logger = logging.getLogger("slime_tis.slime")
+
+PATCH_MARKER = "skips_pi_old_recompute"  # what patches/slime_alg1_skip_recompute.patch adds to slime's actor.py
+_WARNED: set[str] = set()
+
+
+@functools.cache
+def slime_source(module: str) -> str | None:
+    """The source text of slime's ``module`` (``None`` when slime, or the module, is not installed)."""
+    loaded = sys.modules.get(module)
+    try:
+        if loaded is not None:
+            return inspect.getsource(loaded)
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError, OSError, TypeError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    try:
+        return Path(spec.origin).read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
+@functools.cache
+def slime_function_params(module: str, name: str) -> tuple[str, ...] | None:
+    """The parameter names of slime's top-level function ``module.name`` (``None`` when not found)."""
+    loaded = sys.modules.get(module)
+    fn = getattr(loaded, name, None) if loaded is not None else None
+    if fn is not None:
+        try:
+            return tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            pass
+    source = slime_source(module)
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            a = node.args
+            return tuple(x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs))
+    return None
+
+
+def reset_slime_probes() -> None:
+    """Forget what the probes found and which warnings were given (tests; slime changed in this process)."""
+    slime_source.cache_clear()
+    slime_function_params.cache_clear()
+    _WARNED.clear()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=4)
+
+
+def check_slime_compat(args: Any, *, slime_policy_loss: bool) -> None:
+    """Refuse what the hooks cannot follow (module docstring). ``slime_policy_loss``: the loss is slime's own
+    policy loss with the TIS hook (algorithms 0, 1, 2), not the algorithm-3 custom loss."""
+    a = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if a("rs_batch_refill"):
+        raise ValueError("--rs-batch-refill: slime then applies its own sequence rejection in place of "
+                         "--custom-tis-function-path and refuses the plugin's rollout-data and before-train-step "
+                         "hooks; run it without the plugin's hooks, or the hooks without --rs-batch-refill")
+    top_k, top_p = a("rollout_top_k", -1), a("rollout_top_p", 1.0)
+    if isinstance(top_k, int) and top_k > 0 and top_p == 1.0:
+        _warn_once("top_k", f"--rollout-top-k {top_k} with --rollout-top-p 1: slime replays the truncated support "
+                   "only when --rollout-top-p < 1, so SGLang's rollout log-probs are of the full distribution and "
+                   "every importance ratio is biased by the kept mass; use --rollout-top-k -1, or also set "
+                   "--rollout-top-p < 1")
+    if skips_pi_old_recompute(args):
+        actor = slime_source("slime.backends.megatron_utils.actor")
+        if actor is not None and PATCH_MARKER not in actor:
+            raise ValueError("tis_bypass_skip_recompute is on, but the installed slime's "
+                             "slime/backends/megatron_utils/actor.py lacks patches/slime_alg1_skip_recompute.patch "
+                             "(slime still runs its pi_old pass): apply the patch or remove the key")
+    if slime_policy_loss and a("use_opsm"):
+        params = slime_function_params("slime.utils.ppo_utils", "compute_opsm_mask")
+        if params is not None and "full_advantages" in params:
+            raise ValueError("--use-opsm: the installed slime decides OPSM per sequence (compute_opsm_mask takes "
+                             "full_advantages) and zeroes tokens of either advantage sign, which the TIS hook, "
+                             "recovering OPSM's tokens from A < 0, would count as kept; remove --use-opsm "
+                             "(tis_rs_level or a k3 rejection threshold rejects off-policy sequences)")
