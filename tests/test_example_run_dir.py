@@ -49,6 +49,59 @@ def test_overwrite_never_empties_a_directory_that_is_not_a_run_dir(tmp_path):
         resolve_args(["--run-dir", str(tmp_path), "--overwrite", "--resume"])
 
 
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every path under ``root`` with its bytes (files), link target (symlinks) or "dir"."""
+    out: dict[str, bytes | str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            out[rel] = ("link:" + os.readlink(p)) if p.is_symlink() else ("dir" if p.is_dir() else p.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("case", ["other_tool", "not_json", "list", "old_format", "symlink", "deep", "dir"])
+def test_overwrite_refuses_an_args_json_this_job_did_not_write(tmp_path, case):
+    """Another tool's args.json (or a garbled one, or a run directory of an older format) does not make a
+    directory deletable: --overwrite refuses in one line and every byte stays."""
+    d = tmp_path / "theirs"
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "model.bin").write_bytes(b"\0" * 64)
+    (d / "notes.txt").write_text("mine")
+    marked = _saved_run(tmp_path / "ours", ["--use-tis"], algorithm=2) / "args.json"
+    content = {
+        "other_tool": json.dumps({"lr": 0.1, "epochs": 3}),
+        "not_json": "lr=0.1\n",
+        "list": json.dumps([{"run_dir_format": "examples.rl.train run directory, format 1"}]),
+        "old_format": json.dumps({k: v for k, v in json.loads(marked.read_text()).items() if k != "run_dir_format"}),
+        "deep": "[" * 100_000,
+    }
+    if case == "symlink":  # a link to a marked args.json elsewhere does not mark this directory
+        (d / "args.json").symlink_to(marked)
+    elif case == "dir":
+        (d / "args.json").mkdir()
+    else:
+        (d / "args.json").write_text(content[case])
+    before = _tree(d)
+    with pytest.raises(RunDirError, match="not a run directory written by this job; nothing was deleted") as e:
+        resolve_args(["--run-dir", str(d), "--overwrite"])
+    assert "\n" not in str(e.value)
+    assert _tree(d) == before
+    # the trainer's entry point: one line on stderr, exit 2, nothing deleted
+    from examples.rl.train import main
+
+    assert main(["--run-dir", str(d), "--overwrite"]) == 2
+    assert _tree(d) == before
+
+
+def test_overwrite_empties_a_run_dir_this_job_wrote(tmp_path):
+    run = _saved_run(tmp_path / "run", ["--use-tis"], algorithm=2)
+    saved = json.loads((run / "args.json").read_text())
+    assert saved["run_dir_format"] == "examples.rl.train run directory, format 1"
+    assert resolve_args(["--run-dir", str(run), "--overwrite"]).overwrite
+    assert resolve_args(["--run-dir", str(run), "--resume"]).use_tis  # the marker is no flag
+
+
 # ------------------------------------------------------------------ resume takes the saved configuration
 def test_resume_takes_the_saved_configuration(tmp_path):
     run = _saved_run(tmp_path / "run", ["--use-tis", "--tis-mode", "clip", "--lr", "0.01", "--seed", "3",
