@@ -19,8 +19,13 @@ from examples.rl.train import build_parser, resolve_args  # noqa: E402
 
 
 def _saved_run(path: Path, argv: list[str], *, algorithm: int) -> Path:
-    """A run directory as the trainer leaves it after its first checkpoint (args.json + latest)."""
-    (path / "checkpoints").mkdir(parents=True)
+    """A run directory as the trainer leaves it after its checkpoint of step 2 (args.json, a hand-made
+    checkpoint directory with its manifest, latest)."""
+    step = path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    (step / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
+    write_manifest(str(step))
     (path / "checkpoints" / "latest").write_text("2")
     write_saved(str(path), build_parser().parse_args(["--run-dir", str(path), *argv]),
                 {"algorithm": algorithm, "world_size": 1})
@@ -198,6 +203,74 @@ def test_manifest_detects_every_kind_of_change(tmp_path):
     (ckpt / MANIFEST).unlink()
     with pytest.raises(CheckpointIntegrityError, match="has no manifest.sha256"):
         verify_manifest(str(ckpt))
+
+
+# ------------------------------------------------------------------ refusals in one line, before anything is built
+def _resumable(run: Path) -> Path:
+    """A run directory that resumes from step 2; returns its checkpoint's weights file."""
+    return _saved_run(run, ["--use-tis"], algorithm=2) / "checkpoints" / "step_000002" / "__0_0.distcp"
+
+
+@pytest.fixture
+def no_dist(monkeypatch):
+    """Starting the process group (or building anything) fails the test: refusals come before it."""
+    import examples.rl.dist as dist
+
+    def boom(**_):
+        raise AssertionError("init_distributed reached")
+
+    monkeypatch.setattr(dist, "init_distributed", boom)
+
+
+def test_corrupt_checkpoint_is_refused_in_one_line_at_start(tmp_path, capsys, no_dist):
+    from _one_line_error import assert_one_line_error
+
+    from examples.rl.train import main
+
+    weights = _resumable(tmp_path / "run")
+    data = bytearray(weights.read_bytes())
+    data[1000] ^= 0x40
+    weights.write_bytes(bytes(data))
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run"), "--resume"],
+                          "examples.rl.train: error:", f"checkpoint file {weights} is corrupt")
+    (weights.parent / "metadata.json").unlink()
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run"), "--resume"],
+                          "no dist checkpoint at", "step_000002 (metadata.json missing)")
+
+
+@pytest.mark.parametrize("content", [b"abc", b"", b"2\x00\xff", b"-1", b"0", b"1e3", b"9" * 40, b"\xff\xfe"])
+def test_garbled_latest_is_refused_naming_the_file(tmp_path, capsys, no_dist, content):
+    from _one_line_error import assert_one_line_error
+
+    from examples.rl.train import main
+
+    _resumable(tmp_path / "run")
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    latest.write_bytes(content)
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run"), "--resume"],
+                          f"{latest} holds", "not the step number of a checkpoint")
+
+
+def test_unsupported_torch_is_refused_at_argument_parsing(tmp_path, capsys, monkeypatch, no_dist):
+    """The torch seen is made 2.15's (``TensorProperties`` with ``strides``, the version string): the example
+    refuses in one line before the process group or the model exists."""
+    import dataclasses
+
+    import torch
+    import torch.distributed.checkpoint.metadata as metadata
+    from _one_line_error import assert_one_line_error
+
+    from examples.rl.train import main
+
+    @dataclasses.dataclass
+    class TensorPropertiesWithStrides(metadata.TensorProperties):
+        strides: tuple = ()
+
+    monkeypatch.setattr(metadata, "TensorProperties", TensorPropertiesWithStrides)
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run")],
+                          "examples.rl.train: error: torch 2.15.0:", "torch < 2.15")
+    assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------ the launcher end to end
