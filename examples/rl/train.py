@@ -242,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         Trainer(args, info).run()
     except refusals as e:  # a checkpoint damaged after the start-up check: every rank reads the same files
         return _refuse(e, rank)
+    except Exception as e:
+        from slime_tis.megatron.rank_failure import RankFailedError, explain
+
+        # outside the hook's calls (the example's own collectives): the rank that failed first, when one said so
+        other = None if isinstance(e, RankFailedError) else explain(e, "the example's training loop")
+        if other is None:
+            raise
+        raise other from e
     finally:
         shutdown()
     return 0
