@@ -151,16 +151,14 @@ def launch(out_dir: str, mismatch: str, alg: str, seed: int, steps: int, nproc: 
 
 def summarize(d: str) -> dict[str, float]:
     """One run's table entries from its ``metrics.jsonl``."""
-    rows: dict[int, dict] = {}
-    with open(os.path.join(d, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                rows[r["step"]] = r
-    ordered = [rows[k] for k in sorted(rows)]
+    from examples.plot import read_run
+
+    keys = ("reward", "moe/routing_mismatch", "moe/router_disagreement", "tis/k3_kl", "grad_norm",
+            "tis/rejected_token_fraction")
+    ordered = read_run(d, fields=keys)  # malformed rows and values: a ValueError naming file, line, field
 
     def values(key: str) -> list[float]:
-        return [r[key] for r in ordered if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        return [r[key] for r in ordered if r.get(key) is not None]
 
     rewards = values("reward")
     moe_used, moe_own = values("moe/routing_mismatch"), values("moe/router_disagreement")

@@ -36,11 +36,34 @@ TITLES = {
 }
 
 
-def read_run(run_dir: str, notes: list[str] | None = None) -> list[dict]:
+#: the largest magnitude a plotted value may have: an axis from -MAX_VALUE to MAX_VALUE (plus margins) still
+#: has a finite length; a larger value is no metric the job writes but a corrupted record
+MAX_VALUE = 1e300
+
+
+def metric_value(v: object, where: str, key: str) -> float | None:
+    """The value of field ``key`` of a metrics row as a float, or None for no point (``null``: the job writes
+    non-finite values so; NaN, +-inf). A non-number (string, bool, list, ...) or a number beyond
+    +-:data:`MAX_VALUE` (a 400-digit integer, 1e308) is a ``ValueError`` naming ``where`` and the field."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where}: field {key!r} must be a number or null, got {type(v).__name__} {str(v)[:40]}")
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if abs(v) > MAX_VALUE:  # exact for an int of any size (no float conversion)
+        shown = f"{v:.3g}" if isinstance(v, float) else f"an integer of {len(str(abs(v)))} digits"
+        raise ValueError(f"{where}: field {key!r} is {shown}, beyond +-{MAX_VALUE:g}: not a metric value")
+    return float(v)
+
+
+def read_run(run_dir: str, notes: list[str] | None = None, fields: Sequence[str] = ()) -> list[dict]:
     """Rows of ``RUN_DIR/metrics.jsonl`` sorted by step (the last row of a repeated step wins).
 
     A torn last line (a write cut short by a crash) is dropped; the sentence saying so is appended to
-    ``notes`` when given. Any other malformed line is a ``ValueError`` naming the file, line and field."""
+    ``notes`` when given. Any other malformed line is a ``ValueError`` naming the file, line and field;
+    so is a value of one of ``fields`` (the metrics the caller reads) that :func:`metric_value` refuses.
+    In the rows returned, those fields hold floats or None."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{run_dir!r} is not a run directory: {path} does not exist or is not a file")
@@ -58,7 +81,8 @@ def read_run(run_dir: str, notes: list[str] | None = None) -> list[dict]:
             step = int(step)
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 53:
             raise ValueError(f"{path}:{n}: field 'step' must be an integer >= 0, got {str(step)[:40]}")
-        rows[step] = {**row, "step": step}
+        checked = {key: metric_value(row[key], f"{path}:{n}", key) for key in fields if key in row}
+        rows[step] = {**row, **checked, "step": step}
     return [rows[k] for k in sorted(rows)]
 
 
@@ -79,10 +103,10 @@ def run_label(run_dir: str) -> str:
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        v = r.get(key)  # a float or None (read_run checked the field)
+        if v is not None:
             xs.append(int(r["step"]))
-            ys.append(float(v))
+            ys.append(v)
     return xs, ys
 
 
@@ -115,7 +139,7 @@ def plot_runs(
     if smooth < 1:
         raise ValueError(f"--smooth must be >= 1, got {smooth}")
     notes: list[str] = []
-    runs = [(run_label(d), read_run(d, notes)) for d in run_dirs]
+    runs = [(run_label(d), read_run(d, notes, fields=metrics)) for d in run_dirs]
     for note in notes:
         print(f"examples.plot: note: {note}", file=sys.stderr)
     ncols = min(3, len(metrics))

@@ -10,10 +10,8 @@ least two seeds logged a finite value. ``--smooth k`` averages each seed over a 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 
+from examples.plot import read_run
 from examples.stats import mean_ci
 
 METRICS = (
@@ -25,17 +23,12 @@ METRICS = (
 
 
 def _series(run_dir: str, key: str, smooth: int) -> dict[int, float]:
-    rows: dict[int, dict] = {}
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                rows[r["step"]] = r
-    steps = sorted(rows)
-    raw = [rows[s].get(key) for s in steps]
+    rows = read_run(run_dir, fields=(key,))  # malformed rows and values: a ValueError naming file, line, field
+    steps = [r["step"] for r in rows]
+    raw = [r.get(key) for r in rows]
     out = {}
     for i, s in enumerate(steps):
-        window = [v for v in raw[max(0, i - smooth + 1) : i + 1] if isinstance(v, (int, float)) and math.isfinite(v)]
+        window = [v for v in raw[max(0, i - smooth + 1) : i + 1] if v is not None]
         if window:
             out[s] = sum(window) / len(window)
     return out
@@ -85,19 +78,25 @@ def plot_bands(groups: dict[str, list[str]], out: str, smooth: int = 3) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from slime_tis.tools.cli import run_reporting_errors
+
     p = argparse.ArgumentParser(prog="python -m examples.plot_bands", description=__doc__)
     p.add_argument("groups", nargs="+", help="LABEL=DIR,DIR,... (the seeds of one variant)")
     p.add_argument("-o", "--out", default="bands.png")
     p.add_argument("--smooth", type=int, default=3)
     args = p.parse_args(argv)
-    groups = {}
-    for g in args.groups:
-        label, _, dirs = g.partition("=")
-        if not dirs:
-            raise ValueError(f"group must be LABEL=DIR,DIR,..., got {g!r}")
-        groups[label] = dirs.split(",")
-    plot_bands(groups, args.out, args.smooth)
-    return 0
+
+    def run() -> int:
+        groups = {}
+        for g in args.groups:
+            label, _, dirs = g.partition("=")
+            if not dirs:
+                raise ValueError(f"group must be LABEL=DIR,DIR,..., got {g!r}")
+            groups[label] = dirs.split(",")
+        plot_bands(groups, args.out, args.smooth)
+        return 0
+
+    return run_reporting_errors("examples.plot_bands", run)
 
 
 if __name__ == "__main__":

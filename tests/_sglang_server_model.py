@@ -20,6 +20,12 @@ What it models (files of the sglang 0.5.23 wheel, ``python/sglang/srt/...``):
   chunk is filled with the whole text so far when the chunk is drained; ``_stream_batch_responses``
   adds ``"index"`` to each chunk of a batched / ``n > 1`` request. A chunk is serialised only when
   its turn comes, so its referenced lists may have grown by then.
+* ``TokenizerManager._handle_abort_req`` (an abort of a request waiting in the scheduler's queue, e.g.
+  one retracted there after some tokens): ``meta_info = {"id", "finish_reason": {"type": "abort",
+  "message": "Abort in waiting queue" or the request's message}, "weight_version", "e2e_latency"}``, with
+  ``return_logprob`` the state's *whole* lists (``add_logprob_to_meta_info``, never sliced, in both
+  streaming modes) and their length, ``completion_tokens = len(state.output_ids)``; ``output_ids`` is
+  ``[state.output_ids[-1]]`` (``[]`` without tokens) when streaming, ``text`` the whole text.
 * ``entrypoints/http_server.py``, ``serve_generate_request``: ``b"data: " + dumps_json(out) +
   b"\\n\\n"`` per chunk, then ``b"data: [DONE]\\n\\n"``; ``utils/json_response.py``: ``dumps_json`` is
   ``orjson.dumps``, which writes NaN / inf as ``null`` (modelled with ``json`` after that mapping).
@@ -121,6 +127,19 @@ class RequestState:
         if finished:
             return {"text": self.text, "output_ids": self.output_ids.copy(), "meta_info": meta}
         return {"text": None, "output_ids": self.output_ids, "meta_info": meta}
+
+    def abort_in_queue(self, message: str = "Abort in waiting queue") -> dict[str, Any]:
+        """The one chunk ``_handle_abort_req`` hands out when the request is aborted in the waiting queue."""
+        meta: dict[str, Any] = {"id": self.rid, "finish_reason": {"type": "abort", "message": message},
+                                "weight_version": "default", "e2e_latency": 0.5}
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = self.output_token_logprobs
+        meta["output_token_logprobs_length"] = len(self.output_token_logprobs)
+        meta["completion_tokens"] = len(self.output_ids)
+        ids = self.output_ids
+        if self.stream:
+            ids = [ids[-1]] if ids else []
+        return {"text": self.text, "output_ids": ids, "meta_info": meta}
 
     def drain(self, out: dict[str, Any], index: int | None = None) -> str:
         """``_stream_one_response`` (+ ``_stream_batch_responses``) then the HTTP server: the SSE line

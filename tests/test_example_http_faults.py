@@ -115,6 +115,43 @@ def test_weights_load_only_from_inside_the_weights_root(server, tmp_path):
     assert client.update_weights_from_disk(str(root / "engine_weights"))["success"]
 
 
+@pytest.mark.parametrize("linked", ["model.safetensors", "config.json"])
+def test_a_file_inside_the_weights_root_linking_out_of_it_is_refused(server, tmp_path, linked):
+    """The directory is inside the root, one of its files is a symlink to a file outside: refused (403, naming
+    the file), nothing loaded; a link to a file inside the root is followed."""
+    srv, url = server
+    client = SGLangClient(url, timeout=10)
+    root, outside = tmp_path / "root", tmp_path / "elsewhere"
+    save_hf_checkpoint(str(outside), random_weights(CFG, 2), CFG, EOS)
+    save_hf_checkpoint(str(root / "engine_weights"), random_weights(CFG, 1), CFG, EOS)
+    (root / "engine_weights" / linked).unlink()
+    (root / "engine_weights" / linked).symlink_to(outside / linked)
+    version = client._call("GET", "/get_model_info")["weight_version"]
+    with pytest.raises(SGLangHTTPError, match=rf"HTTP 403.*{linked} of model_path .* resolves to .*elsewhere/{linked}, "
+                                              "outside the weights root"):
+        client.update_weights_from_disk(str(root / "engine_weights"))
+    assert client._call("GET", "/get_model_info")["weight_version"] == version  # nothing was loaded
+    save_hf_checkpoint(str(root / "other"), random_weights(CFG, 3), CFG, EOS)
+    (root / "engine_weights" / linked).unlink()
+    (root / "engine_weights" / linked).symlink_to(root / "other" / linked)
+    assert client.update_weights_from_disk(str(root / "engine_weights"))["success"]
+
+
+def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path):
+    """The engine opens the resolved paths it was given without following a link at the last component."""
+    from examples.rl.model import WEIGHTS_FILE
+
+    save_hf_checkpoint(str(tmp_path / "w"), random_weights(CFG), CFG, EOS)
+    save_hf_checkpoint(str(tmp_path / "evil"), random_weights(CFG, 5), CFG, EOS)
+    files = {"config.json": str(tmp_path / "w" / "config.json"), WEIGHTS_FILE: str(tmp_path / "w" / WEIGHTS_FILE)}
+    eng = EmbeddedEngine(CFG, dtype=torch.float32)
+    assert eng.update_weights_from_disk(str(tmp_path / "w"), files=files)["success"]
+    (tmp_path / "w" / WEIGHTS_FILE).unlink()
+    (tmp_path / "w" / WEIGHTS_FILE).symlink_to(tmp_path / "evil" / WEIGHTS_FILE)
+    res = eng.update_weights_from_disk(str(tmp_path / "w"), files=files)
+    assert not res["success"] and "(a symlink)" in res["message"]
+
+
 def test_no_weights_root_means_no_weight_loading(tmp_path):
     save_hf_checkpoint(str(tmp_path / "w"), random_weights(CFG), CFG, EOS)
     srv, url = serve(_engine())
@@ -199,6 +236,28 @@ def test_idle_connections_time_out_and_threads_stay_bounded(server):
             assert s.recv(1) == b""
         answer = SGLangClient(url, timeout=10).generate(REQ)
         assert answer["meta_info"]["completion_tokens"] >= 1
+    finally:
+        for s in idle:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("server", [{"socket_timeout": 3.0, "max_threads": 4}], indirect=True)
+def test_health_is_answered_during_an_idle_flood(server):
+    """200 connections that send nothing (3 s socket timeout, 4 handler threads): /health and a /generate are
+    answered at once, not after the idle connections time out; the idle ones are closed after ~3 s."""
+    _, url = server
+    host, port = url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+    try:
+        time.sleep(0.2)  # the server has accepted them
+        t0 = time.monotonic()
+        assert SGLangClient(url, timeout=2.5)._call("GET", "/health") == {"status": "ok"}
+        assert SGLangClient(url, timeout=2.5).generate(REQ)["meta_info"]["completion_tokens"] >= 1
+        assert time.monotonic() - t0 < 2.0
+        for s in idle[:5]:
+            s.settimeout(10)
+            assert s.recv(1) == b""  # closed by the server at its first-byte deadline
     finally:
         for s in idle:
             s.close()

@@ -234,6 +234,15 @@ PLOT_CASES = {
     "step 1e400": ('{"step": 1e400, "reward": 0.5}', ["metrics.jsonl:2", "'step' must be an integer"]),
     "step string": ('{"step": "abc", "reward": 0.5}', ["metrics.jsonl:2", "'step' must be an integer"]),
     "broken line": ('{"step": 1, "rew', ["metrics.jsonl:2", "not valid JSON"]),
+    # values no axis can hold, and values that are no numbers: named, never a crash inside matplotlib
+    "400-digit reward": ('{"step": 1, "reward": 1' + "0" * 399 + "}",
+                         ["metrics.jsonl:2", "field 'reward' is an integer of 400 digits", "not a metric value"]),
+    "5000-digit reward": ('{"step": 1, "reward": 1' + "0" * 4999 + "}", ["metrics.jsonl:2", "not valid JSON"]),
+    "reward 1e308": ('{"step": 1, "reward": -1e308}', ["metrics.jsonl:2", "field 'reward' is -1e+308"]),
+    "grad_norm 1e301": ('{"step": 1, "grad_norm": 1e301}', ["metrics.jsonl:2", "field 'grad_norm' is 1e+301"]),
+    "reward string": ('{"step": 1, "reward": "0.5"}', ["metrics.jsonl:2", "'reward' must be a number or null, got"]),
+    "reward true": ('{"step": 1, "reward": true}', ["metrics.jsonl:2", "'reward' must be a number or null, got bool"]),
+    "k3 list": ('{"step": 1, "tis/k3_kl": [0.1]}', ["metrics.jsonl:2", "'tis/k3_kl' must be a number or null"]),
 }
 
 
@@ -244,6 +253,25 @@ def test_plot_malformed_metrics(case, tmp_path, capsys):
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0, "reward": 0.1}\n' + line + '\n{"step": 2, "reward": 0.2}\n')
     _one_line_plot_error(capsys, [str(run), "-o", str(tmp_path / "c.png")], *needles)
+
+
+def test_plot_and_bands_hold_large_values_and_refuse_overflowing_ones(tmp_path, capsys):
+    """+-1e300 in one panel is drawn (null, NaN and inf are gaps); 1e308 beside -1e308 is refused in one line
+    by the curve plot, the band plot and the comparison table alike."""
+    from examples.compare import summarize
+    from examples.plot_bands import main as bands_main
+
+    run = tmp_path / "run"
+    _write_run(run, [{"step": 0, "reward": -1e300}, {"step": 1, "reward": 1e300}, {"step": 2, "reward": None},
+                     {"step": 3, "reward": 0.5, "grad_norm": float("inf")}])
+    assert plot_main([str(run), "-o", str(tmp_path / "c.png"), "--smooth", "2"]) == 0
+    assert summarize(str(run))["mean reward"] == pytest.approx(0.5 / 3)
+    _write_run(run, [{"step": 0, "reward": 1e308}, {"step": 1, "reward": -1e308}])
+    _one_line_plot_error(capsys, [str(run), "-o", str(tmp_path / "c.png")], "metrics.jsonl:1", "field 'reward'")
+    assert_one_line_error(capsys, bands_main, [f"x={run},{run}", "-o", str(tmp_path / "b.png")],
+                          "examples.plot_bands: error:", "metrics.jsonl:1", "field 'reward' is 1e+308")
+    with pytest.raises(ValueError, match="metrics.jsonl:1: field 'reward' is 1e"):
+        summarize(str(run))
 
 
 def test_plot_tolerates_torn_last_line_and_odd_args_json(tmp_path, capsys):

@@ -19,8 +19,13 @@ from examples.rl.train import build_parser, resolve_args  # noqa: E402
 
 
 def _saved_run(path: Path, argv: list[str], *, algorithm: int) -> Path:
-    """A run directory as the trainer leaves it after its first checkpoint (args.json + latest)."""
-    (path / "checkpoints").mkdir(parents=True)
+    """A run directory as the trainer leaves it after its checkpoint of step 2 (args.json, a hand-made
+    checkpoint directory with its manifest, latest)."""
+    step = path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    (step / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
+    write_manifest(str(step))
     (path / "checkpoints" / "latest").write_text("2")
     write_saved(str(path), build_parser().parse_args(["--run-dir", str(path), *argv]),
                 {"algorithm": algorithm, "world_size": 1})
@@ -47,6 +52,59 @@ def test_overwrite_never_empties_a_directory_that_is_not_a_run_dir(tmp_path):
         resolve_args(["--run-dir", str(tmp_path / "file")])
     with pytest.raises(RunDirError, match="give one of them"):
         resolve_args(["--run-dir", str(tmp_path), "--overwrite", "--resume"])
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every path under ``root`` with its bytes (files), link target (symlinks) or "dir"."""
+    out: dict[str, bytes | str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            out[rel] = ("link:" + os.readlink(p)) if p.is_symlink() else ("dir" if p.is_dir() else p.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("case", ["other_tool", "not_json", "list", "old_format", "symlink", "deep", "dir"])
+def test_overwrite_refuses_an_args_json_this_job_did_not_write(tmp_path, case):
+    """Another tool's args.json (or a garbled one, or a run directory of an older format) does not make a
+    directory deletable: --overwrite refuses in one line and every byte stays."""
+    d = tmp_path / "theirs"
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "model.bin").write_bytes(b"\0" * 64)
+    (d / "notes.txt").write_text("mine")
+    marked = _saved_run(tmp_path / "ours", ["--use-tis"], algorithm=2) / "args.json"
+    content = {
+        "other_tool": json.dumps({"lr": 0.1, "epochs": 3}),
+        "not_json": "lr=0.1\n",
+        "list": json.dumps([{"run_dir_format": "examples.rl.train run directory, format 1"}]),
+        "old_format": json.dumps({k: v for k, v in json.loads(marked.read_text()).items() if k != "run_dir_format"}),
+        "deep": "[" * 100_000,
+    }
+    if case == "symlink":  # a link to a marked args.json elsewhere does not mark this directory
+        (d / "args.json").symlink_to(marked)
+    elif case == "dir":
+        (d / "args.json").mkdir()
+    else:
+        (d / "args.json").write_text(content[case])
+    before = _tree(d)
+    with pytest.raises(RunDirError, match="not a run directory written by this job; nothing was deleted") as e:
+        resolve_args(["--run-dir", str(d), "--overwrite"])
+    assert "\n" not in str(e.value)
+    assert _tree(d) == before
+    # the trainer's entry point: one line on stderr, exit 2, nothing deleted
+    from examples.rl.train import main
+
+    assert main(["--run-dir", str(d), "--overwrite"]) == 2
+    assert _tree(d) == before
+
+
+def test_overwrite_empties_a_run_dir_this_job_wrote(tmp_path):
+    run = _saved_run(tmp_path / "run", ["--use-tis"], algorithm=2)
+    saved = json.loads((run / "args.json").read_text())
+    assert saved["run_dir_format"] == "examples.rl.train run directory, format 1"
+    assert resolve_args(["--run-dir", str(run), "--overwrite"]).overwrite
+    assert resolve_args(["--run-dir", str(run), "--resume"]).use_tis  # the marker is no flag
 
 
 # ------------------------------------------------------------------ resume takes the saved configuration
@@ -145,6 +203,74 @@ def test_manifest_detects_every_kind_of_change(tmp_path):
     (ckpt / MANIFEST).unlink()
     with pytest.raises(CheckpointIntegrityError, match="has no manifest.sha256"):
         verify_manifest(str(ckpt))
+
+
+# ------------------------------------------------------------------ refusals in one line, before anything is built
+def _resumable(run: Path) -> Path:
+    """A run directory that resumes from step 2; returns its checkpoint's weights file."""
+    return _saved_run(run, ["--use-tis"], algorithm=2) / "checkpoints" / "step_000002" / "__0_0.distcp"
+
+
+@pytest.fixture
+def no_dist(monkeypatch):
+    """Starting the process group (or building anything) fails the test: refusals come before it."""
+    import examples.rl.dist as dist
+
+    def boom(**_):
+        raise AssertionError("init_distributed reached")
+
+    monkeypatch.setattr(dist, "init_distributed", boom)
+
+
+def test_corrupt_checkpoint_is_refused_in_one_line_at_start(tmp_path, capsys, no_dist):
+    from _one_line_error import assert_one_line_error
+
+    from examples.rl.train import main
+
+    weights = _resumable(tmp_path / "run")
+    data = bytearray(weights.read_bytes())
+    data[1000] ^= 0x40
+    weights.write_bytes(bytes(data))
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run"), "--resume"],
+                          "examples.rl.train: error:", f"checkpoint file {weights} is corrupt")
+    (weights.parent / "metadata.json").unlink()
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run"), "--resume"],
+                          "no dist checkpoint at", "step_000002 (metadata.json missing)")
+
+
+@pytest.mark.parametrize("content", [b"abc", b"", b"2\x00\xff", b"-1", b"0", b"1e3", b"9" * 40, b"\xff\xfe"])
+def test_garbled_latest_is_refused_naming_the_file(tmp_path, capsys, no_dist, content):
+    from _one_line_error import assert_one_line_error
+
+    from examples.rl.train import main
+
+    _resumable(tmp_path / "run")
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    latest.write_bytes(content)
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run"), "--resume"],
+                          f"{latest} holds", "not the step number of a checkpoint")
+
+
+def test_unsupported_torch_is_refused_at_argument_parsing(tmp_path, capsys, monkeypatch, no_dist):
+    """The torch seen is made 2.15's (``TensorProperties`` with ``strides``, the version string): the example
+    refuses in one line before the process group or the model exists."""
+    import dataclasses
+
+    import torch
+    import torch.distributed.checkpoint.metadata as metadata
+    from _one_line_error import assert_one_line_error
+
+    from examples.rl.train import main
+
+    @dataclasses.dataclass
+    class TensorPropertiesWithStrides(metadata.TensorProperties):
+        strides: tuple = ()
+
+    monkeypatch.setattr(metadata, "TensorProperties", TensorPropertiesWithStrides)
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    assert_one_line_error(capsys, main, ["--run-dir", str(tmp_path / "run")],
+                          "examples.rl.train: error: torch 2.15.0:", "torch < 2.15")
+    assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------ the launcher end to end

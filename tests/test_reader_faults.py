@@ -131,6 +131,12 @@ PT_CASES = {
     "2-D log-probs": (dict(train_log_probs=torch.zeros(2, 2)), ["train_log_probs", "shape [2, 2]"]),
     "rollout shorter": (dict(rollout_log_probs=torch.zeros(3)), ["rollout_log_probs", "has 3 entries, expected 4"]),
     "version string": (dict(version="2"), ["'version' must be an integer"]),
+    # the bounds of the JSONL reader: token ids >= 0, step and sample_index >= -1 (-1: absent)
+    "negative token id": (dict(token_ids=torch.tensor([3, 4, 5, -7])), ["record 1: token_ids[0] = -7 is below 0"]),
+    "negative token id int8": (dict(token_ids=torch.tensor([3, -1, 5, 6], dtype=torch.int8)),
+                               ["record 0: token_ids[1] = -1 is below 0"]),
+    "step -2": (dict(step=torch.tensor([0, -2])), ["record 1: step = -2 is below -1"]),
+    "sample_index -5": (dict(sample_index=torch.tensor([-5, 1])), ["record 0: sample_index = -5 is below -1"]),
     # a 1.5 KB file whose tensors claim 16M tokens (stride-0 views): refused before anything is allocated
     "16M tokens in a small file": (
         dict(train_log_probs=torch.zeros(1).expand(1 << 24), rollout_log_probs=torch.zeros(1).expand(1 << 24),

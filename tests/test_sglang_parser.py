@@ -291,7 +291,7 @@ def test_stream_batch_by_index_and_errors():
     for c in b:
         c["index"] = 1
     interleaved = [a[0], b[0], a[1]]
-    merged = merge_stream_batch(interleaved)
+    merged = merge_stream_batch(interleaved, num_requests=2)
     assert [[e[1] for e in m["meta_info"]["output_token_logprobs"]] for m in merged] == [IDS[:2], IDS[2:]]
     with pytest.raises(SGLangLogprobError, match="use merge_stream_batch"):
         merge_stream_chunks(interleaved)

@@ -56,7 +56,7 @@ def test_stream_cut_off_before_finishing_chunk_is_rejected_and_counted(increment
     full = stream_lines([2, 2, 2], incremental=incremental)
     cut = full[:2]  # the connection dropped after 4 of 6 tokens: no finishing chunk, no [DONE]
     merged = merge_stream_chunks(cut)
-    assert merged["stream"] == {"chunks": 2, "done": False, "ahead": 0}
+    assert merged["stream"] == {"chunks": 2, "done": False, "ahead": 0, "finish_reason_seen": True}
     s = parse_generate_response(merged)
     assert s.rejected and s.finish_error == "unfinished" and not s.nonfinite
     assert s.reasons == [
@@ -87,7 +87,7 @@ def test_batch_stream_one_request_cut_off_others_kept():
     a, b = RequestState("a"), RequestState("b")
     lines = [a.drain(a.step(LPS[:2], IDS[:2]), 0), b.drain(b.step(LPS[:3], IDS[:3]), 1),
              b.drain(b.step(LPS[3:], IDS[3:], finish=STOP), 1)]  # a's stream stops: cut off
-    merged = merge_stream_batch(lines)
+    merged = merge_stream_batch(lines, num_requests=2)
     sa, sb = (parse_generate_response(m) for m in merged)
     assert sa.finish_error == "unfinished" and sa.rejected
     assert not sb.rejected and sb.token_ids.tolist() == IDS
@@ -110,8 +110,8 @@ def test_batch_stream_chunk_serialised_after_its_lists_grew():
     lines += [b.drain(b2, 1), a.drain(a3, 0), DONE]
     assert '"output_token_logprobs_length": 2' in lines[1] and lines[1].count("null]") == 4  # 4 entries, length 2
 
-    ma, mb = merge_stream_batch(lines)
-    assert ma["stream"] == {"chunks": 3, "done": True, "ahead": 1}
+    ma, mb = merge_stream_batch(lines, num_requests=2)
+    assert ma["stream"] == {"chunks": 3, "done": True, "ahead": 1, "finish_reason_seen": True}
     sa, sb = parse_generate_response(ma), parse_generate_response(mb)
     assert not sa.rejected and not sb.rejected, (sa.reasons, sb.reasons)
     assert sa.token_ids.tolist() == IDS and sa.rollout_log_probs.tolist() == LPS
@@ -315,15 +315,16 @@ def test_real_sglang_batched_stream(mode):
     lines = real_streams()[mode]
     if mode == "cumulative":  # the race is in the capture: 4 entries under output_token_logprobs_length = 2
         assert '"output_token_logprobs_length":2' in lines[0] and lines[0].count(",null]") == 4
-    ma, mb = merge_stream_batch(lines)
+    ma, mb = merge_stream_batch(lines, num_requests=2)
     sa, sb = parse_generate_response(ma), parse_generate_response(mb)
     assert not sa.rejected, sa.reasons
     assert sa.token_ids.tolist() == [11, 12, 13, 2] and sa.rollout_log_probs.tolist() == [-0.5, -1.0, -2.0, -0.75]
-    assert ma["stream"] == {"chunks": 3, "done": True, "ahead": 2 if mode == "cumulative" else 0}
+    assert ma["stream"] == {"chunks": 3, "done": True, "ahead": 2 if mode == "cumulative" else 0,
+                            "finish_reason_seen": True}
     assert sb.rejected and sb.finish_error == "aborted" and sb.token_ids.tolist() == [21, 22, 23]
     assert sb.reasons == ["SGLang aborted the request (finish_reason abort: message 'Aborted')",
                           "1 None log-prob(s) at generated token(s) 2"]
-    cut = merge_stream_batch(lines[:4])  # connection lost before the finishing chunks
+    cut = merge_stream_batch(lines[:4], num_requests=2)  # connection lost before the finishing chunks
     assert [parse_generate_response(m).finish_error for m in cut] == ["unfinished", "unfinished"]
     b = collate([sa, sb, *(parse_generate_response(m) for m in cut)])
     assert b.metrics["sglang/unfinished_seq_fraction"].item() == 0.5

@@ -26,13 +26,17 @@ from typing import Any
 
 import torch
 
-from examples.rl.ckpt_manifest import verify_manifest, write_manifest
+from examples.rl.ckpt_manifest import CheckpointIntegrityError, verify_manifest, write_manifest
 
 EXTRA_FILE = "extra.pt"
 
 
+class UnsupportedTorchError(RuntimeError):
+    """The installed torch cannot run the example (message names the version and the fix)."""
+
+
 def check_reader_compatible() -> None:
-    """Refuse, before any training, a torch whose checkpoint metadata megatron-core cannot read back.
+    """Refuse, at argument parsing, a torch whose checkpoint metadata megatron-core cannot read back.
 
     megatron-core's ``dist_checkpointing`` (0.16-0.19) rebuilds each saved tensor as
     ``torch.empty(size, **TensorProperties.__dict__)``; torch 2.15 added a ``strides`` field to
@@ -44,10 +48,10 @@ def check_reader_compatible() -> None:
     try:
         torch.empty(1, **TensorProperties().__dict__, device="meta")
     except TypeError as err:
-        raise RuntimeError(
+        raise UnsupportedTorchError(
             f"torch {torch.__version__}: megatron-core's dist_checkpointing cannot read checkpoints back with this "
             f"torch (it passes TensorProperties fields {sorted(TensorProperties().__dict__)} to torch.empty: {err}). "
-            "The example needs torch < 2.15 (the README's tested range), e.g. pip install 'torch==2.13.0'") from err
+            "The example needs torch < 2.15 (the README's tested range), e.g. pip install 'torch==2.13.0'") from None
 
 
 def _dir(run_dir: str, step: int) -> str:
@@ -104,12 +108,34 @@ def save(
 
 
 def latest_step(run_dir: str) -> int | None:
-    """The step of the last complete checkpoint in ``run_dir``, or None."""
+    """The step of the last complete checkpoint in ``run_dir``, or None when ``checkpoints/latest`` does not
+    exist. A ``latest`` that does not hold a step number (>= 1) is a :class:`CheckpointIntegrityError` naming it."""
+    path = os.path.join(run_dir, "checkpoints", "latest")
     try:
-        with open(os.path.join(run_dir, "checkpoints", "latest"), encoding="utf-8") as f:
-            return int(f.read().strip())
+        with open(path, "rb") as f:
+            raw = f.read(64)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise CheckpointIntegrityError(f"{path} cannot be read ({e.strerror})") from None
+    text = raw.decode("utf-8", "replace").strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 12 and int(text) >= 1):
+        raise CheckpointIntegrityError(
+            f"{path} holds {text[:40]!r}, not the step number of a checkpoint (the trainer writes e.g. '4'): "
+            "the file is damaged; write the step of a complete checkpoints/step_N directory into it"
+        )
+    return int(text)
+
+
+def check_complete(run_dir: str, step: int) -> str:
+    """The directory of the checkpoint of ``step``, after checking that it is one (``metadata.json``) and that
+    every file matches its manifest; :class:`CheckpointIntegrityError` naming the file otherwise. Read-only:
+    every rank may call it before anything is built."""
+    path = _dir(run_dir, step)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointIntegrityError(f"no dist checkpoint at {path} (metadata.json missing)")
+    verify_manifest(path)  # before torch's reader opens (and unpickles) anything
+    return path
 
 
 def load(run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, *, load_extra: bool) -> dict[str, Any]:
@@ -117,10 +143,7 @@ def load(run_dir: str, step: int, model: torch.nn.Module, optimizer: Any, *, loa
     returns the ``extra`` dict when ``load_extra`` (the engine rank), else ``{}``."""
     from megatron.core import dist_checkpointing
 
-    path = _dir(run_dir, step)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
-    verify_manifest(path)  # before torch's reader opens (and unpickles) anything
+    path = check_complete(run_dir, step)  # again: the files may have changed since the run started
     loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), path)
     _unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
@@ -136,9 +159,6 @@ def load_model(run_dir: str, step: int, model: torch.nn.Module) -> None:
     """Restore only the model weights saved at ``step`` (any layout; the optimizer state is not read)."""
     from megatron.core import dist_checkpointing
 
-    path = _dir(run_dir, step)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise FileNotFoundError(f"no dist checkpoint at {path} (metadata.json missing)")
-    verify_manifest(path)
+    path = check_complete(run_dir, step)
     loaded = dist_checkpointing.load({"model": _unwrap(model).sharded_state_dict()}, path)
     _unwrap(model).load_state_dict(loaded["model"])

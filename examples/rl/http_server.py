@@ -15,13 +15,17 @@ The trainer then uses ``--run-dir RUN_DIR --sglang-url http://127.0.0.1:30000`` 
 
 Hardening (any local process can connect to a localhost port):
 
-* weights load only from directories inside ``--weights-root`` (symlinks resolved; without it the endpoint
-  refuses every path), and with ``--api-key`` (or ``SGLANG_API_KEY``) every endpoint but ``/health`` needs
+* weights load only from directories inside ``--weights-root``, and only files inside it (the directory and
+  each file it reads resolved, symlinks followed; the files are then opened by their resolved paths, a
+  symlink swapped in meanwhile refused; without ``--weights-root`` the endpoint refuses every path), and
+  with ``--api-key`` (or ``SGLANG_API_KEY``) every endpoint but ``/health`` needs
   ``Authorization: Bearer KEY`` (SGLang's scheme; the trainer's client sends ``SGLANG_API_KEY``);
 * a request body must announce its ``Content-Length``: missing -> 411, not a non-negative integer -> 400,
   above ``--max-body-mb`` -> 413, all answered before anything is read or allocated;
-* every connection has a socket timeout (``--socket-timeout``: an idle or trickling client is dropped),
-  at most ``--max-threads`` connections are served at once (the rest wait in a listen backlog of
+* every connection has a socket timeout (``--socket-timeout``: an idle or trickling client is dropped);
+  a connection waits for its first bytes without a thread (:class:`EngineHTTPServer`: idle connections,
+  up to :data:`MAX_WAITING` of them, the oldest closed beyond, never delay ``/health``), at most
+  ``--max-threads`` connections are served at once, each connection serves one request (listen backlog
   :data:`LISTEN_BACKLOG`);
 * a body that is not a JSON object, token ids outside ``[0, vocab)``, a prompt longer than the model,
   non-finite or mistyped sampling parameters -> 400 with the reason; an unexpected failure -> 500, and
@@ -31,20 +35,27 @@ Hardening (any local process can connect to a localhost port):
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import hmac
 import json
 import os
+import selectors
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
-from examples.rl.model import ModelConfig
+from examples.rl.model import CHECKPOINT_FILES, ModelConfig
 from examples.rl.quant import ENGINE_QUANT_CHOICES
 from examples.rl.rollout_engine import EmbeddedEngine, EngineNotReadyError
 
 LISTEN_BACKLOG = 256
+#: connections waiting for their first bytes (no thread each); beyond, the oldest is closed
+MAX_WAITING = 1024
 DEFAULT_MAX_BODY = 64 << 20
 DEFAULT_SOCKET_TIMEOUT = 30.0
 DEFAULT_MAX_THREADS = 32
@@ -52,24 +63,88 @@ LOCALHOST = ("127.0.0.1", "localhost", "::1")
 
 
 class EngineHTTPServer(ThreadingHTTPServer):
-    """A threading HTTP server with a large listen backlog and at most ``max_threads`` handler threads
-    (accepting waits for a free one; connections queue in the backlog meanwhile)."""
+    """A threading HTTP server whose handler threads serve only connections that have sent something.
+
+    An accepted connection first waits, without a thread, in a selector (at most :data:`MAX_WAITING`; when
+    full the oldest is closed) until its first bytes arrive, then gets one of at most ``max_threads`` handler
+    threads (the dispatcher waits for a free one) and is closed after one request. A connection that sends
+    nothing within ``first_byte_timeout`` seconds is closed. So idle connections -- any number of them --
+    cost a file descriptor each, never a thread, and ``/health`` is answered while they wait."""
 
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, max_threads: int) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, max_threads: int,
+                 first_byte_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self._slots = threading.BoundedSemaphore(max_threads)
+        self.first_byte_timeout = float(first_byte_timeout)
+        self._arrived: collections.deque[tuple[Any, Any]] = collections.deque()  # accepted, not yet parked
+        self._parked: collections.OrderedDict[Any, tuple[float, Any]] = collections.OrderedDict()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._stop = threading.Event()
         super().__init__(address, handler)
+        self._dispatcher = threading.Thread(target=self._dispatch, daemon=True, name="http-dispatch")
+        self._dispatcher.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        self._slots.acquire()
+        """(accepting thread) Park the connection until it sends something."""
+        self._arrived.append((request, client_address))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _dispatch(self) -> None:
+        """(dispatcher thread) Hand readable connections to handler threads; close expired or surplus ones."""
+        while not self._stop.is_set():
+            while self._arrived:
+                request, address = self._arrived.popleft()
+                if len(self._parked) >= MAX_WAITING:
+                    oldest, _ = self._parked.popitem(last=False)
+                    self._drop(oldest)
+                self._parked[request] = (time.monotonic() + self.first_byte_timeout, address)
+                self._selector.register(request, selectors.EVENT_READ)
+            now = time.monotonic()
+            first = next(iter(self._parked.values()), None)
+            wait = 0.5 if first is None else min(0.5, max(0.0, first[0] - now))
+            for key, _ in self._selector.select(wait):
+                if key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                    continue
+                _, address = self._parked.pop(key.fileobj)
+                self._selector.unregister(key.fileobj)
+                self._start(key.fileobj, address)
+            now = time.monotonic()
+            while self._parked:  # deadlines rise in arrival order: expired ones are at the front
+                request, (deadline, _) = next(iter(self._parked.items()))
+                if deadline > now:
+                    break
+                del self._parked[request]
+                self._drop(request)
+
+    def _drop(self, request: Any) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(request)
+        self.shutdown_request(request)
+
+    def _start(self, request: Any, client_address: Any) -> None:
+        while not self._slots.acquire(timeout=0.5):  # every handler busy with an active request
+            if self._stop.is_set():
+                self.shutdown_request(request)
+                return
         try:
-            super().process_request(request, client_address)
+            super().process_request(request, client_address)  # a handler thread
         except BaseException:
             self._slots.release()
+            self.shutdown_request(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -77,6 +152,18 @@ class EngineHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def server_close(self) -> None:
+        self._stop.set()
+        self._wake()
+        self._dispatcher.join(timeout=5)
+        for request in list(self._parked) + [r for r, _ in self._arrived]:
+            self._drop(request)
+        self._parked.clear()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        super().server_close()
 
 
 class _BadRequest(Exception):
@@ -108,6 +195,11 @@ def make_handler(
 
         def log_message(self, fmt: str, *args: Any) -> None:  # keep the trainer's console clean
             pass
+
+        def parse_request(self) -> bool:
+            ok = super().parse_request()
+            self.close_connection = True  # one request per connection: no idle keep-alive holds a thread
+            return ok
 
         def _reply(self, code: int, payload: Any) -> None:
             body = json.dumps(payload).encode()
@@ -200,7 +292,13 @@ def make_handler(
             if not _inside(path, root):
                 return 403, {"success": False, "message": f"model_path {path!r} is outside the weights root "
                              f"{root} (symlinks resolved)"}
-            res = engine.update_weights_from_disk(os.path.realpath(path))
+            real = os.path.realpath(path)
+            files = {name: os.path.realpath(os.path.join(real, name)) for name in CHECKPOINT_FILES}
+            for name, file in files.items():  # every file, not only the directory: a link may point out
+                if not _inside(file, root):
+                    return 403, {"success": False, "message": f"{name} of model_path {path!r} resolves to {file}, "
+                                 f"outside the weights root {root} (symlinks resolved)"}
+            res = engine.update_weights_from_disk(real, files=files)
             if res["success"]:
                 state["model_path"] = path
             return (200 if res["success"] else 400), res
@@ -227,7 +325,7 @@ def make_server(
     handler = make_handler(
         engine, weights_root=weights_root, api_key=api_key, max_body=max_body, socket_timeout=socket_timeout
     )
-    return EngineHTTPServer((host, port), handler, max_threads=max_threads)
+    return EngineHTTPServer((host, port), handler, max_threads=max_threads, first_byte_timeout=socket_timeout)
 
 
 def serve(

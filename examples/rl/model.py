@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 
 import torch
@@ -257,13 +258,46 @@ def save_hf_checkpoint(path: str, weights: dict[str, torch.Tensor], cfg: ModelCo
     os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
 
 
-def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a checkpoint written by :func:`save_hf_checkpoint` (``model.safetensors``)."""
+#: the files :func:`load_hf_checkpoint` reads from a checkpoint directory
+CHECKPOINT_FILES = ("config.json", WEIGHTS_FILE)
+
+
+def _read_no_link(path: str) -> bytes:
+    """The bytes of the regular file ``path``, refusing a symlink at the last component (``O_NOFOLLOW``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise OSError(e.errno, f"{path}: {e.strerror}" + (" (a symlink)" if os.path.islink(path) else "")) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read()
+
+
+def load_hf_checkpoint(
+    path: str, *, files: dict[str, str] | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a checkpoint written by :func:`save_hf_checkpoint` (``model.safetensors``).
+
+    ``files``: the path to read for each name of :data:`CHECKPOINT_FILES` (resolved and checked by the
+    caller); each is then opened without following a symlink."""
+    if files is not None:
+        from safetensors.torch import load as load_bytes
+
+        hf = json.loads(_read_no_link(files["config.json"]))
+        cfg = _config_of(hf)
+        return cfg, load_bytes(_read_no_link(files[WEIGHTS_FILE]))
     from safetensors.torch import load_file
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
-    cfg = ModelConfig(
+    weights = load_file(os.path.join(path, WEIGHTS_FILE), device="cpu")
+    return _config_of(hf), weights
+
+
+def _config_of(hf: dict) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face GPT-2 ``config.json``."""
+    return ModelConfig(
         vocab_size=hf["vocab_size"],
         num_layers=hf["n_layer"],
         hidden_size=hf["n_embd"],
@@ -273,8 +307,6 @@ def load_hf_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         moe_experts=hf.get("num_local_experts", 0),
         moe_topk=hf.get("num_experts_per_tok", 0),
     )
-    weights = load_file(os.path.join(path, WEIGHTS_FILE), device="cpu")
-    return cfg, weights
 
 
 # --------------------------------------------------------------------------------------------------

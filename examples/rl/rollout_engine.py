@@ -98,11 +98,12 @@ class EmbeddedEngine:
             self._model = model
             self.weight_version += 1
 
-    def update_weights_from_disk(self, model_path: str) -> dict[str, Any]:
+    def update_weights_from_disk(self, model_path: str, *, files: dict[str, str] | None = None) -> dict[str, Any]:
         """SGLang ``/update_weights_from_disk`` semantics: load a checkpoint directory written by
-        :func:`examples.rl.model.save_hf_checkpoint`; returns ``{"success", "message"}``."""
+        :func:`examples.rl.model.save_hf_checkpoint`; returns ``{"success", "message"}``. ``files``: the
+        resolved path of each file to read (``load_hf_checkpoint``), as the HTTP server checked them."""
         try:
-            cfg, weights = load_hf_checkpoint(model_path)
+            cfg, weights = load_hf_checkpoint(model_path, files=files)
             if cfg != self.cfg:
                 return {"success": False, "message": f"architecture {cfg} does not match engine {self.cfg}"}
             self.load_weights(weights)

@@ -1,10 +1,12 @@
 """One run per run directory, resumed only with its own configuration.
 
 * **Fresh start** (no ``--resume``): ``RUN_DIR`` must be absent or empty. A non-empty one is refused,
-  unless ``--overwrite``, which empties it first -- only when it holds ``args.json`` (it is a run
-  directory of this job; any other directory is never emptied). Otherwise a new run would empty
-  ``metrics.jsonl``, append to the old ``logprobs.jsonl`` and leave old checkpoints that a later
-  ``--resume`` would load.
+  unless ``--overwrite``, which empties it first -- only when it is a run directory this job wrote: its
+  ``args.json`` is a regular file holding a JSON object whose :data:`MARKER_KEY` is :data:`MARKER` (the
+  trainer writes both at a run's first start). Any other directory -- another tool's ``args.json``, one
+  that is not JSON, not an object, a symlink, an older format -- is refused in one line and left
+  untouched. Otherwise a new run would empty ``metrics.jsonl``, append to the old ``logprobs.jsonl`` and
+  leave old checkpoints that a later ``--resume`` would load.
 * **Resume**: the configuration is the one saved in ``RUN_DIR/args.json``. Flags not given on the command
   line take their saved value; a given flag must agree with it, except the flags of
   :data:`MAY_CHANGE_ON_RESUME` (how long and how the run is executed, not what it computes). A
@@ -22,6 +24,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +35,12 @@ MAY_CHANGE_ON_RESUME = ("steps", "save_interval", "dump_interval", "pp", "sglang
 SESSION_ONLY = ("run_dir", "resume", "overwrite", "no_progress")
 #: keys args.json holds besides the flags
 DERIVED_KEYS = ("algorithm", "world_size")
+#: the key of args.json that marks a run directory written by this job, and its value (writer and format);
+#: ``--overwrite`` empties only a directory whose args.json carries exactly this
+MARKER_KEY = "run_dir_format"
+MARKER = "examples.rl.train run directory, format 1"
+#: an args.json larger than this is not one the trainer wrote (it holds a few hundred flags)
+_MAX_ARGS_BYTES = 1 << 20
 
 
 class RunDirError(ValueError):
@@ -60,11 +69,36 @@ def check_fresh(run_dir: str, *, overwrite: bool) -> None:
             f"--run-dir {run_dir!r} is not empty ({shown}): continue that run with --resume, or start it anew "
             "with --overwrite (deletes its contents), or choose another directory"
         )
-    if ARGS_FILE not in entries:
+    why = _not_ours(os.path.join(run_dir, ARGS_FILE))
+    if why:
         raise RunDirError(
-            f"--overwrite refuses to empty {run_dir!r} ({shown}): it has no {ARGS_FILE}, so it is not a run "
-            "directory of this job; choose an empty directory"
+            f"--overwrite refuses to empty {run_dir!r} ({shown}): {why}, so it is not a run directory written "
+            "by this job; nothing was deleted: choose an empty directory"
         )
+
+
+def _not_ours(path: str) -> str | None:
+    """Why ``path`` (a run directory's args.json) is not the marked file the trainer writes, or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"it has no {ARGS_FILE}"
+    except OSError as e:
+        return f"its {ARGS_FILE} cannot be inspected ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"its {ARGS_FILE} is not a regular file"
+    if st.st_size > _MAX_ARGS_BYTES:
+        return f"its {ARGS_FILE} has {st.st_size} bytes"
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        return f"its {ARGS_FILE} is not JSON ({type(e).__name__})"
+    if not isinstance(saved, dict):
+        return f"its {ARGS_FILE} holds a {type(saved).__name__}, not an object"
+    if saved.get(MARKER_KEY) != MARKER:
+        return f"its {ARGS_FILE} lacks {MARKER_KEY!r} = {MARKER!r}"
+    return None
 
 
 def clear(run_dir: str) -> None:
@@ -160,9 +194,10 @@ def _plugin_dests() -> set[str]:
 
 
 def write_saved(run_dir: str, args: argparse.Namespace, extra: dict[str, Any]) -> None:
-    """Write ``RUN_DIR/args.json`` (fresh runs only; atomic replace)."""
+    """Write ``RUN_DIR/args.json`` (fresh runs only; atomic replace), marked as this job's (:data:`MARKER`)."""
     data = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite")}
     data.update(extra)
+    data[MARKER_KEY] = MARKER
     path = os.path.join(run_dir, ARGS_FILE)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)

@@ -188,6 +188,7 @@ def resolve_args(argv: list[str]) -> argparse.Namespace:
     from slime_tis import TISConfig
 
     args = build_parser().parse_args(argv)
+    checkpoint.check_reader_compatible()  # a torch the example cannot run refuses here, before anything is built
     if args.resume and args.overwrite:
         raise run_dir.RunDirError("--resume continues the run in RUN_DIR, --overwrite deletes it: give one of them")
     if not args.resume:
@@ -195,24 +196,43 @@ def resolve_args(argv: list[str]) -> argparse.Namespace:
         return args
     saved = run_dir.load_saved(args.run_dir)
     args = run_dir.resolve_resume(args, run_dir.explicit_dests(build_parser, argv), saved, TISConfig.from_args)
-    if checkpoint.latest_step(args.run_dir) is None:
+    step = checkpoint.latest_step(args.run_dir)  # a damaged checkpoints/latest: refused naming it
+    if step is None:
         raise run_dir.RunDirError(f"--resume given but {args.run_dir}/checkpoints/latest does not exist")
+    checkpoint.check_complete(args.run_dir, step)  # a corrupt checkpoint: refused before the model is built
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def _refusals() -> tuple[type[Exception], ...]:
+    """The errors that refuse the user's input or files (one line, exit status 2, no traceback)."""
+    from examples.rl.checkpoint import UnsupportedTorchError
+    from examples.rl.ckpt_manifest import CheckpointIntegrityError
     from examples.rl.run_dir import RunDirError
 
+    return RunDirError, CheckpointIntegrityError, UnsupportedTorchError
+
+
+def _refuse(e: BaseException, rank: int | None = None) -> int:
+    where = "" if rank is None else f" (rank {rank})"
+    print(f"examples.rl.train: error{where}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    refusals = _refusals()
     try:
         args = resolve_args(list(sys.argv[1:] if argv is None else argv))
-    except RunDirError as e:
-        print(f"examples.rl.train: error: {e}", file=sys.stderr)
-        return 2
+    except refusals as e:
+        return _refuse(e)
     from examples.rl.dist import init_distributed, shutdown
 
     info = init_distributed(pp=args.pp, seed=args.seed)
+    rank = info.rank if info.world_size > 1 else None
     try:
-        validate(args, info.world_size)
+        try:
+            validate(args, info.world_size)
+        except ValueError as e:  # the same on every rank (configuration and world size only)
+            return _refuse(e, rank)
         if args.overwrite and info.rank == 0 and os.path.isdir(args.run_dir):
             from examples.rl.run_dir import clear
 
@@ -220,6 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         if info.world_size > 1:
             torch.distributed.barrier()
         Trainer(args, info).run()
+    except refusals as e:  # a checkpoint damaged after the start-up check: every rank reads the same files
+        return _refuse(e, rank)
+    except Exception as e:
+        from slime_tis.megatron.rank_failure import RankFailedError, explain
+
+        # outside the hook's calls (the example's own collectives): the rank that failed first, when one said so
+        other = None if isinstance(e, RankFailedError) else explain(e, "the example's training loop")
+        if other is None:
+            raise
+        raise other from e
     finally:
         shutdown()
     return 0
@@ -523,7 +553,6 @@ class Trainer:
         from examples.rl.run_log import RunLogger
 
         a, info = self.args, self.info
-        checkpoint.check_reader_compatible()
         start = 0
         if a.resume:
             found = checkpoint.latest_step(a.run_dir)

@@ -24,6 +24,7 @@ from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.patch import tis_patch
+from slime_tis.megatron.rank_failure import RankFailedError
 from slime_tis.megatron.recompute import recompute_log_probs
 from slime_tis.megatron.reduce import MegatronReducer
 from slime_tis.megatron.rollout import compute_old_log_probs, rollout_step_iterator
@@ -32,6 +33,7 @@ from slime_tis.megatron.step_totals import StepPlan, StepTotals, needs_pre_pass,
 __all__ = [
     "tis_forward_backward_func",
     "tis_patch",
+    "RankFailedError",
     "compute_old_log_probs",
     "rollout_step_iterator",
     "add_megatron_tis_arguments",

@@ -29,6 +29,11 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
    and whose launcher went on has paired this call's collectives with another call's, and every rank of the
    step raises ``RuntimeError`` instead of returning mixed gradients and metrics.
 
+An error leaving a training call (or :meth:`TISForwardBackward.compute_old_log_probs`) is recorded with the
+rank and the phase it left (``rank_failure``); on the other ranks, the broken connection their next
+collective then meets becomes a ``RankFailedError`` naming that rank, phase and error. Healthy calls touch
+neither the store nor any extra collective.
+
 With ``fused_output_layer=True`` (``--tis-fused-output-layer``) steps 3-5 run with the model's last-stage
 output layer switched to return hidden states (``output_layer.use_fused_output_layer``) and the loss and the
 pi_old passes compute log-probs and entropy with ``output_layer.fused_log_probs`` from the hidden states and
@@ -63,6 +68,7 @@ from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.model_dtype_output import model_dtype_output_during
 from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
+from slime_tis.megatron.rank_failure import Phase, reporting
 from slime_tis.megatron.recompute import recompute_log_probs
 from slime_tis.megatron.rollout import compute_old_log_probs
 from slime_tis.megatron.schedule import materialise, replay
@@ -161,15 +167,24 @@ class TISForwardBackward:
         """pi_old of a whole rollout (``rollout.compute_old_log_probs`` with this hook's temperature, chunk
         size, item accessor and TP broadcast); afterwards this hook never recomputes pi_old (every rank
         calls this, so every rank switches together). Returns the rollout's materialised items."""
-        self._check_settings_agree()
-        items = compute_old_log_probs(
+        with reporting(Phase("the rollout's pi_old pass (compute_old_log_probs)")) as phase:
+            phase.name = "the settings check"
+            self._check_settings_agree()
+            phase.name = "the forward-only schedule"
+            items = self._compute_old_log_probs(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                                model=model, num_microbatches=num_microbatches, num_steps=num_steps,
+                                                **schedule_kwargs)
+        self.pi_old = "rollout"
+        return items
+
+    def _compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
+                               num_microbatches: int, num_steps: int, **schedule_kwargs: Any) -> Any:
+        return compute_old_log_probs(
             self.forward_backward_func, forward_step_func, data_iterator, model,
             num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
             chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
             fused_output_layer=self.output_layer == "fused", fp32_lm_head=self.output_layer == "fp32",
             run_pass=algorithm_of(self.cfg).needs_pi_old, kernels=self.cfg.kernels, **schedule_kwargs)
-        self.pi_old = "rollout"
-        return items
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
                  forward_only: bool = False, **kwargs: Any) -> list:
@@ -177,18 +192,22 @@ class TISForwardBackward:
             return self.forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, forward_only=True, **kwargs)
-        return self._train(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                           num_microbatches=num_microbatches, **kwargs)
+        with reporting(Phase("a training call")) as phase:
+            return self._train(phase, forward_step_func=forward_step_func, data_iterator=data_iterator,
+                               model=model, num_microbatches=num_microbatches, **kwargs)
 
-    def _train(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
-               **kwargs: Any) -> list:
+    def _train(self, phase: Phase, *, forward_step_func: Callable, data_iterator: Any, model: Any,
+               num_microbatches: int, **kwargs: Any) -> list:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
         from slime_tis.megatron.reduce import reducer_for_schedule
 
+        phase.name = "the settings check"
         self._check_settings_agree()
         self.train_call = next(_TRAINING_CALLS)
+        phase.call = f"training call {self.train_call}"
+        phase.name = "reading the micro-batches"
         cfg = self.cfg
         chunks = model if isinstance(model, list) else [model]
         vpp = len(chunks) > 1
@@ -207,6 +226,7 @@ class TISForwardBackward:
         collector: list[MetricStats] = []
         with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):  # steps 3-5
             if self.last_recomputed:
+                phase.name = "the pi_old pass"
                 lps = recompute_log_probs(
                     self.forward_backward_func, forward_step_func, items, model, batches=batches,
                     num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
@@ -215,16 +235,19 @@ class TISForwardBackward:
                     pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
                     if pi_old_pass:
                         batches = self._fill_missing_pi_old(batches, lps)
+            phase.name = "the step totals"
             totals = (step_totals(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
                       if batches is not None else None)
             forward_step = forward_step_with_tis_loss(
                 forward_step_func, cfg, batches, totals, form, reducer, collector=collector,
                 temperature=self.temperature, chunk_size=self.chunk_size, output_layer=self.output_layer,
                 pi_old_from_theta=pi_old_from_theta)
+            phase.name = "megatron's forward-backward schedule (the loss function included)"
             out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
                                              model=model, num_microbatches=num_microbatches, forward_only=False,
                                              **kwargs)
         self.last_totals = totals
+        phase.name = "the step metrics"
         self.last_metrics = aggregate_metrics(collector, reducer, step=self.train_call) if is_last else {}
         if is_last and self.metrics_in_loss_dicts:
             add_metrics_to_loss_dicts(out, self.last_metrics)

@@ -245,8 +245,13 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
         if isinstance(stream, Mapping) and stream.get("chunks") == 0:
             where = f"no stream chunk of request {response.get('index')!r} of the batch was received"
         elif isinstance(stream, Mapping):
+            n_chunks = stream.get("chunks")
+            if stream.get("finish_reason_seen", True):
+                said = f"finish_reason null in the last of {n_chunks} stream chunk(s)"
+            else:
+                said = f"no finish_reason in any of {n_chunks} stream chunk(s)"
             where = (
-                f"finish_reason null in the last of {stream.get('chunks')} stream chunk(s), "
+                f"{said}, "
                 + ("then [DONE]" if stream.get("done") else "no [DONE] line")
                 + ": the stream was cut off before its finishing chunk"
             )

@@ -20,24 +20,33 @@ rewrites an earlier token is an error; the length field is only a cross-check; a
 counted in ``stream["ahead"]``). Without the field (other
 servers, hand-built chunks) the mode is inferred: a chunk whose list starts with everything received
 so far is cumulative. Pass ``incremental=True/False`` to force it. A batched streaming request tags
-chunks with ``"index"``; :func:`merge_stream_batch` splits them (give it ``num_requests``: a request
-that sent no chunk is then returned empty, rejected and counted, in its own place). Merging costs time
-linear in the bytes received.
+chunks with ``"index"``; :func:`merge_stream_batch` splits them and needs ``num_requests`` for it: a
+request that sent no chunk is then returned empty, rejected and counted, in its own place. Merging costs
+time linear in the bytes received.
+
+SGLang's abort of a request waiting in its queue (``TokenizerManager._handle_abort_req``) sends, in both
+modes, one finishing chunk built from the request's whole state: the full per-token lists (never sliced,
+the length field counting them all), the full text and ``output_ids`` holding only the last id. That
+chunk replaces what was received (it extends it); any other abort chunk that does not fit what was
+received ends the request as aborted too (the mismatch is kept in ``stream["abort_note"]``) instead of
+failing the stream: the request is rejected and counted as aborted, the others are unaffected.
 
 The merged dict has the shape of a non-streaming response plus ``"index"`` and ``"stream": {"chunks",
-"done", "ahead"}`` (chunks merged, whether ``[DONE]`` was seen, chunks whose lists were ahead of their
-length field). Only a non-empty ``finish_reason`` (SGLang's ``{"type": ...}`` or a string) ends a
-request; ``false``, ``0``, ``{}`` or ``""`` do not. It goes to
-:func:`slime_tis.sglang.parse_generate_response`, which performs the alignment checks and rejects,
-with the reason, a request whose last chunk is not its finishing one (``finish_reason`` null: a
-stream cut off early).
+"done", "ahead", "finish_reason_seen"}`` (chunks merged, whether ``[DONE]`` was seen, chunks whose lists
+were ahead of their length field, whether any chunk carried ``finish_reason``). Only a non-empty
+``finish_reason`` (SGLang's ``{"type": ...}`` or a string) ends a request; ``false``, ``0``, ``{}`` or
+``""`` do not. A request without a finishing chunk gets ``finish_reason`` null -- also when no chunk
+carried the key at all, unless ``[DONE]`` closed the stream (a server that never sends the key). It goes
+to :func:`slime_tis.sglang.parse_generate_response`, which performs the alignment checks and rejects,
+with the reason, a request whose last chunk is not its finishing one (``finish_reason`` null: a stream
+cut off early).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .response import SGLangLogprobError, is_finish_reason
@@ -54,8 +63,6 @@ TOKEN_LISTS = (
     "output_token_sampling_logprobs",
 )
 _PRIMARY = "output_token_logprobs"
-#: Without ``num_requests``, requests missing below the highest index are filled in: up to this index.
-MAX_UNDECLARED_INDEX = 1 << 16
 
 
 class _Lines:
@@ -122,6 +129,10 @@ def _extends(new: list[Any], old: list[Any]) -> bool:
     return head == old or _same(head, old)
 
 
+def _is_abort(value: Any) -> bool:
+    return isinstance(value, Mapping) and value.get("type") == "abort" or value == "abort"
+
+
 def _length_field(meta: Mapping[str, Any]) -> int | None:
     value = meta.get("output_token_logprobs_length")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -142,6 +153,8 @@ class _Accumulator:
         self.n_chunks = 0
         self.ahead = 0
         self.finished = False
+        self.saw_finish_key = False
+        self.abort_note: str | None = None
 
     @property
     def entries(self) -> list[Any]:
@@ -180,6 +193,49 @@ class _Accumulator:
         total = _length_field(meta)
         lists = {k: list(meta[k]) for k in TOKEN_LISTS if isinstance(meta.get(k), (list, tuple))}
         ids = chunk.get("output_ids")
+        finishing = is_finish_reason(meta.get("finish_reason"))
+        if finishing and self._is_state_dump(lps, lists, ids, total):
+            self._take_state_dump(lists, lps, chunk.get("text"))
+        elif _is_abort(meta.get("finish_reason")):
+            try:
+                self._merge(lps, lists, ids, total, meta, chunk.get("text"))
+            except SGLangLogprobError as e:
+                # the request ends aborted (rejected and counted as such whatever its tokens); a chunk whose
+                # token lists do not fit what was received does not take the other requests down with it
+                self.abort_note = str(e)
+        else:
+            self._merge(lps, lists, ids, total, meta, chunk.get("text"))
+        self.saw_finish_key = self.saw_finish_key or "finish_reason" in meta
+        self.meta = dict(meta)
+        self.n_chunks += 1
+        self.finished = finishing
+
+    def _is_state_dump(self, lps: list[Any], lists: dict[str, list[Any]], ids: Any, total: int | None) -> bool:
+        """A finishing chunk built from the request's whole state, as SGLang's abort of a queued request
+        (``TokenizerManager._handle_abort_req``) sends it in both streaming modes: the full per-token lists
+        (never sliced to a delta; the length field counts them all), the full text, and ``output_ids``
+        holding only the last id (``[]`` without tokens)."""
+        if total is None or len(lps) != total:
+            return False
+        if not isinstance(ids, (list, tuple)) or len(ids) > 1:
+            return False
+        if not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in lps):
+            return False
+        if list(ids) != [e[1] for e in lps[-1:]]:
+            return False
+        return all(_extends(values, self.lists.get(key, [])) for key, values in lists.items())
+
+    def _take_state_dump(self, lists: dict[str, list[Any]], lps: list[Any], text: Any) -> None:
+        self.lists.update(lists)
+        self.output_ids = [e[1] for e in lps]
+        if isinstance(text, str):
+            self.text_parts, self.last_text = [], text
+
+    def _merge(
+        self, lps: list[Any], lists: dict[str, list[Any]], ids: Any, total: int | None, meta: Mapping[str, Any],
+        text: Any,
+    ) -> None:
+        """Merge one chunk's tokens (an incremental delta, or a cumulative chunk extending what was received)."""
         if self._is_incremental(lps, meta):
             if total is not None and len(self.entries) + len(lps) != total:
                 raise SGLangLogprobError(
@@ -192,8 +248,8 @@ class _Accumulator:
                 if self.output_ids is None:
                     self.output_ids = []
                 self.output_ids.extend(ids)  # in place: a long stream of deltas merges in linear time
-            if isinstance(chunk.get("text"), str):
-                self.text_parts.append(chunk["text"])
+            if isinstance(text, str):
+                self.text_parts.append(text)
         else:
             for key, values in lists.items():
                 old = self.lists.get(key, [])
@@ -213,16 +269,16 @@ class _Accumulator:
                         f"{len(self.output_ids)} ids received so far (an earlier token was rewritten)"
                     )
                 self.output_ids = ids
-            if isinstance(chunk.get("text"), str):
-                self.last_text = chunk["text"]
-        self.meta = dict(meta)
-        self.n_chunks += 1
-        self.finished = is_finish_reason(meta.get("finish_reason"))
+            if isinstance(text, str):
+                self.last_text = text
 
     def result(self, done: bool) -> dict[str, Any]:
         if self.n_chunks == 0:
             raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
         meta = dict(self.meta)
+        if not self.finished and (self.saw_finish_key or not done):
+            # no finishing chunk: a stream cut short (even one whose chunks never carry the key) is unfinished
+            meta["finish_reason"] = None
         meta.update(self.lists)
         meta["output_token_logprobs_length"] = len(self.entries)
         if "output_token_sampling_mask" in self.lists:
@@ -231,7 +287,10 @@ class _Accumulator:
         out: dict[str, Any] = {"text": text, "meta_info": meta}
         if self.output_ids is not None:
             out["output_ids"] = self.output_ids
-        out["stream"] = {"chunks": self.n_chunks, "done": done, "ahead": self.ahead}
+        out["stream"] = {"chunks": self.n_chunks, "done": done, "ahead": self.ahead,
+                         "finish_reason_seen": self.saw_finish_key}
+        if self.abort_note is not None:
+            out["stream"]["abort_note"] = self.abort_note
         out["index"] = self.index
         return out
 
@@ -244,9 +303,31 @@ def _missing(index: int, done: bool) -> dict[str, Any]:
         "text": None,
         "output_ids": [],
         "meta_info": meta,
-        "stream": {"chunks": 0, "done": done, "ahead": 0},
+        "stream": {"chunks": 0, "done": done, "ahead": 0, "finish_reason_seen": False},
         "index": index,
     }
+
+
+def _by_index(
+    chunks: Iterable[str | bytes | Mapping[str, Any]],
+    incremental: bool | None,
+    check_index: Callable[[int], None],
+) -> tuple[dict[int, _Accumulator], bool]:
+    """Merge every chunk into the accumulator of its ``index`` (0 without one); ``check_index(index)`` of
+    every chunk carrying the key raises when that index cannot be accepted. Returns the accumulators and
+    whether ``[DONE]`` was seen."""
+    lines = _Lines(chunks)
+    accs: dict[int, _Accumulator] = {}
+    for chunk in lines:
+        index = chunk.get("index", 0)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise SGLangLogprobError(f"stream chunk has a non-integer 'index' {index!r}")
+        if "index" in chunk:
+            check_index(index)
+        if index not in accs:
+            accs[index] = _Accumulator(incremental, index)
+        accs[index].add(chunk)
+    return accs, lines.done
 
 
 def merge_stream_batch(
@@ -256,15 +337,17 @@ def merge_stream_batch(
     num_requests: int | None = None,
 ) -> list[dict[str, Any]]:
     """Merge the chunks of a (possibly batched) streaming request; one response dict per request,
-    ordered by ``index`` and carrying it (``result["index"]``; chunks without ``index`` belong to 0).
+    ordered by ``index`` and carrying it (``result["index"]``).
 
     ``num_requests``: how many requests the batch holds (``len(input_ids)`` of a batched request,
-    times ``n`` for parallel sampling). Result ``i`` is always request ``i``: a request that sent no
-    chunk at all -- beyond the highest index seen only when ``num_requests`` is given, so pass it --
-    gets an empty result with ``finish_reason`` null and ``stream["chunks"] = 0``, which
+    times ``n`` for parallel sampling); required when the chunks carry ``index`` (a batched stream), since
+    only then can a request that sent no chunk be told apart from one that does not exist. Result ``i``
+    is always request ``i``: a request that sent no chunk at all gets an empty result with
+    ``finish_reason`` null and ``stream["chunks"] = 0``, which
     :func:`slime_tis.sglang.parse_generate_response` rejects as unfinished and ``collate`` counts in
     ``sglang/unfinished_seq_fraction``; the next request's tokens never take its place. A chunk with an
-    index outside ``[0, num_requests)`` is an error.
+    index outside ``[0, num_requests)`` is an error. Without ``num_requests`` the stream must be one
+    request (chunks without ``index``).
 
     A request whose stream stops before its finishing chunk is still returned (``finish_reason``
     null, ``stream["done"]`` false when ``[DONE]`` is missing) and is rejected, counted, by
@@ -274,27 +357,22 @@ def merge_stream_batch(
         isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
     ):
         raise ValueError(f"num_requests must be a positive int, got {num_requests!r}")
-    lines = _Lines(chunks)
-    accs: dict[int, _Accumulator] = {}
-    for chunk in lines:
-        index = chunk.get("index", 0)
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise SGLangLogprobError(f"stream chunk has a non-integer 'index' {index!r}")
-        if index < 0 or (num_requests is not None and index >= num_requests):
-            expected = f"[0, {num_requests})" if num_requests is not None else ">= 0"
-            raise SGLangLogprobError(f"stream chunk has 'index' {index}, expected {expected}")
-        if index not in accs:
-            accs[index] = _Accumulator(incremental, index)
-        accs[index].add(chunk)
-    if not accs and num_requests is None:
-        raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
-    if num_requests is None and max(accs) >= MAX_UNDECLARED_INDEX:
-        raise SGLangLogprobError(
-            f"stream chunk has 'index' {max(accs)} (>= {MAX_UNDECLARED_INDEX}): pass num_requests to merge "
-            "a batch that large"
-        )
-    n = num_requests if num_requests is not None else max(accs) + 1
-    return [accs[i].result(lines.done) if i in accs else _missing(i, lines.done) for i in range(n)]
+
+    def check_index(index: int) -> None:
+        if num_requests is None:
+            raise SGLangLogprobError(
+                f"stream chunk has 'index' {index}: a batched stream needs num_requests (len(input_ids) x n), "
+                "so that a request that sends no chunk is returned, rejected and counted instead of lost"
+            )
+        if not 0 <= index < num_requests:
+            raise SGLangLogprobError(f"stream chunk has 'index' {index}, expected [0, {num_requests})")
+
+    accs, done = _by_index(chunks, incremental, check_index)
+    if num_requests is None:
+        if not accs:
+            raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
+        return [accs[0].result(done)]
+    return [accs[i].result(done) if i in accs else _missing(i, done) for i in range(num_requests)]
 
 
 def merge_stream_chunks(
@@ -305,9 +383,15 @@ def merge_stream_chunks(
     Raises :class:`SGLangLogprobError` if the chunks belong to several requests (use
     :func:`merge_stream_batch`), are inconsistent, or carry no log-probs.
     """
-    merged = merge_stream_batch(chunks, incremental=incremental)
-    if len(merged) != 1:
-        raise SGLangLogprobError(
-            f"stream has chunks of {len(merged)} requests (several 'index' values); use merge_stream_batch"
-        )
-    return merged[0]
+
+    def check_index(index: int) -> None:
+        if index != 0:
+            raise SGLangLogprobError(
+                f"stream chunk has 'index' {index}: the stream holds several requests; use merge_stream_batch "
+                "with num_requests"
+            )
+
+    accs, done = _by_index(chunks, incremental, check_index)
+    if not accs:
+        raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
+    return accs[0].result(done)

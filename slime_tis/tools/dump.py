@@ -551,6 +551,24 @@ def _pt_tensor(obj: Mapping[str, Any], key: str, path: Path, *, kind: str, lengt
     return x
 
 
+def _pt_lower_bound(x: Tensor | None, key: str, lo: int, path: Path, cu: Tensor | None) -> None:
+    """Refuse an integer field of a ``.pt`` dump with an entry below ``lo`` (the bound the JSONL reader
+    applies), naming the record and, for a per-token field (``cu`` given), the position in it."""
+    if x is None:
+        return
+    bad = (x.to(torch.int64) < lo).nonzero()
+    if bad.numel() == 0:
+        return
+    at = int(bad[0, 0])
+    value = int(x[at])
+    if cu is None:
+        where = f"record {at}: {key}"
+    else:
+        rec = int(torch.searchsorted(cu, torch.tensor(at), right=True)) - 1
+        where = f"record {rec}: {key}[{at - int(cu[rec])}]"
+    raise DumpFormatError(f"{path}: {where} = {value} is below {lo}")
+
+
 def _read_pt(path: Path, obj: Any) -> LogprobDump:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         keys = sorted(map(str, obj))[:12] if isinstance(obj, dict) else type(obj).__name__
@@ -578,6 +596,9 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
     idx = _pt_tensor(obj, "sample_index", path, kind="int", length=n, optional=True)
     ids = _pt_tensor(obj, "token_ids", path, kind="int", length=t, optional=True)
     reward = _pt_tensor(obj, "reward", path, kind="float", length=n, optional=True)
+    _pt_lower_bound(step, "step", -1, path, None)
+    _pt_lower_bound(idx, "sample_index", -1, path, None)
+    _pt_lower_bound(ids, "token_ids", 0, path, cu)
     meta = obj.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise DumpFormatError(f"{path}: field 'meta' must be a dict, got {type(meta).__name__} {_short(meta)}")

@@ -41,6 +41,8 @@ def _decode(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # e.g. an integer literal beyond Python's digit limit
+        raise ValueError(f"not valid JSON ({' '.join(str(e).split())[:120]})") from None
     except RecursionError:
         raise ValueError("not valid JSON (nested too deeply)") from None
 

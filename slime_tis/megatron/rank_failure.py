@@ -1,0 +1,134 @@
+"""Say which rank failed, and where, when a collective breaks because another rank's training call raised.
+
+When one rank's training call raises (its data, a bug, out of memory) and its process ends, the other ranks'
+next collective fails with the backend's error (gloo: "Connection closed / reset by peer"), which names
+neither the rank nor the cause. The hook therefore, while an error propagates out of one of its calls:
+
+* an error of its own (anything but a broken connection): one line, ``rank R failed in <phase> of
+  training call N: <Type>: <message>``, goes under one key of the job's rendezvous store
+  (torch.distributed's default store; the first record wins), and the error is re-raised unchanged --
+  also where every rank raises alike (a configuration check);
+* a broken connection (the backend's error once the failed rank's process is gone, which happens after it
+  wrote its record; waited for up to :data:`WAIT_S`): :class:`RankFailedError` (a ``RuntimeError``)
+  whose message starts with the other rank's record, followed by where this rank stopped and its own
+  error (chained).
+
+A healthy step touches nothing (no store operation, no collective). A process that wrote a record withdraws
+it at the start of its next training call (its launcher went on; the record no longer explains anything).
+Under torchrun the store lives in the launcher's agent and outlives the failed worker; where it does not
+(rank 0 hosts it and is the one that failed) or there is no process group, errors pass unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+KEY = "slime_tis/failed_rank"
+#: how long a rank whose connection broke waits for the failed rank's record
+WAIT_S = 2.0
+_MAX_MESSAGE = 300
+#: words of a backend error caused by a peer that went away (gloo, NCCL, the TCP store)
+_BROKEN = ("by peer", "remote worker", "broken pipe", "connection", "timed out", "nccl")
+
+_recorded: list[str] = []  # this process's record while it stands (withdrawn at the next call)
+
+
+class RankFailedError(RuntimeError):
+    """This rank stopped because another rank's training call raised (message: that rank, where, its error)."""
+
+
+class Phase:
+    """Where a training call is (set by the hook as it goes; read when an error propagates)."""
+
+    def __init__(self, call: str) -> None:
+        self.call = call
+        self.name = "its start"
+
+    def where(self) -> str:
+        return f"{self.name} of {self.call}"
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or "(no message)"
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def _store() -> tuple[Any, int] | None:
+    """The default store and this rank, or None (no process group, one process, or no store)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        return distributed_c10d._get_default_store(), dist.get_rank()  # noqa: SLF001 - the job's rendezvous store
+    except Exception:  # noqa: BLE001 - no store: errors pass unchanged
+        return None
+
+
+def _broken_connection(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _BROKEN)
+
+
+def withdraw() -> None:
+    """At the start of a training call: remove this process's record, if it wrote one (nothing otherwise)."""
+    if not _recorded:
+        return
+    mine = _recorded.pop()
+    found = _store()
+    if found is None:
+        return
+    store, _ = found
+    with contextlib.suppress(Exception):
+        if store.check([KEY]) and store.get(KEY).decode("utf-8", "replace") == mine:
+            store.delete_key(KEY)
+
+
+def explain(e: BaseException, where: str) -> RankFailedError | None:
+    """While ``e`` propagates out of ``where`` on this rank: when ``e`` is a broken connection and another
+    rank recorded its failure, the error naming that rank; otherwise None (``e`` stands), after recording
+    ``e`` as this rank's failure unless a record is there already. An error every rank raises alike (a
+    configuration check) thus stays as it is on every rank."""
+    found = _store()
+    if found is None:
+        return None
+    store, rank = found
+    try:
+        if _broken_connection(e):
+            if not store.check([KEY]):
+                with contextlib.suppress(Exception):
+                    store.wait([KEY], timedelta(seconds=WAIT_S))
+            if not store.check([KEY]):
+                return None  # no rank said why (killed, or failed outside a hook call)
+            first = store.get(KEY).decode("utf-8", "replace")
+            if first.startswith(f"rank {rank} failed"):
+                return None
+            return RankFailedError(f"{first}; this rank ({rank}) then stopped in {where}: {type(e).__name__}: "
+                                   f"{_one_line(e)}")
+        mine = f"rank {rank} failed in {where}: {type(e).__name__}: {_one_line(e)}"
+        if store.compare_set(KEY, "", mine).decode("utf-8", "replace") == mine:
+            _recorded[:] = [mine]
+    except Exception:  # noqa: BLE001 - the store went away with the failed rank: nothing to add
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def reporting(phase: Phase) -> Iterator[Phase]:
+    """Run a training call; an error leaving it is recorded, or replaced by the first failed rank's
+    (:func:`explain`). Withdraws this process's earlier record first."""
+    withdraw()
+    try:
+        yield phase
+    except Exception as e:
+        other = explain(e, phase.where())
+        if other is None:
+            raise
+        raise other from e
