@@ -243,6 +243,9 @@ def main(argv=None) -> int:
     p.add_argument("--requirements", action="store_true", help="print the carried set, name==version a line")
     p.add_argument("--check-wheels", type=Path, metavar="DIR", help="check the wheel folder; exit 1 on a problem")
     p.add_argument("--check-imports", action="store_true", help="import every carried library; exit 3 if one fails")
+    p.add_argument("--stand-ins-ok", action="store_true",
+                   help="with --check-imports: report a missing library (the CPU smoke run's stand-in), exit 0")
+    p.add_argument("--json", type=Path, default=None, help="with --check-imports: write module -> version here")
     args = p.parse_args(argv)
     if args.requirements:
         print("\n".join(f"{d}=={v}" for d, v, _, _ in CARRIED))
@@ -262,7 +265,14 @@ def main(argv=None) -> int:
         for module, ver in res.items():
             print(f"{module}: {ver}")
         missing = [m for m, v in res.items() if v.startswith("MISSING")]
-        if missing:
+        if args.json is not None:
+            import json
+
+            args.json.write_text(json.dumps({"modules": res, "missing": missing,
+                                             "stand_ins": missing if args.stand_ins_ok else []}, indent=2))
+        if missing and args.stand_ins_ok:
+            print(f"missing here (CPU stand-ins in the benchmarks): {', '.join(missing)}")
+        elif missing:
             print(f"CARRIED SET INCOMPLETE: {', '.join(missing)} (build .whl/ with bash benchmarks/gpu_wheels.sh "
                   "and name .whl in the device call's carry)", file=sys.stderr)
             return 3

@@ -24,11 +24,12 @@ Methods without a row mask get zero upstream gradients on masked rows. A method 
 timed 3 times. ``--cpu-smoke``: a library that cannot run on CPU is replaced by the same loss in plain torch and
 its note says so.
 
-Reported: median CUDA-event time of ``--repeats`` runs after a warm-up; ``x floor``: that time over the
-bandwidth floor (bytes read and written by one forward read, one backward read and one gradient write of
-the active rows, the gradient write of all rows, at ``--bandwidth`` GB/s); peak extra memory besides the
-logits gradient (``max_memory_allocated`` during one run minus the allocation before it, minus ``T x V``
-gradient bytes where the method allocates one); whether forward + backward ran under
+Reported: median CUDA-event time of ``--repeats`` runs after a warm-up (two runs for a method slower than
+0.2 s); ``x floor``: that time over the bandwidth floor (bytes read and written by one forward read, one
+backward read and one gradient write of the active rows, the gradient write of all rows, at ``--bandwidth``
+GB/s); peak extra memory besides the logits gradient (``max_memory_allocated`` during the last timed run minus
+the allocation before it, minus ``T x V`` gradient bytes where the method allocates one); whether forward +
+backward ran under
 ``torch.cuda.set_sync_debug_mode("error")``. Before timing, triton and torch are compared on every case.
 
 Targets: 16k x 32k <= 2 ms and no slower than Liger; 16k x 152k <= 8 ms; half rows masked <= 0.6x
@@ -81,40 +82,44 @@ def _need_cuda(cpu_smoke: bool):
 
 
 def _median_ms(torch, fn, repeats: int) -> float:
-    """Median of ``repeats`` timed runs after two warm-ups; 3 runs for a method slower than 0.2 s (the step's
-    time limit)."""
+    return _time_and_peak(torch, fn, repeats, 0)[0]
+
+
+def _time_and_peak(torch, fn, repeats: int, grad_bytes: int) -> tuple[float, float]:
+    """(median ms, peak extra MiB besides ``grad_bytes``) of ``fn``: one warm-up (compiles), then ``repeats`` runs
+    (CUDA events), the peak memory read during the last one. A method slower than 0.2 s per call (verl's row-wise
+    bf16 path, say) is timed twice, its second call (host clock, synchronised) counting as the first sample."""
+    cuda = torch.cuda.is_available()
     fn()
-    t0 = time.perf_counter()
-    fn()  # compile and warm up
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.synchronize()
-    if time.perf_counter() - t0 > 0.2:
-        repeats = min(repeats, 3)
-    times = []
-    for _ in range(repeats):
-        if not torch.cuda.is_available():  # --cpu-smoke
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    second = (time.perf_counter() - t0) * 1e3
+    times, peak = [], float("nan")
+    if second > 200:
+        times, repeats = [second], 1
+    for i in range(repeats):
+        if not cuda:  # --cpu-smoke
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
             continue
+        if i == repeats - 1:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _peak_extra_mib(torch, fn, grad_bytes: int) -> float:
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**20
+        if i == repeats - 1:
+            peak = (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**20
+    return statistics.median(times), peak
 
 
 def _sync_free(torch, fn) -> str:
@@ -212,8 +217,7 @@ def run_case(torch, args, t: int, v: int, masked: float) -> list[dict]:
             rows.append(base | dict(ms=float("nan"), mem=float("nan"), sync="-"))
             continue
         try:
-            ms = _median_ms(torch, fn, args.repeats)
-            mem = _peak_extra_mib(torch, fn, grad_bytes if allocates_grad else 0)
+            ms, mem = _time_and_peak(torch, fn, args.repeats, grad_bytes if allocates_grad else 0)
         except Exception as err:  # out of memory, or a third-party kernel failing: noted, not fatal
             if name in ("triton", "torch"):
                 raise
