@@ -99,3 +99,16 @@ def test_cpu_smoke_covers_every_step_and_column_and_fails_on_a_missing_one(tmp_p
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "column 'mem' missing" in proc.stdout and "method 'cce' missing" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_megatron_step_fails_when_the_triton_row_would_time_the_torch_code():
+    """Without the interpreter, CPU tensors cannot run the Triton kernels: the fallback to torch is an error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_megatron_step.py"), "--device", "cpu",
+                           "--tiny", "--only", "plain,hook alg0 triton"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAILED variants (a kernel fallback is a failure): hook alg0 triton" in proc.stdout
+    assert "KernelFallbackWarning" in proc.stdout
