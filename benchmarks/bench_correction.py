@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                              "shared box where wall time mostly measures waiting (CPU only)")
     parser.add_argument("--write", type=Path, default=None, help="also write the table into this markdown file")
     parser.add_argument("--label", default=None, help="block of --write to replace (default: the device type)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows and verdicts here")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny batches, one round (the acceptance script's CPU smoke run; times mean nothing)")
     parser.add_argument("--kernels", choices=["torch", "triton"], default="torch",
                         help="TISConfig.kernels of our runs: the torch token pass (default) or the Triton kernel "
                              "(a fallback to torch is an error here)")
@@ -208,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: CUDA is not available")
 
     rows, verdicts = [], []
-    for shape in GPU_SHAPES if cuda else CPU_SHAPES:
+    shapes = GPU_SHAPES if cuda else CPU_SHAPES
+    if args.cpu_smoke:
+        shapes, args.repeats = [Shape("64x64", 64, 64, 16)], 1
+    for shape in shapes:
         inputs = make_inputs(shape, device)
         for label, cfg, kwargs in CONFIGS:
             check_agreement(cfg, kwargs, inputs, label)
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         slowest = max(o for *_, o in rows)
         verdicts.append(f"slowest row {slowest:.3f} ms per 1M tokens (target <= 0.3 ms): "
                         f"{'PASS' if slowest <= 0.3 else 'MISS'}; no host sync in any of ours (sync debug mode error)")
-    else:
+    elif not args.cpu_smoke:
         short, long_ = (make_inputs(s, device) for s in CPU_SPREAD)
         for label, cfg, _ in CONFIGS:
             s_ms, l_ms = time_interleaved([lambda c=cfg: run_ours(c, short), lambda c=cfg: run_ours(c, long_)],
@@ -237,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
                             f"= {s_ms / l_ms:.2f}x (target within 1.5x): {'PASS' if ok else 'MISS'}")
     table = "\n".join(lines)
     env = environment(device)
+    if args.json is not None:
+        import json
+
+        args.json.write_text(json.dumps({"environment": env, "verdicts": verdicts, "rows": [
+            {"configuration": c, "batch": s, "tokens": t, "verl_ms": v, "ours_ms": o, "speedup": v / o}
+            for c, s, t, v, o in rows]}, indent=2))
     print("\n" + table + "\n\n" + "\n".join(verdicts) + "\n" + env)
     if args.write is not None:
         command = "python benchmarks/bench_correction.py " + " ".join(argv if argv is not None else sys.argv[1:])

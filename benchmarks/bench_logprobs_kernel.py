@@ -6,20 +6,30 @@
     python benchmarks/bench_logprobs_kernel.py --cpu-smoke           # no GPU: tiny shapes, interpreter, no timing
 
 Work per case: ``T`` tokens x ``V`` vocabulary, bfloat16 logits, TP=1, temperature 0.7, forward + backward
-with entropy (upstream gradients random for both outputs). Methods:
+with entropy (upstream gradients random for both outputs), the same tensors for every method, one row each
+(``METHODS``; the libraries' entry points are in ``benchmarks/_third_party.py``):
 
-* ``triton``: ``vocab_parallel_log_probs_and_entropy(..., kernels="triton", row_mask=...)`` (this package);
-* ``torch``: the same function with ``kernels="torch"`` (chunked, ``--chunk-size`` rows; the reference);
-* ``liger``: Liger-Kernel's ``LigerCrossEntropyLoss(reduction="sum")`` on the same logits (log-probs only,
-  no entropy, no temperature; masked rows as ``ignore_index``). Skipped with a note when ``liger-kernel`` is
-  not installed. It writes the gradient over the logits in its forward and syncs the host (``.item()``);
-* ``naive``: ``log_softmax(z.float() / tau)`` + ``gather`` + entropy with autograd (``--naive``).
+* ``plain``: ``torch.log_softmax(z.float() / tau).gather`` + entropy with autograd: what every user has;
+* ``torch``: ``vocab_parallel_log_probs_and_entropy(..., kernels="torch", row_mask=...)`` (this package's chunked
+  torch path, ``--chunk-size`` rows; the reference);
+* ``triton``: the same function with ``kernels="triton"`` (this package's kernels);
+* ``verl``: verl 0.9.1's ``logprobs_from_logits`` + ``entropy_from_logits`` of ``z / tau`` (its torch path: the
+  image has no flash-attn);
+* ``liger``: Liger-Kernel's ``LigerCrossEntropyLoss(reduction="sum")`` (cross-entropy only: no entropy, no
+  temperature; masked rows as ``ignore_index``); it writes the gradient over its input in the forward;
+* ``verl_fused``, ``cce``: verl's fused kernel and Cut Cross-Entropy take hidden states and a weight, not logits:
+  a row saying so (they are timed by ``bench_output_layer.py``).
 
-Reported: median CUDA-event time of ``--repeats`` runs after a warm-up; ``x floor``: that time over the
-bandwidth floor (bytes read and written by one forward read, one backward read and one gradient write of
-the active rows, the gradient write of all rows, at ``--bandwidth`` GB/s); peak extra memory besides the
-logits gradient (``max_memory_allocated`` during one run minus the allocation before it, minus ``T x V``
-gradient bytes where the method allocates one); whether forward + backward ran under
+Methods without a row mask get zero upstream gradients on masked rows. A method slower than 0.2 s per call is
+timed 3 times. ``--cpu-smoke``: a library that cannot run on CPU is replaced by the same loss in plain torch and
+its note says so.
+
+Reported: median CUDA-event time of ``--repeats`` runs after a warm-up (two runs for a method slower than
+0.2 s); ``x floor``: that time over the bandwidth floor (bytes read and written by one forward read, one
+backward read and one gradient write of the active rows, the gradient write of all rows, at ``--bandwidth``
+GB/s); peak extra memory besides the logits gradient (``max_memory_allocated`` during the last timed run minus
+the allocation before it, minus ``T x V`` gradient bytes where the method allocates one); whether forward +
+backward ran under
 ``torch.cuda.set_sync_debug_mode("error")``. Before timing, triton and torch are compared on every case.
 
 Targets: 16k x 32k <= 2 ms and no slower than Liger; 16k x 152k <= 8 ms; half rows masked <= 0.6x
@@ -72,33 +82,44 @@ def _need_cuda(cpu_smoke: bool):
 
 
 def _median_ms(torch, fn, repeats: int) -> float:
+    return _time_and_peak(torch, fn, repeats, 0)[0]
+
+
+def _time_and_peak(torch, fn, repeats: int, grad_bytes: int) -> tuple[float, float]:
+    """(median ms, peak extra MiB besides ``grad_bytes``) of ``fn``: one warm-up (compiles), then ``repeats`` runs
+    (CUDA events), the peak memory read during the last one. A method slower than 0.2 s per call (verl's row-wise
+    bf16 path, say) is timed twice, its second call (host clock, synchronised) counting as the first sample."""
+    cuda = torch.cuda.is_available()
     fn()
-    fn()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        if not torch.cuda.is_available():  # --cpu-smoke
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    second = (time.perf_counter() - t0) * 1e3
+    times, peak = [], float("nan")
+    if second > 200:
+        times, repeats = [second], 1
+    for i in range(repeats):
+        if not cuda:  # --cpu-smoke
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
             continue
+        if i == repeats - 1:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _peak_extra_mib(torch, fn, grad_bytes: int) -> float:
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**20
+        if i == repeats - 1:
+            peak = (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**20
+    return statistics.median(times), peak
 
 
 def _sync_free(torch, fn) -> str:
@@ -117,11 +138,17 @@ def _sync_free(torch, fn) -> str:
     return verdict
 
 
+METHODS = ("plain", "torch", "triton", "verl", "liger", "verl_fused", "cce")  # the rows of every case, in order
+
+
 def _methods(torch, args, logits, targets, keep, w_lp, w_h):
-    """name -> (callable running forward + backward, allocates a [T, V] gradient?)."""
+    """name -> (callable running forward + backward or None, allocates a [T, V] gradient?, note)."""
+    from _third_party import logits_method
+
     from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
 
     mask = None if bool(keep.all()) else keep  # host read here, outside every timed region
+    g_lp, g_h = w_lp * keep, w_h * keep  # the competitors have no row mask: masked rows get no upstream gradient
 
     def ours(kernels: str):
         def run():
@@ -130,27 +157,26 @@ def _methods(torch, args, logits, targets, keep, w_lp, w_h):
             return torch.autograd.grad([lp, ent], logits, [w_lp, w_h])[0]
         return run
 
-    methods = {"triton": (ours("triton"), True), "torch": (ours("torch"), True)}
-    try:
-        from liger_kernel.transformers import LigerCrossEntropyLoss
-    except ImportError:
-        LigerCrossEntropyLoss = None
-    if LigerCrossEntropyLoss is not None:
-        liger_loss = LigerCrossEntropyLoss(reduction="sum")
-        liger_in = logits.detach().clone().requires_grad_(True)  # overwritten by its gradient on every call
-        liger_targets = torch.where(keep, targets, -100)
+    methods = {}
+    for name in METHODS:
+        if name in ("torch", "triton"):
+            methods[name] = (ours(name), True, "this package" + (" (reference)" if name == "torch" else ""))
+            continue
+        fn, note = logits_method(torch, name, stand_in=args.cpu_smoke)
+        if fn is None:
+            methods[name] = (None, False, note)
+        elif name == "liger":  # cross-entropy only; it overwrites its input with the gradient on every call
+            liger_in = logits.detach().clone().requires_grad_(True)
+            liger_targets = torch.where(keep, targets, -100)
 
-        def liger():
-            loss = liger_loss(liger_in, liger_targets)
-            return torch.autograd.grad(loss, liger_in)[0]
-        methods["liger"] = (liger, False)
-    if args.naive:
-        def naive():
-            lsm = torch.log_softmax(logits.float() / TAU, dim=-1)
-            lp = lsm.gather(-1, targets[:, None]).squeeze(-1)
-            ent = -(lsm.exp() * lsm).sum(-1)
-            return torch.autograd.grad([lp, ent], logits, [w_lp * keep, w_h * keep])[0]
-        methods["naive"] = (naive, True)
+            def liger(fn=fn, liger_in=liger_in, liger_targets=liger_targets):
+                return torch.autograd.grad(fn(liger_in, liger_targets, TAU)[-1], liger_in)[0]
+            methods[name] = (liger, "stand-in" in note, note)
+        else:
+            def run(fn=fn):
+                lp, ent = fn(logits, targets, TAU)
+                return torch.autograd.grad([lp, ent], logits, [g_lp, g_h])[0]
+            methods[name] = (run, True, note)
     return methods
 
 
@@ -185,23 +211,26 @@ def run_case(torch, args, t: int, v: int, masked: float) -> list[dict]:
     grad_bytes = t * v * logits.element_size()
     floor_ms = (2 * n_active * v * logits.element_size() + grad_bytes) / (args.bandwidth * 1e9) * 1e3
     rows = []
-    for name, (fn, allocates_grad) in methods.items():
+    for name, (fn, allocates_grad, what) in methods.items():
+        base = dict(case=f"{t}x{v}", masked=masked, method=name, floor=floor_ms, note=what)
+        if fn is None:
+            rows.append(base | dict(ms=float("nan"), mem=float("nan"), sync="-"))
+            continue
         try:
-            ms = _median_ms(torch, fn, args.repeats)
-            mem = _peak_extra_mib(torch, fn, grad_bytes if allocates_grad else 0)
-        except Exception as err:  # out of memory (naive), or a third-party kernel failing: noted, not fatal
+            ms, mem = _time_and_peak(torch, fn, args.repeats, grad_bytes if allocates_grad else 0)
+        except Exception as err:  # out of memory, or a third-party kernel failing: noted, not fatal
             if name in ("triton", "torch"):
                 raise
-            torch.cuda.empty_cache()
-            why = "out of memory" if isinstance(err, torch.OutOfMemoryError) else f"failed: {err!r}"[:80]
-            rows.append(dict(case=f"{t}x{v}", masked=masked, method=name, ms=float("nan"), mem=float("nan"),
-                             floor=floor_ms, sync="-", note=why))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            why = "out of memory" if isinstance(err, torch.OutOfMemoryError) else f"failed: {err!r}"[:160]
+            rows.append(base | dict(ms=float("nan"), mem=float("nan"), sync="-", note=f"{why}; {what}"))
             continue
-        sync = _sync_free(torch, fn) if name in ("triton", "torch") else "no (.item())" if name == "liger" else "-"
-        rows.append(dict(case=f"{t}x{v}", masked=masked, method=name, ms=ms, mem=mem, floor=floor_ms, sync=sync,
-                         note=note if name == "triton" else ""))
+        sync = _sync_free(torch, fn) if name in ("triton", "torch") else "-"
+        rows.append(base | dict(ms=ms, mem=mem, sync=sync, note=f"{what}; {note}" if name == "triton" else what))
     del logits
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -233,7 +262,7 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         ref = by[(r["case"], r["masked"], "triton")]["ms"]
         out.append(f"| {r['case']} | {r['masked']:.0%} | {r['method']} | {r['ms']:.3f} | {r['ms'] / ref:.2f}x | "
-                   f"{r['ms'] / r['floor']:.1f} | {r['mem']:.1f} | {r['sync']} | {r['note']} |")
+                   f"{r['ms'] / r['floor']:.1f} | {r['mem']:.1f} | {r['sync']} | {r['note']} |".replace("nan", "-"))
     return out
 
 
@@ -266,7 +295,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--chunk-size", type=int, default=1024, help="rows per chunk of the torch path")
     p.add_argument("--bandwidth", type=float, default=3350.0, help="HBM GB/s for the floor (H100 SXM: 3350)")
-    p.add_argument("--naive", action="store_true", help="also time log_softmax + gather (needs ~5 x T x V x 4 B)")
+    p.add_argument("--naive", action="store_true", help="accepted for compatibility: the plain row always runs")
     p.add_argument("--sweep", action="store_true", help="also time BLOCK_V x num_warps on the first shape")
     p.add_argument("--write", type=Path, help="replace the table between the bench markers in this markdown file")
     p.add_argument("--label", default="", help="device label for --write (default: torch's device name)")
@@ -276,19 +305,16 @@ def main() -> None:
     if args.cpu_smoke:
         args.shapes, args.repeats = "8x40,8x40@0.5", 1
     torch = _need_cuda(args.cpu_smoke)
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     import triton
 
     device = args.label or (torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke run)")
     rows = []
     for t, v, masked in _parse_shapes(args.shapes):
         rows += run_case(torch, args, t, v, masked)
-    has_liger = any(r["method"] == "liger" for r in rows)
     lines = [f"Device: {device}; torch {torch.__version__}, triton {triton.__version__}; bf16 logits, TP=1, "
              f"temperature {TAU}, forward + backward with entropy; median of {args.repeats}; floor at "
              f"{args.bandwidth:.0f} GB/s.", ""] + table(rows) + [""] + verdicts(rows)
-    if not has_liger:
-        lines.append("- liger: column skipped, `liger-kernel` is not installed (`pip install liger-kernel`).")
     if args.sweep:
         t, v, _ = _parse_shapes(args.shapes)[0]
         lines += [""] + sweep(torch, args, t, v)

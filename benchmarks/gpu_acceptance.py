@@ -276,71 +276,180 @@ def _load(path: Path) -> dict | None:
         return None
 
 
-def summarize(out_dir: Path) -> list[str]:
-    """Side-by-side ratio tables and target verdicts from the JSON files of gpu_acceptance.sh."""
-    lines = []
-    corr = _load(out_dir / "correctness.json")
-    if corr is not None:
-        lines += ["### correctness (vs the torch path and float64)", "", "| check | result | details |",
-                  "|---|---|---|"]
-        for name, res in corr["checks"].items():
-            detail = {k: v for k, v in res.items() if k not in ("error", "failures")}
-            lines.append(f"| {name} | {'FAIL ' + str(res['failures']) if res['failures'] else 'ok'} | "
-                         f"{json.dumps(detail, default=str)[:600]} |")
-        lines.append("")
-    lp = _load(out_dir / "logprob_kernel.json")
-    if lp is not None:
-        lines += ["### log-prob kernels: fwd+bwd ms (x HBM floor)", "", "| case | rows masked | triton | torch | "
-                  "liger | torch / triton | liger / triton | triton x floor (target <= 1.3 at 16k x 152k) |",
-                  "|---|---|---|---|---|---|---|---|"]
-        by = {}
-        for r in lp["rows"]:
-            by.setdefault((r["case"], r["masked"]), {})[r["method"]] = r
-        for (case, masked), m in by.items():
-            ms = {n: m.get(n, {}).get("ms") for n in ("triton", "torch", "liger")}
-            ms = {n: v for n, v in ms.items() if isinstance(v, (int, float)) and v == v}  # drop missing and NaN
-            tri = ms.get("triton")
-            cells = [f"{ms[n]:.3f}" if n in ms else "-" for n in ("triton", "torch", "liger")]
-            ratios = [f"{ms[n] / tri:.2f}x" if n in ms and tri else "-" for n in ("torch", "liger")]
-            floor = m.get("triton", {}).get("floor")
-            xf = f"{tri / floor:.2f}" if tri and floor else "-"
-            lines.append(f"| {case} | {masked:.0%} | {' | '.join(cells)} | {' | '.join(ratios)} | {xf} |")
-        lines.append("")
-    ol = _load(out_dir / "output_layer.json")
-    if ol is not None:
-        meth = ol["methods"]
-        base = meth.get("unfused", {}).get("ms")
-        lines += ["### output layer: fwd+bwd vs unfused (target: fused <= 1.3x, < 1 GiB extra besides the grads)", "",
-                  "| method | ms | vs unfused | peak extra minus grads (GiB) |", "|---|---|---|---|"]
-        for name, r in meth.items():
-            if "ms" in r:
-                ratio = f"{r['ms'] / base:.2f}x" if base else "-"
-                lines.append(f"| {name} | {r['ms']:.1f} | {ratio} | {r['peak_extra_minus_grads_gib']:.2f} |")
-            else:
-                lines.append(f"| {name} | - | - | {r.get('note', '')[:120]} |")
-        fused = meth.get("fused", {})
-        if base and "ms" in fused:
-            ok = fused["ms"] <= 1.3 * base and fused["peak_extra_minus_grads_gib"] < 1.0
-            lines.append(f"\nfused: {fused['ms'] / base:.2f}x unfused, "
-                         f"{fused['peak_extra_minus_grads_gib']:.2f} GiB extra: {'met' if ok else 'MISSED'}")
-        new, old = meth.get("fp32_head", {}), meth.get("fp32_head_upcast", {})
-        if "ms" in new and "ms" in old:
-            lines.append(f"fp32 LM head: {old['ms'] / new['ms']:.1f}x faster than the upcast version, "
-                         f"{old['peak_extra_gib'] - new['peak_extra_gib']:.2f} GiB less peak memory")
-        lines.append("")
-    st = _load(out_dir / "megatron_step.json")
-    if st is not None:
-        var = st["variants"]
-        base = var.get("plain", {}).get("ms")
-        lines += ["### Megatron step on a bf16 megatron-core GPT (target: hook alg0 <= 1.05x plain)", "",
-                  "| variant | step ms | vs plain | peak extra GiB |", "|---|---|---|---|"]
-        for name, r in var.items():
-            if "ms" in r and base:
-                lines.append(f"| {name} | {r['ms']:.1f} | {r['ms'] / base:.3f}x | {r['peak_extra_gib']:.2f} |")
-            else:
-                lines.append(f"| {name} | - | - | {r.get('note', '')[:120]} |")
-        lines.append("")
-    return lines or [f"no results in {out_dir}"]
+# step -> (JSON file, what every row of it must hold); the order of gpu_acceptance.sh
+STEPS: dict[str, str] = {
+    "carried_set": "carried_set.json",
+    "correctness": "correctness.json",
+    "core_no_host_sync": "core.json",
+    "logprob_kernels": "logprob_kernel.json",
+    "output_layer": "output_layer.json",
+    "megatron_step": "megatron_step.json",
+    "loss_hook_1m_tokens": "loss_hook.json",
+    "correction_vs_verl": "correction.json",
+}
+LOGPROB_METHODS = ("plain", "torch", "triton", "verl", "liger", "verl_fused", "cce")
+OUTPUT_METHODS = ("unfused", "fused", "fp32_head", "fp32_head_upcast", "verl_fused", "liger", "cce")
+MEGATRON_VARIANTS = ("plain", "hook alg0", "hook alg2", "hook alg0 fp32 head", "hook alg0 fused", "hook alg0 triton")
+HOOK_ROWS = ("plain_ppo", "hook alg0 (PPO)", "hook alg2 token truncate", "hook alg2 sequence mask + bn",
+             "hook alg3 geometric mask + veto")
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and x == x
+
+
+def _f(x, fmt: str = ".3f") -> str:
+    return format(x, fmt) if _num(x) else "-"
+
+
+_CPU = [False]  # the smoke run: memory figures are NaN by design (no CUDA allocator)
+
+
+def _need(missing: list, where: str, row: dict, keys: tuple) -> None:
+    """A row must hold every column; on CUDA a value may be NaN only where the row's note says why."""
+    for k in keys:
+        if k not in row:
+            missing.append(f"{where}: column {k!r} missing")
+        elif not _num(row[k]) and not isinstance(row[k], str) and not row.get("note") and not _CPU[0]:
+            missing.append(f"{where}: {k} has no value and no note")
+
+
+def _steps_table(out_dir: Path) -> dict:
+    """step -> {exit, seconds, limit} from gpu_acceptance.sh's steps.tsv."""
+    out = {}
+    path = out_dir / "steps.tsv"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            name, rc, secs, limit = line.split("\t")
+            out[name] = {"exit": rc, "seconds": int(secs), "limit_s": int(limit)}
+    return out
+
+
+def summarize(out_dir: Path) -> tuple[list[str], dict, list[str]]:
+    """(markdown lines, the same as JSON, missing steps / columns) from the files of gpu_acceptance.sh."""
+    missing: list[str] = []
+    steps = _steps_table(out_dir)
+    data = {name: _load(out_dir / f) for name, f in STEPS.items()}
+    _CPU[0] = str((data["correctness"] or {}).get("device", "")).startswith("cpu")
+    overview = ["| step | exit | seconds (limit) | result |", "|---|---|---|---|"]
+    detail: list[str] = []
+    for name in STEPS:
+        st = steps.get(name)
+        if st is None:
+            missing.append(f"{name}: not run")
+        if data[name] is None:
+            missing.append(f"{name}: no {STEPS[name]}")
+    # carried set
+    cs = data["carried_set"] or {}
+    overview_res = {"carried_set": "missing: " + ", ".join(cs.get("missing", [])) if cs.get("missing")
+                    else f"{len(cs.get('modules', {}))} modules import"}
+    # correctness
+    corr = data["correctness"] or {"checks": {}}
+    for name in ("logprobs", "output_layer", "fp32_head"):
+        if name not in corr["checks"]:
+            missing.append(f"correctness: check {name!r} missing")
+    overview_res["correctness"] = ", ".join(f"{k} {'FAIL' if v.get('failures') else 'ok'}"
+                                            for k, v in corr["checks"].items())
+    core = data["core_no_host_sync"] or {"checks": {}}
+    if not core["checks"]:
+        missing.append("core_no_host_sync: no checks")
+    overview_res["core_no_host_sync"] = (f"{len(core['checks'])} checks, {core.get('failures', '?')} failed")
+    # log-prob kernels
+    lp = data["logprob_kernels"] or {"rows": []}
+    by: dict = {}
+    for r in lp["rows"]:
+        by.setdefault((r["case"], r["masked"]), {})[r["method"]] = r
+    detail += ["### log-probs + entropy, forward + backward: the same bf16 logits for every method", "",
+               "| case | rows masked | method | ms | x HBM floor | peak extra MiB (besides the grad) | vs plain | "
+               "vs triton | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for (case, masked), m in by.items():
+        for meth in LOGPROB_METHODS:
+            r = m.get(meth)
+            if r is None:
+                missing.append(f"logprob_kernels {case}@{masked}: method {meth!r} missing")
+                continue
+            _need(missing, f"logprob_kernels {case}@{masked} {meth}", r, ("ms", "mem", "floor", "note"))
+            ms, plain, tri = r.get("ms"), m.get("plain", {}).get("ms"), m.get("triton", {}).get("ms")
+            ratio = lambda a, b: f"{a / b:.2f}x" if _num(a) and _num(b) and b else "-"  # noqa: E731
+            detail.append(f"| {case} | {masked:.0%} | {meth} | {_f(ms)} | {ratio(ms, r.get('floor'))} | "
+                          f"{_f(r.get('mem'), '.1f')} | {ratio(ms, plain)} | {ratio(ms, tri)} | {r.get('note', '')} |")
+    if not by:
+        missing.append("logprob_kernels: no rows")
+    overview_res["logprob_kernels"] = f"{len(by)} cases x {len(LOGPROB_METHODS)} methods"
+    # output layer
+    ol = data["output_layer"] or {"methods": {}}
+    meth = ol["methods"]
+    base = meth.get("unfused", {}).get("ms")
+    detail += ["", "### output layer: hidden states -> log-probs, forward + backward, the same tensors", "",
+               "| method | ms | vs unfused | peak extra GiB | minus the two grads GiB | note |",
+               "|---|---|---|---|---|---|"]
+    for name in OUTPUT_METHODS:
+        r = meth.get(name)
+        if r is None:
+            missing.append(f"output_layer: method {name!r} missing")
+            continue
+        _need(missing, f"output_layer {name}", r, ("ms", "peak_extra_gib", "peak_extra_minus_grads_gib", "note")
+              if "ms" in r else ("note",))
+        ratio = f"{r['ms'] / base:.2f}x" if _num(r.get("ms")) and _num(base) and base else "-"
+        detail.append(f"| {name} | {_f(r.get('ms'), '.1f')} | {ratio} | {_f(r.get('peak_extra_gib'), '.2f')} | "
+                      f"{_f(r.get('peak_extra_minus_grads_gib'), '.2f')} | {r.get('note', '')[:160]} |")
+    overview_res["output_layer"] = f"{len(meth)} methods; {ol.get('no_host_sync', '')}"
+    # megatron step
+    st = data["megatron_step"] or {"variants": {}}
+    var = st["variants"]
+    base = var.get("plain", {}).get("ms")
+    detail += ["", "### Megatron step on a bf16 megatron-core GPT vs plain PPO (target: hook alg0 <= 1.05x)", "",
+               "| variant | step ms | vs plain | peak extra GiB | note |", "|---|---|---|---|---|"]
+    for name in MEGATRON_VARIANTS:
+        r = var.get(name)
+        if r is None:
+            missing.append(f"megatron_step: variant {name!r} missing")
+            continue
+        if "note" not in r:
+            _need(missing, f"megatron_step {name}", r, ("ms", "peak_extra_gib"))
+        ratio = f"{r['ms'] / base:.3f}x" if _num(r.get("ms")) and _num(base) else "-"
+        detail.append(f"| {name} | {_f(r.get('ms'), '.1f')} | {ratio} | {_f(r.get('peak_extra_gib'), '.2f')} | "
+                      f"{r.get('note', '')[:160]} |")
+    overview_res["megatron_step"] = (f"hook alg0 / plain = {var['hook alg0']['ms'] / base:.3f}"
+                                     if _num(base) and _num(var.get("hook alg0", {}).get("ms")) else "-")
+    # loss hook at 1M tokens
+    hk = data["loss_hook_1m_tokens"] or {"rows": {}}
+    rows = hk["rows"]
+    base = rows.get("plain_ppo", {}).get("s")
+    detail += ["", f"### loss hook alone vs plain PPO on {hk.get('tokens', '?')} tokens of synthetic logits", "",
+               "| path | total s | vs plain | peak extra MiB | host sync in the loss |", "|---|---|---|---|---|"]
+    for name in HOOK_ROWS:
+        r = rows.get(name)
+        if r is None:
+            missing.append(f"loss_hook_1m_tokens: row {name!r} missing")
+            continue
+        if "note" not in r:
+            _need(missing, f"loss_hook_1m_tokens {name}", r, ("s", "peak_extra_mib", "host_sync"))
+        ratio = f"{r['s'] / base:.2f}x" if _num(r.get("s")) and _num(base) else "-"
+        detail.append(f"| {name} | {_f(r.get('s'))} | {ratio} | {_f(r.get('peak_extra_mib'), '.0f')} | "
+                      f"{r.get('host_sync', r.get('note', ''))} |")
+    overview_res["loss_hook_1m_tokens"] = f"{len(rows)} paths"
+    # correction core vs verl
+    cr = data["correction_vs_verl"] or {"rows": [], "verdicts": []}
+    detail += ["", "### correction core vs verl 0.9.1's helper (same batches)", "",
+               "| configuration | batch | tokens | verl ms | ours ms | verl / ours |", "|---|---|---|---|---|---|"]
+    for r in cr["rows"]:
+        _need(missing, f"correction_vs_verl {r.get('configuration')}", r,
+              ("configuration", "batch", "tokens", "verl_ms", "ours_ms", "speedup"))
+        detail.append(f"| {r.get('configuration')} | {r.get('batch')} | {r.get('tokens')} | {_f(r.get('verl_ms'))} | "
+                      f"{_f(r.get('ours_ms'))} | {_f(r.get('speedup'), '.1f')}x |")
+    if not cr["rows"]:
+        missing.append("correction_vs_verl: no rows")
+    overview_res["correction_vs_verl"] = "; ".join(cr.get("verdicts", []))[:200]
+    for name in STEPS:
+        stp = steps.get(name, {})
+        overview.append(f"| {name} | {stp.get('exit', 'not run')} | {stp.get('seconds', '-')} "
+                        f"({stp.get('limit_s', '-')}) | {overview_res.get(name, '')} |")
+    lines = ["### every step", ""] + overview + [""] + detail
+    if missing:
+        lines += ["", "MISSING FROM THE SUMMARY: " + "; ".join(missing)]
+    summary = {"steps": {n: steps.get(n) for n in STEPS}, "results": data, "missing": missing}
+    return lines, summary, missing
 
 
 def main(argv=None) -> int:
@@ -355,11 +464,15 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="logprobs,output_layer,fp32_head", help="comma-separated checks to run")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--summary", type=Path, default=None, metavar="DIR",
-                   help="print the ratio tables from gpu_acceptance.sh's JSON files in DIR and exit")
+                   help="write DIR/summary.md and DIR/summary.json from gpu_acceptance.sh's files in DIR, print the "
+                        "table; exit 1 when a step, a method or a column is missing")
     args = p.parse_args(argv)
     if args.summary is not None:
-        print("\n".join(summarize(args.summary)))
-        return 0
+        lines, summary, missing = summarize(args.summary)
+        (args.summary / "summary.md").write_text("\n".join(lines) + "\n")
+        (args.summary / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        print("\n".join(lines))
+        return 1 if missing else 0
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import torch

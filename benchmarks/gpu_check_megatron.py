@@ -16,7 +16,7 @@ micro-batch ``loss_func(logits)`` then ``backward``. Compared, per micro-batch a
 
 On CUDA the hook's loss path (``loss_func`` and ``backward``) runs under
 ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation raises and is reported. Peak GPU
-memory of each path is printed too.
+memory of each path is printed too; ``--json`` writes the rows. Exit 1 when a hook path hit a host sync.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--chunk-size", type=int, default=4096)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check_megatron: CUDA is not available on this machine; skipping (exit 0).")
@@ -116,6 +117,7 @@ def main() -> int:
         plain_ppo_loss(logits, batches[k], n_total).backward()
 
     t_plain, mem_plain = run(plain_step)
+    rows = {"plain_ppo": {"s": t_plain, "peak_extra_mib": mem_plain, "host_sync": "n/a"}}
     print("| path | total (s) | per micro-batch (ms) | vs plain | peak extra GPU MiB | host sync in loss |")
     print("|---|---|---|---|---|---|")
     print(f"| plain_ppo | {t_plain:.3f} | {1e3 * t_plain / m:.2f} | 1.00x | {mem_plain:.0f} | n/a |")
@@ -144,10 +146,19 @@ def main() -> int:
         except RuntimeError as exc:  # a host sync under set_sync_debug_mode("error")
             sync_error = str(exc).splitlines()[0]
             print(f"| hook {name} | - | - | - | - | {sync_error} |")
+            rows[f"hook {name}"] = {"note": sync_error, "host_sync": sync_error}
             continue
+        rows[f"hook {name}"] = {"s": t_hook, "peak_extra_mib": mem_hook,
+                                "host_sync": sync_error if device.type == "cuda" else "not checked (cpu)"}
         print(f"| hook {name} | {t_hook:.3f} | {1e3 * t_hook / m:.2f} | {t_hook / t_plain:.2f}x | {mem_hook:.0f} "
               f"| {sync_error if device.type == 'cuda' else 'not checked (cpu)'} |")
-    return 0
+    if args.json:
+        import json
+
+        args.json.write_text(json.dumps({"device": str(device), "tokens": args.tokens, "micro_batches": m,
+                                         "rows": rows}, indent=2))
+    failed = [n for n, r in rows.items() if "note" in r]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

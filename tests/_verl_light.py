@@ -1,15 +1,16 @@
-"""Test-only import shim: lets ``verl`` 0.9.1 import without ``ray`` and ``transformers``.
+"""Test-only import shim: lets ``verl`` 0.9.1 import without ``ray``, ``transformers`` and ``orjson``.
 
-verl is installed with ``--no-deps``. Its rollout-correction helpers are pure torch, but the
-package imports ``ray`` and ``transformers`` at module level (``verl.protocol``,
-``verl.utils.torch_functional``, ...), and only to define decorators, type hints and classes that
-the helpers never call. When either package is missing, this module appends a meta-path finder
-that answers every ``ray...`` / ``transformers...`` import with a permissive placeholder module:
+verl is installed with ``--no-deps``. Its rollout-correction helpers and its fused linear-cross-entropy
+kernel are pure torch / Triton, but the package imports those three at module level (``verl.protocol``,
+``verl.utils.torch_functional``, ``verl.utils.tracking``, ...), and only to define decorators, type hints
+and classes that the helpers and the kernel never call. When one of them is missing, this module appends a
+meta-path finder that answers every import of it with a permissive placeholder module:
 
 * any attribute is another placeholder (so ``from ray.util import foo`` works);
 * calling a placeholder returns its first argument when that is a lone callable (so it is a no-op
   decorator, ``@ray.remote``) and the placeholder itself otherwise;
-* subclassing a placeholder subclasses ``object``.
+* subclassing a placeholder subclasses ``object``; ``X | placeholder`` (a type hint) is the placeholder;
+* a placeholder is false, so a feature probe through a stubbed package (``is_torch_npu_available()``) says no.
 
 Import this module before the first ``import verl``. Installed packages are never shadowed: the
 finder only covers roots that ``importlib.util.find_spec`` cannot find. Never import this outside
@@ -28,7 +29,7 @@ from typing import Any
 
 __all__ = ["install", "STUBBED_ROOTS"]
 
-_CANDIDATE_ROOTS = ("ray", "transformers")
+_CANDIDATE_ROOTS = ("ray", "transformers", "orjson")
 
 
 class _Placeholder(types.ModuleType):
@@ -50,6 +51,14 @@ class _Placeholder(types.ModuleType):
 
     def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
         return (object,)
+
+    def __or__(self, other: Any) -> _Placeholder:  # type hints such as ``dict | TensorDict``
+        return self
+
+    __ror__ = __or__
+
+    def __bool__(self) -> bool:  # a feature probe of a stubbed package answers "no" (``if is_npu_available():``)
+        return False
 
 
 class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -77,7 +86,7 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> frozenset[str]:
     """Install the finder for the missing roots (idempotent); return the roots it covers.
 
-    With ``VERL_LIGHT_FORCE=1`` in the environment both roots are stubbed even when installed
+    With ``VERL_LIGHT_FORCE=1`` in the environment every root is stubbed even when installed
     (the finder then goes first on ``sys.meta_path``): for machines whose ``transformers`` is a
     version verl 0.9.1 cannot import, e.g. the GPU image used for ``benchmarks/bench_correction.py``.
     """
