@@ -173,7 +173,8 @@ def correct(
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level))  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
         kept_weights = torch.where(kept_units, weights, 0.0)
-        norm_sum, norm_count = kept_weights.sum(), kept_units.sum(dtype=torch.float32)
+        n_kept_units = torch.count_nonzero(kept_units)  # int64: exact beyond 2^24 units
+        norm_sum, norm_count = kept_weights.sum(), n_kept_units.float()
 
         factor: Tensor | None = None
         if plan.batch_normalize:
@@ -185,7 +186,7 @@ def correct(
 
         per_token = layout.expand(weights) if plan.per_sequence else weights
         token_weights = torch.where(ratios.token_ok, per_token, 0.0)
-        stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, norm_count, factor)
+        stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, factor)
         loss_keep, loss_ok, seq_loss_nonfinite = verdict.keep, ratios.token_ok, ratios.seq_nonfinite
         if loss_finite:
             seq_loss_nonfinite = ratios.seq_has_tokens & (ratios.seq_sums[:, ratios.columns.index(LOSS_NONFINITE)] > 0)

@@ -59,7 +59,7 @@ def tis_statistics(
         weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
         kept_units: bool, units that survived rejection (same shape).
         kept_weights: ``weights`` on ``kept_units``, 0 elsewhere.
-        n_kept_units: 0-d count of ``kept_units``.
+        n_kept_units: 0-d integer count of ``kept_units`` (exact beyond 2^24 units).
         batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
     """
     seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
@@ -67,7 +67,8 @@ def tis_statistics(
     n_tok = ratios.local_total("valid", seq_ok)
     bound = plan.bound
     _, e, k3 = ratio_moments(ratios.log_ratio, bound)
-    e_sum, e2_sum = _total(e), torch.dot(e, e).to(F64)
+    e64 = e.to(F64)  # e^2 reaches e^(2B) = 1.3e52 at B = 60: beyond float32
+    e_sum, e2_sum = e64.sum(), torch.dot(e64, e64)
     if not plan.per_sequence:  # token units: the kept units are the kept tokens
         n_kept_tok = n_kept_units.to(F64)
     elif verdict.token_rejected is None:  # valid tokens of the kept sequences
@@ -141,7 +142,7 @@ def tis_statistics(
 
 
 def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = None) -> dict[str, Tensor]:
-    """Per-token ``tis/`` values (``[T]`` float32, detached, finite) for hosts that average per token.
+    """Per-token ``tis/`` values (``[T]``, detached, finite) for hosts that average per token.
 
     On valid tokens of finite sequences (0 elsewhere), with ``e = expm1(clamp(l, -B, B))``:
     ``tis/kl = -l``, ``tis/k3_kl = e - lc``, ``tis/chi2_token = e (e + 2) = r^2 - 1``; sequence values
@@ -149,7 +150,8 @@ def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = No
     ``tis/ppl_ratio``, ``tis/training_ppl``, ``tis/rollout_ppl``; ``tis/ratio`` (level ratio before
     bounds), ``tis/weight`` (applied); 0/1 indicators: every active row of ``core.rules.RULES``
     (unit indicator broadcast to tokens), ``tis/rejected_token_fraction``, ``tis/rejected_seq_fraction``;
-    ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``.
+    ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``. float32, except ``tis/chi2_token``: float64,
+    since ``r^2`` reaches ``e^(2B)`` (1.3e52 at ``B = 60``), beyond float32.
     """
     r, verdict, bound = result.ratios, result.verdict, plan.bound
     ok, sid = r.token_ok, r.seq_id
@@ -166,7 +168,7 @@ def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = No
     out: dict[str, Tensor] = {
         "tis/kl": -r.log_ratio,
         "tis/k3_kl": k3,
-        "tis/chi2_token": e * (e + 2.0),
+        "tis/chi2_token": e.to(F64) * (e.to(F64) + 2.0),
         "tis/chi2_seq": seq(torch.expm1(2.0 * r.seq_log_ratio_sum.double().clamp(-bound, bound))),
         "tis/log_ppl_diff": seq(mean_diff),
         "tis/log_ppl_abs_diff": seq(mean_diff.abs()),
