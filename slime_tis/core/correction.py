@@ -174,7 +174,8 @@ def correct(
         clamped = None if plan.per_sequence else moments[0]
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
-        kept_weights = torch.where(kept_units, weights, 0.0)
+        # weights are finite (clamped exponent, finite factor): a product with a mask is the selection
+        kept_weights = weights * kept_units
         n_kept_units = torch.count_nonzero(kept_units)  # int64: exact beyond 2^24 units
         norm_sum, norm_count = kept_weights.sum(), n_kept_units.float()
 
@@ -186,11 +187,12 @@ def correct(
                 factor = scalar_tensor(batch_norm_factor, weights.device)
             weights, kept_weights = weights * factor, kept_weights * factor
 
-        if kept_units is ratios.token_ok and factor is None:  # token units, nothing rejected in the domain
+        if plan.per_sequence:  # the weight of the token's sequence (0 if non-finite) on valid tokens
+            token_weights = layout.expand(weights * ratios.seq_ok) * ratios.valid
+        elif kept_units is ratios.token_ok and factor is None:  # nothing rejected in the domain: the same product
             token_weights = kept_weights
         else:
-            per_token = layout.expand(weights) if plan.per_sequence else weights
-            token_weights = torch.where(ratios.token_ok, per_token, 0.0)
+            token_weights = weights * ratios.token_ok
         stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, factor,
                                moments=moments)
         loss_keep, loss_ok, seq_loss_nonfinite = verdict.keep, ratios.token_ok, ratios.seq_nonfinite
