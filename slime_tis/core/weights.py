@@ -30,9 +30,9 @@ def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = N
         return torch.ones_like(level_log_ratio)
     r = torch.exp(level_log_ratio.clamp(-plan.bound, plan.bound) if clamped is None else clamped)
     if plan.mode == "truncate":
-        return r.clamp(max=plan.upper)
+        return r.clamp_(max=plan.upper)  # in place: r is this call's own tensor
     if plan.mode == "clip":
-        return r.clamp(min=plan.lower, max=plan.upper)
+        return r.clamp_(min=plan.lower, max=plan.upper)
     return r
 
 
