@@ -22,7 +22,7 @@ long at equal tokens (fixed lengths) for "cost follows tokens": ours on both, ti
 ``--device cuda``: ``4096x256`` and ``256x4096`` (fixed lengths, 1M tokens), ours under
 ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises) and without the final host read.
 
-Targets: CPU >= 2x verl on every row, short/long within 1.5x; H100 <= 0.3 ms per 1M-token row, >= 5x verl.
+Targets: CPU >= 2.5x verl on every row, short/long within 1.5x; H100 <= 0.3 ms per 1M-token row, >= 5x verl.
 
     python benchmarks/bench_correction.py                       # CPU table (2 threads)
     python benchmarks/bench_correction.py --device cuda         # GPU table
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| configuration | batch | tokens | verl ms | ours ms | verl / ours |", "|---|---|---|---|---|---|"]
     lines += [f"| {c} | {s} | {t:,} | {v:.2f} | {o:.3f} | {v / o:.1f}x |" for c, s, t, v, o in rows]
     worst = min(v / o for *_, v, o in rows)
-    target = 5.0 if cuda else 2.0
+    target = 5.0 if cuda else 2.5
     verdicts.append(f"slowest speed-up {worst:.1f}x (target >= {target:g}x): {'PASS' if worst >= target else 'MISS'}")
     if cuda:
         slowest = max(o for *_, o in rows)

@@ -26,7 +26,7 @@ from slime_tis.core.diagnostics import tis_statistics
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
-from slime_tis.core.ratios import Ratios, packed_ratios
+from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, rule_columns
 from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
@@ -170,10 +170,14 @@ def correct(
         verdict = evaluate(plan, ratios)
         if reject is not None:
             verdict = verdict.with_rejected_tokens(reject & ratios.valid)
-        weights = unit_weights(plan, ratios.level_log_ratio(plan.level))  # [T] or [n_seq]
+        moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
+        clamped = None if plan.per_sequence else moments[0]
+        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
-        kept_weights = torch.where(kept_units, weights, 0.0)
-        norm_sum, norm_count = kept_weights.sum(), kept_units.sum(dtype=torch.float32)
+        # weights are finite (clamped exponent, finite factor): a product with a mask is the selection
+        kept_weights = weights * kept_units
+        n_kept_units = torch.count_nonzero(kept_units)  # int64: exact beyond 2^24 units
+        norm_sum, norm_count = kept_weights.sum(), n_kept_units.float()
 
         factor: Tensor | None = None
         if plan.batch_normalize:
@@ -183,9 +187,14 @@ def correct(
                 factor = scalar_tensor(batch_norm_factor, weights.device)
             weights, kept_weights = weights * factor, kept_weights * factor
 
-        per_token = layout.expand(weights) if plan.per_sequence else weights
-        token_weights = torch.where(ratios.token_ok, per_token, 0.0)
-        stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, norm_count, factor)
+        if plan.per_sequence:  # the weight of the token's sequence (0 if non-finite) on valid tokens
+            token_weights = layout.expand(weights * ratios.seq_ok) * ratios.valid
+        elif kept_units is ratios.token_ok and factor is None:  # nothing rejected in the domain: the same product
+            token_weights = kept_weights
+        else:
+            token_weights = weights * ratios.token_ok
+        stats = tis_statistics(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, factor,
+                               moments=moments)
         loss_keep, loss_ok, seq_loss_nonfinite = verdict.keep, ratios.token_ok, ratios.seq_nonfinite
         if loss_finite:
             seq_loss_nonfinite = ratios.seq_has_tokens & (ratios.seq_sums[:, ratios.columns.index(LOSS_NONFINITE)] > 0)

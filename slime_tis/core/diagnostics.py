@@ -13,6 +13,7 @@ of ``core.rules.RULES`` adds its count to the sums of its units' domain.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,13 +35,44 @@ def _total(x: Tensor) -> Tensor:
     return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum().to(F64)
 
 
-def _extremes(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """float32 (min, max) of ``x`` over ``mask``; ``(+inf, -inf)`` when the mask is empty."""
-    inf = torch.full((), float("inf"), device=x.device)
+#: float32's largest value: a sum of squares below it is finite in float32.
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def _sum_and_squares(e: Tensor, bound: float) -> tuple[Tensor, Tensor]:
+    """float64 ``(sum e, sum e^2)`` of ``e = expm1(clamp(l, -B, B))`` (``|e| <= e^B``). In float32 (pairwise sum, BLAS
+    dot: ~1e-7 relative, as the metrics need) where ``T e^(2B)`` fits float32 (``B = 20``: any ``T`` below 1e21);
+    in float64 where squares could overflow (``e^(2B)`` is 1.3e52 at ``B = 60``)."""
+    if e.numel() * math.exp(2.0 * bound) < F32_MAX:
+        return e.sum().to(F64), torch.dot(e, e).to(F64)
+    e64 = e.to(F64)
+    return e64.sum(), torch.dot(e64, e64)
+
+
+def _off_mask(mask: Tensor) -> Tensor:
+    """float32 ``0`` on ``mask``, ``+inf`` off it: ``min(x + off)`` / ``max(x - off)`` are the extremes of a finite
+    ``x`` over ``mask`` (one selection for both)."""
+    return torch.where(mask, 0.0, float("inf"))
+
+
+def _extremes(x: Tensor, off: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 (min, max) of a finite ``x`` over the mask of ``off = _off_mask(mask)``; ``(+inf, -inf)`` when the mask
+    is empty."""
     if x.numel() == 0:
+        inf = torch.full((), float("inf"), device=x.device)
         return inf, -inf
     x = x.float()
-    return torch.where(mask, x, inf).min(), torch.where(mask, x, -inf).max()
+    return (x + off).min(), (x - off).max()
+
+
+def _weight_extremes(weights: Tensor, kept_weights: Tensor, off_kept: Tensor, n_kept: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 (min, max) of the weights over the kept units (``off_kept = _off_mask(kept_units)``); ``(+inf, -inf)``
+    when none is kept. The weights are ``>= 0`` and 0 off the kept units in ``kept_weights``: its maximum is the kept
+    units' maximum."""
+    inf = torch.full((), float("inf"), device=weights.device)
+    if weights.numel() == 0:
+        return inf, -inf
+    return (weights.float() + off_kept).min(), torch.where(n_kept > 0, kept_weights.float().max(), -inf)
 
 
 def tis_statistics(
@@ -52,6 +84,8 @@ def tis_statistics(
     kept_weights: Tensor,
     n_kept_units: Tensor,
     batch_norm_factor: Tensor | None,
+    *,
+    moments: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> MetricStats:
     """Raw ``tis.*`` statistics.
 
@@ -59,15 +93,16 @@ def tis_statistics(
         weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
         kept_units: bool, units that survived rejection (same shape).
         kept_weights: ``weights`` on ``kept_units``, 0 elsewhere.
-        n_kept_units: 0-d count of ``kept_units``.
+        n_kept_units: 0-d integer count of ``kept_units`` (exact beyond 2^24 units).
         batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
+        moments: ``ratio_moments(ratios.log_ratio, plan.bound)`` where already computed.
     """
     seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
     n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
     n_tok = ratios.local_total("valid", seq_ok)
     bound = plan.bound
-    _, e, k3 = ratio_moments(ratios.log_ratio, bound)
-    e_sum, e2_sum = _total(e), torch.dot(e, e).to(F64)
+    _, e, k3 = ratio_moments(ratios.log_ratio, bound) if moments is None else moments
+    e_sum, e2_sum = _sum_and_squares(e, bound)
     if not plan.per_sequence:  # token units: the kept units are the kept tokens
         n_kept_tok = n_kept_units.to(F64)
     elif verdict.token_rejected is None:  # valid tokens of the kept sequences
@@ -131,7 +166,11 @@ def tis_statistics(
         seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
         seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
 
-    (lr_min, lr_max), (w_min, w_max) = _extremes(level_log, ratios.unit_ok(plan.level)), _extremes(weights, kept_units)
+    unit_ok = ratios.unit_ok(plan.level)
+    off_ok = _off_mask(unit_ok)  # level_log is finite (0 off its domain)
+    off_kept = off_ok if kept_units is unit_ok else _off_mask(kept_units)
+    (lr_min, lr_max) = _extremes(level_log, off_ok)
+    (w_min, w_max) = _weight_extremes(weights, kept_weights, off_kept, n_kept_units)
     inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
     mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min,
             "tis.log_ppl_diff_min": torch.cat([torch.where(seq_ok, mean_diff, inf), inf]).min()}
@@ -141,7 +180,7 @@ def tis_statistics(
 
 
 def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = None) -> dict[str, Tensor]:
-    """Per-token ``tis/`` values (``[T]`` float32, detached, finite) for hosts that average per token.
+    """Per-token ``tis/`` values (``[T]``, detached, finite) for hosts that average per token.
 
     On valid tokens of finite sequences (0 elsewhere), with ``e = expm1(clamp(l, -B, B))``:
     ``tis/kl = -l``, ``tis/k3_kl = e - lc``, ``tis/chi2_token = e (e + 2) = r^2 - 1``; sequence values
@@ -149,7 +188,8 @@ def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = No
     ``tis/ppl_ratio``, ``tis/training_ppl``, ``tis/rollout_ppl``; ``tis/ratio`` (level ratio before
     bounds), ``tis/weight`` (applied); 0/1 indicators: every active row of ``core.rules.RULES``
     (unit indicator broadcast to tokens), ``tis/rejected_token_fraction``, ``tis/rejected_seq_fraction``;
-    ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``.
+    ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``. float32, except ``tis/chi2_token``: float64,
+    since ``r^2`` reaches ``e^(2B)`` (1.3e52 at ``B = 60``), beyond float32.
     """
     r, verdict, bound = result.ratios, result.verdict, plan.bound
     ok, sid = r.token_ok, r.seq_id
@@ -166,7 +206,7 @@ def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = No
     out: dict[str, Tensor] = {
         "tis/kl": -r.log_ratio,
         "tis/k3_kl": k3,
-        "tis/chi2_token": e * (e + 2.0),
+        "tis/chi2_token": e.to(F64) * (e.to(F64) + 2.0),
         "tis/chi2_seq": seq(torch.expm1(2.0 * r.seq_log_ratio_sum.double().clamp(-bound, bound))),
         "tis/log_ppl_diff": seq(mean_diff),
         "tis/log_ppl_abs_diff": seq(mean_diff.abs()),

@@ -147,6 +147,14 @@ class Layout:
         the offsets were checked by :func:`check_packed`, no check that would sync."""
         return torch.segment_reduce(values, "sum", lengths=self.lengths, axis=0, unsafe=True)
 
+    def row_sums(self, block: Tensor) -> Tensor:
+        """Per-sequence sums of the rows of a ``[k, T]`` block: ``[n_seq, k]``, as :meth:`sums` of its transpose (each
+        row summed along the tokens, contiguous: the same sums in the same order)."""
+        if block.shape[0] == 0:
+            return block.new_zeros((self.n_seq, 0))
+        lengths = self.lengths.expand(block.shape[0], -1).contiguous()
+        return torch.segment_reduce(block, "sum", lengths=lengths, axis=1, unsafe=True).T
+
     def expand(self, per_sequence: Tensor) -> Tensor:
         """``out[t] = per_sequence[seq_id[t]]``: ``[n_seq]`` -> ``[T]``."""
         return per_sequence.index_select(0, self.seq_id)

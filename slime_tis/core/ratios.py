@@ -11,9 +11,10 @@ Notation: per valid token ``t`` (loss mask 1) of sequence ``i``, ``l_t = lp_trai
 A sequence is *non-finite* if a valid token has a non-finite ``l_t`` (or a non-finite value in an
 ``extra_finite`` tensor ``x``, e.g. the advantages: ``l_t + 0 x_t`` is ``l_t`` where ``x_t`` is finite and NaN
 elsewhere); it is excluded from every diagnostic and rejected. Invalid positions are dropped by selection
-(``torch.where``), so a NaN there changes nothing.
+(``torch.where`` / ``masked_fill``), so a NaN there changes nothing.
 
-Per-sequence sums ``[n_seq, k]`` float64 (``index_add_``, each sequence its own row) of the token columns::
+Per-sequence sums ``[n_seq, k]`` float64 (the rows of one ``[k, T]`` float64 block, ``segment_reduce`` along the
+tokens: each sequence its own sum) of the token columns::
 
     l, lp_rollout, valid                             (COLUMNS)
     plus one column per active rule that needs one (e.g. veto: 1[l_t < log v]; a mean-of-k3 rule: k3_t)
@@ -26,7 +27,7 @@ per-sequence value is read only where the sequence is finite (``seq_ok``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -49,6 +50,20 @@ def _kernel(lp_train: Tensor, extra_finite: tuple[Tensor, ...], kernels: str):
     """The Triton module with ``kernels="triton"`` where it can run (``slime_tis.kernels.dispatch``), else None."""
     correction = dispatch.triton_module("correction", "slime_tis.kernels.correction", lp_train.device, kernels)
     return correction if correction is not None and len(extra_finite) <= correction.MAX_EXTRA else None
+
+
+def _sequence_sums(layout: Layout, selected: list[Tensor], valid: Tensor, columns) -> Tensor:
+    """``[n_seq, k]`` float64 per-sequence sums of ``selected`` on valid tokens (0 elsewhere: selection, so a NaN there
+    changes nothing) and of ``columns``: the rows of one ``[k, T]`` float64 block (contiguous writes; the selection in
+    place) summed per sequence (``Layout.row_sums``)."""
+    columns = list(columns)
+    k = len(selected) + len(columns)
+    block = torch.empty((k, valid.shape[0]), dtype=F64, device=valid.device)
+    for j, c in enumerate([*selected, *columns]):
+        block[j] = c
+    if selected:
+        block[:len(selected)].masked_fill_(~valid, 0.0)
+    return layout.row_sums(block)
 
 
 def ratio_moments(log_ratio: Tensor, bound: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -74,6 +89,8 @@ class Ratios:
         seq_mean_lp_train, seq_mean_lp_rollout: float64 means over valid tokens.
         seq_sums: float64 ``[n_seq, k]`` full per-sequence sums (``columns`` names the columns).
         local_sums: the same before the CP reduction (this rank's tokens).
+        token_columns: the rules' ``[T]`` token columns as computed from ``l`` (before the sums), by name, for a
+            rule that tests the same tokens (read them on ``token_ok``: ``l`` is not 0 in non-finite sequences).
     """
 
     valid: Tensor
@@ -91,6 +108,7 @@ class Ratios:
     seq_sums: Tensor
     local_sums: Tensor
     columns: tuple[str, ...]
+    token_columns: Mapping[str, Tensor] = field(default_factory=dict)
 
     def column(self, name: str) -> Tensor:
         """``[n_seq]`` float64 full per-sequence sum of column ``name`` (0 unless ``seq_ok``)."""
@@ -150,21 +168,17 @@ def packed_ratios(
         except dispatch.KernelLaunchError as err:
             dispatch.fall_back(err)
     if base is not None:
-        columns = []
+        raw = l
+        token_columns = {name: fn(l) for name, fn in rules.items()}
+        local = torch.cat([base, _sequence_sums(layout, [], valid, token_columns.values())], dim=1)
     else:
         lt, lr = lp_train.float(), lp_rollout.float()
         raw = lt - lr
         for x in extra_finite:
             raw = raw + 0.0 * x  # NaN where x is not finite
-        l = torch.where(valid, raw, 0.0)  # noqa: E741  (the formula's name)
-        columns = [l, torch.where(valid, lr, 0.0), valid]
-    columns += [fn(l) for fn in rules.values()]
-    stacked = torch.empty((l.shape[0], len(columns)), dtype=F64, device=l.device)  # [T, k]
-    for j, c in enumerate(columns):
-        stacked[:, j] = c
-    local = layout.sums(stacked)  # [n_seq, k]
-    if base is not None:
-        local = torch.cat([base, local], dim=1)
+        l = torch.where(valid, raw, 0.0) if rules else None  # noqa: E741  (the formula's name; the rules read it)
+        token_columns = {name: fn(l) for name, fn in rules.items()}
+        local = _sequence_sums(layout, [raw, lr], valid, [valid, *token_columns.values()])  # [n_seq, k]
     names = [*COLUMNS, *rules]
     full = reducer.sequence_sum(local)
 
@@ -180,7 +194,7 @@ def packed_ratios(
         valid=valid,
         seq_id=layout.seq_id,
         token_ok=token_ok,
-        log_ratio=torch.where(token_ok, l, 0.0),  # finite: non-finite values sit in non-finite sequences
+        log_ratio=torch.where(token_ok, raw, 0.0),  # finite: non-finite values sit in non-finite sequences
         seq_has_tokens=seq_has,
         seq_nonfinite=seq_nonfinite,
         seq_ok=seq_ok,
@@ -192,4 +206,5 @@ def packed_ratios(
         seq_sums=full,
         local_sums=local,
         columns=tuple(names),
+        token_columns=token_columns,
     )

@@ -46,7 +46,7 @@ from torch import Tensor
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
 
-__all__ = ["Rule", "RULES", "Verdict", "evaluate", "rule_columns"]
+__all__ = ["Rule", "RULES", "NONFINITE", "Verdict", "evaluate", "rule_columns"]
 
 
 @dataclass(frozen=True)
@@ -122,14 +122,18 @@ def _divergence(option: str) -> Rule:
                 column=lambda p: lambda log_r: divergence(p, log_r), threshold=field)
 
 
+#: The always-on row: a sequence with a non-finite value at a valid token (the complement of the diagnostic domain).
+NONFINITE = Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", _sequence,
+                 lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid")
+
 RULES: tuple[Rule, ...] = (
-    Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", _sequence,
-         lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid"),
+    NONFINITE,
     Rule("tis/veto_seq_fraction", "tis.veto_count", _sequence,
          lambda p, r, lvl: r.column("tis.veto_column") > 0, True, "tis.n_seq",
          column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold"),
+    # the veto's token column (l_t < log v, computed once) on the diagnostic domain
     Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
-         lambda p, r, lvl: r.log_ratio < math.log(p.threshold("veto_threshold")), False, "tis.n_tok",
+         lambda p, r, lvl: r.token_columns["tis.veto_column"] & r.token_ok, False, "tis.n_tok",
          threshold="veto_threshold"),
     Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units"),
     Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units"),
@@ -216,9 +220,14 @@ class Verdict:
 
 
 def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
-    """Apply every active row of :data:`RULES`; ``keep_t = valid_t and no rejecting rule hits t or its sequence``."""
+    """Apply every active row of :data:`RULES`; ``keep_t = valid_t and no rejecting rule hits t or its sequence``.
+
+    :data:`NONFINITE` rejects exactly the sequences outside the diagnostic domain, so ``keep`` starts from
+    ``token_ok`` and only the other sequence-level rejections are expanded to tokens (none: ``keep`` is ``token_ok``).
+    """
     hits = [(rule, level, rule.test(plan, ratios, level)) for rule, level in active(plan)]
     seq_rejected = torch.zeros_like(ratios.seq_ok)
+    beyond_domain: Tensor | None = None  # sequences rejected by a row other than NONFINITE
     token_rejected: Tensor | None = None
     for rule, level, mask in hits:
         if not rule.rejects:
@@ -227,7 +236,11 @@ def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
             token_rejected = mask if token_rejected is None else token_rejected | mask
         else:
             seq_rejected = seq_rejected | mask
-    keep = (~seq_rejected).index_select(0, ratios.seq_id) & ratios.valid
+            if rule is not NONFINITE:
+                beyond_domain = mask if beyond_domain is None else beyond_domain | mask
+    keep = ratios.token_ok
+    if beyond_domain is not None:
+        keep = keep & ~beyond_domain.index_select(0, ratios.seq_id)
     seq_masked = seq_rejected
     if token_rejected is not None:
         keep = keep & ~token_rejected

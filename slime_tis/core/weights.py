@@ -23,15 +23,16 @@ from slime_tis.core.reducer import Reducer
 __all__ = ["unit_weights", "normalisation_factor", "batch_norm_factor"]
 
 
-def unit_weights(plan: Plan, level_log_ratio: Tensor) -> Tensor:
-    """Weights of ``plan.mode`` for unclamped level log-ratios (any shape, float32 out)."""
+def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = None) -> Tensor:
+    """Weights of ``plan.mode`` for unclamped level log-ratios (any shape, float32 out); ``clamped``: their
+    ``clamp(L, -B, B)`` where already computed (token level: ``lc`` of ``core.ratios.ratio_moments``)."""
     if not plan.weighted:
         return torch.ones_like(level_log_ratio)
-    r = torch.exp(level_log_ratio.clamp(-plan.bound, plan.bound))
+    r = torch.exp(level_log_ratio.clamp(-plan.bound, plan.bound) if clamped is None else clamped)
     if plan.mode == "truncate":
-        return r.clamp(max=plan.upper)
+        return r.clamp_(max=plan.upper)  # in place: r is this call's own tensor
     if plan.mode == "clip":
-        return r.clamp(min=plan.lower, max=plan.upper)
+        return r.clamp_(min=plan.lower, max=plan.upper)
     return r
 
 

@@ -42,7 +42,9 @@ __all__ = ["StepTotals", "step_totals", "needs_pre_pass", "needs_pi_old_pass", "
 
 @dataclass
 class StepTotals:
-    """Global per-step quantities (scalar float32 tensors on the batch device; see module docstring)."""
+    """Global per-step quantities (scalar float32 tensors on the batch device; see module docstring). The counts
+    ``denominator`` and ``num_tokens`` are summed over micro-batches and ranks in float64 (exact beyond 2^24 tokens)
+    and rounded to float32 once, as the loss scales they are."""
 
     denominator: Tensor
     num_tokens: Tensor
@@ -105,8 +107,8 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     drop = cfg.rejected_denominator == "drop"
     seq_domain = aggregation_of(cfg.loss_agg).per_sequence
     bn = row.step_batch_norm and cfg.batch_normalize  # algorithm 2: once per step
-    den = torch.zeros((), dtype=torch.float32, device=device)
-    n_tok = torch.zeros((), dtype=torch.float32, device=device)
+    den = torch.zeros((), dtype=torch.float64, device=device)  # counts: float64, exact beyond 2^24
+    n_tok = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float32, device=device)
     norm_count = torch.zeros((), dtype=torch.float32, device=device)
     for k, b in enumerate(batches):
@@ -125,14 +127,14 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
             res = _step_correction(cfg, b, lp_train.float(), reducer, lp_theta)
             keep = res.loss_keep if drop else None
         den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)
-        n_tok = n_tok + as_valid_mask(b.loss_mask).float().sum()
+        n_tok = n_tok + torch.count_nonzero(as_valid_mask(b.loss_mask))
         if bn:
             norm_sum, norm_count = norm_sum + res.norm_sum, norm_count + res.norm_count
     # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
     den = reducer.batch_sum(den, per_sequence=seq_domain)
     n_tok = reducer.batch_sum(n_tok)
     factor = batch_norm_factor(cfg.plan, norm_sum, norm_count, reducer) if bn else None
-    return StepTotals(denominator=den, num_tokens=n_tok, batch_norm_factor=factor,
+    return StepTotals(denominator=den.float(), num_tokens=n_tok.float(), batch_norm_factor=factor,
                     num_microbatches=len(batches))
 
 

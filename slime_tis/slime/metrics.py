@@ -52,7 +52,8 @@ logger = logging.getLogger("slime_tis.slime")
 def token_metrics(
     cfg: TISConfig, res: TISResult, batch_norm_factor: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """Per-token (CP-local ``[T]`` float32, detached, finite) ``tis/`` metrics for slime's reducer.
+    """Per-token (CP-local ``[T]``, detached, finite; float32, ``tis/chi2_token`` float64) ``tis/`` metrics for
+    slime's reducer.
 
     The values, rules and indicators are the core's (``slime_tis.core.diagnostics.token_metrics``,
     rows of ``slime_tis.core.rules.RULES``); this adapter computes none of its own.

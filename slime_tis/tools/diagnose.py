@@ -259,7 +259,7 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     dists = _distributions(dump)
     buckets = _buckets(dump, bucket_edges)
     usable = int(dists["token log-ratio"].numel())
-    n_valid = int(dump.loss_mask.sum())
+    n_valid = int(torch.count_nonzero(dump.loss_mask))  # an integer count: exact beyond 2^24 tokens
     rec = _recommend(dump, overall, dists, buckets) if usable else _no_domain(dump, n_valid, overall)
     return Diagnosis(
         n_seq=dump.n_seq, n_tokens=n_valid, config=cfg.describe(), overall=overall,
