@@ -157,7 +157,12 @@ def test_real_parse_and_validate_args_carries_the_plugins_flags(monkeypatch):
     try:
         args = parse_and_validate_args(extra_args_provider=add_megatron_tis_arguments, args_defaults={})
         assert get_args() is args and args.rollout_temperature is None
-        pretrain_cfg_container_from_args(args)
+        try:  # the documented container: with the GPT model config from 0.19, without it on 0.18
+            from megatron.training.argument_utils import gpt_config_from_args
+        except ImportError:
+            pretrain_cfg_container_from_args(args)
+        else:
+            pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
         with tis_patch(modules=[mt]):
             _assert_hooked(mt.get_forward_backward_func(pp_size=1, vp_size=None), 0.7)
     finally:
