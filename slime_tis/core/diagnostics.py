@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.core.levels import Level
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, ratio_moments
@@ -158,10 +159,10 @@ def tis_statistics(
     units["tis.w_sum"] = w64.sum()
     units["tis.w_sq_sum"] = torch.dot(w64, w64)
     if plan.rs_level is not None:
-        rs_units = tok if plan.rs_level == "token" else seq
-        rs_units["tis.n_rs_units"] = n_tok if plan.rs_level == "token" else seq["tis.n_seq"]
+        rs_seq = plan.rs_level.per_sequence
+        (seq if rs_seq else tok)["tis.n_rs_units"] = seq["tis.n_seq"] if rs_seq else n_tok
     for rule, level, hit in verdict.hits:
-        (tok if level == "token" else seq)[rule.key] = _total(hit)
+        (seq if level.per_sequence else tok)[rule.key] = _total(hit)
     if batch_norm_factor is not None:
         seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
         seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
@@ -197,8 +198,8 @@ def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = No
     def seq(x: Tensor) -> Tensor:  # [n_seq] -> tokens of finite sequences
         return torch.where(ok, x.index_select(0, sid).float(), 0.0)
 
-    def unit(x: Tensor, level: str) -> Tensor:
-        return (x if level == "token" else x.index_select(0, sid)).float()
+    def unit(x: Tensor, level: Level) -> Tensor:
+        return (x.index_select(0, sid) if level.per_sequence else x).float()
 
     lc, e, k3 = ratio_moments(r.log_ratio, bound)
     mean_diff = r.seq_mean_lp_rollout - r.seq_mean_lp_train

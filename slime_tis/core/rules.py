@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from slime_tis.core.levels import MODES, SEQUENCE, TOKEN, Level
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
 
@@ -55,8 +56,8 @@ class Rule:
 
     metric: str
     key: str
-    level: Callable[[Plan], str | None]
-    test: Callable[[Plan, Ratios, str], Tensor]
+    level: Callable[[Plan], Level | None]
+    test: Callable[[Plan, Ratios, Level], Tensor]
     rejects: bool
     denominator: str
     column: Callable[[Plan], TokenColumn] | None = None  # a token column summed per sequence, read by test
@@ -69,19 +70,25 @@ class Rule:
         return self.key.removesuffix("_count") + "_column"
 
 
-def _below(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
-    return lambda p, r, lvl: r.level_log_ratio(lvl) < getattr(p, bound)
+def _below(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+    return lambda p, r, lvl: lvl.of(r) < getattr(p, bound)
 
 
-def _above(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
-    return lambda p, r, lvl: r.level_log_ratio(lvl) > getattr(p, bound)
+def _above(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+    return lambda p, r, lvl: lvl.of(r) > getattr(p, bound)
 
 
-_sequence = lambda p: "sequence"  # noqa: E731
-_token = lambda p: "token"  # noqa: E731
+def _counted_in(mode: str) -> Callable[[Plan], Level | None]:
+    """The plan's level while its weights are on and of mode ``mode`` (a bound counter of that mode)."""
+    row = MODES[mode]
+    return lambda p: p.level if p.weighted and p.mode is row else None
+
+
+_sequence = lambda p: SEQUENCE  # noqa: E731
+_token = lambda p: TOKEN  # noqa: E731
 _mask = lambda p: p.level if p.mask else None  # noqa: E731
-_truncate = lambda p: p.level if p.weighted and p.mode == "truncate" else None  # noqa: E731
-_clip = lambda p: p.level if p.weighted and p.mode == "clip" else None  # noqa: E731
+_truncate = _counted_in("truncate")
+_clip = _counted_in("clip")
 
 def _k2(plan: Plan, log_ratio: Tensor) -> Tensor:
     """``k2 = (log r)^2 / 2`` of the clamped log-ratio ``lc = clamp(l, -B, B)`` (verl's ``token_k2``)."""
@@ -155,7 +162,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def active(plan: Plan) -> list[tuple[Rule, str]]:
+def active(plan: Plan) -> list[tuple[Rule, Level]]:
     """The rows that are on for ``plan`` (level not None and threshold, if any, set), with their unit level."""
     return [(rule, level) for rule in RULES
             if (rule.threshold is None or plan.threshold(rule.threshold) is not None)
@@ -171,10 +178,7 @@ class _TokenLogRatios:
     """What a token-level row's test reads (the token log-ratios ``l``), before the per-sequence sums exist."""
 
     def __init__(self, log_ratio: Tensor) -> None:
-        self.log_ratio = log_ratio
-
-    def level_log_ratio(self, level: str) -> Tensor:
-        return self.log_ratio
+        self.log_ratio = log_ratio  # what ``TOKEN.of`` reads
 
 
 def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
@@ -182,13 +186,13 @@ def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
     :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads only token log-ratios)."""
     rows = active(plan)
     columns = {rule.column_key: rule.column(plan) for rule, _ in rows if rule.column is not None}
-    token_rows = [rule for rule, level in rows if rule.rejects and level == "token"]
+    token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:
             view = _TokenLogRatios(log_r)
             hit = torch.zeros_like(log_r, dtype=torch.bool)
             for rule in token_rows:
-                hit = hit | rule.test(plan, view, "token")
+                hit = hit | rule.test(plan, view, TOKEN)
             return hit
 
         columns[TOKEN_REJECTIONS] = token_rejections
@@ -206,7 +210,7 @@ class Verdict:
     complete over context parallelism).
     """
 
-    hits: list[tuple[Rule, str, Tensor]]
+    hits: list[tuple[Rule, Level, Tensor]]
     seq_rejected: Tensor
     token_rejected: Tensor | None
     keep: Tensor
@@ -232,7 +236,7 @@ def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
     for rule, level, mask in hits:
         if not rule.rejects:
             continue
-        if level == "token":
+        if not level.per_sequence:
             token_rejected = mask if token_rejected is None else token_rejected | mask
         else:
             seq_rejected = seq_rejected | mask
