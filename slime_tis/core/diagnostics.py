@@ -1,6 +1,8 @@
-"""The ``tis.*`` statistics of one micro-batch (sums, minima, maxima; metrics in ``core.metrics``).
+"""The ``tis.*`` statistics of one micro-batch (sums, minima, maxima) and its per-token values.
 
-Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite
+Both are generated from the metric schema (``core.metric_schema.METRICS``): its rows' formulas read the contexts
+:class:`TisBatch` (statistics) and :class:`TisTokens` (per-token values), which compute each shared quantity once
+(lazily). Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite
 sequences on this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
 (0 outside D, where ``l = 0``)::
 
@@ -14,18 +16,20 @@ of ``core.rules.RULES`` adds its count to the sums of its units' domain.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from slime_tis.core.levels import Level
+from slime_tis.core.metric_schema import statistics, token_values
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, ratio_moments
 from slime_tis.core.rules import Verdict
 
-__all__ = ["tis_statistics", "token_metrics"]
+__all__ = ["tis_statistics", "token_metrics", "TisBatch", "TisTokens"]
 
 F64 = torch.float64
 
@@ -76,6 +80,110 @@ def _weight_extremes(weights: Tensor, kept_weights: Tensor, off_kept: Tensor, n_
     return (weights.float() + off_kept).min(), torch.where(n_kept > 0, kept_weights.float().max(), -inf)
 
 
+class TisBatch:
+    """The quantities the ``tis.*`` rows of the metric schema read, for one micro-batch (each computed once).
+
+    Args (attributes of the same names): see :func:`tis_statistics`.
+    """
+
+    def __init__(self, plan: Plan, ratios: Ratios, verdict: Verdict, weights: Tensor, kept_units: Tensor,
+                 kept_weights: Tensor, n_kept_units: Tensor, factor: Tensor | None,
+                 moments: tuple[Tensor, Tensor, Tensor] | None) -> None:
+        self.plan, self.ratios, self.verdict, self.weights = plan, ratios, verdict, weights
+        self.kept_units, self.kept_weights, self.n_kept_units = kept_units, kept_weights, n_kept_units
+        self.factor = factor
+        self.bound = plan.bound
+        _, self.e, self.k3 = ratio_moments(ratios.log_ratio, plan.bound) if moments is None else moments
+
+    @cached_property
+    def n_valid(self) -> Tensor:
+        return self.ratios.local_total("valid", torch.ones_like(self.ratios.seq_ok))
+
+    @cached_property
+    def n_tok(self) -> Tensor:
+        return self.ratios.local_total("valid", self.ratios.seq_ok)
+
+    @cached_property
+    def n_seq(self) -> Tensor:
+        return _total(self.ratios.seq_ok)
+
+    @cached_property
+    def e_sums(self) -> tuple[Tensor, Tensor]:
+        """``(sum e, sum e^2)`` over the token domain."""
+        return _sum_and_squares(self.e, self.bound)
+
+    @cached_property
+    def r2_sum(self) -> Tensor:
+        """``sum r^2 = sum e^2 + 2 sum e + n`` over the token domain."""
+        e_sum, e2_sum = self.e_sums
+        return e2_sum + 2.0 * e_sum + self.n_tok
+
+    @cached_property
+    def n_kept_tok(self) -> Tensor:
+        if not self.plan.per_sequence:  # token units: the kept units are the kept tokens
+            return self.n_kept_units.to(F64)
+        if self.verdict.token_rejected is None:  # valid tokens of the kept sequences
+            return self.ratios.local_total("valid", self.kept_units)
+        return _total(self.verdict.keep)
+
+    @cached_property
+    def mean_diff(self) -> Tensor:
+        """``[n_seq]`` float64 ``mean_t lp_rollout - mean_t lp_train`` (0 unless ``seq_ok``)."""
+        return -self.ratios.column("l") / self.ratios.seq_count.to(F64).clamp(min=1.0)
+
+    @cached_property
+    def logs(self) -> Tensor:
+        """``[4, n_seq]`` exponents: training log-ppl, rollout log-ppl, log_ppl_diff, ``sum_t l``."""
+        r = self.ratios
+        return torch.stack([-r.seq_mean_lp_train, -r.seq_mean_lp_rollout, self.mean_diff, r.column("l")])
+
+    @cached_property
+    def exps(self) -> Tensor:
+        """``[4, n_seq]``: ``exp(clamp(logs, -B, B))`` (the last one doubled: ``chi2_seq``), 0 unless ``seq_ok``."""
+        clamped = self.logs.clamp(-self.bound, self.bound)
+        clamped[3] *= 2.0
+        return torch.where(self.ratios.seq_ok, clamped.exp(), 0.0)
+
+    @cached_property
+    def level_log(self) -> Tensor:
+        return self.plan.level.of(self.ratios)  # 0 outside the units' domain
+
+    @cached_property
+    def ratio_sums(self) -> tuple[Tensor, Tensor]:
+        """``(sum r_u, sum r_u^2)`` over the units of the plan's level, ``r_u = exp(clamp(L_u, -B, B))``."""
+        if not self.plan.per_sequence:
+            return self.e_sums[0] + self.n_tok, self.r2_sum
+        seq_ok = self.ratios.seq_ok
+        e_unit = torch.where(seq_ok, torch.expm1(self.level_log.to(F64).clamp(-self.bound, self.bound)), 0.0)
+        return (e_unit + seq_ok).sum(), (e_unit * (e_unit + 2.0) + seq_ok).sum()
+
+    @cached_property
+    def w64(self) -> Tensor:
+        # float64: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
+        return self.kept_weights.to(F64)
+
+    @cached_property
+    def _off_ok(self) -> Tensor:
+        return _off_mask(self.plan.level.domain(self.ratios))  # level_log is finite (0 off its domain)
+
+    @cached_property
+    def log_ratio_extremes(self) -> tuple[Tensor, Tensor]:
+        return _extremes(self.level_log, self._off_ok)
+
+    @cached_property
+    def weight_extremes(self) -> tuple[Tensor, Tensor]:
+        unit_ok = self.plan.level.domain(self.ratios)
+        off_kept = self._off_ok if self.kept_units is unit_ok else _off_mask(self.kept_units)
+        return _weight_extremes(self.weights, self.kept_weights, off_kept, self.n_kept_units)
+
+    @cached_property
+    def log_ppl_diff_extremes(self) -> tuple[Tensor, Tensor]:
+        seq_ok = self.ratios.seq_ok
+        inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
+        return (torch.cat([torch.where(seq_ok, self.mean_diff, inf), inf]).min(),
+                torch.cat([torch.where(seq_ok, self.mean_diff, -inf), -inf]).max())
+
+
 def tis_statistics(
     plan: Plan,
     ratios: Ratios,
@@ -88,7 +196,7 @@ def tis_statistics(
     *,
     moments: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> MetricStats:
-    """Raw ``tis.*`` statistics.
+    """Raw ``tis.*`` statistics: the ``tis.`` rows of the metric schema, plus each active rule's count.
 
     Args:
         weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
@@ -98,129 +206,49 @@ def tis_statistics(
         batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
         moments: ``ratio_moments(ratios.log_ratio, plan.bound)`` where already computed.
     """
-    seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
-    n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
-    n_tok = ratios.local_total("valid", seq_ok)
-    bound = plan.bound
-    _, e, k3 = ratio_moments(ratios.log_ratio, bound) if moments is None else moments
-    e_sum, e2_sum = _sum_and_squares(e, bound)
-    if not plan.per_sequence:  # token units: the kept units are the kept tokens
-        n_kept_tok = n_kept_units.to(F64)
-    elif verdict.token_rejected is None:  # valid tokens of the kept sequences
-        n_kept_tok = ratios.local_total("valid", kept_units)
-    else:
-        n_kept_tok = _total(verdict.keep)
-    tok: dict[str, Tensor] = {
-        "tis.n_tok_valid": n_valid,
-        "tis.n_tok": n_tok,
-        "tis.n_tok_rejected": n_valid - n_kept_tok,
-        "tis.kl_sum": -ratios.local_total("l", seq_ok),
-        "tis.k3_sum": _total(k3),
-        "tis.r2_sum": e2_sum + 2.0 * e_sum + n_tok,
-    }
-
-    log_sum = ratios.column("l")  # float64, 0 unless seq_ok
-    lr_mean = ratios.seq_mean_lp_rollout
-    mean_diff = -log_sum / ratios.seq_count.to(F64).clamp(min=1.0)  # mean lp_rollout - mean lp_train
-    # exponents: training log-ppl, rollout log-ppl, log_ppl_diff, sum_t l (chi2_seq = exp(2 clamp(sum_t l)))
-    logs = torch.stack([-ratios.seq_mean_lp_train, -lr_mean, mean_diff, log_sum])
-    clamped = logs.clamp(-bound, bound)
-    clamped[3] *= 2.0
-    exps = torch.where(seq_ok, clamped.exp(), 0.0)
-    seq: dict[str, Tensor] = {
-        "tis.n_seq_valid": _total(has),
-        "tis.n_seq": _total(seq_ok),
-        "tis.n_seq_rejected": _total(verdict.seq_rejected & has),
-        "tis.n_seq_masked": _total(verdict.seq_masked & has),
-        "tis.train_log_ppl_sum": logs[0].sum(),
-        "tis.train_ppl_sum": exps[0].sum(),
-        "tis.rollout_log_ppl_sum": logs[1].sum(),
-        "tis.rollout_ppl_sum": exps[1].sum(),
-        "tis.log_ppl_diff_sum": mean_diff.sum(),
-        "tis.log_ppl_abs_diff_sum": mean_diff.abs().sum(),
-        "tis.ppl_ratio_sum": exps[2].sum(),
-        "tis.chi2_seq_sum": exps[3].sum(),
-    }
-
-    units = seq if plan.per_sequence else tok
-    level_log = ratios.level_log_ratio(plan.level)  # 0 outside the units' domain
-    if plan.per_sequence:
-        e_unit = torch.where(seq_ok, torch.expm1(level_log.to(F64).clamp(-bound, bound)), 0.0)
-        units["tis.n_units"] = seq["tis.n_seq"]
-        units["tis.ratio_sum"] = (e_unit + seq_ok).sum()
-        units["tis.ratio_sq_sum"] = (e_unit * (e_unit + 2.0) + seq_ok).sum()
-    else:
-        units["tis.n_units"] = n_tok
-        units["tis.ratio_sum"] = e_sum + n_tok
-        units["tis.ratio_sq_sum"] = tok["tis.r2_sum"]
-    units["tis.n_kept_units"] = n_kept_units.to(F64)
-    # float64 sums: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
-    w64 = kept_weights.to(F64)
-    units["tis.w_sum"] = w64.sum()
-    units["tis.w_sq_sum"] = torch.dot(w64, w64)
-    if plan.rs_level is not None:
-        rs_seq = plan.rs_level.per_sequence
-        (seq if rs_seq else tok)["tis.n_rs_units"] = seq["tis.n_seq"] if rs_seq else n_tok
+    batch = TisBatch(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, batch_norm_factor,
+                     moments)
+    groups = statistics("tis.", batch, plan)
     for rule, level, hit in verdict.hits:
-        (seq if level.per_sequence else tok)[rule.key] = _total(hit)
-    if batch_norm_factor is not None:
-        seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
-        seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
+        groups["seq_sums" if level.per_sequence else "token_sums"][rule.key] = _total(hit)
+    return MetricStats(**groups)
 
-    unit_ok = ratios.unit_ok(plan.level)
-    off_ok = _off_mask(unit_ok)  # level_log is finite (0 off its domain)
-    off_kept = off_ok if kept_units is unit_ok else _off_mask(kept_units)
-    (lr_min, lr_max) = _extremes(level_log, off_ok)
-    (w_min, w_max) = _weight_extremes(weights, kept_weights, off_kept, n_kept_units)
-    inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
-    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min,
-            "tis.log_ppl_diff_min": torch.cat([torch.where(seq_ok, mean_diff, inf), inf]).min()}
-    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max,
-            "tis.log_ppl_diff_max": torch.cat([torch.where(seq_ok, mean_diff, -inf), -inf]).max()}
-    return MetricStats(token_sums=tok, seq_sums=seq, mins=mins, maxs=maxs)
+
+class TisTokens:
+    """The quantities the per-token formulas of the metric schema read (``[T]``; 0 off the token domain)."""
+
+    def __init__(self, plan: Plan, result: Any, factor: Tensor | None) -> None:
+        self.plan, self.result, self.factor, self.bound = plan, result, factor, plan.bound
+        self.r, self.verdict = result.ratios, result.verdict
+        self.ok, self.sid = self.r.token_ok, self.r.seq_id
+        self.lc, self.e, self.k3 = ratio_moments(self.r.log_ratio, plan.bound)
+
+    def seq(self, x: Tensor) -> Tensor:
+        """``[n_seq]`` -> tokens of finite sequences (float32, 0 elsewhere)."""
+        return torch.where(self.ok, x.index_select(0, self.sid).float(), 0.0)
+
+    def unit(self, x: Tensor, level: Level) -> Tensor:
+        """A unit value of ``level`` on its tokens (float32)."""
+        return (x.index_select(0, self.sid) if level.per_sequence else x).float()
+
+    @cached_property
+    def mean_diff(self) -> Tensor:
+        return self.r.seq_mean_lp_rollout - self.r.seq_mean_lp_train
+
+    @cached_property
+    def level_log(self) -> Tensor:
+        return self.plan.level.of(self.r)
 
 
 def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = None) -> dict[str, Tensor]:
-    """Per-token ``tis/`` values (``[T]``, detached, finite) for hosts that average per token.
-
-    On valid tokens of finite sequences (0 elsewhere), with ``e = expm1(clamp(l, -B, B))``:
-    ``tis/kl = -l``, ``tis/k3_kl = e - lc``, ``tis/chi2_token = e (e + 2) = r^2 - 1``; sequence values
-    broadcast to their tokens: ``tis/chi2_seq``, ``tis/log_ppl_diff``, ``tis/log_ppl_abs_diff``,
-    ``tis/ppl_ratio``, ``tis/training_ppl``, ``tis/rollout_ppl``; ``tis/ratio`` (level ratio before
-    bounds), ``tis/weight`` (applied); 0/1 indicators: every active row of ``core.rules.RULES``
-    (unit indicator broadcast to tokens), ``tis/rejected_token_fraction``, ``tis/rejected_seq_fraction``;
-    ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``. float32, except ``tis/chi2_token``: float64,
-    since ``r^2`` reaches ``e^(2B)`` (1.3e52 at ``B = 60``), beyond float32.
+    """Per-token ``tis/`` values (``[T]``, detached, finite) for hosts that average per token: the per-token
+    formulas of the metric schema (``tis/ratio``: the level ratio before bounds, ``tis/weight``: applied), and each
+    active rule's 0/1 hit (a unit indicator broadcast to its tokens). On valid tokens of finite sequences (0
+    elsewhere); ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``. float32, except
+    ``tis/chi2_token``: float64, since ``r^2`` reaches ``e^(2B)`` (1.3e52 at ``B = 60``), beyond float32.
     """
-    r, verdict, bound = result.ratios, result.verdict, plan.bound
-    ok, sid = r.token_ok, r.seq_id
-
-    def seq(x: Tensor) -> Tensor:  # [n_seq] -> tokens of finite sequences
-        return torch.where(ok, x.index_select(0, sid).float(), 0.0)
-
-    def unit(x: Tensor, level: Level) -> Tensor:
-        return (x.index_select(0, sid) if level.per_sequence else x).float()
-
-    lc, e, k3 = ratio_moments(r.log_ratio, bound)
-    mean_diff = r.seq_mean_lp_rollout - r.seq_mean_lp_train
-    level_log = r.level_log_ratio(plan.level)
-    out: dict[str, Tensor] = {
-        "tis/kl": -r.log_ratio,
-        "tis/k3_kl": k3,
-        "tis/chi2_token": e.to(F64) * (e.to(F64) + 2.0),
-        "tis/chi2_seq": seq(torch.expm1(2.0 * r.seq_log_ratio_sum.double().clamp(-bound, bound))),
-        "tis/log_ppl_diff": seq(mean_diff),
-        "tis/log_ppl_abs_diff": seq(mean_diff.abs()),
-        "tis/ppl_ratio": seq(torch.exp(mean_diff.clamp(-bound, bound))),
-        "tis/training_ppl": seq(torch.exp((-r.seq_mean_lp_train).clamp(-bound, bound))),
-        "tis/rollout_ppl": seq(torch.exp((-r.seq_mean_lp_rollout).clamp(-bound, bound))),
-        "tis/ratio": torch.where(ok, unit(torch.exp(level_log.clamp(-bound, bound)), plan.level), 0.0),
-        "tis/weight": result.weights.float(),
-        "tis/rejected_token_fraction": (r.valid & ~result.keep_mask).float(),
-        "tis/rejected_seq_fraction": (verdict.seq_rejected & r.seq_has_tokens).index_select(0, sid).float(),
-    }
-    for rule, level, hit in verdict.hits:
-        out[rule.metric] = unit(hit, level)
-    if batch_norm_factor is not None:
-        out["tis/batch_norm_factor"] = torch.ones_like(lc) * batch_norm_factor.float().reshape(())
+    tokens = TisTokens(plan, result, batch_norm_factor)
+    out = token_values(tokens)
+    for rule, level, hit in result.verdict.hits:
+        out[rule.metric] = tokens.unit(hit, level)
     return {k: v.detach() for k, v in out.items()}

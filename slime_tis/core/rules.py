@@ -62,6 +62,7 @@ class Rule:
     denominator: str
     column: Callable[[Plan], TokenColumn] | None = None  # a token column summed per sequence, read by test
     threshold: str | None = None  # the TISConfig field of its threshold (declared there); the row is off while unset
+    doc: str = ""  # its metric in words (the README metric table, ``core.metric_schema``)
 
     @property
     def column_key(self) -> str:
@@ -118,36 +119,42 @@ def _divergence(option: str) -> Rule:
     field, key, divergence = f"{option}_threshold", f"tis.{option}_count", DIVERGENCES[k]
     column_key = f"tis.{option}_column"
     metric = f"tis/{option}_fraction"
+    flag = "--tis-" + field.replace("_", "-")
     if statistic == "token":
         return Rule(metric, key, _token, lambda p, r, lvl: divergence(p, r.log_ratio) > p.threshold(field), True,
-                    "tis.n_tok", threshold=field)
+                    "tis.n_tok", threshold=field, doc=f"with `{flag}`: tokens with `{k}_t > threshold` / tokens of `D`")
+    doc = f"with `{flag}`: sequences with `{statistic.removeprefix('seq_')}_t {k}_t > threshold` / `abs(S)`"
     if statistic == "seq_max":
         return Rule(metric, key, _sequence, lambda p, r, lvl: r.column(column_key) > 0, True, "tis.n_seq",
-                    column=lambda p: lambda log_r: divergence(p, log_r) > p.threshold(field), threshold=field)
+                    column=lambda p: lambda log_r: divergence(p, log_r) > p.threshold(field), threshold=field, doc=doc)
     read = {"seq_sum": Ratios.column, "seq_mean": Ratios.column_mean}[statistic]
     return Rule(metric, key, _sequence, lambda p, r, lvl: read(r, column_key) > p.threshold(field), True, "tis.n_seq",
-                column=lambda p: lambda log_r: divergence(p, log_r), threshold=field)
+                column=lambda p: lambda log_r: divergence(p, log_r), threshold=field, doc=doc)
 
 
 #: The always-on row: a sequence with a non-finite value at a valid token (the complement of the diagnostic domain).
 NONFINITE = Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", _sequence,
-                 lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid")
+                 lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid",
+                 doc="sequences with a non-finite value / sequences with a valid token")
 
 RULES: tuple[Rule, ...] = (
     NONFINITE,
     Rule("tis/veto_seq_fraction", "tis.veto_count", _sequence,
          lambda p, r, lvl: r.column("tis.veto_column") > 0, True, "tis.n_seq",
-         column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold"),
+         column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold",
+         doc="with the veto `v`: sequences with a valid token whose `r_t < v` / `abs(S)`"),
     # the veto's token column (l_t < log v, computed once) on the diagnostic domain
     Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
          lambda p, r, lvl: r.token_columns["tis.veto_column"] & r.token_ok, False, "tis.n_tok",
-         threshold="veto_threshold"),
-    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units"),
-    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units"),
+         threshold="veto_threshold", doc="with the veto: valid tokens with raw ratio `r_t < v` / tokens of `D`"),
+    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units",
+         doc="units rejected with `L_u < log lower` / units (mask mode)"),
+    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units",
+         doc="units rejected with `L_u > log upper` / units (mask mode)"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
-         "tis.n_rs_units"),
+         "tis.n_rs_units", doc="rejection-sampling units rejected below its lower bound / its units"),
     Rule("tis/rs_fraction_high", "tis.rs_high_count", lambda p: p.rs_level, _above("rs_log_upper"), True,
-         "tis.n_rs_units"),
+         "tis.n_rs_units", doc="rejection-sampling units rejected above its upper bound / its units"),
     _divergence("seq_mean_k3"),
     _divergence("seq_max_k3"),
     _divergence("token_k2"),
@@ -156,9 +163,12 @@ RULES: tuple[Rule, ...] = (
     _divergence("seq_sum_k3"),
     _divergence("seq_mean_k2"),
     _divergence("seq_max_k2"),
-    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units"),
-    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units"),
-    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units"),
+    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units",
+         doc="units with `L_u > log upper` / units (truncate mode)"),
+    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units",
+         doc="units with `L_u < log lower` / units (clip mode)"),
+    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units",
+         doc="units with `L_u > log upper` / units (clip mode)"),
 )
 
 
