@@ -1,9 +1,9 @@
 """The ``tis.*`` statistics of one micro-batch (sums, minima, maxima) and its per-token values.
 
 Both are generated from the metric schema (``core.metric_schema.METRICS``): its rows' formulas read the contexts
-:class:`TisBatch` (statistics) and :class:`TisTokens` (per-token values), which compute each shared quantity once
-(lazily). Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite
-sequences on this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
+:class:`TisBatch` (statistics) and :class:`TisTokens` (per-token values), which compute each shared quantity
+once. Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite sequences on
+this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
 (0 outside D, where ``l = 0``)::
 
     kl_sum = -sum l,   k3_sum = sum (e - lc),   r2_sum = sum r^2 = sum e^2 + 2 sum e + n
@@ -16,7 +16,6 @@ of ``core.rules.RULES`` adds its count to the sums of its units' domain.
 from __future__ import annotations
 
 import math
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -81,9 +80,20 @@ def _weight_extremes(weights: Tensor, kept_weights: Tensor, off_kept: Tensor, n_
 
 
 class TisBatch:
-    """The quantities the ``tis.*`` rows of the metric schema read, for one micro-batch (each computed once).
+    """The quantities the ``tis.*`` rows of the metric schema read, for one micro-batch (each computed once, at
+    construction: every row reads them).
 
-    Args (attributes of the same names): see :func:`tis_statistics`.
+    Attributes: the arguments of :func:`tis_statistics` (``factor``: its ``batch_norm_factor``), ``bound`` and:
+        e, k3: ``[T]`` token moments (``core.ratios.ratio_moments``; 0 outside the token domain).
+        n_valid, n_tok, n_seq: float64 counts: valid tokens, tokens of ``D``, sequences of ``S`` (this rank).
+        e_sums: ``(sum e, sum e^2)``; r2_sum: ``sum r^2 = sum e^2 + 2 sum e + n`` over ``D``.
+        n_kept_tok: kept valid tokens (float64).
+        mean_diff: ``[n_seq]`` float64 ``mean_t lp_rollout - mean_t lp_train`` (0 unless ``seq_ok``).
+        logs: ``[4, n_seq]`` training log-ppl, rollout log-ppl, log_ppl_diff, ``sum_t l``; exps: ``exp(clamp(logs,
+            -B, B))`` (the last doubled: ``chi2_seq``), 0 unless ``seq_ok``.
+        level_log: ``L_u`` of the plan's level (0 off its domain); ratio_sums: ``(sum r_u, sum r_u^2)`` over its
+            units. w64: the kept weights in float64.
+        log_ratio_extremes, weight_extremes, log_ppl_diff_extremes: ``(min, max)`` pairs (``+-inf`` when empty).
     """
 
     def __init__(self, plan: Plan, ratios: Ratios, verdict: Verdict, weights: Tensor, kept_units: Tensor,
@@ -92,96 +102,45 @@ class TisBatch:
         self.plan, self.ratios, self.verdict, self.weights = plan, ratios, verdict, weights
         self.kept_units, self.kept_weights, self.n_kept_units = kept_units, kept_weights, n_kept_units
         self.factor = factor
-        self.bound = plan.bound
-        _, self.e, self.k3 = ratio_moments(ratios.log_ratio, plan.bound) if moments is None else moments
+        self.bound = bound = plan.bound
+        seq_ok = ratios.seq_ok
+        _, self.e, self.k3 = ratio_moments(ratios.log_ratio, bound) if moments is None else moments
+        self.n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
+        self.n_tok = ratios.local_total("valid", seq_ok)
+        self.n_seq = _total(seq_ok)
+        self.e_sums = e_sum, e2_sum = _sum_and_squares(self.e, bound)
+        self.r2_sum = e2_sum + 2.0 * e_sum + self.n_tok
+        if not plan.per_sequence:  # token units: the kept units are the kept tokens
+            self.n_kept_tok = n_kept_units.to(F64)
+        elif verdict.token_rejected is None:  # valid tokens of the kept sequences
+            self.n_kept_tok = ratios.local_total("valid", kept_units)
+        else:
+            self.n_kept_tok = _total(verdict.keep)
 
-    @cached_property
-    def n_valid(self) -> Tensor:
-        return self.ratios.local_total("valid", torch.ones_like(self.ratios.seq_ok))
-
-    @cached_property
-    def n_tok(self) -> Tensor:
-        return self.ratios.local_total("valid", self.ratios.seq_ok)
-
-    @cached_property
-    def n_seq(self) -> Tensor:
-        return _total(self.ratios.seq_ok)
-
-    @cached_property
-    def e_sums(self) -> tuple[Tensor, Tensor]:
-        """``(sum e, sum e^2)`` over the token domain."""
-        return _sum_and_squares(self.e, self.bound)
-
-    @cached_property
-    def r2_sum(self) -> Tensor:
-        """``sum r^2 = sum e^2 + 2 sum e + n`` over the token domain."""
-        e_sum, e2_sum = self.e_sums
-        return e2_sum + 2.0 * e_sum + self.n_tok
-
-    @cached_property
-    def n_kept_tok(self) -> Tensor:
-        if not self.plan.per_sequence:  # token units: the kept units are the kept tokens
-            return self.n_kept_units.to(F64)
-        if self.verdict.token_rejected is None:  # valid tokens of the kept sequences
-            return self.ratios.local_total("valid", self.kept_units)
-        return _total(self.verdict.keep)
-
-    @cached_property
-    def mean_diff(self) -> Tensor:
-        """``[n_seq]`` float64 ``mean_t lp_rollout - mean_t lp_train`` (0 unless ``seq_ok``)."""
-        return -self.ratios.column("l") / self.ratios.seq_count.to(F64).clamp(min=1.0)
-
-    @cached_property
-    def logs(self) -> Tensor:
-        """``[4, n_seq]`` exponents: training log-ppl, rollout log-ppl, log_ppl_diff, ``sum_t l``."""
-        r = self.ratios
-        return torch.stack([-r.seq_mean_lp_train, -r.seq_mean_lp_rollout, self.mean_diff, r.column("l")])
-
-    @cached_property
-    def exps(self) -> Tensor:
-        """``[4, n_seq]``: ``exp(clamp(logs, -B, B))`` (the last one doubled: ``chi2_seq``), 0 unless ``seq_ok``."""
-        clamped = self.logs.clamp(-self.bound, self.bound)
+        log_sum = ratios.column("l")  # float64, 0 unless seq_ok
+        self.mean_diff = -log_sum / ratios.seq_count.to(F64).clamp(min=1.0)
+        self.logs = torch.stack([-ratios.seq_mean_lp_train, -ratios.seq_mean_lp_rollout, self.mean_diff, log_sum])
+        clamped = self.logs.clamp(-bound, bound)
         clamped[3] *= 2.0
-        return torch.where(self.ratios.seq_ok, clamped.exp(), 0.0)
+        self.exps = torch.where(seq_ok, clamped.exp(), 0.0)
 
-    @cached_property
-    def level_log(self) -> Tensor:
-        return self.plan.level.of(self.ratios)  # 0 outside the units' domain
-
-    @cached_property
-    def ratio_sums(self) -> tuple[Tensor, Tensor]:
-        """``(sum r_u, sum r_u^2)`` over the units of the plan's level, ``r_u = exp(clamp(L_u, -B, B))``."""
-        if not self.plan.per_sequence:
-            return self.e_sums[0] + self.n_tok, self.r2_sum
-        seq_ok = self.ratios.seq_ok
-        e_unit = torch.where(seq_ok, torch.expm1(self.level_log.to(F64).clamp(-self.bound, self.bound)), 0.0)
-        return (e_unit + seq_ok).sum(), (e_unit * (e_unit + 2.0) + seq_ok).sum()
-
-    @cached_property
-    def w64(self) -> Tensor:
+        self.level_log = plan.level.of(ratios)  # 0 outside the units' domain
+        if plan.per_sequence:
+            e_unit = torch.where(seq_ok, torch.expm1(self.level_log.to(F64).clamp(-bound, bound)), 0.0)
+            self.ratio_sums = (e_unit + seq_ok).sum(), (e_unit * (e_unit + 2.0) + seq_ok).sum()
+        else:
+            self.ratio_sums = e_sum + self.n_tok, self.r2_sum
         # float64: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
-        return self.kept_weights.to(F64)
+        self.w64 = kept_weights.to(F64)
 
-    @cached_property
-    def _off_ok(self) -> Tensor:
-        return _off_mask(self.plan.level.domain(self.ratios))  # level_log is finite (0 off its domain)
-
-    @cached_property
-    def log_ratio_extremes(self) -> tuple[Tensor, Tensor]:
-        return _extremes(self.level_log, self._off_ok)
-
-    @cached_property
-    def weight_extremes(self) -> tuple[Tensor, Tensor]:
-        unit_ok = self.plan.level.domain(self.ratios)
-        off_kept = self._off_ok if self.kept_units is unit_ok else _off_mask(self.kept_units)
-        return _weight_extremes(self.weights, self.kept_weights, off_kept, self.n_kept_units)
-
-    @cached_property
-    def log_ppl_diff_extremes(self) -> tuple[Tensor, Tensor]:
-        seq_ok = self.ratios.seq_ok
+        unit_ok = plan.level.domain(ratios)
+        off_ok = _off_mask(unit_ok)  # level_log is finite (0 off its domain)
+        off_kept = off_ok if kept_units is unit_ok else _off_mask(kept_units)
+        self.log_ratio_extremes = _extremes(self.level_log, off_ok)
+        self.weight_extremes = _weight_extremes(weights, kept_weights, off_kept, n_kept_units)
         inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
-        return (torch.cat([torch.where(seq_ok, self.mean_diff, inf), inf]).min(),
-                torch.cat([torch.where(seq_ok, self.mean_diff, -inf), -inf]).max())
+        self.log_ppl_diff_extremes = (torch.cat([torch.where(seq_ok, self.mean_diff, inf), inf]).min(),
+                                      torch.cat([torch.where(seq_ok, self.mean_diff, -inf), -inf]).max())
 
 
 def tis_statistics(
@@ -222,6 +181,8 @@ class TisTokens:
         self.r, self.verdict = result.ratios, result.verdict
         self.ok, self.sid = self.r.token_ok, self.r.seq_id
         self.lc, self.e, self.k3 = ratio_moments(self.r.log_ratio, plan.bound)
+        self.mean_diff = self.r.seq_mean_lp_rollout - self.r.seq_mean_lp_train
+        self.level_log = plan.level.of(self.r)
 
     def seq(self, x: Tensor) -> Tensor:
         """``[n_seq]`` -> tokens of finite sequences (float32, 0 elsewhere)."""
@@ -230,14 +191,6 @@ class TisTokens:
     def unit(self, x: Tensor, level: Level) -> Tensor:
         """A unit value of ``level`` on its tokens (float32)."""
         return (x.index_select(0, self.sid) if level.per_sequence else x).float()
-
-    @cached_property
-    def mean_diff(self) -> Tensor:
-        return self.r.seq_mean_lp_rollout - self.r.seq_mean_lp_train
-
-    @cached_property
-    def level_log(self) -> Tensor:
-        return self.plan.level.of(self.r)
 
 
 def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = None) -> dict[str, Tensor]:

@@ -26,7 +26,7 @@ level / rejection-sampling level is per sequence, else ``token``), ``min``, ``ma
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,25 +247,27 @@ METRICS: tuple[Metric, ...] = (
 _GROUPS = {"token": "token_sums", "seq": "seq_sums", "min": "mins", "max": "maxs"}
 
 
-def _group(group: str, plan: Plan) -> str:
-    if group == "units":
-        group = "seq" if plan.per_sequence else "token"
-    elif group == "rs_units":
-        group = "seq" if plan.rs_level is not None and plan.rs_level.per_sequence else "token"
-    return _GROUPS[group]
+def _rows(prefix: str) -> tuple[tuple[str, str, Callable], ...]:
+    return tuple((key, group, total) for key, group, total in (
+        *((c.key, c.group, c.total) for c in COUNTS),
+        *((m.numerator, m.group, m.total) for m in METRICS if m.total is not None),
+    ) if key.startswith(prefix))
+
+
+#: ``prefix -> ((key, group, total), ...)``: the statistics of each context, in table order (built once).
+_STATISTICS = {prefix: _rows(prefix) for prefix in ("tis.", "policy.")}
 
 
 def statistics(prefix: str, context: Any, plan: Plan) -> dict[str, dict[str, Tensor]]:
     """``{MetricStats field: {key: 0-d tensor}}`` of every count and numerator whose key starts with ``prefix``
     (``"tis."`` or ``"policy."``), computed from ``context`` (rules' counts are added by the caller)."""
     out: dict[str, dict[str, Tensor]] = {name: {} for name in _GROUPS.values()}
-    rows: Iterable[tuple[str, str, Callable]] = [
-        *((c.key, c.group, c.total) for c in COUNTS),
-        *((m.numerator, m.group, m.total) for m in METRICS if m.total is not None),
-    ]
-    for key, group, total in rows:
-        if key.startswith(prefix) and (value := total(context)) is not None:
-            out[_group(group, plan)][key] = value
+    where = {group: out[field] for group, field in _GROUPS.items()}
+    where["units"] = where["seq" if plan.per_sequence else "token"]
+    where["rs_units"] = where["seq" if plan.rs_level is not None and plan.rs_level.per_sequence else "token"]
+    for key, group, total in _STATISTICS[prefix]:
+        if (value := total(context)) is not None:
+            where[group][key] = value
     return out
 
 
