@@ -52,6 +52,14 @@ from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
 )
 from slime_tis.core.aggregation import AGGREGATIONS
 from slime_tis.core.algorithms import algorithm_of
+from slime_tis.core.levels import (  # noqa: F401  (DEFAULT_GEOMETRIC_UPPER re-exported)
+    DEFAULT_GEOMETRIC_UPPER,
+    DEFAULT_UPPER,
+    level_of,
+    mode_of,
+)
+from slime_tis.core.levels import LEVELS as LEVEL_TABLE
+from slime_tis.core.levels import MODES as MODE_TABLE
 from slime_tis.core.plan import Plan
 from slime_tis.core.surrogates import SURROGATES, surrogate_of
 from slime_tis.core.terms import KL_ESTIMATORS
@@ -61,16 +69,13 @@ from slime_tis.presets import PRESETS, preset_fields
 __all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS", "OPTIONS",
            "ALL_OPTIONS", "config_fields_from_args", "parse_switch"]
 
-MODES = ("truncate", "clip", "mask")
-LEVELS = ("token", "sequence", "geometric")
+MODES = tuple(MODE_TABLE)  # the flag's choices: the names of core.levels.MODES
+LEVELS = tuple(LEVEL_TABLE)  # the names of core.levels.LEVELS
 LOSS_AGGS = tuple(AGGREGATIONS)
 DENOMINATORS = ("keep", "drop")
 
 logger = logging.getLogger("slime_tis")
 _WARNED: set = set()  # configurations whose inert options were logged
-
-DEFAULT_UPPER = 2.0
-DEFAULT_GEOMETRIC_UPPER = 1.001
 
 ALGORITHM_NAMES = {
     0: "standard PPO (old = Megatron recompute)",
@@ -294,7 +299,7 @@ class TISConfig:
             for field in THRESHOLDS:
                 if getattr(self, field) is not None:
                     raise _bad(field, getattr(self, field), why)
-            if self.mode == "mask":
+            if mode_of(self.mode).rejects:
                 raise _bad("mode", self.mode, why)
         sur = surrogate_of(self.surrogate)
         if sur.anchored and alg.anchor is None:
@@ -328,9 +333,10 @@ class TISConfig:
             lines.append(f"--eps-clip-c does nothing with the {sur.name} surrogate (algorithm {alg.number})")
         if (self.eps_clip != DEFAULTS["eps_clip"] or self.eps_clip_high is not None) and not sur.clips:
             lines.append(f"--eps-clip / --eps-clip-high do nothing with the {sur.name} surrogate, which does not clip")
-        if self.lower is not None and self.mode == "truncate":
-            lines.append("--tis-lower-bound does nothing in truncate mode (w = min(r, upper))")
-        if (self.upper is not None or self.lower is not None) and not alg.weighted and self.mode != "mask":
+        mode = mode_of(self.mode)
+        if self.lower is not None and not mode.has_lower:
+            lines.append(f"--tis-lower-bound does nothing in {mode} mode ({mode.formula})")
+        if (self.upper is not None or self.lower is not None) and not alg.weighted and not mode.rejects:
             lines.append(f"--tis-upper-bound / --tis-lower-bound do nothing: algorithm {alg.number} applies no "
                          "weights and --tis-mode is not mask")
         if self.kl_coef == 0.0 and (self.kl_estimator != DEFAULTS["kl_estimator"] or self.kl_importance_weighted):
@@ -372,7 +378,7 @@ class TISConfig:
     def rejects(self) -> bool:
         """Whether any configured rule can reject tokens or sequences (besides non-finite data)."""
         return algorithm_of(self.algorithm).rejects and (
-            self.mode == "mask" or self.rs_level is not None
+            mode_of(self.mode).rejects or self.rs_level is not None
             or any(getattr(self, field) is not None for field in THRESHOLDS)
         )
 
@@ -385,7 +391,7 @@ class TISConfig:
     def upper_bound(self) -> float:
         if self.upper is not None:
             return float(self.upper)
-        return DEFAULT_GEOMETRIC_UPPER if (self.mode == "mask" and self.level == "geometric") else DEFAULT_UPPER
+        return mode_of(self.mode).default_upper(level_of(self.level))
 
     @property
     def lower_bound(self) -> float:
@@ -395,7 +401,7 @@ class TISConfig:
     def rs_upper_bound(self) -> float:
         if self.rs_upper is not None:
             return float(self.rs_upper)
-        return DEFAULT_GEOMETRIC_UPPER if self.rs_level == "geometric" else DEFAULT_UPPER
+        return level_of(self.rs_level).rejection_upper if self.rs_level is not None else DEFAULT_UPPER
 
     @property
     def rs_lower_bound(self) -> float:
@@ -424,8 +430,8 @@ class TISConfig:
         """One block of text with the algorithm and every resolved bound, printed at start-up."""
         lines = [f"slime_tis: algorithm {self.algorithm}: {self.algorithm_name}"]
         if self.algorithm != 0 or self.use_tis:
-            bounds = (f"upper={self.upper_bound:g} (truncate: no lower bound)" if self.mode == "truncate"
-                      else f"lower={self.lower_bound:g} upper={self.upper_bound:g}")
+            bounds = (f"lower={self.lower_bound:g} upper={self.upper_bound:g}" if mode_of(self.mode).has_lower
+                      else f"upper={self.upper_bound:g} ({self.mode}: no lower bound)")
             lines.append(f"  tis: mode={self.mode} level={self.level} bounds on r=pi_train/pi_rollout: {bounds}"
                          + ("" if self.applies_weights else " (weights off: only mask-mode rejection acts)"))
         else:
@@ -475,17 +481,18 @@ SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind =
 def _resolve(config: TISConfig) -> Plan:
     """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (hashable, frozen; cached)."""
     rejecting = algorithm_of(config.algorithm).rejects
-    rs_level = config.rs_level if rejecting else None
+    rs_level = level_of(config.rs_level) if rejecting and config.rs_level is not None else None
+    mode = mode_of(config.mode)
     return Plan(
         algorithm=config.algorithm,
         weighted=config.applies_weights,
-        mode=config.mode,
-        level=config.level,
+        mode=mode,
+        level=level_of(config.level),
         lower=config.lower_bound,
         upper=config.upper_bound,
         log_lower=math.log(config.lower_bound),
         log_upper=math.log(config.upper_bound),
-        mask=config.mode == "mask" and rejecting,
+        mask=mode.rejects and rejecting,
         rs_level=rs_level,
         rs_log_lower=math.log(config.rs_lower_bound) if rs_level else 0.0,
         rs_log_upper=math.log(config.rs_upper_bound) if rs_level else 0.0,

@@ -1,7 +1,9 @@
-"""The ``tis.*`` statistics of one micro-batch (sums, minima, maxima; metrics in ``core.metrics``).
+"""The ``tis.*`` statistics of one micro-batch (sums, minima, maxima) and its per-token values.
 
-Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite
-sequences on this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
+Both are generated from the metric schema (``core.metric_schema.METRICS``): its rows' formulas read the contexts
+:class:`TisBatch` (statistics) and :class:`TisTokens` (per-token values), which compute each shared quantity
+once. Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite sequences on
+this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
 (0 outside D, where ``l = 0``)::
 
     kl_sum = -sum l,   k3_sum = sum (e - lc),   r2_sum = sum r^2 = sum e^2 + 2 sum e + n
@@ -19,12 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.core.levels import Level
+from slime_tis.core.metric_schema import statistics, token_values
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, ratio_moments
 from slime_tis.core.rules import Verdict
 
-__all__ = ["tis_statistics", "token_metrics"]
+__all__ = ["tis_statistics", "token_metrics", "TisBatch", "TisTokens"]
 
 F64 = torch.float64
 
@@ -75,6 +79,70 @@ def _weight_extremes(weights: Tensor, kept_weights: Tensor, off_kept: Tensor, n_
     return (weights.float() + off_kept).min(), torch.where(n_kept > 0, kept_weights.float().max(), -inf)
 
 
+class TisBatch:
+    """The quantities the ``tis.*`` rows of the metric schema read, for one micro-batch (each computed once, at
+    construction: every row reads them).
+
+    Attributes: the arguments of :func:`tis_statistics` (``factor``: its ``batch_norm_factor``), ``bound`` and:
+        e, k3: ``[T]`` token moments (``core.ratios.ratio_moments``; 0 outside the token domain).
+        n_valid, n_tok, n_seq: float64 counts: valid tokens, tokens of ``D``, sequences of ``S`` (this rank).
+        e_sums: ``(sum e, sum e^2)``; r2_sum: ``sum r^2 = sum e^2 + 2 sum e + n`` over ``D``.
+        n_kept_tok: kept valid tokens (float64).
+        mean_diff: ``[n_seq]`` float64 ``mean_t lp_rollout - mean_t lp_train`` (0 unless ``seq_ok``).
+        logs: ``[4, n_seq]`` training log-ppl, rollout log-ppl, log_ppl_diff, ``sum_t l``; exps: ``exp(clamp(logs,
+            -B, B))`` (the last doubled: ``chi2_seq``), 0 unless ``seq_ok``.
+        level_log: ``L_u`` of the plan's level (0 off its domain); ratio_sums: ``(sum r_u, sum r_u^2)`` over its
+            units. w64: the kept weights in float64.
+        log_ratio_extremes, weight_extremes, log_ppl_diff_extremes: ``(min, max)`` pairs (``+-inf`` when empty).
+    """
+
+    def __init__(self, plan: Plan, ratios: Ratios, verdict: Verdict, weights: Tensor, kept_units: Tensor,
+                 kept_weights: Tensor, n_kept_units: Tensor, factor: Tensor | None,
+                 moments: tuple[Tensor, Tensor, Tensor] | None) -> None:
+        self.plan, self.ratios, self.verdict, self.weights = plan, ratios, verdict, weights
+        self.kept_units, self.kept_weights, self.n_kept_units = kept_units, kept_weights, n_kept_units
+        self.factor = factor
+        self.bound = bound = plan.bound
+        seq_ok = ratios.seq_ok
+        _, self.e, self.k3 = ratio_moments(ratios.log_ratio, bound) if moments is None else moments
+        self.n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
+        self.n_tok = ratios.local_total("valid", seq_ok)
+        self.n_seq = _total(seq_ok)
+        self.e_sums = e_sum, e2_sum = _sum_and_squares(self.e, bound)
+        self.r2_sum = e2_sum + 2.0 * e_sum + self.n_tok
+        if not plan.per_sequence:  # token units: the kept units are the kept tokens
+            self.n_kept_tok = n_kept_units.to(F64)
+        elif verdict.token_rejected is None:  # valid tokens of the kept sequences
+            self.n_kept_tok = ratios.local_total("valid", kept_units)
+        else:
+            self.n_kept_tok = _total(verdict.keep)
+
+        log_sum = ratios.column("l")  # float64, 0 unless seq_ok
+        self.mean_diff = -log_sum / ratios.seq_count.to(F64).clamp(min=1.0)
+        self.logs = torch.stack([-ratios.seq_mean_lp_train, -ratios.seq_mean_lp_rollout, self.mean_diff, log_sum])
+        clamped = self.logs.clamp(-bound, bound)
+        clamped[3] *= 2.0
+        self.exps = torch.where(seq_ok, clamped.exp(), 0.0)
+
+        self.level_log = plan.level.of(ratios)  # 0 outside the units' domain
+        if plan.per_sequence:
+            e_unit = torch.where(seq_ok, torch.expm1(self.level_log.to(F64).clamp(-bound, bound)), 0.0)
+            self.ratio_sums = (e_unit + seq_ok).sum(), (e_unit * (e_unit + 2.0) + seq_ok).sum()
+        else:
+            self.ratio_sums = e_sum + self.n_tok, self.r2_sum
+        # float64: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
+        self.w64 = kept_weights.to(F64)
+
+        unit_ok = plan.level.domain(ratios)
+        off_ok = _off_mask(unit_ok)  # level_log is finite (0 off its domain)
+        off_kept = off_ok if kept_units is unit_ok else _off_mask(kept_units)
+        self.log_ratio_extremes = _extremes(self.level_log, off_ok)
+        self.weight_extremes = _weight_extremes(weights, kept_weights, off_kept, n_kept_units)
+        inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
+        self.log_ppl_diff_extremes = (torch.cat([torch.where(seq_ok, self.mean_diff, inf), inf]).min(),
+                                      torch.cat([torch.where(seq_ok, self.mean_diff, -inf), -inf]).max())
+
+
 def tis_statistics(
     plan: Plan,
     ratios: Ratios,
@@ -87,7 +155,7 @@ def tis_statistics(
     *,
     moments: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> MetricStats:
-    """Raw ``tis.*`` statistics.
+    """Raw ``tis.*`` statistics: the ``tis.`` rows of the metric schema, plus each active rule's count.
 
     Args:
         weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
@@ -97,129 +165,43 @@ def tis_statistics(
         batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
         moments: ``ratio_moments(ratios.log_ratio, plan.bound)`` where already computed.
     """
-    seq_ok, has = ratios.seq_ok, ratios.seq_has_tokens
-    n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
-    n_tok = ratios.local_total("valid", seq_ok)
-    bound = plan.bound
-    _, e, k3 = ratio_moments(ratios.log_ratio, bound) if moments is None else moments
-    e_sum, e2_sum = _sum_and_squares(e, bound)
-    if not plan.per_sequence:  # token units: the kept units are the kept tokens
-        n_kept_tok = n_kept_units.to(F64)
-    elif verdict.token_rejected is None:  # valid tokens of the kept sequences
-        n_kept_tok = ratios.local_total("valid", kept_units)
-    else:
-        n_kept_tok = _total(verdict.keep)
-    tok: dict[str, Tensor] = {
-        "tis.n_tok_valid": n_valid,
-        "tis.n_tok": n_tok,
-        "tis.n_tok_rejected": n_valid - n_kept_tok,
-        "tis.kl_sum": -ratios.local_total("l", seq_ok),
-        "tis.k3_sum": _total(k3),
-        "tis.r2_sum": e2_sum + 2.0 * e_sum + n_tok,
-    }
-
-    log_sum = ratios.column("l")  # float64, 0 unless seq_ok
-    lr_mean = ratios.seq_mean_lp_rollout
-    mean_diff = -log_sum / ratios.seq_count.to(F64).clamp(min=1.0)  # mean lp_rollout - mean lp_train
-    # exponents: training log-ppl, rollout log-ppl, log_ppl_diff, sum_t l (chi2_seq = exp(2 clamp(sum_t l)))
-    logs = torch.stack([-ratios.seq_mean_lp_train, -lr_mean, mean_diff, log_sum])
-    clamped = logs.clamp(-bound, bound)
-    clamped[3] *= 2.0
-    exps = torch.where(seq_ok, clamped.exp(), 0.0)
-    seq: dict[str, Tensor] = {
-        "tis.n_seq_valid": _total(has),
-        "tis.n_seq": _total(seq_ok),
-        "tis.n_seq_rejected": _total(verdict.seq_rejected & has),
-        "tis.n_seq_masked": _total(verdict.seq_masked & has),
-        "tis.train_log_ppl_sum": logs[0].sum(),
-        "tis.train_ppl_sum": exps[0].sum(),
-        "tis.rollout_log_ppl_sum": logs[1].sum(),
-        "tis.rollout_ppl_sum": exps[1].sum(),
-        "tis.log_ppl_diff_sum": mean_diff.sum(),
-        "tis.log_ppl_abs_diff_sum": mean_diff.abs().sum(),
-        "tis.ppl_ratio_sum": exps[2].sum(),
-        "tis.chi2_seq_sum": exps[3].sum(),
-    }
-
-    units = seq if plan.per_sequence else tok
-    level_log = ratios.level_log_ratio(plan.level)  # 0 outside the units' domain
-    if plan.per_sequence:
-        e_unit = torch.where(seq_ok, torch.expm1(level_log.to(F64).clamp(-bound, bound)), 0.0)
-        units["tis.n_units"] = seq["tis.n_seq"]
-        units["tis.ratio_sum"] = (e_unit + seq_ok).sum()
-        units["tis.ratio_sq_sum"] = (e_unit * (e_unit + 2.0) + seq_ok).sum()
-    else:
-        units["tis.n_units"] = n_tok
-        units["tis.ratio_sum"] = e_sum + n_tok
-        units["tis.ratio_sq_sum"] = tok["tis.r2_sum"]
-    units["tis.n_kept_units"] = n_kept_units.to(F64)
-    # float64 sums: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
-    w64 = kept_weights.to(F64)
-    units["tis.w_sum"] = w64.sum()
-    units["tis.w_sq_sum"] = torch.dot(w64, w64)
-    if plan.rs_level is not None:
-        rs_units = tok if plan.rs_level == "token" else seq
-        rs_units["tis.n_rs_units"] = n_tok if plan.rs_level == "token" else seq["tis.n_seq"]
+    batch = TisBatch(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, batch_norm_factor,
+                     moments)
+    groups = statistics("tis.", batch, plan)
     for rule, level, hit in verdict.hits:
-        (tok if level == "token" else seq)[rule.key] = _total(hit)
-    if batch_norm_factor is not None:
-        seq["tis.bn_factor_sum"] = batch_norm_factor.to(F64).reshape(())
-        seq["tis.bn_calls"] = torch.ones((), dtype=F64, device=seq_ok.device)
+        groups["seq_sums" if level.per_sequence else "token_sums"][rule.key] = _total(hit)
+    return MetricStats(**groups)
 
-    unit_ok = ratios.unit_ok(plan.level)
-    off_ok = _off_mask(unit_ok)  # level_log is finite (0 off its domain)
-    off_kept = off_ok if kept_units is unit_ok else _off_mask(kept_units)
-    (lr_min, lr_max) = _extremes(level_log, off_ok)
-    (w_min, w_max) = _weight_extremes(weights, kept_weights, off_kept, n_kept_units)
-    inf = torch.full((1,), float("inf"), dtype=F64, device=seq_ok.device)  # also the value of an empty batch
-    mins = {"tis.log_ratio_min": lr_min, "tis.weight_min": w_min,
-            "tis.log_ppl_diff_min": torch.cat([torch.where(seq_ok, mean_diff, inf), inf]).min()}
-    maxs = {"tis.log_ratio_max": lr_max, "tis.weight_max": w_max,
-            "tis.log_ppl_diff_max": torch.cat([torch.where(seq_ok, mean_diff, -inf), -inf]).max()}
-    return MetricStats(token_sums=tok, seq_sums=seq, mins=mins, maxs=maxs)
+
+class TisTokens:
+    """The quantities the per-token formulas of the metric schema read (``[T]``; 0 off the token domain)."""
+
+    def __init__(self, plan: Plan, result: Any, factor: Tensor | None) -> None:
+        self.plan, self.result, self.factor, self.bound = plan, result, factor, plan.bound
+        self.r, self.verdict = result.ratios, result.verdict
+        self.ok, self.sid = self.r.token_ok, self.r.seq_id
+        self.lc, self.e, self.k3 = ratio_moments(self.r.log_ratio, plan.bound)
+        self.mean_diff = self.r.seq_mean_lp_rollout - self.r.seq_mean_lp_train
+        self.level_log = plan.level.of(self.r)
+
+    def seq(self, x: Tensor) -> Tensor:
+        """``[n_seq]`` -> tokens of finite sequences (float32, 0 elsewhere)."""
+        return torch.where(self.ok, x.index_select(0, self.sid).float(), 0.0)
+
+    def unit(self, x: Tensor, level: Level) -> Tensor:
+        """A unit value of ``level`` on its tokens (float32)."""
+        return (x.index_select(0, self.sid) if level.per_sequence else x).float()
 
 
 def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = None) -> dict[str, Tensor]:
-    """Per-token ``tis/`` values (``[T]``, detached, finite) for hosts that average per token.
-
-    On valid tokens of finite sequences (0 elsewhere), with ``e = expm1(clamp(l, -B, B))``:
-    ``tis/kl = -l``, ``tis/k3_kl = e - lc``, ``tis/chi2_token = e (e + 2) = r^2 - 1``; sequence values
-    broadcast to their tokens: ``tis/chi2_seq``, ``tis/log_ppl_diff``, ``tis/log_ppl_abs_diff``,
-    ``tis/ppl_ratio``, ``tis/training_ppl``, ``tis/rollout_ppl``; ``tis/ratio`` (level ratio before
-    bounds), ``tis/weight`` (applied); 0/1 indicators: every active row of ``core.rules.RULES``
-    (unit indicator broadcast to tokens), ``tis/rejected_token_fraction``, ``tis/rejected_seq_fraction``;
-    ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``. float32, except ``tis/chi2_token``: float64,
-    since ``r^2`` reaches ``e^(2B)`` (1.3e52 at ``B = 60``), beyond float32.
+    """Per-token ``tis/`` values (``[T]``, detached, finite) for hosts that average per token: the per-token
+    formulas of the metric schema (``tis/ratio``: the level ratio before bounds, ``tis/weight``: applied), and each
+    active rule's 0/1 hit (a unit indicator broadcast to its tokens). On valid tokens of finite sequences (0
+    elsewhere); ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``. float32, except
+    ``tis/chi2_token``: float64, since ``r^2`` reaches ``e^(2B)`` (1.3e52 at ``B = 60``), beyond float32.
     """
-    r, verdict, bound = result.ratios, result.verdict, plan.bound
-    ok, sid = r.token_ok, r.seq_id
-
-    def seq(x: Tensor) -> Tensor:  # [n_seq] -> tokens of finite sequences
-        return torch.where(ok, x.index_select(0, sid).float(), 0.0)
-
-    def unit(x: Tensor, level: str) -> Tensor:
-        return (x if level == "token" else x.index_select(0, sid)).float()
-
-    lc, e, k3 = ratio_moments(r.log_ratio, bound)
-    mean_diff = r.seq_mean_lp_rollout - r.seq_mean_lp_train
-    level_log = r.level_log_ratio(plan.level)
-    out: dict[str, Tensor] = {
-        "tis/kl": -r.log_ratio,
-        "tis/k3_kl": k3,
-        "tis/chi2_token": e.to(F64) * (e.to(F64) + 2.0),
-        "tis/chi2_seq": seq(torch.expm1(2.0 * r.seq_log_ratio_sum.double().clamp(-bound, bound))),
-        "tis/log_ppl_diff": seq(mean_diff),
-        "tis/log_ppl_abs_diff": seq(mean_diff.abs()),
-        "tis/ppl_ratio": seq(torch.exp(mean_diff.clamp(-bound, bound))),
-        "tis/training_ppl": seq(torch.exp((-r.seq_mean_lp_train).clamp(-bound, bound))),
-        "tis/rollout_ppl": seq(torch.exp((-r.seq_mean_lp_rollout).clamp(-bound, bound))),
-        "tis/ratio": torch.where(ok, unit(torch.exp(level_log.clamp(-bound, bound)), plan.level), 0.0),
-        "tis/weight": result.weights.float(),
-        "tis/rejected_token_fraction": (r.valid & ~result.keep_mask).float(),
-        "tis/rejected_seq_fraction": (verdict.seq_rejected & r.seq_has_tokens).index_select(0, sid).float(),
-    }
-    for rule, level, hit in verdict.hits:
-        out[rule.metric] = unit(hit, level)
-    if batch_norm_factor is not None:
-        out["tis/batch_norm_factor"] = torch.ones_like(lc) * batch_norm_factor.float().reshape(())
+    tokens = TisTokens(plan, result, batch_norm_factor)
+    out = token_values(tokens)
+    for rule, level, hit in result.verdict.hits:
+        out[rule.metric] = tokens.unit(hit, level)
     return {k: v.detach() for k, v in out.items()}

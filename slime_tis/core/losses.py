@@ -24,12 +24,13 @@ from torch import Tensor
 from slime_tis.core.aggregation import aggregate, aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import TISResult, as_valid_mask, correct, plan_of, scalar_tensor
+from slime_tis.core.metric_schema import statistics
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
-from slime_tis.core.terms import term_loss
+from slime_tis.core.terms import kl_estimate, term_loss
 
 __all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
 
@@ -194,26 +195,42 @@ def policy_loss(
         denominator = reducer.batch_sum(local, per_sequence=agg.per_sequence)
     loss = numerator / scalar_tensor(denominator, theta.device).clamp(min=1.0)
 
-    return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(plan, valid, keep, tis, anchor_k, theta_k,
-                                                                out.clip_active, out.dual_active)), keep, weights, tis)
+    # the KL estimate per kept token for policy/kl (d = 0 where not kept: every estimator is 0 there)
+    kl = None if terms[0] is None else kl_estimate(theta_k.detach(), torch.where(keep, terms[0].detach().float(), 0.0),
+                                                   plan.kl_estimator)
+    batch = PolicyBatch(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1])
+    return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(batch)), keep, weights, tis)
 
 
-def _policy_stats(plan: Plan, valid: Tensor, keep: Tensor, tis: TISResult, anchor_k: Tensor, theta_k: Tensor,
-                  clip_active: Tensor | None, dual_active: Tensor | None) -> MetricStats:
-    """``policy.*`` statistics (keys depend on the plan only)."""
-    token_sums = {
-        "policy.n_tok_valid": valid.sum(dtype=F64),
-        "policy.n_tok_kept": keep.sum(dtype=F64),
-        "policy.ppo_kl_sum": (anchor_k - theta_k.detach()).sum(dtype=F64),
-    }
-    sur = surrogate_of(plan.surrogate)
-    if sur.clips:  # both masks are False at tokens not kept (all inputs 0 there)
-        token_sums["policy.clip_count"] = clip_active.sum(dtype=F64)
-        if plan.dual_clip_c is not None and sur.dual_clip:
-            token_sums["policy.dual_clip_count"] = dual_active.sum(dtype=F64)
-    seq_sums = {"policy.n_seq_valid": tis.ratios.seq_has_tokens.sum(dtype=F64),
-                "policy.n_seq_nonfinite": tis.seq_loss_nonfinite.sum(dtype=F64)}
-    return MetricStats(token_sums=token_sums, seq_sums=seq_sums)
+@dataclass(frozen=True)
+class PolicyBatch:
+    """What the ``policy.*`` rows of ``core.metric_schema.METRICS`` read: one micro-batch's loss inputs (``[T]``;
+    ``*_k`` selected on the kept tokens, 0 elsewhere), its correction, and the terms that are on (``None`` off)."""
+
+    plan: Plan
+    valid: Tensor
+    keep: Tensor
+    tis: TISResult
+    anchor_k: Tensor
+    theta_k: Tensor
+    clip_active: Tensor | None
+    dual_active: Tensor | None
+    kl: Tensor | None = None  # the KL estimator k(lp_theta - lp_ref) per kept token (0 elsewhere), detached
+    entropy: Tensor | None = None
+
+    @property
+    def clips(self) -> bool:
+        """The surrogate clips (its clip mask is False at tokens not kept: all inputs 0 there)."""
+        return surrogate_of(self.plan.surrogate).clips
+
+    @property
+    def dual_clips(self) -> bool:
+        return self.clips and self.plan.dual_clip_c is not None and surrogate_of(self.plan.surrogate).dual_clip
+
+
+def _policy_stats(batch: PolicyBatch) -> MetricStats:
+    """``policy.*`` statistics (keys depend on the plan only): the ``policy.`` rows of the metric schema."""
+    return MetricStats(**statistics("policy.", batch, batch.plan))
 
 
 def _empty(stats: MetricStats) -> MetricStats:

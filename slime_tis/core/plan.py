@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slime_tis.core.levels import Level, Mode
+
 __all__ = ["Plan"]
 
 
@@ -22,10 +24,12 @@ class Plan:
 
     Attributes:
         algorithm: 0..3. weighted: importance weights multiply the loss (algorithms 2, 3).
-        mode, level: weight mode and ratio level of the weights and of mask-mode rejection.
+        mode, level: weight mode and ratio level (``core.levels`` objects: formula, unit, default bounds) of the
+            weights and of mask-mode rejection.
         lower, upper, log_lower, log_upper: the mode's bounds on r and their logs.
         mask: mask-mode rejection is on (mode "mask" and algorithm != 0).
-        rs_level: rejection-sampling level or None; rs_log_lower, rs_log_upper: its log bounds.
+        rs_level: rejection-sampling :class:`~slime_tis.core.levels.Level` or None; rs_log_lower, rs_log_upper:
+            its log bounds.
         thresholds: ``(field, value)`` of every rejection threshold that is set (none in algorithm 0);
             read with :meth:`threshold`.
         batch_normalize, drop_rejected, loss_agg: loss switches.
@@ -38,14 +42,14 @@ class Plan:
 
     algorithm: int
     weighted: bool
-    mode: str
-    level: str
+    mode: Mode
+    level: Level
     lower: float
     upper: float
     log_lower: float
     log_upper: float
     mask: bool
-    rs_level: str | None
+    rs_level: Level | None
     rs_log_lower: float
     rs_log_upper: float
     batch_normalize: bool
@@ -75,4 +79,4 @@ class Plan:
     @property
     def per_sequence(self) -> bool:
         """Weights are per sequence (sequence or geometric level) rather than per token."""
-        return self.level != "token"
+        return self.level.per_sequence

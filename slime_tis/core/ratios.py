@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from slime_tis.core.levels import Level, level_of
 from slime_tis.core.packing import Layout
 from slime_tis.core.reducer import Reducer
 from slime_tis.kernels import dispatch
@@ -122,15 +123,14 @@ class Ratios:
         """float64 sum of this rank's column ``name`` over the sequences in ``over`` (``[n_seq]`` bool)."""
         return torch.where(over, self.local_sums[:, self.columns.index(name)], 0.0).sum()
 
-    def level_log_ratio(self, level: str) -> Tensor:
-        """Unclamped ``L`` per unit: ``[T]`` at token level, ``[n_seq]`` float32 otherwise; 0 off the domain."""
-        if level == "token":
-            return self.log_ratio
-        return self.seq_log_ratio_sum if level == "sequence" else self.seq_log_ratio_mean
+    def level_log_ratio(self, level: Level | str) -> Tensor:
+        """Unclamped ``L`` per unit of ``level`` (``core.levels``; or its name): ``[T]`` at token level, ``[n_seq]``
+        float32 otherwise; 0 off the domain."""
+        return level_of(level).of(self)
 
-    def unit_ok(self, level: str) -> Tensor:
+    def unit_ok(self, level: Level | str) -> Tensor:
         """The diagnostic domain of ``level``'s units: ``token_ok`` or ``seq_ok``."""
-        return self.token_ok if level == "token" else self.seq_ok
+        return level_of(level).domain(self)
 
     @property
     def n_seq(self) -> int:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from slime_tis.core.levels import MODES, SEQUENCE, TOKEN, Level
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
 
@@ -55,12 +56,13 @@ class Rule:
 
     metric: str
     key: str
-    level: Callable[[Plan], str | None]
-    test: Callable[[Plan, Ratios, str], Tensor]
+    level: Callable[[Plan], Level | None]
+    test: Callable[[Plan, Ratios, Level], Tensor]
     rejects: bool
     denominator: str
     column: Callable[[Plan], TokenColumn] | None = None  # a token column summed per sequence, read by test
     threshold: str | None = None  # the TISConfig field of its threshold (declared there); the row is off while unset
+    doc: str = ""  # its metric in words (the README metric table, ``core.metric_schema``)
 
     @property
     def column_key(self) -> str:
@@ -69,19 +71,25 @@ class Rule:
         return self.key.removesuffix("_count") + "_column"
 
 
-def _below(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
-    return lambda p, r, lvl: r.level_log_ratio(lvl) < getattr(p, bound)
+def _below(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+    return lambda p, r, lvl: lvl.of(r) < getattr(p, bound)
 
 
-def _above(bound: str) -> Callable[[Plan, Ratios, str], Tensor]:
-    return lambda p, r, lvl: r.level_log_ratio(lvl) > getattr(p, bound)
+def _above(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+    return lambda p, r, lvl: lvl.of(r) > getattr(p, bound)
 
 
-_sequence = lambda p: "sequence"  # noqa: E731
-_token = lambda p: "token"  # noqa: E731
+def _counted_in(mode: str) -> Callable[[Plan], Level | None]:
+    """The plan's level while its weights are on and of mode ``mode`` (a bound counter of that mode)."""
+    row = MODES[mode]
+    return lambda p: p.level if p.weighted and p.mode is row else None
+
+
+_sequence = lambda p: SEQUENCE  # noqa: E731
+_token = lambda p: TOKEN  # noqa: E731
 _mask = lambda p: p.level if p.mask else None  # noqa: E731
-_truncate = lambda p: p.level if p.weighted and p.mode == "truncate" else None  # noqa: E731
-_clip = lambda p: p.level if p.weighted and p.mode == "clip" else None  # noqa: E731
+_truncate = _counted_in("truncate")
+_clip = _counted_in("clip")
 
 def _k2(plan: Plan, log_ratio: Tensor) -> Tensor:
     """``k2 = (log r)^2 / 2`` of the clamped log-ratio ``lc = clamp(l, -B, B)`` (verl's ``token_k2``)."""
@@ -111,36 +119,42 @@ def _divergence(option: str) -> Rule:
     field, key, divergence = f"{option}_threshold", f"tis.{option}_count", DIVERGENCES[k]
     column_key = f"tis.{option}_column"
     metric = f"tis/{option}_fraction"
+    flag = "--tis-" + field.replace("_", "-")
     if statistic == "token":
         return Rule(metric, key, _token, lambda p, r, lvl: divergence(p, r.log_ratio) > p.threshold(field), True,
-                    "tis.n_tok", threshold=field)
+                    "tis.n_tok", threshold=field, doc=f"with `{flag}`: tokens with `{k}_t > threshold` / tokens of `D`")
+    doc = f"with `{flag}`: sequences with `{statistic.removeprefix('seq_')}_t {k}_t > threshold` / `abs(S)`"
     if statistic == "seq_max":
         return Rule(metric, key, _sequence, lambda p, r, lvl: r.column(column_key) > 0, True, "tis.n_seq",
-                    column=lambda p: lambda log_r: divergence(p, log_r) > p.threshold(field), threshold=field)
+                    column=lambda p: lambda log_r: divergence(p, log_r) > p.threshold(field), threshold=field, doc=doc)
     read = {"seq_sum": Ratios.column, "seq_mean": Ratios.column_mean}[statistic]
     return Rule(metric, key, _sequence, lambda p, r, lvl: read(r, column_key) > p.threshold(field), True, "tis.n_seq",
-                column=lambda p: lambda log_r: divergence(p, log_r), threshold=field)
+                column=lambda p: lambda log_r: divergence(p, log_r), threshold=field, doc=doc)
 
 
 #: The always-on row: a sequence with a non-finite value at a valid token (the complement of the diagnostic domain).
 NONFINITE = Rule("tis/nonfinite_seq_fraction", "tis.n_seq_nonfinite", _sequence,
-                 lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid")
+                 lambda p, r, lvl: r.seq_nonfinite, True, "tis.n_seq_valid",
+                 doc="sequences with a non-finite value / sequences with a valid token")
 
 RULES: tuple[Rule, ...] = (
     NONFINITE,
     Rule("tis/veto_seq_fraction", "tis.veto_count", _sequence,
          lambda p, r, lvl: r.column("tis.veto_column") > 0, True, "tis.n_seq",
-         column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold"),
+         column=lambda p: lambda log_r: log_r < math.log(p.threshold("veto_threshold")), threshold="veto_threshold",
+         doc="with the veto `v`: sequences with a valid token whose `r_t < v` / `abs(S)`"),
     # the veto's token column (l_t < log v, computed once) on the diagnostic domain
     Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
          lambda p, r, lvl: r.token_columns["tis.veto_column"] & r.token_ok, False, "tis.n_tok",
-         threshold="veto_threshold"),
-    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units"),
-    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units"),
+         threshold="veto_threshold", doc="with the veto: valid tokens with raw ratio `r_t < v` / tokens of `D`"),
+    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units",
+         doc="units rejected with `L_u < log lower` / units (mask mode)"),
+    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units",
+         doc="units rejected with `L_u > log upper` / units (mask mode)"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
-         "tis.n_rs_units"),
+         "tis.n_rs_units", doc="rejection-sampling units rejected below its lower bound / its units"),
     Rule("tis/rs_fraction_high", "tis.rs_high_count", lambda p: p.rs_level, _above("rs_log_upper"), True,
-         "tis.n_rs_units"),
+         "tis.n_rs_units", doc="rejection-sampling units rejected above its upper bound / its units"),
     _divergence("seq_mean_k3"),
     _divergence("seq_max_k3"),
     _divergence("token_k2"),
@@ -149,13 +163,16 @@ RULES: tuple[Rule, ...] = (
     _divergence("seq_sum_k3"),
     _divergence("seq_mean_k2"),
     _divergence("seq_max_k2"),
-    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units"),
-    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units"),
-    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units"),
+    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units",
+         doc="units with `L_u > log upper` / units (truncate mode)"),
+    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units",
+         doc="units with `L_u < log lower` / units (clip mode)"),
+    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units",
+         doc="units with `L_u > log upper` / units (clip mode)"),
 )
 
 
-def active(plan: Plan) -> list[tuple[Rule, str]]:
+def active(plan: Plan) -> list[tuple[Rule, Level]]:
     """The rows that are on for ``plan`` (level not None and threshold, if any, set), with their unit level."""
     return [(rule, level) for rule in RULES
             if (rule.threshold is None or plan.threshold(rule.threshold) is not None)
@@ -171,10 +188,7 @@ class _TokenLogRatios:
     """What a token-level row's test reads (the token log-ratios ``l``), before the per-sequence sums exist."""
 
     def __init__(self, log_ratio: Tensor) -> None:
-        self.log_ratio = log_ratio
-
-    def level_log_ratio(self, level: str) -> Tensor:
-        return self.log_ratio
+        self.log_ratio = log_ratio  # what ``TOKEN.of`` reads
 
 
 def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
@@ -182,13 +196,13 @@ def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
     :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads only token log-ratios)."""
     rows = active(plan)
     columns = {rule.column_key: rule.column(plan) for rule, _ in rows if rule.column is not None}
-    token_rows = [rule for rule, level in rows if rule.rejects and level == "token"]
+    token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:
             view = _TokenLogRatios(log_r)
             hit = torch.zeros_like(log_r, dtype=torch.bool)
             for rule in token_rows:
-                hit = hit | rule.test(plan, view, "token")
+                hit = hit | rule.test(plan, view, TOKEN)
             return hit
 
         columns[TOKEN_REJECTIONS] = token_rejections
@@ -206,7 +220,7 @@ class Verdict:
     complete over context parallelism).
     """
 
-    hits: list[tuple[Rule, str, Tensor]]
+    hits: list[tuple[Rule, Level, Tensor]]
     seq_rejected: Tensor
     token_rejected: Tensor | None
     keep: Tensor
@@ -232,7 +246,7 @@ def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
     for rule, level, mask in hits:
         if not rule.rejects:
             continue
-        if level == "token":
+        if not level.per_sequence:
             token_rejected = mask if token_rejected is None else token_rejected | mask
         else:
             seq_rejected = seq_rejected | mask

@@ -24,16 +24,13 @@ __all__ = ["unit_weights", "normalisation_factor", "batch_norm_factor"]
 
 
 def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = None) -> Tensor:
-    """Weights of ``plan.mode`` for unclamped level log-ratios (any shape, float32 out); ``clamped``: their
-    ``clamp(L, -B, B)`` where already computed (token level: ``lc`` of ``core.ratios.ratio_moments``)."""
+    """Weights of ``plan.mode`` (``Mode.weight``, ``core.levels``) for unclamped level log-ratios (any shape,
+    float32 out); ``clamped``: their ``clamp(L, -B, B)`` where already computed (token level: ``lc`` of
+    ``core.ratios.ratio_moments``)."""
     if not plan.weighted:
         return torch.ones_like(level_log_ratio)
     r = torch.exp(level_log_ratio.clamp(-plan.bound, plan.bound) if clamped is None else clamped)
-    if plan.mode == "truncate":
-        return r.clamp_(max=plan.upper)  # in place: r is this call's own tensor
-    if plan.mode == "clip":
-        return r.clamp_(min=plan.lower, max=plan.upper)
-    return r
+    return plan.mode.weight(r, plan.lower, plan.upper)  # may write r in place: this call's own tensor
 
 
 def normalisation_factor(weight_sum: Tensor, unit_count: Tensor) -> Tensor:

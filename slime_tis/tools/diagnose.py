@@ -44,6 +44,7 @@ from torch import Tensor
 from slime_tis.config import FLAG_OF, TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.correction import TISResult
+from slime_tis.core.levels import GEOMETRIC, LEVELS
 from slime_tis.tools.dump import LogprobDump
 
 __all__ = [
@@ -56,7 +57,8 @@ __all__ = [
 ]
 
 PERCENTILES = (0.0, 1.0, 5.0, 25.0, 50.0, 75.0, 95.0, 99.0, 100.0)
-LEVEL_BOUNDS = {"token": (0.5, 2.0), "sequence": (0.5, 2.0), "geometric": (1.0 / 1.001, 1.001)}
+#: The bounds a level's units are tested against: its rejecting default ``[1 / upper, upper]`` (``core.levels``).
+LEVEL_BOUNDS = {name: (1.0 / level.rejection_upper, level.rejection_upper) for name, level in LEVELS.items()}
 CATASTROPHIC = 1e-4
 
 
@@ -151,7 +153,7 @@ def _distributions(dump: LogprobDump) -> dict[str, Tensor]:
     rt = _run(TISConfig(use_tis=True), dump).ratios
     tok = rt.log_ratio[rt.token_ok]
     seq_sum = rt.seq_log_ratio_sum[rt.seq_ok]
-    seq_geo = rt.level_log_ratio("geometric")[rt.seq_ok]
+    seq_geo = GEOMETRIC.of(rt)[rt.seq_ok]
     big = torch.full_like(rt.log_ratio, float("inf"))
     seq_min = torch.full((rt.seq_ok.numel(),), float("inf")).scatter_reduce(
         0, rt.seq_id, torch.where(rt.token_ok, rt.log_ratio, big), reduce="amin")[rt.seq_ok]
@@ -237,7 +239,7 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
     cfg = TISConfig(use_tis=True, **fields)
     rec = _metrics(_run(cfg, dump))
     w_mean = rec.get("tis/weight_mean", 1.0)
-    if fields["mode"] != "mask" and abs(w_mean - 1.0) > 0.05:
+    if not cfg.plan.mode.rejects and abs(w_mean - 1.0) > 0.05:
         fields["batch_normalize"] = True
         reasons.append(f"the recommended weights average {w_mean:.3f} (off 1 by more than 5%): batch-normalise them")
         rec = _metrics(_run(TISConfig(use_tis=True, **fields), dump))

@@ -1,0 +1,316 @@
+"""Every metric declared once in :data:`METRICS`: name, numerator, denominator, reduction, per-token formula.
+
+A metric is a reduction of statistics (``core.metrics.MetricStats``: sums, minima, maxima, reduced over ranks
+before any division). Each row of the schema names its statistics and says how to compute them, so from the one
+table come:
+
+* the statistics of a micro-batch (:func:`statistics`): each row's ``total`` (its numerator statistic), plus the
+  shared counts of :data:`COUNTS`, written into the group (token sums, sequence sums, minima, maxima) its
+  ``group`` names; ``total`` returns ``None`` where the configuration has no such statistic (keys follow the
+  configuration only, never the data);
+* the per-token values of hosts that average per token (:func:`token_values`): each row's ``token`` formula;
+* the finalisation (:func:`finalize`): each row's ``reduction`` of its statistics (:data:`REDUCTIONS`);
+* the README metric table (:func:`metric_table`): each row's ``doc``.
+
+The rejection rules' rows come from their own table (``core.rules.RULES``): a rule's count is the numerator of
+``tis/<metric> = count / denominator`` and its 0/1 hit its per-token value.
+
+The formulas read a context object: for ``tis.*`` rows the micro-batch's correction
+(``core.diagnostics.TisBatch`` for statistics, ``core.diagnostics.TisTokens`` per token), for ``policy.*`` rows
+the loss (``core.policy_stats.PolicyBatch``). A new diagnostic whose inputs those contexts hold is one row.
+
+Groups: ``token`` (summed over data x context parallel ranks), ``seq`` (one value per sequence, replicated over
+context parallelism: summed over data parallel ranks only), ``units`` / ``rs_units`` (``seq`` where the plan's
+level / rejection-sampling level is per sequence, else ``token``), ``min``, ``max``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.core.plan import Plan
+from slime_tis.core.rules import RULES, Rule
+
+__all__ = ["Metric", "Statistic", "METRICS", "COUNTS", "REDUCTIONS", "finalize", "statistics", "token_values",
+           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER"]
+
+
+def safe_ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den``, and 0 where ``den <= 0`` (an empty domain gives 0, never NaN)."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """A count shared as a denominator: key, group and formula ``total(context) -> 0-d float64 | None``."""
+
+    key: str
+    group: str
+    total: Callable[[Any], Tensor | None]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric (a row of :data:`METRICS`).
+
+    Attributes:
+        name: the logged name (``tis/kl``).
+        numerator: its numerator statistic's key (``tis.kl_sum``); for extremes, the minimum / maximum.
+        denominator: the count it is averaged over, or ``None``.
+        reduction: a key of :data:`REDUCTIONS`.
+        doc: the formula in words (the README metric table).
+        group: where ``total`` writes the numerator (module docstring); ``None``: another row or :data:`COUNTS`
+            writes it.
+        total: ``context -> 0-d tensor | None``: the numerator of one micro-batch (``None``: absent in this
+            configuration).
+        extra: a third statistic the reduction reads (``std``: the plain sum; ``ess``: the sum of squares).
+        token: ``TisTokens -> [T] tensor | None``: the per-token value (``None``: absent), or ``None`` for none.
+        token_name: the per-token value's name where it differs from ``name`` (a per-unit value averaged over
+            tokens is not the unit mean).
+    """
+
+    name: str
+    numerator: str
+    denominator: str | None
+    reduction: str
+    doc: str
+    group: str | None = None
+    total: Callable[[Any], Tensor | None] | None = None
+    extra: str | None = None
+    token: Callable[[Any], Tensor | None] | None = None
+    token_name: str | None = None
+
+
+def _exp_extreme(x: Tensor, _den: Tensor | None, _extra: Tensor | None) -> Tensor:
+    # ratio extremes unclamped up to e^+-700, where float64 stays finite; empty domains (+-inf) give 0
+    return torch.where(torch.isfinite(x), x.clamp(-700, 700).exp(), 0.0)
+
+
+def _extreme(x: Tensor, _den: Tensor | None, _extra: Tensor | None) -> Tensor:
+    return torch.where(torch.isfinite(x), x, 0.0)  # an empty domain (+-inf) gives 0
+
+
+def _std(squares: Tensor, count: Tensor, total: Tensor) -> Tensor:
+    mean = safe_ratio(total, count)
+    return (safe_ratio(squares, count) - mean * mean).clamp(min=0).sqrt()
+
+
+#: ``reduction -> f(numerator, denominator, extra)`` (float64 0-d tensors; 0 on an empty domain, never NaN).
+REDUCTIONS: dict[str, Callable[[Tensor, Tensor | None, Tensor | None], Tensor]] = {
+    "mean": lambda num, den, _extra: safe_ratio(num, den),
+    # chi2 = mean(x) - 1 on a non-empty domain: numerator sum(x) - count, so 0 stays 0 when empty
+    "mean_minus_one": lambda num, den, _extra: safe_ratio(num - den, den),
+    "std": _std,  # numerator: sum of squares, extra: sum; sqrt(max(squares/n - (sum/n)^2, 0))
+    "ess": lambda num, den, extra: safe_ratio(num ** 2, den * extra),  # (sum w)^2 / (n sum w^2)
+    "exp": _exp_extreme,
+    "extreme": _extreme,
+    "value": lambda num, _den, _extra: num,
+}
+
+F64 = torch.float64
+
+
+def _total(x: Tensor) -> Tensor:
+    """Sum of a bool (count) or float column, as float64."""
+    return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum().to(F64)
+
+
+#: Counts shared as denominators (their formulas over ``TisBatch`` / ``PolicyBatch``).
+COUNTS: tuple[Statistic, ...] = (
+    Statistic("tis.n_tok_valid", "token", lambda b: b.n_valid),
+    Statistic("tis.n_tok", "token", lambda b: b.n_tok),
+    Statistic("tis.n_seq_valid", "seq", lambda b: _total(b.ratios.seq_has_tokens)),
+    Statistic("tis.n_seq", "seq", lambda b: b.n_seq),
+    Statistic("tis.n_units", "units", lambda b: b.n_seq if b.plan.per_sequence else b.n_tok),
+    Statistic("tis.n_kept_units", "units", lambda b: b.n_kept_units.to(F64)),
+    Statistic("tis.n_rs_units", "rs_units",
+              lambda b: None if b.plan.rs_level is None else b.n_seq if b.plan.rs_level.per_sequence else b.n_tok),
+    Statistic("tis.bn_calls", "seq",
+              lambda b: None if b.factor is None else torch.ones((), dtype=F64, device=b.ratios.seq_ok.device)),
+    Statistic("policy.n_tok_valid", "token", lambda p: p.valid.sum(dtype=F64)),
+    Statistic("policy.n_seq_valid", "seq", lambda p: p.tis.ratios.seq_has_tokens.sum(dtype=F64)),
+)
+
+
+def _rule_metric(rule: Rule) -> Metric:
+    """A rejection rule's row: ``count / denominator``, counted from the rule's hits (``core.rules``)."""
+    return Metric(rule.metric, rule.key, rule.denominator, "mean", rule.doc)
+
+
+#: Every metric, in logging order.
+METRICS: tuple[Metric, ...] = (
+    Metric("tis/kl", "tis.kl_sum", "tis.n_tok", "mean", "`mean_{t in D} (lp_rollout - lp_train)`",
+           "token", lambda b: -b.ratios.local_total("l", b.ratios.seq_ok), token=lambda t: -t.r.log_ratio),
+    Metric("tis/k3_kl", "tis.k3_sum", "tis.n_tok", "mean",
+           "`mean_{t in D} (r_t - 1 - log r_t)`, computed as `expm1(lc_t) - lc_t`",
+           "token", lambda b: _total(b.k3), token=lambda t: t.k3),
+    Metric("tis/chi2_token", "tis.r2_sum", "tis.n_tok", "mean_minus_one", "`mean_{t in D} r_t^2 - 1`",
+           "token", lambda b: b.r2_sum,
+           token=lambda t: t.e.to(F64) * (t.e.to(F64) + 2.0)),  # float64: r^2 reaches e^(2B), beyond float32
+    Metric("tis/chi2_seq", "tis.chi2_seq_sum", "tis.n_seq", "mean_minus_one",
+           "`mean_{i in S} exp(2 clamp(sum_{t in i} l_t, -B, B)) - 1`", "seq", lambda b: b.exps[3].sum(),
+           token=lambda t: t.seq(torch.expm1(2.0 * t.r.seq_log_ratio_sum.double().clamp(-t.bound, t.bound)))),
+    Metric("tis/training_log_ppl", "tis.train_log_ppl_sum", "tis.n_seq", "mean",
+           "`mean_{i in S} (-mean_{t in i} lp_train)`", "seq", lambda b: b.logs[0].sum()),
+    Metric("tis/training_ppl", "tis.train_ppl_sum", "tis.n_seq", "mean",
+           "`mean_{i in S} exp(clamp(-mean_{t in i} lp_train, -B, B))`", "seq", lambda b: b.exps[0].sum(),
+           token=lambda t: t.seq(torch.exp((-t.r.seq_mean_lp_train).clamp(-t.bound, t.bound)))),
+    Metric("tis/rollout_log_ppl", "tis.rollout_log_ppl_sum", "tis.n_seq", "mean",
+           "`mean_{i in S} (-mean_{t in i} lp_rollout)`", "seq", lambda b: b.logs[1].sum()),
+    Metric("tis/rollout_ppl", "tis.rollout_ppl_sum", "tis.n_seq", "mean",
+           "`mean_{i in S} exp(clamp(-mean_{t in i} lp_rollout, -B, B))`", "seq", lambda b: b.exps[1].sum(),
+           token=lambda t: t.seq(torch.exp((-t.r.seq_mean_lp_rollout).clamp(-t.bound, t.bound)))),
+    Metric("tis/log_ppl_diff", "tis.log_ppl_diff_sum", "tis.n_seq", "mean",
+           "`mean_{i in S} (mean_t lp_rollout - mean_t lp_train)`", "seq", lambda b: b.mean_diff.sum(),
+           token=lambda t: t.seq(t.mean_diff)),
+    Metric("tis/log_ppl_abs_diff", "tis.log_ppl_abs_diff_sum", "tis.n_seq", "mean",
+           "`mean_{i in S} abs(mean_t lp_rollout - mean_t lp_train)`", "seq", lambda b: b.mean_diff.abs().sum(),
+           token=lambda t: t.seq(t.mean_diff.abs())),
+    Metric("tis/ppl_ratio", "tis.ppl_ratio_sum", "tis.n_seq", "mean",
+           "`mean_{i in S} exp(clamp(mean_t lp_rollout - mean_t lp_train, -B, B))`", "seq",
+           lambda b: b.exps[2].sum(), token=lambda t: t.seq(torch.exp(t.mean_diff.clamp(-t.bound, t.bound)))),
+    Metric("tis/ratio_mean", "tis.ratio_sum", "tis.n_units", "mean",
+           "mean over units of `exp(clamp(L_u, -B, B))`, before bounds", "units", lambda b: b.ratio_sums[0],
+           token=lambda t: torch.where(t.ok, t.unit(torch.exp(t.level_log.clamp(-t.bound, t.bound)), t.plan.level),
+                                       0.0),
+           token_name="tis/ratio"),
+    Metric("tis/weight_mean", "tis.w_sum", "tis.n_kept_units", "mean",
+           "mean of the applied weights over kept units (after bounds and batch-norm)", "units",
+           lambda b: b.w64.sum(), token=lambda t: t.result.weights.float(), token_name="tis/weight"),
+    *(_rule_metric(rule) for rule in RULES),
+    Metric("tis/rejected_token_fraction", "tis.n_tok_rejected", "tis.n_tok_valid", "mean",
+           "valid tokens rejected for any reason / valid tokens", "token", lambda b: b.n_valid - b.n_kept_tok,
+           token=lambda t: (t.r.valid & ~t.result.keep_mask).float()),
+    Metric("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid", "mean",
+           "sequences rejected as a whole (non-finite, veto, sequence-level rule) / sequences with a valid token",
+           "seq", lambda b: _total(b.verdict.seq_rejected & b.ratios.seq_has_tokens),
+           token=lambda t: (t.verdict.seq_rejected & t.r.seq_has_tokens).index_select(0, t.sid).float()),
+    Metric("tis/rs_seq_masked_fraction", "tis.n_seq_masked", "tis.n_seq_valid", "mean",
+           "sequences with at least one token rejected by a rule (as a whole or by a token-level rule) / sequences "
+           "with a valid token", "seq", lambda b: _total(b.verdict.seq_masked & b.ratios.seq_has_tokens)),
+    Metric("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls", "mean",
+           "mean of the applied batch-normalisation factors", "seq",
+           lambda b: None if b.factor is None else b.factor.to(F64).reshape(()),
+           token=lambda t: None if t.factor is None else torch.ones_like(t.lc) * t.factor.float().reshape(())),
+    Metric("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", "mean",
+           "kept tokens where the PPO clip is active / kept tokens", "token",
+           lambda p: p.clip_active.sum(dtype=F64) if p.clips else None),
+    Metric("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", "mean",
+           "kept tokens where the dual clip is active / kept tokens", "token",
+           lambda p: p.dual_active.sum(dtype=F64) if p.dual_clips else None),
+    Metric("policy/ppo_kl", "policy.ppo_kl_sum", "policy.n_tok_kept", "mean",
+           "`mean (lp_anchor - lp_theta)` over kept tokens, anchor = pi_old (alg 0, 2) or pi_rollout (1, 3)",
+           "token", lambda p: (p.anchor_k - p.theta_k.detach()).sum(dtype=F64)),
+    Metric("policy/kept_token_fraction", "policy.n_tok_kept", "policy.n_tok_valid", "mean",
+           "kept tokens / valid tokens", "token", lambda p: p.keep.sum(dtype=F64)),
+    Metric("policy/nonfinite_seq_fraction", "policy.n_seq_nonfinite", "policy.n_seq_valid", "mean",
+           "sequences with a non-finite loss input / sequences with a valid token", "seq",
+           lambda p: p.tis.seq_loss_nonfinite.sum(dtype=F64)),
+    Metric("policy/kl", "policy.kl_sum", "policy.n_tok_kept", "mean",
+           "with `--tis-kl-coef`: `mean k(lp_theta - lp_ref)` over kept tokens, `k` the `--tis-kl-estimator` "
+           "(before the coefficient and any weight)", "token",
+           lambda p: None if p.kl is None else p.kl.sum(dtype=F64)),
+    Metric("policy/entropy", "policy.entropy_sum", "policy.n_tok_kept", "mean",
+           "with `--tis-entropy-coef`: `mean H_t` over kept tokens (the current policy's entropy)", "token",
+           lambda p: None if p.entropy is None
+           else torch.where(p.keep, p.entropy.detach().float(), 0.0).sum(dtype=F64)),
+    Metric("tis/ratio_std", "tis.ratio_sq_sum", "tis.n_units", "std",
+           "population std over units of `exp(clamp(L_u, -B, B))`, before bounds", "units",
+           lambda b: b.ratio_sums[1], extra="tis.ratio_sum"),
+    Metric("tis/weight_std", "tis.w_sq_sum", "tis.n_kept_units", "std",
+           "population std of the applied weights over kept units", "units", lambda b: torch.dot(b.w64, b.w64),
+           extra="tis.w_sum"),
+    Metric("tis/ratio_min", "tis.log_ratio_min", None, "exp",
+           "`exp(min_u L_u)`: the true minimum, unclamped (float64)", "min", lambda b: b.log_ratio_extremes[0]),
+    Metric("tis/weight_min", "tis.weight_min", None, "extreme", "minimum applied weight over kept units", "min",
+           lambda b: b.weight_extremes[0]),
+    Metric("tis/log_ppl_diff_min", "tis.log_ppl_diff_min", None, "extreme",
+           "`min_{i in S}` of `mean_t lp_rollout - mean_t lp_train`", "min", lambda b: b.log_ppl_diff_extremes[0]),
+    Metric("tis/ratio_max", "tis.log_ratio_max", None, "exp",
+           "`exp(max_u L_u)`: the true maximum, unclamped (float64)", "max", lambda b: b.log_ratio_extremes[1]),
+    Metric("tis/weight_max", "tis.weight_max", None, "extreme", "maximum applied weight over kept units", "max",
+           lambda b: b.weight_extremes[1]),
+    Metric("tis/log_ppl_diff_max", "tis.log_ppl_diff_max", None, "extreme",
+           "`max_{i in S}` of `mean_t lp_rollout - mean_t lp_train`", "max", lambda b: b.log_ppl_diff_extremes[1]),
+    Metric("tis/ess", "tis.w_sum", "tis.n_kept_units", "ess",
+           "`(sum_u w_u)^2 / (n_kept_units * sum_u w_u^2)` over kept units", extra="tis.w_sq_sum"),
+    Metric("tis/num_tokens", "tis.n_tok_valid", None, "value", "valid tokens"),
+    Metric("tis/num_seqs", "tis.n_seq_valid", None, "value", "sequences with a valid token"),
+)
+
+_GROUPS = {"token": "token_sums", "seq": "seq_sums", "min": "mins", "max": "maxs"}
+
+
+def _rows(prefix: str) -> tuple[tuple[str, str, Callable], ...]:
+    return tuple((key, group, total) for key, group, total in (
+        *((c.key, c.group, c.total) for c in COUNTS),
+        *((m.numerator, m.group, m.total) for m in METRICS if m.total is not None),
+    ) if key.startswith(prefix))
+
+
+#: ``prefix -> ((key, group, total), ...)``: the statistics of each context, in table order (built once).
+_STATISTICS = {prefix: _rows(prefix) for prefix in ("tis.", "policy.")}
+
+
+def statistics(prefix: str, context: Any, plan: Plan) -> dict[str, dict[str, Tensor]]:
+    """``{MetricStats field: {key: 0-d tensor}}`` of every count and numerator whose key starts with ``prefix``
+    (``"tis."`` or ``"policy."``), computed from ``context`` (rules' counts are added by the caller)."""
+    out: dict[str, dict[str, Tensor]] = {name: {} for name in _GROUPS.values()}
+    where = {group: out[field] for group, field in _GROUPS.items()}
+    where["units"] = where["seq" if plan.per_sequence else "token"]
+    where["rs_units"] = where["seq" if plan.rs_level is not None and plan.rs_level.per_sequence else "token"]
+    for key, group, total in _STATISTICS[prefix]:
+        if (value := total(context)) is not None:
+            where[group][key] = value
+    return out
+
+
+def token_values(context: Any) -> dict[str, Tensor]:
+    """``{name: [T] tensor}`` of every row with a per-token formula present for ``context`` (``TisTokens``)."""
+    out = {}
+    for m in METRICS:
+        if m.token is not None and (value := m.token(context)) is not None:
+            out[m.token_name or m.name] = value
+    return out
+
+
+def finalize(values: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Metric values (float64 0-d) of every row whose statistics are in ``values`` (float64 0-d), in table order.
+
+    The rows of each reduction are computed together (one stacked vector op per reduction, element-wise: the same
+    values as one by one)."""
+    present = [m for m in METRICS if m.numerator in values and (m.denominator is None or m.denominator in values)
+               and (m.extra is None or m.extra in values)]
+    by_reduction: dict[str, list[Metric]] = {}
+    for m in present:
+        by_reduction.setdefault(m.reduction, []).append(m)
+    computed: dict[str, Tensor] = {}
+    for reduction, rows in by_reduction.items():
+        num = torch.stack([values[m.numerator] for m in rows])
+        den = None if rows[0].denominator is None else torch.stack([values[m.denominator] for m in rows])
+        extra = None if rows[0].extra is None else torch.stack([values[m.extra] for m in rows])
+        computed.update(zip((m.name for m in rows), REDUCTIONS[reduction](num, den, extra).unbind(0)))
+    return {m.name: computed[m.name] for m in present}
+
+
+METRIC_TABLE_HEADER = "| metric | formula |"
+
+
+def metric_table() -> str:
+    """The README's metric table (markdown), one row per metric in table order; consecutive rows with the same
+    formula share a line."""
+    rows: list[tuple[list[str], str]] = []
+    for m in METRICS:
+        if rows and rows[-1][1] == m.doc:
+            rows[-1][0].append(m.name)
+        else:
+            rows.append(([m.name], m.doc))
+    lines = [METRIC_TABLE_HEADER, "|---|---|"]
+    lines += ["| " + ", ".join(f"`{name}`" for name in names) + f" | {doc} |" for names, doc in rows]
+    return "\n".join(lines) + "\n"
