@@ -61,16 +61,16 @@ from torch import Tensor
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.megatron.agreement import check_settings_agree, hook_settings
+from slime_tis.engine.agreement import check_settings_agree, config_settings
+from slime_tis.engine.settings import LogProbSettings, output_layer_of
 from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
 from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.metrics import aggregate_metrics
-from slime_tis.megatron.model_dtype_output import model_dtype_output_during
-from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
+from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.rank_failure import Phase, reporting
-from slime_tis.megatron.recompute import recompute_log_probs
-from slime_tis.megatron.rollout import compute_old_log_probs
+from slime_tis.megatron.recompute import forward_only_log_probs
+from slime_tis.megatron.rollout import rollout_old_log_probs
 from slime_tis.megatron.schedule import materialise, replay
 from slime_tis.megatron.step_totals import StepTotals, needs_pi_old_pass, needs_pre_pass, step_totals
 from slime_tis.megatron.tp_data import step_batches
@@ -87,12 +87,15 @@ _TRAINING_CALLS = itertools.count(1)
 PI_OLD_MODES = ("auto", "rollout")
 
 
-def _check_number(name: str, value: Any, *, positive_int: bool = False) -> None:
-    if positive_int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0 (the rollout sampling temperature), got {value!r}")
+def hook_settings(hook: Any) -> dict[str, Any]:
+    """The settings of a ``TISForwardBackward`` that decide its collectives and its numbers."""
+    own = {
+        "temperature": hook.temperature, "chunk_size": hook.chunk_size, "pi_old": hook.pi_old,
+        "broadcast_over_tp": hook.broadcast_over_tp, "grad_average": hook.grad_average,
+        "metrics_in_loss_dicts": hook.metrics_in_loss_dicts, "output_layer": hook.output_layer,
+        "reducer": None if hook.reducer is None else type(hook.reducer).__qualname__,
+    }
+    return {**config_settings(hook.cfg), **{f"tis_forward_backward_func({k}=)": v for k, v in own.items()}}
 
 
 class TISForwardBackward:
@@ -102,9 +105,11 @@ class TISForwardBackward:
         last_metrics: finalized metrics of the last training call (dict of float64 scalar tensors on the
             last pipeline stage, identical on its DP x CP ranks; ``{}`` elsewhere).
         last_totals: the :class:`~slime_tis.megatron.step_totals.StepTotals` of the last training call (last
-            stage) or ``None`` (also as ``last_plan``).
+            stage) or ``None``.
         last_recomputed: whether the last training call ran a pi_old recompute pass.
-        output_layer: ``None``, ``"fused"`` or ``"fp32"`` (from ``fused_output_layer`` / ``fp32_lm_head``).
+        logprobs: the :class:`~slime_tis.engine.settings.LogProbSettings` of every pass (``temperature``,
+            ``chunk_size``, ``output_layer``: ``None``, ``"fused"`` or ``"fp32"`` from ``fused_output_layer`` /
+            ``fp32_lm_head``, and ``cfg.kernels``; also read as attributes of the same names).
     """
 
     def __init__(self, forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
@@ -114,20 +119,18 @@ class TISForwardBackward:
                  fused_output_layer: bool = False, fp32_lm_head: bool = False) -> None:
         if not isinstance(cfg, TISConfig):
             raise ValueError(f"cfg must be a slime_tis.TISConfig, got {type(cfg).__name__}")
-        _check_number("temperature", temperature)
-        _check_number("chunk_size", chunk_size, positive_int=True)
         if pi_old not in PI_OLD_MODES:
             raise ValueError(f"pi_old must be one of {PI_OLD_MODES}, got {pi_old!r}")
         if grad_average is not None:
             from slime_tis.megatron.grad_scale import data_parallel_grad_average
 
             data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
-        self.output_layer = resolve_output_layer_mode(fused_output_layer, fp32_lm_head)
+        #: how every log-prob of the hook's passes is taken (engine.settings), built once here
+        self.logprobs = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head),
+                                        cfg.kernels)
         self.forward_backward_func = forward_backward_func
         self.cfg = cfg
         cfg.warn_inert()
-        self.temperature = float(temperature)
-        self.chunk_size = chunk_size
         self.get_tis_batch = get_tis_batch
         self.reducer = reducer
         self.pi_old = pi_old
@@ -149,9 +152,16 @@ class TISForwardBackward:
             self._settings_agreed = True
 
     @property
-    def last_plan(self) -> StepTotals | None:
-        """Earlier name of :attr:`last_totals`."""
-        return self.last_totals
+    def temperature(self) -> float:
+        return self.logprobs.temperature
+
+    @property
+    def chunk_size(self) -> int:
+        return self.logprobs.chunk_size
+
+    @property
+    def output_layer(self) -> str | None:
+        return self.logprobs.output_layer
 
     @property
     def recomputes_pi_old(self) -> bool:
@@ -179,12 +189,11 @@ class TISForwardBackward:
 
     def _compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
                                num_microbatches: int, num_steps: int, **schedule_kwargs: Any) -> Any:
-        return compute_old_log_probs(
+        return rollout_old_log_probs(
             self.forward_backward_func, forward_step_func, data_iterator, model,
-            num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
-            chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
-            fused_output_layer=self.output_layer == "fused", fp32_lm_head=self.output_layer == "fp32",
-            run_pass=algorithm_of(self.cfg).needs_pi_old, kernels=self.cfg.kernels, **schedule_kwargs)
+            num_microbatches=num_microbatches, num_steps=num_steps, settings=self.logprobs,
+            get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
+            run_pass=algorithm_of(self.cfg).needs_pi_old, **schedule_kwargs)
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
                  forward_only: bool = False, **kwargs: Any) -> list:
@@ -201,7 +210,7 @@ class TISForwardBackward:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
-        from slime_tis.megatron.reduce import reducer_for_schedule
+        from slime_tis.engine.reduce import reducer_for_schedule
 
         phase.name = "the settings check"
         self._check_settings_agree()
@@ -224,13 +233,12 @@ class TISForwardBackward:
         pi_old_from_theta = self.recomputes_pi_old and not pi_old_pass  # no extra forward: sg(lp_theta)
         self.last_recomputed = pi_old_pass or needs_pre_pass(cfg)
         collector: list[MetricStats] = []
-        with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):  # steps 3-5
+        with model_output_mode(model, self.logprobs.output_layer):  # steps 3-5
             if self.last_recomputed:
                 phase.name = "the pi_old pass"
-                lps = recompute_log_probs(
+                lps = forward_only_log_probs(
                     self.forward_backward_func, forward_step_func, items, model, batches=batches,
-                    num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
-                    chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
+                    num_microbatches=num_microbatches, vpp=vpp, settings=self.logprobs, **kwargs)
                 if batches is not None and lps is not None:
                     pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
                     if pi_old_pass:
@@ -240,8 +248,7 @@ class TISForwardBackward:
                       if batches is not None else None)
             forward_step = forward_step_with_tis_loss(
                 forward_step_func, cfg, batches, totals, form, reducer, collector=collector,
-                temperature=self.temperature, chunk_size=self.chunk_size, output_layer=self.output_layer,
-                pi_old_from_theta=pi_old_from_theta)
+                settings=self.logprobs, pi_old_from_theta=pi_old_from_theta)
             phase.name = "megatron's forward-backward schedule (the loss function included)"
             out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
                                              model=model, num_microbatches=num_microbatches, forward_only=False,

@@ -39,13 +39,14 @@ from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer, policy_loss
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.metrics import column_sums
+from slime_tis.engine.settings import LogProbSettings
 from slime_tis.megatron.batch import TISBatch
 from slime_tis.megatron.loss_dict import report_pair
 from slime_tis.megatron.recompute import output_to_log_probs
 from slime_tis.megatron.schedule import MicroBatchCounter
 from slime_tis.megatron.step_totals import StepTotals
 
-__all__ = ["LossForm", "loss_form_for", "make_loss_func", "forward_step_with_tis_loss"]
+__all__ = ["LossForm", "loss_form_for", "make_loss_func", "loss_func_for", "forward_step_with_tis_loss"]
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,23 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: Lo
     ``pi_old_from_theta``: a batch without ``old_log_probs`` takes ``lp_old = sg(lp_theta)`` from this very
     forward (one optimizer step per rollout: the step starts at the rollout's parameters, so that *is* pi_old).
 
-    ``model_chunk`` (the chunk the schedule ran; its output weight) and ``output_layer`` (``None``, ``"fp32"``,
-    ``"fused"``) select how log-probs are taken from ``output_tensor`` (:func:`output_to_log_probs`).
+    ``model_chunk`` (the chunk the schedule ran; its output weight) and ``temperature``, ``chunk_size``,
+    ``output_layer`` (``None``, ``"fp32"``, ``"fused"``; with ``cfg.kernels`` the step's
+    :class:`~slime_tis.engine.settings.LogProbSettings`) select how log-probs are taken from ``output_tensor``
+    (:func:`output_to_log_probs`).
     """
+    settings = LogProbSettings(temperature, chunk_size, output_layer, cfg.kernels)
+    return loss_func_for(cfg, batch, totals, form, reducer, collector=collector, settings=settings,
+                         model_chunk=model_chunk, pi_old_from_theta=pi_old_from_theta)
+
+
+def loss_func_for(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: LossForm, reducer: Reducer, *,
+                  collector: list[MetricStats], settings: LogProbSettings, model_chunk=None,
+                  pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
+    """:func:`make_loss_func` with the step's log-prob settings passed whole."""
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
-        lp, entropy = output_to_log_probs(output_tensor, batch, model_chunk=model_chunk, output_layer=output_layer,
-                                          temperature=temperature, chunk_size=chunk_size, with_entropy=True,
-                                          kernels=cfg.kernels)
+        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk, with_entropy=True)
         lp_old = batch.old_log_probs
         if lp_old is None and pi_old_from_theta:
             lp_old = lp.detach()
@@ -132,10 +142,10 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: Lo
 
 def forward_step_with_tis_loss(forward_step_func: Callable, cfg: TISConfig, batches: list[TISBatch] | None,
                                totals: StepTotals | None, form: LossForm, reducer: Reducer, *,
-                               collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
-                               output_layer: str | None = None, pi_old_from_theta: bool = False) -> Callable:
+                               collector: list[MetricStats], settings: LogProbSettings,
+                               pi_old_from_theta: bool = False) -> Callable:
     """The launcher's ``forward_step_func`` with this step's loss function: micro-batch ``k`` (counted per model
-    chunk, :class:`~slime_tis.megatron.schedule.MicroBatchCounter`) gets ``make_loss_func`` of ``batches[k]``.
+    chunk, :class:`~slime_tis.megatron.schedule.MicroBatchCounter`) gets the loss function of ``batches[k]``.
     Off the last pipeline stage (``batches`` / ``totals`` ``None``) the launcher's own loss function is returned:
     megatron never calls it there."""
     counter = MicroBatchCounter()
@@ -145,8 +155,7 @@ def forward_step_with_tis_loss(forward_step_func: Callable, cfg: TISConfig, batc
         output, user_loss_func = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
         if batches is None or totals is None:
             return output, user_loss_func
-        return output, make_loss_func(cfg, batches[index], totals, form, reducer, collector=collector,
-                                      temperature=temperature, chunk_size=chunk_size, model_chunk=model_chunk,
-                                      output_layer=output_layer, pi_old_from_theta=pi_old_from_theta)
+        return output, loss_func_for(cfg, batches[index], totals, form, reducer, collector=collector,
+                                     settings=settings, model_chunk=model_chunk, pi_old_from_theta=pi_old_from_theta)
 
     return forward_step

@@ -37,7 +37,7 @@ from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.weights import batch_norm_factor
 from slime_tis.megatron.batch import TISBatch
 
-__all__ = ["StepTotals", "step_totals", "needs_pre_pass", "needs_pi_old_pass", "StepPlan", "plan_step"]
+__all__ = ["StepTotals", "step_totals", "needs_pre_pass", "needs_pi_old_pass"]
 
 
 @dataclass
@@ -135,7 +135,3 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     return StepTotals(denominator=den, num_tokens=n_tok, batch_norm_factor=factor,
                     num_microbatches=len(batches))
 
-
-#: Earlier names of :class:`StepTotals` and :func:`step_totals`.
-StepPlan = StepTotals
-plan_step = step_totals

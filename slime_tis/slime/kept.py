@@ -33,8 +33,8 @@ from torch import Tensor
 
 from slime_tis.core import compute_tis
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
+from slime_tis.engine.parallel import ParallelContext
 from slime_tis.slime.batch import pack_slime_batch
-from slime_tis.slime.parallel import ParallelContext
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
 from slime_tis.slime.schedule import n_steps, pi_old_pass_flags, sample_steps, slime_recomputes_pi_old
 

@@ -56,12 +56,12 @@ from torch import Tensor
 from slime_tis.core import compute_tis, policy_loss
 from slime_tis.core.algorithms import correction_inputs
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
+from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
-from slime_tis.slime.parallel import parallel_context
 from slime_tis.slime.record import RECORDER, recording_enabled
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
@@ -191,7 +191,7 @@ def reinforce_is_loss(
     rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
     targets = torch.cat(list(batch["unconcat_tokens"])).to(device)[tok]
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
 
     chunk = int(getattr(args, "log_probs_chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK)
     lp_theta, entropy = vocab_parallel_log_probs_and_entropy(

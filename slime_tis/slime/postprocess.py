@@ -46,11 +46,11 @@ from typing import Any
 from slime_tis.core import compute_tis
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.weights import batch_norm_factor
+from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import drop_applies, plan_rollout_drop
 from slime_tis.slime.opsm import check_opsm
-from slime_tis.slime.parallel import ParallelContext, parallel_context
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.rollouts import unit_keys
 from slime_tis.slime.schedule import pi_old_pass_flags
