@@ -208,16 +208,18 @@ def reinforce_is_loss(
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
     # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum
     keep_override = None
+    decided = None
     if cfg.loss_agg == "seq-mean-token-mean":
         counted = _counted_drop(batch, packed) if drop else None
         if counted is not None:  # decisions and K_g counted before the step, at its parameters
             coef, keep_override = counted
-        elif drop:  # the keep decision does not depend on the coefficients
+        elif drop:  # the correction the loss takes, decided once here: its keep mask sets the coefficients
+            # (finite coefficients: the advantages' finiteness, which the correction reads, is the same after them)
             inputs = correction_inputs(cfg, lp_train=lp_theta, lp_rollout=lp_rollout, advantages=advantages)
-            keep_pre = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
-                                   packed.local_mask, packed.cu_seqlens, reducer=ctx.reducer,
-                                   extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite).loss_keep
-            coef = _local_drop_coefficients(batch, packed, keep_pre, ctx.reducer, device)
+            decided = compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, packed.local_mask, packed.cu_seqlens,
+                                  reducer=ctx.reducer, extra_finite=inputs.extra_finite,
+                                  loss_finite=inputs.loss_finite)
+            coef = _local_drop_coefficients(batch, packed, decided.loss_keep, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
         advantages = advantages * coef[packed.local_sample_index()]
@@ -233,6 +235,7 @@ def reinforce_is_loss(
         reducer=ctx.reducer,
         denominator=torch.ones((), device=device),  # a device tensor: a Python float would sync the host
         keep_override=keep_override,
+        correction=decided,
     )
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)
