@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.engine.settings import LogProbSettings
-from slime_tis.megatron.batch import TISBatch
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.schedule import MicroBatchCounter, replay
 

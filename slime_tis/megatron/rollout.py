@@ -41,12 +41,12 @@ from typing import Any
 
 from torch import Tensor
 
+from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.settings import LogProbSettings, output_layer_of
-from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.recompute import forward_only_log_probs
 from slime_tis.megatron.schedule import materialise, step_items
-from slime_tis.megatron.tp_data import step_batches
+from slime_tis.megatron.tp_data import default_get_tis_batch, step_batches
 
 __all__ = ["compute_old_log_probs", "rollout_old_log_probs", "rollout_step_iterator"]
 

@@ -35,7 +35,7 @@ from slime_tis.core.aggregation import aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.weights import batch_norm_factor
-from slime_tis.megatron.batch import TISBatch
+from slime_tis.engine.batch import TISBatch
 
 __all__ = ["StepTotals", "step_totals", "needs_pre_pass", "needs_pi_old_pass"]
 
