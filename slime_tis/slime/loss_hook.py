@@ -12,7 +12,7 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 ``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
 
 * ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
-  (:func:`slime_tis.megatron.vocab_parallel_log_probs_and_entropy`, chunks of
+  (:func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`, chunks of
   ``--log-probs-chunk-size`` rows; slime's ``-1`` = one chunk) at the rows slime's layout assigns
   to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
 * Aggregation is slime's: per-rollout mean ``sum_t loss_t / max(N_i, 1)`` with ``N_i =
