@@ -42,5 +42,5 @@ setup(
         # GPU-side pieces (transformer-engine, NVIDIA apex, sglang) are never required here;
         # they are imported lazily by the code paths that use them.
     },
-    entry_points={"console_scripts": ["slime-tis=slime_tis.tools.cli:main"]},
+    entry_points={"console_scripts": ["slime-tis=slime_tis.cli:main"]},
 )

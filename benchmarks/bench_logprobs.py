@@ -49,7 +49,7 @@ def _one(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     import torch.distributed.nn.functional as dist_fn
 
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 
     torch.set_num_threads(args.threads)
     tp = int(os.environ.get("WORLD_SIZE", "1"))

@@ -145,7 +145,7 @@ def _methods(torch, args, logits, targets, keep, w_lp, w_h):
     """name -> (callable running forward + backward or None, allocates a [T, V] gradient?, note)."""
     from _third_party import logits_method
 
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
 
     mask = None if bool(keep.all()) else keep  # host read here, outside every timed region
     g_lp, g_h = w_lp * keep, w_h * keep  # the competitors have no row mask: masked rows get no upstream gradient
@@ -182,7 +182,7 @@ def _methods(torch, args, logits, targets, keep, w_lp, w_h):
 
 def _check(torch, logits, targets, keep) -> str:
     """triton vs torch on this case: max |d lp|, |d H| (float32), max |d grad| / max |grad| (bf16 grads)."""
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
 
     out = {}
     for kernels in ("triton", "torch"):

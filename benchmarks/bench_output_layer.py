@@ -47,9 +47,9 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # noqa: E402
 from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy  # noqa: E402
-from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy  # noqa: E402
 
 GIB = 2 ** 30
 

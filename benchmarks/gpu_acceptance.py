@@ -100,7 +100,7 @@ def _float64_log_probs(torch, z, y, keep, w_lp, w_h, rows_per_chunk: int):
 
 
 def check_logprobs(torch, t: int, v: int, dev: str, rows_per_chunk: int) -> dict:
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy as lp_and_h
 
     z, y, keep, special = _logprob_rows(torch, t, v, dev)
     g = torch.Generator(device=dev).manual_seed(1)

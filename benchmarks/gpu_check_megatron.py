@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slime_tis import TISConfig  # noqa: E402
 from slime_tis.core import LocalReducer  # noqa: E402
-from slime_tis.megatron import LossForm, TISBatch, make_loss_func, plan_step  # noqa: E402
+from slime_tis.megatron import LossForm, TISBatch, make_loss_func, step_totals  # noqa: E402
 
 CONFIGS = {
     "alg0 (PPO)": TISConfig(),
@@ -123,7 +123,7 @@ def main() -> int:
     print(f"| plain_ppo | {t_plain:.3f} | {1e3 * t_plain / m:.2f} | 1.00x | {mem_plain:.0f} | n/a |")
     form = LossForm(per_token=False, num_microbatches=m, cp_size=1, grad_average=1)
     for name, cfg in CONFIGS.items():
-        plan = plan_step(cfg, batches, LocalReducer(),
+        plan = step_totals(cfg, batches, LocalReducer(),
                          pre_log_probs=[b.old_log_probs for b in batches] if cfg.algorithm in (1, 3) else None)
         collector: list = []
         sync_error = "none"

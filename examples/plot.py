@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """CLI entry point (``python -m examples.plot``); returns the exit status."""
-    from slime_tis.tools.cli import run_reporting_errors
+    from slime_tis.cli import run_reporting_errors
 
     args = build_parser().parse_args(argv)
     out = args.out or os.path.join(args.run_dirs[0], "curves.png")

@@ -78,7 +78,7 @@ def plot_bands(groups: dict[str, list[str]], out: str, smooth: int = 3) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_tis.tools.cli import run_reporting_errors
+    from slime_tis.cli import run_reporting_errors
 
     p = argparse.ArgumentParser(prog="python -m examples.plot_bands", description=__doc__)
     p.add_argument("groups", nargs="+", help="LABEL=DIR,DIR,... (the seeds of one variant)")

@@ -20,10 +20,10 @@ import torch
 
 from slime_tis import TISConfig, policy_loss
 from slime_tis.arguments import add_tis_arguments
+from slime_tis.cli import main as cli_main
 from slime_tis.config import MAX_SAFETY_BOUND, config_fields_from_args, parse_switch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.record import recording_enabled
-from slime_tis.tools.cli import main as cli_main
 from slime_tis.tools.dump import write_logprob_dump
 
 

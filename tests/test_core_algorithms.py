@@ -15,7 +15,7 @@ from slime_tis import TISConfig, policy_loss
 from slime_tis.core import LocalReducer, MetricStats
 from slime_tis.core.algorithms import ALGORITHMS, algorithm_of
 from slime_tis.core.step_metrics import reduce_step_metrics
-from slime_tis.megatron import TISBatch, plan_step
+from slime_tis.megatron import TISBatch, step_totals
 from slime_tis.slime.metrics import ExactMetricsCollector
 
 CU = torch.tensor([0, 3, 6])
@@ -115,7 +115,7 @@ def test_step_totals_keep_what_the_loss_keeps_with_a_nan_only_in_lp_theta(alg):
     the step from the pass at its parameters) is non-finite. The step plan used to test lp_old twice instead."""
     cfg = CONFIGS[alg].replace(rejected_denominator="drop")
     x = _inputs("lp_theta")
-    plan = plan_step(cfg, [_batch(x)], LocalReducer(), pre_log_probs=[x["lp_theta"]])
+    plan = step_totals(cfg, [_batch(x)], LocalReducer(), pre_log_probs=[x["lp_theta"]])
     out = policy_loss(cfg, x["lp_theta"], x["lp_old"], x["lp_rollout"], x["advantages"], MASK, CU,
                       denominator=plan.denominator)
     assert out.keep_mask.tolist() == [False] * 3 + [True] * 3
@@ -126,7 +126,7 @@ def test_step_batch_norm_factor_leaves_out_what_the_loss_rejects():
     """Algorithm 2's once-per-step factor from the step totals equals the loss's own factor on the same batch."""
     cfg = CONFIGS[2].replace(batch_normalize=True)
     x = _inputs("lp_theta")
-    plan = plan_step(cfg, [_batch(x)], LocalReducer(), pre_log_probs=[x["lp_theta"]])
+    plan = step_totals(cfg, [_batch(x)], LocalReducer(), pre_log_probs=[x["lp_theta"]])
     out = policy_loss(cfg, x["lp_theta"], x["lp_old"], x["lp_rollout"], x["advantages"], MASK, CU)
     assert out.tis is not None
     own = out.stats.finalize()["tis/batch_norm_factor"]

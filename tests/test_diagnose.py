@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slime_tis import TISConfig, compute_tis
-from slime_tis.tools.cli import main as cli_main
+from slime_tis.cli import main as cli_main
 from slime_tis.tools.diagnose import PERCENTILES, diagnose, write_histogram
 from slime_tis.tools.dump import read_logprob_dump, write_logprob_dump
 

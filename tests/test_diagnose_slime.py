@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from slime_tis import TISConfig, compute_tis
-from slime_tis.tools.cli import main as cli_main
+from slime_tis.cli import main as cli_main
 from slime_tis.tools.dump import read_logprob_dump
 
 PROMPT = 3

@@ -16,7 +16,7 @@ from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 
 from slime_tis import TISConfig, policy_loss
 from slime_tis.core import LocalReducer
-from slime_tis.megatron import LossForm, TISBatch, aggregate_metrics, make_loss_func, plan_step
+from slime_tis.megatron import LossForm, TISBatch, aggregate_metrics, make_loss_func, step_totals
 
 V, S, ROWS, TAU = 12, 6, 8, 0.9
 
@@ -64,7 +64,7 @@ def test_microbatch_losses_reproduce_the_whole_batch(name, m, per_token):
     logits, labels, mask, adv, lp, rollout = _data()
     batches = _microbatches(labels, mask, adv, rollout, lp, m)
     pre = [b.old_log_probs for b in batches] if cfg.algorithm in (1, 3) else None
-    plan = plan_step(cfg, batches, LocalReducer(), pre_log_probs=pre)
+    plan = step_totals(cfg, batches, LocalReducer(), pre_log_probs=pre)
     form = LossForm(per_token=per_token, num_microbatches=m, cp_size=1, grad_average=1)
     collector: list = []
     leaf = logits.clone().requires_grad_(True)
@@ -118,7 +118,7 @@ def test_two_tuple_scale_undoes_megatron_scaling(cp_size, grad_average):
     m = 2
     ranks = 2  # rows are split over 2 "ranks" x M micro-batches; the plan is global over all of them
     batches = _microbatches(labels, mask, adv, rollout, lp, m * ranks)
-    plan = plan_step(cfg, batches, LocalReducer())
+    plan = step_totals(cfg, batches, LocalReducer())
     mcfg = types.SimpleNamespace(calculate_per_token_loss=False, timers=None)
     rows = ROWS // (m * ranks)
 
@@ -151,7 +151,7 @@ def test_metrics_are_clones_safe_from_in_place_scaling():
     cfg = CFGS["alg2_tok_trunc_bn"]
     logits, labels, mask, adv, lp, rollout = _data(1)
     batches = _microbatches(labels, mask, adv, rollout, lp, 1)
-    plan = plan_step(cfg, batches, LocalReducer())
+    plan = step_totals(cfg, batches, LocalReducer())
     collector: list = []
     fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 1, 1, 1), LocalReducer(), collector=collector,
                         temperature=TAU)
@@ -169,7 +169,7 @@ def test_all_masked_microbatch_gives_zero_loss_and_gradient():
     mask[:4] = 0  # micro-batch 0 of 2 has no valid token
     rollout[:4] = float("nan")  # and garbage where it is masked
     batches = _microbatches(labels, mask, adv, rollout, lp, 2)
-    plan = plan_step(cfg, batches, LocalReducer())
+    plan = step_totals(cfg, batches, LocalReducer())
     leaf = logits[:4].clone().requires_grad_(True)
     fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 2, 1, 1), LocalReducer(), collector=[],
                         temperature=TAU)
@@ -182,12 +182,12 @@ def test_all_masked_microbatch_gives_zero_loss_and_gradient():
 def test_plan_batch_norm_factor_is_global_for_algorithm_2():
     cfg = CFGS["alg2_tok_trunc_bn"]
     logits, labels, mask, adv, lp, rollout = _data(3)
-    one = plan_step(cfg, _microbatches(labels, mask, adv, rollout, lp, 1), LocalReducer())
-    four = plan_step(cfg, _microbatches(labels, mask, adv, rollout, lp, 4), LocalReducer())
+    one = step_totals(cfg, _microbatches(labels, mask, adv, rollout, lp, 1), LocalReducer())
+    four = step_totals(cfg, _microbatches(labels, mask, adv, rollout, lp, 4), LocalReducer())
     torch.testing.assert_close(one.batch_norm_factor, four.batch_norm_factor)
     torch.testing.assert_close(one.denominator, four.denominator)
     assert float(one.denominator) == float((mask != 0).sum())
-    assert plan_step(CFGS["alg0"], _microbatches(labels, mask, adv, rollout, lp, 2),
+    assert step_totals(CFGS["alg0"], _microbatches(labels, mask, adv, rollout, lp, 2),
                      LocalReducer()).batch_norm_factor is None
 
 
@@ -196,19 +196,19 @@ def test_plan_errors_name_the_missing_input():
     logits, labels, mask, adv, lp, rollout = _data(4)
     b = TISBatch.from_padded(labels, mask, adv, rollout, cp_slice=False)
     with pytest.raises(ValueError, match="micro-batch 0: algorithm 2 needs old_log_probs"):
-        plan_step(cfg, [b], LocalReducer())
+        step_totals(cfg, [b], LocalReducer())
     b2 = TISBatch.from_padded(labels, mask, adv, None, cp_slice=False)
     with pytest.raises(ValueError, match="micro-batch 0: algorithm 1 needs rollout_log_probs"):
-        plan_step(CFGS["alg1_seq_mask"], [b2], LocalReducer())
+        step_totals(CFGS["alg1_seq_mask"], [b2], LocalReducer())
     with pytest.raises(ValueError, match="at least one micro-batch"):
-        plan_step(cfg, [], LocalReducer())
+        step_totals(cfg, [], LocalReducer())
 
 
 def test_logits_token_count_mismatch_is_explained():
     cfg = CFGS["alg0"]
     logits, labels, mask, adv, lp, rollout = _data(5)
     batches = _microbatches(labels, mask, adv, rollout, lp, 1)
-    plan = plan_step(cfg, batches, LocalReducer())
+    plan = step_totals(cfg, batches, LocalReducer())
     fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 1, 1, 1), LocalReducer(), collector=[])
     with pytest.raises(ValueError, match="logits have 24 positions .* but the micro-batch's TISBatch has 48 tokens"):
         fn(logits[:4])
@@ -231,7 +231,7 @@ def test_tis_kernels_reaches_both_kernels_of_the_loss(monkeypatch):
         dispatch.reset()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            plan = plan_step(cfg, batches, LocalReducer())
+            plan = step_totals(cfg, batches, LocalReducer())
             fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 1, 1, 1), LocalReducer(), collector=[],
                                 temperature=TAU)
             loss, _ = fn(leaf)
@@ -253,7 +253,7 @@ def test_nan_logits_reject_the_sequence_with_finite_loss_and_gradient():
     mask[1, 2] = 1.0
     logits[1, 2, 5] = float("nan")
     batches = _microbatches(labels, mask, adv, rollout, lp, 1)
-    plan = plan_step(cfg, batches, LocalReducer())
+    plan = step_totals(cfg, batches, LocalReducer())
     collector: list = []
     leaf = logits.clone().requires_grad_(True)
     fn = make_loss_func(cfg, batches[0], plan, LossForm(False, 1, 1, 1), LocalReducer(), collector=collector,

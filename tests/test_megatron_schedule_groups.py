@@ -11,7 +11,7 @@ CHILD = r"""
 import types, sys
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from slime_tis.megatron.reduce import reducer_for_schedule
+from slime_tis.engine.reduce import reducer_for_schedule
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/store", rank=0, world_size=1)
 ps.initialize_model_parallel()
 own = types.SimpleNamespace(cp=dist.new_group([0]), dp=dist.new_group([0]), dp_cp=dist.new_group([0]))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _one_line_error import assert_one_line_error
 
-from slime_tis.tools.cli import main as cli_main
+from slime_tis.cli import main as cli_main
 from slime_tis.tools.diagnose import diagnose, quantiles
 from slime_tis.tools.dump import DumpFormatError, read_logprob_dump, write_logprob_dump
 

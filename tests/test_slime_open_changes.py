@@ -203,7 +203,7 @@ def test_zero_kl_coefficient_adds_no_kl_term_even_with_non_finite_reference():
 def test_temperature_per_logit_chunk_gives_the_custom_losss_log_probs():
     """slime's change divides each sample's logit chunk by the temperature instead of the whole tensor; the log-probs
     of its forward (the step hook's counting pass) equal, bit for bit, those the custom loss computes."""
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 
     g = torch.Generator().manual_seed(3)
     logits, targets = torch.randn(9, VOCAB, generator=g), torch.randint(0, VOCAB, (9,), generator=g)

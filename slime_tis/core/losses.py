@@ -99,6 +99,7 @@ def policy_loss(
     keep_override: Tensor | None = None,
     lp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
+    correction: TISResult | None = None,
 ) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
@@ -121,6 +122,10 @@ def policy_loss(
         lp_ref: ``[T]`` reference-policy log-probs (needed when ``kl_coef != 0``; ``core.terms``).
         entropy: ``[T]`` entropy of the current policy at each token, differentiable (needed when
             ``entropy_coef != 0``).
+        correction: the :class:`TISResult` of this very correction, already decided by the caller (a host
+            that needed its keep mask first): used as given instead of correcting again. It must come from
+            ``compute_tis`` on the inputs this function would pass (``core.algorithms.correction_inputs`` of
+            the same tensors, the same reducer and ``batch_norm_factor``).
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
@@ -161,9 +166,9 @@ def policy_loss(
     inputs = correction_inputs(plan, lp_train=old if row.lp_train == "lp_old" else theta_d,
                                lp_rollout=lp_rollout, advantages=adv, lp_theta=theta_d,
                                terms=tuple(t for t in terms if t is not None))
-    tis = correct(plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer,
-                  batch_norm_factor=batch_norm_factor, extra_finite=inputs.extra_finite,
-                  loss_finite=inputs.loss_finite)
+    tis = correction if correction is not None else correct(
+        plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer, batch_norm_factor=batch_norm_factor,
+        extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite)
     keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)

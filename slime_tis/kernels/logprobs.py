@@ -1,6 +1,6 @@
 """Fused Triton kernels: token log-probs and entropies from vocab-parallel logits, one pass each way.
 
-Same formulas as the torch reference :mod:`slime_tis.megatron.logprobs` (the semantics and the CPU path).
+Same formulas as the torch reference :mod:`slime_tis.engine.logprobs` (the semantics and the CPU path).
 Tensor-parallel rank ``r`` holds the logit columns ``[vocab_start, vocab_start + Vp)``. Per row with logits
 ``z [Vp]``, temperature ``tau`` and global target id ``y``, all math in float32:
 
@@ -31,10 +31,10 @@ gradient itself; everything else is ``O(T)`` (float32 ``[T]`` vectors: outputs, 
 partials at TP > 1). No host synchronisation.
 
 A kernel that fails to compile or launch raises :class:`~slime_tis.kernels.dispatch.KernelLaunchError`
-from the forward (the caller, ``slime_tis.megatron.logprobs``, then runs the torch code: same collectives);
+from the forward (the caller, ``slime_tis.engine.logprobs``, then runs the torch code: same collectives);
 in the backward the torch code's gradient is computed here instead (``slime_tis.kernels.dispatch``).
 
-This module imports triton at its top; import it lazily (``slime_tis.megatron.logprobs`` does).
+This module imports triton at its top; import it lazily (``slime_tis.engine.logprobs`` does).
 Run on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is first imported.
 """
 

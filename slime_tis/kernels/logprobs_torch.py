@@ -11,7 +11,7 @@ Rank ``r`` of the tensor-parallel group holds the logit columns ``[vocab_start, 
 ``log p`` is clamped at ``LOGP_MIN`` (``p`` is exactly 0 in float32 below about -104), so a -inf logit gives a
 zero gradient for any upstream gradient; rows whose upstream gradients are both 0 (masked, rejected tokens)
 or outside ``keep`` get exact zeros (selected, never ``0 * NaN``). Shared by the torch path
-(:mod:`slime_tis.megatron.logprobs`) and the Triton kernel's fallback (:mod:`slime_tis.kernels.logprobs`);
+(:mod:`slime_tis.engine.logprobs`) and the Triton kernel's fallback (:mod:`slime_tis.kernels.logprobs`);
 it takes tensors only, no process group.
 """
 
@@ -42,7 +42,7 @@ def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tenso
 
     ``safe_idx`` / ``in_shard [T]``: the target's column in this shard (0 when not in it) / whether it is;
     ``logZ``, ``H [T]``: global, from the forward; ``keep [T]``: the row mask or ``None``. The torch backward of
-    :func:`slime_tis.megatron.logprobs.vocab_parallel_log_probs_and_entropy` and the fallback of the Triton
+    :func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy` and the fallback of the Triton
     kernel's backward (:mod:`slime_tis.kernels.logprobs`).
     """
     n_tok = logits.shape[0]

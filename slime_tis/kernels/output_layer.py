@@ -13,7 +13,7 @@ Each shard walks its vocabulary with an online log-sum-exp (running max ``m``, `
 ``t = sum exp(x - m)(x - m)``; on a new max ``m'``: ``s <- a s + ...``, ``t <- a (t + (m - m') s) + ...``,
 ``a = exp(m - m')``), then the shards combine with one all-reduce MAX of ``m [T]`` and one all-reduce SUM
 of ``[T, 3]`` (``s``, ``t`` rescaled to the global max, ``x_y`` from the owning rank): the same two small
-collectives as :func:`slime_tis.megatron.logprobs.vocab_parallel_log_probs_and_entropy`.
+collectives as :func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`.
 
 Backward, given ``g_lp = dL/dlp`` and ``g_H = dL/dH`` (``p = exp(x - logZ)``)::
 

@@ -10,25 +10,28 @@ Public API::
     TISBatch                               per-micro-batch RL fields (packed, CP-local)
     vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (kernels="triton": fused)
     MegatronReducer                        the core's Reducer on parallel_state groups
-    step_totals, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces, in the hook's
-                                   order (StepPlan / plan_step: earlier names of StepTotals / step_totals)
+    step_totals, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces, in the hook's order
+
+The last two and the log-probs live in the host-neutral ``slime_tis.engine`` (shared with the slime host);
+this package translates megatron's call order and data into it.
 
 Importing this package does not import megatron-core; the functions that need it import it lazily.
 """
 
+from slime_tis.engine.batch import TISBatch, cp_slice_padded, cu_seqlens_from_seq_ids
+from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
+from slime_tis.engine.metrics import aggregate_metrics
+from slime_tis.engine.reduce import MegatronReducer
+from slime_tis.engine.totals import StepTotals, needs_pre_pass, step_totals
 from slime_tis.megatron.arguments import add_megatron_tis_arguments, megatron_hook_kwargs
-from slime_tis.megatron.batch import TISBatch, cp_slice_padded, cu_seqlens_from_seq_ids, default_get_tis_batch
 from slime_tis.megatron.grad_scale import data_parallel_grad_average
 from slime_tis.megatron.hook import TISForwardBackward, tis_forward_backward_func
-from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
-from slime_tis.megatron.metrics import aggregate_metrics
 from slime_tis.megatron.patch import tis_patch
 from slime_tis.megatron.rank_failure import RankFailedError
 from slime_tis.megatron.recompute import recompute_log_probs
-from slime_tis.megatron.reduce import MegatronReducer
 from slime_tis.megatron.rollout import compute_old_log_probs, rollout_step_iterator
-from slime_tis.megatron.step_totals import StepPlan, StepTotals, needs_pre_pass, plan_step, step_totals
+from slime_tis.megatron.tp_data import default_get_tis_batch
 
 __all__ = [
     "tis_forward_backward_func",
@@ -51,8 +54,6 @@ __all__ = [
     "make_loss_func",
     "StepTotals",
     "step_totals",
-    "StepPlan",
-    "plan_step",
     "needs_pre_pass",
     "recompute_log_probs",
     "aggregate_metrics",

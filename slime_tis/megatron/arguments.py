@@ -34,7 +34,7 @@ import argparse
 from typing import Any
 
 from slime_tis.arguments import add_tis_arguments
-from slime_tis.megatron.output_layer import resolve_output_layer_mode
+from slime_tis.engine.settings import output_layer_of
 
 __all__ = ["add_megatron_tis_arguments", "megatron_hook_kwargs", "rollout_temperature"]
 
@@ -82,5 +82,5 @@ def megatron_hook_kwargs(args: Any) -> dict[str, Any]:
     naming them."""
     fused = bool(getattr(args, "tis_fused_output_layer", False))
     fp32 = bool(getattr(args, "tis_fp32_lm_head", False))
-    resolve_output_layer_mode(fused, fp32)
+    output_layer_of(fused, fp32)
     return {"temperature": rollout_temperature(args), "fused_output_layer": fused, "fp32_lm_head": fp32}

@@ -15,14 +15,17 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
    step per rollout, so pi_old = sg(pi_theta) at the step's parameters) a micro-batch without it takes the
    detached log-probs of its own training forward, at no extra cost; only ``drop`` and algorithm 2's batch
    normalisation, which need pi_old of the whole step before the first loss, run a forward-only pass at the
-   start of the call (``step_totals.needs_pi_old_pass``). Whether a pass runs is decided by the configuration and
+   start of the call (``engine.totals.needs_pi_old_pass``). Whether a pass runs is decided by the configuration and
    the hook's mode, identically on every rank, never by the data;
-4. on the last pipeline stage: the step totals (global denominator, token count, algorithm-2 batch-norm
-   factor; ``step_totals.step_totals``) on megatron's DP / CP groups;
+4. on the last pipeline stage: the step engine begins the step (``engine.step.StepEngine.begin``): the step totals
+   (global denominator, token count, algorithm-2 batch-norm factor; ``engine.totals.step_totals``) on
+   megatron's DP / CP groups;
 5. megatron's training schedule with the launcher's ``forward_step_func`` wrapped so that its loss
-   function is ours (``loss.forward_step_with_tis_loss``, ``loss.make_loss_func``); every keyword
+   function is ours (``loss.forward_step_with_tis_loss``: megatron's output -> ``lp_theta`` -> ``StepEngine.loss``);
+   every keyword
    (``return_schedule_plan``, ...) is forwarded;
-6. the step metrics: merged, reduced once, finalized (``metrics.aggregate_metrics``) into ``last_metrics``
+6. the step metrics: merged, reduced once, finalized (``StepEngine.end``, ``engine.metrics.aggregate_metrics``)
+   into ``last_metrics``
    and added to every micro-batch loss dict as ``[value, 1]`` (``loss_dict``: Megatron-LM's
    ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank). The
    reduction first compares the process's training-call count across DP x CP: a rank whose earlier call raised
@@ -59,21 +62,21 @@ from typing import Any
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import MetricStats, Reducer
+from slime_tis.core import Reducer
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.megatron.agreement import check_settings_agree, hook_settings
-from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
+from slime_tis.engine.agreement import check_settings_agree, config_settings
+from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.settings import LogProbSettings, output_layer_of
+from slime_tis.engine.step import StepEngine
+from slime_tis.engine.totals import StepTotals, needs_pi_old_pass, needs_pre_pass
 from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
-from slime_tis.megatron.metrics import aggregate_metrics
-from slime_tis.megatron.model_dtype_output import model_dtype_output_during
-from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
+from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.rank_failure import Phase, reporting
-from slime_tis.megatron.recompute import recompute_log_probs
-from slime_tis.megatron.rollout import compute_old_log_probs
+from slime_tis.megatron.recompute import forward_only_log_probs
+from slime_tis.megatron.rollout import rollout_old_log_probs
 from slime_tis.megatron.schedule import materialise, replay
-from slime_tis.megatron.step_totals import StepTotals, needs_pi_old_pass, needs_pre_pass, step_totals
-from slime_tis.megatron.tp_data import step_batches
+from slime_tis.megatron.tp_data import default_get_tis_batch, step_batches
 
 __all__ = ["TISForwardBackward", "tis_forward_backward_func", "default_get_tis_batch", "PI_OLD_MODES"]
 
@@ -87,12 +90,15 @@ _TRAINING_CALLS = itertools.count(1)
 PI_OLD_MODES = ("auto", "rollout")
 
 
-def _check_number(name: str, value: Any, *, positive_int: bool = False) -> None:
-    if positive_int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0 (the rollout sampling temperature), got {value!r}")
+def hook_settings(hook: Any) -> dict[str, Any]:
+    """The settings of a ``TISForwardBackward`` that decide its collectives and its numbers."""
+    own = {
+        "temperature": hook.temperature, "chunk_size": hook.chunk_size, "pi_old": hook.pi_old,
+        "broadcast_over_tp": hook.broadcast_over_tp, "grad_average": hook.grad_average,
+        "metrics_in_loss_dicts": hook.metrics_in_loss_dicts, "output_layer": hook.output_layer,
+        "reducer": None if hook.reducer is None else type(hook.reducer).__qualname__,
+    }
+    return {**config_settings(hook.cfg), **{f"tis_forward_backward_func({k}=)": v for k, v in own.items()}}
 
 
 class TISForwardBackward:
@@ -101,10 +107,29 @@ class TISForwardBackward:
     Attributes:
         last_metrics: finalized metrics of the last training call (dict of float64 scalar tensors on the
             last pipeline stage, identical on its DP x CP ranks; ``{}`` elsewhere).
-        last_totals: the :class:`~slime_tis.megatron.step_totals.StepTotals` of the last training call (last
-            stage) or ``None`` (also as ``last_plan``).
+        last_totals: the :class:`~slime_tis.engine.totals.StepTotals` of the last training call (last
+            stage) or ``None``.
         last_recomputed: whether the last training call ran a pi_old recompute pass.
-        output_layer: ``None``, ``"fused"`` or ``"fp32"`` (from ``fused_output_layer`` / ``fp32_lm_head``).
+        logprobs: the :class:`~slime_tis.engine.settings.LogProbSettings` of every pass (``temperature``,
+            ``chunk_size``, ``output_layer``: ``None``, ``"fused"`` or ``"fp32"`` from ``fused_output_layer`` /
+            ``fp32_lm_head``, and ``cfg.kernels``; also read as attributes of the same names).
+
+    Keywords (written once, here; :func:`tis_forward_backward_func` passes them on):
+        temperature: the rollout sampling temperature (logits are divided by it).
+        chunk_size: rows per log-softmax chunk.
+        get_tis_batch: the ``TISBatch`` of a micro-batch item (default ``item["tis"]``).
+        reducer: the core's reducer (default: ``MegatronReducer`` on the schedule's groups, per call).
+        pi_old: ``"auto"`` (default) recomputes pi_old at the start of each training call for micro-batches
+            that carry none, until :meth:`TISForwardBackward.compute_old_log_probs` has run (correct for one
+            optimizer step per rollout); ``"rollout"`` never recomputes (the caller supplies pi_old).
+        broadcast_over_tp: broadcast TP rank 0's ``TISBatch`` items to the other TP ranks (``tp_data``).
+        grad_average: the factor the data-parallel wrapper divides summed gradients by, for wrappers the hook
+            cannot read (``grad_scale``); default: read from megatron / torch DDP.
+        metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``loss_dict``).
+        fused_output_layer: ``--tis-fused-output-layer``: log-probs straight from the hidden states and the
+            output weight (``output_layer.fused_log_probs``), in the loss and in every pi_old pass.
+        fp32_lm_head: ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits), in the loss and in
+            every pi_old pass. Mutually exclusive with ``fused_output_layer``.
     """
 
     def __init__(self, forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
@@ -114,20 +139,18 @@ class TISForwardBackward:
                  fused_output_layer: bool = False, fp32_lm_head: bool = False) -> None:
         if not isinstance(cfg, TISConfig):
             raise ValueError(f"cfg must be a slime_tis.TISConfig, got {type(cfg).__name__}")
-        _check_number("temperature", temperature)
-        _check_number("chunk_size", chunk_size, positive_int=True)
         if pi_old not in PI_OLD_MODES:
             raise ValueError(f"pi_old must be one of {PI_OLD_MODES}, got {pi_old!r}")
         if grad_average is not None:
             from slime_tis.megatron.grad_scale import data_parallel_grad_average
 
             data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
-        self.output_layer = resolve_output_layer_mode(fused_output_layer, fp32_lm_head)
+        #: how every log-prob of the hook's passes is taken (engine.settings), built once here
+        self.logprobs = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head),
+                                        cfg.kernels)
         self.forward_backward_func = forward_backward_func
         self.cfg = cfg
         cfg.warn_inert()
-        self.temperature = float(temperature)
-        self.chunk_size = chunk_size
         self.get_tis_batch = get_tis_batch
         self.reducer = reducer
         self.pi_old = pi_old
@@ -149,15 +172,22 @@ class TISForwardBackward:
             self._settings_agreed = True
 
     @property
-    def last_plan(self) -> StepTotals | None:
-        """Earlier name of :attr:`last_totals`."""
-        return self.last_totals
+    def temperature(self) -> float:
+        return self.logprobs.temperature
+
+    @property
+    def chunk_size(self) -> int:
+        return self.logprobs.chunk_size
+
+    @property
+    def output_layer(self) -> str | None:
+        return self.logprobs.output_layer
 
     @property
     def recomputes_pi_old(self) -> bool:
         """Whether a training call takes pi_old at its own parameters (``pi_old="auto"``, algorithms 0 and 2: one
         optimizer step per rollout). It costs a forward-only pass only where
-        :func:`~slime_tis.megatron.step_totals.needs_pi_old_pass` (``drop``, algorithm 2's batch normalisation);
+        :func:`~slime_tis.engine.totals.needs_pi_old_pass` (``drop``, algorithm 2's batch normalisation);
         otherwise each micro-batch's loss uses the detached log-probs of its own training forward. Configuration
         and mode only, never data."""
         return algorithm_of(self.cfg).needs_pi_old and self.pi_old == "auto"
@@ -179,12 +209,11 @@ class TISForwardBackward:
 
     def _compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
                                num_microbatches: int, num_steps: int, **schedule_kwargs: Any) -> Any:
-        return compute_old_log_probs(
+        return rollout_old_log_probs(
             self.forward_backward_func, forward_step_func, data_iterator, model,
-            num_microbatches=num_microbatches, num_steps=num_steps, temperature=self.temperature,
-            chunk_size=self.chunk_size, get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
-            fused_output_layer=self.output_layer == "fused", fp32_lm_head=self.output_layer == "fp32",
-            run_pass=algorithm_of(self.cfg).needs_pi_old, kernels=self.cfg.kernels, **schedule_kwargs)
+            num_microbatches=num_microbatches, num_steps=num_steps, settings=self.logprobs,
+            get_tis_batch=self.get_tis_batch, broadcast_over_tp=self.broadcast_over_tp,
+            run_pass=algorithm_of(self.cfg).needs_pi_old, **schedule_kwargs)
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
                  forward_only: bool = False, **kwargs: Any) -> list:
@@ -201,7 +230,7 @@ class TISForwardBackward:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
-        from slime_tis.megatron.reduce import reducer_for_schedule
+        from slime_tis.engine.reduce import reducer_for_schedule
 
         phase.name = "the settings check"
         self._check_settings_agree()
@@ -223,32 +252,29 @@ class TISForwardBackward:
         pi_old_pass = self.recomputes_pi_old and needs_pi_old_pass(cfg)
         pi_old_from_theta = self.recomputes_pi_old and not pi_old_pass  # no extra forward: sg(lp_theta)
         self.last_recomputed = pi_old_pass or needs_pre_pass(cfg)
-        collector: list[MetricStats] = []
-        with output_layer_mode_during(model, self.output_layer), model_dtype_output_during(model):  # steps 3-5
+        with model_output_mode(model, self.logprobs.output_layer):  # steps 3-5
             if self.last_recomputed:
                 phase.name = "the pi_old pass"
-                lps = recompute_log_probs(
+                lps = forward_only_log_probs(
                     self.forward_backward_func, forward_step_func, items, model, batches=batches,
-                    num_microbatches=num_microbatches, vpp=vpp, temperature=self.temperature,
-                    chunk_size=self.chunk_size, output_layer=self.output_layer, kernels=cfg.kernels, **kwargs)
+                    num_microbatches=num_microbatches, vpp=vpp, settings=self.logprobs, **kwargs)
                 if batches is not None and lps is not None:
                     pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
                     if pi_old_pass:
                         batches = self._fill_missing_pi_old(batches, lps)
             phase.name = "the step totals"
-            totals = (step_totals(cfg, batches, reducer, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
-                      if batches is not None else None)
-            forward_step = forward_step_with_tis_loss(
-                forward_step_func, cfg, batches, totals, form, reducer, collector=collector,
-                temperature=self.temperature, chunk_size=self.chunk_size, output_layer=self.output_layer,
-                pi_old_from_theta=pi_old_from_theta)
+            engine = StepEngine(cfg, reducer) if batches is not None else None
+            if engine is not None:
+                engine.begin(batches, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
+            forward_step = forward_step_with_tis_loss(forward_step_func, engine, batches, form,
+                                                      settings=self.logprobs, pi_old_from_theta=pi_old_from_theta)
             phase.name = "megatron's forward-backward schedule (the loss function included)"
             out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
                                              model=model, num_microbatches=num_microbatches, forward_only=False,
                                              **kwargs)
-        self.last_totals = totals
+        self.last_totals = None if engine is None else engine.totals
         phase.name = "the step metrics"
-        self.last_metrics = aggregate_metrics(collector, reducer, step=self.train_call) if is_last else {}
+        self.last_metrics = engine.end(step=self.train_call) if is_last else {}
         if is_last and self.metrics_in_loss_dicts:
             add_metrics_to_loss_dicts(out, self.last_metrics)
         return out
@@ -267,30 +293,7 @@ class TISForwardBackward:
                 for b, lp in zip(batches, lps)]
 
 
-def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
-                              chunk_size: int = 1024,
-                              get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
-                              reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
-                              grad_average: float | None = None,
-                              metrics_in_loss_dicts: bool = True, fused_output_layer: bool = False,
-                              fp32_lm_head: bool = False) -> TISForwardBackward:
-    """Wrap megatron's ``get_forward_backward_func()`` result with the rollout correction (see module doc).
-
-    Args:
-        pi_old: ``"auto"`` (default) recomputes pi_old at the start of each training call for micro-batches
-            that carry none, until :meth:`TISForwardBackward.compute_old_log_probs` has run (correct for one
-            optimizer step per rollout); ``"rollout"`` never recomputes (the caller supplies pi_old).
-        broadcast_over_tp: broadcast TP rank 0's ``TISBatch`` items to the other TP ranks (``tp_data``).
-        grad_average: the factor the data-parallel wrapper divides summed gradients by, for wrappers the hook
-            cannot read (``grad_scale``); default: read from megatron / torch DDP.
-        metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``loss_dict``).
-        fused_output_layer: ``--tis-fused-output-layer``: log-probs straight from the hidden states and the
-            output weight (``output_layer.fused_log_probs``), in the loss and in every pi_old pass.
-        fp32_lm_head: ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits), in the loss and in
-            every pi_old pass. Mutually exclusive with ``fused_output_layer``.
-    """
-    return TISForwardBackward(forward_backward_func, cfg, temperature=temperature, chunk_size=chunk_size,
-                              get_tis_batch=get_tis_batch, reducer=reducer, pi_old=pi_old,
-                              broadcast_over_tp=broadcast_over_tp, grad_average=grad_average,
-                              metrics_in_loss_dicts=metrics_in_loss_dicts, fused_output_layer=fused_output_layer,
-                              fp32_lm_head=fp32_lm_head)
+def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, **options: Any) -> TISForwardBackward:
+    """Wrap megatron's ``get_forward_backward_func()`` result with the rollout correction (see module doc):
+    ``TISForwardBackward(forward_backward_func, cfg, **options)``, its keywords listed there."""
+    return TISForwardBackward(forward_backward_func, cfg, **options)

@@ -5,9 +5,8 @@
     lp_theta, H = output_to_log_probs(output_tensor, batch)                            [T] fp32
                   (``recompute``: vocab-parallel log-softmax of logits / temperature, or the fused
                   output layer from the hidden states)
-    out         = policy_loss(cfg, lp_theta, lp_old, lp_rollout, A, mask, cu_seqlens,
-                              reducer, denominator=D, batch_norm_factor=f,
-                              lp_ref=batch.ref_log_probs, entropy=H)                   loss = local_sum / D
+    out         = engine.loss(batch, lp_theta, entropy=H)                            loss = local_sum / D
+                  (``engine.step.StepEngine``: the core's policy_loss with the step totals D, f)
 
 (the surrogate, the KL and entropy terms and the aggregation are the configuration's, all in the core).
 
@@ -21,7 +20,7 @@ parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D``
   alone, sums gradients and divides them by ``sum n_local = N`` in ``finalize_model_grads``.
 
 The metrics dict holds detached clones (megatron-core's schedule scales the returned loss in place);
-the micro-batch's ``MetricStats`` go to ``collector`` for one reduction after the schedule. Its ``"loss"``
+the micro-batch's ``MetricStats`` go to the engine (``record``) for one reduction after the schedule. Its ``"loss"``
 entry is Megatron-LM's ``[value, count]`` reporting pair ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks):
 ``train_step`` sums the pairs over the ``M`` micro-batches, all-reduces them over DP x CP and logs
 ``value / count = sum_{k, ranks} loss_k``, the true step loss, on every rank (``loss_dict.py``).
@@ -36,16 +35,18 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import MetricStats, Reducer, policy_loss
+from slime_tis.core import MetricStats, Reducer
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.metrics import column_sums
-from slime_tis.megatron.batch import TISBatch
+from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.settings import LogProbSettings
+from slime_tis.engine.step import StepEngine
+from slime_tis.engine.totals import StepTotals
 from slime_tis.megatron.loss_dict import report_pair
 from slime_tis.megatron.recompute import output_to_log_probs
 from slime_tis.megatron.schedule import MicroBatchCounter
-from slime_tis.megatron.step_totals import StepTotals
 
-__all__ = ["LossForm", "loss_form_for", "make_loss_func", "forward_step_with_tis_loss"]
+__all__ = ["LossForm", "loss_form_for", "make_loss_func", "loss_func_for", "forward_step_with_tis_loss"]
 
 
 @dataclass(frozen=True)
@@ -100,53 +101,57 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: Lo
     ``pi_old_from_theta``: a batch without ``old_log_probs`` takes ``lp_old = sg(lp_theta)`` from this very
     forward (one optimizer step per rollout: the step starts at the rollout's parameters, so that *is* pi_old).
 
-    ``model_chunk`` (the chunk the schedule ran; its output weight) and ``output_layer`` (``None``, ``"fp32"``,
-    ``"fused"``) select how log-probs are taken from ``output_tensor`` (:func:`output_to_log_probs`).
+    ``model_chunk`` (the chunk the schedule ran; its output weight) and ``temperature``, ``chunk_size``,
+    ``output_layer`` (``None``, ``"fp32"``, ``"fused"``; with ``cfg.kernels`` the step's
+    :class:`~slime_tis.engine.settings.LogProbSettings`) select how log-probs are taken from ``output_tensor``
+    (:func:`output_to_log_probs`). The micro-batch's statistics go to ``collector``.
     """
+    engine = StepEngine(cfg, reducer, totals=totals, collector=collector)
+    settings = LogProbSettings(temperature, chunk_size, output_layer, cfg.kernels)
+    return loss_func_for(engine, batch, form, settings=settings, model_chunk=model_chunk,
+                         pi_old_from_theta=pi_old_from_theta)
+
+
+def loss_func_for(engine: StepEngine, batch: TISBatch, form: LossForm, *, settings: LogProbSettings,
+                  model_chunk=None, pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
+    """:func:`make_loss_func` on the step's engine (its totals, reducer and statistics), the log-prob settings
+    passed whole: megatron's output -> ``lp_theta`` -> ``engine.loss`` -> the schedule's return form."""
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
-        lp, entropy = output_to_log_probs(output_tensor, batch, model_chunk=model_chunk, output_layer=output_layer,
-                                          temperature=temperature, chunk_size=chunk_size, with_entropy=True,
-                                          kernels=cfg.kernels)
-        lp_old = batch.old_log_probs
-        if lp_old is None and pi_old_from_theta:
-            lp_old = lp.detach()
-        out = policy_loss(cfg, lp, lp_old, batch.rollout_log_probs, batch.advantages,
-                          batch.loss_mask, batch.cu_seqlens, reducer=reducer, denominator=totals.denominator,
-                          batch_norm_factor=totals.batch_norm_factor, lp_ref=batch.ref_log_probs, entropy=entropy)
+        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk, with_entropy=True)
+        lp_old = lp.detach() if batch.old_log_probs is None and pi_old_from_theta else None
+        out = engine.loss(batch, lp, entropy=entropy, lp_old=lp_old)
         valid = as_valid_mask(batch.loss_mask)
         zero = torch.zeros((), dtype=torch.float32, device=lp.device)
         extra = MetricStats(token_sums={
             "megatron.loss_sum": out.loss.detach().clone(),
             **column_sums({"megatron.entropy_sum": torch.where(valid, entropy.detach(), zero)}),
         })
-        collector.append(out.stats.merge(extra).detach())
+        engine.record(out.stats.merge(extra))
         metrics = {"loss": report_pair(out.loss.detach() * (form.num_microbatches * form.report_ranks))}
         if form.per_token:
             n_local = valid.sum().to(torch.int)
-            return out.loss * totals.num_tokens, n_local, metrics
+            return out.loss * engine.totals.num_tokens, n_local, metrics
         return out.loss * form.two_tuple_scale, metrics
 
     return loss_func
 
 
-def forward_step_with_tis_loss(forward_step_func: Callable, cfg: TISConfig, batches: list[TISBatch] | None,
-                               totals: StepTotals | None, form: LossForm, reducer: Reducer, *,
-                               collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
-                               output_layer: str | None = None, pi_old_from_theta: bool = False) -> Callable:
+def forward_step_with_tis_loss(forward_step_func: Callable, engine: StepEngine | None,
+                               batches: list[TISBatch] | None, form: LossForm, *, settings: LogProbSettings,
+                               pi_old_from_theta: bool = False) -> Callable:
     """The launcher's ``forward_step_func`` with this step's loss function: micro-batch ``k`` (counted per model
-    chunk, :class:`~slime_tis.megatron.schedule.MicroBatchCounter`) gets ``make_loss_func`` of ``batches[k]``.
-    Off the last pipeline stage (``batches`` / ``totals`` ``None``) the launcher's own loss function is returned:
+    chunk, :class:`~slime_tis.megatron.schedule.MicroBatchCounter`) gets the loss function of ``batches[k]``.
+    Off the last pipeline stage (``engine`` / ``batches`` ``None``) the launcher's own loss function is returned:
     megatron never calls it there."""
     counter = MicroBatchCounter()
 
     def forward_step(data_iterator, model_chunk, *args, **kwargs):
         index = counter.next_index(model_chunk)
         output, user_loss_func = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
-        if batches is None or totals is None:
+        if batches is None or engine is None:
             return output, user_loss_func
-        return output, make_loss_func(cfg, batches[index], totals, form, reducer, collector=collector,
-                                      temperature=temperature, chunk_size=chunk_size, model_chunk=model_chunk,
-                                      output_layer=output_layer, pi_old_from_theta=pi_old_from_theta)
+        return output, loss_func_for(engine, batches[index], form, settings=settings, model_chunk=model_chunk,
+                                     pi_old_from_theta=pi_old_from_theta)
 
     return forward_step

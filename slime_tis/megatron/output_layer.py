@@ -15,7 +15,9 @@ model instance once after it is built (only chunks holding the pipeline's last s
   weight), and the log-prob path keeps them float32. Costs float32 logits (2x the bf16 logits).
 
 ``restore_output_layer(model)`` undoes either. The hook switches the mode only around its own passes
-(:func:`output_layer_mode_during`; ``resolve_output_layer_mode`` turns its two flags into the mode).
+(:func:`model_output_mode`, the one place a pass enters the model's output mode: this output-layer mode and
+``model_dtype_output``'s model-dtype logits; ``engine.settings.output_layer_of`` turns the two flags into the
+mode).
 Importing this module does not import megatron-core.
 """
 
@@ -29,15 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_tis.engine.settings import OUTPUT_LAYER_MODES
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
 from slime_tis.megatron.fp32_logits import fp32_logits
+from slime_tis.megatron.model_dtype_output import model_dtype_output_during
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
-           "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "resolve_output_layer_mode",
-           "output_layer_mode_during", "returns_hidden_states"]
-
-#: the hook's output-layer modes: ``None`` (the model as built: logits), ``"fused"``, ``"fp32"``
-OUTPUT_LAYER_MODES = (None, "fused", "fp32")
+           "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "output_layer_mode_during",
+           "model_output_mode", "returns_hidden_states"]
 
 _MODE_ATTR = "_tis_output_mode"
 
@@ -158,19 +159,6 @@ def output_layer_mode(model) -> str | None:
     return getattr(layers[0], _MODE_ATTR, None) if layers else None
 
 
-def resolve_output_layer_mode(fused_output_layer: bool = False, fp32_lm_head: bool = False) -> str | None:
-    """The two hook options (``--tis-fused-output-layer``, ``--tis-fp32-lm-head``) -> ``"fused"``, ``"fp32"``
-    or ``None``; both set is an error (the fused layer already computes the LM head in float32)."""
-    for name, value in (("fused_output_layer", fused_output_layer), ("fp32_lm_head", fp32_lm_head)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {value!r}")
-    if fused_output_layer and fp32_lm_head:
-        raise ValueError("--tis-fused-output-layer and --tis-fp32-lm-head (fused_output_layer=True, "
-                         "fp32_lm_head=True) are mutually exclusive: the fused output layer already computes "
-                         "the LM head with float32 accumulation; set one of them")
-    return "fused" if fused_output_layer else "fp32" if fp32_lm_head else None
-
-
 @contextlib.contextmanager
 def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
     """The last-stage output layer(s) of ``model`` in ``mode`` inside the block, as before afterwards.
@@ -187,6 +175,15 @@ def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
         yield
     finally:
         restore_output_layer(model)
+
+
+@contextlib.contextmanager
+def model_output_mode(model, output_layer: str | None) -> Iterator[None]:
+    """The model's output mode for a pass of the step (the loss's forward, a pi_old pass): its last-stage output
+    layer in ``output_layer`` (:func:`output_layer_mode_during`) and its ``Float16Module`` wrappers returning
+    the model's dtype (``model_dtype_output``). Every pass enters the mode here, once."""
+    with output_layer_mode_during(model, output_layer), model_dtype_output_during(model):
+        yield
 
 
 def returns_hidden_states(model) -> bool:

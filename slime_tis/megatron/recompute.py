@@ -21,17 +21,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.megatron.batch import TISBatch
-from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
-from slime_tis.megatron.model_dtype_output import model_dtype_output_during
-from slime_tis.megatron.output_layer import output_layer_mode_during
+from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
+from slime_tis.engine.settings import LogProbSettings
+from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.schedule import MicroBatchCounter, replay
 
-__all__ = ["logits_to_log_probs", "output_to_log_probs", "recompute_log_probs"]
+__all__ = ["logits_to_log_probs", "output_to_log_probs", "forward_only_log_probs", "recompute_log_probs"]
 
 
-def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, chunk_size: int,
-                        with_entropy: bool, kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
+def logits_to_log_probs(logits: Tensor, batch: TISBatch, settings: LogProbSettings, *,
+                        with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``.
 
     Positions outside ``batch.loss_mask`` (prompts, padding) are skipped: their log-prob and entropy are 0 and
@@ -44,15 +44,15 @@ def logits_to_log_probs(logits: Tensor, batch: TISBatch, *, temperature: float, 
             f"logits have {flat.shape[0]} positions ({tuple(logits.shape)}) but the micro-batch's TISBatch "
             f"has {batch.num_tokens} tokens; build it with TISBatch.from_padded(..., cp_slice=True) for CP, "
             "and return [B, S_local, V/TP] logits (model called without labels)")
-    return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=temperature,
-                                                chunk_size=chunk_size, with_entropy=with_entropy,
-                                                row_mask=batch.loss_mask, kernels=kernels)
+    return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=settings.temperature,
+                                                chunk_size=settings.chunk_size, with_entropy=with_entropy,
+                                                row_mask=batch.loss_mask, kernels=settings.kernels)
 
 
-def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=None, output_layer: str | None = None,
-                        temperature: float, chunk_size: int, with_entropy: bool,
-                        kernels: str = "torch") -> tuple[Tensor, Tensor | None]:
-    """The model's output for one micro-batch -> ``lp [T]`` (and entropy), per output-layer mode:
+def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, settings: LogProbSettings, *, model_chunk=None,
+                        with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """The model's output for one micro-batch -> ``lp [T]`` (and entropy), per output-layer mode
+    (``settings.output_layer``):
 
     * ``None`` / ``"fp32"``: ``output_tensor`` are the logits ``[..., V/TP]`` (float32 in ``"fp32"`` mode):
       :func:`logits_to_log_probs`;
@@ -60,7 +60,7 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
       ``fused_log_probs(model_chunk, hidden, labels, temperature, loss_mask)`` with the chunk's (tied) output
       weight (``slime_tis.megatron.output_layer``); no logits tensor, float32 accumulation.
 
-    ``kernels`` (``TISConfig.kernels``): ``"torch"`` or ``"triton"`` for either function. Masked positions get
+    ``settings.kernels`` (``TISConfig.kernels``): ``"torch"`` or ``"triton"`` for either function. Masked positions get
     ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
     (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits. Float32 logits
     from a bf16 / fp16 model in mode ``None`` warn once (``model_dtype_output.warn_if_upcast_logits``).
@@ -68,19 +68,18 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, *, model_chunk=N
     from slime_tis.megatron.model_dtype_output import warn_if_upcast_logits
     from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
 
-    if output_layer == "fused":
+    if settings.output_layer == "fused":
         if model_chunk is None:
             raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
-        lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=temperature,
-                                      loss_mask=batch.loss_mask, kernels=kernels)
+        lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=settings.temperature,
+                                      loss_mask=batch.loss_mask, kernels=settings.kernels)
         return lp, (entropy if with_entropy else None)
     if model_chunk is not None and returns_hidden_states(model_chunk):
         raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "
                          "but the hook was built without fused_output_layer=True (--tis-fused-output-layer)")
-    if output_layer is None:
+    if settings.output_layer is None:
         warn_if_upcast_logits(output_tensor, model_chunk)
-    return logits_to_log_probs(output_tensor, batch, temperature=temperature, chunk_size=chunk_size,
-                               with_entropy=with_entropy, kernels=kernels)
+    return logits_to_log_probs(output_tensor, batch, settings, with_entropy=with_entropy)
 
 
 def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any,
@@ -88,18 +87,29 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
                         batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
                         temperature: float = 1.0, chunk_size: int = 1024, output_layer: str | None = None,
                         kernels: str = "torch", **schedule_kwargs: Any) -> list[Tensor] | None:
-    """``[lp_k [T_k] for each micro-batch k]`` on the last pipeline stage, ``None`` elsewhere.
+    """``[lp_k [T_k] for each micro-batch k]`` on the last pipeline stage, ``None`` elsewhere: one forward-only
+    pass (:func:`forward_only_log_probs`) with the model in its output mode (``output_layer.model_output_mode``).
 
     Args:
         forward_backward_func: megatron's schedule (``get_forward_backward_func()``).
         forward_step_func: the launcher's ``forward_step(data_iterator, model)`` returning ``(logits, _)``.
         items: the step's materialised micro-batch items (list, or list of lists for virtual stages).
         batches: this rank's ``TISBatch`` per micro-batch (last stage), else ``None``.
-        output_layer: ``None``, ``"fp32"`` or ``"fused"``: the model's output-layer mode during the pass
-            (``output_layer.output_layer_mode_during``) and how log-probs are taken (``output_to_log_probs``).
-        kernels: ``TISConfig.kernels`` (``"torch"`` or ``"triton"``), as in the training loss.
+        temperature, chunk_size, output_layer, kernels: the :class:`~slime_tis.engine.settings.LogProbSettings`
+            of the pass (``output_layer``: ``None``, ``"fp32"`` or ``"fused"``; ``kernels``: ``TISConfig.kernels``).
         schedule_kwargs: forwarded to the schedule (``seq_length``, ``micro_batch_size``, ...).
     """
+    settings = LogProbSettings(temperature, chunk_size, output_layer, kernels)
+    with model_output_mode(model, settings.output_layer):
+        return forward_only_log_probs(forward_backward_func, forward_step_func, items, model, batches=batches,
+                                      num_microbatches=num_microbatches, vpp=vpp, settings=settings,
+                                      **schedule_kwargs)
+
+
+def forward_only_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any, model: Any, *,
+                           batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
+                           settings: LogProbSettings, **schedule_kwargs: Any) -> list[Tensor] | None:
+    """:func:`recompute_log_probs` inside the caller's ``model_output_mode`` (the hook's step, a rollout pass)."""
     results: list[Tensor | None] = [None] * num_microbatches
     counter = MicroBatchCounter()
 
@@ -111,15 +121,14 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
             if batches is None:
                 raise RuntimeError("recompute: loss on a rank without TISBatch micro-batches "
                                    "(not the last stage?)")
-            lp, _ = output_to_log_probs(output_tensor, batches[index], model_chunk=model_chunk,
-                                        output_layer=output_layer, temperature=temperature,
-                                        chunk_size=chunk_size, with_entropy=False, kernels=kernels)
+            lp, _ = output_to_log_probs(output_tensor, batches[index], settings, model_chunk=model_chunk,
+                                        with_entropy=False)
             results[index] = lp.detach()
             return torch.zeros((), dtype=torch.float32, device=lp.device), {}
 
         return output, loss_func
 
-    with torch.no_grad(), output_layer_mode_during(model, output_layer), model_dtype_output_during(model):
+    with torch.no_grad():
         forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp), model=model,
                               num_microbatches=num_microbatches, forward_only=True, **schedule_kwargs)
     if batches is None:

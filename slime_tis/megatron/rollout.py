@@ -41,13 +41,14 @@ from typing import Any
 
 from torch import Tensor
 
-from slime_tis.megatron.batch import TISBatch, default_get_tis_batch
-from slime_tis.megatron.output_layer import output_layer_mode_during, resolve_output_layer_mode
-from slime_tis.megatron.recompute import recompute_log_probs
+from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.settings import LogProbSettings, output_layer_of
+from slime_tis.megatron.output_layer import model_output_mode
+from slime_tis.megatron.recompute import forward_only_log_probs
 from slime_tis.megatron.schedule import materialise, step_items
-from slime_tis.megatron.tp_data import step_batches
+from slime_tis.megatron.tp_data import default_get_tis_batch, step_batches
 
-__all__ = ["compute_old_log_probs", "rollout_step_iterator"]
+__all__ = ["compute_old_log_probs", "rollout_old_log_probs", "rollout_step_iterator"]
 
 
 def _is_vpp(model: Any) -> bool:
@@ -93,10 +94,21 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
         training steps with :func:`rollout_step_iterator`; their ``TISBatch.old_log_probs`` hold pi_old
         (``[T]`` float32, on the last pipeline stage; overwritten if present).
     """
+    settings = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head), kernels)
+    return rollout_old_log_probs(forward_backward_func, forward_step_func, data_iterator, model,
+                                 num_microbatches=num_microbatches, num_steps=num_steps, settings=settings,
+                                 get_tis_batch=get_tis_batch, broadcast_over_tp=broadcast_over_tp, run_pass=run_pass,
+                                 **schedule_kwargs)
+
+
+def rollout_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, data_iterator: Any,
+                          model: Any, *, num_microbatches: int, num_steps: int, settings: LogProbSettings,
+                          get_tis_batch: Callable[[Any], TISBatch], broadcast_over_tp: bool, run_pass: bool,
+                          **schedule_kwargs: Any) -> Any:
+    """:func:`compute_old_log_probs` with the log-prob settings passed whole (the hook's)."""
     for name, value in (("num_microbatches", num_microbatches), ("num_steps", num_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    output_layer = resolve_output_layer_mode(fused_output_layer, fp32_lm_head)
     from megatron.core import parallel_state as ps
 
     vpp = _is_vpp(model)
@@ -104,18 +116,17 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
     is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
     if not run_pass:
         return items
-    with output_layer_mode_during(model, output_layer):
+    with model_output_mode(model, settings.output_layer):
         _fill_old_log_probs(forward_backward_func, forward_step_func, items, model, num_microbatches=num_microbatches,
-                            num_steps=num_steps, vpp=vpp, is_last=is_last, temperature=temperature,
-                            chunk_size=chunk_size, get_tis_batch=get_tis_batch, broadcast_over_tp=broadcast_over_tp,
-                            output_layer=output_layer, kernels=kernels, **schedule_kwargs)
+                            num_steps=num_steps, vpp=vpp, is_last=is_last, settings=settings,
+                            get_tis_batch=get_tis_batch, broadcast_over_tp=broadcast_over_tp, **schedule_kwargs)
     return items
 
 
 def _fill_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any, model: Any, *,
-                        num_microbatches: int, num_steps: int, vpp: bool, is_last: bool, temperature: float,
-                        chunk_size: int, get_tis_batch: Callable[[Any], TISBatch], broadcast_over_tp: bool,
-                        output_layer: str | None, kernels: str, **schedule_kwargs: Any) -> None:
+                        num_microbatches: int, num_steps: int, vpp: bool, is_last: bool, settings: LogProbSettings,
+                        get_tis_batch: Callable[[Any], TISBatch], broadcast_over_tp: bool,
+                        **schedule_kwargs: Any) -> None:
     """One forward-only pass per optimizer step; pi_old into the items' ``TISBatch`` (last stage)."""
     for step in range(num_steps):
         items_k = step_items(items, step, num_microbatches)
@@ -123,10 +134,9 @@ def _fill_old_log_probs(forward_backward_func: Callable, forward_step_func: Call
         batches: list[TISBatch] | None = None
         if is_last:
             local, batches = step_batches(items_k, vpp=vpp, get_tis_batch=get_tis_batch, broadcast=broadcast_over_tp)
-        lps: list[Tensor] | None = recompute_log_probs(
+        lps: list[Tensor] | None = forward_only_log_probs(
             forward_backward_func, forward_step_func, items_k, model, batches=batches,
-            num_microbatches=num_microbatches, vpp=vpp, temperature=temperature, chunk_size=chunk_size,
-            output_layer=output_layer, kernels=kernels, **schedule_kwargs)
+            num_microbatches=num_microbatches, vpp=vpp, settings=settings, **schedule_kwargs)
         if lps is not None:
             for target in (batches, local):
                 for b, lp in zip(target or [], lps):

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime_tis.megatron.batch import TISBatch
+from slime_tis.engine.batch import TISBatch
 
-__all__ = ["tis_batches_on_this_tp_rank", "step_batches"]
+__all__ = ["tis_batches_on_this_tp_rank", "step_batches", "default_get_tis_batch"]
 
 _NO_ITERATOR = (
     "the last pipeline stage needs the step's TISBatch items on this tensor-parallel rank (TP rank {tp_rank} of "
@@ -93,3 +93,13 @@ def step_batches(items: Any, *, vpp: bool, get_tis_batch: Callable[[Any], TISBat
     last_items = None if items is None else (items[-1] if vpp else items)
     local = [get_tis_batch(it) for it in last_items] if last_items is not None else None
     return local, tis_batches_on_this_tp_rank(local, broadcast=broadcast)
+
+
+def default_get_tis_batch(item: object) -> TISBatch:
+    """The micro-batch item is a dict carrying ``item["tis"]``, a :class:`TISBatch`."""
+    if not isinstance(item, dict) or not isinstance(item.get("tis"), TISBatch):
+        keys = f" with keys {sorted(item)}" if isinstance(item, dict) else ""
+        raise ValueError("each micro-batch item must be a dict with item['tis'] = TISBatch(...) "
+                         f"(got {type(item).__name__}{keys}); "
+                         "or pass get_tis_batch= to tis_forward_backward_func")
+    return item["tis"]

@@ -6,7 +6,7 @@ DP x CP groups (the postprocess hook's batch-normalisation sums and rollout coun
 sums and TP log-probs) with collectives chosen by that configuration. Ranks whose configurations differ would
 deadlock or mix two definitions, so when a configuration is first built every rank of the stage (the TP x DP
 x CP group: the ranks that run the same hooks at the same points) compares it with
-:func:`slime_tis.megatron.agreement.check_settings_agree` and raises ``ValueError`` naming the differing
+:func:`slime_tis.engine.agreement.check_settings_agree` and raises ``ValueError`` naming the differing
 setting. Without megatron's ``parallel_state`` (one process) there is nothing to compare.
 """
 
@@ -21,7 +21,7 @@ __all__ = ["check_slime_settings_agree", "slime_settings"]
 
 def slime_settings(args: Any, cfg: TISConfig) -> dict[str, Any]:
     """The resolved configuration and the ``args`` the hooks' collectives and numbers depend on."""
-    from slime_tis.megatron.agreement import config_settings
+    from slime_tis.engine.agreement import config_settings
     from slime_tis.slime.record import recording_enabled
 
     return {
@@ -42,7 +42,7 @@ def check_slime_settings_agree(args: Any, cfg: TISConfig) -> None:
         return
     if not ps.model_parallel_is_initialized():
         return
-    from slime_tis.megatron.agreement import check_settings_agree
+    from slime_tis.engine.agreement import check_settings_agree
 
     check_settings_agree(slime_settings(args, cfg), what="slime_tis (slime hooks)",
                          group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))

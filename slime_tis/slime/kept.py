@@ -18,27 +18,28 @@ the rollout-data hook (:func:`plan_rollout_drop`) from the configuration:
 
 Anything else is refused with a ``ValueError`` that says why and what to add. Collectives: one all-reduce
 MAX of one number and one all-reduce of ``[4, n_batch]`` per rollout (:mod:`slime_tis.slime.rollouts`),
-plus, when counting from pi_old, the CP reductions of one ``compute_tis`` and one full-length keep mask;
+plus, when counting from pi_old, the CP reductions of one ``compute_tis`` (shared with the batch
+normalisation of the rollout-data hook) and one full-length keep mask;
 all set by the configuration and the layout alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from slime_tis.core import compute_tis
+from slime_tis.core import TISResult, compute_tis
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
-from slime_tis.slime.batch import pack_slime_batch
-from slime_tis.slime.parallel import ParallelContext
+from slime_tis.engine.parallel import ParallelContext
+from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
 from slime_tis.slime.schedule import n_steps, pi_old_pass_flags, sample_steps, slime_recomputes_pi_old
 
-__all__ = ["DropPlan", "check_drop_config", "count_kept", "drop_applies", "plan_rollout_drop",
+__all__ = ["DropPlan", "check_drop_config", "count_kept", "drop_applies", "pi_old_correction", "plan_rollout_drop",
            "step_hook_configured"]
 
 STEP_HOOK = "slime_tis.slime.before_train_step"
@@ -91,13 +92,14 @@ def check_drop_config(args: Any, cfg: Any) -> None:
         )
 
 
-def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext,
-               ) -> tuple[list[Tensor], Tensor, Tensor]:
-    """Keep decisions of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) as the loss
-    takes them (``compute_tis`` against the rollout log-probs; non-finite advantages reject their sequence):
-    ``(full-length keep masks, identical on all CP ranks; [n] valid counts; [n] kept counts)``."""
-    masks = list(data["loss_masks"])
-    packed = pack_slime_batch(masks, data["total_lengths"], data["response_lengths"], ctx.cp_rank, ctx.cp_size)
+def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext,
+                      ) -> tuple[SlimePacked, TISResult]:
+    """The correction of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) against the rollout
+    log-probs, as the loss takes its decisions (non-finite advantages reject their sequence), without batch
+    normalisation: ``(the packed samples, its TISResult)``. Its keep mask feeds ``drop``'s counts and its
+    ``norm_sum`` / ``norm_count`` the batch-normalisation factor; a rollout computes it once for both."""
+    packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
+                              ctx.cp_rank, ctx.cp_size)
     device = packed.full_mask.device
     lp = packed.cat_local("train log-probs", list(lp_train)).to(device)
     lp_rollout = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
@@ -107,7 +109,17 @@ def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: 
     res = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout, packed.local_mask,
                       packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
                       loss_finite=inputs.loss_finite)
-    n = len(masks)
+    return packed, res
+
+
+def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
+               decided: tuple[SlimePacked, TISResult] | None = None) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Keep decisions of ``data``'s samples from ``lp_train`` as the loss takes them (:func:`pi_old_correction`,
+    or ``decided``, that correction already computed): ``(full-length keep masks, identical on all CP ranks;
+    [n] valid counts; [n] kept counts)``."""
+    packed, res = decided if decided is not None else pi_old_correction(cfg, data, lp_train, ctx)
+    n = len(data["loss_masks"])
+    device = packed.full_mask.device
     keep_full = [k != 0 for k in packed.full_keep_masks(res.loss_keep, ctx.reducer)] if n else []
     sample = packed.full_sample_index()
     valid = torch.zeros(n, device=device).index_add_(0, sample, (packed.full_mask != 0).float())
@@ -146,9 +158,13 @@ def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
 
 
 def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: ParallelContext,
-                      registry: RolloutRegistry) -> DropPlan:
+                      registry: RolloutRegistry,
+                      whole: Callable[[], tuple[SlimePacked, TISResult]] | None = None) -> DropPlan:
     """Decide how ``K_g`` reach the loss for this rollout, count what can be counted now, refuse the rest
-    (module docstring). Runs on every rank, pipeline stages included (the counts only on the last)."""
+    (module docstring). Runs on every rank, pipeline stages included (the counts only on the last).
+
+    ``whole``: the rollout's :func:`pi_old_correction` over all its samples, computed at most once (the
+    rollout-data hook shares it with the batch normalisation); used when every sample is counted now."""
     check_drop_config(args, cfg)
     steps = n_steps(rollout_data)
     recomputed = slime_recomputes_pi_old(args, steps)
@@ -178,7 +194,8 @@ def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: Pa
         view = {k: [rollout_data[k][i] for i in now] for k in
                 ("loss_masks", "total_lengths", "response_lengths", "rollout_log_probs", "advantages")
                 if rollout_data.get(k) is not None}
-        keep_full, _, kept_now = count_kept(cfg, view, [lp_old[i] for i in now], ctx)
+        decided = whole() if whole is not None and len(now) == len(masks) else None
+        keep_full, _, kept_now = count_kept(cfg, view, [lp_old[i] for i in now], ctx, decided=decided)
         if now:
             kept[torch.tensor(now, dtype=torch.int64).to(kept.device)] = kept_now
     table, most = rollout_table(valid.to(kept.device), kept, keys, positions, n_batch, ctx.reducer)

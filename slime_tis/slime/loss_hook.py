@@ -12,7 +12,7 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 ``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
 
 * ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
-  (:func:`slime_tis.megatron.vocab_parallel_log_probs_and_entropy`, chunks of
+  (:func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`, chunks of
   ``--log-probs-chunk-size`` rows; slime's ``-1`` = one chunk) at the rows slime's layout assigns
   to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
 * Aggregation is slime's: per-rollout mean ``sum_t loss_t / max(N_i, 1)`` with ``N_i =
@@ -56,12 +56,12 @@ from torch import Tensor
 from slime_tis.core import compute_tis, policy_loss
 from slime_tis.core.algorithms import correction_inputs
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
+from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
-from slime_tis.slime.parallel import parallel_context
 from slime_tis.slime.record import RECORDER, recording_enabled
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
@@ -191,7 +191,7 @@ def reinforce_is_loss(
     rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
     targets = torch.cat(list(batch["unconcat_tokens"])).to(device)[tok]
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
 
     chunk = int(getattr(args, "log_probs_chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK)
     lp_theta, entropy = vocab_parallel_log_probs_and_entropy(
@@ -208,16 +208,18 @@ def reinforce_is_loss(
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
     # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum
     keep_override = None
+    decided = None
     if cfg.loss_agg == "seq-mean-token-mean":
         counted = _counted_drop(batch, packed) if drop else None
         if counted is not None:  # decisions and K_g counted before the step, at its parameters
             coef, keep_override = counted
-        elif drop:  # the keep decision does not depend on the coefficients
+        elif drop:  # the correction the loss takes, decided once here: its keep mask sets the coefficients
+            # (finite coefficients: the advantages' finiteness, which the correction reads, is the same after them)
             inputs = correction_inputs(cfg, lp_train=lp_theta, lp_rollout=lp_rollout, advantages=advantages)
-            keep_pre = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
-                                   packed.local_mask, packed.cu_seqlens, reducer=ctx.reducer,
-                                   extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite).loss_keep
-            coef = _local_drop_coefficients(batch, packed, keep_pre, ctx.reducer, device)
+            decided = compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, packed.local_mask, packed.cu_seqlens,
+                                  reducer=ctx.reducer, extra_finite=inputs.extra_finite,
+                                  loss_finite=inputs.loss_finite)
+            coef = _local_drop_coefficients(batch, packed, decided.loss_keep, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
         advantages = advantages * coef[packed.local_sample_index()]
@@ -233,6 +235,7 @@ def reinforce_is_loss(
         reducer=ctx.reducer,
         denominator=torch.ones((), device=device),  # a device tensor: a Python float would sync the host
         keep_override=keep_override,
+        correction=decided,
     )
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)

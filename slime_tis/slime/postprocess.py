@@ -39,18 +39,18 @@ do nothing (the loss runs on the last stage).
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
 
-from slime_tis.core import compute_tis
-from slime_tis.core.algorithms import algorithm_of, correction_inputs
+from slime_tis.core.algorithms import algorithm_of
 from slime_tis.core.weights import batch_norm_factor
+from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
-from slime_tis.slime.kept import drop_applies, plan_rollout_drop
+from slime_tis.slime.kept import drop_applies, pi_old_correction, plan_rollout_drop
 from slime_tis.slime.opsm import check_opsm
-from slime_tis.slime.parallel import ParallelContext, parallel_context
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.rollouts import unit_keys
 from slime_tis.slime.schedule import pi_old_pass_flags
@@ -104,8 +104,9 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     else:
         RECORDER.clear()
     ctx = parallel_context()
+    whole = functools.cache(lambda: pi_old_correction(cfg, rollout_data, rollout_data["log_probs"], ctx))
     if drop_applies(cfg):
-        STATE.drop_plan = plan_rollout_drop(args, cfg, rollout_data, ctx, STATE.rollouts)
+        STATE.drop_plan = plan_rollout_drop(args, cfg, rollout_data, ctx, STATE.rollouts, whole)
         if STATE.drop_plan.hook_steps:
             STATE.rollout_data = rollout_data  # for the step hook's forward passes (released after the last)
     if not want_norm and not dump_dir:
@@ -114,27 +115,17 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
         return  # no pi_old: the dump gets the training log-probs the custom loss records
     if not _needs_log_probs(args, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
         return
-    packed = pack_slime_batch(
-        rollout_data["loss_masks"],
-        rollout_data["total_lengths"],
-        rollout_data["response_lengths"],
-        ctx.cp_rank,
-        ctx.cp_size,
-    )
-    lp_old = packed.cat_local("log_probs", rollout_data["log_probs"]).to(packed.full_mask.device)
-    lp_rollout = packed.cat_local("rollout_log_probs", rollout_data["rollout_log_probs"]).to(lp_old.device)
-
     if want_norm:
-        # the loss's inputs known now (pi_old, rollout log-probs, advantages): what they reject is left out here too
-        advantages = rollout_data.get("advantages")
-        inputs = correction_inputs(
-            cfg, lp_train=lp_old, lp_rollout=lp_rollout,
-            advantages=None if advantages is None else packed.cat_local("advantages", advantages).to(lp_old.device))
-        res = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout, packed.local_mask,
-                          packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
-                          loss_finite=inputs.loss_finite)
+        # the loss's inputs known now (pi_old, rollout log-probs, advantages): what they reject is left out here too;
+        # the same correction as drop's counts from pi_old (``whole``: computed once for both)
+        packed, res = whole()
         factor = batch_norm_factor(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
         STATE.set_factor(rollout_id, factor, cfg)
+    else:
+        packed = pack_slime_batch(rollout_data["loss_masks"], rollout_data["total_lengths"],
+                                  rollout_data["response_lengths"], ctx.cp_rank, ctx.cp_size)
+    lp_old = packed.cat_local("log_probs", rollout_data["log_probs"]).to(packed.full_mask.device)
+    lp_rollout = packed.cat_local("rollout_log_probs", rollout_data["rollout_log_probs"]).to(lp_old.device)
 
     if dump_dir:
         train_full = gather_full_responses(packed, lp_old, ctx.reducer)

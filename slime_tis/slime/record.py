@@ -99,7 +99,7 @@ def flush_recorded_train_log_probs(args: Any, *, meta: dict[str, Any] | None = N
     without recording, or when nothing of the rollout was registered). Returns the number of records
     written on this rank. Samples the loss never saw (other pipeline stages) are not written.
     """
-    from slime_tis.slime.parallel import parallel_context
+    from slime_tis.engine.parallel import parallel_context
 
     dump_dir = getattr(args, "tis_dump_dir", None)
     data = RECORDER.rollout

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import count_kept
 from slime_tis.slime.metrics import log_exact_metrics
-from slime_tis.slime.parallel import parallel_context
 from slime_tis.slime.rollouts import rollout_table
 from slime_tis.slime.schedule import StepIterator, step_view
 from slime_tis.slime.state import STATE

@@ -61,13 +61,13 @@ from torch import Tensor
 from slime_tis.config import TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
+from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
-from slime_tis.slime.parallel import parallel_context
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 

@@ -35,8 +35,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from slime_tis import MetricStats, TISConfig, policy_loss  # noqa: E402
 from slime_tis.core import LocalReducer, loss_denominator  # noqa: E402
+from slime_tis.engine.batch import cp_slice_padded  # noqa: E402
 from slime_tis.megatron import TISBatch, tis_forward_backward_func  # noqa: E402
-from slime_tis.megatron.batch import cp_slice_padded  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 64, 16, 32, 4, 4
 GLOBAL_ROWS = 8

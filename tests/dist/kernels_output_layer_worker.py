@@ -102,7 +102,7 @@ def _batch():
 
 
 def check_gpt(tied: bool, backend: str) -> dict:
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
     from slime_tis.megatron.output_layer import (
         fused_log_probs,
         output_layer_mode,
@@ -148,7 +148,7 @@ def check_gpt(tied: bool, backend: str) -> dict:
 def check_fp32_head() -> dict:
     from megatron.core import parallel_state as ps
 
-    from slime_tis.megatron.logprobs import vocab_parallel_log_probs_and_entropy
+    from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
     from slime_tis.megatron.output_layer import restore_output_layer, use_fp32_lm_head, use_fused_output_layer
     _setup_tp2()
     model = _gpt(False, torch.bfloat16)

@@ -193,7 +193,7 @@ def test_fifty_step_run_raises_reward_and_writes_dump(tmp_path):
     assert 0 < gap.max() < 0.5
     # the dump is `slime-tis diagnose` input; the curves are `python -m examples.plot` input
     from examples.plot import main as plot_main
-    from slime_tis.tools.cli import main as cli
+    from slime_tis.cli import main as cli
 
     assert cli(["diagnose", str(run / "logprobs.jsonl")]) == 0
     assert plot_main([str(run), "-o", str(tmp_path / "curves.png")]) == 0

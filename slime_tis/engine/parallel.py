@@ -1,8 +1,8 @@
-"""The parallel context of a slime hook call: CP rank/size and the core's reducer.
+"""The parallel context of a host call: CP / DP / TP ranks, the last pipeline stage and the core's reducer.
 
-slime's ``mpu`` is megatron's ``parallel_state``; when it is initialised the hooks reduce over its
-groups with :class:`slime_tis.megatron.MegatronReducer` (CP for per-sequence sums, DP x CP / DP for
-batch statistics). Without it (single process, unit tests) everything is local.
+Every host here runs on megatron-core's ``parallel_state`` (slime's ``mpu`` is it); when it is initialised the
+engine reduces over its groups with :class:`~slime_tis.engine.reduce.MegatronReducer` (CP for per-sequence
+sums, DP x CP / DP for batch statistics). Without it (single process, unit tests) everything is local.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def parallel_context() -> ParallelContext:
         return ParallelContext(0, 1, LocalReducer())
     if not ps.model_parallel_is_initialized():
         return ParallelContext(0, 1, LocalReducer())
-    from slime_tis.megatron.reduce import MegatronReducer
+    from slime_tis.engine.reduce import MegatronReducer
 
     return ParallelContext(
         cp_rank=ps.get_context_parallel_rank(),

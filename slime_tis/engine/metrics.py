@@ -1,4 +1,4 @@
-"""Step metrics of the Megatron hook: the core's step reduction plus two Megatron entries.
+"""Step metrics of the step engine: the core's step reduction plus the loss and entropy entries of a host's loss.
 
 ``aggregate_metrics`` returns the core's ``tis/*`` and ``policy/*`` metrics (``core.step_metrics``: merged over
 micro-batches, checked to agree across DP x CP, reduced once with SUM / MIN / MAX) plus

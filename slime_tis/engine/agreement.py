@@ -21,9 +21,8 @@ another rank's step (the step check of ``metrics.check_schema_agrees`` then name
 Settings that change on every rank at once are compared again; settings that change on some ranks only
 after they agreed are outside what this check can see without a collective per call.
 
-:func:`hook_settings` is what the megatron hook compares (the resolved ``TISConfig`` and the hook's own
-arguments), over the whole job: every rank takes part in its collectives (recompute passes on every
-stage, TP broadcasts, DP x CP reductions on the last stage).
+Each host compares its own settings with it: the resolved ``TISConfig`` (:func:`config_settings`) and the
+host's arguments that decide collectives or numbers (``megatron.hook.hook_settings``, ``slime.agreement``).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import torch.distributed as dist
 
 from slime_tis.config import FLAG_OF, TISConfig
 
-__all__ = ["check_settings_agree", "config_settings", "hook_settings"]
+__all__ = ["check_settings_agree", "config_settings"]
 
 _MASK = (1 << 63) - 1
 #: ``(global ranks of the group, digest of the labels, digest of the settings)`` found equal in this process
@@ -57,17 +56,6 @@ def config_settings(cfg: TISConfig) -> dict[str, Any]:
         resolved.update(rs_upper=cfg.rs_upper_bound, rs_lower=cfg.rs_lower_bound)
     return {f"{FLAG_OF[f.name]} ({f.name})": resolved.get(f.name, getattr(cfg, f.name))
             for f in dataclasses.fields(cfg)}
-
-
-def hook_settings(hook: Any) -> dict[str, Any]:
-    """The settings of a ``TISForwardBackward`` that decide its collectives and its numbers."""
-    own = {
-        "temperature": hook.temperature, "chunk_size": hook.chunk_size, "pi_old": hook.pi_old,
-        "broadcast_over_tp": hook.broadcast_over_tp, "grad_average": hook.grad_average,
-        "metrics_in_loss_dicts": hook.metrics_in_loss_dicts, "output_layer": hook.output_layer,
-        "reducer": None if hook.reducer is None else type(hook.reducer).__qualname__,
-    }
-    return {**config_settings(hook.cfg), **{f"tis_forward_backward_func({k}=)": v for k, v in own.items()}}
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["TISBatch", "cp_slice_padded", "cu_seqlens_from_seq_ids", "default_get_tis_batch"]
+__all__ = ["TISBatch", "cp_slice_padded", "cu_seqlens_from_seq_ids"]
 
 
 def cp_slice_padded(x: Tensor, cp_size: int, cp_rank: int) -> Tensor:
@@ -169,13 +169,3 @@ def _cp_layout() -> tuple[int, int]:
     if not ps.model_parallel_is_initialized():
         return 1, 0
     return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-
-
-def default_get_tis_batch(item: object) -> TISBatch:
-    """The micro-batch item is a dict carrying ``item["tis"]``, a :class:`TISBatch`."""
-    if not isinstance(item, dict) or not isinstance(item.get("tis"), TISBatch):
-        keys = f" with keys {sorted(item)}" if isinstance(item, dict) else ""
-        raise ValueError("each micro-batch item must be a dict with item['tis'] = TISBatch(...) "
-                         f"(got {type(item).__name__}{keys}); "
-                         "or pass get_tis_batch= to tis_forward_backward_func")
-    return item["tis"]

@@ -35,9 +35,9 @@ from slime_tis.core.aggregation import aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.weights import batch_norm_factor
-from slime_tis.megatron.batch import TISBatch
+from slime_tis.engine.batch import TISBatch
 
-__all__ = ["StepTotals", "step_totals", "needs_pre_pass", "needs_pi_old_pass", "StepPlan", "plan_step"]
+__all__ = ["StepTotals", "step_totals", "needs_pre_pass", "needs_pi_old_pass"]
 
 
 @dataclass
@@ -137,7 +137,3 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     return StepTotals(denominator=den.float(), num_tokens=n_tok.float(), batch_norm_factor=factor,
                     num_microbatches=len(batches))
 
-
-#: Earlier names of :class:`StepTotals` and :func:`step_totals`.
-StepPlan = StepTotals
-plan_step = step_totals

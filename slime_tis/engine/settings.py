@@ -1,0 +1,52 @@
+"""``LogProbSettings``: how a host turns the model's output into token log-probs, one frozen value.
+
+The same four settings decide every log-prob a step reads (the loss's ``lp_theta``, a pi_old pass, a
+pre-pass): the sampling ``temperature`` (logits are divided by it), ``chunk_size`` (rows per log-softmax
+chunk), ``output_layer`` (``None``: the model's logits; ``"fp32"``: the output matmul in float32;
+``"fused"``: log-probs straight from the hidden states and the output weight) and ``kernels``
+(``TISConfig.kernels``: ``"torch"`` or ``"triton"``). A host builds it once, at its boundary, and passes it
+whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LogProbSettings", "OUTPUT_LAYER_MODES", "output_layer_of"]
+
+#: The model's output-layer modes: ``None`` (as built), ``"fp32"``, ``"fused"``.
+OUTPUT_LAYER_MODES = (None, "fused", "fp32")
+
+
+def output_layer_of(fused_output_layer: bool = False, fp32_lm_head: bool = False) -> str | None:
+    """The two host options (``--tis-fused-output-layer``, ``--tis-fp32-lm-head``) -> ``"fused"``, ``"fp32"``
+    or ``None``; both set is an error (the fused layer already computes the LM head in float32)."""
+    for name, value in (("fused_output_layer", fused_output_layer), ("fp32_lm_head", fp32_lm_head)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    if fused_output_layer and fp32_lm_head:
+        raise ValueError("--tis-fused-output-layer and --tis-fp32-lm-head (fused_output_layer=True, "
+                         "fp32_lm_head=True) are mutually exclusive: the fused output layer already computes "
+                         "the LM head with float32 accumulation; set one of them")
+    return "fused" if fused_output_layer else "fp32" if fp32_lm_head else None
+
+
+@dataclass(frozen=True)
+class LogProbSettings:
+    """Temperature, chunk size, output-layer mode and kernels of every log-prob of a step (module docstring)."""
+
+    temperature: float = 1.0
+    chunk_size: int = 1024
+    output_layer: str | None = None
+    kernels: str = "torch"
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"temperature must be a number > 0 (the rollout sampling temperature), got {t!r}")
+        c = self.chunk_size
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {c!r}")
+        if self.output_layer not in OUTPUT_LAYER_MODES:
+            raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {self.output_layer!r}")
+        object.__setattr__(self, "temperature", float(t))

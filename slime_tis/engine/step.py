@@ -1,0 +1,69 @@
+"""``StepEngine``: one optimizer step on one rank, whatever the host, in three calls.
+
+    engine = StepEngine(cfg, reducer)
+    totals = engine.begin(batches, pre_log_probs=..., pi_old_from_theta=...)   before the step's first loss
+    out    = engine.loss(batch, lp_theta, entropy=...)                          each micro-batch, any order
+    engine.record(out.stats)                                                    (with the host's own entries)
+    metrics = engine.end(step=n)                                                after the step's last loss
+
+``begin`` takes this rank's micro-batches of the step (:class:`~slime_tis.engine.batch.TISBatch`, packed
+per-token fields) and decides what depends only on them, once: the global loss denominator, the token count
+and algorithm 2's batch-normalisation factor (:func:`~slime_tis.engine.totals.step_totals`). ``loss`` is the
+core's ``policy_loss`` of one micro-batch from its ``lp_theta`` (differentiable) with those totals: the
+correction runs once per call. ``end`` merges the recorded statistics and reduces them once across ranks
+(:func:`~slime_tis.engine.metrics.aggregate_metrics`). Every collective is set by the configuration and the
+number of micro-batches, never by the data.
+
+A host translates its data and call order into these calls: the Megatron hook (``slime_tis.megatron``) calls
+``begin`` after its pi_old / pre-pass and ``loss`` from the loss function megatron's schedule calls.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from slime_tis.config import TISConfig
+from slime_tis.core import MetricStats, PolicyLossOutput, Reducer, policy_loss
+from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.metrics import aggregate_metrics
+from slime_tis.engine.totals import StepTotals, step_totals
+
+__all__ = ["StepEngine"]
+
+
+class StepEngine:
+    """One step's totals, per-micro-batch losses and metrics (module docstring)."""
+
+    def __init__(self, cfg: TISConfig, reducer: Reducer, *, totals: StepTotals | None = None,
+                 collector: list[MetricStats] | None = None) -> None:
+        self.cfg = cfg
+        self.reducer = reducer
+        self.totals = totals
+        self.collector: list[MetricStats] = [] if collector is None else collector
+
+    def begin(self, batches: list[TISBatch], *, pre_log_probs: list[Tensor] | None = None,
+              pi_old_from_theta: bool = False) -> StepTotals:
+        """The step totals of this rank's micro-batches (``engine.totals.step_totals``), kept for :meth:`loss`."""
+        self.totals = step_totals(self.cfg, batches, self.reducer, pre_log_probs=pre_log_probs,
+                                  pi_old_from_theta=pi_old_from_theta)
+        return self.totals
+
+    def loss(self, batch: TISBatch, lp_theta: Tensor, *, entropy: Tensor | None = None,
+             lp_old: Tensor | None = None) -> PolicyLossOutput:
+        """``policy_loss`` of one micro-batch: ``local_sum / D`` with the step's totals (``lp_old``: pi_old where
+        the batch carries none, e.g. ``sg(lp_theta)`` of this forward)."""
+        if self.totals is None:
+            raise RuntimeError("StepEngine.loss before begin: the step totals decide every micro-batch's loss")
+        t = self.totals
+        return policy_loss(self.cfg, lp_theta, batch.old_log_probs if lp_old is None else lp_old,
+                           batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
+                           reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
+                           lp_ref=batch.ref_log_probs, entropy=entropy)
+
+    def record(self, stats: MetricStats) -> None:
+        """Keep one micro-batch's statistics (detached) for :meth:`end`."""
+        self.collector.append(stats.detach())
+
+    def end(self, *, step: int | None = None) -> dict[str, Tensor]:
+        """The step's metrics: merged, reduced once, finalized (``{}`` without statistics)."""
+        return aggregate_metrics(self.collector, self.reducer, step=step)

@@ -1,0 +1,211 @@
+"""How often each host runs the correction, and how many reductions it issues, per rollout, step and micro-batch.
+
+For every algorithm x denominator (``keep`` / ``drop``) x host (slime's hooks, the Megatron hook), one rollout
+trained in several optimizer steps of several micro-batches, with ``core.correction.correct`` (what
+``compute_tis`` and ``policy_loss`` run) and the reducer counted per phase:
+
+* ``rollout``: slime's rollout-data hook (``postprocess_rollout_data``) / the Megatron rollout pass;
+* ``step``: slime's before-train-step hook / the Megatron step totals;
+* ``loss``: one micro-batch's loss call.
+
+What must hold: no loss call corrects twice (exactly one correction per micro-batch loss), the rollout hook
+corrects the rollout at most once (``drop``'s counts and the batch-normalisation factor share it), and a
+phase's reductions are the same for every micro-batch / step (they depend on the configuration only). The
+Megatron step totals correct each micro-batch once more where ``drop`` or algorithm 2's batch normalisation
+need its keep mask or weights before the first loss (``step`` column); that count is asserted too.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from _slime_sim import Layout, custom_loss_args, initial_weights, make_rollouts, schedule, slime_args, train_rollout
+
+import slime_tis.core.correction as correction_mod
+import slime_tis.core.losses as losses_mod
+import slime_tis.slime as plugin
+from slime_tis.core import LocalReducer
+from slime_tis.engine.parallel import ParallelContext
+
+STEP_HOOK = "slime_tis.slime.before_train_step"
+RULES0: dict = {}  # algorithm 0 only diagnoses: no rule to configure
+RULES = dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.3, tis_veto_threshold=1e-3)
+
+
+class Counts:
+    """Corrections and reductions per phase event (``rollout``, ``step``, ``loss``), in call order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Counter]] = []
+        self.phase: str | None = None
+
+    def begin(self, phase: str) -> None:
+        self.phase = phase
+        self.events.append((phase, Counter()))
+
+    def add(self, what: str) -> None:
+        if self.events and self.phase is not None:
+            self.events[-1][1][what] += 1
+
+    def of(self, phase: str) -> list[Counter]:
+        return [c for p, c in self.events if p == phase]
+
+
+class CountingReducer(LocalReducer):
+    """The single-process reducer, counting each call as one collective of the phase."""
+
+    def __init__(self, counts: Counts) -> None:
+        self.counts = counts
+
+    def sequence_sum(self, x):
+        self.counts.add("collectives")
+        return super().sequence_sum(x)
+
+    def batch_sum(self, x, *, per_sequence: bool = False):
+        self.counts.add("collectives")
+        return super().batch_sum(x, per_sequence=per_sequence)
+
+    def batch_min(self, x):
+        self.counts.add("collectives")
+        return super().batch_min(x)
+
+    def batch_max(self, x):
+        self.counts.add("collectives")
+        return super().batch_max(x)
+
+
+def _count_corrections(monkeypatch, counts: Counts) -> None:
+    real = correction_mod.correct
+
+    def counted(*a, **k):
+        counts.add("corrections")
+        return real(*a, **k)
+
+    monkeypatch.setattr(correction_mod, "correct", counted)  # compute_tis
+    monkeypatch.setattr(losses_mod, "correct", counted)  # policy_loss
+
+
+def _phase(monkeypatch, counts: Counts, name: str, phase: str) -> None:
+    fn = getattr(plugin, name)
+
+    def wrapped(*a, **k):
+        counts.begin(phase)
+        try:
+            return fn(*a, **k)
+        finally:
+            counts.phase = None
+
+    monkeypatch.setattr(plugin, name, wrapped)
+
+
+SLIME_CASES = {
+    # algorithm: slime args (several samples per rollout, two optimizer steps; drop counts as documented)
+    0: lambda d: slime_args(get_mismatch_metrics=True, tis_rejected_denominator=d, **RULES0),
+    1: lambda d: slime_args(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_rejected_denominator=d,
+                            **RULES),
+    2: lambda d: slime_args(use_tis=True, get_mismatch_metrics=True, tis_rejected_denominator=d,
+                            tis_batch_normalize=True, **RULES),
+    3: lambda d: custom_loss_args(custom_megatron_before_train_step_hook_path=STEP_HOOK, tis_rejected_denominator=d,
+                                  **RULES),
+}
+
+
+def _slime_counts(monkeypatch, args, sizes: list[int], steps: int) -> Counts:
+    counts = Counts()
+    _count_corrections(monkeypatch, counts)
+    ctx = ParallelContext(0, 1, CountingReducer(counts))
+    for mod in ("loss_hook", "tis_hook", "postprocess", "step_hook"):
+        monkeypatch.setattr(f"slime_tis.slime.{mod}.parallel_context", lambda: ctx)
+    monkeypatch.setattr("slime_tis.engine.parallel.parallel_context", lambda: ctx)
+    _phase(monkeypatch, counts, "postprocess_rollout_data", "rollout")
+    _phase(monkeypatch, counts, "before_train_step", "step")
+    _phase(monkeypatch, counts, "reinforce_is_loss", "loss")
+    _phase(monkeypatch, counts, "compute_tis_for_slime", "loss")
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, sizes, w0, nan_trap=False)
+    train_rollout(args, ro, w0, schedule(ro, steps=steps, micro_batch_size=1), Layout())
+    return counts
+
+
+def _check(counts: Counts, *, micro_batches: int, rollout_max: int) -> dict:
+    loss = counts.of("loss")
+    assert len(loss) == micro_batches
+    assert {c["corrections"] for c in loss} == {1}, "a micro-batch's loss corrected more than once"
+    assert len({c["collectives"] for c in loss}) == 1, "reductions per micro-batch depend on the data"
+    rollout = counts.of("rollout")
+    assert len(rollout) == 1 and rollout[0]["corrections"] <= rollout_max
+    steps = counts.of("step")
+    return {"rollout": dict(rollout[0]), "step": [dict(c) for c in steps], "loss per micro-batch": dict(loss[0])}
+
+
+@pytest.mark.parametrize("denominator", ["keep", "drop"])
+@pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
+def test_slime_corrects_each_micro_batch_once(monkeypatch, algorithm, denominator):
+    """slime host: 8 rollouts of 1-4 samples, 2 optimizer steps, one sample per micro-batch."""
+    sizes = [1, 2, 3, 2, 4, 1, 2, 3]
+    counts = _slime_counts(monkeypatch, SLIME_CASES[algorithm](denominator), sizes, steps=2)
+    table = _check(counts, micro_batches=sum(sizes), rollout_max=1)
+    drop = denominator == "drop" and algorithm != 0
+    # the rollout hook corrects once where drop counts from pi_old or algorithm 2 normalises, never twice
+    assert table["rollout"].get("corrections", 0) == int((drop and algorithm in (1, 2)) or algorithm == 2)
+    # algorithm 3 with drop: the step hook counts each later step at its parameters (one correction per step)
+    hooked = [c.get("corrections", 0) for c in counts.of("step")]
+    assert hooked == ([1, 1] if drop and algorithm == 3 else [0, 0] if algorithm == 3 else [])
+    print(json.dumps({"host": "slime", "algorithm": algorithm, "denominator": denominator, **table}))
+
+
+def test_slime_local_drop_corrects_once(monkeypatch):
+    """The custom loss's local ``drop`` (one-sample rollouts, no count before the loss): the keep mask that
+    sets the per-rollout coefficients and the loss come from one correction, one CP reduction."""
+    args = custom_loss_args(tis_rejected_denominator="drop", **RULES)
+    counts = _slime_counts(monkeypatch, args, [1] * 8, steps=2)
+    table = _check(counts, micro_batches=8, rollout_max=0)
+    print(json.dumps({"host": "slime", "algorithm": 3, "denominator": "drop (local)", **table}))
+
+
+CHILD = Path(__file__).parent / "dist" / "correction_count_worker.py"
+
+
+@pytest.fixture(scope="module")
+def megatron_counts(tmp_path_factory):
+    """Every algorithm x denominator through the Megatron hook: one gloo rank in a child process (a fresh
+    torch.distributed state), two optimizer steps of two micro-batches on one rollout."""
+    out = tmp_path_factory.mktemp("counts")
+    proc = subprocess.run([sys.executable, str(CHILD), str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "counts.json").read_text())
+
+
+@pytest.mark.parametrize("denominator", ["keep", "drop"])
+@pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
+def test_megatron_corrects_each_micro_batch_once_in_the_loss(megatron_counts, algorithm, denominator):
+    rows = megatron_counts[f"{algorithm}-{denominator}"]
+    steps, micro_batches = rows["steps"], rows["micro_batches"]
+    loss = rows["loss"]
+    assert len(loss) == steps * micro_batches
+    assert {c["corrections"] for c in loss} == {1}, "a micro-batch's loss corrected more than once"
+    assert len({c["collectives"] for c in loss}) == 1
+    totals = rows["step"]
+    assert len(totals) == steps and len({json.dumps(c, sort_keys=True) for c in totals}) == 1
+    # the step totals correct each micro-batch once where drop or algorithm 2's batch norm need it up front
+    before = denominator == "drop" or algorithm == 2
+    assert totals[0].get("corrections", 0) == (micro_batches if before else 0)
+    print(json.dumps({"host": "megatron", "algorithm": algorithm, "denominator": denominator,
+                      "step": totals[0], "loss per micro-batch": loss[0]}))
+
+
+def test_counting_reducer_counts_every_reduction():
+    counts = Counts()
+    counts.begin("loss")
+    r = CountingReducer(counts)
+    r.sequence_sum(torch.ones(2))
+    r.batch_sum(torch.ones(()), per_sequence=True)
+    r.batch_min(torch.ones(()))
+    r.batch_max(torch.ones(()))
+    assert counts.of("loss") == [Counter(collectives=4)]
