@@ -1,0 +1,86 @@
+"""``python -m slime_tis.megatron_rl train_rl.py <args>``: run Megatron-LM's ``train_rl.py`` with the plugin in place.
+
+Before the script runs, ``megatron.training.pretrain`` (and, on megatron-core >= 0.18,
+``parse_and_validate_args``) are wrapped so that the call ``train_rl.py``'s ``__main__`` makes gets
+
+* ``extra_args_provider``: ``train_rl``'s own, then the plugin's flags (``add_megatron_rl_tis_arguments``);
+* ``forward_step_func``: :meth:`RLHost.forward_step`, built from the parsed arguments on its first call
+  (``megatron.training.get_args()``, ``get_num_microbatches()``), in place of ``train_rl.forward_step``.
+
+The script then runs as ``__main__`` (``runpy.run_path``) with ``sys.argv`` = the script and its arguments.
+Under ``torchrun`` the module is launched the same way: ``torchrun <torchrun args> -m slime_tis.megatron_rl
+train_rl.py <args>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import runpy
+import sys
+
+from slime_tis.megatron_rl.host import RLHost, add_megatron_rl_tis_arguments
+
+
+def _with_tis_args(provider):
+    def extra(parser):
+        parser = provider(parser) if provider is not None else parser
+        return add_megatron_rl_tis_arguments(parser)
+
+    return extra
+
+
+def lazy_forward_step():
+    """A ``forward_step_func`` that builds the :class:`RLHost` from Megatron-LM's global args on first use."""
+    host: list[RLHost] = []
+
+    def forward_step(data_iterator, model, *args, **kwargs):
+        if not host:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+            from megatron.training import get_args
+
+            host.append(RLHost.from_args(get_args(), get_num_microbatches))
+        return host[0].forward_step(data_iterator, model, *args, **kwargs)
+
+    return forward_step
+
+
+def install(training_module) -> None:
+    """Wrap ``training_module.pretrain`` (and ``parse_and_validate_args`` where present) in place."""
+    pretrain = training_module.pretrain
+
+    @functools.wraps(pretrain)
+    def pretrain_with_tis(*args, **kwargs):
+        args = list(args)
+        if "forward_step_func" in kwargs:
+            kwargs["forward_step_func"] = lazy_forward_step()
+        elif len(args) > 3 and callable(args[3]):
+            args[3] = lazy_forward_step()
+        else:
+            raise ValueError("slime_tis.megatron_rl: pretrain(...) call without a forward_step_func to replace")
+        if "extra_args_provider" in kwargs or not hasattr(training_module, "parse_and_validate_args"):
+            kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
+        return pretrain(*args, **kwargs)
+
+    training_module.pretrain = pretrain_with_tis
+    parse = getattr(training_module, "parse_and_validate_args", None)
+    if parse is not None:
+        @functools.wraps(parse)
+        def parse_with_tis(*args, **kwargs):
+            kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
+            return parse(*args, **kwargs)
+
+        training_module.parse_and_validate_args = parse_with_tis
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit("usage: python -m slime_tis.megatron_rl train_rl.py <Megatron-LM and slime_tis flags>")
+    import megatron.training as training
+
+    install(training)
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,249 @@
+"""The host for Megatron-LM's ``train_rl.py``: its flags -> ``TISConfig``, its micro-batches -> ``TISBatch``, its
+``forward_step`` -> the step engine (``slime_tis.engine``).
+
+Megatron-LM's RL micro-batch (``train_rl.forward_step`` at NVIDIA/Megatron-LM d98e8a64dd) comes in two layouts:
+
+* unpacked: ``(tokens [B, S], advantages [B], old [B, S-1], loss_mask [B, S], position_ids [B, S], ref [B, S-1],
+  inference [B, S-1])``; row ``b`` is sequence ``b``; log-prob position ``t`` predicts ``tokens[:, t + 1]``;
+* packed: ``(bin, advantages [n], old [1, L-1], ref [1, L-1], inference [1, L-1])`` with ``bin.tokens``,
+  ``bin.position_ids`` ``[1, L]``, ``bin.loss_mask`` ``[1, L-1]``, ``bin.seq_starts`` (``n + 1``) and
+  ``bin.seq_lengths`` (``n``); sequence ``i`` owns log-prob positions ``start_i .. start_i + length_i - 2``.
+
+Both become one packed ``TISBatch`` of ``T = B (S-1)`` (``L-1``) positions: ``labels = tokens[:, 1:]``, the loss
+mask shifted by one (packed: restricted to owned positions, so the position that predicts the next sequence's
+first token never trains), one advantage per sequence spread over its positions, pi_old / inference / reference
+log-probs held in float32 (pi_old only for algorithms 0 and 2: algorithms 1 and 3 anchor on the inference
+log-probs). ``lp_theta`` is the log-prob of ``softmax(logits / T)`` with ``T = --rl-default-temperature`` (the
+engine's vocab-parallel log-softmax, float32).
+
+Per optimizer step (``M`` micro-batches), :meth:`RLHost.forward_step` reads the step's ``M`` items on its first
+call, translates them and calls ``engine.begin`` (global denominator, batch-normalisation factor over the
+rollout collection's micro-batches of this step, reduced over DP x CP); each call returns the model output and a
+``loss_func`` that runs ``engine.loss`` and returns the schedule's form:
+
+* default: ``(loss * M * g / cp, dict)`` (the schedule multiplies a 2-tuple loss by ``cp`` and divides it by
+  ``M``; Megatron DDP averages gradients over ``g = dp * cp`` ranks);
+* ``--calculate-per-token-loss``: ``(loss * N, n_local, dict)`` (``finalize_model_grads`` divides by ``N``).
+
+so the gradient is ``sum_{micro-batches, ranks} grad(local_sum) / D`` whatever the layout. ``dict`` holds
+``lm loss`` as ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks: ``train_step`` logs the step loss) and, once the
+last micro-batch has run, every ``engine.end()`` metric as ``[value, 1]`` on the first micro-batch's dict and
+``[0, 0]`` on the others (``train_step`` reads the dicts after the schedule, sums the pairs over micro-batches and
+DP x CP and logs ``value``, next to Megatron-LM's own keys, in TensorBoard / W&B).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.arguments import add_tis_arguments
+from slime_tis.config import DEFAULTS, TISConfig, config_fields_from_args
+from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
+from slime_tis.engine.parallel import parallel_context
+from slime_tis.engine.step import StepEngine
+
+__all__ = ["RLHost", "add_megatron_rl_tis_arguments", "config_from_megatron_rl_args", "item_to_batch"]
+
+
+def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags (``slime_tis.arguments.add_tis_arguments``) on Megatron-LM's parser; returns it."""
+    return add_tis_arguments(parser)
+
+
+def _refuse(a: str, b: str) -> ValueError:
+    return ValueError(f"{a} conflicts with {b}: set one of them (docs/megatron_rl.md, flag mapping)")
+
+
+def config_from_megatron_rl_args(args: Any) -> TISConfig:
+    """``TISConfig`` from a namespace holding Megatron-LM's RL flags and the plugin's (one-line refusals).
+
+    ``--rl-inference-logprobs-is-correction`` -> ``use_tis``; ``--rl-importance-sampling-truncation-coef C`` ->
+    ``upper = C`` in truncate mode; ``--grpo-clamp-eps-lower/-upper`` -> ``eps_clip``/``eps_clip_high``;
+    ``--grpo-kl-beta`` -> ``kl_coef`` (k3); ``--grpo-entropy-term-weight`` -> ``entropy_coef`` with Megatron-LM's
+    sampled-token estimate (:meth:`RLHost.entropy_of`).
+    """
+    f = config_fields_from_args(args)
+    correction = bool(getattr(args, "rl_inference_logprobs_is_correction", False))
+    coef = getattr(args, "rl_importance_sampling_truncation_coef", None)
+    f["use_tis"] = f.get("use_tis", False) or correction
+    if coef is not None:
+        if not f["use_tis"]:
+            raise ValueError(f"--rl-importance-sampling-truncation-coef {coef} needs "
+                             "--rl-inference-logprobs-is-correction or --use-tis")
+        if f.get("mode", "truncate") != "truncate":
+            raise _refuse(f"--rl-importance-sampling-truncation-coef {coef}", f"--tis-mode {f['mode']}")
+        if f.get("upper") is not None and float(f["upper"]) != float(coef):
+            raise _refuse(f"--rl-importance-sampling-truncation-coef {coef}", f"--tis-upper-bound {f['upper']}")
+        f["upper"] = float(coef)
+    elif correction and f.get("upper") is None:
+        raise ValueError("--rl-inference-logprobs-is-correction without --rl-importance-sampling-truncation-coef "
+                         "or --tis-upper-bound: the weight would have no upper bound")
+    for ours, theirs, default in (("eps_clip", "grpo_clamp_eps_lower", DEFAULTS["eps_clip"]),
+                                  ("eps_clip_high", "grpo_clamp_eps_upper", DEFAULTS["eps_clip_high"]),
+                                  ("kl_coef", "grpo_kl_beta", DEFAULTS["kl_coef"])):
+        value = getattr(args, theirs, None)
+        if value is None:
+            continue
+        given = f.get(ours, default)
+        if given != default and float(given) != float(value):
+            raise _refuse(f"--{theirs.replace('_', '-')} {value}", f"--{_flag(ours)} {given}")
+        f[ours] = float(value)
+    weight = float(getattr(args, "grpo_entropy_term_weight", 0.0) or 0.0)
+    if weight:
+        if f.get("entropy_coef", 0.0):
+            raise _refuse(f"--grpo-entropy-term-weight {weight}", f"--tis-entropy-coef {f['entropy_coef']}")
+        f["entropy_coef"] = weight
+    if f.get("kl_coef") and f.get("kl_estimator", "k3") != "k3" and getattr(args, "grpo_kl_beta", None):
+        raise _refuse(f"--grpo-kl-beta {args.grpo_kl_beta} (the k3 estimator)",
+                      f"--tis-kl-estimator {f['kl_estimator']}")
+    return TISConfig(**f)
+
+
+def _flag(field: str) -> str:
+    return {"eps_clip": "eps-clip", "eps_clip_high": "eps-clip-high", "kl_coef": "tis-kl-coef"}[field]
+
+
+def _f32(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.reshape(-1).to(torch.float32)
+
+
+def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatch, Tensor, Tensor, Any]:
+    """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring)."""
+    if packed:
+        b, adv, old, ref, inf = item
+        tokens, pos, mask = b.tokens, b.position_ids, b.loss_mask.reshape(-1)
+        t = mask.shape[0]
+        starts, lengths = [int(s) for s in b.seq_starts], [int(n) for n in b.seq_lengths]
+        owned = torch.zeros(t, dtype=torch.bool, device=mask.device)
+        for s, n in zip(starts, lengths):
+            owned[s:min(s + n - 1, t)] = True
+        cu = torch.tensor([0, *[min(s, t) for s in starts[1:-1]], t], dtype=torch.int64, device=mask.device)
+        mask = mask * owned
+        adv_tok = torch.repeat_interleave(adv.reshape(-1).to(torch.float32), cu.diff())
+    else:
+        tokens, adv, old, mask, pos, ref, inf = item
+        rows, t_row = tokens.shape[0], tokens.shape[1] - 1
+        mask = mask[:, 1:].reshape(-1)
+        cu = torch.arange(rows + 1, dtype=torch.int64, device=mask.device) * t_row
+        adv_tok = adv.reshape(-1, 1).to(torch.float32).expand(rows, t_row).reshape(-1)
+        b = None
+    batch = TISBatch(labels=tokens[:, 1:].reshape(-1).to(torch.int64), loss_mask=mask, advantages=adv_tok,
+                     cu_seqlens=cu, rollout_log_probs=_f32(inf) if cfg.algorithm != 0 else None,
+                     old_log_probs=_f32(old) if cfg.needs_old_log_probs else None,
+                     ref_log_probs=_f32(ref) if cfg.kl_coef else None)
+    return batch, tokens, pos, b
+
+
+def block_causal_mask(b) -> Tensor:
+    """``[1, 1, L, L]`` bool attention mask of a packed bin (True = masked): causal within each sequence."""
+    n = b.tokens.shape[1]
+    seg = torch.full((n,), -1, dtype=torch.int64)
+    for i, (s, length) in enumerate(zip(b.seq_starts, b.seq_lengths)):
+        seg[int(s):int(s) + int(length)] = i
+    same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return ~(same & causal)[None, None].to(b.tokens.device)
+
+
+def default_model_forward(model, tokens: Tensor, pos: Tensor, b) -> Tensor:
+    """``model(tokens, position_ids, attention_mask)``: no mask for unpacked rows (causal), a block-causal mask
+    for a packed bin (its sequences do not attend to each other)."""
+    return model(tokens, pos, None if b is None else block_causal_mask(b))
+
+
+class RLHost:
+    """``train_rl.forward_step`` on the step engine (module docstring).
+
+    Args:
+        cfg: the plugin's configuration (:func:`config_from_megatron_rl_args`).
+        num_microbatches: ``M`` per optimizer step, or a callable returning it (Megatron-LM's
+            ``get_num_microbatches``).
+        packed: ``--rl-use-sequence-packing``.
+        temperature: ``--rl-default-temperature``.
+        per_token: ``--calculate-per-token-loss``.
+        sampled_entropy: Megatron-LM's entropy estimate ``-exp(lp) lp`` (``--grpo-entropy-term-weight``) instead
+            of the distribution's entropy.
+        model_forward: ``(model, tokens, position_ids, bin) -> logits [B, S, V/TP]``.
+    """
+
+    def __init__(self, cfg: TISConfig, num_microbatches: int | Callable[[], int], *, packed: bool = False,
+                 temperature: float = 1.0, per_token: bool = False, sampled_entropy: bool = False,
+                 model_forward: Callable = default_model_forward) -> None:
+        if not temperature > 0:
+            raise ValueError(f"--rl-default-temperature must be > 0, got {temperature}")
+        self.cfg, self.packed, self.temperature, self.per_token = cfg, packed, float(temperature), per_token
+        self.sampled_entropy, self.model_forward = sampled_entropy, model_forward
+        self._m = num_microbatches if callable(num_microbatches) else (lambda: num_microbatches)
+        self.steps, self.metrics = 0, {}
+        self._queue: list = []
+
+    @classmethod
+    def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
+        """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
+        return cls(config_from_megatron_rl_args(args), num_microbatches,
+                   packed=bool(getattr(args, "rl_use_sequence_packing", False)),
+                   temperature=float(getattr(args, "rl_default_temperature", 1.0) or 1.0),
+                   per_token=bool(getattr(args, "calculate_per_token_loss", False)),
+                   sampled_entropy=bool(getattr(args, "grpo_entropy_term_weight", 0.0)), **kw)
+
+    def _begin_step(self, data_iterator) -> None:
+        m = self._m()
+        ctx = parallel_context()
+        self.ctx, self.m, self.dicts = ctx, m, []
+        items = [item_to_batch(next(data_iterator), self.cfg, packed=self.packed) for _ in range(m)]
+        self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
+        if self.engine is not None:
+            self.engine.begin([it[0] for it in items])
+        self._queue = items
+
+    def forward_step(self, data_iterator, model, *args, **kwargs):
+        """Megatron-core's ``forward_step_func``: ``(output, loss_func)`` for the next micro-batch."""
+        if not self._queue:
+            self._begin_step(data_iterator)
+        batch, tokens, pos, b = self._queue.pop(0)
+        output = self.model_forward(model, tokens, pos, b)
+        if self.engine is None:
+            return output, lambda out, *a, **k: (out.sum() * 0.0, {})
+        return output, self._loss_func(batch, last=not self._queue)
+
+    def entropy_of(self, lp: Tensor, h: Tensor | None) -> Tensor | None:
+        """The entropy term's per-token entropy: Megatron-LM's sampled-token ``-exp(lp) lp`` or ``h``."""
+        return -torch.exp(lp) * lp if self.sampled_entropy else h
+
+    def _loss_func(self, batch: TISBatch, last: bool) -> Callable:
+        def loss_func(output: Tensor, *args, **kwargs):
+            logits = output[:, :-1].reshape(-1, output.shape[-1])
+            lp, h = vocab_parallel_log_probs_and_entropy(logits, batch.labels, temperature=self.temperature)
+            out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
+            self.engine.record(out.stats)
+            from megatron.core import parallel_state as ps
+
+            cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+            ranks = ps.get_data_parallel_world_size(with_context_parallel=True) \
+                if ps.model_parallel_is_initialized() else 1
+            one = torch.ones((), dtype=torch.float32, device=lp.device)
+            d = {"lm loss": torch.stack([out.loss.detach().float() * (self.m * ranks), one])}
+            self.dicts.append(d)
+            if last:
+                self._end_step()
+            if self.per_token:
+                n_local = (batch.loss_mask != 0).sum().to(torch.int)
+                return out.loss * self.engine.totals.num_tokens, n_local, d
+            return out.loss * (self.m * ranks / cp), d
+
+        return loss_func
+
+    def _end_step(self) -> None:
+        """The step's metrics, once after its last loss, into the micro-batches' dicts (module docstring)."""
+        self.metrics = self.engine.end(step=self.steps)
+        self.steps += 1
+        for i, d in enumerate(self.dicts):
+            for key, value in self.metrics.items():
+                v = value.to(torch.float32)
+                d[key] = torch.stack([v, torch.ones_like(v)]) if i == 0 else torch.zeros(2, dtype=torch.float32)
