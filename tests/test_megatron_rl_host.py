@@ -214,6 +214,19 @@ def test_packed_bins_equal_unpacked_rows_loss_gradient_and_metrics() -> None:
     torch.testing.assert_close(m0["lm loss"], l0, rtol=1e-6, atol=1e-7)
 
 
+def test_the_loaders_eleven_part_bins_equal_the_bin_objects() -> None:
+    """``load_packed_data_by_index``'s 11-tuple (bin index read through ``read_item``) gives the same step."""
+    cfg = TISConfig(use_tis=True, level="geometric", mode="clip", upper=1.5, lower=0.7)
+    d = _data(8)
+    items = _packed_items(d)
+    parts = [(b.tokens, adv, old, b.loss_mask, b.position_ids, ref, inf, b.seq_starts, b.seq_lengths,
+              b.seq_indices, None) for b, adv, old, ref, inf in items]
+    a = _run_host(RLHost(cfg, len(items), packed=True), items, Bigram())
+    b = _run_host(RLHost(cfg, len(items), packed=True, read_item=lambda i: parts[int(i[0])]),
+                  [(torch.tensor(i),) for i in range(len(items))], Bigram())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_tis_metrics_are_the_engines_in_megatron_lms_log() -> None:
     """``train_step``'s reduction of the host's dicts gives each ``engine.end()`` metric unchanged."""
     d = _data(3)
@@ -308,9 +321,11 @@ def test_launcher_binds_the_host_forward_step_and_the_flags() -> None:
     ns = seen["extra"](argparse.ArgumentParser()).parse_args(["--use-tis", "--grpo-kl-beta", "0.01"])
     assert ns.use_tis and ns.grpo_kl_beta == 0.01
 
-    new = types.SimpleNamespace(pretrain=pretrain, parse_and_validate_args=parse_and_validate_args)
+    arguments = types.SimpleNamespace(parse_and_validate_args=parse_and_validate_args)
+    new = types.SimpleNamespace(pretrain=pretrain, parse_and_validate_args=parse_and_validate_args,
+                                arguments=arguments)
     install(new)
-    new.parse_and_validate_args(extra_args_provider=own_args)
+    new.arguments.parse_and_validate_args(extra_args_provider=own_args)   # train_rl.py's import path
     new.pretrain(None, None, None, forward_step_func=own_forward_step)
     assert seen["fs"] is not own_forward_step
     assert seen["parse_extra"](argparse.ArgumentParser()).parse_args(["--tis-mode", "clip"]).tis_mode == "clip"

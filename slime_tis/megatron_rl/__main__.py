@@ -1,7 +1,8 @@
 """``python -m slime_tis.megatron_rl train_rl.py <args>``: run Megatron-LM's ``train_rl.py`` with the plugin in place.
 
 Before the script runs, ``megatron.training.pretrain`` (and, on megatron-core >= 0.18,
-``parse_and_validate_args``) are wrapped so that the call ``train_rl.py``'s ``__main__`` makes gets
+``megatron.training[.arguments].parse_and_validate_args``) are wrapped so that the call ``train_rl.py``'s
+``__main__`` makes gets
 
 * ``extra_args_provider``: ``train_rl``'s own, then the plugin's flags (``add_megatron_rl_tis_arguments``);
 * ``forward_step_func``: :meth:`RLHost.forward_step`, built from the parsed arguments on its first call
@@ -29,6 +30,25 @@ def _with_tis_args(provider):
     return extra
 
 
+def megatron_rl_reader(args):
+    """The iterator's element -> the item, as ``train_rl.forward_step`` reads it: a packed bin index through
+    ``rl_utils.load_packed_data_by_index``; both layouts counted in ``get_rl_runtime_state()``'s sample count."""
+    from megatron.rl.rl_utils import get_rl_runtime_state, load_packed_data_by_index
+
+    def read(element):
+        state = get_rl_runtime_state()
+        if args.rl_use_sequence_packing:
+            item = load_packed_data_by_index(element[0].item(), state.packing_context,
+                                             args.rl_inference_logprobs_is_correction)
+            state.increment_sequences(len(item[9]))
+        else:
+            item = element
+            state.increment_sequences(item[0].shape[0])
+        return item
+
+    return read
+
+
 def lazy_forward_step():
     """A ``forward_step_func`` that builds the :class:`RLHost` from Megatron-LM's global args on first use."""
     host: list[RLHost] = []
@@ -38,7 +58,8 @@ def lazy_forward_step():
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             from megatron.training import get_args
 
-            host.append(RLHost.from_args(get_args(), get_num_microbatches))
+            args = get_args()
+            host.append(RLHost.from_args(args, get_num_microbatches, read_item=megatron_rl_reader(args)))
         return host[0].forward_step(data_iterator, model, *args, **kwargs)
 
     return forward_step
@@ -62,20 +83,26 @@ def install(training_module) -> None:
         return pretrain(*args, **kwargs)
 
     training_module.pretrain = pretrain_with_tis
-    parse = getattr(training_module, "parse_and_validate_args", None)
-    if parse is not None:
-        @functools.wraps(parse)
-        def parse_with_tis(*args, **kwargs):
-            kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
-            return parse(*args, **kwargs)
+    for module in (training_module, getattr(training_module, "arguments", None)):
+        parse = getattr(module, "parse_and_validate_args", None)
+        if parse is not None:
+            module.parse_and_validate_args = _parse_with_tis(parse)
 
-        training_module.parse_and_validate_args = parse_with_tis
+
+def _parse_with_tis(parse):
+    @functools.wraps(parse)
+    def parse_with_tis(*args, **kwargs):
+        kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
+        return parse(*args, **kwargs)
+
+    return parse_with_tis
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         raise SystemExit("usage: python -m slime_tis.megatron_rl train_rl.py <Megatron-LM and slime_tis flags>")
     import megatron.training as training
+    import megatron.training.arguments  # noqa: F401  (train_rl.py imports parse_and_validate_args from it)
 
     install(training)
     sys.argv = list(argv)

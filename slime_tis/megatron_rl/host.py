@@ -5,9 +5,11 @@ Megatron-LM's RL micro-batch (``train_rl.forward_step`` at NVIDIA/Megatron-LM d9
 
 * unpacked: ``(tokens [B, S], advantages [B], old [B, S-1], loss_mask [B, S], position_ids [B, S], ref [B, S-1],
   inference [B, S-1])``; row ``b`` is sequence ``b``; log-prob position ``t`` predicts ``tokens[:, t + 1]``;
-* packed: ``(bin, advantages [n], old [1, L-1], ref [1, L-1], inference [1, L-1])`` with ``bin.tokens``,
-  ``bin.position_ids`` ``[1, L]``, ``bin.loss_mask`` ``[1, L-1]``, ``bin.seq_starts`` (``n + 1``) and
-  ``bin.seq_lengths`` (``n``); sequence ``i`` owns log-prob positions ``start_i .. start_i + length_i - 2``.
+* packed: what ``rl_utils.load_packed_data_by_index`` returns for the bin index the iterator yields, ``(tokens
+  [1, L], advantages [n], old [1, L-1], loss_mask [1, L-1], position_ids [1, L], ref, inference, seq_starts
+  (n + 1), seq_lengths (n), seq_indices, packed_seq_params)``, or the same parts as ``(bin, advantages, old, ref,
+  inference)`` with a bin object (``tests/_megatron_rl.py``); sequence ``i`` owns log-prob positions
+  ``start_i .. start_i + length_i - 2``.
 
 Both become one packed ``TISBatch`` of ``T = B (S-1)`` (``L-1``) positions: ``labels = tokens[:, 1:]``, the loss
 mask shifted by one (packed: restricted to owned positions, so the position that predicts the next sequence's
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -116,6 +119,9 @@ def _f32(t: Tensor | None) -> Tensor | None:
 def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatch, Tensor, Tensor, Any]:
     """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring)."""
     if packed:
+        if len(item) == 11:
+            tokens, adv, old, mask, pos, ref, inf, starts, lengths, indices, psp = item
+            item = (PackedBin(tokens, pos, mask, starts, lengths, indices, psp), adv, old, ref, inf)
         b, adv, old, ref, inf = item
         tokens, pos, mask = b.tokens, b.position_ids, b.loss_mask.reshape(-1)
         t = mask.shape[0]
@@ -140,6 +146,20 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatc
     return batch, tokens, pos, b
 
 
+@dataclass
+class PackedBin:
+    """One bin's parts (``load_packed_data_by_index``): ``tokens``, ``position_ids`` ``[1, L]``, ``loss_mask``
+    ``[1, L-1]``, ``seq_starts``, ``seq_lengths``, ``seq_indices``, ``packed_seq_params`` (THD attention)."""
+
+    tokens: Tensor
+    position_ids: Tensor
+    loss_mask: Tensor
+    seq_starts: Any
+    seq_lengths: Any
+    seq_indices: Any = None
+    packed_seq_params: Any = None
+
+
 def block_causal_mask(b) -> Tensor:
     """``[1, 1, L, L]`` bool attention mask of a packed bin (True = masked): causal within each sequence."""
     n = b.tokens.shape[1]
@@ -152,9 +172,15 @@ def block_causal_mask(b) -> Tensor:
 
 
 def default_model_forward(model, tokens: Tensor, pos: Tensor, b) -> Tensor:
-    """``model(tokens, position_ids, attention_mask)``: no mask for unpacked rows (causal), a block-causal mask
-    for a packed bin (its sequences do not attend to each other)."""
-    return model(tokens, pos, None if b is None else block_causal_mask(b))
+    """``model(tokens, position_ids, attention_mask)``: no mask for unpacked rows (causal); a packed bin with
+    Megatron-LM's ``packed_seq_params`` attends per sequence through them (THD), one without them (the CPU local
+    attention) through a block-causal mask."""
+    if b is None:
+        return model(tokens, pos, None)
+    psp = getattr(b, "packed_seq_params", None)
+    if psp is not None:
+        return model(tokens, pos, None, packed_seq_params=psp)
+    return model(tokens, pos, block_causal_mask(b))
 
 
 class RLHost:
@@ -170,15 +196,16 @@ class RLHost:
         sampled_entropy: Megatron-LM's entropy estimate ``-exp(lp) lp`` (``--grpo-entropy-term-weight``) instead
             of the distribution's entropy.
         model_forward: ``(model, tokens, position_ids, bin) -> logits [B, S, V/TP]``.
+        read_item: the iterator's element -> the item (the launcher: a bin index -> the bin's parts).
     """
 
     def __init__(self, cfg: TISConfig, num_microbatches: int | Callable[[], int], *, packed: bool = False,
                  temperature: float = 1.0, per_token: bool = False, sampled_entropy: bool = False,
-                 model_forward: Callable = default_model_forward) -> None:
+                 model_forward: Callable = default_model_forward, read_item: Callable = lambda x: x) -> None:
         if not temperature > 0:
             raise ValueError(f"--rl-default-temperature must be > 0, got {temperature}")
         self.cfg, self.packed, self.temperature, self.per_token = cfg, packed, float(temperature), per_token
-        self.sampled_entropy, self.model_forward = sampled_entropy, model_forward
+        self.sampled_entropy, self.model_forward, self.read_item = sampled_entropy, model_forward, read_item
         self._m = num_microbatches if callable(num_microbatches) else (lambda: num_microbatches)
         self.steps, self.metrics = 0, {}
         self._queue: list = []
@@ -196,7 +223,7 @@ class RLHost:
         m = self._m()
         ctx = parallel_context()
         self.ctx, self.m, self.dicts = ctx, m, []
-        items = [item_to_batch(next(data_iterator), self.cfg, packed=self.packed) for _ in range(m)]
+        items = [item_to_batch(self.read_item(next(data_iterator)), self.cfg, packed=self.packed) for _ in range(m)]
         self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
         if self.engine is not None:
             self.engine.begin([it[0] for it in items])
@@ -207,7 +234,7 @@ class RLHost:
         if not self._queue:
             self._begin_step(data_iterator)
         batch, tokens, pos, b = self._queue.pop(0)
-        output = self.model_forward(model, tokens, pos, b)
+        output = self.model_forward(model[0] if isinstance(model, list) else model, tokens, pos, b)
         if self.engine is None:
             return output, lambda out, *a, **k: (out.sum() * 0.0, {})
         return output, self._loss_func(batch, last=not self._queue)
