@@ -1,0 +1,48 @@
+"""The ``train_rl.py`` host under torchrun (gloo, CPU): DP=2, PP=2, TP=2 (and DP=2 with
+``--calculate-per-token-loss``) in one launch of ``megatron_rl_worker.py``, each against a single-process oracle
+on the same tiny megatron-core GPT and global batch: every gradient shard to 1e-5 relative, the loss Megatron-LM's
+``train_step`` logs (``lm loss``) to 1e-5 relative and every ``tis/*`` metric it logs to 1e-5 relative to
+``max(|value|, 0.01)`` (float32 sums over a different split and reduction order; metrics that are differences of
+log-probs, e.g. ``tis/kl`` near 0, keep an absolute float32 error of ~1e-7)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+from _launch import torchrun  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+CHECKS = [("dp2", "a2_seq_clip_bn_kl"), ("pp2", "a2_seq_clip_bn_kl"), ("tp2", "a2_seq_clip_bn_kl"),
+          ("dp2_pt", "a3_geo_mask_drop"), ("tp2", "a3_geo_mask_drop")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("megatron_rl")
+    torchrun(HERE / "megatron_rl_worker.py", ["--out", str(out)], nproc=2, timeout=420, what="megatron_rl host")
+    rows = []
+    for f in sorted(out.glob("rank*.jsonl")):
+        rows += [json.loads(line) for line in f.read_text().splitlines()]
+    assert len(rows) == 2 * len(CHECKS)
+    return rows
+
+
+@pytest.mark.parametrize("layout,case", CHECKS, ids=[f"{a}-{b}" for a, b in CHECKS])
+def test_host_step_equals_the_single_process_oracle(results, layout: str, case: str) -> None:
+    mine = [r for r in results if r["layout"] == layout and r["case"] == case]
+    assert len(mine) == 2
+    for r in mine:
+        assert "error" not in r, r.get("error")
+        assert r["finite"] and r["n_params"] > 0
+        assert r["grad_err"] < 1e-5, (r["rank"], r["grad_err"], r["grad_err_param"])
+    last = [r for r in mine if "loss" in r]
+    assert last, "no last-stage rank reported"
+    for r in last:
+        assert abs(r["loss"] - r["oracle_loss"]) <= 1e-5 * max(1.0, abs(r["oracle_loss"])), r
+        assert not r["missing"] and len(r["metric_errs"]) >= 5
+        assert max(r["metric_errs"].values()) < 1e-5, r["metric_errs"]
