@@ -26,7 +26,8 @@ from _megatron_lm import train_step_loss_reduced
 from _megatron_rl import RLArgs, forward_step, pack_bins, scheduled_loss
 
 from slime_tis import TISConfig
-from slime_tis.core import policy_loss
+from slime_tis.core import LocalReducer, policy_loss
+from slime_tis.engine.parallel import ParallelContext
 from slime_tis.megatron_rl import RLHost, add_megatron_rl_tis_arguments, config_from_megatron_rl_args
 from slime_tis.megatron_rl.__main__ import install
 from slime_tis.megatron_rl.host import item_to_batch
@@ -329,3 +330,68 @@ def test_launcher_binds_the_host_forward_step_and_the_flags() -> None:
     new.pretrain(None, None, None, forward_step_func=own_forward_step)
     assert seen["fs"] is not own_forward_step
     assert seen["parse_extra"](argparse.ArgumentParser()).parse_args(["--tis-mode", "clip"]).tis_mode == "clip"
+
+
+class _CountingReducer(LocalReducer):
+    def __init__(self):
+        self.n = 0
+
+    def sequence_sum(self, x):
+        self.n += 1
+        return super().sequence_sum(x)
+
+    def batch_sum(self, x, *, per_sequence: bool = False):
+        self.n += 1
+        return super().batch_sum(x, per_sequence=per_sequence)
+
+    def batch_min(self, x):
+        self.n += 1
+        return super().batch_min(x)
+
+    def batch_max(self, x):
+        self.n += 1
+        return super().batch_max(x)
+
+
+@pytest.mark.parametrize("denominator", ["keep", "drop"])
+@pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
+def test_the_host_corrects_each_micro_batch_once_in_the_loss(monkeypatch, algorithm, denominator) -> None:
+    """Two steps of three micro-batches: each loss call runs the correction exactly once and the same number of
+    reductions; ``begin`` corrects each micro-batch once where ``drop`` or algorithm 2's batch normalisation need
+    it before the first loss, else never (``tests/test_engine_correction_counts.py``'s counts, this host)."""
+    import slime_tis.core.correction as correction_mod
+    import slime_tis.core.losses as losses_mod
+
+    count = {"corrections": 0}
+    real = correction_mod.correct
+
+    def counted(*a, **k):
+        count["corrections"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(correction_mod, "correct", counted)
+    monkeypatch.setattr(losses_mod, "correct", counted)
+    reducer = _CountingReducer()
+    monkeypatch.setattr("slime_tis.megatron_rl.host.parallel_context", lambda: ParallelContext(0, 1, reducer))
+    rules = {} if algorithm == 0 else dict(mode="mask", level="geometric", upper=1.3, veto_threshold=1e-3)
+    cfg = TISConfig(use_rollout_log_probs=algorithm in (1, 3), use_tis=algorithm in (2, 3),
+                    rejected_denominator=denominator, batch_normalize=algorithm == 2, **rules)
+    host, model = RLHost(cfg, 3), Bigram()
+    d = _data(9)
+    items = _unpacked_items(d, 3) * 2
+    it = iter(items)
+    begin, losses = [], []
+    for _ in items:
+        before = (count["corrections"], reducer.n)
+        output, loss_func = host.forward_step(it, model)
+        mid = (count["corrections"], reducer.n)
+        loss_func(output)
+        after = (count["corrections"], reducer.n)
+        if len(losses) % 3 == 0:                        # the step's first call: begin runs here
+            begin.append((mid[0] - before[0], mid[1] - before[1]))
+        losses.append((after[0] - mid[0], after[1] - mid[1]))
+    assert {c for c, _ in losses} == {1}, losses
+    assert len({r for _, r in losses[:2] + losses[3:5]}) == 1, losses   # the last one also ends the step
+    assert losses[2] == losses[5]
+    needs = denominator == "drop" or algorithm == 2
+    assert [c for c, _ in begin] == [3 if needs else 0] * 2, begin
