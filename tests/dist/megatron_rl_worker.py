@@ -5,7 +5,8 @@
 Every rank first computes the oracle (a TP=PP=1 copy of the tiny GPT, same weights, the whole global batch of
 Megatron-LM RL rows, plain autograd, ``log_softmax(logits / T)`` and one core ``policy_loss``), then runs one
 optimizer step per check through megatron-core's schedule (``get_forward_backward_func``, megatron DDP) with
-:meth:`RLHost.forward_step` as the ``forward_step_func`` and this rank's unpacked Megatron-LM RL items, and
+:meth:`RLHost.forward_step` as the ``forward_step_func`` and this rank's Megatron-LM RL items (unpacked rows, or
+its rows packed two to a bin with a block-causal attention mask: the same oracle), and
 writes ``DIR/rank{r}.jsonl``: the gradient error of its shards, and on the last stage the loss and ``tis/*``
 metrics as Megatron-LM's ``train_step`` logs them from the loss dicts.
 """
@@ -17,8 +18,10 @@ import json
 import traceback
 from pathlib import Path
 
+import _harness
 import torch
 import torch.distributed as dist
+from _cpu.cpu_cp_attention import CPUContextParallelAttention
 from _harness import (
     GLOBAL_ROWS,
     SEQ,
@@ -34,6 +37,7 @@ from _harness import (
     row_assignment,
     setup_parallel,
 )
+from _megatron_rl import pack_bins
 from _plans import LAYOUTS, Layout
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -50,8 +54,25 @@ RL_CASES = {
     "a3_geo_mask_drop": dict(use_tis=True, use_rollout_log_probs=True, level="geometric", mode="mask", upper=1.2,
                              lower=0.85, rejected_denominator="drop", loss_agg="seq-mean-token-mean"),
 }
-CHECKS = [("dp2", "a2_seq_clip_bn_kl"), ("pp2", "a2_seq_clip_bn_kl"), ("tp2", "a2_seq_clip_bn_kl"),
-          ("dp2_pt", "a3_geo_mask_drop"), ("tp2", "a3_geo_mask_drop")]
+CHECKS = [("dp2", "a2_seq_clip_bn_kl", False), ("pp2", "a2_seq_clip_bn_kl", False),
+          ("tp2", "a2_seq_clip_bn_kl", False), ("dp2_pt", "a3_geo_mask_drop", False),
+          ("tp2", "a3_geo_mask_drop", False), ("dp2", "a2_seq_clip_bn_kl", True), ("pp2", "a3_geo_mask_drop", True)]
+BIN = 32
+
+
+class MaskedAttention(CPUContextParallelAttention):
+    """The CPU attention, honouring a given ``[1, 1, L, L]`` mask (True = masked: a packed bin's block-causal mask)
+    where the model is given one (CP = 1 here)."""
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is None:
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale)
+        return ctx.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+_harness.CPUContextParallelAttention = MaskedAttention
 
 
 def rl_batch(lp_full: torch.Tensor) -> dict:
@@ -61,10 +82,10 @@ def rl_batch(lp_full: torch.Tensor) -> dict:
     tokens = _tokens(7)
     pos = torch.arange(SEQ)[None].expand(GLOBAL_ROWS, SEQ)
     prompt = torch.randint(2, 5, (GLOBAL_ROWS, 1), generator=g)
-    end = torch.randint(SEQ - 4, SEQ + 1, (GLOBAL_ROWS, 1), generator=g)
+    end = torch.randint(SEQ - 4, SEQ + 1, (GLOBAL_ROWS, 1), generator=g)   # a sequence's length (packed)
     mask = ((pos >= prompt) & (pos < end)).float() * (torch.rand(GLOBAL_ROWS, SEQ, generator=g) > 0.1).float()
     lp = lp_full[:, :-1]
-    return dict(tokens=tokens, pos=pos, mask=mask, adv=torch.randn(GLOBAL_ROWS, generator=g),
+    return dict(tokens=tokens, pos=pos, mask=mask, length=end[:, 0], adv=torch.randn(GLOBAL_ROWS, generator=g),
                 inf=lp + 0.3 * torch.randn(lp.shape, generator=g), old=lp + 0.15 * torch.randn(lp.shape, generator=g),
                 ref=lp + 0.2 * torch.randn(lp.shape, generator=g))
 
@@ -87,18 +108,41 @@ def oracle(cfg: TISConfig, weights: dict, b: dict) -> tuple[float, dict, dict]:
     return float(out.loss.detach()), grads, metrics
 
 
-def run(layout_name: str, case: str, weights: dict, b: dict, ref) -> dict:
+def packed_items(b: dict, rows: list[list[int]]) -> list[tuple]:
+    """This rank's rows packed into bins of ``BIN`` tokens, two sequences (12-16 tokens) a bin, one bin per
+    micro-batch: ``2 * len(rows)`` bins of the ``4 * len(rows)`` rows on every rank."""
+    r = sum(rows, [])
+    idx = torch.tensor(r)
+    lengths = [int(n) for n in b["length"][idx]]
+    items = []
+    for bin_ in pack_bins(b["tokens"][idx], lengths, b["mask"][idx].bool(), bin_size=BIN, max_per_bin=2):
+        grids = {k: torch.zeros(1, BIN - 1) for k in ("old", "ref", "inf")}
+        for i, start in zip(bin_.seq_indices, bin_.seq_starts):
+            for k in grids:
+                grids[k][0, start:start + lengths[i] - 1] = b[k][r[i], :lengths[i] - 1]
+        items.append((bin_, b["adv"][idx][bin_.seq_indices], grids["old"], grids["ref"], grids["inf"]))
+    assert len(items) == len(r) // 2
+    return items
+
+
+def run(layout_name: str, case: str, packed: bool, weights: dict, b: dict, ref) -> dict:
     layout = LAYOUTS[layout_name]
     setup_parallel(layout)
     dp = layout.dp(dist.get_world_size())
     rows = row_assignment(dp, ps.get_data_parallel_rank(), M)
     ddps, params = build_ddp_chunks(layout, weights)
-    items = [tuple(b[k][torch.tensor(r)] for k in ("tokens", "adv", "old", "mask", "pos", "ref", "inf")) for r in rows]
-    host = RLHost(TISConfig(**RL_CASES[case]), M, temperature=TEMPERATURE, per_token=layout.per_token)
+    if packed:
+        items = packed_items(b, rows)
+    else:
+        items = [tuple(b[k][torch.tensor(r)] for k in ("tokens", "adv", "old", "mask", "pos", "ref", "inf"))
+                 for r in rows]
+    host = RLHost(TISConfig(**RL_CASES[case]), len(items), temperature=TEMPERATURE, per_token=layout.per_token,
+                  packed=packed)
     out = get_forward_backward_func()(forward_step_func=host.forward_step, data_iterator=iter(items), model=ddps,
-                                      num_microbatches=M, seq_length=SEQ, micro_batch_size=len(rows[0]),
-                                      forward_only=False)
-    res = {"layout": layout_name, "case": case, "rank": dist.get_rank(), **grad_errors(params, ref[1])}
+                                      num_microbatches=len(items), seq_length=BIN if packed else SEQ,
+                                      micro_batch_size=1 if packed else len(rows[0]), forward_only=False)
+    res = {"layout": layout_name, "case": case, "packed": packed, "rank": dist.get_rank(),
+           **grad_errors(params, ref[1])}
     if ps.is_pipeline_last_stage():
         logged = logged_by_megatron_lm(out)
         res.update(loss=logged.get("lm loss"), oracle_loss=ref[0],
@@ -116,11 +160,11 @@ def main() -> None:
     b = rl_batch(lp_full)
     refs = {case: oracle(TISConfig(**RL_CASES[case]), weights, b) for case in RL_CASES}
     lines = []
-    for layout_name, case in CHECKS:
+    for layout_name, case, packed in CHECKS:
         try:
-            lines.append(run(layout_name, case, weights, b, refs[case]))
+            lines.append(run(layout_name, case, packed, weights, b, refs[case]))
         except Exception:  # recorded, not raised: the other checks still run, the test names the failure
-            lines.append({"layout": layout_name, "case": case, "rank": dist.get_rank(),
+            lines.append({"layout": layout_name, "case": case, "packed": packed, "rank": dist.get_rank(),
                           "error": traceback.format_exc()[-3000:]})
     with open(out / f"rank{dist.get_rank()}.jsonl", "w") as fh:
         fh.writelines(json.dumps(line) + "\n" for line in lines)

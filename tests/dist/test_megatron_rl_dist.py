@@ -1,5 +1,6 @@
 """The ``train_rl.py`` host under torchrun (gloo, CPU): DP=2, PP=2, TP=2 (and DP=2 with
-``--calculate-per-token-loss``) in one launch of ``megatron_rl_worker.py``, each against a single-process oracle
+``--calculate-per-token-loss``), unpacked rows and (DP=2, PP=2) sequence-packed bins, in one launch of
+``megatron_rl_worker.py``, each against a single-process oracle
 on the same tiny megatron-core GPT and global batch: every gradient shard to 1e-5 relative, the loss Megatron-LM's
 ``train_step`` logs (``lm loss``) to 1e-5 relative and every ``tis/*`` metric it logs to 1e-5 relative to
 ``max(|value|, 0.01)`` (float32 sums over a different split and reduction order; metrics that are differences of
@@ -17,24 +18,28 @@ from _launch import torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-CHECKS = [("dp2", "a2_seq_clip_bn_kl"), ("pp2", "a2_seq_clip_bn_kl"), ("tp2", "a2_seq_clip_bn_kl"),
-          ("dp2_pt", "a3_geo_mask_drop"), ("tp2", "a3_geo_mask_drop")]
+CHECKS = [("dp2", "a2_seq_clip_bn_kl", False), ("pp2", "a2_seq_clip_bn_kl", False),
+          ("tp2", "a2_seq_clip_bn_kl", False), ("dp2_pt", "a3_geo_mask_drop", False),
+          ("tp2", "a3_geo_mask_drop", False), ("dp2", "a2_seq_clip_bn_kl", True), ("pp2", "a3_geo_mask_drop", True)]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("megatron_rl")
+    # (a control that lets a bin's sequences attend to each other fails both packed checks)
     torchrun(HERE / "megatron_rl_worker.py", ["--out", str(out)], nproc=2, timeout=420, what="megatron_rl host")
     rows = []
     for f in sorted(out.glob("rank*.jsonl")):
         rows += [json.loads(line) for line in f.read_text().splitlines()]
     assert len(rows) == 2 * len(CHECKS)
+    print(json.dumps([{k: r.get(k) for k in ("layout", "case", "packed", "rank", "grad_err")} for r in rows]))
     return rows
 
 
-@pytest.mark.parametrize("layout,case", CHECKS, ids=[f"{a}-{b}" for a, b in CHECKS])
-def test_host_step_equals_the_single_process_oracle(results, layout: str, case: str) -> None:
-    mine = [r for r in results if r["layout"] == layout and r["case"] == case]
+@pytest.mark.parametrize("layout,case,packed", CHECKS,
+                         ids=[f"{a}-{b}-{'packed' if p else 'unpacked'}" for a, b, p in CHECKS])
+def test_host_step_equals_the_single_process_oracle(results, layout: str, case: str, packed: bool) -> None:
+    mine = [r for r in results if r["layout"] == layout and r["case"] == case and r["packed"] == packed]
     assert len(mine) == 2
     for r in mine:
         assert "error" not in r, r.get("error")
