@@ -246,7 +246,8 @@ class RLHost:
     def _loss_func(self, batch: TISBatch, last: bool) -> Callable:
         def loss_func(output: Tensor, *args, **kwargs):
             logits = output[:, :-1].reshape(-1, output.shape[-1])
-            lp, h = vocab_parallel_log_probs_and_entropy(logits, batch.labels, temperature=self.temperature)
+            lp, h = vocab_parallel_log_probs_and_entropy(logits, batch.labels, temperature=self.temperature,
+                                                         with_entropy=not self.sampled_entropy)
             out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
             self.engine.record(out.stats)
             from megatron.core import parallel_state as ps
