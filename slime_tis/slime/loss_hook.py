@@ -37,10 +37,16 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
   slime's own policy loss does) and, with ``tis_record_train_log_probs: true``, to this package's dump
   (:mod:`slime_tis.slime.record`).
 
-Run it with ``--use-rollout-logprobs`` (no pi_old recompute is needed; without it slime recomputes
-pi_old, which this loss ignores except for ``drop``'s counts, and a warning says so). Refused: slime's
-top-p replay (``--rollout-top-p < 1``), ``--use-opsm`` and ``--custom-pg-loss-reducer-function-path`` (both
-act in slime's own policy loss only, which this loss replaces).
+* slime's ``--use-opsm``, ``--use-unbiased-kl`` and ``--custom-pg-loss-reducer-function-path`` are applied as
+  slime's policy loss applies them (:mod:`slime_tis.slime.custom_options`); ``drop`` is refused with OPSM and with
+  a custom reducer.
+
+Run it with ``--use-rollout-logprobs`` in place of ``--use-tis`` (no pi_old recompute is needed; without it slime
+recomputes pi_old, which this loss ignores except for ``drop``'s counts and the anchor of OPSM and of the
+unbiased KL, and a warning says so). Refused: slime's top-p replay (``--rollout-top-p < 1``: the TIS hook
+supports it, or sample with ``--rollout-top-p 1``) and ``--allgather-cp`` with context parallelism (slime's
+contiguous layout, which slime allows only for DSA-attention models: run those with the TIS hook, which reads
+the log-probs slime has already returned to the zigzag layout).
 """
 
 from __future__ import annotations
@@ -59,6 +65,14 @@ from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.custom_options import (
+    check_custom_options,
+    opsm_mask,
+    per_token_pg_loss,
+    slime_anchor,
+    slime_pg_loss_reducer,
+    unbiased_kl,
+)
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
@@ -146,7 +160,8 @@ def _warn_recompute(args: Any) -> None:
         _WARNED_RECOMPUTE = True
         msg = (
             "slime_tis.slime.reinforce_is_loss (algorithm 3) does not use pi_old: add --use-rollout-logprobs "
-            "so that slime skips the old-log-prob recompute"
+            "(in place of --use-tis, which slime does not accept with it) so that slime skips the old-log-prob "
+            "recompute"
         )
         logger.warning(msg)
         warnings.warn(msg, stacklevel=3)
@@ -163,16 +178,12 @@ def reinforce_is_loss(
     check_slime_terms(cfg, own_loss=False)
     if getattr(args, "rollout_top_p", 1.0) < 1.0:
         raise ValueError(
-            f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss"
+            f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss; use "
+            "slime's policy loss with the TIS hook (--use-tis --custom-tis-function-path "
+            "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
     check_drop_config(args, cfg)
-    for flag in ("use_opsm", "custom_pg_loss_reducer_function_path"):
-        if getattr(args, flag, None):
-            raise ValueError(f"--{flag.replace('_', '-')} is applied by slime's own policy loss, which "
-                             "reinforce_is_loss replaces: remove it (rejection: tis_rs_level, tis_veto_threshold, "
-                             "k3 thresholds; aggregation: slime's per-rollout mean)")
-    if getattr(args, "use_unbiased_kl", False):
-        raise ValueError("--use-unbiased-kl is not supported by reinforce_is_loss")
+    check_custom_options(args, drop_applies(cfg))
     if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
         raise ValueError(
             "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"
@@ -184,7 +195,11 @@ def reinforce_is_loss(
 
     ctx = parallel_context()
     if ctx.cp_size > 1 and getattr(args, "allgather_cp", False):
-        raise ValueError("--allgather-cp: reinforce_is_loss reads slime's zigzag CP logits layout; use zigzag CP")
+        raise ValueError("--allgather-cp with --context-parallel-size > 1: reinforce_is_loss reads slime's zigzag "
+                         "CP logits layout, and slime allows --allgather-cp only for DSA-attention models, which "
+                         "need it; run those with slime's policy loss and the TIS hook (--use-tis "
+                         "--custom-tis-function-path slime_tis.slime.compute_tis_for_slime), other models without "
+                         "--allgather-cp")
     total, resp = batch["total_lengths"], batch["response_lengths"]
     packed = pack_slime_batch(batch["loss_masks"], total, resp, ctx.cp_rank, ctx.cp_size)
     device = logits.device
@@ -209,6 +224,7 @@ def reinforce_is_loss(
     # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum
     keep_override = None
     decided = None
+    reduce_pg = getattr(args, "custom_pg_loss_reducer_function_path", None)
     if cfg.loss_agg == "seq-mean-token-mean":
         counted = _counted_drop(batch, packed) if drop else None
         if counted is not None:  # decisions and K_g counted before the step, at its parameters
@@ -222,7 +238,14 @@ def reinforce_is_loss(
             coef = _local_drop_coefficients(batch, packed, decided.loss_keep, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
-        advantages = advantages * coef[packed.local_sample_index()]
+        if reduce_pg is None:  # a custom pg-loss reducer chooses its own denominators
+            advantages = advantages * coef[packed.local_sample_index()]
+    use_opsm = bool(getattr(args, "use_opsm", False))
+    use_unbiased = bool(getattr(args, "use_kl_loss", False) and getattr(args, "use_unbiased_kl", False))
+    anchor = slime_anchor(args, batch, packed, lp_theta) if use_opsm or use_unbiased else None
+    if use_opsm:  # slime's own mask on the policy term only (the loss is linear in the advantages)
+        opsm, opsm_clipfrac = opsm_mask(args, batch, packed, lp_theta, anchor, advantages, ctx.reducer)
+        advantages = advantages * opsm
 
     out = policy_loss(
         cfg.replace(loss_agg="token-mean", rejected_denominator="keep"),
@@ -240,6 +263,10 @@ def reinforce_is_loss(
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)
     pg_loss = out.loss
+    if reduce_pg is not None:  # slime's reducer contract: full-length masks with the rejected tokens zeroed
+        reducer_fn = slime_pg_loss_reducer(args, batch, packed.full_keep_masks(keep, ctx.reducer))
+        pg_loss = reducer_fn(per_token_pg_loss(cfg, lp_theta, advantages, out.weights, keep, packed.cu_seqlens,
+                                               ctx.reducer))
     loss = pg_loss
     metrics: dict[str, Tensor] = {"pg_loss": pg_loss.detach().clone()}
     if entropy_coef != 0.0:
@@ -250,7 +277,12 @@ def reinforce_is_loss(
         ref = packed.cat_local("ref_log_probs", batch["ref_log_probs"]).to(device)
         kl_coef = float(getattr(args, "kl_loss_coef", 0.0) or 0.0)
         kl_in = lp_theta if kl_coef != 0.0 else lp_theta.detach()
-        kl = kl_penalty(kl_in, ref.detach(), getattr(args, "kl_loss_type", "k1"))
+        kind = getattr(args, "kl_loss_type", "k1")
+        if use_unbiased and kind in KL_ESTIMATORS:  # inputs selected first: no NaN reaches a gradient
+            kl = unbiased_kl(torch.where(keep, kl_in, zero), torch.where(keep, ref.detach().float(), zero),
+                             torch.where(keep, anchor, zero), kind)
+        else:
+            kl = kl_penalty(kl_in, ref.detach(), kind)
         kl_loss = sum_of_sample_mean(torch.where(keep & torch.isfinite(kl), kl, zero))
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl_loss
@@ -258,6 +290,8 @@ def reinforce_is_loss(
     if lp_theta.numel() == 0:  # keep every parameter in the graph (slime does the same)
         loss = loss + 0.0 * logits.sum()
     metrics["loss"] = loss.detach().clone()
+    if use_opsm:
+        metrics["opsm_clipfrac"] = opsm_clipfrac.detach()
 
     assert out.tis is not None  # algorithm 3 always has rollout log-probs
     tm = token_metrics(cfg, out.tis, None)
