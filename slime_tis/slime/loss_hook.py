@@ -14,7 +14,8 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 * ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
   (:func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`, chunks of
   ``--log-probs-chunk-size`` rows; slime's ``-1`` = one chunk) at the rows slime's layout assigns
-  to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
+  to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP; with ``--allgather-cp``
+  slime's contiguous chunks, returned to the zigzag layout as slime's loss does: :mod:`slime_tis.slime.allgather_cp`).
 * Aggregation is slime's: per-rollout mean ``sum_t loss_t / max(N_i, 1)`` with ``N_i =
   rollout_mask_sums[i]`` (the valid-token count of sample ``i``'s whole rollout, all its samples; the
   sample's own count when slime gives none); with ``tis_rejected_denominator: drop`` the rollout's kept
@@ -44,9 +45,7 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 Run it with ``--use-rollout-logprobs`` in place of ``--use-tis`` (no pi_old recompute is needed; without it slime
 recomputes pi_old, which this loss ignores except for ``drop``'s counts and the anchor of OPSM and of the
 unbiased KL, and a warning says so). Refused: slime's top-p replay (``--rollout-top-p < 1``: the TIS hook
-supports it, or sample with ``--rollout-top-p 1``) and ``--allgather-cp`` with context parallelism (slime's
-contiguous layout, which slime allows only for DSA-attention models: run those with the TIS hook, which reads
-the log-probs slime has already returned to the zigzag layout).
+supports it, or sample with ``--rollout-top-p 1``).
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ from slime_tis.core import compute_tis, policy_loss
 from slime_tis.core.algorithms import correction_inputs
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
+from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.custom_options import (
@@ -194,16 +194,14 @@ def reinforce_is_loss(
     drop = drop_applies(cfg)
 
     ctx = parallel_context()
-    if ctx.cp_size > 1 and getattr(args, "allgather_cp", False):
-        raise ValueError("--allgather-cp with --context-parallel-size > 1: reinforce_is_loss reads slime's zigzag "
-                         "CP logits layout, and slime allows --allgather-cp only for DSA-attention models, which "
-                         "need it; run those with slime's policy loss and the TIS hook (--use-tis "
-                         "--custom-tis-function-path slime_tis.slime.compute_tis_for_slime), other models without "
-                         "--allgather-cp")
+    allgather = ctx.cp_size > 1 and bool(getattr(args, "allgather_cp", False))
     total, resp = batch["total_lengths"], batch["response_lengths"]
     packed = pack_slime_batch(batch["loss_masks"], total, resp, ctx.cp_rank, ctx.cp_size)
     device = logits.device
-    rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
+    if allgather:  # slime's contiguous chunks of the concatenated micro-batch (slime_tis.slime.allgather_cp)
+        rows, tok, resp_pos = allgather_response_rows(total, resp, ctx.cp_rank, int(logits.shape[1]), device=device)
+    else:
+        rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
     targets = torch.cat(list(batch["unconcat_tokens"])).to(device)[tok]
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
     from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
@@ -217,6 +215,12 @@ def reinforce_is_loss(
         with_entropy=entropy_coef != 0.0,
         kernels=cfg.kernels,
     )
+    if allgather:  # back to the zigzag layout of everything else slime hands the loss
+        cp_group = getattr(ctx.reducer, "cp_group", None)
+        n_full = int(packed.full_mask.shape[0])
+        lp_theta = to_zigzag(lp_theta, resp_pos, n_full, packed.index, cp_group)
+        if entropy is not None:
+            entropy = to_zigzag(entropy, resp_pos, n_full, packed.index, cp_group)
     if recording_enabled(args) or getattr(args, "save_debug_train_data", None):  # device copies; written later
         RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
@@ -287,7 +291,7 @@ def reinforce_is_loss(
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach().clone()
-    if lp_theta.numel() == 0:  # keep every parameter in the graph (slime does the same)
+    if lp_theta.numel() == 0 or allgather:  # keep every parameter in the graph (slime does the same)
         loss = loss + 0.0 * logits.sum()
     metrics["loss"] = loss.detach().clone()
     if use_opsm:

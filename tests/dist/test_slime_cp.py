@@ -8,7 +8,8 @@ put back together must equal the core on the unsplit batch (computed on every ra
   per-sample-mean loss summed over CP ranks, and the exact ``MetricStats`` path reduced over DP x CP;
 * REINFORCE + IS custom loss: the loss summed over CP ranks and the gradient of the per-sample logits, also
   with slime's ``--use-opsm`` (slime's mask rule, on full-length log-probs gathered over CP), ``--use-unbiased-kl``
-  and a custom pg-loss reducer (CP-local, as slime hands it);
+  and a custom pg-loss reducer (CP-local, as slime hands it), and with ``--allgather-cp`` (slime's contiguous
+  chunks of the concatenated micro-batch, padded to a multiple of CP);
 * rollout-data hook: the global batch-normalisation factor, and the dump (full responses);
 * then, re-initialised as DP = 2: ``drop`` with rollouts whose samples lie on different DP ranks (kept counts
   summed over DP by the rollout-data hook), the DP-summed loss equals the rollout means.
@@ -162,6 +163,10 @@ def _worker(out: Path) -> None:
         padded = torch.cat([lg, torch.zeros(2 * cp * c - t, vocab)])
         local_rows += [padded[k * c:(k + 1) * c] for k in (cp_rank, 2 * cp - 1 - cp_rank)]
     local_logits = torch.cat(local_rows + [torch.zeros(3, vocab)])[None]  # slime pads the packed batch
+    # --allgather-cp: the samples back to back, padded to a multiple of cp, contiguous chunk cp_rank
+    stream = torch.cat(sample_logits)
+    stream = torch.cat([stream, torch.zeros(-stream.shape[0] % (2 * cp) + 2 * cp, vocab)])
+    allgather_logits = stream.chunk(cp)[cp_rank][None]
     loss_cases = {
         "a3_seq_trunc": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5),
         "a3_geo_mask_veto_bn": dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.3,
@@ -170,6 +175,10 @@ def _worker(out: Path) -> None:
                                  tis_rejected_denominator="drop"),
         "a3_tok_mask_drop": dict(tis_mode="mask", tis_level="token", tis_upper_bound=3.0,
                                  tis_rejected_denominator="drop"),
+        "a3_seq_trunc_allgather": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5,
+                                       allgather_cp=True),
+        "a3_tok_mask_drop_allgather": dict(tis_mode="mask", tis_level="token", tis_upper_bound=3.0,
+                                           tis_rejected_denominator="drop", allgather_cp=True),
     }
     def policy_log_probs(logits_list):
         out = []
@@ -194,7 +203,7 @@ def _worker(out: Path) -> None:
         postprocess_rollout_data(args, 0, data3)
         for lg in sample_logits:
             lg.grad = None
-        loss, _ = reinforce_is_loss(args, batch, local_logits,
+        loss, _ = reinforce_is_loss(args, batch, allgather_logits if kw.get("allgather_cp") else local_logits,
                                     lambda x: slime_sum_of_sample_mean(x, b, b.masks, cp_rank, cp))
         loss.backward(retain_graph=True)
         grads = torch.cat([lg.grad for lg in sample_logits])
