@@ -226,8 +226,42 @@ def test_refusals_name_the_nearest_supported_command(slime_opsm):
                          (dict(custom_pg_loss_reducer_function_path="m.f"),
                           "'drop' with --custom-pg-loss-reducer-function-path m.f.*keep")):
         args = args_ns(**drop, **extra)
-        register(args, b)
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match):  # by the rollout-data hook, before training
+            register(args, b)
+        with pytest.raises(ValueError, match=match):  # and by the loss itself
             reinforce_is_loss(args, slime_batch(b), logits, reducer_for(b))
     with pytest.raises(ValueError, match="TIS hook.*compute_tis_for_slime.*or sample with --rollout-top-p 1"):
         reinforce_is_loss(args_ns(**ARGS, rollout_top_p=0.9), slime_batch(b), logits, reducer_for(b))
+
+
+def test_refusal_advice_is_a_command_slime_accepts_and_trains(slime_opsm):
+    """Each refusal's advice, applied to the refused command line, is one slime's checks accept, and with it the
+    custom loss trains a rollout of multi-sample rollouts (the slime harness, slime's OPSM rule installed)."""
+    from _slime_args import slime_accepts
+    from test_slime_command_lines import ALG2, ALG3, DROP, SIZES, _harness_args
+
+    from _slime_sim import Layout, initial_weights, make_rollouts, schedule, train_rollout
+
+    slime_opsm(opsm_624b824)
+    w0 = initial_weights(1)
+    ro = make_rollouts(3, SIZES, w0)
+    sched = schedule(ro, steps=1, micro_batch_size=1)
+    keep = DROP.replace("drop", "keep")
+    for extra in ("--use-opsm --opsm-delta 1e-4", "--custom-pg-loss-reducer-function-path user_reducers.kept_mean"):
+        cmd = f"{ALG3} {extra}"
+        slime_accepts(cmd.split(), yaml_text=DROP)
+        with pytest.raises(ValueError, match="use tis_rejected_denominator: keep"):
+            train_rollout(_harness_args(cmd, DROP), ro, w0, sched, Layout())
+        slime_accepts(cmd.split(), yaml_text=keep)
+        sys.modules["user_reducers"] = types.ModuleType("user_reducers")
+        sys.modules["user_reducers"].kept_mean = token_sum_over_kept
+        try:
+            assert len(train_rollout(_harness_args(cmd, keep), ro, w0, sched, Layout())) == 1
+        finally:
+            del sys.modules["user_reducers"]
+    # top-p: the TIS hook with slime's replay, or the custom loss at --rollout-top-p 1
+    slime_accepts(f"{ALG2} --rollout-top-p 0.9".split(), yaml_text="tis_mode: truncate\n")
+    slime_accepts(f"{ALG3} --rollout-top-p 1".split(), yaml_text="tis_mode: truncate\n")
+    # the recompute warning: --use-rollout-logprobs in place of --use-tis
+    with pytest.raises(Exception, match="--use-rollout-logprobs and --use-tis"):
+        slime_accepts(f"{ALG3} --use-tis".split(), yaml_text="tis_mode: truncate\n")
