@@ -238,9 +238,8 @@ def test_refusal_advice_is_a_command_slime_accepts_and_trains(slime_opsm):
     """Each refusal's advice, applied to the refused command line, is one slime's checks accept, and with it the
     custom loss trains a rollout of multi-sample rollouts (the slime harness, slime's OPSM rule installed)."""
     from _slime_args import slime_accepts
-    from test_slime_command_lines import ALG2, ALG3, DROP, SIZES, _harness_args
-
     from _slime_sim import Layout, initial_weights, make_rollouts, schedule, train_rollout
+    from test_slime_command_lines import ALG2, ALG3, DROP, SIZES, _harness_args
 
     slime_opsm(opsm_624b824)
     w0 = initial_weights(1)

@@ -49,8 +49,8 @@ from slime_tis.core.weights import batch_norm_factor
 from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
-from slime_tis.slime.kept import drop_applies, pi_old_correction, plan_rollout_drop
 from slime_tis.slime.custom_options import check_custom_options
+from slime_tis.slime.kept import drop_applies, pi_old_correction, plan_rollout_drop
 from slime_tis.slime.opsm import check_opsm
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.rollouts import unit_keys
