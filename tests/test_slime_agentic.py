@@ -223,10 +223,10 @@ def test_refused_combinations():
 
     with pytest.raises(ValueError, match="custom-pg-loss-reducer-function-path.*Use 'keep'"):
         run(slime_args(use_tis=True, tis_rejected_denominator="drop", custom_pg_loss_reducer_function_path="m.f"))
-    with pytest.raises(ValueError, match="--use-opsm is applied by slime's own policy loss"):
-        run(custom_loss_args(use_opsm=True))
-    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path is applied by slime's own"):
-        run(custom_loss_args(custom_pg_loss_reducer_function_path="m.f"))
+    with pytest.raises(ValueError, match="'drop' with --use-opsm.*keep"):
+        run(custom_loss_args(use_opsm=True, tis_rejected_denominator="drop"))
+    with pytest.raises(ValueError, match="'drop' with --custom-pg-loss-reducer-function-path m.f.*keep"):
+        run(custom_loss_args(custom_pg_loss_reducer_function_path="m.f", tis_rejected_denominator="drop"))
     with pytest.raises(ValueError, match="cispo"):
         run(opsm_args("keep", advantage_estimator="cispo"))
     with pytest.raises(ValueError, match="tis_batch_normalize with --use-opsm"):

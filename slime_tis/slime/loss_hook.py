@@ -14,7 +14,8 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
 * ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
   (:func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`, chunks of
   ``--log-probs-chunk-size`` rows; slime's ``-1`` = one chunk) at the rows slime's layout assigns
-  to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP).
+  to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP; with ``--allgather-cp``
+  slime's contiguous chunks, returned to the zigzag layout as slime's loss does: :mod:`slime_tis.slime.allgather_cp`).
 * Aggregation is slime's: per-rollout mean ``sum_t loss_t / max(N_i, 1)`` with ``N_i =
   rollout_mask_sums[i]`` (the valid-token count of sample ``i``'s whole rollout, all its samples; the
   sample's own count when slime gives none); with ``tis_rejected_denominator: drop`` the rollout's kept
@@ -37,10 +38,14 @@ contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` wit
   slime's own policy loss does) and, with ``tis_record_train_log_probs: true``, to this package's dump
   (:mod:`slime_tis.slime.record`).
 
-Run it with ``--use-rollout-logprobs`` (no pi_old recompute is needed; without it slime recomputes
-pi_old, which this loss ignores except for ``drop``'s counts, and a warning says so). Refused: slime's
-top-p replay (``--rollout-top-p < 1``), ``--use-opsm`` and ``--custom-pg-loss-reducer-function-path`` (both
-act in slime's own policy loss only, which this loss replaces).
+* slime's ``--use-opsm``, ``--use-unbiased-kl`` and ``--custom-pg-loss-reducer-function-path`` are applied as
+  slime's policy loss applies them (:mod:`slime_tis.slime.custom_options`); ``drop`` is refused with OPSM and with
+  a custom reducer.
+
+Run it with ``--use-rollout-logprobs`` in place of ``--use-tis`` (no pi_old recompute is needed; without it slime
+recomputes pi_old, which this loss ignores except for ``drop``'s counts and the anchor of OPSM and of the
+unbiased KL, and a warning says so). Refused: slime's top-p replay (``--rollout-top-p < 1``: the TIS hook
+supports it, or sample with ``--rollout-top-p 1``).
 """
 
 from __future__ import annotations
@@ -57,8 +62,17 @@ from slime_tis.core import compute_tis, policy_loss
 from slime_tis.core.algorithms import correction_inputs
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
+from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.custom_options import (
+    check_custom_options,
+    opsm_mask,
+    per_token_pg_loss,
+    slime_anchor,
+    slime_pg_loss_reducer,
+    unbiased_kl,
+)
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
@@ -146,7 +160,8 @@ def _warn_recompute(args: Any) -> None:
         _WARNED_RECOMPUTE = True
         msg = (
             "slime_tis.slime.reinforce_is_loss (algorithm 3) does not use pi_old: add --use-rollout-logprobs "
-            "so that slime skips the old-log-prob recompute"
+            "(in place of --use-tis, which slime does not accept with it) so that slime skips the old-log-prob "
+            "recompute"
         )
         logger.warning(msg)
         warnings.warn(msg, stacklevel=3)
@@ -163,16 +178,12 @@ def reinforce_is_loss(
     check_slime_terms(cfg, own_loss=False)
     if getattr(args, "rollout_top_p", 1.0) < 1.0:
         raise ValueError(
-            f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss"
+            f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss; use "
+            "slime's policy loss with the TIS hook (--use-tis --custom-tis-function-path "
+            "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
     check_drop_config(args, cfg)
-    for flag in ("use_opsm", "custom_pg_loss_reducer_function_path"):
-        if getattr(args, flag, None):
-            raise ValueError(f"--{flag.replace('_', '-')} is applied by slime's own policy loss, which "
-                             "reinforce_is_loss replaces: remove it (rejection: tis_rs_level, tis_veto_threshold, "
-                             "k3 thresholds; aggregation: slime's per-rollout mean)")
-    if getattr(args, "use_unbiased_kl", False):
-        raise ValueError("--use-unbiased-kl is not supported by reinforce_is_loss")
+    check_custom_options(args, drop_applies(cfg))
     if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
         raise ValueError(
             "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"
@@ -183,12 +194,14 @@ def reinforce_is_loss(
     drop = drop_applies(cfg)
 
     ctx = parallel_context()
-    if ctx.cp_size > 1 and getattr(args, "allgather_cp", False):
-        raise ValueError("--allgather-cp: reinforce_is_loss reads slime's zigzag CP logits layout; use zigzag CP")
+    allgather = ctx.cp_size > 1 and bool(getattr(args, "allgather_cp", False))
     total, resp = batch["total_lengths"], batch["response_lengths"]
     packed = pack_slime_batch(batch["loss_masks"], total, resp, ctx.cp_rank, ctx.cp_size)
     device = logits.device
-    rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
+    if allgather:  # slime's contiguous chunks of the concatenated micro-batch (slime_tis.slime.allgather_cp)
+        rows, tok, resp_pos = allgather_response_rows(total, resp, ctx.cp_rank, int(logits.shape[1]), device=device)
+    else:
+        rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
     targets = torch.cat(list(batch["unconcat_tokens"])).to(device)[tok]
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
     from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
@@ -202,6 +215,12 @@ def reinforce_is_loss(
         with_entropy=entropy_coef != 0.0,
         kernels=cfg.kernels,
     )
+    if allgather:  # back to the zigzag layout of everything else slime hands the loss
+        cp_group = getattr(ctx.reducer, "cp_group", None)
+        n_full = int(packed.full_mask.shape[0])
+        lp_theta = to_zigzag(lp_theta, resp_pos, n_full, packed.index, cp_group)
+        if entropy is not None:
+            entropy = to_zigzag(entropy, resp_pos, n_full, packed.index, cp_group)
     if recording_enabled(args) or getattr(args, "save_debug_train_data", None):  # device copies; written later
         RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
@@ -209,6 +228,7 @@ def reinforce_is_loss(
     # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum
     keep_override = None
     decided = None
+    reduce_pg = getattr(args, "custom_pg_loss_reducer_function_path", None)
     if cfg.loss_agg == "seq-mean-token-mean":
         counted = _counted_drop(batch, packed) if drop else None
         if counted is not None:  # decisions and K_g counted before the step, at its parameters
@@ -222,7 +242,14 @@ def reinforce_is_loss(
             coef = _local_drop_coefficients(batch, packed, decided.loss_keep, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
-        advantages = advantages * coef[packed.local_sample_index()]
+        if reduce_pg is None:  # a custom pg-loss reducer chooses its own denominators
+            advantages = advantages * coef[packed.local_sample_index()]
+    use_opsm = bool(getattr(args, "use_opsm", False))
+    use_unbiased = bool(getattr(args, "use_kl_loss", False) and getattr(args, "use_unbiased_kl", False))
+    anchor = slime_anchor(args, batch, packed, lp_theta) if use_opsm or use_unbiased else None
+    if use_opsm:  # slime's own mask on the policy term only (the loss is linear in the advantages)
+        opsm, opsm_clipfrac = opsm_mask(args, batch, packed, lp_theta, anchor, advantages, ctx.reducer)
+        advantages = advantages * opsm
 
     out = policy_loss(
         cfg.replace(loss_agg="token-mean", rejected_denominator="keep"),
@@ -240,6 +267,10 @@ def reinforce_is_loss(
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)
     pg_loss = out.loss
+    if reduce_pg is not None:  # slime's reducer contract: full-length masks with the rejected tokens zeroed
+        reducer_fn = slime_pg_loss_reducer(args, batch, packed.full_keep_masks(keep, ctx.reducer))
+        pg_loss = reducer_fn(per_token_pg_loss(cfg, lp_theta, advantages, out.weights, keep, packed.cu_seqlens,
+                                               ctx.reducer))
     loss = pg_loss
     metrics: dict[str, Tensor] = {"pg_loss": pg_loss.detach().clone()}
     if entropy_coef != 0.0:
@@ -250,14 +281,21 @@ def reinforce_is_loss(
         ref = packed.cat_local("ref_log_probs", batch["ref_log_probs"]).to(device)
         kl_coef = float(getattr(args, "kl_loss_coef", 0.0) or 0.0)
         kl_in = lp_theta if kl_coef != 0.0 else lp_theta.detach()
-        kl = kl_penalty(kl_in, ref.detach(), getattr(args, "kl_loss_type", "k1"))
+        kind = getattr(args, "kl_loss_type", "k1")
+        if use_unbiased and kind in KL_ESTIMATORS:  # inputs selected first: no NaN reaches a gradient
+            kl = unbiased_kl(torch.where(keep, kl_in, zero), torch.where(keep, ref.detach().float(), zero),
+                             torch.where(keep, anchor, zero), kind)
+        else:
+            kl = kl_penalty(kl_in, ref.detach(), kind)
         kl_loss = sum_of_sample_mean(torch.where(keep & torch.isfinite(kl), kl, zero))
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach().clone()
-    if lp_theta.numel() == 0:  # keep every parameter in the graph (slime does the same)
+    if lp_theta.numel() == 0 or allgather:  # keep every parameter in the graph (slime does the same)
         loss = loss + 0.0 * logits.sum()
     metrics["loss"] = loss.detach().clone()
+    if use_opsm:
+        metrics["opsm_clipfrac"] = opsm_clipfrac.detach()
 
     assert out.tis is not None  # algorithm 3 always has rollout log-probs
     tm = token_metrics(cfg, out.tis, None)

@@ -49,6 +49,7 @@ from slime_tis.core.weights import batch_norm_factor
 from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.custom_options import check_custom_options
 from slime_tis.slime.kept import drop_applies, pi_old_correction, plan_rollout_drop
 from slime_tis.slime.opsm import check_opsm
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
@@ -88,6 +89,8 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     dump_dir = getattr(args, "tis_dump_dir", None)
     flush_recorded_train_log_probs(args)  # the previous rollout's recorded training log-probs (algorithm 3)
     STATE.clear()
+    if not row.ppo:  # the custom loss: its refusals before anything is counted
+        check_custom_options(args, cfg.rejected_denominator == "drop")
     if row.ppo:  # slime's own PPO loss (OPSM is applied there)
         check_opsm(args)
         if want_norm and getattr(args, "use_opsm", False):

@@ -6,7 +6,10 @@ put back together must equal the core on the unsplit batch (computed on every ra
 
 * TIS hook: per-token loss, returned full-length masks (identical on both ranks), token metrics, slime's
   per-sample-mean loss summed over CP ranks, and the exact ``MetricStats`` path reduced over DP x CP;
-* REINFORCE + IS custom loss: the loss summed over CP ranks and the gradient of the per-sample logits;
+* REINFORCE + IS custom loss: the loss summed over CP ranks and the gradient of the per-sample logits, also
+  with slime's ``--use-opsm`` (slime's mask rule, on full-length log-probs gathered over CP), ``--use-unbiased-kl``
+  and a custom pg-loss reducer (CP-local, as slime hands it), and with ``--allgather-cp`` (slime's contiguous
+  chunks of the concatenated micro-batch, padded to a multiple of CP);
 * rollout-data hook: the global batch-normalisation factor, and the dump (full responses);
 * then, re-initialised as DP = 2: ``drop`` with rollouts whose samples lie on different DP ranks (kept counts
   summed over DP by the rollout-data hook), the DP-summed loss equals the rollout means.
@@ -160,6 +163,10 @@ def _worker(out: Path) -> None:
         padded = torch.cat([lg, torch.zeros(2 * cp * c - t, vocab)])
         local_rows += [padded[k * c:(k + 1) * c] for k in (cp_rank, 2 * cp - 1 - cp_rank)]
     local_logits = torch.cat(local_rows + [torch.zeros(3, vocab)])[None]  # slime pads the packed batch
+    # --allgather-cp: the samples back to back, padded to a multiple of cp, contiguous chunk cp_rank
+    stream = torch.cat(sample_logits)
+    stream = torch.cat([stream, torch.zeros(-stream.shape[0] % (2 * cp) + 2 * cp, vocab)])
+    allgather_logits = stream.chunk(cp)[cp_rank][None]
     loss_cases = {
         "a3_seq_trunc": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5),
         "a3_geo_mask_veto_bn": dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.3,
@@ -168,6 +175,10 @@ def _worker(out: Path) -> None:
                                  tis_rejected_denominator="drop"),
         "a3_tok_mask_drop": dict(tis_mode="mask", tis_level="token", tis_upper_bound=3.0,
                                  tis_rejected_denominator="drop"),
+        "a3_seq_trunc_allgather": dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5,
+                                       allgather_cp=True),
+        "a3_tok_mask_drop_allgather": dict(tis_mode="mask", tis_level="token", tis_upper_bound=3.0,
+                                           tis_rejected_denominator="drop", allgather_cp=True),
     }
     def policy_log_probs(logits_list):
         out = []
@@ -192,7 +203,7 @@ def _worker(out: Path) -> None:
         postprocess_rollout_data(args, 0, data3)
         for lg in sample_logits:
             lg.grad = None
-        loss, _ = reinforce_is_loss(args, batch, local_logits,
+        loss, _ = reinforce_is_loss(args, batch, allgather_logits if kw.get("allgather_cp") else local_logits,
                                     lambda x: slime_sum_of_sample_mean(x, b, b.masks, cp_rank, cp))
         loss.backward(retain_graph=True)
         grads = torch.cat([lg.grad for lg in sample_logits])
@@ -212,6 +223,60 @@ def _worker(out: Path) -> None:
         if kw.get("tis_mode") == "mask":  # rejections beyond sample 2 (a NaN at a valid token rejects it whole)
             checks[f"{name}/some_rejected"] = 0.0 if sum(rejected) > rejected[2] else float("inf")
         COLLECTOR.flush()
+
+    # ------------------------------------ custom loss with slime's OPSM, unbiased KL and a custom pg-loss reducer
+    import sys
+    import types
+
+    from _slime_sim import opsm_keep
+
+    def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss_masks):  # slime 624b824's rule
+        return opsm_keep(full_log_probs, full_old_log_probs, advantages, loss_masks, args.opsm_delta), torch.zeros(())
+
+    def kept_mean(total_lengths, response_lengths, masks, per_token):  # a user's reducer, CP-local as slime's
+        return lambda x: slime_sum_of_sample_mean(x, b, masks, cp_rank, cp, denom_masks=masks)
+
+    for name in ("slime", "slime.utils", "slime.utils.ppo_utils", "cp_reducers"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["slime.utils.ppo_utils"].compute_opsm_mask = compute_opsm_mask
+    sys.modules["cp_reducers"].kept_mean = kept_mean
+    ref_full = [lp.detach() - 0.2 for lp in policy_log_probs(sample_logits)]
+    args = args_ns(use_rollout_logprobs=True, rollout_temperature=temp, loss_type="custom_loss",
+                   custom_loss_function_path="slime_tis.slime.reinforce_is_loss", tis_mode="truncate",
+                   tis_level="token", tis_upper_bound=1.5, use_opsm=True, opsm_delta=0.01, use_kl_loss=True,
+                   kl_loss_coef=0.1, kl_loss_type="k3", use_unbiased_kl=True,
+                   custom_pg_loss_reducer_function_path="cp_reducers.kept_mean")
+    postprocess_rollout_data(args, 0, data3)
+    for lg in sample_logits:
+        lg.grad = None
+    batch_o = batch | {"ref_log_probs": dataclasses.replace(b, train=ref_full).local("train", cp_rank, cp)}
+    loss, _ = reinforce_is_loss(args, batch_o, local_logits,
+                                lambda x: slime_sum_of_sample_mean(x, b, b.masks, cp_rank, cp))
+    loss.backward()
+    grads = torch.cat([lg.grad for lg in sample_logits])
+    ref_logits = [lg.detach().clone().requires_grad_(True) for lg in sample_logits]
+    lp = torch.cat(policy_log_probs(ref_logits))
+    cfg = tis_config_from_slime_args(args, algorithm=3)
+    ro, adv = b3.packed("rollout"), b.packed("advantages")
+    tis = compute_tis(cfg, lp.detach(), ro, b.packed("masks"), b.cu_seqlens(), reducer=LocalReducer(),
+                      extra_finite=(adv,))
+    keep, zero = tis.keep_mask, torch.zeros(())
+    opsm = opsm_keep(list(lp.detach().split(b.response_lengths)), b3.rollout, b.advantages, b.masks, 0.01)
+    lp_k = torch.where(keep, lp, zero)
+    keep_masks = [m * k for m, k in zip(b.masks, keep.split(b.response_lengths))]
+    pg = slime_sum_of_sample_mean(torch.where(keep, -tis.weights * adv * opsm * lp_k, zero), b, keep_masks, 0, 1,
+                                  denom_masks=keep_masks)
+    d = lp_k - torch.where(keep, torch.cat(ref_full), zero)
+    kl = torch.exp(lp_k - torch.where(keep, ro, zero)) * (torch.exp(-d) - 1 + d)
+    ref_loss = pg + 0.1 * slime_sum_of_sample_mean(torch.where(keep, kl, zero), b, b.masks, 0, 1)
+    ref_loss.backward()
+    checks["a3_opsm_ukl_reducer/loss"] = err(cp_sum(loss), ref_loss.detach())
+    checks["a3_opsm_ukl_reducer/grad"] = err(cp_sum(grads), torch.cat([lg.grad for lg in ref_logits]))
+    zeroed = ((opsm == 0) & keep).any()
+    checks["a3_opsm_ukl_reducer/some_opsm_zeroed"] = 0.0 if zeroed else float("inf")
+    COLLECTOR.flush()
+    for name in ("slime", "slime.utils", "slime.utils.ppo_utils", "cp_reducers"):
+        del sys.modules[name]
 
     # ---------------------------------------------------------------- rollout-data hook
     dump_dir = out / "dump"

@@ -1,0 +1,133 @@
+"""slime's policy-loss options inside the custom loss ``slime_tis.slime.reinforce_is_loss``.
+
+slime applies these options in its own ``policy_loss_function`` (``slime/backends/megatron_utils/loss.py``,
+THUDM/slime 624b824), which the custom loss replaces; the custom loss applies each of them the way slime does:
+
+* ``--use-opsm``: slime's own mask, from slime's own ``compute_opsm_mask`` (``slime/utils/ppo_utils.py``) called
+  with the arguments its installed signature names (full-length log-probs of ``pi_theta`` and of the anchor,
+  the advantages, the loss masks), so that the decision is always the installed slime's (per token on
+  ``A < 0`` at 624b824; per sequence where slime decides it so). The anchor is slime's: the rollout log-probs
+  with ``--use-rollout-logprobs``, else slime's recomputed ``log_probs``, else ``sg(pi_theta)``. The mask
+  multiplies the policy term only (per token: the advantage), as slime multiplies ``pg_loss``; the
+  denominators, the entropy and the KL terms are unchanged. ``opsm_clipfrac`` is reported as slime does.
+* ``--use-unbiased-kl``: slime's estimator ``kl_t = r_t * k(lp_theta_t, lp_ref_t)``, ``r_t =
+  exp(lp_theta_t - lp_old_t)`` (differentiable in ``lp_theta``; ``lp_old`` the same anchor as OPSM's), then
+  ``low_var_kl``'s clamp to ``[-10, 10]``.
+* ``--custom-pg-loss-reducer-function-path``: slime's reducer contract, ``reducer = f(total_lengths,
+  response_lengths, masks, calculate_per_token_loss)`` with ``masks`` the full-length loss masks with the
+  rejected tokens zeroed, then ``pg_loss = reducer(per_token_pg_loss)`` (``[T_local]``, zero where not kept);
+  the reducer chooses the denominators, so ``tis_rejected_denominator: drop`` is refused with it.
+
+All collectives here depend on the options only (one CP sum per gathered tensor).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_tis.core.correction import plan_of
+from slime_tis.core.packing import packed_layout
+from slime_tis.core.reducer import Reducer
+from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
+from slime_tis.core.terms import kl_estimate
+from slime_tis.slime.batch import SlimePacked, gather_full_responses
+
+__all__ = ["check_custom_options", "load_slime_function", "opsm_mask", "per_token_pg_loss", "slime_anchor",
+           "slime_pg_loss_reducer", "unbiased_kl"]
+
+DROP_WITH = ("tis_rejected_denominator = 'drop' with {flag}: {why}; use tis_rejected_denominator: keep")
+
+
+def check_custom_options(args: Any, drop: bool) -> None:
+    """Refuse the combinations that cannot be exact (module docstring), naming the nearest supported one."""
+    reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    if drop and reducer is not None:
+        raise ValueError(DROP_WITH.format(
+            flag=f"--custom-pg-loss-reducer-function-path {reducer}",
+            why="your reducer chooses each sample's denominator from the kept masks it is given"))
+    if drop and getattr(args, "use_opsm", False):
+        raise ValueError(DROP_WITH.format(
+            flag="--use-opsm", why="drop divides each rollout by its tokens kept by the rejection rules, counted "
+            "before OPSM decides at the current parameters, so OPSM's zeroed tokens would count as kept"))
+
+
+def load_slime_function(path: str) -> Callable[..., Any]:
+    """``module.attr`` -> the function (slime's ``load_function`` convention)."""
+    module, _, attr = path.rpartition(".")
+    if not module:
+        raise ValueError(f"function path {path!r}: expected module.attr")
+    return getattr(importlib.import_module(module), attr)
+
+
+def slime_anchor(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor) -> Tensor:
+    """``[T_local]`` slime's ``old_log_probs`` (detached): rollout log-probs with ``--use-rollout-logprobs``,
+    else slime's recomputed ``log_probs``, else ``sg(lp_theta)``."""
+    if getattr(args, "use_rollout_logprobs", False):
+        return packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(lp_theta.device).float()
+    old = batch.get("log_probs")
+    if old:
+        return packed.cat_local("log_probs", old).to(lp_theta.device).float()
+    return lp_theta.detach().float()
+
+
+def opsm_mask(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor, anchor: Tensor,
+              advantages: Tensor, reducer: Reducer) -> tuple[Tensor, Tensor]:
+    """``([T_local] float32 mask, opsm_clipfrac)`` from slime's ``compute_opsm_mask`` (module docstring)."""
+    try:
+        from slime.utils.ppo_utils import compute_opsm_mask  # slime's own decision (runs inside slime)
+    except ImportError as err:
+        raise ValueError(f"--use-opsm: the custom loss takes slime's own OPSM mask from "
+                         f"slime.utils.ppo_utils.compute_opsm_mask, which is not importable here ({err})") from None
+
+    params = inspect.signature(compute_opsm_mask).parameters
+    kwargs: dict[str, Any] = {
+        "args": args,
+        "full_log_probs": gather_full_responses(packed, lp_theta.detach(), reducer),
+        "full_old_log_probs": gather_full_responses(packed, anchor, reducer),
+        "loss_masks": list(batch["loss_masks"]),
+    }
+    local_adv = list(advantages.split(packed.local_lengths.tolist()))  # host-sync-ok (CPU lengths)
+    if "advantages" in params:
+        kwargs["advantages"] = local_adv
+    if "local_advantages" in params:
+        kwargs["local_advantages"] = local_adv
+    if "full_advantages" in params:
+        kwargs["full_advantages"] = gather_full_responses(packed, advantages, reducer)
+    mask, clipfrac = compute_opsm_mask(**kwargs)
+    mask = mask.to(lp_theta.device).float().reshape(-1)
+    if mask.shape[0] != lp_theta.shape[0]:
+        raise ValueError(f"slime's compute_opsm_mask returned {mask.shape[0]} entries for this rank's "
+                         f"{lp_theta.shape[0]} response tokens")
+    return mask, torch.as_tensor(clipfrac, dtype=torch.float32, device=lp_theta.device)
+
+
+def unbiased_kl(lp_theta: Tensor, lp_ref: Tensor, lp_old: Tensor, kind: str) -> Tensor:
+    """slime's ``--use-unbiased-kl``: ``exp(lp_theta - lp_old) * k(lp_theta, lp_ref)``, then low_var_kl's clamp."""
+    base = kl_estimate(lp_theta, lp_ref, "k3" if kind == "low_var_kl" else kind)
+    kl = torch.exp(lp_theta.float() - lp_old.float()) * base
+    return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
+
+
+def per_token_pg_loss(cfg: Any, lp_theta: Tensor, advantages: Tensor, weights: Tensor, keep: Tensor,
+                      cu_seqlens: Tensor, reducer: Reducer) -> Tensor:
+    """``[T_local]`` the custom loss's per-token policy term ``w_t * f(lp_theta_t, A_t)`` (the configured anchorless
+    surrogate, ``-A lp`` or ``-A exp(lp - sg(lp))``), 0 where not kept: what slime hands a pg-loss reducer."""
+    theta = torch.where(keep, lp_theta.float(), 0.0)
+    adv = torch.where(keep, advantages.detach().float(), 0.0)
+    layout = packed_layout(cu_seqlens, int(lp_theta.shape[0]), lp_theta.device)
+    sur = surrogate_of(plan_of(cfg).surrogate)
+    loss = sur.fn(SurrogateInputs(theta, None, adv, keep, layout, reducer), plan_of(cfg)).loss
+    return torch.where(keep, weights.detach() * loss, 0.0)
+
+
+def slime_pg_loss_reducer(args: Any, batch: dict[str, Any], keep_masks: list[Tensor]) -> Callable[[Tensor], Tensor]:
+    """The user's reducer built with slime's contract (module docstring)."""
+    make = load_slime_function(args.custom_pg_loss_reducer_function_path)
+    return make(batch["total_lengths"], batch["response_lengths"], keep_masks,
+                bool(getattr(args, "calculate_per_token_loss", False)))
