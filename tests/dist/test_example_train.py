@@ -54,16 +54,19 @@ def _rows(run_dir) -> list[dict]:
 TOOL = os.path.join(ROOT, "tests", "dist", "_example_ckpt_tool.py")
 
 
-def _ckpt(run_dir, step: int) -> dict[str, torch.Tensor]:
-    """Every global tensor of the dist checkpoint at ``step`` (model and optimizer), flattened by key."""
-    out = os.path.join(str(run_dir), f"plain_{step}.pt")
-    d = os.path.join(str(run_dir), "checkpoints", f"step_{step:06d}")
+def _ckpts(*at: tuple) -> list[dict[str, torch.Tensor]]:
+    """Every global tensor of the dist checkpoint of each ``(run_dir, step)`` (model and optimizer), flattened by
+    key; one helper process reads them all."""
+    pairs = []
+    for run_dir, step in at:
+        pairs += [os.path.join(str(run_dir), "checkpoints", f"step_{step:06d}"),
+                  os.path.join(str(run_dir), f"plain_{step}.pt")]
     _check(
         subprocess.run(
-            [sys.executable, TOOL, "plain", d, out], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180
+            [sys.executable, TOOL, "plain", *pairs], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240
         )
     )
-    return torch.load(out, map_location="cpu", weights_only=True)
+    return [torch.load(out, map_location="cpu", weights_only=True) for out in pairs[1::2]]
 
 
 CASES = {
@@ -106,7 +109,7 @@ def test_two_process_training_and_bit_identical_resume(case, tmp_path):
     expected_alg = int(case[3])
     with open(full / "args.json", encoding="utf-8") as f:
         assert json.load(f)["algorithm"] == expected_alg
-    at2, at4, again = _ckpt(full, 2), _ckpt(full, 4), _ckpt(resumed, 4)
+    at2, at4, again = _ckpts((full, 2), (full, 4), (resumed, 4))
     model_keys = [k for k in at4 if not k.startswith("optimizer")]
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in at4)
     if "moe" in case:  # no linear biases; the router and the 4 experts per layer are checkpointed
@@ -151,10 +154,9 @@ def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(tmp_path):
             timeout=240,
         )
     )
-    original = _ckpt(src, 2)
+    original, *layouts = _ckpts((src, 2), (tmp_path / "dp2", 2), (tmp_path / "pp1", 2))
     assert any(k.startswith("optimizer.state.exp_avg.") for k in original)
-    for layout in ("dp2", "pp1"):
-        again = _ckpt(tmp_path / layout, 2)
+    for layout, again in zip(("dp2", "pp1"), layouts, strict=True):
         assert again.keys() == original.keys(), layout
         diff = [k for k in original if not torch.equal(original[k], again[k])]
         assert not diff, f"{layout}: round trip changed {diff[:5]}"
