@@ -87,14 +87,9 @@ def main() -> None:
         sys.stderr.flush()
         start = time.monotonic()
         pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = _run_job(job["argv"], job["port"], log_of(Path(batch["out"]), job["name"], rank))
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code if 0 <= code < 256 else 1)
+        if pid == 0:  # the job's process: it ends as a process of its own would (atexit handlers, e.g. the
+            # multiprocessing children a checkpoint writer started, are cleaned up by the interpreter's exit)
+            raise SystemExit(_run_job(job["argv"], job["port"], log_of(Path(batch["out"]), job["name"], rank)))
         rc = _wait(pid, job["timeout"])
         with open(out, "a") as f:
             f.write(json.dumps({"name": job["name"], "rank": rank, "rc": rc,
