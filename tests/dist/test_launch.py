@@ -1,5 +1,6 @@
 """The torchrun launcher of the distributed tests (``_launch.py``): a hanging worker fails the test within the
-timeout and leaves no process behind; a launch that ends leaves none behind either.
+timeout and leaves no process behind; a launch that ends leaves none behind either; several jobs in one launch
+(``_batch.py``) each get their own outcome.
 
 torchrun starts every worker in its own session, so killing torchrun's process group alone orphans the
 workers, and they keep the log pipe open (the launcher would then block reading it). The worker here also
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _batch import Job, torchrun_batch
 from _launch import torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -93,3 +95,20 @@ def test_launch_that_ends_leaves_no_daemon_and_returns_at_once(tmp_path):
         assert not _wait_dead(pids), "processes of the launch outlived it (worker, child, daemon per rank)"
     finally:
         _kill_left(_pids(tmp_path))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_batch_records_each_job_and_runs_the_next(tmp_path):
+    """Several jobs in one launch (``_batch.py``): a job that exits 3 and one that hangs past its timeout are
+    recorded as such on every rank, and the jobs after them still run, each in a process group of its own."""
+    job = HERE / "batch_job.py"
+    jobs = [Job("fail", [job, "fail", tmp_path]), Job("hang", [job, "hang", tmp_path], timeout=5.0),
+            Job("ok", [job, "ok", tmp_path]), Job("ok_again", [job, "ok", tmp_path / "again"])]
+    (tmp_path / "again").mkdir()
+    results = torchrun_batch(jobs, tmp_path / "batch", preload=("torch", "torch.distributed"), what="batch")
+    assert results["fail"].rcs == [3, 3] and not results["fail"].ok
+    assert results["hang"].rcs == [-9, -9], results["hang"].rcs
+    assert results["ok"].ok and results["ok_again"].ok, (results["ok"].failure(), results["ok_again"].failure())
+    for d in (tmp_path, tmp_path / "again"):  # ranks 1 + 2 summed by the job's own all-reduce
+        assert [(d / f"ok.rank{r}").read_text() for r in (0, 1)] == ["3 2", "3 2"]
