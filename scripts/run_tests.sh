@@ -8,8 +8,9 @@
 #   3. py312     .venv312: Python 3.12, the newest megatron-core on PyPI (0.19.2); the Megatron unit and torchrun
 #                tests, the example's distributed tests, Megatron-LM's real train_step around the hook
 #
-# The resolve step (network-bound) and the .venv312 install run in the background while the py311 tests run
-# (CPU-bound); their output is printed, and their failure fails the command, where their results are needed.
+# The resolve step and the .venv312 install (network-bound) run in the background while the py311 tests run
+# (CPU-bound), started once the .venv install (the critical path) is done; their output is printed, and their
+# failure fails the command, where their results are needed.
 # Each leg's pytest runs on PYTEST_WORKERS processes (default 2, one per core), a test module on one of them (its
 # module-scoped fixtures and launches run once), modules in collection order (tests/dist, the heaviest, first);
 # PYTEST_WORKERS=0 runs in one process.
@@ -75,10 +76,13 @@ resolve_all() {  # both interpreters at once (network-bound dry runs)
 workers() { [ "$PYTEST_WORKERS" -gt 0 ] && echo "-n $PYTEST_WORKERS --dist loadfile --no-loadscope-reorder"; }
 took() { echo "== $1 done at $((SECONDS - START)) s"; }
 
-if [[ " $LEGS " == *" resolve "* ]]; then
-  echo "== resolve: installs against the public package index alone (in the background; reported at the end)"
-  background resolve resolve_all
-fi
+start_resolve() {  # once, in the background: after the py311 install where that leg runs (both use the network)
+  if [[ " $LEGS " == *" resolve "* ]] && [ ! -f "$BG/resolve.pid" ]; then
+    echo "== resolve: installs against the public package index alone (in the background; reported at the end)"
+    background resolve resolve_all
+  fi
+}
+[[ " $LEGS " == *" py311 "* ]] || start_resolve
 for leg in $LEGS; do
   case $leg in
   resolve) ;;
@@ -90,6 +94,7 @@ for leg in $LEGS; do
     .venv/bin/pip install -q --no-deps verl==0.9.1
     .venv/bin/pip install -q -c constraints.txt tensordict omegaconf codetiming orjson
     took "py311 install"
+    start_resolve
     if [[ " $LEGS " == *" py312 "* ]]; then background venv312 make_venv .venv312 "$PY312" constraints-py312.txt; fi
     .venv/bin/ruff check . tests/dist  # ruff skips directories named "dist" unless named explicitly
     # shellcheck disable=SC2046
