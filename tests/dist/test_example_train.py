@@ -98,9 +98,12 @@ class Runs:
     def dir(self, name: str) -> Path:
         """The run directory of the run ``name``, after checking that it succeeded on every rank."""
         res = self.results.get(name)
-        assert res is not None, f"run {name} was not made (is its test selected?)"
+        assert res is not None, f"run {name} was not made (the run it resumes from failed: {self._failed()})"
         assert res.ok, res.failure()
         return self.root / name
+
+    def _failed(self) -> list[str]:
+        return [n for n, r in self.results.items() if not r.ok]
 
 
 @pytest.fixture(scope="module")
