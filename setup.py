@@ -24,6 +24,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout",
+            "pytest-xdist>=3.6",  # scripts/run_tests.sh: one worker per core, files in collection order
             "hypothesis>=6",
             "ruff",
             "megatron-core>=0.16.1,<0.21",

@@ -8,6 +8,13 @@
 #   3. py312     .venv312: Python 3.12, the newest megatron-core on PyPI (0.19.2); the Megatron unit and torchrun
 #                tests, the example's distributed tests, Megatron-LM's real train_step around the hook
 #
+# The resolve step and the .venv312 install (network-bound) run in the background while the py311 tests run
+# (CPU-bound), started once the .venv install (the critical path) is done; their output is printed, and their
+# failure fails the command, where their results are needed.
+# Each leg's pytest runs on PYTEST_WORKERS processes (default 2, one per core), a test module on one of them (its
+# module-scoped fixtures and launches run once), modules in collection order (tests/dist, the heaviest, first);
+# PYTEST_WORKERS=0 runs in one process.
+#
 #   bash scripts/run_tests.sh                      # everything (what CI runs)
 #   LEGS=py311 bash scripts/run_tests.sh -m "not dist and not slow"   # one leg; extra args go to its pytest
 #
@@ -17,6 +24,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LEGS=${LEGS:-resolve py311 py312}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+PYTEST_WORKERS=${PYTEST_WORKERS:-2}
+START=$SECONDS
 
 find_python() {  # find_python 3.12 -> an interpreter of that minor version, or nothing
   local want=$1 c
@@ -41,13 +50,42 @@ make_venv() {  # make_venv DIR PYTHON CONSTRAINTS
   "$dir/bin/pip" install -q -c "$constraints" -e '.[test]'
 }
 
+BG=$(mktemp -d)
+trap 'for f in "$BG"/*.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done; rm -rf "$BG"' EXIT
+background() {  # background NAME CMD...: start CMD, its output to a file, collected by `collect NAME`
+  local name=$1; shift
+  ( "$@" ) >"$BG/$name.log" 2>&1 &
+  echo $! >"$BG/$name.pid"
+}
+collect() {  # collect NAME: wait for a background step, print its output; its failure fails the command
+  local name=$1 rc=0
+  [ -f "$BG/$name.pid" ] || return 0
+  wait "$(cat "$BG/$name.pid")" || rc=$?
+  cat "$BG/$name.log"
+  rm -f "$BG/$name.pid"
+  if [ "$rc" != 0 ]; then echo "run_tests: $name failed (exit $rc)" >&2; exit "$rc"; fi
+}
+resolve_all() {  # both interpreters at once (network-bound dry runs)
+  bash scripts/check_public_install.sh "$PY311" constraints.txt example test >"$BG/resolve311.out" 2>&1 &
+  local p311=$! rc=0
+  if [ -n "$PY312" ]; then bash scripts/check_public_install.sh "$PY312" constraints-py312.txt example test || rc=$?; fi
+  wait $p311 || rc=$?
+  cat "$BG/resolve311.out"
+  return $rc
+}
+workers() { [ "$PYTEST_WORKERS" -gt 0 ] && echo "-n $PYTEST_WORKERS --dist loadfile --no-loadscope-reorder"; }
+took() { echo "== $1 done at $((SECONDS - START)) s"; }
+
+start_resolve() {  # once, in the background: after the py311 install where that leg runs (both use the network)
+  if [[ " $LEGS " == *" resolve "* ]] && [ ! -f "$BG/resolve.pid" ]; then
+    echo "== resolve: installs against the public package index alone (in the background; reported at the end)"
+    background resolve resolve_all
+  fi
+}
+[[ " $LEGS " == *" py311 "* ]] || start_resolve
 for leg in $LEGS; do
   case $leg in
-  resolve)
-    echo "== resolve: installs against the public package index alone"
-    bash scripts/check_public_install.sh "$PY311" constraints.txt example test
-    if [ -n "$PY312" ]; then bash scripts/check_public_install.sh "$PY312" constraints-py312.txt example test; fi
-    ;;
+  resolve) ;;
   py311)
     echo "== py311: $("$PY311" --version), constraints.txt"
     make_venv .venv "$PY311" constraints.txt
@@ -55,23 +93,32 @@ for leg in $LEGS; do
     # constraints.txt to a version verl imports, comes with the test extras).
     .venv/bin/pip install -q --no-deps verl==0.9.1
     .venv/bin/pip install -q -c constraints.txt tensordict omegaconf codetiming orjson
+    took "py311 install"
+    start_resolve
+    if [[ " $LEGS " == *" py312 "* ]]; then background venv312 make_venv .venv312 "$PY312" constraints-py312.txt; fi
     .venv/bin/ruff check . tests/dist  # ruff skips directories named "dist" unless named explicitly
-    .venv/bin/python -m pytest -q --durations=15 "$@"
+    # shellcheck disable=SC2046
+    .venv/bin/python -m pytest -q $(workers) --durations=15 "$@"
+    took py311
     ;;
   py312)
     echo "== py312: $("$PY312" --version), constraints-py312.txt"
-    make_venv .venv312 "$PY312" constraints-py312.txt
+    if [ -f "$BG/venv312.pid" ]; then collect venv312; else make_venv .venv312 "$PY312" constraints-py312.txt; fi
     .venv312/bin/python -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
-    # the example's bit-identical-resume case runs once here (pp2 with a rollout lag; dp2 and the other
-    # algorithms are the py311 leg's), and its learning and multi-node launch checks (same torch on both legs)
-    # only on py311, as are the HTTP client check (no Megatron in it) and the checkpoint reshaping case (PP=2 saved,
-    # loaded at DP=2 and PP=1; the resume case above saves and loads at 0.19.2): the CI budget is 30 minutes on 2 cores
-    .venv312/bin/python -m pytest -q --durations=10 -p no:cacheprovider \
+    # only what depends on the megatron-core version runs here (the rest is the py311 leg's, same torch): the
+    # Megatron unit and torchrun tests, the snippets' imports, and of the example's runs one bit-identical-resume
+    # case (pp2 with a rollout lag, saved and loaded at 0.19.2) and the several-steps-per-rollout run. Not here: the
+    # other resume cases, the learning, multi-node, HTTP client and checkpoint reshaping checks, the snippets' name
+    # checks (no import), the uneven-ranks check (core only, no Megatron)
+    # shellcheck disable=SC2046
+    .venv312/bin/python -m pytest -q $(workers) --durations=15 -p no:cacheprovider \
       tests/test_megatron_*.py tests/test_doc_snippets.py tests/dist/test_megatron_lm_train_step.py \
-      tests/dist/test_megatron_dist.py tests/dist/test_megatron_output_layer.py tests/dist/test_uneven_ranks.py \
-      tests/dist/test_example_train.py \
-      -k "(not bit_identical_resume or alg2-pp2-lag1) and not fifty_step and not multinode and not sglang_url and not checkpoint_saved_at_pp2" "$@"
+      tests/dist/test_megatron_dist.py tests/dist/test_megatron_output_layer.py tests/dist/test_example_train.py \
+      -k "(not bit_identical_resume or alg2-pp2-lag1) and not fifty_step and not multinode and not sglang_url and not checkpoint_saved_at_pp2 and not snippet_uses_only_imported" "$@"
+    took py312
     ;;
   *) echo "run_tests: unknown leg '$leg' (resolve, py311, py312)" >&2; exit 2 ;;
   esac
 done
+if [[ " $LEGS " == *" resolve "* ]]; then echo "== resolve"; collect resolve; took resolve; fi
+echo "== all done in $((SECONDS - START)) s"

@@ -1,10 +1,13 @@
-"""One torchrun launch for the distributed tests: a free loopback port, a timeout that kills the whole
-process tree (a hang fails the test, it never blocks CI), and the tail of the log on failure.
+"""One torchrun launch for the distributed tests: a free loopback port, a timeout that kills every process
+of the launch (a hang fails the test, it never blocks CI), and the tail of the log on failure.
 
 torchrun starts each worker in a session of its own, so a signal to torchrun's process group never
 reaches them: on timeout torchrun is stopped first (it cannot start or restart workers any more), then
 every descendant, found through the parent links while they still exist, is killed with its own process
-group, and the log pipe the workers held is closed."""
+group. A process that left the tree (a double-forked daemon, re-parented to PID 1) is found by the tag
+every process of the launch inherits in its environment (``LAUNCH_TAG``, unique per launch): after the
+launch ends, in any way, every process still carrying the tag is killed, so no daemon outlives the test or
+keeps the log pipe open. Only a process that replaces its whole environment escapes the tag."""
 
 from __future__ import annotations
 
@@ -13,12 +16,17 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+#: environment variable carrying a launch's tag (inherited by every process it starts, daemons included)
+LAUNCH_TAG = "SLIME_TIS_TEST_LAUNCH"
+POLL_S = 2.0  # how often a launch whose torchrun has exited is checked for a daemon holding the log pipe
 
 
 def free_port() -> int:
@@ -46,6 +54,34 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def tagged(tag: str) -> list[psutil.Process]:
+    """Every live process whose environment carries ``LAUNCH_TAG=tag`` (other users' processes are unreadable
+    and skipped)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(LAUNCH_TAG) == tag:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            pass
+    return found
+
+
+def kill_tagged(tag: str, *, rounds: int = 20) -> None:
+    """SIGKILL every process carrying ``tag`` until none is left (a process forking meanwhile passes the tag to
+    its child, which the next round finds)."""
+    for _ in range(rounds):
+        procs = tagged(tag)
+        if not procs:
+            return
+        for proc in procs:
+            try:
+                proc.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        psutil.wait_procs(procs, timeout=1.0)
+
+
 def torchrun(
     script: Path | list[str],
     args: list[str],
@@ -59,8 +95,9 @@ def torchrun(
 
     ``script`` is a script path, or torchrun's own entry words such as ``["-m", "examples.rl.train"]``.
 
-    ``env`` adds to the environment (``OMP_NUM_THREADS=1`` and ``PYTHONWARNINGS=ignore`` are always set).
-    Fails the calling test when the launch times out or exits non-zero.
+    ``env`` adds to the environment (``OMP_NUM_THREADS=1`` and ``PYTHONWARNINGS=ignore`` are always set,
+    and the launch's tag). Fails the calling test when the launch times out or exits non-zero; no process of
+    the launch survives it.
     """
     cmd = [
         sys.executable,
@@ -75,22 +112,34 @@ def torchrun(
         *([str(script)] if isinstance(script, Path) else script),
         *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {}), LAUNCH_TAG: tag}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+    deadline = time.monotonic() + timeout
     try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        try:
-            log, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # a process outside the tree (a double fork) still holds the pipe
-            proc.kill()
-            proc.stdout.close()
-            proc.wait()
-            log = "(log unavailable: a process outside the launch's tree kept its output pipe open)"
-        pytest.fail(f"{what} timed out after {timeout} s:\n{log[-4000:]}")
+        while True:
+            try:
+                log, _ = proc.communicate(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if proc.poll() is not None:  # torchrun has exited, a daemon of the launch still holds the pipe
+                    kill_tagged(tag)
+                if time.monotonic() >= deadline:
+                    if proc.poll() is None:  # (never a reaped pid: it may belong to another process by now)
+                        kill_tree(proc.pid)
+                    kill_tagged(tag)
+                    try:
+                        log, _ = proc.communicate(timeout=10)
+                    except subprocess.TimeoutExpired:  # a process that dropped the tag still holds the pipe
+                        proc.kill()
+                        proc.stdout.close()
+                        proc.wait()
+                        log = "(log unavailable: a process without the launch's tag kept its output pipe open)"
+                    pytest.fail(f"{what} timed out after {timeout} s:\n{log[-4000:]}")
+    finally:
+        kill_tagged(tag)  # whatever outlived the launch (a daemon that closed its output)
     if proc.returncode != 0:
         pytest.fail(f"{what} failed (rc={proc.returncode}):\n{log[-6000:]}")
     return log

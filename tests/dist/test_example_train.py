@@ -1,6 +1,10 @@
 """The example RL job in real processes: torchrun with 2 processes for each algorithm (finite loss,
 parameters change, bit-identical checkpoint resume), a 50-step run whose reward rises, a 2-"node"
-c10d rendezvous on localhost, and the --sglang-url HTTP path against the embedded engine's server."""
+c10d rendezvous on localhost, and the --sglang-url HTTP path against the embedded engine's server.
+
+The 2-process runs of the selected tests are made by the module fixture ``runs`` in two torchrun launches (the
+first runs, then the runs resumed from their checkpoints), each run in a fresh process forked from a worker that
+imported megatron once (``_batch.py``); each test then checks its own runs."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import free_port, torchrun
+from _batch import Job, torchrun_batch
+from _launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -27,18 +32,6 @@ def _env() -> dict[str, str]:
 
 def _check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
-def _torchrun(train_args: list[str], *, nproc: int = 2, timeout: int = 240) -> None:
-    """``examples.rl.train`` under torchrun (the shared launcher: a hang fails after ``timeout``)."""
-    torchrun(
-        ["-m", "examples.rl.train"],
-        ["--no-progress", *train_args],
-        nproc=nproc,
-        timeout=timeout,
-        env={"PYTHONPATH": ROOT},
-        what="examples.rl.train",
-    )
 
 
 def _python_train(train_args: list[str], timeout: int = 240) -> None:
@@ -54,16 +47,19 @@ def _rows(run_dir) -> list[dict]:
 TOOL = os.path.join(ROOT, "tests", "dist", "_example_ckpt_tool.py")
 
 
-def _ckpt(run_dir, step: int) -> dict[str, torch.Tensor]:
-    """Every global tensor of the dist checkpoint at ``step`` (model and optimizer), flattened by key."""
-    out = os.path.join(str(run_dir), f"plain_{step}.pt")
-    d = os.path.join(str(run_dir), "checkpoints", f"step_{step:06d}")
+def _ckpts(*at: tuple) -> list[dict[str, torch.Tensor]]:
+    """Every global tensor of the dist checkpoint of each ``(run_dir, step)`` (model and optimizer), flattened by
+    key; one helper process reads them all."""
+    pairs = []
+    for run_dir, step in at:
+        pairs += [os.path.join(str(run_dir), "checkpoints", f"step_{step:06d}"),
+                  os.path.join(str(run_dir), f"plain_{step}.pt")]
     _check(
         subprocess.run(
-            [sys.executable, TOOL, "plain", d, out], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180
+            [sys.executable, TOOL, "plain", *pairs], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240
         )
     )
-    return torch.load(out, map_location="cpu", weights_only=True)
+    return [torch.load(out, map_location="cpu", weights_only=True) for out in pairs[1::2]]
 
 
 CASES = {
@@ -75,29 +71,87 @@ CASES = {
 }
 
 
-@pytest.mark.timeout(600)
+RESUME_COMMON = ["--steps", "4", "--save-interval", "2", "--prompts-per-step", "8", "--group-size", "4",
+                 "--dump-interval", "0"]
+RESHARD_COMMON = ["--steps", "3", "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0", "--use-tis"]
+SPR_ARGS = ["--steps", "2", "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0",
+            "--steps-per-rollout", "2", "--ppo-epochs", "2", "--lr", "1e-2", "--pp", "2"]
+FIFTY_ARGS = ["--steps", "50", "--use-tis", "--dump-interval", "25"]
+
+
+def _train(name: str, run_dir: Path, args: list[str]) -> Job:
+    return Job(name, ["-m", "examples.rl.train", "--no-progress", "--run-dir", str(run_dir), *args])
+
+
+def _resume_from(src: Path, dst: Path, step: int) -> None:
+    """``dst`` as a run directory holding ``src``'s checkpoint at ``step`` (and its saved configuration)."""
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / f"step_{step:06d}", dst / "checkpoints" / f"step_{step:06d}")
+    (dst / "checkpoints" / "latest").write_text(str(step))
+    shutil.copy(src / "args.json", dst / "args.json")  # a resumed run takes its saved configuration
+
+
+class Runs:
+    def __init__(self, root: Path, results: dict) -> None:
+        self.root, self.results = root, results
+
+    def dir(self, name: str) -> Path:
+        """The run directory of the run ``name``, after checking that it succeeded on every rank."""
+        res = self.results.get(name)
+        assert res is not None, f"run {name} was not made (the run it resumes from failed: {self._failed()})"
+        assert res.ok, res.failure()
+        return self.root / name
+
+    def _failed(self) -> list[str]:
+        return [n for n, r in self.results.items() if not r.ok]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> Runs:
+    """The 2-process runs of the selected tests of this module, in two torchrun launches."""
+    selected = [item for item in request.session.items if item.module is request.module]
+    names = {item.originalname for item in selected}
+    cases = [item.callspec.params["case"] for item in selected
+             if item.originalname == "test_two_process_training_and_bit_identical_resume"]
+    root = tmp_path_factory.mktemp("example_runs")
+    first: list[Job] = []
+    then: list[tuple[str, Job]] = []  # (the first run it starts from, job)
+    for case in cases:
+        args = [*RESUME_COMMON, *CASES[case]]
+        first.append(_train(f"{case}/full", root / case / "full", args))
+        then.append((f"{case}/full", _train(f"{case}/resumed", root / case / "resumed", ["--resume", *args])))
+    if "test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1" in names:
+        src = root / "reshard" / "pp2"
+        first.append(_train("reshard/pp2", src, ["--pp", "2", "--save-interval", "2", *RESHARD_COMMON]))
+        then.append(("reshard/pp2", Job("reshard/dp2", [TOOL, "reshard", str(src), "2", str(root / "reshard" / "dp2"),
+                                                        "--", *RESHARD_COMMON])))
+        then.append(("reshard/pp2", _train("reshard/resumed_dp2", root / "reshard" / "resumed_dp2",
+                                           ["--resume", "--pp", "1", *RESHARD_COMMON])))  # DP=2 (the run had PP=2)
+    if "test_fifty_step_run_raises_reward_and_writes_dump" in names:
+        first.append(_train("fifty/run", root / "fifty" / "run", FIFTY_ARGS))
+    if "test_steps_per_rollout_and_ppo_epochs_keep_pi_old_fixed" in names:
+        first.append(_train("spr/run", root / "spr" / "run", SPR_ARGS))
+    env = {"PYTHONPATH": ROOT}
+    results = torchrun_batch(first, root / "batch_first", env=env, what="example runs") if first else {}
+    then = [(src, job) for src, job in then if results[src].ok]
+    for src, job in then:
+        if job.name.endswith("resumed") or job.name.endswith("resumed_dp2"):
+            _resume_from(root / src, root / job.name, 2)
+    if then:
+        results.update(torchrun_batch([job for _, job in then], root / "batch_then", env=env,
+                                      what="example runs resumed"))
+    return Runs(root, results)
+
+
+#: the module fixture's two launches run every selected run: the first test using it waits for all of them
+BATCH_TIMEOUT_S = 2400
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT_S)
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_process_training_and_bit_identical_resume(case, tmp_path):
-    common = [
-        "--steps",
-        "4",
-        "--save-interval",
-        "2",
-        "--prompts-per-step",
-        "8",
-        "--group-size",
-        "4",
-        "--dump-interval",
-        "0",
-        *CASES[case],
-    ]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _torchrun(["--run-dir", str(full), *common])
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
-    (resumed / "checkpoints" / "latest").write_text("2")
-    shutil.copy(full / "args.json", resumed / "args.json")  # a resumed run takes its saved configuration
-    _torchrun(["--run-dir", str(resumed), "--resume", *common])
+def test_two_process_training_and_bit_identical_resume(case, runs):
+    """4 steps saving at step 2, and a run resumed from that checkpoint (a fresh process group)."""
+    full, resumed = runs.dir(f"{case}/full"), runs.dir(f"{case}/resumed")
 
     rows = _rows(full)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -106,7 +160,7 @@ def test_two_process_training_and_bit_identical_resume(case, tmp_path):
     expected_alg = int(case[3])
     with open(full / "args.json", encoding="utf-8") as f:
         assert json.load(f)["algorithm"] == expected_alg
-    at2, at4, again = _ckpt(full, 2), _ckpt(full, 4), _ckpt(resumed, 4)
+    at2, at4, again = _ckpts((full, 2), (full, 4), (resumed, 4))
     model_keys = [k for k in at4 if not k.startswith("optimizer")]
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in at4)
     if "moe" in case:  # no linear biases; the router and the 4 experts per layer are checkpointed
@@ -124,26 +178,16 @@ def test_two_process_training_and_bit_identical_resume(case, tmp_path):
     assert [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in _rows(resumed)] == strip
 
 
-@pytest.mark.timeout(900)
-def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(tmp_path):
+@pytest.mark.timeout(BATCH_TIMEOUT_S)
+def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(runs, tmp_path):
     """megatron dist checkpoints are layout-independent: a checkpoint written at PP=2 is loaded into the
     model and optimizer built at DP=2 and at PP=1 and saved again, and every global tensor (weights, Adam
     moments) equals the original bit for bit; a training run resumed at DP=2 from the PP=2 checkpoint
     continues the PP=2 run (same rollout, same loss up to float32 reduction order)."""
-    common = ["--steps", "3", "--prompts-per-step", "8", "--group-size", "4", "--dump-interval", "0", "--use-tis"]
-    src = tmp_path / "pp2"
-    _torchrun(["--run-dir", str(src), "--pp", "2", "--save-interval", "2", *common])
-    reshard = [TOOL, "reshard", str(src), "2"]
-    torchrun(
-        Path(TOOL),
-        [*reshard[1:], str(tmp_path / "dp2"), "--", *common],
-        timeout=240,
-        env={"PYTHONPATH": ROOT},
-        what="reshard at DP=2",
-    )
+    src, dp2 = runs.dir("reshard/pp2"), runs.dir("reshard/dp2")  # saved at PP=2; loaded and saved at DP=2
     _check(
         subprocess.run(
-            [sys.executable, *reshard, str(tmp_path / "pp1"), "--", *common],
+            [sys.executable, TOOL, "reshard", str(src), "2", str(tmp_path / "pp1"), "--", *RESHARD_COMMON],
             cwd=ROOT,
             env=_env(),
             capture_output=True,
@@ -151,20 +195,14 @@ def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(tmp_path):
             timeout=240,
         )
     )
-    original = _ckpt(src, 2)
+    original, *layouts = _ckpts((src, 2), (dp2, 2), (tmp_path / "pp1", 2))
     assert any(k.startswith("optimizer.state.exp_avg.") for k in original)
-    for layout in ("dp2", "pp1"):
-        again = _ckpt(tmp_path / layout, 2)
+    for layout, again in zip(("dp2", "pp1"), layouts, strict=True):
         assert again.keys() == original.keys(), layout
         diff = [k for k in original if not torch.equal(original[k], again[k])]
         assert not diff, f"{layout}: round trip changed {diff[:5]}"
 
-    resumed = tmp_path / "resumed_dp2"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(src / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
-    (resumed / "checkpoints" / "latest").write_text("2")
-    shutil.copy(src / "args.json", resumed / "args.json")
-    _torchrun(["--run-dir", str(resumed), "--resume", "--pp", "1", *common])  # data parallel 2 (the run had --pp 2)
+    resumed = runs.dir("reshard/resumed_dp2")  # resumed at DP=2 from the PP=2 checkpoint
     a, b = _rows(src)[2], _rows(resumed)[0]
     assert b["step"] == 2
     # the rollout comes from the restored lag history: the same tokens, rewards and lengths
@@ -174,12 +212,11 @@ def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(tmp_path):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
-@pytest.mark.timeout(600)
-def test_fifty_step_run_raises_reward_and_writes_dump(tmp_path):
+@pytest.mark.timeout(BATCH_TIMEOUT_S)
+def test_fifty_step_run_raises_reward_and_writes_dump(runs, tmp_path):
     """Two processes (data parallel 2), algorithm 2 with the default bf16 engine: the reward of a
     50-step run beats its initial reward clearly (random policy: 1/16 per digit)."""
-    run = tmp_path / "run"
-    _torchrun(["--run-dir", str(run), "--steps", "50", "--use-tis", "--dump-interval", "25"])
+    run = runs.dir("fifty/run")
     rewards = [r["reward"] for r in _rows(run)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.15 and last > first + 0.15, (first, last)
@@ -313,31 +350,12 @@ def test_sglang_url_http_path_matches_embedded_engine(tmp_path):
     assert os.path.isfile(tmp_path / "http" / "engine_weights" / "config.json")
 
 
-@pytest.mark.timeout(600)
-def test_steps_per_rollout_and_ppo_epochs_keep_pi_old_fixed(tmp_path):
+@pytest.mark.timeout(BATCH_TIMEOUT_S)
+def test_steps_per_rollout_and_ppo_epochs_keep_pi_old_fixed(runs):
     """--steps-per-rollout 2 --ppo-epochs 2 (4 optimizer steps per rollout, pi_old computed once per rollout):
     the rollout's last optimizer step sees pi_theta != pi_old (policy/ppo_kl != 0); with a per-step recompute
     it would be 0 up to rounding. PP=2, algorithm 0."""
-    run = tmp_path / "spr"
-    args = [
-        "--run-dir",
-        str(run),
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "8",
-        "--group-size",
-        "4",
-        "--dump-interval",
-        "0",
-        "--steps-per-rollout",
-        "2",
-        "--ppo-epochs",
-        "2",
-        "--lr",
-        "1e-2",
-    ]
-    _torchrun(["--pp", "2", *args])
+    run = runs.dir("spr/run")
     rows = _rows(run)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["loss"]) and r["update_skipped"] == 0 for r in rows)

@@ -1,9 +1,11 @@
 """The torchrun launcher of the distributed tests (``_launch.py``): a hanging worker fails the test within the
-timeout and leaves no process behind.
+timeout and leaves no process behind; a launch that ends leaves none behind either; several jobs in one launch
+(``_batch.py``) each get their own outcome.
 
 torchrun starts every worker in its own session, so killing torchrun's process group alone orphans the
-workers, and they keep the log pipe open (the launcher would then block reading it). The hanging worker
-here also starts a grandchild in yet another session.
+workers, and they keep the log pipe open (the launcher would then block reading it). The worker here also
+starts a grandchild in yet another session and a double-forked daemon (re-parented to PID 1, outside the
+launch's process tree) that holds the log pipe.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _batch import Job, torchrun_batch
 from _launch import torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -28,6 +31,25 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(p) for f in sorted(out.glob("pids*")) if not f.name.endswith(".tmp") for p in f.read_text().split()]
+
+
+def _kill_left(pids: list[int]) -> None:
+    """Never leave a test process behind, whatever the launcher did."""
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_dead(pids: list[int], seconds: float = 5.0) -> list[int]:
+    """The pids still alive after ``seconds`` (SIGKILL is asynchronous: give the kernel a moment)."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
 
 
 @pytest.mark.dist
@@ -48,17 +70,45 @@ def test_timeout_kills_every_worker_and_returns(tmp_path):
     thread.start()
     thread.join(TIMEOUT_S + CLEANUP_S)
     elapsed = time.monotonic() - start
-    pids = [int(p) for f in sorted(tmp_path.glob("pids*")) for p in f.read_text().split()]
+    pids = _pids(tmp_path)
     try:
-        assert len(pids) == 4, f"the workers did not start within {TIMEOUT_S} s (pid files: {pids})"
+        assert len(pids) == 6, f"the workers did not start within {TIMEOUT_S} s (pid files: {pids})"
         assert not thread.is_alive(), f"the launcher still blocks {elapsed:.0f} s after a {TIMEOUT_S} s timeout"
         assert len(outcome) == 1 and isinstance(outcome[0], pytest.fail.Exception), outcome
         assert "timed out" in str(outcome[0])
-        deadline = time.monotonic() + 5.0  # SIGKILL is asynchronous: give the kernel a moment
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "processes of the launch survived its timeout"
-    finally:  # never leave a hanging process behind, whatever the launcher did
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        assert "log unavailable" not in str(outcome[0]), "a daemon of the launch kept the log pipe open"
+        assert not _wait_dead(pids), "processes of the launch survived its timeout (worker, child, daemon per rank)"
+    finally:
+        _kill_left(pids)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_launch_that_ends_leaves_no_daemon_and_returns_at_once(tmp_path):
+    """Workers that exit 0 right after double-forking a daemon (which holds the log pipe): the launch succeeds
+    as soon as torchrun has exited (at its timeout it would fail), and the daemon and the orphaned child are gone."""
+    try:
+        torchrun(HERE / "hang_worker.py", ["--out", str(tmp_path), "--exit"], nproc=2, timeout=TIMEOUT_S + CLEANUP_S,
+                 what="workers leaving a daemon")
+        pids = _pids(tmp_path)
+        assert len(pids) == 6, pids
+        assert not _wait_dead(pids), "processes of the launch outlived it (worker, child, daemon per rank)"
+    finally:
+        _kill_left(_pids(tmp_path))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_batch_records_each_job_and_runs_the_next(tmp_path):
+    """Several jobs in one launch (``_batch.py``): a job that exits 3 and one that hangs past its timeout are
+    recorded as such on every rank, and the jobs after them still run, each in a process group of its own."""
+    job = HERE / "batch_job.py"
+    jobs = [Job("fail", [job, "fail", tmp_path]), Job("hang", [job, "hang", tmp_path], timeout=5.0),
+            Job("ok", [job, "ok", tmp_path]), Job("ok_again", [job, "ok", tmp_path / "again"])]
+    (tmp_path / "again").mkdir()
+    results = torchrun_batch(jobs, tmp_path / "batch", preload=("torch", "torch.distributed"), what="batch")
+    assert results["fail"].rcs == [3, 3] and not results["fail"].ok
+    assert results["hang"].rcs == [-9, -9], results["hang"].rcs
+    assert results["ok"].ok and results["ok_again"].ok, (results["ok"].failure(), results["ok_again"].failure())
+    for d in (tmp_path, tmp_path / "again"):  # ranks 1 + 2 summed by the job's own all-reduce
+        assert [(d / f"ok.rank{r}").read_text() for r in (0, 1)] == ["3 2", "3 2"]
