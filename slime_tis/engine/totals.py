@@ -184,7 +184,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         lp_theta = pre_log_probs[k] if pre_log_probs else None
         keep = None
         res = None
-        if ahead:
+        if ahead and b.old_log_probs is not None:
             res = decisions.get(b)
             if res is None:
                 res = _step_correction(cfg, b, b.old_log_probs.float(), reducer, None)
