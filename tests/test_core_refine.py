@@ -76,3 +76,28 @@ def test_refine_loss_finite_needs_a_decision_with_it():
     decided = correct(cfg.plan, lp_old, lp_roll, valid, layout, LocalReducer())
     with pytest.raises(ValueError, match="loss_finite"):
         refine(cfg.plan, decided, valid, layout, LocalReducer(), loss_finite=(theta,))
+
+
+def test_a_decision_is_reused_unchanged():
+    """One decision finished for two steps (another lp_theta, another factor) stays what it was: the second
+    finish equals a fresh correction too (a rollout's cached decision serves every epoch)."""
+    cfg = TISConfig(**CONFIGS["alg2-geo-mask-veto-bn"])
+    cu, lp_old, lp_roll, mask, adv, theta = _batch(2)
+    valid = as_valid_mask(mask)
+    layout = packed_layout(cu, len(mask), lp_old.device)
+    red = LocalReducer()
+    part = correction_inputs(cfg, lp_train=lp_old, lp_rollout=lp_roll, advantages=adv)
+    decided = correct(cfg.plan, part.lp_train, part.lp_rollout, valid, layout, red, batch_norm_factor=1.0,
+                      extra_finite=part.extra_finite)
+    first = refine(cfg.plan, decided, valid, layout, red, batch_norm_factor=0.5, extra_finite=(theta,))
+    theta2 = torch.where(torch.isfinite(theta), theta, 0.0)  # the next step: lp_theta finite everywhere
+    again = refine(cfg.plan, decided, valid, layout, red, batch_norm_factor=1.25, extra_finite=(theta2,))
+    full = correction_inputs(cfg, lp_train=lp_old, lp_rollout=lp_roll, advantages=adv, lp_theta=theta2)
+    want = correct(cfg.plan, full.lp_train, full.lp_rollout, valid, layout, red, batch_norm_factor=1.25,
+                   extra_finite=full.extra_finite)
+    assert not torch.equal(first.loss_keep, again.loss_keep)
+    for field in ("weights", "keep_mask", "loss_keep", "norm_sum"):
+        assert torch.equal(getattr(again, field), getattr(want, field)), field
+    a, b = again.stats.finalize(), want.stats.finalize()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True, msg=k)
