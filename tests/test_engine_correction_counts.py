@@ -8,11 +8,12 @@ trained in several optimizer steps of several micro-batches, with ``core.correct
 * ``step``: slime's before-train-step hook / the Megatron step totals;
 * ``loss``: one micro-batch's loss call.
 
-What must hold: no loss call corrects twice (exactly one correction per micro-batch loss), the rollout hook
-corrects the rollout at most once (``drop``'s counts and the batch-normalisation factor share it), and a
-phase's reductions are the same for every micro-batch / step (they depend on the configuration only). The
-Megatron step totals correct each micro-batch once more where ``drop`` or algorithm 2's batch normalisation
-need its keep mask or weights before the first loss (``step`` column); that count is asserted too.
+What must hold: no loss call corrects twice (slime: exactly one correction per micro-batch loss), the rollout
+hook corrects the rollout at most once (``drop``'s counts and the batch-normalisation factor share it), and a
+phase's reductions are the same for every micro-batch / step (they depend on the configuration only). Megatron:
+algorithms 0 and 2 with ``drop`` or batch normalisation decide each micro-batch once per rollout (in the step
+totals, without ``lp_theta``) and the loss only finishes that decision (``core.correction.refine``); the other
+rows correct once per loss call (plus once in the totals for algorithms 1 and 3 with ``drop``, at the pre-pass).
 """
 
 from __future__ import annotations
@@ -175,29 +176,50 @@ CHILD = Path(__file__).parent / "dist" / "correction_count_worker.py"
 @pytest.fixture(scope="module")
 def megatron_counts(tmp_path_factory):
     """Every algorithm x denominator through the Megatron hook: one gloo rank in a child process (a fresh
-    torch.distributed state), two optimizer steps of two micro-batches on one rollout."""
+    torch.distributed state), two rollouts of two epochs of two optimizer steps of two micro-batches each."""
     out = tmp_path_factory.mktemp("counts")
-    proc = subprocess.run([sys.executable, str(CHILD), str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(CHILD), str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "counts.json").read_text())
 
 
 @pytest.mark.parametrize("denominator", ["keep", "drop"])
 @pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
-def test_megatron_corrects_each_micro_batch_once_in_the_loss(megatron_counts, algorithm, denominator):
+def test_megatron_corrects_each_micro_batch_once(megatron_counts, algorithm, denominator):
+    """Algorithms 0 and 2 where the step decides ahead (``drop``; algorithm 2's batch normalisation, on in both
+    rows here): each micro-batch is corrected once per rollout, in the step totals of the first step that meets
+    it; every loss call finishes that decision (``refine``) and corrects nothing; a new rollout decides again.
+    Otherwise every loss call corrects once, and ``drop`` with algorithms 1 and 3 corrects once more in the
+    totals, at the pre-pass's ``lp_theta`` (a second forward: its ``sg(lp_theta)`` is not the loss's). The
+    reductions of a loss call are the same in every call."""
     rows = megatron_counts[f"{algorithm}-{denominator}"]
-    steps, micro_batches = rows["steps"], rows["micro_batches"]
-    loss = rows["loss"]
-    assert len(loss) == steps * micro_batches
-    assert {c["corrections"] for c in loss} == {1}, "a micro-batch's loss corrected more than once"
-    assert len({c["collectives"] for c in loss}) == 1
-    totals = rows["step"]
-    assert len(totals) == steps and len({json.dumps(c, sort_keys=True) for c in totals}) == 1
-    # the step totals correct each micro-batch once where drop or algorithm 2's batch norm need it up front
-    before = denominator == "drop" or algorithm == 2
-    assert totals[0].get("corrections", 0) == (micro_batches if before else 0)
+    m, steps, epochs, rollouts = rows["micro_batches"], rows["steps"], rows["epochs"], rows["rollouts"]
+    calls = rows["calls"]
+    assert len(calls) == rollouts * epochs * steps
+    ahead = algorithm in (0, 2) and (denominator == "drop" or algorithm == 2)
+    pre_pass = algorithm in (1, 3) and denominator == "drop"
+    loss_collectives = set()
+    for call in calls:
+        assert len(call["totals"]) == 1 and len(call["loss"]) == m
+        totals, loss = call["totals"][0], call["loss"]
+        first_meeting = call["epoch"] == 0  # each step meets its own micro-batches; a later epoch meets them again
+        if ahead:
+            assert totals.get("corrections", 0) == (m if first_meeting else 0), call
+            assert totals.get("refines", 0) == 0  # pi_old from the rollout pass: no lp_theta before the step
+            assert [c.get("corrections", 0) for c in loss] == [0] * m, call
+            assert [c.get("refines", 0) for c in loss] == [1] * m, call
+        else:
+            assert totals.get("corrections", 0) == (m if pre_pass else 0), call
+            assert [c.get("corrections", 0) for c in loss] == [1] * m, call
+            assert [c.get("refines", 0) for c in loss] == [0] * m, call
+        loss_collectives |= {c["collectives"] for c in loss}
+    assert len(loss_collectives) == 1, "reductions per micro-batch loss depend on the data or the cache"
+    per_rollout = sum(c["totals"][0].get("corrections", 0) + sum(x.get("corrections", 0) for x in c["loss"])
+                      for c in calls) // rollouts
+    expect = steps * m if ahead else epochs * steps * m * (2 if pre_pass else 1)
+    assert per_rollout == expect
     print(json.dumps({"host": "megatron", "algorithm": algorithm, "denominator": denominator,
-                      "step": totals[0], "loss per micro-batch": loss[0]}))
+                      "corrections per rollout": per_rollout, "first call": calls[0], "later epoch": calls[-1]}))
 
 
 def test_counting_reducer_counts_every_reduction():

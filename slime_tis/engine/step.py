@@ -9,9 +9,12 @@
 ``begin`` takes this rank's micro-batches of the step (:class:`~slime_tis.engine.batch.TISBatch`, packed
 per-token fields) and decides what depends only on them, once: the global loss denominator, the token count
 and algorithm 2's batch-normalisation factor (:func:`~slime_tis.engine.totals.step_totals`). ``loss`` is the
-core's ``policy_loss`` of one micro-batch from its ``lp_theta`` (differentiable) with those totals: the
-correction runs once per call. ``end`` merges the recorded statistics and reduces them once across ranks
-(:func:`~slime_tis.engine.metrics.aggregate_metrics`). Every collective is set by the configuration and the
+core's ``policy_loss`` of one micro-batch from its ``lp_theta`` (differentiable) with those totals. Each
+micro-batch is corrected once: algorithms 0 and 2 with ``drop`` or batch normalisation decide it in ``begin``
+without ``lp_theta`` (once per rollout where the host keeps ``decisions`` for the rollout) and ``loss`` finishes
+that decision with ``core.correction.refine`` (``lp_theta``'s finiteness, the step's factor); otherwise the loss
+corrects (algorithms 1, 3 read ``sg(lp_theta)``). ``end`` merges the recorded statistics and reduces them once
+across ranks (:func:`~slime_tis.engine.metrics.aggregate_metrics`). Every collective is set by the configuration and the
 number of micro-batches, never by the data.
 
 A host translates its data and call order into these calls: the Megatron hook (``slime_tis.megatron``) calls
@@ -24,9 +27,11 @@ from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, PolicyLossOutput, Reducer, policy_loss
+from slime_tis.core.correction import as_valid_mask, refine
+from slime_tis.core.packing import packed_layout
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.metrics import aggregate_metrics
-from slime_tis.engine.totals import StepTotals, step_totals
+from slime_tis.engine.totals import Decisions, StepTotals, decides_ahead, lp_theta_inputs, step_totals
 
 __all__ = ["StepEngine"]
 
@@ -35,17 +40,21 @@ class StepEngine:
     """One step's totals, per-micro-batch losses and metrics (module docstring)."""
 
     def __init__(self, cfg: TISConfig, reducer: Reducer, *, totals: StepTotals | None = None,
-                 collector: list[MetricStats] | None = None) -> None:
+                 collector: list[MetricStats] | None = None, decisions: Decisions | None = None) -> None:
         self.cfg = cfg
         self.reducer = reducer
         self.totals = totals
+        #: corrections decided without lp_theta (``engine.totals.decides_ahead``); a host may pass one cache for
+        #: a whole rollout, so a micro-batch is decided once per rollout
+        self.decisions = Decisions() if decisions is None else decisions
+        self._ahead = decides_ahead(cfg)
         self.collector: list[MetricStats] = [] if collector is None else collector
 
     def begin(self, batches: list[TISBatch], *, pre_log_probs: list[Tensor] | None = None,
               pi_old_from_theta: bool = False) -> StepTotals:
         """The step totals of this rank's micro-batches (``engine.totals.step_totals``), kept for :meth:`loss`."""
         self.totals = step_totals(self.cfg, batches, self.reducer, pre_log_probs=pre_log_probs,
-                                  pi_old_from_theta=pi_old_from_theta)
+                                  pi_old_from_theta=pi_old_from_theta, decisions=self.decisions)
         return self.totals
 
     def loss(self, batch: TISBatch, lp_theta: Tensor, *, entropy: Tensor | None = None,
@@ -55,10 +64,15 @@ class StepEngine:
         if self.totals is None:
             raise RuntimeError("StepEngine.loss before begin: the step totals decide every micro-batch's loss")
         t = self.totals
+        decided = self.decisions.get(batch) if self._ahead and lp_old is None else None
+        if decided is not None:  # decided before the step: finish it with this forward's lp_theta, never redo it
+            layout = packed_layout(batch.cu_seqlens, batch.loss_mask.shape[0], lp_theta.device)
+            decided = refine(self.cfg.plan, decided, as_valid_mask(batch.loss_mask), layout, self.reducer,
+                             batch_norm_factor=t.batch_norm_factor, **lp_theta_inputs(self.cfg, lp_theta, entropy))
         return policy_loss(self.cfg, lp_theta, batch.old_log_probs if lp_old is None else lp_old,
                            batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
-                           lp_ref=batch.ref_log_probs, entropy=entropy)
+                           lp_ref=batch.ref_log_probs, entropy=entropy, correction=decided)
 
     def record(self, stats: MetricStats) -> None:
         """Keep one micro-batch's statistics (detached) for :meth:`end`."""
