@@ -1,5 +1,5 @@
-"""Print the README's flag table generated from the ``TISConfig`` field declarations; ``--write`` replaces the
-table in README.md (the block starting at its ``| flag | meaning and default |`` header) with it.
+"""Print docs/reference.md's flag table generated from the ``TISConfig`` field declarations; ``--write``
+replaces the table in docs/reference.md (the block starting at its ``| flag | meaning and default |`` header) with it.
 
     python scripts/readme_flag_table.py [--write]
 """
@@ -19,7 +19,7 @@ HEADER = "| flag | meaning and default |"
 
 
 def readme_table(text: str) -> tuple[int, int]:
-    """``(start, end)`` character offsets of the flag table in the README ``text`` (header to the last row)."""
+    """``(start, end)`` character offsets of the flag table in ``text`` (header to the last row)."""
     start = text.index(HEADER)
     end = start
     for line in text[start:].splitlines(keepends=True):
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     if "--write" not in argv:
         print(table, end="")
         return 0
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "reference.md"
     text = readme.read_text()
     start, end = readme_table(text)
     readme.write_text(text[:start] + table + text[end:])

@@ -1,5 +1,5 @@
-"""Print the README's metric table generated from the metric schema (``slime_tis.core.metric_schema.METRICS``);
-``--write`` replaces the table in README.md (the block starting at its ``| metric | formula |`` header) with it.
+"""Print docs/reference.md's metric table generated from the metric schema
+(``slime_tis.core.metric_schema.METRICS``); ``--write`` replaces the table in docs/reference.md (the block starting at its ``| metric | formula |`` header) with it.
 
     python scripts/readme_metric_table.py [--write]
 """
@@ -16,7 +16,7 @@ from slime_tis.core.metric_schema import METRIC_TABLE_HEADER, metric_table  # no
 
 
 def readme_table(text: str) -> tuple[int, int]:
-    """``(start, end)`` character offsets of the metric table in the README ``text`` (header to the last row)."""
+    """``(start, end)`` character offsets of the metric table in ``text`` (header to the last row)."""
     start = text.index(METRIC_TABLE_HEADER)
     end = start
     for line in text[start:].splitlines(keepends=True):
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     if "--write" not in argv:
         print(table, end="")
         return 0
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "reference.md"
     text = readme.read_text()
     start, end = readme_table(text)
     readme.write_text(text[:start] + table + text[end:])

@@ -198,15 +198,15 @@ def test_per_field_validation_is_generated_from_the_declaration():
 
 
 def test_readme_flag_table_is_the_generated_one():
-    """README.md's flag table is ``flag_table`` of the declarations (``python scripts/readme_flag_table.py --write``
+    """docs/reference.md's flag table is ``flag_table`` of the declarations (``python scripts/readme_flag_table.py --write``
     regenerates it), so a flag or help text changes in one place."""
     from pathlib import Path
 
     from slime_tis.config import ALL_OPTIONS
     from slime_tis.config_fields import flag_table
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
     table = flag_table(ALL_OPTIONS)
     start = readme.index("| flag | meaning and default |")
     assert readme[start:start + len(table)] == table
-    assert not readme[start + len(table):].startswith("|"), "README has flag rows the declarations lack"
+    assert not readme[start + len(table):].startswith("|"), "docs/reference.md has flag rows the declarations lack"
