@@ -1,5 +1,6 @@
 """Print docs/reference.md's metric table generated from the metric schema
-(``slime_tis.core.metric_schema.METRICS``); ``--write`` replaces the table in docs/reference.md (the block starting at its ``| metric | formula |`` header) with it.
+(``slime_tis.core.metric_schema.METRICS``); ``--write`` replaces the table in docs/reference.md (the block
+starting at its ``| metric | formula |`` header) with it.
 
     python scripts/readme_metric_table.py [--write]
 """
