@@ -268,8 +268,8 @@ class TISConfig:
         DEFAULT_KERNELS, flag="--tis-kernels", kind="choice", choices=KERNELS,
         help="Code for the log-probs (from logits, or fused from the hidden states) and the correction's "
              "token pass: torch, or the Triton kernels (CUDA; where one cannot run, e.g. a compile "
-             "error, the torch code with one warning). Default: torch (the Triton kernels are not yet "
-             "measured on a GPU).")
+             "error, the torch code with one warning). Default: torch (the Triton kernels are opt-in "
+             "until measured on a GPU, docs/kernels.md).")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
