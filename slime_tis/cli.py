@@ -15,18 +15,36 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
 
+# What ``slime-tis diagnose --help`` prints (plain text: argparse shows it as written).
+DIAGNOSE_DESCRIPTION = """\
+Off-policy diagnostics of log-prob dumps (format: docs/dump_format.md; slime's own --save-debug-train-data
+files too, several merged): a table per percentile and per response-length bucket, a recommended
+configuration with its reasoning, and a histogram PNG of the per-token log-ratios.
+
+Malformed input ends in one line naming the file, record and field, and exit status 2; exit status 1 means
+the dump holds no usable token."""
+
+CONFIG_GROUP = "correction configuration to evaluate"
+CONFIG_DESCRIPTION = textwrap.fill(
+    "These flags do not describe the run that wrote the dump: they describe a hypothetical correction "
+    "configuration, whose weights, rejections and tis/ metrics are computed on the dump's log-probs. "
+    "Without them the configuration evaluated is algorithm 2 with token-level truncation at 2, whatever "
+    "algorithm wrote the dump (an algorithm-0 dump included).", width=100)
+
 
 def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
-    from slime_tis.arguments import add_tis_arguments
+    from slime_tis.config import ALL_OPTIONS
+    from slime_tis.config_fields import add_options
 
     p = sub.add_parser("diagnose", help="diagnostics + recommendation from a log-prob dump",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DIAGNOSE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="dump file(s), .jsonl or .pt (concatenated); .pt may be slime --save-debug-train-data "
                    "files (several ranks' / rollouts' files merged; step = rollout id)")
@@ -37,7 +55,7 @@ def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--buckets", default=None,
                    help="comma-separated response-length bucket edges, e.g. 64,256,1024 (default: quartiles)")
     p.add_argument("--steps", default=None, help="only sequences of steps A:B (inclusive A, exclusive B; open ends ok)")
-    add_tis_arguments(p)  # the configuration whose metrics are reported (default: algorithm 2, token truncate 2)
+    add_options(p, ALL_OPTIONS, CONFIG_GROUP, CONFIG_DESCRIPTION)  # what the report evaluates (not the dump's run)
 
 
 def _parse_steps(spec: str) -> tuple[int | None, int | None]:

@@ -174,11 +174,13 @@ def parse_switch(name: str, value: Any) -> bool:
     raise ValueError(f"{name} = {value!r}: expected a boolean (true/false, yes/no, on/off or 1/0)")
 
 
-def add_options(parser: argparse.ArgumentParser, options: list[Option], title: str) -> argparse.ArgumentParser:
-    """Add ``options`` to ``parser`` in one group, reusing any flag the parser already defines; returns it."""
+def add_options(parser: argparse.ArgumentParser, options: list[Option], title: str,
+                description: str | None = None) -> argparse.ArgumentParser:
+    """Add ``options`` to ``parser`` in one group (``title``, ``description`` in the help), reusing any flag the
+    parser already defines; returns it."""
     existing = parser._option_string_actions  # argparse keeps every registered option string here
     existing_dests = {a.dest for a in parser._actions}
-    group = parser.add_argument_group(title)
+    group = parser.add_argument_group(title, description)
     for declared in options:
         strings = [declared.flag, *declared.aliases]
         free = [s for s in strings if s not in existing]

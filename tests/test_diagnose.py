@@ -189,3 +189,15 @@ def test_cli_errors(tmp_path, capsys):
     assert cli_main(["diagnose", str(tmp_path / "d.jsonl"), "--no-png", "--steps", "50:"]) == 2
     assert "selects no sequence" in capsys.readouterr().err
     assert cli_main([]) == 2
+
+
+def test_help_says_the_flags_are_a_configuration_to_evaluate_in_plain_text(capsys):
+    """``slime-tis diagnose --help``: the training flags are a hypothetical configuration (not the dump's run), the
+    default applies to any dump, and the text is plain (no reST markup)."""
+    with pytest.raises(SystemExit):
+        cli_main(["diagnose", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "hypothetical correction configuration" in out
+    assert "algorithm 2 with token-level truncation at 2, whatever algorithm wrote the dump" in out
+    assert "algorithm-0 dump" in out
+    assert "``" not in out and ":func:" not in out
