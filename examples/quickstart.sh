@@ -8,12 +8,12 @@
 # (moe/routing_mismatch, about 0.2 % of the decisions), which multiplies the training/rollout mismatch
 # (tis/k3_kl); routing replay sets the routing mismatch to exactly 0 and lowers the mean k3_kl 4-10x on every
 # seed (measured). Both are far outside seed noise, so the claim holds on any CPU (the individual numbers do not
-# reproduce across CPU models or thread counts: README, "What reproduces exactly").
+# reproduce across CPU models or thread counts: docs/results.md, "What reproduces exactly").
 # Six runs, two at a time (JOBS=2): 105 s of training on 2 idle CPU cores, plus the install
 # (4.5 minutes measured on a 2-core machine shared with other jobs).
 #
 #   bash examples/quickstart.sh                                   # defaults above
-#   MISMATCH=lag2 ALGS="0 2" SEEDS=0 STEPS=80 bash examples/quickstart.sh   # the previous quickstart (one seed)
+#   MISMATCH=lag2 ALGS="0 2" SEEDS=0 STEPS=80 bash examples/quickstart.sh   # one seed of algorithms 0 and 2, stale rollouts
 #   TRAIN_ARGS="--steps-per-rollout 1 --ppo-epochs 1" bash examples/quickstart.sh   # one step per rollout
 #   SKIP_INSTALL=1 VENV_PY=/path/to/python bash examples/quickstart.sh    # an existing environment, no install
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Results table of the README and docs/example.md. Prints the markdown table (final reward and mean reward over
+# Results table of docs/results.md and docs/example.md. Prints the markdown table (final reward and mean reward over
 # the run with 95% t intervals, their paired differences to algorithm 0 with significance, mismatch, grad-norm
 # spikes, rejection) and writes OUT/table.md, compare.png and bands.png (per-step mean and 95% band over seeds).
 #

@@ -24,7 +24,7 @@ Every field is declared once, at the field, with :func:`~slime_tis.config_fields
 kind, choices or valid range, help) or, for a rejection rule's threshold,
 :func:`~slime_tis.config_fields.threshold` (plus its start-up line). From those declarations (:data:`OPTIONS`)
 come the flags (``slime_tis.arguments``), the ``from_args`` dests, each field's validation and error message,
-the thresholds' ``describe()`` lines and ``Plan`` values, and the README's flag table; the rules between
+the thresholds' ``describe()`` lines and ``Plan`` values, and the flag table of docs/reference.md; the rules between
 fields (bounds, algorithm combinations) are written out in ``__post_init__``.
 """
 
@@ -466,7 +466,7 @@ PRESET_OPTION = Option(
     help="Expand a named preset; explicit flags override it. Presets: "
          + "; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()),
     readme="Expand a named preset (table below); explicit flags override it. Default: none.")
-#: Every flag of ``slime_tis.arguments.add_tis_arguments``, in order (the README's flag table).
+#: Every flag of ``slime_tis.arguments.add_tis_arguments``, in order (the flag table of docs/reference.md).
 ALL_OPTIONS: list[Option] = [*OPTIONS.values(), PRESET_OPTION]
 #: Command-line flag of every field (used in error messages).
 FLAG_OF: dict[str, str] = {field: declared.flag for field, declared in OPTIONS.items()}

@@ -10,7 +10,7 @@ start-up line. Everything else is generated from these declarations:
 * the per-field validation and its error messages (:meth:`Option.problem`, ``TISConfig.__post_init__``);
   rules between fields (``lower < upper``, algorithm combinations) stay hand-written in ``config.py``;
 * the threshold lines of ``TISConfig.describe()``;
-* the README's flag table (:func:`flag_table`; ``python scripts/readme_flag_table.py --write`` rewrites it).
+* the flag table of docs/reference.md (:func:`flag_table`; ``python scripts/readme_flag_table.py --write`` rewrites it).
 
 Options that are not fields (``--tis-preset``) are declared here as :data:`EXTRA_OPTIONS`.
 """
@@ -62,8 +62,8 @@ class Option:
         error: the whole error text of an out-of-range value instead of ``"words (why)"``.
         describe: the ``TISConfig.describe()`` line while the field is set, ``{value:g}`` is its value.
         aliases: other flags for the same value (a host's spelling); their dests are read too.
-        readme: the README table's text when it differs from ``help``.
-        metavar: shown after the flag in the README table (e.g. ``NAME``).
+        readme: the reference table's text when it differs from ``help``.
+        metavar: shown after the flag in the reference table (e.g. ``NAME``).
     """
 
     flag: str
@@ -209,7 +209,7 @@ def fields_from_args(options: dict[str, Option], args: Any, fields: dict[str, An
 
 
 def flag_table(options: list[Option]) -> str:
-    """The README's flag table (markdown), one row per option in declaration order."""
+    """The flag table of docs/reference.md (markdown), one row per option in declaration order."""
     rows = ["| flag | meaning and default |", "|---|---|"]
     for declared in options:
         flags = ", ".join(f"`{s}`" for s in (declared.flag, *declared.aliases))

@@ -1,5 +1,5 @@
 """The metric schema (``core.metric_schema.METRICS``) is the one declaration of every metric: the statistics, the
-per-token values, the finalisation and the README table come from it; ``policy/kl`` and ``policy/entropy`` (the
+per-token values, the finalisation and the reference table come from it; ``policy/kl`` and ``policy/entropy`` (the
 loss's reference-KL and entropy terms) are rows of it. The levels and modes are typed objects (``core.levels``)."""
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_results_table_presets(tmp_path):
         "fp8",
         "lag2",
     ]
-    # the README's table: 4 optimizer steps per rollout, 80 steps, 2 runs at a time
+    # docs/results.md's table: 4 optimizer steps per rollout, 80 steps, 2 runs at a time
     assert "--train-args=--steps-per-rollout 2 --ppo-epochs 2" in main_argv
     assert main_argv[main_argv.index("--steps") + 1] == "80" and main_argv[main_argv.index("--jobs") + 1] == "2"
 

@@ -51,7 +51,7 @@ def _section(path: Path, heading: str | None) -> str:
 
 DOCS = {
     "docs/slime.md": _section(ROOT / "docs/slime.md", None),
-    "README.md": _section(ROOT / "README.md", "## Using with slime"),
+    "README.md": _section(ROOT / "README.md", "## Host 3: slime"),
     "patches/README_slime.md": _section(ROOT / "patches/README_slime.md", None),
 }
 

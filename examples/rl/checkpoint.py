@@ -51,7 +51,7 @@ def check_reader_compatible() -> None:
         raise UnsupportedTorchError(
             f"torch {torch.__version__}: megatron-core's dist_checkpointing cannot read checkpoints back with this "
             f"torch (it passes TensorProperties fields {sorted(TensorProperties().__dict__)} to torch.empty: {err}). "
-            "The example needs torch < 2.15 (the README's tested range), e.g. pip install 'torch==2.13.0'") from None
+            "The example needs torch < 2.15 (docs/testing.md), e.g. pip install 'torch==2.13.0'") from None
 
 
 def _dir(run_dir: str, step: int) -> str:

@@ -10,7 +10,7 @@ Two processes (pipeline parallel 2, or data parallel 2 with ``--pp 1``)::
     torchrun --nproc-per-node 2 -m examples.rl.train --pp 2 --run-dir runs/pp2 --use-tis
 
 The algorithm is chosen by the plugin's flags only: none = 0 (PPO), ``--use-rollout-log-probs`` = 1,
-``--use-tis`` = 2, both = 3; ``--tis-mode/--tis-level/...`` as documented in the plugin's README.
+``--use-tis`` = 2, both = 3; ``--tis-mode/--tis-level/...`` as documented in docs/reference.md.
 Everything the correction does happens inside ``tis_forward_backward_func`` (the "two-line change").
 """
 

@@ -10,7 +10,7 @@ table come:
   configuration only, never the data);
 * the per-token values of hosts that average per token (:func:`token_values`): each row's ``token`` formula;
 * the finalisation (:func:`finalize`): each row's ``reduction`` of its statistics (:data:`REDUCTIONS`);
-* the README metric table (:func:`metric_table`): each row's ``doc``.
+* the metric table of docs/reference.md (:func:`metric_table`): each row's ``doc``.
 
 The rejection rules' rows come from their own table (``core.rules.RULES``): a rule's count is the numerator of
 ``tis/<metric> = count / denominator`` and its 0/1 hit its per-token value.
@@ -64,7 +64,7 @@ class Metric:
         numerator: its numerator statistic's key (``tis.kl_sum``); for extremes, the minimum / maximum.
         denominator: the count it is averaged over, or ``None``.
         reduction: a key of :data:`REDUCTIONS`.
-        doc: the formula in words (the README metric table).
+        doc: the formula in words (the metric table of docs/reference.md).
         group: where ``total`` writes the numerator (module docstring); ``None``: another row or :data:`COUNTS`
             writes it.
         total: ``context -> 0-d tensor | None``: the numerator of one micro-batch (``None``: absent in this
@@ -303,7 +303,7 @@ METRIC_TABLE_HEADER = "| metric | formula |"
 
 
 def metric_table() -> str:
-    """The README's metric table (markdown), one row per metric in table order; consecutive rows with the same
+    """docs/reference.md's metric table (markdown), one row per metric in table order; consecutive rows with the same
     formula share a line."""
     rows: list[tuple[list[str], str]] = []
     for m in METRICS:

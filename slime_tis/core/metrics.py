@@ -12,7 +12,7 @@ Two kinds of sums: ``token_sums`` (token-domain, summed over data x context para
 parallel ranks only).
 
 Every metric, its statistics, its reduction and its formula are declared once in the metric schema
-(``core.metric_schema.METRICS``; the README's metric table is generated from it):
+(``core.metric_schema.METRICS``; docs/reference.md's metric table is generated from it):
 ``finalize`` applies the schema's reductions to the statistics present.
 Empty domains give 0 (never NaN).
 """

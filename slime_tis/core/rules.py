@@ -62,7 +62,7 @@ class Rule:
     denominator: str
     column: Callable[[Plan], TokenColumn] | None = None  # a token column summed per sequence, read by test
     threshold: str | None = None  # the TISConfig field of its threshold (declared there); the row is off while unset
-    doc: str = ""  # its metric in words (the README metric table, ``core.metric_schema``)
+    doc: str = ""  # its metric in words (docs/reference.md's metric table, ``core.metric_schema``)
 
     @property
     def column_key(self) -> str:
