@@ -357,8 +357,9 @@ class _CountingReducer(LocalReducer):
 @pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
 def test_the_host_corrects_each_micro_batch_once_in_the_loss(monkeypatch, algorithm, denominator) -> None:
     """Two steps of three micro-batches: each loss call runs the correction exactly once (or, where ``begin``
-    decided the micro-batch, finishes that decision once with ``refine``) and the same number of reductions; ``begin`` corrects each micro-batch once where ``drop`` or algorithm 2's batch normalisation need
-    it before the first loss, else never (``tests/test_engine_correction_counts.py``'s counts, this host)."""
+    decided the micro-batch, finishes that decision once with ``refine``) and the same number of reductions;
+    ``begin`` corrects each micro-batch once where ``drop`` or algorithm 2's batch normalisation need it before the
+    first loss, else never (``tests/test_engine_correction_counts.py``'s counts, this host)."""
     import slime_tis.core.correction as correction_mod
     import slime_tis.core.losses as losses_mod
     import slime_tis.engine.step as step_mod
