@@ -10,7 +10,7 @@ start-up line. Everything else is generated from these declarations:
 * the per-field validation and its error messages (:meth:`Option.problem`, ``TISConfig.__post_init__``);
   rules between fields (``lower < upper``, algorithm combinations) stay hand-written in ``config.py``;
 * the threshold lines of ``TISConfig.describe()``;
-* the flag table of docs/reference.md (:func:`flag_table`; ``python scripts/readme_flag_table.py --write`` rewrites it).
+* the flag table of docs/reference.md (:func:`flag_table`; ``python scripts/reference_tables.py --write`` rewrites it).
 
 Options that are not fields (``--tis-preset``) are declared here as :data:`EXTRA_OPTIONS`.
 """

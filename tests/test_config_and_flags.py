@@ -199,7 +199,7 @@ def test_per_field_validation_is_generated_from_the_declaration():
 
 def test_readme_flag_table_is_the_generated_one():
     """docs/reference.md's flag table is ``flag_table`` of the declarations
-    (``python scripts/readme_flag_table.py --write`` regenerates it), so a flag or help text changes in one place."""
+    (``python scripts/reference_tables.py --write`` regenerates it), so a flag or help text changes in one place."""
     from pathlib import Path
 
     from slime_tis.config import ALL_OPTIONS

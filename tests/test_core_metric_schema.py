@@ -18,7 +18,7 @@ from slime_tis.core.terms import kl_estimate
 
 
 def test_readme_metric_table_is_the_generated_one():
-    """docs/reference.md's metric table is ``metric_table()`` (``python scripts/readme_metric_table.py --write``), so a
+    """docs/reference.md's metric table is ``metric_table()`` (``python scripts/reference_tables.py --write``), so a
     metric's name and formula change in one place."""
     readme = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
     table = metric_table()

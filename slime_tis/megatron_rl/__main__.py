@@ -38,7 +38,8 @@ def megatron_rl_reader(args):
     def read(element):
         state = get_rl_runtime_state()
         if args.rl_use_sequence_packing:
-            item = load_packed_data_by_index(element[0].item(), state.packing_context,
+            bin_index = int(element[0].item())  # host-sync-ok: the iterator's bin index, read before the forward
+            item = load_packed_data_by_index(bin_index, state.packing_context,
                                              args.rl_inference_logprobs_is_correction)
             state.increment_sequences(len(item[9]))
         else:
