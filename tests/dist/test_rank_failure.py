@@ -17,6 +17,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TIMEOUT_S = 150
+MONITOR_S = 20
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -29,8 +30,12 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_survivor_names_the_rank_that_failed_and_where(tmp_path):
+    # The agent checks its workers every MONITOR_S: rank 0 then models a rank on another node, which its own
+    # agent does not stop when rank 1 ends (with torchrun's 0.1 s default a loaded machine can stop rank 0
+    # before it has read the record and written its file).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE / "rank_failure_worker.py"), "--out", str(tmp_path)]
+           "--master-port", str(_free_port()), "--monitor-interval", str(MONITOR_S),
+           str(HERE / "rank_failure_worker.py"), "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}  # PYTHONPATH: tests/conftest.py
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
