@@ -6,7 +6,12 @@ Before the script runs, ``megatron.training.pretrain`` (and, on megatron-core >=
 
 * ``extra_args_provider``: ``train_rl``'s own, then the plugin's flags (``add_megatron_rl_tis_arguments``);
 * ``forward_step_func``: :meth:`RLHost.forward_step`, built from the parsed arguments on its first call
-  (``megatron.training.get_args()``, ``get_num_microbatches()``), in place of ``train_rl.forward_step``.
+  (``megatron.training.get_args()``, ``get_num_microbatches()``), in place of ``train_rl.forward_step``;
+
+and ``megatron.rl.rl_utils``' ``prepare_data_for_update`` / ``compute_logprobs_batch`` are wrapped
+(``rollout.py``): the host's pi_old / pi_ref passes (skipped where the configuration needs none) and the rollout
+collection handed to the host once. :func:`install_all` does both (a copy of ``train_rl.py`` calls it before its
+own imports of ``pretrain``).
 
 The script then runs as ``__main__`` (``runpy.run_path``) with ``sys.argv`` = the script and its arguments.
 Under ``torchrun`` the module is launched the same way: ``torchrun <torchrun args> -m slime_tis.megatron_rl
@@ -18,8 +23,13 @@ from __future__ import annotations
 import functools
 import runpy
 import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from slime_tis.megatron_rl.host import RLHost, add_megatron_rl_tis_arguments
+from slime_tis.megatron_rl.rollout import RolloutHooks, install_rollout
 
 
 def _with_tis_args(provider):
@@ -30,43 +40,78 @@ def _with_tis_args(provider):
     return extra
 
 
-def megatron_rl_reader(args):
+def megatron_rl_reader(args, rl_utils=None):
     """The iterator's element -> the item, as ``train_rl.forward_step`` reads it: a packed bin index through
-    ``rl_utils.load_packed_data_by_index``; both layouts counted in ``get_rl_runtime_state()``'s sample count."""
-    from megatron.rl.rl_utils import get_rl_runtime_state, load_packed_data_by_index
+    ``rl_utils.load_packed_data_by_index``, an unpacked element as it is."""
+    if rl_utils is None:
+        from megatron.rl import rl_utils
 
     def read(element):
-        state = get_rl_runtime_state()
-        if args.rl_use_sequence_packing:
-            bin_index = int(element[0].item())  # host-sync-ok: the iterator's bin index, read before the forward
-            item = load_packed_data_by_index(bin_index, state.packing_context,
-                                             args.rl_inference_logprobs_is_correction)
-            state.increment_sequences(len(item[9]))
-        else:
-            item = element
-            state.increment_sequences(item[0].shape[0])
-        return item
+        if not args.rl_use_sequence_packing:
+            return element
+        bin_index = int(element[0].item())  # host-sync-ok: the iterator's bin index, read before the forward
+        return rl_utils.load_packed_data_by_index(bin_index, rl_utils.get_rl_runtime_state().packing_context,
+                                                  args.rl_inference_logprobs_is_correction)
 
     return read
 
 
-def lazy_forward_step():
+class Session:
+    """The process's :class:`RLHost`, built from Megatron-LM's arguments on first use (the rollout's pi_old pass
+    or the first training micro-batch, whichever comes first).
+
+    Args:
+        args: returns Megatron-LM's parsed arguments (``megatron.training.get_args``).
+        num_microbatches: Megatron-LM's ``get_num_microbatches``.
+        rl_utils: ``megatron.rl.rl_utils`` (the tests' stand-in).
+    """
+
+    def __init__(self, args: Callable[[], Any], num_microbatches: Callable[[], int], rl_utils: Any) -> None:
+        self._args, self._m, self.rl_utils = args, num_microbatches, rl_utils
+        self._host: RLHost | None = None
+
+    def host(self) -> RLHost:
+        if self._host is None:
+            args = self._args()
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            state = self.rl_utils.get_rl_runtime_state
+            self._host = RLHost.from_args(args, self._m, read_item=self.read_item(),
+                                          on_sequences=lambda n: state().increment_sequences(n), device=device)
+        return self._host
+
+    def read_item(self) -> Callable[[Any], Any]:
+        return megatron_rl_reader(self._args(), self.rl_utils)
+
+    def forward_step(self, data_iterator, model, *args, **kwargs):
+        return self.host().forward_step(data_iterator, model, *args, **kwargs)
+
+    def install_rollout(self) -> RolloutHooks:
+        """Wrap ``rl_utils``' update preparation (``rollout.py``): the host's pi_old / pi_ref and collection."""
+        return install_rollout(self.rl_utils, self.host, lambda e: self.read_item()(e))
+
+
+def lazy_forward_step(session: Session | None = None):
     """A ``forward_step_func`` that builds the :class:`RLHost` from Megatron-LM's global args on first use."""
-    host: list[RLHost] = []
-
     def forward_step(data_iterator, model, *args, **kwargs):
-        if not host:
-            from megatron.core.num_microbatches_calculator import get_num_microbatches
-            from megatron.training import get_args
-
-            args = get_args()
-            host.append(RLHost.from_args(args, get_num_microbatches, read_item=megatron_rl_reader(args)))
-        return host[0].forward_step(data_iterator, model, *args, **kwargs)
+        return (session or _default_session()).forward_step(data_iterator, model, *args, **kwargs)
 
     return forward_step
 
 
-def install(training_module) -> None:
+_SESSION: list[Session] = []
+
+
+def _default_session() -> Session:
+    if not _SESSION:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.rl import rl_utils
+        from megatron.training import get_args
+
+        _SESSION.append(Session(get_args, get_num_microbatches, rl_utils))
+    return _SESSION[0]
+
+
+def install(training_module, session: Session | None = None) -> None:
     """Wrap ``training_module.pretrain`` (and ``parse_and_validate_args`` where present) in place."""
     pretrain = training_module.pretrain
 
@@ -74,9 +119,9 @@ def install(training_module) -> None:
     def pretrain_with_tis(*args, **kwargs):
         args = list(args)
         if "forward_step_func" in kwargs:
-            kwargs["forward_step_func"] = lazy_forward_step()
+            kwargs["forward_step_func"] = lazy_forward_step(session)
         elif len(args) > 3 and callable(args[3]):
-            args[3] = lazy_forward_step()
+            args[3] = lazy_forward_step(session)
         else:
             raise ValueError("slime_tis.megatron_rl: pretrain(...) call without a forward_step_func to replace")
         if "extra_args_provider" in kwargs or not hasattr(training_module, "parse_and_validate_args"):
@@ -99,13 +144,21 @@ def _parse_with_tis(parse):
     return parse_with_tis
 
 
-def main(argv: list[str]) -> None:
-    if not argv or argv[0] in ("-h", "--help"):
-        raise SystemExit("usage: python -m slime_tis.megatron_rl train_rl.py <Megatron-LM and slime_tis flags>")
+def install_all() -> Session:
+    """Everything the launcher installs, on Megatron-LM's modules; returns the process's :class:`Session`."""
     import megatron.training as training
     import megatron.training.arguments  # noqa: F401  (train_rl.py imports parse_and_validate_args from it)
 
-    install(training)
+    session = _default_session()
+    install(training, session)
+    session.install_rollout()
+    return session
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit("usage: python -m slime_tis.megatron_rl train_rl.py <Megatron-LM and slime_tis flags>")
+    install_all()
     sys.argv = list(argv)
     runpy.run_path(argv[0], run_name="__main__")
 

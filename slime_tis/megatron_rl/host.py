@@ -50,8 +50,10 @@ from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.step import StepEngine
+from slime_tis.engine.totals import Decisions, decides_ahead
 
-__all__ = ["RLHost", "add_megatron_rl_tis_arguments", "config_from_megatron_rl_args", "item_to_batch"]
+__all__ = ["RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments", "config_from_megatron_rl_args",
+           "item_to_batch", "refuse_interleaved_pipeline"]
 
 
 def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -108,6 +110,23 @@ def config_from_megatron_rl_args(args: Any) -> TISConfig:
     return TISConfig(**f)
 
 
+#: Megatron-LM's flags that select an interleaved (virtual) pipeline schedule, the attribute they set
+_VIRTUAL_PIPELINE_FLAGS = (("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+                           ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
+                           ("virtual_pipeline_model_parallel_size", "--virtual-pipeline-model-parallel-size"))
+
+
+def refuse_interleaved_pipeline(args: Any) -> None:
+    """One-line ``ValueError`` naming the flag and value where Megatron-LM's arguments select an interleaved
+    pipeline schedule: its model is a list of virtual stages fed by one data iterator each, while the host reads
+    one item per micro-batch from one iterator."""
+    for attr, flag in _VIRTUAL_PIPELINE_FLAGS:
+        value = getattr(args, attr, None)
+        if value is not None and not (attr == "virtual_pipeline_model_parallel_size" and int(value) <= 1):
+            raise ValueError(f"{flag} {value}: slime_tis.megatron_rl does not run interleaved (virtual) pipeline "
+                             "schedules; drop the flag (plain pipeline parallelism is supported)")
+
+
 def _flag(field: str) -> str:
     return {"eps_clip": "eps-clip", "eps_clip_high": "eps-clip-high", "kl_coef": "tis-kl-coef"}[field]
 
@@ -144,6 +163,14 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatc
                      old_log_probs=_f32(old) if cfg.needs_old_log_probs else None,
                      ref_log_probs=_f32(ref) if cfg.kl_coef else None)
     return batch, tokens, pos, b
+
+
+@dataclass(frozen=True)
+class RolloutIndex:
+    """An element of the training iterator the launcher hands Megatron-LM's loop (``rollout.py``): micro-batch
+    ``k`` of the rollout collection the host translated in :meth:`RLHost.begin_rollout`."""
+
+    k: int
 
 
 @dataclass
@@ -197,40 +224,91 @@ class RLHost:
             of the distribution's entropy.
         model_forward: ``(model, tokens, position_ids, bin) -> logits [B, S, V/TP]``.
         read_item: the iterator's element -> the item (the launcher: a bin index -> the bin's parts).
+        on_sequences: called with each micro-batch's sequence count as a step reads it (the launcher:
+            Megatron-LM's ``increment_sequences``).
+        device: where the host keeps translated micro-batches (the model's device; ``None``: where they come).
     """
 
     def __init__(self, cfg: TISConfig, num_microbatches: int | Callable[[], int], *, packed: bool = False,
                  temperature: float = 1.0, per_token: bool = False, sampled_entropy: bool = False,
-                 model_forward: Callable = default_model_forward, read_item: Callable = lambda x: x) -> None:
+                 model_forward: Callable = default_model_forward, read_item: Callable = lambda x: x,
+                 on_sequences: Callable[[int], None] = lambda n: None, device: Any = None) -> None:
         if not temperature > 0:
             raise ValueError(f"--rl-default-temperature must be > 0, got {temperature}")
         self.cfg, self.packed, self.temperature, self.per_token = cfg, packed, float(temperature), per_token
         self.sampled_entropy, self.model_forward, self.read_item = sampled_entropy, model_forward, read_item
+        self.on_sequences, self.device = on_sequences, device
         self._m = num_microbatches if callable(num_microbatches) else (lambda: num_microbatches)
         self.steps, self.metrics = 0, {}
         self._queue: list = []
+        #: the rollout collection (:meth:`begin_rollout`): its translated micro-batches, the corrections decided
+        #: once for it and algorithm 2's batch-normalisation factor over it; ``None`` outside one
+        self._rollout: list | None = None
+        self.decisions: Decisions | None = None
+        self.rollout_factor: Tensor | None = None
 
     @classmethod
     def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
         """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
+        refuse_interleaved_pipeline(args)
         return cls(config_from_megatron_rl_args(args), num_microbatches,
                    packed=bool(getattr(args, "rl_use_sequence_packing", False)),
                    temperature=float(getattr(args, "rl_default_temperature", 1.0) or 1.0),
                    per_token=bool(getattr(args, "calculate_per_token_loss", False)),
                    sampled_entropy=bool(getattr(args, "grpo_entropy_term_weight", 0.0)), **kw)
 
+    def _translate(self, item) -> tuple[TISBatch, Tensor, Tensor, Any]:
+        batch, tokens, pos, b = item_to_batch(item, self.cfg, packed=self.packed)
+        if self.device is None:
+            return batch, tokens, pos, b
+        return batch.to(self.device), tokens.to(self.device), pos.to(self.device), b
+
+    def begin_rollout(self, items: list) -> list[RolloutIndex]:
+        """A new rollout collection: this rank's micro-batch items, in the order Megatron-LM's training iterator
+        yields them. Each is translated once and kept for every optimizer step on the collection; the
+        corrections that read only pi_old and pi_rollout (algorithms 0 and 2 with ``drop`` or batch
+        normalisation) are decided once, and algorithm 2's batch-normalisation factor is taken over the whole
+        collection of all DP (x CP) ranks, here, where Megatron-LM prepares the update. Returns the training
+        iterator's elements (one :class:`RolloutIndex` per micro-batch).
+
+        Collectives (last pipeline stage, where :func:`~slime_tis.engine.totals.decides_ahead`): those of one
+        ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
+        ctx = parallel_context()
+        self._rollout = [self._translate(item) for item in items]
+        self.decisions, self.rollout_factor = Decisions(), None
+        if ctx.last_pp_stage and decides_ahead(self.cfg):
+            totals = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions).begin([r[0] for r in self._rollout])
+            self.rollout_factor = totals.batch_norm_factor
+        return [RolloutIndex(k) for k in range(len(self._rollout))]
+
+    def _next_item(self, data_iterator) -> tuple[TISBatch, Tensor, Tensor, Any]:
+        element = next(data_iterator)
+        if isinstance(element, RolloutIndex):
+            if self._rollout is None:
+                raise RuntimeError("RLHost: a RolloutIndex before begin_rollout")
+            item = self._rollout[element.k]
+        else:
+            item = self._translate(self.read_item(element))
+        self.on_sequences(item[0].num_sequences)
+        return item
+
     def _begin_step(self, data_iterator) -> None:
         m = self._m()
         ctx = parallel_context()
         self.ctx, self.m, self.dicts = ctx, m, []
-        items = [item_to_batch(self.read_item(next(data_iterator)), self.cfg, packed=self.packed) for _ in range(m)]
-        self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
+        items = [self._next_item(data_iterator) for _ in range(m)]
+        self.engine = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions) if ctx.last_pp_stage else None
         if self.engine is not None:
             self.engine.begin([it[0] for it in items])
+            if self.rollout_factor is not None:  # the collection's, decided in begin_rollout
+                self.engine.totals.batch_norm_factor = self.rollout_factor
         self._queue = items
 
     def forward_step(self, data_iterator, model, *args, **kwargs):
         """Megatron-core's ``forward_step_func``: ``(output, loss_func)`` for the next micro-batch."""
+        if isinstance(model, list) and len(model) > 1:
+            raise ValueError(f"a model of {len(model)} virtual pipeline stages: slime_tis.megatron_rl does not run "
+                             "interleaved pipeline schedules")
         if not self._queue:
             self._begin_step(data_iterator)
         batch, tokens, pos, b = self._queue.pop(0)
@@ -239,15 +317,22 @@ class RLHost:
             return output, lambda out, *a, **k: (out.sum() * 0.0, {})
         return output, self._loss_func(batch, last=not self._queue)
 
+    def log_probs(self, output: Tensor, labels: Tensor, *, with_entropy: bool = False
+                  ) -> tuple[Tensor, Tensor | None]:
+        """``(lp [B (S-1)], entropy or None)``: float32 log-probs of ``labels`` (``[B (S-1)]``, ``tokens[:, 1:]``)
+        under ``softmax(output[:, :-1] / T)`` (the engine's vocab-parallel log-softmax). The training loss and
+        the launcher's pi_old / pi_ref passes take their log-probs here."""
+        logits = output[:, :-1].reshape(-1, output.shape[-1])
+        return vocab_parallel_log_probs_and_entropy(logits, labels, temperature=self.temperature,
+                                                    with_entropy=with_entropy)
+
     def entropy_of(self, lp: Tensor, h: Tensor | None) -> Tensor | None:
         """The entropy term's per-token entropy: Megatron-LM's sampled-token ``-exp(lp) lp`` or ``h``."""
         return -torch.exp(lp) * lp if self.sampled_entropy else h
 
     def _loss_func(self, batch: TISBatch, last: bool) -> Callable:
         def loss_func(output: Tensor, *args, **kwargs):
-            logits = output[:, :-1].reshape(-1, output.shape[-1])
-            lp, h = vocab_parallel_log_probs_and_entropy(logits, batch.labels, temperature=self.temperature,
-                                                         with_entropy=not self.sampled_entropy)
+            lp, h = self.log_probs(output, batch.labels, with_entropy=not self.sampled_entropy)
             out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
             self.engine.record(out.stats)
             from megatron.core import parallel_state as ps

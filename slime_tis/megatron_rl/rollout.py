@@ -1,0 +1,154 @@
+"""Where Megatron-LM prepares the update (``megatron/rl/rl_utils.py`` ``prepare_data_for_update``): the host's
+pi_old and pi_ref, and the rollout collection.
+
+``prepare_data_for_update`` computes pi_old, then pi_ref (after loading the reference weights), each with one
+call of ``compute_logprobs_batch`` (a forward-only pass over the collection), and returns a cycling iterator over
+the collection's training micro-batches. :func:`install_rollout` wraps both functions in the module:
+
+* pi_old (the first call): algorithms 1 and 3 (``--use-rollout-log-probs``) anchor on the inference log-probs
+  and need none, so the pass is skipped and zeros stand in (Megatron-LM's own train/inference comparison, which it
+  logs from pi_old, then compares zeros); algorithms 0 and 2 take it through the host's log-prob path
+  (:meth:`RLHost.log_probs`: float32, the sampling temperature applied), kept in float32;
+* pi_ref (the second call): the same path where the KL term is on (``--tis-kl-coef`` /
+  ``--grpo-kl-beta``), skipped (zeros) where it is 0;
+* the collection: the training ``DataLoader`` the function builds (the last one made through the module's
+  ``DataLoader``, or ``get_microbatch_dataloader`` for packed bins) is read once, the host translates every
+  micro-batch (:meth:`RLHost.begin_rollout`: once-per-rollout decisions and the collection's batch-normalisation
+  factor, reduced over DP) and the function returns a cycling iterator of the same type over the host's
+  :class:`~slime_tis.megatron_rl.host.RolloutIndex` elements, in the loader's order.
+
+``forwards`` counts the passes per role (``old``, ``ref``) and ``skipped`` the skipped ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from slime_tis.megatron_rl.host import PackedBin, RLHost
+
+__all__ = ["RolloutHooks", "install_rollout"]
+
+
+@contextlib.contextmanager
+def _swapped(module: Any, name: str, value: Any):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+class RolloutHooks:
+    """The wrapped ``prepare_data_for_update`` / ``compute_logprobs_batch`` of one ``rl_utils`` module.
+
+    Args:
+        rl_utils: the module (``megatron.rl.rl_utils``; the tests' stand-in).
+        host: returns the :class:`RLHost` (built from Megatron-LM's arguments on first use).
+        read_item: a training loader element -> the item (a packed bin index -> the bin's parts).
+    """
+
+    def __init__(self, rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any]) -> None:
+        self.rl_utils, self.host, self.read_item = rl_utils, host, read_item
+        self.forwards: Counter = Counter()
+        self.skipped: Counter = Counter()
+        self._calls: int | None = None  # compute_logprobs_batch calls inside prepare_data_for_update
+
+    def install(self) -> None:
+        rl = self.rl_utils
+        rl.prepare_data_for_update = self._wrap_prepare(rl.prepare_data_for_update)
+        rl.compute_logprobs_batch = self._wrap_compute(rl.compute_logprobs_batch)
+
+    def _wrap_prepare(self, prepare: Callable) -> Callable:
+        @functools.wraps(prepare)
+        def prepare_data_for_update(*args, **kwargs):
+            loaders: list = []
+            rl = self.rl_utils
+
+            def recorded(make):
+                def make_and_record(*a, **k):
+                    loaders.append(make(*a, **k))
+                    return loaders[-1]
+                return make_and_record
+
+            self._calls = 0
+            try:
+                with _swapped(rl, "DataLoader", recorded(rl.DataLoader)), \
+                        _swapped(rl, "get_microbatch_dataloader", recorded(rl.get_microbatch_dataloader)):
+                    out = prepare(*args, **kwargs)
+            finally:
+                self._calls = None
+            if not loaders:
+                raise RuntimeError("slime_tis.megatron_rl: prepare_data_for_update built no training DataLoader")
+            iterator, *rest = out
+            elements = self.host().begin_rollout([self.read_item(e) for e in loaders[-1]])
+            return (type(iterator)(itertools.cycle(elements)), *rest)
+
+        return prepare_data_for_update
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        signature = inspect.signature(compute)
+        for name in ("trajs_batch_size", "seq_length", "dtype", "is_correction"):
+            if name not in signature.parameters:
+                raise RuntimeError(f"slime_tis.megatron_rl: compute_logprobs_batch has no '{name}' argument; "
+                                   "this Megatron-LM version is not supported")
+
+        @functools.wraps(compute)
+        def compute_logprobs_batch(*args, **kwargs):
+            if self._calls is None:  # outside prepare_data_for_update: Megatron-LM's own pass
+                return compute(*args, **kwargs)
+            role = "old" if self._calls == 0 else "ref"
+            self._calls += 1
+            host = self.host()
+            call = signature.bind(*args, **kwargs)
+            a = call.arguments
+            needed = host.cfg.needs_old_log_probs if role == "old" else host.cfg.kl_coef != 0.0
+            if not needed:
+                self.skipped[role] += 1
+                return torch.zeros(a["trajs_batch_size"], a["seq_length"] - 1, dtype=a["dtype"])
+            self.forwards[role] += 1
+            a["dtype"] = torch.float32
+            with _swapped(self.rl_utils, "logprobs_forward_step", self._logprobs_forward_step):
+                return compute(*call.args, **call.kwargs)
+
+        return compute_logprobs_batch
+
+    def _logprobs_forward_step(self, data_iterator, model, is_correction, packing_context=None):
+        """Megatron-LM's ``logprobs_forward_step`` through the host: ``([B, S-1] float32 log-probs at the
+        sampling temperature, None)`` on the last pipeline stage, the model output elsewhere."""
+        from slime_tis.engine.parallel import parallel_context
+
+        host = self.host()
+        model.eval()
+        if packing_context is not None:
+            index = int(next(data_iterator)[0].item())  # host-sync-ok: the loader's bin index, before the forward
+            parts = self.rl_utils.load_packed_data_by_index(index, packing_context, is_correction)
+            tokens, pos = parts[0], parts[4]
+            b = PackedBin(tokens, pos, parts[3], parts[7], parts[8], parts[9], parts[10])
+        else:
+            tokens, pos = next(data_iterator)
+            b = None
+        if host.device is not None:
+            tokens, pos = tokens.to(host.device), pos.to(host.device)
+        with torch.no_grad():
+            output = host.model_forward(model, tokens, pos, b)
+        model.train()
+        if not parallel_context().last_pp_stage:
+            return output, None
+        lp, _ = host.log_probs(output, tokens[:, 1:].reshape(-1).to(torch.int64))
+        return lp.view(tokens.shape[0], tokens.shape[1] - 1), None
+
+
+def install_rollout(rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any]) -> RolloutHooks:
+    """Wrap ``rl_utils``' ``prepare_data_for_update`` and ``compute_logprobs_batch`` (module docstring)."""
+    hooks = RolloutHooks(rl_utils, host, read_item)
+    hooks.install()
+    return hooks
