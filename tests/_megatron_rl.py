@@ -35,11 +35,13 @@ code copied), each piece checked against the named function while it was written
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
 
 RL_METRICS = ("rl/kl_term", "rl/pi_over_pi_old", "rl/entropy_term", "rl/truncated_from_above",
               "rl/truncated_from_below")
@@ -184,3 +186,176 @@ def scheduled_loss(total: Tensor, n_tokens: Tensor, num_microbatches: int, args:
     if args.calculate_per_token_loss:
         return total
     return total / n_tokens.clamp(min=1) / num_microbatches
+
+
+# --- where the update is prepared: ``rl_utils.prepare_data_for_update`` and its log-prob passes -------------------
+
+
+@dataclass
+class PackingContext:
+    """The packed collection (``sequence_packing_utils.PackingContext``): ``packed_trajs`` /
+    ``packed_position_ids`` ``[n_bins, bin]``, ``packed_loss_mask`` ``[n_bins, bin]`` (the generation mask),
+    per-bin ``seq_starts`` (starts plus end), ``seq_lengths``, ``bin_seq_indices``, ``bin_advantages``; the
+    log-prob grids ``[n_bins, bin - 1]`` are added once computed."""
+
+    packed_trajs: Tensor
+    packed_position_ids: Tensor
+    packed_loss_mask: Tensor
+    seq_starts: list
+    seq_lengths: list
+    bin_seq_indices: list
+    bin_advantages: list
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    packed_inference_logprobs: Tensor | None = None
+
+
+class RuntimeState:
+    """``get_rl_runtime_state()``: the packing context and the trained-sequence count."""
+
+    def __init__(self) -> None:
+        self.packing_context: PackingContext | None = None
+        self.sequences = 0
+
+    def increment_sequences(self, n: int) -> None:
+        self.sequences += int(n)
+
+
+class ReplayIterator:
+    """``RerunDataIterator``: ``next`` of the wrapped iterable (replay not modelled)."""
+
+    def __init__(self, iterable) -> None:
+        self.iterable = iterable
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.iterable)
+
+
+class RLUtils:
+    """The parts of ``megatron/rl/rl_utils.py`` (and the packing helpers it imports) that prepare the update, as
+    methods that find each other through ``self`` (the module's globals: a host may replace any of them).
+
+    ``prepare_data_for_update(model, ref_state_dict, rollout, sequence_packing, is_correction)``: with ``dtype`` the
+    training dtype (bf16 under ``--bf16``): advantages in ``dtype``; the log-prob loader (``DataLoader`` over
+    ``(tokens, position_ids)`` rows, or over bin indices, batch 1); pi_old = ``compute_logprobs_batch(...)`` (first
+    call), then the reference weights loaded and pi_ref = ``compute_logprobs_batch(...)`` (second call), both in
+    ``dtype``; the inference log-probs scattered in float32 onto the grid (unpacked: onto a float32 copy of pi_old,
+    so slots the engine did not report keep pi_old; packed: onto zeros); the training loader (``DataLoader`` over
+    the 7 row tensors, the inference row zeros unless ``is_correction`` and ``--rl-inference-logprobs-is-correction``,
+    or ``get_microbatch_dataloader`` over bin indices); returns ``(RerunDataIterator(cycle(
+    loader)), group stats, example groups)``. ``rollout``: ``tokens [N, S]``, ``gen_mask [N, S]`` bool,
+    ``lengths``, ``inference`` (one float32 tensor per row, the generated tokens' log-probs), ``advantages [N]``.
+    """
+
+    DataLoader = DataLoader
+    RerunDataIterator = ReplayIterator
+
+    def __init__(self, args, micro_batch_size: int = 1, bin_size: int = 16, max_per_bin: int = 3) -> None:
+        self.args, self.mbs, self.bin_size, self.max_per_bin = args, micro_batch_size, bin_size, max_per_bin
+        self.state = RuntimeState()
+
+    def get_rl_runtime_state(self) -> RuntimeState:
+        return self.state
+
+    def get_forward_backward_func(self):
+        """The forward-only schedule of one micro-batch: ``[output]`` where ``loss_func`` is ``None``."""
+        def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, forward_only, **kw):
+            assert forward_only and num_microbatches == 1
+            output, loss_func = forward_step_func(data_iterator, model)
+            assert loss_func is None
+            return [output]
+        return forward_backward
+
+    def get_microbatch_dataloader(self, n_bins: int, micro_batch_size: int):
+        return DataLoader(TensorDataset(torch.arange(n_bins)), batch_size=micro_batch_size,
+                          collate_fn=lambda x: x[0])
+
+    def load_packed_data_by_index(self, i: int, ctx: PackingContext, is_correction: bool) -> tuple:
+        """The bin's 11 parts; a log-prob grid not computed yet (during the passes) is ``None``."""
+        s = slice(i, i + 1)
+        old, ref, inf = (None if t is None else t[s] for t in (ctx.old_logprobs, ctx.ref_logprobs,
+                                                               ctx.packed_inference_logprobs))
+        return (ctx.packed_trajs[s], ctx.bin_advantages[i], old, ctx.packed_loss_mask[s, 1:],
+                ctx.packed_position_ids[s], ref, inf if is_correction else None, ctx.seq_starts[i],
+                ctx.seq_lengths[i], ctx.bin_seq_indices[i], None)
+
+    def logprobs_forward_step(self, data_iterator, model, is_correction, packing_context=None):
+        model.eval()
+        if packing_context is not None:
+            parts = self.load_packed_data_by_index(int(next(data_iterator)[0]), packing_context, is_correction)
+            tokens, pos = parts[0], parts[4]
+        else:
+            tokens, pos = next(data_iterator)
+        with torch.no_grad():
+            lp = token_logprobs(model(tokens, pos, None), tokens)
+        model.train()
+        return stored_old_logprobs(lp, self.args), None
+
+    def compute_logprobs_batch(self, model, data_loader, forward_backward_func, packing_context, trajs_batch_size,
+                               seq_length, logprobs_batch_size, decoder_seq_length, dtype, pp_group, is_correction,
+                               collect_non_loss_data=False):
+        it, out = iter(data_loader), []
+        for _ in range(len(data_loader)):
+            out.append(forward_backward_func(
+                forward_step_func=partial(self.logprobs_forward_step, is_correction=is_correction,
+                                          packing_context=packing_context),
+                data_iterator=it, model=model, num_microbatches=1, forward_only=True)[0].detach())
+        lp = torch.cat(out, 0)
+        assert lp.dtype == dtype and lp.shape == (trajs_batch_size, seq_length - 1)
+        return lp.cpu()
+
+    def prepare_data_for_update(self, model, ref_state_dict, rollout, sequence_packing, is_correction):
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float32
+        tokens, gen, lengths = rollout["tokens"], rollout["gen_mask"], rollout["lengths"]
+        n, seq = tokens.shape
+        adv = rollout["advantages"].to(dtype)
+        ctx = None
+        if sequence_packing:
+            bins = pack_bins(tokens, lengths, gen, self.bin_size, self.max_per_bin)
+            ctx = PackingContext(torch.cat([b.tokens for b in bins]), torch.cat([b.position_ids for b in bins]),
+                                 torch.cat([torch.cat([torch.zeros(1, 1), b.loss_mask], 1) for b in bins]),
+                                 [b.seq_starts for b in bins], [b.seq_lengths for b in bins],
+                                 [b.seq_indices for b in bins], [adv[b.seq_indices] for b in bins])
+            self.state.packing_context = ctx
+            loader = self.DataLoader(TensorDataset(torch.arange(len(bins))), batch_size=1)
+            rows, width, batch = len(bins), self.bin_size, 1
+        else:
+            pos = torch.arange(seq).expand(n, seq).contiguous()
+            loader = self.DataLoader(TensorDataset(tokens, pos), batch_size=self.mbs)
+            rows, width, batch = n, seq, self.mbs
+        kw = dict(forward_backward_func=self.get_forward_backward_func(), packing_context=ctx,
+                  trajs_batch_size=rows, seq_length=width, logprobs_batch_size=batch, decoder_seq_length=None,
+                  dtype=dtype, pp_group=None, is_correction=is_correction)
+        old = self.compute_logprobs_batch(model=model, data_loader=loader, **kw)
+        current = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(ref_state_dict)
+        ref = self.compute_logprobs_batch(model=model, data_loader=loader, **kw)
+        model.load_state_dict(current)
+        if sequence_packing:
+            ctx.old_logprobs, ctx.ref_logprobs = old, ref
+            inf = torch.zeros(rows, width - 1)
+            for k, group in enumerate(ctx.bin_seq_indices):
+                for i, start in zip(group, ctx.seq_starts[k]):
+                    _scatter_inference(inf[k], rollout["inference"][i], gen[i], start, start + lengths[i] - 1)
+            ctx.packed_inference_logprobs = inf
+            loader = self.get_microbatch_dataloader(rows, self.mbs)
+        else:
+            inf = old.clone().float()
+            for i in range(n):
+                _scatter_inference(inf[i], rollout["inference"][i], gen[i], 0, seq - 1)
+            keep = is_correction and self.args.rl_inference_logprobs_is_correction
+            data = [tokens, adv, old, gen.float(), pos, ref, inf if keep else torch.zeros_like(old)]
+            loader = self.DataLoader(TensorDataset(*data), batch_size=self.mbs)
+        return self.RerunDataIterator(itertools.cycle(loader)), None, None
+
+
+def _scatter_inference(row: Tensor, values: Tensor, gen: Tensor, start: int, end: int) -> None:
+    """The log-prob of generated token ``p`` goes to slot ``start + p - 1`` (kept within ``[start, end)``)."""
+    target = start + gen.nonzero().flatten() - 1
+    k = min(values.numel(), target.numel())
+    target, values = target[:k], values[:k]
+    ok = (target >= start) & (target < end)
+    row[target[ok]] = values[ok].float()

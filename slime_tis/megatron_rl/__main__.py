@@ -87,7 +87,7 @@ class Session:
 
     def install_rollout(self) -> RolloutHooks:
         """Wrap ``rl_utils``' update preparation (``rollout.py``): the host's pi_old / pi_ref and collection."""
-        return install_rollout(self.rl_utils, self.host, lambda e: self.read_item()(e))
+        return install_rollout(self.rl_utils, self.host, lambda e: self.read_item()(e), self._args)
 
 
 def lazy_forward_step(session: Session | None = None):

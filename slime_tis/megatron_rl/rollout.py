@@ -5,6 +5,9 @@ pi_old and pi_ref, and the rollout collection.
 call of ``compute_logprobs_batch`` (a forward-only pass over the collection), and returns a cycling iterator over
 the collection's training micro-batches. :func:`install_rollout` wraps both functions in the module:
 
+* the inference log-probs: where the algorithm reads them (1, 2, 3), Megatron-LM is told to keep them in the
+  data (``is_correction`` and ``args.rl_inference_logprobs_is_correction`` set: Megatron-LM's own loss, their
+  other reader, does not run under the host);
 * pi_old (the first call): algorithms 1 and 3 (``--use-rollout-log-probs``) anchor on the inference log-probs
   and need none, so the pass is skipped and zeros stand in (Megatron-LM's own train/inference comparison, which it
   logs from pi_old, then compares zeros); algorithms 0 and 2 take it through the host's log-prob path
@@ -56,8 +59,9 @@ class RolloutHooks:
         read_item: a training loader element -> the item (a packed bin index -> the bin's parts).
     """
 
-    def __init__(self, rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any]) -> None:
-        self.rl_utils, self.host, self.read_item = rl_utils, host, read_item
+    def __init__(self, rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
+                 args: Callable[[], Any]) -> None:
+        self.rl_utils, self.host, self.read_item, self.args = rl_utils, host, read_item, args
         self.forwards: Counter = Counter()
         self.skipped: Counter = Counter()
         self._calls: int | None = None  # compute_logprobs_batch calls inside prepare_data_for_update
@@ -68,8 +72,18 @@ class RolloutHooks:
         rl.compute_logprobs_batch = self._wrap_compute(rl.compute_logprobs_batch)
 
     def _wrap_prepare(self, prepare: Callable) -> Callable:
+        signature = inspect.signature(prepare)
+        if "is_correction" not in signature.parameters:
+            raise RuntimeError("slime_tis.megatron_rl: prepare_data_for_update has no 'is_correction' argument; "
+                               "this Megatron-LM version is not supported")
+
         @functools.wraps(prepare)
         def prepare_data_for_update(*args, **kwargs):
+            if self.host().cfg.algorithm != 0:  # the data must carry the inference log-probs (pi_rollout)
+                self.args().rl_inference_logprobs_is_correction = True
+                call = signature.bind(*args, **kwargs)
+                call.arguments["is_correction"] = True
+                args, kwargs = call.args, call.kwargs
             loaders: list = []
             rl = self.rl_utils
 
@@ -147,8 +161,9 @@ class RolloutHooks:
         return lp.view(tokens.shape[0], tokens.shape[1] - 1), None
 
 
-def install_rollout(rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any]) -> RolloutHooks:
+def install_rollout(rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
+                    args: Callable[[], Any]) -> RolloutHooks:
     """Wrap ``rl_utils``' ``prepare_data_for_update`` and ``compute_logprobs_batch`` (module docstring)."""
-    hooks = RolloutHooks(rl_utils, host, read_item)
+    hooks = RolloutHooks(rl_utils, host, read_item, args)
     hooks.install()
     return hooks

@@ -1,0 +1,219 @@
+"""The host where Megatron-LM prepares the update (``slime_tis.megatron_rl.rollout``), on the stand-in of
+``rl_utils.prepare_data_for_update`` (``tests/_megatron_rl.py``, commit d98e8a64dd) and a bigram model.
+
+* forward passes per rollout: pi_old only for algorithms 0 and 2, pi_ref only with the KL term (Megatron-LM runs
+  both always);
+* under ``--bf16`` pi_old is the host's float32 log-prob: equal policies give weights of exactly 1 at log-prob
+  -9.1 (Megatron-LM's bf16 pi_old gives 0.975);
+* algorithm 2's batch normalisation over the whole rollout collection, decided once per rollout: two optimizer
+  steps on one collection use the same factor, the collection's, and each step's loss is the core's with it;
+* interleaved pipeline schedules are refused in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from _megatron_rl import RLArgs, RLUtils
+
+from slime_tis import TISConfig
+from slime_tis.core import compute_tis, policy_loss
+from slime_tis.megatron_rl import RLHost, add_megatron_rl_tis_arguments
+from slime_tis.megatron_rl.__main__ import megatron_rl_reader
+from slime_tis.megatron_rl.host import RolloutIndex
+from slime_tis.megatron_rl.rollout import install_rollout
+
+VOCAB, ROWS, COLS = 13, 8, 10
+
+
+class Bigram(torch.nn.Module):
+    def __init__(self, seed: int = 0, w: torch.Tensor | None = None):
+        super().__init__()
+        w = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)) if w is None else w
+        self.w = torch.nn.Parameter(w.clone())
+        self.calls = 0
+
+    def forward(self, tokens, position_ids=None, attention_mask=None, **kw):
+        self.calls += 1
+        return self.w[tokens]
+
+
+def _rollout(seed: int, model: Bigram, temperature: float = 1.0, noise: float = 0.4) -> dict:
+    """Rows of a prompt and a generated response; the inference log-probs are the model's at ``temperature``
+    plus ``noise`` (0: equal policies)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (ROWS, COLS), generator=g)
+    lengths = [int(x) for x in torch.randint(6, COLS + 1, (ROWS,), generator=g)]
+    prompt = [int(x) for x in torch.randint(1, 4, (ROWS,), generator=g)]
+    gen = torch.zeros(ROWS, COLS, dtype=torch.bool)
+    for r, (p, n) in enumerate(zip(prompt, lengths)):
+        tokens[r, n:] = 0
+        gen[r, p:n] = True
+    with torch.no_grad():
+        lp = torch.log_softmax(model(tokens)[:, :-1].float() / temperature, -1)
+        lp = lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    model.calls = 0
+    inference = [lp[r, p - 1:n - 1] + noise * torch.randn(n - p, generator=g) for r, (p, n) in
+                 enumerate(zip(prompt, lengths))]
+    return dict(tokens=tokens, gen_mask=gen, lengths=lengths, inference=inference,
+                advantages=torch.randn(ROWS, generator=g), prompt=prompt)
+
+
+def _args(argv: list[str], **kw):
+    parser = argparse.ArgumentParser()
+    add_megatron_rl_tis_arguments(parser)
+    ns = parser.parse_args(argv)
+    base = dict(RLArgs().__dict__, grpo_kl_beta=0.0, rl_inference_logprobs_is_correction=False)
+    for k, v in {**base, **kw}.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def _prepared(ns, m: int, rollout: dict, model: Bigram):
+    """The launcher's wiring on the stand-in: ``(host, rl_utils, hooks, training iterator)``; micro-batches of
+    2 rows, or one bin (Megatron-LM's packed loader takes one bin a micro-batch)."""
+    rl = RLUtils(ns, micro_batch_size=1 if ns.rl_use_sequence_packing else 2)
+    host = RLHost.from_args(ns, m, on_sequences=rl.state.increment_sequences)
+    hooks = install_rollout(rl, lambda: host, megatron_rl_reader(ns, rl), lambda: ns)
+    ref = {k: v + 0.1 for k, v in model.state_dict().items()}
+    it, _, _ = rl.prepare_data_for_update(model, ref, rollout, ns.rl_use_sequence_packing,
+                                          ns.rl_inference_logprobs_is_correction)
+    return host, rl, hooks, it
+
+
+ALGORITHMS = {0: [], 1: ["--use-rollout-log-probs"], 2: ["--use-tis"], 3: ["--use-tis", "--use-rollout-log-probs"]}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("kl", [0.0, 0.05], ids=["no-kl", "kl"])
+@pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
+def test_forward_passes_per_rollout(algorithm: int, kl: float, packed: bool) -> None:
+    """Megatron-LM runs a pi_old and a pi_ref pass over the collection (one forward per log-prob loader batch
+    each); the host runs pi_old only for algorithms 0 and 2 and pi_ref only with the KL term. The training steps
+    after it still see every micro-batch once per pass over the collection."""
+    model = Bigram()
+    rollout = _rollout(1, model)
+    ns = _args(ALGORITHMS[algorithm], grpo_kl_beta=kl, rl_use_sequence_packing=packed)
+    host, rl, hooks, it = _prepared(ns, 1, rollout, model)
+    batches = len(rl.state.packing_context.packed_trajs) if packed else ROWS // 2
+    passes = int(algorithm in (0, 2)) + int(kl != 0.0)
+    assert model.calls == passes * batches, (model.calls, passes, batches)
+    assert hooks.forwards["old"] == int(algorithm in (0, 2)) and hooks.forwards["ref"] == int(kl != 0.0)
+    assert hooks.skipped["old"] + hooks.skipped["ref"] == 2 - passes
+    for batch, *_ in host._rollout:   # algorithms 1-3 anchor on the inference log-probs: Megatron-LM kept them
+        kept = batch.loss_mask != 0
+        assert (batch.rollout_log_probs is None) == (algorithm == 0)
+        assert algorithm == 0 or bool((batch.rollout_log_probs[kept] < 0).all())
+    k = len(host._rollout)
+    for _ in range(k):
+        output, loss_func = host.forward_step(it, model)
+        loss_func(output)
+    assert model.calls == passes * batches + k
+    assert rl.state.sequences == ROWS
+
+
+def _weights_at(lp_target: float, temperature: float) -> torch.Tensor:
+    """A bigram table under which every token 1..V-1 has log-prob ``lp_target`` at ``temperature`` (token 0 takes
+    the rest): ``log p = -log(exp(w0 / T) + V - 1)``."""
+    w = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    w[:, 0] = temperature * torch.log(torch.exp(torch.tensor(-lp_target, dtype=torch.float64)) - (VOCAB - 1))
+    return w.float()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_bf16_pi_old_is_the_hosts_float32_weights_exactly_one(packed: bool) -> None:
+    """Under ``--bf16``, inference log-probs = the policy's (float32, at T = 0.8) at log-prob ~-9.1: every weight
+    of algorithm 2 is exactly 1 and pi_old is float32. Control: Megatron-LM's own pi_old (the stand-in without the
+    host's passes) is bf16 and untempered, and its weight at the same tokens is not 1."""
+    model = Bigram(w=_weights_at(-9.1, 0.8))
+    rollout = _rollout(2, model, temperature=0.8, noise=0.0)
+    assert all(abs(float(x.mean()) + 9.1) < 0.05 for x in rollout["inference"])
+    ns = _args(["--use-tis", "--tis-upper-bound", "2.0"], bf16=True, rl_use_sequence_packing=packed,
+               rl_default_temperature=0.8)
+    host, rl, hooks, it = _prepared(ns, 4, rollout, model)
+    assert hooks.forwards["old"] == 1
+    n = 0
+    for batch, *_ in host._rollout:
+        assert batch.old_log_probs.dtype == torch.float32
+        kept = batch.loss_mask != 0
+        n += int(kept.sum())
+        res = compute_tis(host.cfg, batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask,
+                          batch.cu_seqlens)
+        assert torch.equal(res.weights[kept], torch.ones(int(kept.sum()))), res.weights[kept]
+    assert n >= 30
+
+    own = RLUtils(ns, micro_batch_size=1 if packed else 2)  # Megatron-LM's own passes: bf16, no temperature
+    it, _, _ = own.prepare_data_for_update(model, model.state_dict(), rollout, packed, True)
+    item = megatron_rl_reader(ns, own)(next(it))
+    old, mask = item[2], (item[3] if packed else item[3][:, 1:])
+    inf = item[6]
+    assert old.dtype == torch.bfloat16
+    w = torch.exp(old.float() - inf)[mask.bool()]
+    assert (w - 1).abs().max() > 0.01
+
+
+def test_batch_normalisation_over_the_rollout_collection_decided_once(monkeypatch) -> None:
+    """Algorithm 2 with batch normalisation, 4 micro-batches a collection, 2 a step: both optimizer steps use one
+    factor, the collection's ``count / sum of weights`` (the core's ``compute_tis`` on the whole collection),
+    which differs from each step's own; each step's loss equals the core's ``policy_loss`` on the step's rows with
+    that factor; no correction runs again after the collection was decided. Tolerance: float32 sums."""
+    import slime_tis.engine.totals as totals_mod
+
+    calls = {"n": 0}
+    real = totals_mod.compute_tis
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(totals_mod, "compute_tis", counted)
+    model = Bigram()
+    rollout = _rollout(3, model, noise=0.6)
+    ns = _args(["--use-tis", "--tis-upper-bound", "1.6", "--tis-batch-normalize", "--tis-level", "sequence"])
+    host, rl, hooks, it = _prepared(ns, 2, rollout, model)
+    assert len(host._rollout) == 4 and calls["n"] == 4 and len(host.decisions) == 4
+    cfg = host.cfg
+    cat = {k: torch.cat([getattr(b, k) for b, *_ in host._rollout]) for k in
+           ("old_log_probs", "rollout_log_probs", "loss_mask", "advantages", "labels")}
+    cu = torch.arange(ROWS + 1) * (COLS - 1)
+    whole = compute_tis(cfg, cat["old_log_probs"], cat["rollout_log_probs"], cat["loss_mask"], cu)
+    f = whole.norm_count / whole.norm_sum
+    torch.testing.assert_close(host.rollout_factor, f, rtol=2e-7, atol=0)
+    for step in range(2):
+        rows = slice(4 * step * (COLS - 1), 4 * (step + 1) * (COLS - 1))
+        own = compute_tis(cfg, cat["old_log_probs"][rows], cat["rollout_log_probs"][rows], cat["loss_mask"][rows],
+                          cu[:5])
+        assert abs(float(own.norm_count / own.norm_sum) - float(f)) > 1e-3   # the step's own factor differs
+        model.zero_grad()
+        total = torch.zeros(())
+        for _ in range(2):
+            output, loss_func = host.forward_step(it, model)
+            total = total + loss_func(output)[0] / 2
+        assert host.engine.totals.batch_norm_factor is host.rollout_factor
+        d_tokens = rollout["tokens"][4 * step:4 * step + 4]
+        lp = torch.log_softmax(model(d_tokens)[:, :-1].float(), -1).gather(-1, d_tokens[:, 1:, None]).reshape(-1)
+        want = policy_loss(cfg, lp, cat["old_log_probs"][rows], cat["rollout_log_probs"][rows],
+                           cat["advantages"][rows], cat["loss_mask"][rows], cu[:5], batch_norm_factor=f)
+        tol = 64 * torch.finfo(torch.float32).eps * max(1.0, abs(float(want.loss)))
+        assert abs(float(total) - float(want.loss)) <= tol, (float(total), float(want.loss))
+    assert calls["n"] == 4 and len(host.decisions) == 4       # decided once per rollout
+    assert isinstance(next(it), RolloutIndex)
+
+
+@pytest.mark.parametrize("argv_attr,value,flag", [
+    ("num_layers_per_virtual_pipeline_stage", 2, "--num-layers-per-virtual-pipeline-stage 2"),
+    ("num_virtual_stages_per_pipeline_rank", 3, "--num-virtual-stages-per-pipeline-rank 3"),
+    ("virtual_pipeline_model_parallel_size", 2, "--virtual-pipeline-model-parallel-size 2"),
+])
+def test_interleaved_pipeline_is_refused_in_one_line(argv_attr: str, value: int, flag: str) -> None:
+    ns = _args(["--use-tis", "--tis-upper-bound", "2.0"], **{argv_attr: value})
+    with pytest.raises(ValueError, match=flag) as e:
+        RLHost.from_args(ns, 2)
+    assert "\n" not in str(e.value)
+    RLHost.from_args(_args(["--use-tis", "--tis-upper-bound", "2.0"], virtual_pipeline_model_parallel_size=None), 2)
+    host = RLHost(TISConfig(use_tis=True), 1)
+    with pytest.raises(ValueError, match="2 virtual pipeline stages") as e:
+        host.forward_step(iter([]), [Bigram(), Bigram()])
+    assert "\n" not in str(e.value)
