@@ -8,7 +8,8 @@ optimizer step per check through megatron-core's schedule (``get_forward_backwar
 :meth:`RLHost.forward_step` as the ``forward_step_func`` and this rank's Megatron-LM RL items (unpacked rows, or
 its rows packed two to a bin with a block-causal attention mask: the same oracle), and
 writes ``DIR/rank{r}.jsonl``: the gradient error of its shards, and on the last stage the loss and ``tis/*``
-metrics as Megatron-LM's ``train_step`` logs them from the loss dicts.
+metrics as Megatron-LM's ``train_step`` logs them from the loss dicts; then, under DP=2, one rollout collection
+trained in two optimizer steps (:func:`run_rollout`): its batch-normalisation factor.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from slime_tis import TISConfig, policy_loss
-from slime_tis.core import LocalReducer
+from slime_tis.core import LocalReducer, compute_tis
 from slime_tis.engine.metrics import aggregate_metrics
 from slime_tis.megatron_rl import RLHost
 
@@ -151,6 +152,33 @@ def run(layout_name: str, case: str, packed: bool, weights: dict, b: dict, ref) 
     return res
 
 
+def run_rollout(weights: dict, b: dict) -> dict:
+    """DP=2, algorithm 2 with batch normalisation, one collection of 2 micro-batches a rank trained in 2 optimizer
+    steps of 1: the factor ``begin_rollout`` takes (reduced over DP), the factor each step uses, and the oracle:
+    the core's ``compute_tis`` on the whole global batch, ``count / sum``."""
+    cfg = TISConfig(**RL_CASES["a2_seq_clip_bn_kl"])
+    n = SEQ - 1
+    whole = compute_tis(cfg, b["old"].reshape(-1), b["inf"].reshape(-1), b["mask"][:, 1:].reshape(-1),
+                        torch.arange(GLOBAL_ROWS + 1) * n)
+    setup_parallel(LAYOUTS["dp2"])
+    rows = row_assignment(ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), M)
+    ddps, _ = build_ddp_chunks(LAYOUTS["dp2"], weights)
+    items = [tuple(b[k][torch.tensor(r)] for k in ("tokens", "adv", "old", "mask", "pos", "ref", "inf")) for r in rows]
+    mine = torch.tensor(sum(rows, []))
+    local = compute_tis(cfg, b["old"][mine].reshape(-1), b["inf"][mine].reshape(-1),
+                        b["mask"][mine, 1:].reshape(-1), torch.arange(len(mine) + 1) * n)
+    host = RLHost(cfg, 1, temperature=TEMPERATURE)
+    it = iter(host.begin_rollout(items))
+    steps = []
+    for _ in range(M):
+        get_forward_backward_func()(forward_step_func=host.forward_step, data_iterator=it, model=ddps,
+                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=len(rows[0]),
+                                    forward_only=False)
+        steps.append(float(host.engine.totals.batch_norm_factor))
+    return {"kind": "rollout", "rank": dist.get_rank(), "factor": float(host.rollout_factor), "steps": steps,
+            "oracle": float(whole.norm_count / whole.norm_sum), "rank_only": float(local.norm_count / local.norm_sum)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -166,6 +194,10 @@ def main() -> None:
         except Exception:  # recorded, not raised: the other checks still run, the test names the failure
             lines.append({"layout": layout_name, "case": case, "packed": packed, "rank": dist.get_rank(),
                           "error": traceback.format_exc()[-3000:]})
+    try:
+        lines.append(run_rollout(weights, b))
+    except Exception:
+        lines.append({"kind": "rollout", "rank": dist.get_rank(), "error": traceback.format_exc()[-3000:]})
     with open(out / f"rank{dist.get_rank()}.jsonl", "w") as fh:
         fh.writelines(json.dumps(line) + "\n" for line in lines)
     dist.barrier()

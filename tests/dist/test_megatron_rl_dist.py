@@ -31,15 +31,16 @@ def results(tmp_path_factory) -> list[dict]:
     rows = []
     for f in sorted(out.glob("rank*.jsonl")):
         rows += [json.loads(line) for line in f.read_text().splitlines()]
-    assert len(rows) == 2 * len(CHECKS)
-    print(json.dumps([{k: r.get(k) for k in ("layout", "case", "packed", "rank", "grad_err")} for r in rows]))
+    assert len(rows) == 2 * len(CHECKS) + 2
+    print(json.dumps([{k: r.get(k) for k in ("layout", "case", "packed", "rank", "grad_err", "factor", "oracle")}
+                      for r in rows]))
     return rows
 
 
 @pytest.mark.parametrize("layout,case,packed", CHECKS,
                          ids=[f"{a}-{b}-{'packed' if p else 'unpacked'}" for a, b, p in CHECKS])
 def test_host_step_equals_the_single_process_oracle(results, layout: str, case: str, packed: bool) -> None:
-    mine = [r for r in results if r["layout"] == layout and r["case"] == case and r["packed"] == packed]
+    mine = [r for r in results if r.get("layout") == layout and r["case"] == case and r["packed"] == packed]
     assert len(mine) == 2
     for r in mine:
         assert "error" not in r, r.get("error")
@@ -51,3 +52,17 @@ def test_host_step_equals_the_single_process_oracle(results, layout: str, case: 
         assert abs(r["loss"] - r["oracle_loss"]) <= 1e-5 * max(1.0, abs(r["oracle_loss"])), r
         assert not r["missing"] and len(r["metric_errs"]) >= 5
         assert max(r["metric_errs"].values()) < 1e-5, r["metric_errs"]
+
+
+def test_batch_normalisation_over_the_rollout_collection_under_dp2(results) -> None:
+    """Algorithm 2's factor, taken once where the collection is prepared and reduced over DP=2, is the same on
+    both ranks, in both optimizer steps, and equals ``count / sum`` of the core over the whole global batch
+    (float32 sums in another order: 1e-6 relative)."""
+    mine = [r for r in results if r.get("kind") == "rollout"]
+    assert len(mine) == 2
+    for r in mine:
+        assert "error" not in r, r.get("error")
+        assert r["steps"] == [r["factor"], r["factor"]]
+        assert abs(r["factor"] - r["oracle"]) <= 1e-6 * abs(r["oracle"]), r
+        assert abs(r["rank_only"] - r["oracle"]) > 1e-3 * abs(r["oracle"]), r   # the rank's own rows differ
+    assert mine[0]["factor"] == mine[1]["factor"]
