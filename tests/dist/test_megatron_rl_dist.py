@@ -64,5 +64,5 @@ def test_batch_normalisation_over_the_rollout_collection_under_dp2(results) -> N
         assert "error" not in r, r.get("error")
         assert r["steps"] == [r["factor"], r["factor"]]
         assert abs(r["factor"] - r["oracle"]) <= 1e-6 * abs(r["oracle"]), r
-        assert abs(r["rank_only"] - r["oracle"]) > 1e-3 * abs(r["oracle"]), r   # the rank's own rows differ
+        assert abs(r["rank_only"] - r["oracle"]) > 1e-5 * abs(r["oracle"]), r   # control: the rank's own rows
     assert mine[0]["factor"] == mine[1]["factor"]
