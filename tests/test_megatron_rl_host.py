@@ -404,3 +404,23 @@ def test_the_host_corrects_each_micro_batch_once_in_the_loss(monkeypatch, algori
     assert losses[2] == losses[5]
     needs = denominator == "drop" or algorithm == 2
     assert [c for c, _ in begin] == [3 if needs else 0] * 2, begin
+
+
+def test_a_padding_bin_trains_nothing_and_counts_no_sequence() -> None:
+    """Megatron-LM evens the bins over DP ranks with empty ones (no sequences, no advantages): a step with one more
+    such bin gives the same loss and gradient, and Megatron-LM's sequence count is unchanged."""
+    cfg = TISConfig(use_tis=True, level="sequence", mode="clip", upper=2.0, lower=0.5, loss_agg="seq-mean-token-mean")
+    items = _packed_items(_data(6))
+    b0 = items[0][0]
+    empty = (type(b0)(torch.zeros_like(b0.tokens), b0.position_ids, torch.zeros_like(b0.loss_mask), [], [], []),
+             torch.zeros(0), torch.zeros(1, 15), torch.zeros(1, 15), torch.zeros(1, 15))
+    counts = []
+    res = []
+    for its in (items, items + [empty]):
+        seen = []
+        host = RLHost(cfg, len(its), packed=True, on_sequences=seen.append)
+        res.append(_run_host(host, its, Bigram()))
+        counts.append(sum(seen))
+    assert counts[0] == counts[1] == ROWS
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(res[1][1], res[0][1], rtol=0, atol=0)

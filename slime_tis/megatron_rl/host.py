@@ -148,9 +148,13 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatc
         owned = torch.zeros(t, dtype=torch.bool, device=mask.device)
         for s, n in zip(starts, lengths):
             owned[s:min(s + n - 1, t)] = True
-        cu = torch.tensor([0, *[min(s, t) for s in starts[1:-1]], t], dtype=torch.int64, device=mask.device)
+        cu = torch.tensor([0, *[min(s, t) for s in starts[1:len(lengths)]], t], dtype=torch.int64,
+                          device=mask.device)
         mask = mask * owned
-        adv_tok = torch.repeat_interleave(adv.reshape(-1).to(torch.float32), cu.diff())
+        if lengths:
+            adv_tok = torch.repeat_interleave(adv.reshape(-1).to(torch.float32), cu.diff())
+        else:  # a padding bin (Megatron-LM evens the bins over DP ranks): one span, nothing trains
+            adv_tok = torch.zeros(t, dtype=torch.float32, device=mask.device)
     else:
         tokens, adv, old, mask, pos, ref, inf = item
         rows, t_row = tokens.shape[0], tokens.shape[1] - 1
@@ -257,11 +261,13 @@ class RLHost:
                    per_token=bool(getattr(args, "calculate_per_token_loss", False)),
                    sampled_entropy=bool(getattr(args, "grpo_entropy_term_weight", 0.0)), **kw)
 
-    def _translate(self, item) -> tuple[TISBatch, Tensor, Tensor, Any]:
+    def _translate(self, item) -> tuple[TISBatch, Tensor, Tensor, Any, int]:
+        """``item_to_batch`` on the host's device, with the item's sequence count (Megatron-LM's)."""
         batch, tokens, pos, b = item_to_batch(item, self.cfg, packed=self.packed)
+        n_seq = len(b.seq_lengths) if b is not None else int(tokens.shape[0])
         if self.device is None:
-            return batch, tokens, pos, b
-        return batch.to(self.device), tokens.to(self.device), pos.to(self.device), b
+            return batch, tokens, pos, b, n_seq
+        return batch.to(self.device), tokens.to(self.device), pos.to(self.device), b, n_seq
 
     def begin_rollout(self, items: list) -> list[RolloutIndex]:
         """A new rollout collection: this rank's micro-batch items, in the order Megatron-LM's training iterator
@@ -281,7 +287,7 @@ class RLHost:
             self.rollout_factor = totals.batch_norm_factor
         return [RolloutIndex(k) for k in range(len(self._rollout))]
 
-    def _next_item(self, data_iterator) -> tuple[TISBatch, Tensor, Tensor, Any]:
+    def _next_item(self, data_iterator) -> tuple[TISBatch, Tensor, Tensor, Any, int]:
         element = next(data_iterator)
         if isinstance(element, RolloutIndex):
             if self._rollout is None:
@@ -289,7 +295,7 @@ class RLHost:
             item = self._rollout[element.k]
         else:
             item = self._translate(self.read_item(element))
-        self.on_sequences(item[0].num_sequences)
+        self.on_sequences(item[4])
         return item
 
     def _begin_step(self, data_iterator) -> None:
@@ -311,7 +317,7 @@ class RLHost:
                              "interleaved pipeline schedules")
         if not self._queue:
             self._begin_step(data_iterator)
-        batch, tokens, pos, b = self._queue.pop(0)
+        batch, tokens, pos, b, _ = self._queue.pop(0)
         output = self.model_forward(model[0] if isinstance(model, list) else model, tokens, pos, b)
         if self.engine is None:
             return output, lambda out, *a, **k: (out.sum() * 0.0, {})
