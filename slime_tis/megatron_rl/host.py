@@ -9,19 +9,25 @@ Megatron-LM's RL micro-batch (``train_rl.forward_step`` at NVIDIA/Megatron-LM d9
   [1, L], advantages [n], old [1, L-1], loss_mask [1, L-1], position_ids [1, L], ref, inference, seq_starts
   (n + 1), seq_lengths (n), seq_indices, packed_seq_params)``, or the same parts as ``(bin, advantages, old, ref,
   inference)`` with a bin object (``tests/_megatron_rl.py``); sequence ``i`` owns log-prob positions
-  ``start_i .. start_i + length_i - 2``.
+  ``start_i .. start_i + length_i - 2``; a padding bin (no sequences) trains nothing.
 
 Both become one packed ``TISBatch`` of ``T = B (S-1)`` (``L-1``) positions: ``labels = tokens[:, 1:]``, the loss
 mask shifted by one (packed: restricted to owned positions, so the position that predicts the next sequence's
 first token never trains), one advantage per sequence spread over its positions, pi_old / inference / reference
 log-probs held in float32 (pi_old only for algorithms 0 and 2: algorithms 1 and 3 anchor on the inference
 log-probs). ``lp_theta`` is the log-prob of ``softmax(logits / T)`` with ``T = --rl-default-temperature`` (the
-engine's vocab-parallel log-softmax, float32).
+engine's vocab-parallel log-softmax, float32: :meth:`RLHost.log_probs`, also the launcher's pi_old / pi_ref path).
+
+Per rollout collection, :meth:`RLHost.begin_rollout` (the launcher calls it where Megatron-LM prepares the update,
+``rollout.py``) translates the collection's micro-batches once, decides the corrections that read only pi_old and
+pi_rollout once (``engine.totals.Decisions``) and takes algorithm 2's batch-normalisation factor over the whole
+collection, reduced over DP (x CP); the training iterator then yields :class:`RolloutIndex` elements.
 
 Per optimizer step (``M`` micro-batches), :meth:`RLHost.forward_step` reads the step's ``M`` items on its first
-call, translates them and calls ``engine.begin`` (global denominator, batch-normalisation factor over the
-rollout collection's micro-batches of this step, reduced over DP x CP); each call returns the model output and a
-``loss_func`` that runs ``engine.loss`` and returns the schedule's form:
+call (a :class:`RolloutIndex`, or an item it translates) and calls ``engine.begin`` (the step's global
+denominator; the collection's batch-normalisation factor where ``begin_rollout`` took one, else the step's,
+reduced over DP x CP); each call returns the model output and a ``loss_func`` that runs ``engine.loss`` and
+returns the schedule's form:
 
 * default: ``(loss * M * g / cp, dict)`` (the schedule multiplies a 2-tuple loss by ``cp`` and divides it by
   ``M``; Megatron DDP averages gradients over ``g = dp * cp`` ranks);
