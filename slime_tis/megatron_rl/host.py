@@ -59,7 +59,7 @@ from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import Decisions, decides_ahead
 
 __all__ = ["RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments", "config_from_megatron_rl_args",
-           "item_to_batch", "refuse_interleaved_pipeline"]
+           "item_to_batch", "refuse_context_parallel", "refuse_interleaved_pipeline"]
 
 
 def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -131,6 +131,16 @@ def refuse_interleaved_pipeline(args: Any) -> None:
         if value is not None and not (attr == "virtual_pipeline_model_parallel_size" and int(value) <= 1):
             raise ValueError(f"{flag} {value}: slime_tis.megatron_rl does not run interleaved (virtual) pipeline "
                              "schedules; drop the flag (plain pipeline parallelism is supported)")
+
+
+def refuse_context_parallel(cp: Any) -> None:
+    """One-line ``ValueError`` naming ``--context-parallel-size`` and its value where it is above 1: the host's
+    training forward and its pi_old / pi_ref passes run every sequence whole on each rank, while Megatron-LM's
+    ``get_logprobs`` splits it across the context-parallel ranks."""
+    if cp is not None and int(cp) > 1:
+        raise ValueError(f"--context-parallel-size {cp}: slime_tis.megatron_rl does not split sequences across "
+                         "context-parallel ranks; use --context-parallel-size 1 (data, tensor and pipeline "
+                         "parallelism are supported)")
 
 
 def _flag(field: str) -> str:
@@ -261,6 +271,7 @@ class RLHost:
     def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
         """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
         refuse_interleaved_pipeline(args)
+        refuse_context_parallel(getattr(args, "context_parallel_size", 1))
         return cls(config_from_megatron_rl_args(args), num_microbatches,
                    packed=bool(getattr(args, "rl_use_sequence_packing", False)),
                    temperature=float(getattr(args, "rl_default_temperature", 1.0) or 1.0),
@@ -286,6 +297,7 @@ class RLHost:
         Collectives (last pipeline stage, where :func:`~slime_tis.engine.totals.decides_ahead`): those of one
         ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
         ctx = parallel_context()
+        refuse_context_parallel(ctx.cp_size)
         self._rollout = [self._translate(item) for item in items]
         self.decisions, self.rollout_factor = Decisions(), None
         if ctx.last_pp_stage and decides_ahead(self.cfg):
@@ -307,6 +319,7 @@ class RLHost:
     def _begin_step(self, data_iterator) -> None:
         m = self._m()
         ctx = parallel_context()
+        refuse_context_parallel(ctx.cp_size)
         self.ctx, self.m, self.dicts = ctx, m, []
         items = [self._next_item(data_iterator) for _ in range(m)]
         self.engine = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions) if ctx.last_pp_stage else None

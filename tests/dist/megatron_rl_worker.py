@@ -9,7 +9,8 @@ optimizer step per check through megatron-core's schedule (``get_forward_backwar
 its rows packed two to a bin with a block-causal attention mask: the same oracle), and
 writes ``DIR/rank{r}.jsonl``: the gradient error of its shards, and on the last stage the loss and ``tis/*``
 metrics as Megatron-LM's ``train_step`` logs them from the loss dicts; then, under DP=2, one rollout collection
-trained in two optimizer steps (:func:`run_rollout`): its batch-normalisation factor.
+trained in two optimizer steps (:func:`run_rollout`): its batch-normalisation factor; then, under CP=2, the host's
+refusal (:func:`run_cp_refused`).
 """
 
 from __future__ import annotations
@@ -179,6 +180,22 @@ def run_rollout(weights: dict, b: dict) -> dict:
             "oracle": float(whole.norm_count / whole.norm_sum), "rank_only": float(local.norm_count / local.norm_sum)}
 
 
+def run_cp_refused(b: dict) -> dict:
+    """CP=2 (megatron-core's parallel state, both ranks one CP group): the host's ``begin_rollout`` and
+    ``forward_step`` refuse before any collective or forward, in one line naming ``--context-parallel-size 2``."""
+    setup_parallel(LAYOUTS["cp2"])
+    item = tuple(b[k][:2] for k in ("tokens", "adv", "old", "mask", "pos", "ref", "inf"))
+    messages = []
+    for call in (lambda h: h.begin_rollout([item]), lambda h: h.forward_step(iter([item]), None)):
+        try:
+            call(RLHost(TISConfig(**RL_CASES["a2_seq_clip_bn_kl"]), 1, temperature=TEMPERATURE))
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return {"kind": "cp_refused", "rank": dist.get_rank(), "cp": ps.get_context_parallel_world_size(),
+            "messages": messages}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -198,6 +215,10 @@ def main() -> None:
         lines.append(run_rollout(weights, b))
     except Exception:
         lines.append({"kind": "rollout", "rank": dist.get_rank(), "error": traceback.format_exc()[-3000:]})
+    try:
+        lines.append(run_cp_refused(b))
+    except Exception:
+        lines.append({"kind": "cp_refused", "rank": dist.get_rank(), "error": traceback.format_exc()[-3000:]})
     with open(out / f"rank{dist.get_rank()}.jsonl", "w") as fh:
         fh.writelines(json.dumps(line) + "\n" for line in lines)
     dist.barrier()

@@ -4,7 +4,8 @@
 on the same tiny megatron-core GPT and global batch: every gradient shard to 1e-5 relative, the loss Megatron-LM's
 ``train_step`` logs (``lm loss``) to 1e-5 relative and every ``tis/*`` metric it logs to 1e-5 relative to
 ``max(|value|, 0.01)`` (float32 sums over a different split and reduction order; metrics that are differences of
-log-probs, e.g. ``tis/kl`` near 0, keep an absolute float32 error of ~1e-7)."""
+log-probs, e.g. ``tis/kl`` near 0, keep an absolute float32 error of ~1e-7); under CP=2 the host refuses in one
+line."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def results(tmp_path_factory) -> list[dict]:
     rows = []
     for f in sorted(out.glob("rank*.jsonl")):
         rows += [json.loads(line) for line in f.read_text().splitlines()]
-    assert len(rows) == 2 * len(CHECKS) + 2
+    assert len(rows) == 2 * len(CHECKS) + 4
     print(json.dumps([{k: r.get(k) for k in ("layout", "case", "packed", "rank", "grad_err", "factor", "oracle")}
                       for r in rows]))
     return rows
@@ -66,3 +67,15 @@ def test_batch_normalisation_over_the_rollout_collection_under_dp2(results) -> N
         assert abs(r["factor"] - r["oracle"]) <= 1e-6 * abs(r["oracle"]), r
         assert abs(r["rank_only"] - r["oracle"]) > 1e-5 * abs(r["oracle"]), r   # control: the rank's own rows
     assert mine[0]["factor"] == mine[1]["factor"]
+
+
+def test_context_parallelism_is_refused_under_cp2(results) -> None:
+    """Under a real CP=2 layout the host's ``begin_rollout`` and ``forward_step`` refuse on both ranks, in one
+    line naming ``--context-parallel-size 2`` (the host does not split sequences across CP ranks)."""
+    mine = [r for r in results if r.get("kind") == "cp_refused"]
+    assert len(mine) == 2
+    for r in mine:
+        assert "error" not in r, r.get("error")
+        assert r["cp"] == 2 and len(r["messages"]) == 2
+        for message in r["messages"]:
+            assert message is not None and message.startswith("--context-parallel-size 2: ") and "\n" not in message
