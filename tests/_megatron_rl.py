@@ -12,6 +12,8 @@ code copied), each piece checked against the named function while it was written
   - ``get_logprobs`` / ``selective_log_softmax`` -> :func:`token_logprobs`: ``log_softmax(logits)[t+1]`` at every
     position ``t < S-1``; the logits are never divided by the sampling temperature (``--rl-default-temperature``
     is read only where requests are sent to the inference engine).
+  - ``prepare_trajectories`` -> ``RLUtils.prepare_trajectories``: per row the tokens, the generation mask and
+    the generated tokens' inference log-probs as the rollout carried them (``None`` for none), before padding.
   - ``prepare_data_for_update`` / ``compute_logprobs_batch`` -> :func:`stored_old_logprobs`: pi_old and pi_ref
     are kept in the training dtype (bf16 under ``--bf16``); the inference log-probs stay float32
     (``align_unpacked_inference_logprobs``, ``pack_inference_logprobs``).
@@ -247,7 +249,8 @@ class RLUtils:
     the 7 row tensors, the inference row zeros unless ``is_correction`` and ``--rl-inference-logprobs-is-correction``,
     or ``get_microbatch_dataloader`` over bin indices); returns ``(RerunDataIterator(cycle(
     loader)), group stats, example groups)``. ``rollout``: ``tokens [N, S]``, ``gen_mask [N, S]`` bool,
-    ``lengths``, ``inference`` (one float32 tensor per row, the generated tokens' log-probs), ``advantages [N]``.
+    ``lengths``, ``inference`` (one float32 tensor per row, the generated tokens' log-probs; empty, ``None`` or
+    the key absent: none), ``advantages [N]``; the rows come through :meth:`prepare_trajectories`.
     """
 
     DataLoader = DataLoader
@@ -307,9 +310,18 @@ class RLUtils:
         assert lp.dtype == dtype and lp.shape == (trajs_batch_size, seq_length - 1)
         return lp.cpu()
 
+    def prepare_trajectories(self, rollout: dict) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+        """``(tokens [N, S], generation masks [N, S] bool, inference log-probs)``: one float32 tensor per row, the
+        generated tokens' log-probs as the rollout carried them (unpadded), or ``None`` where it carried none
+        (``rl_utils.prepare_trajectories``: ``torch.Tensor(lps) if lps else None``)."""
+        inference = rollout.get("inference") or [None] * rollout["tokens"].shape[0]
+        rows = [None if lp is None or len(lp) == 0 else torch.as_tensor(lp, dtype=torch.float32) for lp in inference]
+        return rollout["tokens"], rollout["gen_mask"], rows
+
     def prepare_data_for_update(self, model, ref_state_dict, rollout, sequence_packing, is_correction):
         dtype = torch.bfloat16 if self.args.bf16 else torch.float32
-        tokens, gen, lengths = rollout["tokens"], rollout["gen_mask"], rollout["lengths"]
+        tokens, gen, inference = self.prepare_trajectories(rollout)
+        lengths = rollout["lengths"]
         n, seq = tokens.shape
         adv = rollout["advantages"].to(dtype)
         ctx = None
@@ -339,21 +351,27 @@ class RLUtils:
             inf = torch.zeros(rows, width - 1)
             for k, group in enumerate(ctx.bin_seq_indices):
                 for i, start in zip(group, ctx.seq_starts[k]):
-                    _scatter_inference(inf[k], rollout["inference"][i], gen[i], start, start + lengths[i] - 1)
+                    _scatter_inference(inf[k], inference[i], gen[i], start, start + lengths[i] - 1)
             ctx.packed_inference_logprobs = inf
             loader = self.get_microbatch_dataloader(rows, self.mbs)
         else:
             inf = old.clone().float()
             for i in range(n):
-                _scatter_inference(inf[i], rollout["inference"][i], gen[i], 0, seq - 1)
+                _scatter_inference(inf[i], inference[i], gen[i], 0, seq - 1)
             keep = is_correction and self.args.rl_inference_logprobs_is_correction
             data = [tokens, adv, old, gen.float(), pos, ref, inf if keep else torch.zeros_like(old)]
             loader = self.DataLoader(TensorDataset(*data), batch_size=self.mbs)
         return self.RerunDataIterator(itertools.cycle(loader)), None, None
 
 
-def _scatter_inference(row: Tensor, values: Tensor, gen: Tensor, start: int, end: int) -> None:
-    """The log-prob of generated token ``p`` goes to slot ``start + p - 1`` (kept within ``[start, end)``)."""
+def _scatter_inference(row: Tensor, values: Tensor | None, gen: Tensor, start: int, end: int) -> None:
+    """The log-prob of generated token ``p`` goes to slot ``start + p - 1`` (kept within ``[start, end)``); the
+    ``k``-th log-prob to the ``k``-th generated token, as many as both have: generated tokens past the last
+    log-prob keep the slot's value (unpacked: pi_old; packed: 0). A row without log-probs is skipped (packed:
+    ``pack_inference_logprobs``; the commit's unpacked ``align_unpacked_inference_logprobs`` raises a
+    ``TypeError`` there instead)."""
+    if values is None:
+        return
     target = start + gen.nonzero().flatten() - 1
     k = min(values.numel(), target.numel())
     target, values = target[:k], values[:k]

@@ -7,7 +7,9 @@
   -9.1 (Megatron-LM's bf16 pi_old gives 0.975);
 * algorithm 2's batch normalisation over the whole rollout collection, decided once per rollout: two optimizer
   steps on one collection use the same factor, the collection's, and each step's loss is the core's with it;
-* interleaved pipeline schedules are refused in one line.
+* interleaved pipeline schedules and context parallelism are refused in one line;
+* under algorithms 1-3 a sequence whose inference log-probs are missing or of the wrong length is rejected as
+  non-finite and counted (``tis/nonfinite_seq_fraction``); rollouts without any are refused in one line.
 """
 
 from __future__ import annotations
@@ -232,3 +234,89 @@ def test_context_parallelism_is_refused_at_start_up_in_one_line(cp, refused: boo
     with pytest.raises(ValueError, match=f"--context-parallel-size {cp}: .*use --context-parallel-size 1") as e:
         RLHost.from_args(ns, 2)
     assert "\n" not in str(e.value)
+
+
+def _bad_rows(rollout: dict) -> dict:
+    """Row 1 lacks its last log-prob (an end-of-document token the inference engine did not report), row 4 carries
+    none, row 6 one too many; the other rows carry one per generated token."""
+    inference = list(rollout["inference"])
+    inference[1] = inference[1][:-1]
+    inference[4] = torch.zeros(0)
+    inference[6] = torch.cat([inference[6], torch.tensor([-1.0])])
+    return {**rollout, "inference": inference}
+
+
+BAD = (1, 4, 6)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("algorithm", [1, 2, 3])
+def test_a_sequence_with_missing_or_misaligned_inference_log_probs_is_rejected_and_counted(algorithm, packed):
+    """Algorithms 1-3 read the inference log-probs: a sequence whose count of them differs from its generated
+    tokens (Megatron-LM would anchor the unreported slots on 0, or on pi_old) is rejected as a whole as
+    non-finite: its inference log-probs reach the host as -inf on every valid token, the step's
+    ``tis/nonfinite_seq_fraction`` is 3/8, the loss and gradient are finite and the rejected rows' advantages do
+    not move the gradient (changed by 5 below: same gradient, exactly). The other rows keep the rollout's
+    log-probs."""
+    model = Bigram()
+    rollout = _bad_rows(_rollout(4, model, noise=0.3))
+    argv = ALGORITHMS[algorithm] + (["--tis-upper-bound", "2.0"] if algorithm != 1 else [])
+
+    def step(advantages):
+        ns = _args(argv, rl_use_sequence_packing=packed)
+        host, rl, hooks, it = _prepared(ns, 1, {**rollout, "advantages": advantages}, model)
+        k = len(host._rollout)
+        host._m = lambda: k
+        model.zero_grad()
+        total = torch.zeros(())
+        for _ in range(k):
+            output, loss_func = host.forward_step(it, model)
+            total = total + loss_func(output)[0] / k
+        total.backward()
+        return host, hooks, total, model.w.grad.clone()
+
+    host, hooks, total, grad = step(rollout["advantages"])
+    assert float(host.metrics["tis/nonfinite_seq_fraction"]) == pytest.approx(3 / 8, abs=1e-7)
+    assert dict(hooks.rejected) == {"length": 2, "missing": 1}
+    assert torch.isfinite(total) and bool(torch.isfinite(grad).all()) and float(grad.abs().sum()) > 0
+    seen = set()
+    for batch, _tokens, _, b, _ in host._rollout:
+        rows = b.seq_indices if packed else None
+        for s in range(len(batch.cu_seqlens) - 1):
+            span = slice(int(batch.cu_seqlens[s]), int(batch.cu_seqlens[s + 1]))
+            valid = batch.loss_mask[span] != 0
+            lp = batch.rollout_log_probs[span][valid]
+            if not valid.any():
+                continue
+            row = rows[s] if packed else None
+            if row is None:   # unpacked: find the row by its tokens
+                row = next(r for r in range(ROWS) if torch.equal(rollout["tokens"][r, 1:], batch.labels[span]))
+            seen.add(row)
+            if row in BAD:
+                assert bool(torch.isneginf(lp).all()), (row, lp)
+            else:
+                assert bool(torch.isfinite(lp).all()) and torch.equal(lp, rollout["inference"][row].float())
+    assert seen == set(range(ROWS))
+    moved = rollout["advantages"].clone()
+    moved[list(BAD)] += 5.0
+    _, _, total2, grad2 = step(moved)
+    assert torch.equal(grad2, grad) and float(total2) == float(total)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("algorithm", [1, 2, 3])
+def test_rollouts_without_inference_log_probs_are_refused_in_one_line(algorithm, packed):
+    """No sequence carries an inference log-prob while the algorithm reads them: refused in one line where
+    Megatron-LM prepares the update (before any log-prob pass), naming the flag and the algorithm. Algorithm 0
+    does not read them: the same rollouts train, nothing marked."""
+    model = Bigram()
+    rollout = {**_rollout(5, model), "inference": [None] * ROWS}
+    ns = _args(ALGORITHMS[algorithm] + (["--tis-upper-bound", "2.0"] if algorithm != 1 else []),
+               rl_use_sequence_packing=packed)
+    flag = {1: "--use-rollout-log-probs", 2: "--use-tis", 3: "--use-tis --use-rollout-log-probs"}[algorithm]
+    with pytest.raises(ValueError, match=f"^{flag} \\(algorithm {algorithm}\\) reads the inference log-probs") as e:
+        _prepared(ns, 1, rollout, model)
+    assert "\n" not in str(e.value) and "8 sequences" in str(e.value)
+    assert model.calls == 0
+    host, _, hooks, it = _prepared(_args([], rl_use_sequence_packing=packed), 1, rollout, model)
+    assert not hooks.rejected and host.cfg.algorithm == 0

@@ -8,6 +8,11 @@ the collection's training micro-batches. :func:`install_rollout` wraps both func
 * the inference log-probs: where the algorithm reads them (1, 2, 3), Megatron-LM is told to keep them in the
   data (``is_correction`` and ``args.rl_inference_logprobs_is_correction`` set: Megatron-LM's own loss, their
   other reader, does not run under the host);
+* the rows' inference log-probs (algorithms 1-3): ``rl_utils.prepare_trajectories``, which returns them per row
+  before Megatron-LM pads and places them, is wrapped for the call; :func:`check_inference_log_probs` compares
+  each row's count with its generated tokens and turns a row that carries none, or a different number, into
+  ``-inf`` on every generated token (the core then rejects the sequence as non-finite and counts it), and refuses
+  a collection in which no row carries any;
 * pi_old (the first call): algorithms 1 and 3 (``--use-rollout-log-probs``) anchor on the inference log-probs
   and need none, so the pass is skipped and zeros stand in (Megatron-LM's own train/inference comparison, which it
   logs from pi_old, then compares zeros); algorithms 0 and 2 take it through the host's log-prob path
@@ -20,7 +25,8 @@ the collection's training micro-batches. :func:`install_rollout` wraps both func
   factor, reduced over DP) and the function returns a cycling iterator of the same type over the host's
   :class:`~slime_tis.megatron_rl.host.RolloutIndex` elements, in the loader's order.
 
-``forwards`` counts the passes per role (``old``, ``ref``) and ``skipped`` the skipped ones.
+``forwards`` counts the passes per role (``old``, ``ref``), ``skipped`` the skipped ones and ``rejected`` the rows
+marked by :func:`check_inference_log_probs` (``missing``, ``length``).
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from slime_tis.megatron_rl.host import PackedBin, RLHost
 
-__all__ = ["RolloutHooks", "install_rollout"]
+__all__ = ["RolloutHooks", "check_inference_log_probs", "install_rollout"]
 
 
 @contextlib.contextmanager
@@ -64,10 +71,14 @@ class RolloutHooks:
         self.rl_utils, self.host, self.read_item, self.args = rl_utils, host, read_item, args
         self.forwards: Counter = Counter()
         self.skipped: Counter = Counter()
+        self.rejected: Counter = Counter()  # rows marked by check_inference_log_probs: "missing", "length"
         self._calls: int | None = None  # compute_logprobs_batch calls inside prepare_data_for_update
 
     def install(self) -> None:
         rl = self.rl_utils
+        if not callable(getattr(rl, "prepare_trajectories", None)):
+            raise RuntimeError("slime_tis.megatron_rl: rl_utils has no prepare_trajectories; this Megatron-LM "
+                               "version is not supported")
         rl.prepare_data_for_update = self._wrap_prepare(rl.prepare_data_for_update)
         rl.compute_logprobs_batch = self._wrap_compute(rl.compute_logprobs_batch)
 
@@ -94,9 +105,13 @@ class RolloutHooks:
                 return make_and_record
 
             self._calls = 0
+            trajectories = rl.prepare_trajectories
+            if self.host().cfg.algorithm != 0:
+                trajectories = self._checked_trajectories(trajectories)
             try:
                 with _swapped(rl, "DataLoader", recorded(rl.DataLoader)), \
-                        _swapped(rl, "get_microbatch_dataloader", recorded(rl.get_microbatch_dataloader)):
+                        _swapped(rl, "get_microbatch_dataloader", recorded(rl.get_microbatch_dataloader)), \
+                        _swapped(rl, "prepare_trajectories", trajectories):
                     out = prepare(*args, **kwargs)
             finally:
                 self._calls = None
@@ -107,6 +122,18 @@ class RolloutHooks:
             return (type(iterator)(itertools.cycle(elements)), *rest)
 
         return prepare_data_for_update
+
+    def _checked_trajectories(self, prepare_trajectories: Callable) -> Callable:
+        """``prepare_trajectories`` with each row's inference log-probs checked against its generated tokens
+        (``check_inference_log_probs``)."""
+        @functools.wraps(prepare_trajectories)
+        def checked(*args, **kwargs):
+            trajs, generation_masks, inference = prepare_trajectories(*args, **kwargs)
+            inference, counts = check_inference_log_probs(generation_masks, inference, self.host().cfg)
+            self.rejected.update(counts)
+            return trajs, generation_masks, inference
+
+        return checked
 
     def _wrap_compute(self, compute: Callable) -> Callable:
         signature = inspect.signature(compute)
@@ -159,6 +186,40 @@ class RolloutHooks:
             return output, None
         lp, _ = host.log_probs(output, tokens[:, 1:].reshape(-1).to(torch.int64))
         return lp.view(tokens.shape[0], tokens.shape[1] - 1), None
+
+
+def check_inference_log_probs(generation_masks: Tensor, inference: list, cfg: Any) -> tuple[list, Counter]:
+    """Each row's inference log-probs against its generated tokens, before Megatron-LM pads and places them.
+
+    ``generation_masks``: ``[N, S]`` bool; ``inference``: one 1-D tensor per row (the log-probs of the row's
+    generated tokens, in order) or ``None``. Row ``i`` with ``g_i = sum(generation_masks[i]) > 0`` generated tokens
+    and ``n_i`` log-probs (0 for ``None``) is kept as it is where ``n_i == g_i``; otherwise (``"missing"``: none;
+    ``"length"``: ``n_i != g_i``, e.g. an end-of-document token appended on the training side that the inference
+    engine reported no log-prob for) its log-probs become ``g_i`` values of ``-inf``, which Megatron-LM places on
+    every generated slot of the row (within ``|exp(lp_old) - exp(lp_inf)| <= 1``, the check its unpacked
+    alignment asserts), so the core rejects the sequence as a whole as non-finite: excluded from the loss, the
+    batch normalisation and the diagnostics, and counted in ``tis/nonfinite_seq_fraction``. Returns the rows and
+    the count of marked rows per reason.
+
+    A ``ValueError`` (one line) where rows have generated tokens and none of them carries a log-prob: the
+    algorithm (``cfg.algorithm`` 1-3) reads the inference log-probs and the rollouts bring none.
+    """
+    counts: Counter = Counter()
+    generated = [int(g) for g in generation_masks.reshape(len(inference), -1).sum(1)]  # host-sync-ok: rollout prep
+    out = []
+    for g, lp in zip(generated, inference):
+        n = 0 if lp is None else int(lp.numel())
+        if g > 0 and n != g:
+            counts["missing" if n == 0 else "length"] += 1
+            lp = torch.full((g,), float("-inf"), dtype=torch.float32)
+        out.append(lp)
+    rows = sum(g > 0 for g in generated)
+    if rows and counts["missing"] == rows:
+        flag = {1: "--use-rollout-log-probs", 2: "--use-tis", 3: "--use-tis --use-rollout-log-probs"}[cfg.algorithm]
+        raise ValueError(f"{flag} (algorithm {cfg.algorithm}) reads the inference log-probs, but none of the "
+                         f"rollouts' {rows} sequences with generated tokens carries any: return per-token log-probs "
+                         "from the inference engine, or train without --use-tis / --use-rollout-log-probs")
+    return out, counts
 
 
 def install_rollout(rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
