@@ -86,8 +86,11 @@ def kept_part(engine: StepEngine, batch: TISBatch, loss_masks: Sequence[Tensor],
               packed: SlimePacked) -> None:
     """Keep the rollout decision's part for the micro-batch ``batch`` (slime's ``loss_masks``, its pi_old ``lp``)
     in ``engine.decisions`` when the rollout-data hook decided every one of its samples from these very tensors
-    with this configuration; the engine's ``correct`` then finishes it instead of correcting again. Whether it is
-    found depends on the configuration and slime's object flow, the same on every rank, never on the data."""
+    with this configuration; the engine's ``correct`` then finishes it with ``pg_loss``'s finiteness instead of
+    correcting again. The rollout was decided with its advantages, from which slime's ``pg_loss`` is computed (not
+    finite wherever they are not), so the finished part is the micro-batch's own correction. Whether it is found
+    depends on the configuration and slime's object flow, the same on every rank, never on the data. Memory: the
+    kept decision holds a few per-token tensors of the rollout (this rank's tokens) until the next rollout."""
     d = STATE.decision
     if d is None or d.cfg != engine.cfg or not loss_masks:
         return
