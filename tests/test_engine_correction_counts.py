@@ -8,9 +8,12 @@ trained in several optimizer steps of several micro-batches, with ``core.correct
 * ``step``: slime's before-train-step hook / the Megatron step totals;
 * ``loss``: one micro-batch's loss call.
 
-What must hold: no loss call corrects twice (slime: exactly one correction per micro-batch loss), the rollout
-hook corrects the rollout at most once (``drop``'s counts and the batch-normalisation factor share it), and a
-phase's reductions are the same for every micro-batch / step (they depend on the configuration only). Megatron:
+What must hold: no loss call corrects twice, the rollout hook corrects the rollout at most once (``drop``'s counts,
+the batch-normalisation factor and the TIS function's micro-batches share it), and a phase's reductions are the
+same for every micro-batch / step (they depend on the configuration only). slime: each hook call is a translator
+over the step engine (``StepEngine.decide`` in the rollout hook, ``correct`` / ``loss`` and ``record`` in each
+micro-batch's loss, ``end`` at the metrics flush); where the rollout hook decided the rollout from pi_old, each
+micro-batch only finishes its part of that decision (``core.correction.refine``), else it corrects once. Megatron:
 algorithms 0 and 2 with ``drop`` or batch normalisation decide each micro-batch once per rollout (in the step
 totals, without ``lp_theta``) and the loss only finishes that decision (``core.correction.refine``); the other
 rows correct once per loss call (plus once in the totals for algorithms 1 and 3 with ``drop``, at the pre-pass).
@@ -30,9 +33,11 @@ from _slime_sim import Layout, custom_loss_args, initial_weights, make_rollouts,
 
 import slime_tis.core.correction as correction_mod
 import slime_tis.core.losses as losses_mod
+import slime_tis.engine.step as step_mod
 import slime_tis.slime as plugin
 from slime_tis.core import LocalReducer
 from slime_tis.engine.parallel import ParallelContext
+from slime_tis.engine.step import StepEngine
 
 STEP_HOOK = "slime_tis.slime.before_train_step"
 RULES0: dict = {}  # algorithm 0 only diagnoses: no rule to configure
@@ -92,6 +97,25 @@ def _count_corrections(monkeypatch, counts: Counts) -> None:
     monkeypatch.setattr(losses_mod, "correct", counted)  # policy_loss
 
 
+def _count_engine(monkeypatch, counts: Counts) -> None:
+    """Count ``refine`` (a kept decision finished) and every call of the step engine's protocol."""
+    real_refine = step_mod.refine
+
+    def refine(*a, **k):
+        counts.add("refines")
+        return real_refine(*a, **k)
+
+    monkeypatch.setattr(step_mod, "refine", refine)
+    for name in ("begin", "decide", "correct", "loss", "record", "end"):
+        real = getattr(StepEngine, name)
+
+        def call(self, *a, _real=real, _name=name, **k):
+            counts.add(f"engine.{_name}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(StepEngine, name, call)
+
+
 def _phase(monkeypatch, counts: Counts, name: str, phase: str) -> None:
     fn = getattr(plugin, name)
 
@@ -120,6 +144,7 @@ SLIME_CASES = {
 def _slime_counts(monkeypatch, args, sizes: list[int], steps: int) -> Counts:
     counts = Counts()
     _count_corrections(monkeypatch, counts)
+    _count_engine(monkeypatch, counts)
     ctx = ParallelContext(0, 1, CountingReducer(counts))
     for mod in ("loss_hook", "tis_hook", "postprocess", "step_hook"):
         monkeypatch.setattr(f"slime_tis.slime.{mod}.parallel_context", lambda: ctx)
@@ -131,14 +156,29 @@ def _slime_counts(monkeypatch, args, sizes: list[int], steps: int) -> Counts:
     w0 = initial_weights(1)
     ro = make_rollouts(3, sizes, w0, nan_trap=False)
     train_rollout(args, ro, w0, schedule(ro, steps=steps, micro_batch_size=1), Layout())
+    counts.begin("flush")
+    plugin.COLLECTOR.flush()  # the last step's metrics
+    counts.phase = None
     return counts
 
 
-def _check(counts: Counts, *, micro_batches: int, rollout_max: int) -> dict:
+def _check(counts: Counts, *, micro_batches: int, rollout_max: int, custom: bool, decided: bool = False) -> dict:
+    """``custom``: slime's loss is the custom loss (else its PPO loss with the TIS function); ``decided``: the
+    rollout hook decided the rollout and every loss finishes its part of it."""
     loss = counts.of("loss")
     assert len(loss) == micro_batches
-    assert {c["corrections"] for c in loss} == {1}, "a micro-batch's loss corrected more than once"
+    assert {c["corrections"] + c["refines"] for c in loss} == {1}, "a micro-batch's loss corrected more than once"
+    assert {c["refines"] for c in loss} == {int(decided)}
     assert len({c["collectives"] for c in loss}) == 1, "reductions per micro-batch depend on the data"
+    # every loss call goes through the step engine: the custom loss's loss (and, where drop counts in the
+    # micro-batch, the correction it applies) or the TIS function's correction, and one record; the metrics flush
+    # is the engine's end
+    assert {c["engine.loss"] for c in loss} == {int(custom)}
+    assert {c["engine.correct"] for c in loss} <= ({0, 1} if custom else {1})
+    assert {c["engine.record"] for c in loss} == {1}
+    assert {c["engine.begin"] for c in loss} == {0}
+    flush = counts.of("flush")[-1]
+    assert flush["engine.end"] == 1 and flush["collectives"] > 0
     rollout = counts.of("rollout")
     assert len(rollout) == 1 and rollout[0]["corrections"] <= rollout_max
     steps = counts.of("step")
@@ -151,10 +191,13 @@ def test_slime_corrects_each_micro_batch_once(monkeypatch, algorithm, denominato
     """slime host: 8 rollouts of 1-4 samples, 2 optimizer steps, one sample per micro-batch."""
     sizes = [1, 2, 3, 2, 4, 1, 2, 3]
     counts = _slime_counts(monkeypatch, SLIME_CASES[algorithm](denominator), sizes, steps=2)
-    table = _check(counts, micro_batches=sum(sizes), rollout_max=1)
     drop = denominator == "drop" and algorithm != 0
-    # the rollout hook corrects once where drop counts from pi_old or algorithm 2 normalises, never twice
-    assert table["rollout"].get("corrections", 0) == int((drop and algorithm in (1, 2)) or algorithm == 2)
+    # the rollout hook corrects once where drop counts from pi_old or algorithm 2 normalises, never twice: a
+    # decision of the rollout (StepEngine.decide) that the TIS function's micro-batches finish
+    decided = (drop and algorithm in (1, 2)) or algorithm == 2
+    table = _check(counts, micro_batches=sum(sizes), rollout_max=1, custom=algorithm == 3, decided=decided)
+    assert table["rollout"].get("corrections", 0) == int(decided)
+    assert table["rollout"].get("engine.decide", 0) == int(decided)
     # algorithm 3 with drop: the step hook counts each later step at its parameters (one correction per step)
     hooked = [c.get("corrections", 0) for c in counts.of("step")]
     assert hooked == ([1, 1] if drop and algorithm == 3 else [0, 0] if algorithm == 3 else [])
@@ -166,7 +209,8 @@ def test_slime_local_drop_corrects_once(monkeypatch):
     sets the per-rollout coefficients and the loss come from one correction, one CP reduction."""
     args = custom_loss_args(tis_rejected_denominator="drop", **RULES)
     counts = _slime_counts(monkeypatch, args, [1] * 8, steps=2)
-    table = _check(counts, micro_batches=8, rollout_max=0)
+    table = _check(counts, micro_batches=8, rollout_max=0, custom=True)
+    assert {c["engine.correct"] for c in counts.of("loss")} == {1}  # the keep mask the coefficients read
     print(json.dumps({"host": "slime", "algorithm": 3, "denominator": "drop (local)", **table}))
 
 

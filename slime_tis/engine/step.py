@@ -19,6 +19,18 @@ number of micro-batches, never by the data.
 
 A host translates its data and call order into these calls: the Megatron hook (``slime_tis.megatron``) calls
 ``begin`` after its pi_old / pre-pass and ``loss`` from the loss function megatron's schedule calls.
+
+A host whose own schedule aggregates the loss (slime: per-rollout means, its own PPO surrogate) gives the engine
+its totals (``StepEngine(..., totals=...)``) and uses two more calls of the same micro-batch:
+
+    res = engine.decide(batch)                          ahead of the loss, from pi_old and pi_rollout: kept
+    res = engine.correct(batch, lp_train)               the correction a host's own loss applies
+
+``decide`` takes a batch's correction without ``lp_theta`` (its training-side log-probs are fixed for the
+rollout) and keeps it in ``decisions``; ``correct`` finishes a kept decision (``refine``: the finiteness of
+``lp_theta``, or of a per-token value computed from it, and the step's batch-normalisation factor) or, with
+none kept, corrects now: either way one correction per micro-batch, which ``loss(..., correction=res)`` then
+applies without correcting again.
 """
 
 from __future__ import annotations
@@ -26,7 +38,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import MetricStats, PolicyLossOutput, Reducer, policy_loss
+from slime_tis.core import MetricStats, PolicyLossOutput, Reducer, TISResult, compute_tis, policy_loss
+from slime_tis.core.algorithms import correction_inputs
 from slime_tis.core.correction import as_valid_mask, refine
 from slime_tis.core.packing import packed_layout
 from slime_tis.engine.batch import TISBatch
@@ -57,14 +70,55 @@ class StepEngine:
                                   pi_old_from_theta=pi_old_from_theta, decisions=self.decisions)
         return self.totals
 
+    def decide(self, batch: TISBatch, lp_train: Tensor | None = None) -> TISResult:
+        """The correction of ``batch`` without ``lp_theta``, from ``lp_train`` (default ``batch.old_log_probs``), the
+        rollout log-probs and the advantages (no batch normalisation), kept in ``decisions`` (found there when the
+        batch was decided already): what :meth:`correct` and :meth:`loss` finish for each micro-batch."""
+        found = self.decisions.get(batch)
+        if found is not None:
+            return found
+        lp = batch.old_log_probs if lp_train is None else lp_train
+        if lp is None:
+            raise ValueError("StepEngine.decide needs pi_old: lp_train or the batch's old_log_probs")
+        inputs = correction_inputs(self.cfg, lp_train=lp, lp_rollout=batch.rollout_log_probs,
+                                   advantages=batch.advantages)
+        res = compute_tis(self.cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
+                          batch.loss_mask, batch.cu_seqlens, reducer=self.reducer, extra_finite=inputs.extra_finite,
+                          loss_finite=inputs.loss_finite)
+        self.decisions.put(batch, res)
+        return res
+
+    def correct(self, batch: TISBatch, lp_train: Tensor, *, lp_theta: Tensor | None = None,
+                reject: Tensor | None = None) -> TISResult:
+        """One micro-batch's correction for a host whose own loss applies it, with the step's batch-normalisation
+        factor (``totals``): the decision kept for ``batch`` finished with ``lp_theta``'s finiteness (``refine``),
+        or, with none kept (or a ``reject`` mask, a rule of the host's decided per step), ``compute_tis`` of
+        ``lp_train``, the rollout log-probs and the batch's advantages (``batch.advantages``: the advantages or a
+        per-token value computed from them and ``lp_theta``)."""
+        factor = None if self.totals is None else self.totals.batch_norm_factor
+        decided = self.decisions.get(batch) if reject is None else None
+        if decided is not None:
+            layout = packed_layout(batch.cu_seqlens, batch.loss_mask.shape[0], batch.loss_mask.device)
+            finite = batch.advantages if lp_theta is None else lp_theta
+            return refine(self.cfg.plan, decided, as_valid_mask(batch.loss_mask), layout, self.reducer,
+                          batch_norm_factor=factor, **lp_theta_inputs(self.cfg, finite))
+        inputs = correction_inputs(self.cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs,
+                                   advantages=batch.advantages, lp_theta=lp_theta)
+        return compute_tis(self.cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens,
+                           reducer=self.reducer, batch_norm_factor=factor, extra_finite=inputs.extra_finite,
+                           reject=reject, loss_finite=inputs.loss_finite)
+
     def loss(self, batch: TISBatch, lp_theta: Tensor, *, entropy: Tensor | None = None,
-             lp_old: Tensor | None = None) -> PolicyLossOutput:
+             lp_old: Tensor | None = None, correction: TISResult | None = None,
+             keep_override: Tensor | None = None) -> PolicyLossOutput:
         """``policy_loss`` of one micro-batch: ``local_sum / D`` with the step's totals (``lp_old``: pi_old where
-        the batch carries none, e.g. ``sg(lp_theta)`` of this forward)."""
+        the batch carries none, e.g. ``sg(lp_theta)`` of this forward; ``correction``: this micro-batch's from
+        :meth:`correct`, applied as it is; ``keep_override``: ``[T]`` the tokens the loss keeps, decided by the
+        host before the step)."""
         if self.totals is None:
             raise RuntimeError("StepEngine.loss before begin: the step totals decide every micro-batch's loss")
         t = self.totals
-        decided = self.decisions.get(batch) if self._ahead and lp_old is None else None
+        decided = self.decisions.get(batch) if self._ahead and lp_old is None and correction is None else None
         if decided is not None:  # decided before the step: finish it with this forward's lp_theta, never redo it
             layout = packed_layout(batch.cu_seqlens, batch.loss_mask.shape[0], lp_theta.device)
             decided = refine(self.cfg.plan, decided, as_valid_mask(batch.loss_mask), layout, self.reducer,
@@ -72,7 +126,8 @@ class StepEngine:
         return policy_loss(self.cfg, lp_theta, batch.old_log_probs if lp_old is None else lp_old,
                            batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
-                           lp_ref=batch.ref_log_probs, entropy=entropy, correction=decided)
+                           lp_ref=batch.ref_log_probs, entropy=entropy, keep_override=keep_override,
+                           correction=decided if correction is None else correction)
 
     def record(self, stats: MetricStats) -> None:
         """Keep one micro-batch's statistics (detached) for :meth:`end`."""

@@ -60,6 +60,10 @@ class SlimePacked:
             return torch.zeros(0, device=self.full_mask.device)
         return torch.cat(list(tensors))
 
+    def local_starts(self) -> Tensor:
+        """``[n]`` int64 (CPU) offset of each sample's first local token in the packed ``[T_local]`` tensors."""
+        return torch.cumsum(self.local_lengths, 0) - self.local_lengths
+
     def full_sample_index(self) -> Tensor:
         """``[sum_i R_i]`` int64 sample number of each full-length position (on the masks' device)."""
         n = len(self.response_lengths)

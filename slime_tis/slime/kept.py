@@ -32,10 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.core import TISResult, compute_tis
-from slime_tis.core.algorithms import algorithm_of, correction_inputs
+from slime_tis.core import TISResult
+from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import ParallelContext
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
+from slime_tis.slime.engine import decide_rollout, micro_batch
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
 from slime_tis.slime.schedule import n_steps, pi_old_pass_flags, sample_steps, slime_recomputes_pi_old
 
@@ -92,24 +93,22 @@ def check_drop_config(args: Any, cfg: Any) -> None:
         )
 
 
-def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext,
-                      ) -> tuple[SlimePacked, TISResult]:
+def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
+                      keep: bool = False) -> tuple[SlimePacked, TISResult]:
     """The correction of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) against the rollout
     log-probs, as the loss takes its decisions (non-finite advantages reject their sequence), without batch
-    normalisation: ``(the packed samples, its TISResult)``. Its keep mask feeds ``drop``'s counts and its
-    ``norm_sum`` / ``norm_count`` the batch-normalisation factor; a rollout computes it once for both."""
+    normalisation (``StepEngine.decide``): ``(the packed samples, its TISResult)``. Its keep mask feeds ``drop``'s
+    counts and its ``norm_sum`` / ``norm_count`` the batch-normalisation factor; a rollout computes it once for
+    both and, with ``keep``, for the TIS function's micro-batches (:func:`slime_tis.slime.engine.kept_part`)."""
     packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
                               ctx.cp_rank, ctx.cp_size)
     device = packed.full_mask.device
-    lp = packed.cat_local("train log-probs", list(lp_train)).to(device)
     lp_rollout = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
     adv = data.get("advantages")
-    inputs = correction_inputs(cfg, lp_train=lp, lp_rollout=lp_rollout,
-                               advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
-    res = compute_tis(cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout, packed.local_mask,
-                      packed.cu_seqlens, reducer=ctx.reducer, extra_finite=inputs.extra_finite,
-                      loss_finite=inputs.loss_finite)
-    return packed, res
+    batch = micro_batch(packed, rollout_log_probs=lp_rollout,
+                        old_log_probs=packed.cat_local("train log-probs", list(lp_train)).to(device),
+                        advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
+    return packed, decide_rollout(cfg, packed, list(lp_train), batch, ctx.reducer, keep=keep)
 
 
 def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,

@@ -6,9 +6,9 @@ forbid (``--use-rollout-logprobs`` and ``--use-tis`` are mutually exclusive)::
     loss_t = -w_t * A_t * lp_theta_t,   w = sg(pi_theta / pi_rollout) at the configured level / mode
 
 (``tis_loss_mode: on_policy``: ``-w_t * A_t * pi_theta_t / sg(pi_theta_t)``, the same gradient; the surrogates with
-a ratio anchor are refused with algorithm 3), computed by the core's :func:`slime_tis.policy_loss` on this
-micro-batch. slime's
-contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` with ``logits``
+a ratio anchor are refused with algorithm 3), computed by the step engine's loss of this micro-batch
+(``StepEngine.loss``: the core's :func:`slime_tis.policy_loss`; :mod:`slime_tis.slime.engine`). slime's contract:
+``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` with ``logits``
 ``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
 
 * ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
@@ -50,6 +50,7 @@ supports it, or sample with ``--rollout-top-p 1``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
@@ -58,8 +59,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.core import compute_tis, policy_loss
-from slime_tis.core.algorithms import correction_inputs
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
@@ -73,6 +72,7 @@ from slime_tis.slime.custom_options import (
     slime_pg_loss_reducer,
     unbiased_kl,
 )
+from slime_tis.slime.engine import micro_batch, step_engine
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
@@ -225,7 +225,10 @@ def reinforce_is_loss(
         RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
-    # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum
+    # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum (the engine's
+    # totals: denominator 1, slime_tis.slime.engine)
+    engine = step_engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device)
+    batch_in = micro_batch(packed, advantages=advantages, rollout_log_probs=lp_rollout)
     keep_override = None
     decided = None
     reduce_pg = getattr(args, "custom_pg_loss_reducer_function_path", None)
@@ -235,10 +238,7 @@ def reinforce_is_loss(
             coef, keep_override = counted
         elif drop:  # the correction the loss takes, decided once here: its keep mask sets the coefficients
             # (finite coefficients: the advantages' finiteness, which the correction reads, is the same after them)
-            inputs = correction_inputs(cfg, lp_train=lp_theta, lp_rollout=lp_rollout, advantages=advantages)
-            decided = compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, packed.local_mask, packed.cu_seqlens,
-                                  reducer=ctx.reducer, extra_finite=inputs.extra_finite,
-                                  loss_finite=inputs.loss_finite)
+            decided = engine.correct(batch_in, lp_theta)
             coef = _local_drop_coefficients(batch, packed, decided.loss_keep, ctx.reducer, device)
         else:
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
@@ -251,19 +251,8 @@ def reinforce_is_loss(
         opsm, opsm_clipfrac = opsm_mask(args, batch, packed, lp_theta, anchor, advantages, ctx.reducer)
         advantages = advantages * opsm
 
-    out = policy_loss(
-        cfg.replace(loss_agg="token-mean", rejected_denominator="keep"),
-        lp_theta,
-        None,
-        lp_rollout,
-        advantages,
-        packed.local_mask,
-        packed.cu_seqlens,
-        reducer=ctx.reducer,
-        denominator=torch.ones((), device=device),  # a device tensor: a Python float would sync the host
-        keep_override=keep_override,
-        correction=decided,
-    )
+    out = engine.loss(dataclasses.replace(batch_in, advantages=advantages), lp_theta, correction=decided,
+                      keep_override=keep_override)
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)
     pg_loss = out.loss
@@ -304,5 +293,5 @@ def reinforce_is_loss(
     tm["train_rollout_logprob_abs_diff"] = torch.where(valid_ok, (lp_theta.detach() - lp_rollout).abs(), zero)
     for name, value in tm.items():
         metrics[name] = sum_of_sample_mean(value).detach()
-    COLLECTOR.add(out.stats, list(batch["rollout_log_probs"]), ctx.reducer)
+    COLLECTOR.add(out.stats, list(batch["rollout_log_probs"]), ctx.reducer, engine)  # engine.record, once
     return loss, metrics

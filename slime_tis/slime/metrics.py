@@ -42,7 +42,9 @@ from slime_tis.core import MetricStats
 from slime_tis.core.correction import TISResult
 from slime_tis.core.diagnostics import token_metrics as core_token_metrics
 from slime_tis.core.reducer import LocalReducer
-from slime_tis.core.step_metrics import reduce_step_metrics
+from slime_tis.core.step_metrics import merge_stats
+from slime_tis.engine.metrics import aggregate_metrics
+from slime_tis.engine.step import StepEngine
 
 __all__ = ["COLLECTOR", "ExactMetricsCollector", "log_exact_metrics", "token_metrics"]
 
@@ -62,17 +64,27 @@ def token_metrics(
 
 
 class ExactMetricsCollector:
-    """Accumulates the core's ``MetricStats`` across micro-batches (once per micro-batch)."""
+    """The step engine's records of slime's hooks (``StepEngine.record``, once per micro-batch) and their end
+    (``StepEngine.end``): the micro-batches' ``MetricStats``, merged as they come (``records`` holds at most one
+    entry, whatever the number of micro-batches before a flush)."""
 
     def __init__(self) -> None:
-        self.stats: MetricStats | None = None
+        self.records: list[MetricStats] = []  # the collector list of every hook call's engine
         self._seen: dict[tuple[int, ...], list[weakref.ref]] = {}
         self.last: dict[str, float] = {}
         self.reducer: Any = None
+        self.engine: StepEngine | None = None
 
-    def add(self, stats: MetricStats, tensors: Sequence[Tensor], reducer: Any) -> None:
-        """Add one micro-batch's statistics, identified by its (live) input tensors: a call with the
-        very same tensor objects (the loss replayed by activation checkpointing) is ignored."""
+    @property
+    def stats(self) -> MetricStats | None:
+        """The merged statistics recorded since the last flush (``None`` for none)."""
+        return merge_stats(self.records)
+
+    def add(self, stats: MetricStats, tensors: Sequence[Tensor], reducer: Any, engine: StepEngine | None = None,
+            ) -> None:
+        """Record one micro-batch's statistics (``engine.record``, an engine whose collector is :attr:`records`),
+        identified by its (live) input tensors: a call with the very same tensor objects (the loss replayed by
+        activation checkpointing) is ignored."""
         key = tuple(id(t) for t in tensors)
         refs = self._seen.get(key)
         if refs is not None and all(r() is t for r, t in zip(refs, tensors)):
@@ -81,22 +93,35 @@ class ExactMetricsCollector:
             self._seen = {k: v for k, v in self._seen.items() if all(r() is not None for r in v)}
         self._seen[key] = [weakref.ref(t) for t in tensors]
         self.reducer = reducer
-        detached = stats.detach()
-        self.stats = detached if self.stats is None else self.stats.merge(detached)
+        if engine is None or engine.collector is not self.records:
+            self.records.append(stats.detach())
+        else:
+            engine.record(stats)
+            self.engine = engine
+        if len(self.records) > 1:
+            self.records[:] = [merge_stats(self.records)]
 
     def flush(self, reducer: Any = None) -> dict[str, float]:
-        """Reduce over DP x CP, finalise, reset. Every rank of the DP x CP group must call it.
+        """The step's end (``StepEngine.end``: reduced over DP x CP, finalised), then reset. Every rank of the DP x CP
+        group must call it.
 
         Ranks without statistics (pipeline stages other than the last) return ``{}`` and take part
         in no collective; all ranks of a DP x CP group are on the same stage, so they agree.
         """
-        stats, self.stats = self.stats, None
-        self._seen.clear()
-        reducer = reducer or self.reducer
+        engine, self.engine = self.engine, None
+        reducer = reducer or self.reducer or LocalReducer()
         self.reducer = None
-        if stats is None:
+        self._seen.clear()
+        if not self.records:
             return {}
-        _, metrics = reduce_step_metrics(stats, reducer or LocalReducer())
+        try:
+            if engine is None:
+                metrics = aggregate_metrics(self.records, reducer)
+            else:
+                engine.reducer = reducer
+                metrics = engine.end()
+        finally:
+            self.records.clear()
         values = {k: float(v) for k, v in metrics.items()}  # host-sync-ok (once per step, logging)
         self.last = values
         return values

@@ -26,8 +26,10 @@ flags                                     algorithm  effect
 ``--use-tis``                             2          ``w * pg_loss`` + rejection, ``w`` from the core
 ========================================  =========  =================================================
 
-Everything numeric is the core's :func:`slime_tis.compute_tis` on the packed CP-local tokens with
-the CP reducer, so sequence and geometric levels see full-sequence sums on every CP rank (one CP
+Everything numeric is the step engine's correction of the packed CP-local tokens (``StepEngine.correct``:
+the core's :func:`slime_tis.compute_tis`, or, where the rollout-data hook decided the rollout from these very
+pi_old tensors, its part finished with ``pg_loss``'s finiteness: :mod:`slime_tis.slime.engine`) with the CP
+reducer, so sequence and geometric levels see full-sequence sums on every CP rank (one CP
 all-reduce per micro-batch for the sums, one for the full-length masks; every CP rank takes part
 for every sample, also with zero local tokens). Rejected tokens get zero loss by selection
 (``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)`` reducer.
@@ -59,11 +61,11 @@ import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import compute_tis
-from slime_tis.core.algorithms import algorithm_of, correction_inputs
+from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.engine import kept_part, micro_batch, step_engine
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
@@ -136,27 +138,18 @@ def compute_tis_for_slime(
             "tokens; slime passes a flat CP-local per-token loss"
         )
     factor = _batch_norm_factor(cfg)
-    # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
-    inputs = correction_inputs(cfg, lp_train=lp_train, lp_rollout=lp_rollout, advantages=pg_loss.detach())
     opsm = None
     if getattr(args, "use_opsm", False):  # tokens slime's OPSM zeroed are not kept
         adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
         opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
-    res = compute_tis(
-        cfg,
-        inputs.lp_train,
-        inputs.lp_rollout,
-        packed.local_mask,
-        packed.cu_seqlens,
-        reducer=ctx.reducer,
-        batch_norm_factor=factor,
-        extra_finite=inputs.extra_finite,
-        reject=opsm,
-        loss_finite=inputs.loss_finite,
-    )
+    # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
+    batch = micro_batch(packed, advantages=pg_loss.detach(), rollout_log_probs=lp_rollout, old_log_probs=lp_train)
+    engine = step_engine(cfg, ctx.reducer, pg_loss.device, batch_norm_factor=factor)
+    kept_part(engine, batch, loss_masks, train_log_probs, packed)  # the rollout's decision, where it was kept
+    res = engine.correct(batch, lp_train, reject=opsm)
     metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
     if rollout_log_probs:
-        COLLECTOR.add(res.stats, list(rollout_log_probs), ctx.reducer)
+        COLLECTOR.add(res.stats, list(rollout_log_probs), ctx.reducer, engine)  # engine.record, once
 
     if not row.rejects:  # algorithm 0, --get-mismatch-metrics without correction: diagnostics only
         return pg_loss, list(loss_masks), metrics
