@@ -59,7 +59,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from examples.stats import Interval, holm, mean_ci, paired_difference
+from examples.stats import Interval, holm, mean_ci, paired_difference, sign_test_p
 
 GEO_MIS = ["--tis-mode", "mask", "--tis-level", "geometric", "--tis-upper-bound", "1.5"]
 TOKEN_MIS = ["--tis-mode", "mask", "--tis-level", "token"]
@@ -281,9 +281,9 @@ def headline(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[i
 
     Per seed: each setting's mean ``tis/k3_kl`` (and ``moe/routing_mismatch`` where logged), the ratio
     ``k3(first) / k3(setting)`` and on how many steps the setting's k3 is lower. Then, over the seeds: on how many
-    seeds it is lower, the geometric-mean ratio with its 95 % paired interval (t interval over seeds of
-    ``log(ratio)``, transformed back), the per-step count over all (seed, step) pairs, the ratio of per-step
-    medians per seed, and a one-line verdict that states only what these show."""
+    seeds it is lower (with the two-sided sign test's p), the geometric-mean ratio with its 95 % paired interval
+    (t interval over seeds of ``log(ratio)``, transformed back), the per-step count over all (seed, step) pairs,
+    the ratio of per-step medians per seed, and a one-line verdict that states only what these show."""
     lines = []
     for alg in algs:
         ratios: dict[str, list[float]] = {mm: [] for mm in mismatches[1:]}
@@ -328,7 +328,7 @@ def _verdict(alg: str, first: str, mm: str, rs: list[float], step_rs: list[float
     iv = mean_ci([math.log(r) for r in rs])
     out = [
         f"alg {alg}, {mm} vs {first}: mean tis/k3_kl lower under {mm} on {n_lower} of {len(rs)} seeds "
-        f"(ratio per seed {', '.join(_ratio(r) for r in rs)})"
+        f"(ratio per seed {', '.join(_ratio(r) for r in rs)}; sign test p = {sign_test_p(n_lower, len(rs)):.3g})"
     ]
     if iv.n >= 2:
         out.append(
@@ -342,12 +342,15 @@ def _verdict(alg: str, first: str, mm: str, rs: list[float], step_rs: list[float
             f"ratio of per-step medians {spread} over seeds"
         )
     if n_lower == len(rs) and iv.excludes_zero:
-        verdict = f"lower on every seed, and the paired interval excludes 1x: {mm} lowers the mismatch here"
+        verdict = f"lower on every seed, and the paired interval excludes 1x: {mm} lowers the mismatch in these runs"
     elif n_lower == len(rs):
         why = "one seed gives no interval" if iv.n < 2 else "the paired interval includes 1x"
-        verdict = f"lower on every seed, but {why}: the direction holds on these seeds, the size is not pinned down"
+        verdict = (
+            f"lower on every seed, but {len(rs)} seeds do not rule out chance ({why}; sign test p = "
+            f"{sign_test_p(n_lower, len(rs)):.3g}): more seeds (SEEDS=...) make it a statistical claim"
+        )
     else:
-        verdict = f"lower on {n_lower} of {len(rs)} seeds only: no consistent effect on these seeds"
+        verdict = f"lower on {n_lower} of {len(rs)} seeds only: no consistent direction in these runs"
     out.append(f"  verdict: {verdict}")
     return out
 

@@ -132,3 +132,13 @@ def holm(pvalues: list[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * p))
         out[i] = running
     return out
+
+
+def sign_test_p(k: int, n: int) -> float:
+    """Two-sided sign test: the probability, with no effect (each of ``n`` paired seeds goes either way with
+    probability 1/2), of a split at least as uneven as ``k`` of ``n``: ``min(1, 2 * sum_{i <= min(k, n - k)}
+    C(n, i) / 2^n)``. All of 3 seeds the same way: 0.25; all of 6: 0.031."""
+    if not 0 <= k <= n or n < 1:
+        raise ValueError(f"sign test needs 0 <= k <= n and n >= 1, got k={k}, n={n}")
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1))
+    return min(1.0, 2.0 * tail / 2.0**n)
