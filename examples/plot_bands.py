@@ -79,17 +79,19 @@ def plot_bands(groups: dict[str, list[str]], out: str, smooth: int = 3) -> dict[
             drawn[key][label] = (steps, mean, low, high)
         ax.set_title(title)
         ax.set_xlabel("step")
-        if log:
-            ax.set_yscale("log")
-            positive = [v for _, m, lo, hi in drawn[key].values() for v in (*m, *lo, *hi) if v > 0]
-            if positive:
-                ax.set_ylim(min(positive) / 1.5, max(positive) * 1.5)
-        bottom = ax.get_ylim()[0]
+        positive = [v for _, m, lo, hi in drawn[key].values() for v in (*m, *lo, *hi) if v > 0]
+        bottom = min(positive) / 1.5 if log and positive else 0.0
         for label, (steps, mean, low, high) in drawn[key].items():
             if log:
                 low = [v if v > 0 else bottom for v in low]
                 drawn[key][label] = (steps, mean, low, high)
             ax.fill_between(steps, low, high, color=f"C{list(groups).index(label) % 10}", alpha=0.2, linewidth=0)
+        if log:
+            ax.set_yscale("log")
+            if positive:
+                ax.set_ylim(bottom, max(positive) * 1.5)
+        else:
+            ax.set_ylim(bottom=0.0)  # non-negative metrics: no negative axis range, even for an all-zero curve
     axes[0].legend(fontsize=7)
     fig.suptitle("mean over seeds, 95% t confidence band, lower edge clipped at 0 (metrics are >= 0)", fontsize=9)
     fig.tight_layout()
