@@ -173,6 +173,8 @@ def plot_runs(
         ax.grid(alpha=0.3)
         if key in LOG_METRICS and drawn:
             ax.set_yscale("log")
+        elif key in ("reward", "tis/rejected_token_fraction") and drawn:
+            ax.set_ylim(bottom=0.0)  # non-negative: no negative axis range, even for an all-zero curve
         if not drawn:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     handles, labels = [], []
