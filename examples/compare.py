@@ -22,7 +22,10 @@ Mismatch settings (``MISMATCH``):
 * ``noise`` - bf16 and ``--rollout-logit-noise 0.5`` (a strong, injected behaviour-policy shift);
 * ``moe``   - bf16 engine, mixture-of-experts model (4 experts, top-2): the bf16 router sends some tokens to
   other experts than the float32 training router;
-* ``moe-replay`` - the same with rollout routing replay (training uses the engine's experts).
+* ``moe-replay`` - the same with rollout routing replay (training uses the engine's experts);
+* ``moe-fp32`` / ``moe-fp32-replay`` - the MoE model under a float32 engine, without / with replay (the control:
+  the engine routes as training does, so replay can only act by freezing routing across the rollout's
+  optimizer steps).
 
 Each run goes to ``OUT_DIR/<mismatch>-alg<k>-s<seed>`` (run directory of ``examples.rl.train``). Columns:
 final reward (mean of the last ``FINAL_STEPS`` = 10 steps) with its 95 % t confidence interval over seeds; the
@@ -34,10 +37,14 @@ seeds with 95 % CI); the run's largest grad norm as median [min, max] over seeds
 token fraction; wall time; for MoE runs also the mean fraction of routing decisions where training used other
 experts than the engine (``moe/routing_mismatch``) and where its router would have chosen others
 (``moe/router_disagreement``; equal without replay).
-``--headline`` trains nothing and prints, per algorithm and seed, each setting's mean ``tis/k3_kl`` (and routing
-mismatch for MoE settings) and its ratio to the first setting's (the quickstart's per-seed headline).
-``--plot`` writes ``OUT_DIR/compare.png`` (first seed) and, with several seeds, ``OUT_DIR/bands.png``
-(per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
+``*`` marks a ``Δ`` whose 95 % interval excludes 0 (5 % per comparison), ``**`` one that also survives Holm's
+correction over all ``Δ`` cells of the table (:func:`examples.stats.holm`).
+``--headline`` trains nothing and prints what these runs measured for ``tis/k3_kl``, each setting against the
+first: per seed the mean, the ratio and the steps where it is lower; over the seeds how many agree, the
+geometric-mean ratio with its 95 % paired interval, the ratio of per-step medians, and a verdict (the
+quickstart's closing lines).
+``--plot`` writes ``OUT_DIR/compare.png`` (every run of the first seed, titled with it) and, with several seeds,
+``OUT_DIR/bands.png`` (per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from examples.stats import Interval, mean_ci, paired_difference
+from examples.stats import Interval, holm, mean_ci, paired_difference, sign_test_p
 
 GEO_MIS = ["--tis-mode", "mask", "--tis-level", "geometric", "--tis-upper-bound", "1.5"]
 TOKEN_MIS = ["--tis-mode", "mask", "--tis-level", "token"]
@@ -80,6 +87,8 @@ MISMATCH: dict[str, list[str]] = {
     "noise": ["--rollout-logit-noise", "0.5"],
     "moe": MOE,
     "moe-replay": [*MOE, "--routing-replay"],
+    "moe-fp32": [*MOE, "--engine-dtype", "float32"],
+    "moe-fp32-replay": [*MOE, "--engine-dtype", "float32", "--routing-replay"],
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the final reward is the mean over this many last steps (the runs are chosen long enough to plateau)
@@ -221,10 +230,12 @@ def _runs(out_dir: str, mm: str, alg: str, seeds: list[int]) -> dict[int, dict[s
 
 def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
     """A markdown table over the runs found in ``out_dir`` (columns: ``TABLE``, and ``TABLE_MOE`` when a
-    ``moe`` setting is among ``mismatches``; see the module docstring)."""
+    ``moe`` setting is among ``mismatches``; see the module docstring). A ``Δ`` cell ends in ``*`` when its 95 %
+    interval excludes 0, in ``**`` when it also survives Holm's correction over all ``Δ`` cells of the table."""
     spec = TABLE + (TABLE_MOE if any(mm.startswith("moe") for mm in mismatches) else ())
     columns = ("mismatch", "alg", *(header for header, _, _ in spec))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    rows: list[list[str]] = []
+    deltas: list[tuple[int, int, Interval]] = []  # (row, column, paired difference) of every Δ cell
     for mm in mismatches:
         base = _runs(out_dir, mm, "0", seeds)
         for alg in algs:
@@ -244,41 +255,104 @@ def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]
                     cells.append("n/a")
                 else:
                     d = paired_difference(values, {s: r[key] for s, r in base.items()})
-                    cells.append(_fmt_ci(d, FORMATS[key], signed=True) + (" *" if d.excludes_zero else ""))
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                    deltas.append((len(rows), len(cells), d))
+                    cells.append(_fmt_ci(d, FORMATS[key], signed=True))
+            rows.append(cells)
+    adjusted = holm([d.p for _, _, d in deltas])
+    for (r, c, d), p_holm in zip(deltas, adjusted):
+        if d.excludes_zero:
+            rows[r][c] += " **" if p_holm <= 0.05 else " *"
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+def _k3_by_step(d: str) -> dict[int, float]:
+    from examples.plot import read_run
+
+    return {r["step"]: r["tis/k3_kl"] for r in read_run(d, fields=("tis/k3_kl",)) if r.get("tis/k3_kl") is not None}
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.1f}x" if x < 100 else f"{x:.0f}x"
 
 
 def headline(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
-    """Per algorithm and seed: every setting's mean ``tis/k3_kl`` (with ``moe/routing_mismatch`` where logged)
-    and the first setting's k3 divided by it, then the smallest such ratio over the seeds."""
+    """What this run measured, setting by setting against the first (``mismatches[0]``), per algorithm.
+
+    Per seed: each setting's mean ``tis/k3_kl`` (and ``moe/routing_mismatch`` where logged), the ratio
+    ``k3(first) / k3(setting)`` and on how many steps the setting's k3 is lower. Then, over the seeds: on how many
+    seeds it is lower (with the two-sided sign test's p), the geometric-mean ratio with its 95 % paired interval
+    (t interval over seeds of ``log(ratio)``, transformed back), the per-step count over all (seed, step) pairs,
+    the ratio of per-step medians per seed, and a one-line verdict that states only what these show."""
     lines = []
     for alg in algs:
         ratios: dict[str, list[float]] = {mm: [] for mm in mismatches[1:]}
+        step_ratio: dict[str, list[float]] = {mm: [] for mm in mismatches[1:]}
+        steps_lower: dict[str, list[int]] = {mm: [0, 0] for mm in mismatches[1:]}
         for seed in seeds:
             parts = []
-            k3: dict[str, float] = {}
+            first: dict[int, float] | None = None
+            first_mean = float("nan")
             for mm in mismatches:
                 d = run_dir(out_dir, mm, alg, seed)
                 if not os.path.exists(os.path.join(d, "metrics.jsonl")):
                     continue
                 r = summarize(d)
-                k3[mm] = r["mean tis/k3_kl"]
                 text = f"{mm}: k3_kl {r['mean tis/k3_kl']:.2e}"
                 if math.isfinite(r["mean moe/routing_mismatch"]):
                     text += f", routing mismatch {r['mean moe/routing_mismatch']:.4f}"
-                if mm != mismatches[0] and mismatches[0] in k3 and k3[mm] > 0:
-                    ratios[mm].append(k3[mismatches[0]] / k3[mm])
-                    text += f" ({ratios[mm][-1]:.0f}x lower)"
+                per_step = _k3_by_step(d)
+                if mm == mismatches[0]:
+                    first, first_mean = per_step, r["mean tis/k3_kl"]
+                elif first is not None and r["mean tis/k3_kl"] > 0 and first_mean > 0:
+                    ratios[mm].append(first_mean / r["mean tis/k3_kl"])
+                    common = sorted(first.keys() & per_step.keys())
+                    lower = sum(per_step[s] < first[s] for s in common)
+                    steps_lower[mm][0] += lower
+                    steps_lower[mm][1] += len(common)
+                    med = statistics.median(per_step[s] for s in common) if common else 0.0
+                    if med > 0:
+                        step_ratio[mm].append(statistics.median(first[s] for s in common) / med)
+                    text += f" (ratio {_ratio(ratios[mm][-1])}; lower on {lower} of {len(common)} steps)"
                 parts.append(text)
             lines.append(f"alg {alg} seed {seed}: " + " | ".join(parts))
         for mm, rs in ratios.items():
             if rs:
-                lines.append(
-                    f"alg {alg}: mean tis/k3_kl under {mismatches[0]} / under {mm}: at least {min(rs):.0f}x on each of "
-                    f"{len(rs)} seeds"
-                )
+                lines.extend(_verdict(alg, mismatches[0], mm, rs, step_ratio[mm], steps_lower[mm]))
     return "\n".join(lines)
+
+
+def _verdict(alg: str, first: str, mm: str, rs: list[float], step_rs: list[float], steps: list[int]) -> list[str]:
+    """The over-seeds summary lines of :func:`headline` for one setting against the first."""
+    n_lower = sum(r > 1 for r in rs)
+    iv = mean_ci([math.log(r) for r in rs])
+    out = [
+        f"alg {alg}, {mm} vs {first}: mean tis/k3_kl lower under {mm} on {n_lower} of {len(rs)} seeds "
+        f"(ratio per seed {', '.join(_ratio(r) for r in rs)}; sign test p = {sign_test_p(n_lower, len(rs)):.3g})"
+    ]
+    if iv.n >= 2:
+        out.append(
+            f"  geometric-mean ratio {_ratio(math.exp(iv.mean))}, 95 % paired interval over seeds "
+            f"[{_ratio(math.exp(iv.low))}, {_ratio(math.exp(iv.high))}]"
+        )
+    if steps[1]:
+        spread = f"{_ratio(min(step_rs))}-{_ratio(max(step_rs))}" if step_rs else "n/a"
+        out.append(
+            f"  per step: lower on {steps[0]} of {steps[1]} (seed, step) pairs; "
+            f"ratio of per-step medians {spread} over seeds"
+        )
+    if n_lower == len(rs) and iv.excludes_zero:
+        verdict = f"lower on every seed, and the paired interval excludes 1x: {mm} lowers the mismatch in these runs"
+    elif n_lower == len(rs):
+        why = "one seed gives no interval" if iv.n < 2 else "the paired interval includes 1x"
+        verdict = (
+            f"lower on every seed, but {len(rs)} seeds do not rule out chance ({why}; sign test p = "
+            f"{sign_test_p(n_lower, len(rs)):.3g}): more seeds (SEEDS=...) make it a statistical claim"
+        )
+    else:
+        verdict = f"lower on {n_lower} of {len(rs)} seeds only: no consistent direction in these runs"
+    out.append(f"  verdict: {verdict}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table-only", action="store_true", help="do not train; tabulate existing runs")
     p.add_argument("--plot", action="store_true", help="also write OUT_DIR/compare.png (and bands.png)")
     p.add_argument(
-        "--headline", action="store_true", help="do not train; print per-seed k3_kl of each setting vs the first"
+        "--headline",
+        action="store_true",
+        help="do not train; print what the runs measured: k3_kl of each setting vs the first, per seed and over seeds",
     )
     p.add_argument("--train-args", default="", help='extra flags for every run, e.g. "--tis-mode mask"')
     args = p.parse_args(argv)
@@ -338,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         from examples.plot import main as plot_main
 
         dirs = [run_dir(args.out_dir, mm, alg, args.seeds[0]) for mm in args.mismatch for alg in args.algs]
-        plot_main([*dirs, "-o", os.path.join(args.out_dir, "compare.png"), "--smooth", "3"])
+        title = f"seed {args.seeds[0]}"
+        if len(args.seeds) > 1:
+            title += f" only (bands.png: mean and 95 % band over seeds {' '.join(map(str, args.seeds))})"
+        plot_main([*dirs, "-o", os.path.join(args.out_dir, "compare.png"), "--smooth", "3", "--title", title])
         if len(args.seeds) > 1:
             from examples.plot_bands import plot_bands
 

@@ -10,7 +10,8 @@ the example job, ``examples/rl/train.py``). One panel per metric, every run over
 * ``grad_norm`` - global gradient norm before clipping;
 * ``tis/rejected_token_fraction`` - fraction of valid tokens rejected (mask mode, RS, veto, non-finite).
 
-A metric absent from a run is skipped for that run (e.g. algorithm 0 without rollout log-probs).
+A metric absent from a run is skipped for that run (e.g. algorithm 0 without rollout log-probs). ``tis/k3_kl``
+and the grad norm are drawn on a log axis, where a value <= 0 is a gap.
 ``--smooth k`` draws a trailing moving average of ``k`` steps over the raw curve. Uses matplotlib's
 Agg backend (no display needed).
 """
@@ -100,11 +101,17 @@ def run_label(run_dir: str) -> str:
     return label
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+#: metrics drawn on a log axis; a value <= 0 of these is a gap in the curve (a log axis has no place for it)
+LOG_METRICS = ("tis/k3_kl", "grad_norm")
+
+
+def plotted_series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """``steps, values`` of ``key`` as drawn: rows without a value are gaps, and so are values <= 0 on a log
+    panel (:data:`LOG_METRICS`; a float32 engine can log ``tis/k3_kl`` = 0 exactly), never a floor value."""
     xs, ys = [], []
     for r in rows:
         v = r.get(key)  # a float or None (read_run checked the field)
-        if v is not None:
+        if v is not None and (v > 0 or key not in LOG_METRICS):
             xs.append(int(r["step"]))
             ys.append(v)
     return xs, ys
@@ -151,7 +158,7 @@ def plot_runs(
     for ax, key in zip(axes, metrics):
         drawn = False
         for i, (label, rows) in enumerate(runs):
-            xs, ys = _series(rows, key)
+            xs, ys = plotted_series(rows, key)
             if not xs:
                 continue
             color = f"C{i}" if len(runs) <= 10 else plt.get_cmap("tab20")(i % 20)
@@ -164,8 +171,10 @@ def plot_runs(
         ax.set_title(TITLES.get(key, key), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if key in ("tis/k3_kl", "grad_norm") and drawn:
+        if key in LOG_METRICS and drawn:
             ax.set_yscale("log")
+        elif key in ("reward", "tis/rejected_token_fraction") and drawn:
+            ax.set_ylim(bottom=0.0)  # non-negative: no negative axis range, even for an all-zero curve
         if not drawn:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     handles, labels = [], []

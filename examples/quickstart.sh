@@ -2,13 +2,17 @@
 # The main job, from a fresh clone: create .venv, install slime_tis with the example extras, and train a
 # mixture-of-experts policy (4 experts, top-2 router) with algorithm 2 (decoupled PPO, token truncation) under a
 # bf16 rollout engine, without and with rollout routing replay, 3 seeds each, 30 steps, 4 optimizer steps per
-# rollout (--steps-per-rollout 2 --ppo-epochs 2). Prints the comparison table, a per-seed headline and writes
-# runs/quickstart/compare.png and bands.png.
-# The headline: the bf16 engine's router sends some tokens to other experts than the float32 training router
-# (moe/routing_mismatch, about 0.2 % of the decisions), which multiplies the training/rollout mismatch
-# (tis/k3_kl); routing replay sets the routing mismatch to exactly 0 and lowers the mean k3_kl 4-10x on every
-# seed (measured). Both are far outside seed noise, so the claim holds on any CPU (the individual numbers do not
-# reproduce across CPU models or thread counts: docs/results.md, "What reproduces exactly").
+# rollout (--steps-per-rollout 2 --ppo-epochs 2). Prints the comparison table and what this run measured, and
+# writes runs/quickstart/compare.png (seed 0) and bands.png (all seeds).
+# The bf16 engine's router sends some tokens to other experts than the float32 training router
+# (moe/routing_mismatch, about 0.2 % of the decisions), which raises the training/rollout mismatch (tis/k3_kl);
+# with routing replay training uses the engine's experts. The closing lines (examples.compare --headline) say
+# what these runs show: per seed the mean k3_kl without / with replay, their ratio and on how many steps replay
+# is lower; over the seeds how many agree (sign test), the geometric-mean ratio with its 95 % paired interval
+# and the ratio of per-step medians; then a verdict. Per-seed ratios vary widely (45x, 8.2x, 3.1x on seeds 0-2
+# and 3.7x, 11.0x, 3.0x on seeds 7-9, one machine; another CPU model gives other draws), the per-step medians
+# differ 1.4-2.0x; with 3 seeds the paired interval can include 1x, and the verdict then says so
+# (docs/results.md: what reproduces and what holds only statistically).
 # Six runs, two at a time (JOBS=2): 105 s of training on 2 idle CPU cores, plus the install
 # (4.5 minutes measured on a 2-core machine shared with other jobs).
 #

@@ -47,9 +47,10 @@ def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
                        description=DIAGNOSE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="dump file(s), .jsonl or .pt (concatenated); .pt may be slime --save-debug-train-data "
-                   "files (several ranks' / rollouts' files merged; step = rollout id)")
+                   "files (several ranks' / rollouts' files merged; step = rollout id); a directory stands for "
+                   "its dump: RUN_DIR/logprobs.jsonl of the example job, else its slime train_*.pt files")
     p.add_argument("--png", default=None,
-                   help="histogram path (default: <first FILE without suffix>_logratio_hist.png)")
+                   help="histogram path (default: <first dump file without suffix>_logratio_hist.png)")
     p.add_argument("--no-png", action="store_true", help="do not write the histogram")
     p.add_argument("--json", default=None, help="also write every number of the report to this JSON file")
     p.add_argument("--buckets", default=None,
@@ -87,9 +88,10 @@ def _diagnose(ns: argparse.Namespace) -> int:
 
     from slime_tis.config import TISConfig
     from slime_tis.tools.diagnose import diagnose, format_report, write_histogram
-    from slime_tis.tools.dump import read_logprob_dump
+    from slime_tis.tools.dump import dump_files, read_logprob_dump
 
-    dump = read_logprob_dump(ns.files)
+    files = dump_files(ns.files)  # a run directory: the dump files it holds
+    dump = read_logprob_dump(files)
     for note in dump.notes:
         print(f"slime-tis diagnose: note: {note}", file=sys.stderr)
     if ns.steps:
@@ -113,7 +115,7 @@ def _diagnose(ns: argparse.Namespace) -> int:
     result = diagnose(dump, cfg if (cfg.use_tis or cfg.use_rollout_log_probs) else None, bucket_edges=edges)
     print(format_report(result))
     if not ns.no_png:
-        png = ns.png or str(Path(ns.files[0]).with_suffix("")) + "_logratio_hist.png"
+        png = ns.png or str(files[0].with_suffix("")) + "_logratio_hist.png"
         n = write_histogram(dump, png)
         print(f"\nhistogram of {n} per-token log-ratios: {png}")
     if ns.json:

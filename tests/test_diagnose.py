@@ -191,6 +191,29 @@ def test_cli_errors(tmp_path, capsys):
     assert cli_main([]) == 2
 
 
+def test_cli_reads_a_run_directory(tmp_path, capsys):
+    """A directory stands for its dump: ``RUN_DIR/logprobs.jsonl`` (the example job's run directory, next to
+    its ``metrics.jsonl``), with the report of that file and the histogram beside it; a directory holding no
+    dump is one line naming it and what was looked for."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "reward": 0.5}\n')  # not a dump: never read as one
+    write_logprob_dump(run / "logprobs.jsonl", synthetic(3, n=12))
+    by_file, by_dir = tmp_path / "file.json", tmp_path / "dir.json"
+    assert cli_main(["diagnose", str(run / "logprobs.jsonl"), "--no-png", "--json", str(by_file)]) == 0
+    assert cli_main(["diagnose", str(run), "--json", str(by_dir)]) == 0
+    assert json.loads(by_dir.read_text()) == json.loads(by_file.read_text())
+    assert "recommendation:" in capsys.readouterr().out
+    assert (run / "logprobs_logratio_hist.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert cli_main(["diagnose", str(empty), "--no-png"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(empty) in err[0]
+    assert "is a directory holding no log-prob dump" in err[0] and "logprobs.jsonl" in err[0] and "train_*.pt" in err[0]
+
+
 def test_help_says_the_flags_are_a_configuration_to_evaluate_in_plain_text(capsys):
     """``slime-tis diagnose --help``: the training flags are a hypothetical configuration (not the dump's run), the
     default applies to any dump, and the text is plain (no reST markup)."""

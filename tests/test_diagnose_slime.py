@@ -130,6 +130,10 @@ def test_cli_merges_several_files_of_one_rollout_and_several_rollouts(tmp_path, 
     # --steps selects rollouts
     assert cli_main(["diagnose", *files, "--no-png", "--steps", "4:", "--json", str(js)]) == 0
     assert json.loads(js.read_text())["n_seq"] == 5
+    # the directory stands for its train_*.pt files (the report's JSON file in it is no dump)
+    js_dir = tmp_path / "from_dir.json"
+    assert cli_main(["diagnose", str(tmp_path), "--no-png", "--json", str(js_dir)]) == 0, capsys.readouterr().err
+    assert json.loads(js_dir.read_text())["overall"] == report["overall"]
 
 
 def test_conflicting_copies_of_a_sample_are_an_error(tmp_path):

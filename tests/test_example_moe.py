@@ -314,9 +314,28 @@ def test_compare_table_and_headline_for_moe_settings(tmp_path):
     text = headline(str(tmp_path), ["moe", "moe-replay"], ["2"], [0, 1, 2]).splitlines()
     assert text[0] == (
         "alg 2 seed 0: moe: k3_kl 1.00e-04, routing mismatch 0.0500 | "
-        "moe-replay: k3_kl 2.00e-06, routing mismatch 0.0000 (50x lower)"
+        "moe-replay: k3_kl 2.00e-06, routing mismatch 0.0000 (ratio 50.0x; lower on 12 of 12 steps)"
     )
-    assert text[-1] == "alg 2: mean tis/k3_kl under moe / under moe-replay: at least 50x on each of 3 seeds"
+    # ratios 50, 100, 150: geometric mean 90.9; log ratios 3.91, 4.61, 5.01, s = 0.556, half = 4.303 s / sqrt(3)
+    assert text[3:] == [
+        "alg 2, moe-replay vs moe: mean tis/k3_kl lower under moe-replay on 3 of 3 seeds "
+        "(ratio per seed 50.0x, 100x, 150x; sign test p = 0.25)",
+        "  geometric-mean ratio 90.9x, 95 % paired interval over seeds [22.9x, 361x]",
+        "  per step: lower on 36 of 36 (seed, step) pairs; ratio of per-step medians 50.0x-150x over seeds",
+        "  verdict: lower on every seed, and the paired interval excludes 1x: moe-replay lowers the mismatch in "
+        "these runs",
+    ]
+    # one seed the other way, and no canned claim: the verdict says what these runs show
+    _write_moe_run(tmp_path / "moe-replay-alg2-s1", 4e-4, 0.0)
+    text = headline(str(tmp_path), ["moe", "moe-replay"], ["2"], [0, 1, 2]).splitlines()
+    assert "(ratio 0.5x; lower on 0 of 12 steps)" in text[1]
+    assert text[-1] == "  verdict: lower on 2 of 3 seeds only: no consistent direction in these runs"
+    # all seeds one way but a wide interval: the direction, not a statistical claim
+    _write_moe_run(tmp_path / "moe-replay-alg2-s1", 1.9e-4, 0.0)
+    assert headline(str(tmp_path), ["moe", "moe-replay"], ["2"], [0, 1, 2]).splitlines()[-1] == (
+        "  verdict: lower on every seed, but 3 seeds do not rule out chance (the paired interval includes 1x; "
+        "sign test p = 0.25): more seeds (SEEDS=...) make it a statistical claim"
+    )
 
 
 def test_results_table_moe_preset(tmp_path):

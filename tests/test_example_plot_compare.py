@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -112,7 +113,7 @@ def test_compare_table_paired_difference_and_significance(tmp_path):
     assert "Δ final vs alg 0" in lines[0] and "Δ mean vs alg 0" in lines[0]
     row0, row1, row2 = (line.split(" | ") for line in lines[2:5])
     assert row0[3] == "—" and row0[5] == "—"
-    assert row2[3].startswith("+0.050 ± 0.00") and row2[3].endswith(" *")  # paired: the seed spread cancels
+    assert row2[3].startswith("+0.050 ± 0.00") and row2[3].endswith(" **")  # paired: the seed spread cancels
     assert row1[3].startswith("+0.000 ± 0.1") and not row1[3].endswith("*")
     # the unpaired intervals of the rewards overlap: only the paired comparison separates alg 2 from alg 0
     assert row0[2].startswith("0.315 ± 0.039") and row2[2].startswith("0.365 ± 0.039")
@@ -134,7 +135,7 @@ def test_compare_table_learning_speed_and_grad_spikes(tmp_path):
     )
     assert row2[2] == "1.000 ± 0.000" and row2[3] == "+0.000 ± 0.000"  # same plateau: no difference
     assert row0[4] == "0.667 ± 0.000" and row2[4] == "0.833 ± 0.000"
-    assert row2[5] == "+0.167 ± 0.000 *"
+    assert row2[5] == "+0.167 ± 0.000 **"  # no spread: p = 0, survives Holm over the table's Δ cells
     assert row0[8] == "1.00 [1.00, 100000.00]" and row2[8] == "1.00 [1.00, 1.00]"
     assert row0[9] == "0.4 ± 1.1" and row2[9] == "0.0 ± 0.0"
 
@@ -151,6 +152,113 @@ def test_stats_t_interval_against_hand_values():
     assert d.n == 3 and d.mean == pytest.approx(0.5333333) and d.excludes_zero
     with pytest.raises(ValueError, match="degrees of freedom must be >= 1, got 0"):
         t975(0)
+
+
+def test_t_p_values_against_the_quantile_table():
+    """``t_{0.975, df}`` from the table is where the two-sided p-value is 0.05 (table rounded to 3 decimals:
+    p within 1e-4); t = 1 on 1 df (Cauchy) is p = 1/2 exactly; an interval's p is its t-test's."""
+    from examples.stats import Interval, mean_ci, t975, t_two_sided_p
+
+    for df in (1, 2, 4, 9, 30):
+        assert t_two_sided_p(t975(df), df) == pytest.approx(0.05, abs=1e-4)
+    assert t_two_sided_p(1.0, 1) == pytest.approx(0.5, abs=1e-12) and t_two_sided_p(0.0, 4) == pytest.approx(1.0)
+    assert t_two_sided_p(float("inf"), 3) == 0.0
+    # mean 3, s = sqrt(2.5), n = 5: t = 3 / sqrt(0.5) = 4.243 on 4 df -> p = 0.0132 (R: 2 * pt(-4.243, 4))
+    assert mean_ci([1.0, 2.0, 3.0, 4.0, 5.0]).p == pytest.approx(0.01324, abs=2e-5)
+    assert Interval(0.1, 0.0, 3).p == 0.0 and Interval(0.0, 0.0, 3).p == 1.0 and math.isnan(Interval(1, 1, 1).p)
+
+
+def test_holm_against_a_hand_worked_example():
+    """p = (0.01, 0.04, 0.03, 0.005), m = 4. Sorted: 0.005 x 4 = 0.02; 0.01 x 3 = 0.03; 0.03 x 2 = 0.06;
+    0.04 x 1 = 0.04, raised to the running maximum 0.06. At 5 % the first and the fourth survive; the
+    uncorrected test would also have kept 0.03 and 0.04."""
+    from examples.stats import holm
+
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    adj = holm([0.2, float("nan"), 0.01])  # nan: not a comparison, m = 2
+    assert adj[0] == pytest.approx(0.2) and math.isnan(adj[1]) and adj[2] == pytest.approx(0.02)
+    assert holm([0.6, 0.5]) == pytest.approx([1.0, 1.0])  # capped at 1
+    with pytest.raises(ValueError, match="p-values must lie in"):
+        holm([1.5])
+
+
+def test_sign_test():
+    from examples.stats import sign_test_p
+
+    assert sign_test_p(3, 3) == 0.25 and sign_test_p(0, 6) == pytest.approx(2 / 64)
+    assert sign_test_p(10, 14) == pytest.approx(2 * (1 + 14 + 91 + 364 + 1001) / 2**14)  # 0.180
+    with pytest.raises(ValueError, match="k=4, n=3"):
+        sign_test_p(4, 3)
+
+
+def test_compare_table_marks_only_holm_survivors_with_two_stars(tmp_path):
+    """Three variants against algorithm 0 on 5 seeds: a +0.3 effect with little spread (p ~ 1e-6), and two small
+    ones whose intervals just exclude 0 (p ~ 0.03). The table has 6 Δ cells (final and mean reward, equal here):
+    Holm multiplies the smallest p by 6, the next by 5, ...: the large effect keeps ``**``, the small ones
+    only ``*``."""
+    for s in range(5):
+        base = 0.3 + 0.05 * s
+        _write_run(tmp_path / f"int8-alg0-s{s}", _rows(10, base, 0.0))
+        _write_run(tmp_path / f"int8-alg1-s{s}", _rows(10, base + 0.3 + 0.002 * s, 0.0))
+        _write_run(tmp_path / f"int8-alg2-s{s}", _rows(10, base + 0.01 + (0.012 if s % 2 else -0.004), 0.0))
+        _write_run(tmp_path / f"int8-alg3-s{s}", _rows(10, base + 0.01 + (0.012 if s % 2 else -0.004), 0.0))
+    lines = table(str(tmp_path), ["int8"], ["0", "1", "2", "3"], list(range(5))).splitlines()
+    row1, row2, row3 = (line.split(" | ") for line in lines[3:6])
+    assert row1[3].endswith(" **") and row1[5].endswith(" **")
+    for row in (row2, row3):
+        assert row[3].endswith(" *") and not row[3].endswith("**")
+
+
+def test_band_lower_edge_never_below_zero_and_no_log_floor(tmp_path):
+    """Grad norms 0.1, 0.1, 2.0 over 3 seeds: the t interval is 0.73 -+ 2.73, below 0 (impossible for a norm):
+    the band starts at 0. k3 of a float32 engine is 0 on some steps: on the log panel those steps are gaps,
+    the band's zero lower edge sits at the panel's bottom, and no value is the 1e-12 floor."""
+    from examples.plot_bands import band, plot_bands
+
+    dirs = []
+    for s, gn in enumerate((0.1, 0.1, 2.0)):
+        d = tmp_path / f"moe-fp32-alg3-s{s}"
+        rows = [{"step": k, "reward": 0.1, "grad_norm": gn, "tis/k3_kl": 0.0 if k < 2 else 1e-6 * (1 + s * k),
+                 "tis/rejected_token_fraction": 0.5 if s == 2 else 0.0} for k in range(6)]
+        _write_run(d, rows)
+        dirs.append(str(d))
+    steps, mean, low, high = band(dirs, "grad_norm", smooth=1)
+    assert mean[0] == pytest.approx(0.7333333) and low == [0.0] * 6 and high[0] > 3.4
+    _, _, rej_low, _ = band(dirs, "tis/rejected_token_fraction", smooth=1)
+    assert min(rej_low) == 0.0
+    drawn = plot_bands({"fp32": dirs}, str(tmp_path / "bands.png"), smooth=1)
+    k3_steps, k3_mean, k3_low, k3_high = drawn["tis/k3_kl"]["fp32"]
+    assert k3_steps == [2, 3, 4, 5] and min(k3_mean) > 0  # the all-zero steps 0 and 1 are left out
+    assert all(v > 0 and v != 1e-12 for v in k3_low) and max(k3_low) < min(k3_mean)
+    for key, groups in drawn.items():
+        for _, m, lo, hi in groups.values():
+            assert min(lo) >= 0 and 1e-12 not in (*m, *lo, *hi), key
+
+
+def test_plotted_series_leaves_non_positive_values_out_of_log_panels():
+    from examples.plot import plotted_series
+
+    rows = [{"step": k, "tis/k3_kl": v, "reward": v} for k, v in enumerate((0.0, 1e-6, None, -1e-9, 2e-6))]
+    assert plotted_series(rows, "tis/k3_kl") == ([1, 4], [1e-6, 2e-6])
+    assert plotted_series(rows, "reward") == ([0, 1, 3, 4], [0.0, 1e-6, -1e-9, 2e-6])  # linear panel: kept
+
+
+def test_compare_plot_titles_compare_png_with_its_seed(tmp_path, monkeypatch):
+    """compare.png shows the first seed's runs only: its title says which, and where all seeds are."""
+    import examples.plot
+    import examples.plot_bands
+    from examples.compare import main as compare_main
+
+    seen = []
+    monkeypatch.setattr(examples.plot, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(examples.plot_bands, "plot_bands", lambda groups, out: seen.append(groups))
+    for s in (3, 4):
+        _write_run(tmp_path / f"lag2-alg0-s{s}", _rows(4, 0.1, 0.01))
+    assert compare_main(["--table-only", "--plot", "--algs", "0", "--mismatch", "lag2", "--seeds", "3", "4",
+                         "--out-dir", str(tmp_path)]) == 0
+    argv = seen[0]
+    assert argv[argv.index("--title") + 1] == "seed 3 only (bands.png: mean and 95 % band over seeds 3 4)"
+    assert seen[1] == {"lag2 alg 0": [str(tmp_path / "lag2-alg0-s3"), str(tmp_path / "lag2-alg0-s4")]}
 
 
 def test_band_plot_of_several_seeds(tmp_path):

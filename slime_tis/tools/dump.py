@@ -53,6 +53,7 @@ __all__ = [
     "records_from_packed",
     "records_from_samples",
     "write_logprob_dump",
+    "dump_files",
 ]
 
 class DumpFormatError(ValueError):
@@ -613,6 +614,41 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
         reward=None if reward is None else reward.float(),
         meta=dict(meta or {}),
     )
+
+
+#: the dump a directory holds, by who wrote it: the example job's run directory, slime's debug-data directory
+DIR_DUMPS = (("logprobs.jsonl", "the example job's run directory"), ("train_*.pt", "slime --save-debug-train-data"))
+
+
+def _rollout_order(path: Path) -> tuple[int, str]:
+    """Sort key of ``train_{rollout_id}[...].pt``: the rollout id as a number, then the name."""
+    digits = path.stem.removeprefix("train_").split("_")[0]
+    return (int(digits) if digits.isdigit() else -1, path.name)
+
+
+def dump_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """``paths`` with every directory replaced by the dump files it holds (files stay as given): the first of
+    :data:`DIR_DUMPS` found, ``DIR/logprobs.jsonl`` (the example job's run directory) or else ``DIR/train_*.pt``
+    (slime's ``--save-debug-train-data`` files, by rollout id). A directory holding neither is an
+    ``IsADirectoryError`` naming it and what was looked for."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            out.append(p)
+            continue
+        for pattern, _ in DIR_DUMPS:
+            found = sorted((f for f in p.glob(pattern) if f.is_file()), key=_rollout_order)
+            if found:
+                out.extend(found)
+                break
+        else:
+            looked = " or ".join(f"{pattern} ({who})" for pattern, who in DIR_DUMPS)
+            raise IsADirectoryError(
+                f"dump path {str(p)!r} is a directory holding no log-prob dump: looked for {looked}"
+            )
+    return out
 
 
 def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> LogprobDump:
