@@ -64,6 +64,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.surrogates import SURROGATES, surrogate_of
 from slime_tis.core.terms import KL_ESTIMATORS
 from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
+from slime_tis.kernels.token_pass import token_pass_for
 from slime_tis.presets import PRESETS, preset_fields
 
 __all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS", "OPTIONS",
@@ -133,8 +134,9 @@ class TISConfig:
             plan only while it is chosen).
         safety_bound: ``B``; log-quantities are clamped to ``[-B, B]`` before ``exp``.
         kernels: ``"torch"`` (default) or ``"triton"``: which code computes the log-probs (from logits or, fused,
-            from the hidden states) and the correction's token pass; the one switch for every Triton kernel
-            (``slime_tis.kernels.dispatch``: where a kernel cannot run, the torch code with one warning).
+            from the hidden states) and the correction's token pass (``Plan.token_pass``, resolved by
+            ``slime_tis.kernels.token_pass``); the one switch for every Triton kernel (``slime_tis.kernels.dispatch``:
+            where a kernel cannot run, the torch code with one warning).
     """
 
     use_rollout_log_probs: bool = option(
@@ -505,7 +507,7 @@ def _resolve(config: TISConfig) -> Plan:
         bound=float(config.safety_bound),
         thresholds=tuple((name, float(getattr(config, name))) for name in THRESHOLDS
                          if rejecting and getattr(config, name) is not None),
-        kernels=config.kernels,
+        token_pass=token_pass_for(config.kernels),
         surrogate=config.surrogate,
         surrogate_params=tuple((f, float(getattr(config, f))) for f, owner in SURROGATE_OPTIONS.items()
                                if owner == config.surrogate),

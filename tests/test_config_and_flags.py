@@ -142,10 +142,13 @@ def test_describe_prints_resolved_bounds():
 
 
 def test_kernels_is_one_flag_for_every_kernel():
-    """--tis-kernels -> TISConfig.kernels -> Plan.kernels; default torch (Triton opt-in until measured on a GPU)."""
-    assert TISConfig().kernels == "torch" and TISConfig().plan.kernels == "torch"
+    """--tis-kernels -> TISConfig.kernels -> the core's token pass (``Plan.token_pass``: ``None`` is the torch code);
+    default torch (Triton opt-in until measured on a GPU)."""
+    from slime_tis.kernels.token_pass import triton_token_pass
+
+    assert TISConfig().kernels == "torch" and TISConfig().plan.token_pass is None
     cfg = parse(["--use-tis", "--tis-kernels", "triton"])
-    assert cfg.kernels == "triton" and cfg.plan.kernels == "triton"
+    assert cfg.kernels == "triton" and cfg.plan.token_pass is triton_token_pass
     assert "kernels=triton" in cfg.describe() and "kernels=torch" in TISConfig().describe()
     with pytest.raises(SystemExit):
         parse(["--tis-kernels", "auto"])

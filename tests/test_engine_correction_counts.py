@@ -16,7 +16,8 @@ micro-batch's loss, ``end`` at the metrics flush); where the rollout hook decide
 micro-batch only finishes its part of that decision (``core.correction.refine``), else it corrects once. Megatron:
 algorithms 0 and 2 with ``drop`` or batch normalisation decide each micro-batch once per rollout (in the step
 totals, without ``lp_theta``) and the loss only finishes that decision (``core.correction.refine``); the other
-rows correct once per loss call (plus once in the totals for algorithms 1 and 3 with ``drop``, at the pre-pass).
+rows correct once per loss call (plus once in the totals for algorithms 1 and 3 with ``drop``, at the pre-pass's
+``lp_theta``: another input, whose correction nothing of the loss's can reuse; tests/test_engine_two_forwards.py).
 """
 
 from __future__ import annotations
@@ -253,7 +254,10 @@ def test_megatron_corrects_each_micro_batch_once(megatron_counts, algorithm, den
             assert [c.get("corrections", 0) for c in loss] == [0] * m, call
             assert [c.get("refines", 0) for c in loss] == [1] * m, call
         else:
+            # algorithms 1, 3 + drop: the totals correct at the pre-pass's lp_theta, for the denominator only; each
+            # loss corrects at its own forward's lp_theta (every rule, weight and statistic reads it: no refine)
             assert totals.get("corrections", 0) == (m if pre_pass else 0), call
+            assert totals.get("refines", 0) == 0, call
             assert [c.get("corrections", 0) for c in loss] == [1] * m, call
             assert [c.get("refines", 0) for c in loss] == [0] * m, call
         loss_collectives |= {c["collectives"] for c in loss}

@@ -119,6 +119,7 @@ def test_a_failing_kernel_falls_back_to_torch_with_one_warning(monkeypatch):
 
     kernels = pytest.importorskip("slime_tis.kernels.correction")
     from slime_tis.kernels import dispatch
+    from slime_tis.kernels.token_pass import token_pass_for
 
     calls = []
 
@@ -138,7 +139,8 @@ def test_a_failing_kernel_falls_back_to_torch_with_one_warning(monkeypatch):
         for expected in (1, 0):
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                got = packed_ratios(lt, lr, valid, layout, LocalReducer(), extra_finite=(adv,), kernels="triton")
+                got = packed_ratios(lt, lr, valid, layout, LocalReducer(), extra_finite=(adv,),
+                                    token_pass=token_pass_for("triton"))
             msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.KernelFallbackWarning)]
             assert len(msgs) == expected and all("no kernel image for sm_90" in m for m in msgs), msgs
             assert torch.equal(got.seq_sums.nan_to_num(7.0), ref.seq_sums.nan_to_num(7.0))

@@ -173,7 +173,7 @@ def correct(
             columns = {**columns, LOSS_NONFINITE: lambda _l: bad_column}
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
                                extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=columns,
-                               kernels=plan.kernels)
+                               token_pass=plan.token_pass)
     return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject)
 
 

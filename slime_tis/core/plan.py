@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slime_tis.core.levels import Level, Mode
+from slime_tis.core.ratios import TokenPass
 
 __all__ = ["Plan"]
 
@@ -34,7 +35,8 @@ class Plan:
             read with :meth:`threshold`.
         batch_normalize, drop_rejected, loss_agg: loss switches.
         eps_low, eps_high, dual_clip_c: PPO clip. bound: the safety bound B.
-        kernels: ``"torch"`` or ``"triton"``: which code computes the token pass (``slime_tis.kernels.dispatch``).
+        token_pass: the implementation of the correction's token pass (``core.ratios.TokenPass``), or ``None``:
+            the torch code. The core names no kernel: ``TISConfig`` resolves ``--tis-kernels`` to it.
         surrogate: the policy-loss row of ``core.surrogates.SURROGATES``; surrogate_params: ``(field, value)`` of its
             options (read with :meth:`param`).
         kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the terms of ``core.terms``.
@@ -60,7 +62,7 @@ class Plan:
     dual_clip_c: float | None
     bound: float
     thresholds: tuple[tuple[str, float], ...] = ()
-    kernels: str = "torch"
+    token_pass: TokenPass | None = None
     surrogate: str = "ppo_clip"
     surrogate_params: tuple[tuple[str, float], ...] = ()
     kl_coef: float = 0.0

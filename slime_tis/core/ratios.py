@@ -35,9 +35,8 @@ from torch import Tensor
 from slime_tis.core.levels import Level, level_of
 from slime_tis.core.packing import Layout
 from slime_tis.core.reducer import Reducer
-from slime_tis.kernels import dispatch
 
-__all__ = ["Ratios", "packed_ratios", "COLUMNS", "TokenColumn", "ratio_moments"]
+__all__ = ["Ratios", "packed_ratios", "COLUMNS", "TokenColumn", "TokenPass", "ratio_moments"]
 
 COLUMNS = ("l", "lp_rollout", "valid")
 F64 = torch.float64
@@ -46,11 +45,13 @@ F64 = torch.float64
 #: must be 0 there; it is read only for finite sequences), summed per sequence.
 TokenColumn = Callable[[Tensor], Tensor]
 
-
-def _kernel(lp_train: Tensor, extra_finite: tuple[Tensor, ...], kernels: str):
-    """The Triton module with ``kernels="triton"`` where it can run (``slime_tis.kernels.dispatch``), else None."""
-    correction = dispatch.triton_module("correction", "slime_tis.kernels.correction", lp_train.device, kernels)
-    return correction if correction is not None and len(extra_finite) <= correction.MAX_EXTRA else None
+#: Another implementation of the token pass's base columns, handed in by the configuration (``Plan.token_pass``;
+#: ``TISConfig`` resolves ``--tis-kernels`` to one, outside the core):
+#: ``f(lp_train, lp_rollout, valid, offsets, extra_finite) -> (l [T] float32, sums [n_seq, 3] float64)`` with the
+#: torch code's values (``l`` = the valid log-ratios, NaN where an ``extra_finite`` value is not finite, 0 at invalid
+#: tokens; ``sums`` = the per-sequence sums of ``COLUMNS``, this rank's tokens), or ``None`` where it cannot run
+#: this call: the torch code runs instead.
+TokenPass = Callable[[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]], "tuple[Tensor, Tensor] | None"]
 
 
 def _sequence_sums(layout: Layout, selected: list[Tensor], valid: Tensor, columns) -> Tensor:
@@ -146,7 +147,7 @@ def packed_ratios(
     *,
     extra_finite: tuple[Tensor, ...] = (),
     rule_columns: Mapping[str, TokenColumn] | None = None,
-    kernels: str = dispatch.DEFAULT_KERNELS,
+    token_pass: TokenPass | None = None,
 ) -> Ratios:
     """:class:`Ratios` of detached ``[T]`` log-probs (any float dtype, computed in float32).
 
@@ -155,19 +156,13 @@ def packed_ratios(
         reducer: completes the per-sequence sums over context parallelism (one call).
         extra_finite: ``[T]`` tensors whose non-finite valid entries make their sequence non-finite.
         rule_columns: extra token columns summed per sequence (see ``slime_tis.core.rules``).
-        kernels: ``"torch"`` (default) or ``"triton"``: the base columns from the Triton kernel
-            ``slime_tis.kernels.correction`` (same values; CUDA tensors; the torch code with one warning where it
-            cannot run, ``slime_tis.kernels.dispatch``).
+        token_pass: the base columns from another implementation (:data:`TokenPass`, e.g. a GPU kernel); ``None``
+            (default), or its ``None``: the torch code below, the reference.
     """
     rules = rule_columns or {}
-    kernel = _kernel(lp_train, extra_finite, kernels)
-    base = None
-    if kernel is not None:  # the same base columns from one Triton pass
-        try:
-            l, base = kernel.sequence_sums(lp_train, lp_rollout, valid, layout.offsets, extra_finite)  # noqa: E741
-        except dispatch.KernelLaunchError as err:
-            dispatch.fall_back(err)
-    if base is not None:
+    passed = None if token_pass is None else token_pass(lp_train, lp_rollout, valid, layout.offsets, extra_finite)
+    if passed is not None:  # the same base columns from one pass of the supplied implementation
+        l, base = passed  # noqa: E741
         raw = l
         token_columns = {name: fn(l) for name, fn in rules.items()}
         local = torch.cat([base, _sequence_sums(layout, [], valid, token_columns.values())], dim=1)

@@ -27,7 +27,8 @@ hold for a whole rollout (the Megatron hook: from its rollout pass to the next),
 later epoch) is not corrected again; the step totals and each loss finish it with ``core.correction.refine``
 (``lp_theta``'s finiteness, the step's batch-normalisation factor), which gives exactly what one correction
 seeing every input gives. Algorithms 1 and 3 read ``lp_theta``: their totals correct at the pre-pass's
-``lp_theta`` and each loss at its own.
+``lp_theta``, for the denominator only, and each loss at the ``lp_theta`` of its own forward (every rule, weight
+and statistic of theirs reads it: nothing of the totals' correction is left to finish).
 """
 
 from __future__ import annotations
