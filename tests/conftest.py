@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 _PATHS = [str(ROOT), str(TESTS), str(TESTS / "dist")]
@@ -22,3 +24,14 @@ for _p in reversed(_PATHS):
         sys.path.insert(0, _p)
 os.environ["PYTHONPATH"] = os.pathsep.join(_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p and p not in _PATHS])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_slime_hook_state():
+    """slime's hooks keep process-wide state between calls (slime loads them by path): each test starts without
+    what an earlier test in the same worker process left there."""
+    yield
+    slime = sys.modules.get("slime_tis.slime")
+    if slime is not None:
+        slime.COLLECTOR.reset()
+        sys.modules["slime_tis.slime.state"].STATE.clear()

@@ -75,6 +75,10 @@ class ExactMetricsCollector:
         self.reducer: Any = None
         self.engine: StepEngine | None = None
 
+    def reset(self) -> None:
+        """Drop what was recorded since the last flush, unreduced (a step that failed before its flush)."""
+        self.__init__()
+
     @property
     def stats(self) -> MetricStats | None:
         """The merged statistics recorded since the last flush (``None`` for none)."""
