@@ -1,6 +1,6 @@
 """Worker of ``test_rank_failure.py``: one rank's training call raises and its process ends.
 
-    torchrun --nproc-per-node 2 tests/dist/rank_failure_worker.py --out DIR
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python tests/dist/rank_failure_worker.py --out DIR  (r = 0, 1)
 
 DP = 2 on the tiny GPT of ``_harness.py``, the megatron hook (``tis_forward_backward_func``). Training call 1
 runs on both ranks (healthy: afterwards the job's store holds no failure record). In call 2 rank 1's
