@@ -8,24 +8,28 @@
 * algorithm 2's batch normalisation over the whole rollout collection, decided once per rollout: two optimizer
   steps on one collection use the same factor, the collection's, and each step's loss is the core's with it;
 * interleaved pipeline schedules and context parallelism are refused in one line;
-* under algorithms 1-3 a sequence whose inference log-probs are missing or of the wrong length is rejected as
-  non-finite and counted (``tis/nonfinite_seq_fraction``); rollouts without any are refused in one line.
+* under algorithms 1-3 a sequence one inference log-prob short at its last generated token (the end-of-document
+  token the training side appends) trains on its other tokens, that token left out of the loss and counted
+  (``tis/appended_tokens``); a sequence whose inference log-probs are missing or of any other length is rejected
+  as non-finite and counted (``tis/nonfinite_seq_fraction``); rollouts without any are refused in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import types
 
 import pytest
 import torch
+from _megatron_lm import train_step_loss_reduced
 from _megatron_rl import RLArgs, RLUtils
 
 from slime_tis import TISConfig
 from slime_tis.core import compute_tis, policy_loss
 from slime_tis.megatron_rl import RLHost, add_megatron_rl_tis_arguments
 from slime_tis.megatron_rl.__main__ import megatron_rl_reader
-from slime_tis.megatron_rl.host import RolloutIndex
-from slime_tis.megatron_rl.rollout import install_rollout
+from slime_tis.megatron_rl.host import APPENDED_METRIC, RolloutIndex
+from slime_tis.megatron_rl.rollout import check_inference_log_probs, final_turns, install_rollout
 
 VOCAB, ROWS, COLS = 13, 8, 10
 
@@ -237,10 +241,10 @@ def test_context_parallelism_is_refused_at_start_up_in_one_line(cp, refused: boo
 
 
 def _bad_rows(rollout: dict) -> dict:
-    """Row 1 lacks its last log-prob (an end-of-document token the inference engine did not report), row 4 carries
-    none, row 6 one too many; the other rows carry one per generated token."""
+    """Row 1 lacks its last two log-probs, row 4 carries none, row 6 one too many; the other rows carry one per
+    generated token."""
     inference = list(rollout["inference"])
-    inference[1] = inference[1][:-1]
+    inference[1] = inference[1][:-2]
     inference[4] = torch.zeros(0)
     inference[6] = torch.cat([inference[6], torch.tensor([-1.0])])
     return {**rollout, "inference": inference}
@@ -277,7 +281,7 @@ def test_a_sequence_with_missing_or_misaligned_inference_log_probs_is_rejected_a
 
     host, hooks, total, grad = step(rollout["advantages"])
     assert float(host.metrics["tis/nonfinite_seq_fraction"]) == pytest.approx(3 / 8, abs=1e-7)
-    assert dict(hooks.rejected) == {"length": 2, "missing": 1}
+    assert dict(hooks.rejected) == {"length": 2, "missing": 1} and hooks.appended == 0
     assert torch.isfinite(total) and bool(torch.isfinite(grad).all()) and float(grad.abs().sum()) > 0
     seen = set()
     for batch, _tokens, _, b, _ in host._rollout:
@@ -320,3 +324,125 @@ def test_rollouts_without_inference_log_probs_are_refused_in_one_line(algorithm,
     assert model.calls == 0
     host, _, hooks, it = _prepared(_args([], rl_use_sequence_packing=packed), 1, rollout, model)
     assert not hooks.rejected and host.cfg.algorithm == 0
+
+
+SHORT = (1, 5)   # rows one inference log-prob short at their last generated token; row 6 is two short
+
+
+def _short_rows(rollout: dict) -> dict:
+    inference = list(rollout["inference"])
+    for r in SHORT:
+        inference[r] = inference[r][:-1]
+    inference[6] = inference[6][:-2]
+    return {**rollout, "inference": inference}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("algorithm", [1, 2, 3])
+def test_a_sequence_short_by_one_at_its_end_trains_on_its_other_tokens(algorithm, packed):
+    """Megatron-LM appends an end-of-document token on the training side that the inference engine never sampled
+    (a rollout's final turn may be one log-prob short). Rows 1 and 5 lack their last inference log-prob, row 6 its
+    last two: rows 1 and 5 train on every other generated token, with that one token out of the loss; row 6 is
+    rejected. The step's loss and gradient equal the core's ``policy_loss`` over the collection's unpacked rows
+    with the two appended tokens masked out and row 6's inference log-probs ``-inf`` (float32 sums over a
+    different order and log-softmax over a different batch shape: 64 eps relative on the loss, 1e-6 on the
+    gradient); the appended tokens are counted (2, also through ``train_step``'s reduction of the loss dicts) and
+    row 6 in ``tis/nonfinite_seq_fraction`` (1/8). Control: the core's loss with the appended tokens kept differs."""
+    model = Bigram()
+    base = _rollout(4, model, noise=0.3)
+    rollout = _short_rows(base)
+    ns = _args(ALGORITHMS[algorithm] + (["--tis-upper-bound", "2.0"] if algorithm != 1 else []),
+               rl_use_sequence_packing=packed)
+    host, rl, hooks, it = _prepared(ns, 1, rollout, model)
+    k = len(host._rollout)
+    host._m = lambda: k
+    model.zero_grad()
+    total, dicts = torch.zeros(()), []
+    for _ in range(k):
+        output, loss_func = host.forward_step(it, model)
+        ret = loss_func(output)
+        total = total + ret[0] / k
+        dicts.append(ret[-1])
+    total.backward()
+    grad = model.w.grad.clone()
+    assert hooks.appended == 2 and host.appended == 2 and dict(hooks.rejected) == {"length": 1}
+    assert float(train_step_loss_reduced(dicts)[APPENDED_METRIC]) == 2.0
+    assert float(host.metrics["tis/nonfinite_seq_fraction"]) == pytest.approx(1 / 8, abs=1e-7)
+
+    tokens, t = rollout["tokens"], COLS - 1
+    mask, lp_inf = rollout["gen_mask"][:, 1:].float(), torch.zeros(ROWS, t)
+    for r, (p, n) in enumerate(zip(base["prompt"], base["lengths"])):
+        lp_inf[r, p - 1:n - 1] = base["inference"][r]   # token at position q: slot q - 1
+    lp_inf[6, mask[6] != 0] = float("-inf")
+    kept = mask.clone()
+    for r in SHORT:
+        assert mask[r, base["lengths"][r] - 2] == 1
+        mask[r, base["lengths"][r] - 2] = 0.0   # the last generated token, position n - 1
+    model.zero_grad()
+    lp, _ = host.log_probs(model(tokens), tokens[:, 1:].reshape(-1))
+    adv = rollout["advantages"].reshape(-1, 1).expand(ROWS, t).reshape(-1)
+    cu = torch.arange(ROWS + 1) * t
+    old = lp.detach() if host.cfg.needs_old_log_probs else None
+
+    def core(m):
+        return policy_loss(host.cfg, lp, old, lp_inf.reshape(-1), adv, m.reshape(-1), cu).loss
+
+    want = core(mask)
+    want.backward()
+    tol = 64 * torch.finfo(torch.float32).eps * max(1.0, abs(float(want)))
+    assert abs(float(total) - float(want)) <= tol, (float(total), float(want))
+    torch.testing.assert_close(grad, model.w.grad, rtol=0, atol=1e-6)
+    assert abs(float(core(kept).detach()) - float(want)) > 100 * tol   # control: the appended tokens kept
+    assert sum(int((b.loss_mask != 0).sum()) for b, *_ in host._rollout) == int(mask.sum())   # the host's mask
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_algorithm_0_trains_the_appended_token(packed):
+    """Algorithm 0 reads no inference log-probs: the same rollouts are not checked, every generated token trains,
+    nothing is counted and no appended-token metric is logged."""
+    model = Bigram()
+    rollout = _short_rows(_rollout(4, model, noise=0.3))
+    host, _, hooks, it = _prepared(_args([], rl_use_sequence_packing=packed), 1, rollout, model)
+    assert hooks.appended == 0 and not hooks.rejected and host.appended is None
+    assert sum(int((b.loss_mask != 0).sum()) for b, *_ in host._rollout) == int(rollout["gen_mask"][:, 1:].sum())
+    k = len(host._rollout)
+    host._m = lambda: k
+    dicts = []
+    for _ in range(k):
+        output, loss_func = host.forward_step(it, model)
+        dicts.append(loss_func(output)[-1])
+    assert APPENDED_METRIC not in dicts[0]
+
+
+def test_only_a_final_turn_one_short_at_its_end_drops_its_last_token():
+    """``check_inference_log_probs`` on Megatron-LM's rows: a row one short ending its rollout (a whole rollout,
+    or the last turn of one trained turn by turn) has its last generated token cleared from a new generation mask
+    (the argument is left as it was) and keeps its log-probs; one short ending a non-final turn, two short, one
+    too many, or one short with none at all (a single generated token) is rejected (``-inf`` on every generated
+    token)."""
+    chain = types.SimpleNamespace(trajectory=[[1, 2], [1, 2, 3]])   # a rollout trained one row per turn
+    whole = types.SimpleNamespace(trajectory=[[1, 2, 3]])
+    rows = [whole, (chain, 1), (chain, 0), whole, whole, whole, None]
+    gen = torch.zeros(7, 8, dtype=torch.bool)
+    gen[:, 2:6] = True
+    gen[5] = False
+    gen[5, 3] = True            # one generated token
+    gen[6] = False              # a padding row
+    lps = [torch.full((3,), -0.5), torch.full((3,), -0.5), torch.full((3,), -0.5), torch.full((2,), -0.5),
+           torch.full((5,), -0.5), None, None]
+    before = gen.clone()
+    final = final_turns(rows, 7)
+    assert final == [True, True, False, True, True, True, True]
+    cfg = TISConfig(use_tis=True, upper=2.0)
+    masks, out, counts = check_inference_log_probs(gen, lps, cfg, final_turn=final)
+    assert torch.equal(gen, before) and masks is not gen
+    assert dict(counts) == {"appended": 2, "length": 3, "missing": 1}
+    for r in (0, 1):
+        assert masks[r].nonzero().flatten().tolist() == [2, 3, 4] and torch.equal(out[r], lps[r])
+    for r in (2, 3, 4, 5):
+        assert torch.equal(masks[r], gen[r]) and bool(torch.isneginf(out[r]).all())
+        assert out[r].numel() == int(gen[r].sum())
+    assert out[6] is None and not masks[6].any()
+    assert final_turns({"tokens": gen}, 7) is None and final_turns(rows, 6) is None
+    same, _, counts = check_inference_log_probs(gen, [torch.zeros(4)] * 5 + [torch.zeros(1), None], cfg)
+    assert same is gen and not counts

@@ -37,7 +37,9 @@ so the gradient is ``sum_{micro-batches, ranks} grad(local_sum) / D`` whatever t
 ``lm loss`` as ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks: ``train_step`` logs the step loss) and, once the
 last micro-batch has run, every ``engine.end()`` metric as ``[value, 1]`` on the first micro-batch's dict and
 ``[0, 0]`` on the others (``train_step`` reads the dicts after the schedule, sums the pairs over micro-batches and
-DP x CP and logs ``value``, next to Megatron-LM's own keys, in TensorBoard / W&B).
+DP x CP and logs ``value``, next to Megatron-LM's own keys, in TensorBoard / W&B), and, where the launcher checked
+the collection's inference log-probs (algorithms 1-3), :data:`APPENDED_METRIC`: the collection's appended tokens
+left out of the loss, over all ranks.
 """
 
 from __future__ import annotations
@@ -58,8 +60,14 @@ from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import Decisions, decides_ahead
 
-__all__ = ["RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments", "config_from_megatron_rl_args",
-           "item_to_batch", "refuse_context_parallel", "refuse_interleaved_pipeline"]
+__all__ = ["APPENDED_METRIC", "RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments",
+           "config_from_megatron_rl_args", "item_to_batch", "refuse_context_parallel", "refuse_interleaved_pipeline"]
+
+
+#: logged with every step's metrics where the launcher checked the collection's inference log-probs
+#: (algorithms 1-3): the collection's tokens, over all DP ranks, that the training side appended after the sampled
+#: ones (the end-of-document token) without an inference log-prob, left out of the loss
+APPENDED_METRIC = "tis/appended_tokens"
 
 
 def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -266,6 +274,9 @@ class RLHost:
         self._rollout: list | None = None
         self.decisions: Decisions | None = None
         self.rollout_factor: Tensor | None = None
+        #: this rank's count of the collection's appended tokens left out of the loss (``rollout.py``); ``None``
+        #: where the collection's inference log-probs were not checked (algorithm 0, or no launcher)
+        self.appended: int | None = None
 
     @classmethod
     def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
@@ -286,20 +297,22 @@ class RLHost:
             return batch, tokens, pos, b, n_seq
         return batch.to(self.device), tokens.to(self.device), pos.to(self.device), b, n_seq
 
-    def begin_rollout(self, items: list) -> list[RolloutIndex]:
+    def begin_rollout(self, items: list, appended: int | None = None) -> list[RolloutIndex]:
         """A new rollout collection: this rank's micro-batch items, in the order Megatron-LM's training iterator
         yields them. Each is translated once and kept for every optimizer step on the collection; the
         corrections that read only pi_old and pi_rollout (algorithms 0 and 2 with ``drop`` or batch
         normalisation) are decided once, and algorithm 2's batch-normalisation factor is taken over the whole
         collection of all DP (x CP) ranks, here, where Megatron-LM prepares the update. Returns the training
-        iterator's elements (one :class:`RolloutIndex` per micro-batch).
+        iterator's elements (one :class:`RolloutIndex` per micro-batch). ``appended``: this rank's count of the
+        collection's tokens the training side appended without an inference log-prob and left out of the loss
+        (``rollout.check_inference_log_probs``), logged with every step's metrics as :data:`APPENDED_METRIC`.
 
         Collectives (last pipeline stage, where :func:`~slime_tis.engine.totals.decides_ahead`): those of one
         ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
         ctx = parallel_context()
         refuse_context_parallel(ctx.cp_size)
         self._rollout = [self._translate(item) for item in items]
-        self.decisions, self.rollout_factor = Decisions(), None
+        self.decisions, self.rollout_factor, self.appended = Decisions(), None, appended
         if ctx.last_pp_stage and decides_ahead(self.cfg):
             totals = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions).begin([r[0] for r in self._rollout])
             self.rollout_factor = totals.batch_norm_factor
@@ -369,7 +382,7 @@ class RLHost:
             d = {"lm loss": torch.stack([out.loss.detach().float() * (self.m * ranks), one])}
             self.dicts.append(d)
             if last:
-                self._end_step()
+                self._end_step(ranks)
             if self.per_token:
                 n_local = (batch.loss_mask != 0).sum().to(torch.int)
                 return out.loss * self.engine.totals.num_tokens, n_local, d
@@ -377,11 +390,17 @@ class RLHost:
 
         return loss_func
 
-    def _end_step(self) -> None:
-        """The step's metrics, once after its last loss, into the micro-batches' dicts (module docstring)."""
+    def _end_step(self, ranks: int = 1) -> None:
+        """The step's metrics, once after its last loss, into the micro-batches' dicts (module docstring); with
+        the collection's appended-token count (:meth:`begin_rollout`), :data:`APPENDED_METRIC` as
+        ``[count * R, 1]`` on the first dict and ``[0, 0]`` on the others, which ``train_step``'s sum over
+        micro-batches and ``R`` DP x CP ranks turns into the count over all ranks."""
         self.metrics = self.engine.end(step=self.steps)
         self.steps += 1
         for i, d in enumerate(self.dicts):
             for key, value in self.metrics.items():
                 v = value.to(torch.float32)
                 d[key] = torch.stack([v, torch.ones_like(v)]) if i == 0 else torch.zeros(2, dtype=torch.float32)
+            if self.appended is not None:
+                pair = [float(self.appended * ranks), 1.0] if i == 0 else [0.0, 0.0]
+                d[APPENDED_METRIC] = torch.tensor(pair, dtype=torch.float32, device=d["lm loss"].device)

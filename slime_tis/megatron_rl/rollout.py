@@ -10,9 +10,12 @@ the collection's training micro-batches. :func:`install_rollout` wraps both func
   other reader, does not run under the host);
 * the rows' inference log-probs (algorithms 1-3): ``rl_utils.prepare_trajectories``, which returns them per row
   before Megatron-LM pads and places them, is wrapped for the call; :func:`check_inference_log_probs` compares
-  each row's count with its generated tokens and turns a row that carries none, or a different number, into
-  ``-inf`` on every generated token (the core then rejects the sequence as non-finite and counts it), and refuses
-  a collection in which no row carries any;
+  each row's count with its generated tokens: a row one short at its last generated token (a token the training
+  side appended, e.g. the end-of-document token, that the inference engine did not sample) has that token cleared
+  from the generation mask the call returns, from which Megatron-LM builds the loss mask and aligns the log-probs,
+  so it leaves the loss and the rest of the row trains; a row that carries none, or any other number, gets
+  ``-inf`` on every generated token (the core then rejects the sequence as non-finite and counts it); a collection
+  in which no row carries any is refused;
 * pi_old (the first call): algorithms 1 and 3 (``--use-rollout-log-probs``) anchor on the inference log-probs
   and need none, so the pass is skipped and zeros stand in (Megatron-LM's own train/inference comparison, which it
   logs from pi_old, then compares zeros); algorithms 0 and 2 take it through the host's log-prob path
@@ -25,8 +28,10 @@ the collection's training micro-batches. :func:`install_rollout` wraps both func
   factor, reduced over DP) and the function returns a cycling iterator of the same type over the host's
   :class:`~slime_tis.megatron_rl.host.RolloutIndex` elements, in the loader's order.
 
-``forwards`` counts the passes per role (``old``, ``ref``), ``skipped`` the skipped ones and ``rejected`` the rows
-marked by :func:`check_inference_log_probs` (``missing``, ``length``).
+``forwards`` counts the passes per role (``old``, ``ref``), ``skipped`` the skipped ones, ``rejected`` the rows
+marked by :func:`check_inference_log_probs` (``missing``, ``length``) and ``appended`` the appended tokens it left
+out of the loss; each collection's appended-token count goes to the host (:meth:`RLHost.begin_rollout`), which
+logs it with the step's metrics (``tis/appended_tokens``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from torch import Tensor
 
 from slime_tis.megatron_rl.host import PackedBin, RLHost
 
-__all__ = ["RolloutHooks", "check_inference_log_probs", "install_rollout"]
+__all__ = ["RolloutHooks", "check_inference_log_probs", "final_turns", "install_rollout"]
 
 
 @contextlib.contextmanager
@@ -72,6 +77,8 @@ class RolloutHooks:
         self.forwards: Counter = Counter()
         self.skipped: Counter = Counter()
         self.rejected: Counter = Counter()  # rows marked by check_inference_log_probs: "missing", "length"
+        self.appended = 0  # appended tokens check_inference_log_probs left out of the loss, all collections
+        self._appended: int | None = None  # the current collection's (None: not checked, algorithm 0)
         self._calls: int | None = None  # compute_logprobs_batch calls inside prepare_data_for_update
 
     def install(self) -> None:
@@ -104,7 +111,7 @@ class RolloutHooks:
                     return loaders[-1]
                 return make_and_record
 
-            self._calls = 0
+            self._calls, self._appended = 0, None
             trajectories = rl.prepare_trajectories
             if self.host().cfg.algorithm != 0:
                 trajectories = self._checked_trajectories(trajectories)
@@ -118,19 +125,26 @@ class RolloutHooks:
             if not loaders:
                 raise RuntimeError("slime_tis.megatron_rl: prepare_data_for_update built no training DataLoader")
             iterator, *rest = out
-            elements = self.host().begin_rollout([self.read_item(e) for e in loaders[-1]])
+            elements = self.host().begin_rollout([self.read_item(e) for e in loaders[-1]], appended=self._appended)
             return (type(iterator)(itertools.cycle(elements)), *rest)
 
         return prepare_data_for_update
 
     def _checked_trajectories(self, prepare_trajectories: Callable) -> Callable:
         """``prepare_trajectories`` with each row's inference log-probs checked against its generated tokens
-        (``check_inference_log_probs``)."""
+        (``check_inference_log_probs``); returns the checked generation masks and log-probs."""
+        signature = inspect.signature(prepare_trajectories)
+
         @functools.wraps(prepare_trajectories)
         def checked(*args, **kwargs):
             trajs, generation_masks, inference = prepare_trajectories(*args, **kwargs)
-            inference, counts = check_inference_log_probs(generation_masks, inference, self.host().cfg)
+            rows = signature.bind(*args, **kwargs).arguments.get("rows")
+            generation_masks, inference, counts = check_inference_log_probs(
+                generation_masks, inference, self.host().cfg, final_turn=final_turns(rows, len(inference)))
+            appended = counts.pop("appended", 0)
             self.rejected.update(counts)
+            self.appended += appended
+            self._appended = (self._appended or 0) + appended
             return trajs, generation_masks, inference
 
         return checked
@@ -188,28 +202,54 @@ class RolloutHooks:
         return lp.view(tokens.shape[0], tokens.shape[1] - 1), None
 
 
-def check_inference_log_probs(generation_masks: Tensor, inference: list, cfg: Any) -> tuple[list, Counter]:
+def final_turns(rows: Any, n: int) -> list[bool] | None:
+    """Per row of ``prepare_trajectories``' output, whether its last generated token ends its rollout's final
+    turn, where its ``rows`` argument shows turns: Megatron-LM trains the turns of a multi-turn rollout whose turns
+    are no prefix chain one row each, as ``(rollout, turn index)``; ``None`` where ``rows`` is not one entry per
+    output row (every row is then taken as ending its rollout)."""
+    if not isinstance(rows, (list, tuple)) or len(rows) != n:
+        return None
+    return [not (isinstance(r, tuple) and len(r) == 2 and hasattr(r[0], "trajectory"))
+            or int(r[1]) == len(r[0].trajectory) - 1 for r in rows]
+
+
+def check_inference_log_probs(generation_masks: Tensor, inference: list, cfg: Any,
+                              final_turn: list[bool] | None = None) -> tuple[Tensor, list, Counter]:
     """Each row's inference log-probs against its generated tokens, before Megatron-LM pads and places them.
 
     ``generation_masks``: ``[N, S]`` bool; ``inference``: one 1-D tensor per row (the log-probs of the row's
-    generated tokens, in order) or ``None``. Row ``i`` with ``g_i = sum(generation_masks[i]) > 0`` generated tokens
-    and ``n_i`` log-probs (0 for ``None``) is kept as it is where ``n_i == g_i``; otherwise (``"missing"``: none;
-    ``"length"``: ``n_i != g_i``, e.g. an end-of-document token appended on the training side that the inference
-    engine reported no log-prob for) its log-probs become ``g_i`` values of ``-inf``, which Megatron-LM places on
-    every generated slot of the row (within ``|exp(lp_old) - exp(lp_inf)| <= 1``, the check its unpacked
-    alignment asserts), so the core rejects the sequence as a whole as non-finite: excluded from the loss, the
-    batch normalisation and the diagnostics, and counted in ``tis/nonfinite_seq_fraction``. Returns the rows and
-    the count of marked rows per reason.
+    generated tokens, in order: the ``k``-th goes to the ``k``-th generated token) or ``None``; ``final_turn``: per
+    row, whether its last generated token ends its rollout's final turn (:func:`final_turns`; ``None``: all do).
+    Row ``i`` with ``g_i = sum(generation_masks[i]) > 0`` generated tokens and ``n_i`` log-probs (0 for ``None``):
+
+    * ``n_i == g_i``: kept as it is;
+    * ``n_i == g_i - 1 > 0`` in a row whose last generated token ends the final turn (``"appended"``): that token
+      was appended on the training side (Megatron-LM's end-of-document token) and not sampled by the inference
+      engine, so there is no rollout log-prob to correct it against; it is cleared from the row's generation mask,
+      which Megatron-LM turns into the loss mask (unpacked rows and packed bins) and by which it places the
+      log-probs, so that token leaves the loss and the row's other tokens train with their log-probs;
+    * otherwise (``"missing"``: none; ``"length"``: any other count) its log-probs become ``g_i`` values of
+      ``-inf``, which Megatron-LM places on every generated slot of the row (within ``|exp(lp_old) - exp(lp_inf)|
+      <= 1``, the check its unpacked alignment asserts), so the core rejects the sequence as a whole as
+      non-finite: excluded from the loss, the batch normalisation and the diagnostics, and counted in
+      ``tis/nonfinite_seq_fraction``.
+
+    Returns ``(generation masks [N, S] bool, the rows, count per reason)``; the masks are a new tensor where a
+    token was cleared, the argument otherwise.
 
     A ``ValueError`` (one line) where rows have generated tokens and none of them carries a log-prob: the
     algorithm (``cfg.algorithm`` 1-3) reads the inference log-probs and the rollouts bring none.
     """
     counts: Counter = Counter()
-    generated = [int(g) for g in generation_masks.reshape(len(inference), -1).sum(1)]  # host-sync-ok: rollout prep
-    out = []
-    for g, lp in zip(generated, inference):
+    masks = generation_masks.reshape(len(inference), -1)
+    generated = [int(g) for g in masks.sum(1)]  # host-sync-ok: rollout prep
+    out, cleared = [], []
+    for i, (g, lp) in enumerate(zip(generated, inference)):
         n = 0 if lp is None else int(lp.numel())
-        if g > 0 and n != g:
+        if 0 < n == g - 1 and (final_turn is None or final_turn[i]):
+            counts["appended"] += 1
+            cleared.append(i)
+        elif g > 0 and n != g:
             counts["missing" if n == 0 else "length"] += 1
             lp = torch.full((g,), float("-inf"), dtype=torch.float32)
         out.append(lp)
@@ -219,7 +259,12 @@ def check_inference_log_probs(generation_masks: Tensor, inference: list, cfg: An
         raise ValueError(f"{flag} (algorithm {cfg.algorithm}) reads the inference log-probs, but none of the "
                          f"rollouts' {rows} sequences with generated tokens carries any: return per-token log-probs "
                          "from the inference engine, or train without --use-tis / --use-rollout-log-probs")
-    return out, counts
+    if cleared:
+        masks = masks.clone()
+        for i in cleared:
+            masks[i, int(masks[i].nonzero()[-1])] = False  # host-sync-ok: rollout prep
+        generation_masks = masks.reshape(generation_masks.shape)
+    return generation_masks, out, counts
 
 
 def install_rollout(rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
