@@ -70,6 +70,14 @@ class StepEngine:
                                   pi_old_from_theta=pi_old_from_theta, decisions=self.decisions)
         return self.totals
 
+    def _finish(self, decided: TISResult, batch: TISBatch, factor: Tensor | None, lp_theta: Tensor,
+                entropy: Tensor | None = None) -> TISResult:
+        """A kept decision finished for this micro-batch (``refine``): ``lp_theta``'s (and ``entropy``'s) non-finite
+        values reject their sequence, and the step's batch-normalisation ``factor`` applies."""
+        layout = packed_layout(batch.cu_seqlens, batch.loss_mask.shape[0], batch.loss_mask.device)
+        return refine(self.cfg.plan, decided, as_valid_mask(batch.loss_mask), layout, self.reducer,
+                      batch_norm_factor=factor, **lp_theta_inputs(self.cfg, lp_theta, entropy))
+
     def decide(self, batch: TISBatch, lp_train: Tensor | None = None) -> TISResult:
         """The correction of ``batch`` without ``lp_theta``, from ``lp_train`` (default ``batch.old_log_probs``), the
         rollout log-probs and the advantages (no batch normalisation), kept in ``decisions`` (found there when the
@@ -98,10 +106,7 @@ class StepEngine:
         factor = None if self.totals is None else self.totals.batch_norm_factor
         decided = self.decisions.get(batch) if reject is None else None
         if decided is not None:
-            layout = packed_layout(batch.cu_seqlens, batch.loss_mask.shape[0], batch.loss_mask.device)
-            finite = batch.advantages if lp_theta is None else lp_theta
-            return refine(self.cfg.plan, decided, as_valid_mask(batch.loss_mask), layout, self.reducer,
-                          batch_norm_factor=factor, **lp_theta_inputs(self.cfg, finite))
+            return self._finish(decided, batch, factor, batch.advantages if lp_theta is None else lp_theta)
         inputs = correction_inputs(self.cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs,
                                    advantages=batch.advantages, lp_theta=lp_theta)
         return compute_tis(self.cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens,
@@ -120,9 +125,7 @@ class StepEngine:
         t = self.totals
         decided = self.decisions.get(batch) if self._ahead and lp_old is None and correction is None else None
         if decided is not None:  # decided before the step: finish it with this forward's lp_theta, never redo it
-            layout = packed_layout(batch.cu_seqlens, batch.loss_mask.shape[0], lp_theta.device)
-            decided = refine(self.cfg.plan, decided, as_valid_mask(batch.loss_mask), layout, self.reducer,
-                             batch_norm_factor=t.batch_norm_factor, **lp_theta_inputs(self.cfg, lp_theta, entropy))
+            decided = self._finish(decided, batch, t.batch_norm_factor, lp_theta, entropy)
         return policy_loss(self.cfg, lp_theta, batch.old_log_probs if lp_old is None else lp_old,
                            batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
