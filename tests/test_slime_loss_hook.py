@@ -136,6 +136,42 @@ def test_entropy_and_kl_terms():
     assert float(loss) == pytest.approx(float(out.loss - 0.01 * ent_loss + 0.1 * kl_loss), rel=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl", "unbiased_k3"])
+def test_nonfinite_reference_log_probs_reject_their_sequences(kind):
+    """A NaN or -inf reference log-prob (a failed reference forward) rejects its sequence, as a non-finite advantage
+    does: loss, KL term, rejection metric and gradient equal those of the clean reference log-probs with the
+    advantages non-finite in the same samples, and no NaN reaches the gradient (k2, k3 and low_var_kl read the
+    reference log-prob in their derivative, so a token masked out after the estimator would still pass it on)."""
+    b = make_batch(7, vocab=VOCAB)
+    ref_clean = [t - 0.1 for t in b.train]
+    ref_bad = [r.clone() for r in ref_clean]
+    ref_bad[1][ref_bad[1].shape[0] // 2] = float("nan")
+    ref_bad[3][0] = float("-inf")
+    adv_bad = [a.clone() for a in b.advantages]
+    adv_bad[1][0] = float("nan")
+    adv_bad[3][-1] = float("inf")
+    unbiased = kind.startswith("unbiased_")
+    args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_mode="truncate", tis_level="token",
+                   use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type=kind.removeprefix("unbiased_"),
+                   use_unbiased_kl=unbiased)
+    runs = []
+    for ref, adv in ((ref_bad, b.advantages), (ref_clean, adv_bad)):
+        logits = packed_logits(b, seed=1)
+        batch = slime_batch(b) | {"ref_log_probs": ref, "advantages": adv}
+        if unbiased:
+            batch["log_probs"] = b.train
+        loss, metrics = reinforce_is_loss(args, batch, logits, reducer_for(b))
+        loss.backward()
+        runs.append((loss.detach(), metrics, logits.grad))
+    (loss, metrics, grad), (loss_ref, metrics_ref, grad_ref) = runs
+    assert torch.isfinite(grad).all() and torch.isfinite(loss)
+    torch.testing.assert_close(loss, loss_ref)
+    torch.testing.assert_close(grad, grad_ref)
+    for name in ("kl_loss", "pg_loss", "tis/nonfinite_seq_fraction"):
+        torch.testing.assert_close(metrics[name], metrics_ref[name])
+    assert float(metrics["tis/nonfinite_seq_fraction"]) >= 2.0  # samples 1 and 3, each wholly rejected
+
+
 def test_per_token_loss_mode_returns_the_token_sum():
     b = make_batch(8, vocab=VOCAB)
     args = args_ns(use_rollout_logprobs=True, calculate_per_token_loss=True, tis_mode="truncate",

@@ -100,6 +100,7 @@ def policy_loss(
     lp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
     correction: TISResult | None = None,
+    host_inputs: tuple[Tensor, ...] = (),
 ) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
@@ -126,6 +127,9 @@ def policy_loss(
             that needed its keep mask first): used as given instead of correcting again. It must come from
             ``compute_tis`` on the inputs this function would pass (``core.algorithms.correction_inputs`` of
             the same tensors, the same reducer and ``batch_norm_factor``).
+        host_inputs: ``[T]`` inputs of terms the host adds to this loss itself (slime's KL against its reference
+            log-probs): checked like the advantages, so a non-finite valid entry takes its sequence out of the loss
+            (counted in ``tis/nonfinite_seq_fraction``) instead of into a gradient.
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
@@ -144,7 +148,8 @@ def policy_loss(
         raise ValueError(f"entropy_coef = {plan.entropy_coef:g} (--tis-entropy-coef) needs entropy (per token)")
     terms = (lp_ref if plan.kl_coef != 0.0 else None, entropy if plan.entropy_coef != 0.0 else None)
     tensors = {"lp_theta": lp_theta, "lp_old": lp_old if row.needs_pi_old else None, "lp_rollout": lp_rollout,
-               "advantages": advantages, "loss_mask": loss_mask, "lp_ref": terms[0], "entropy": terms[1]}
+               "advantages": advantages, "loss_mask": loss_mask, "lp_ref": terms[0], "entropy": terms[1],
+               **{f"host_inputs[{i}]": t for i, t in enumerate(host_inputs)}}
     n_tokens = check_packed(tensors, cu_seqlens)
     for name in ("lp_theta", "lp_old", "lp_rollout", "advantages", "lp_ref", "entropy"):
         t = tensors[name]
@@ -165,7 +170,7 @@ def policy_loss(
     # one correction decides everything: weights, rejection, and which sequences count (core.algorithms)
     inputs = correction_inputs(plan, lp_train=old if row.lp_train == "lp_old" else theta_d,
                                lp_rollout=lp_rollout, advantages=adv, lp_theta=theta_d,
-                               terms=tuple(t for t in terms if t is not None))
+                               terms=tuple(t for t in terms if t is not None) + tuple(host_inputs))
     tis = correction if correction is not None else correct(
         plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer, batch_norm_factor=batch_norm_factor,
         extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite)

@@ -44,7 +44,7 @@ from slime_tis.core.correction import as_valid_mask, refine
 from slime_tis.core.packing import packed_layout
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.metrics import aggregate_metrics
-from slime_tis.engine.totals import Decisions, StepTotals, decides_ahead, lp_theta_inputs, step_totals
+from slime_tis.engine.totals import Decisions, StepTotals, decides_ahead, lp_theta_inputs, step_totals, term_inputs
 
 __all__ = ["StepEngine"]
 
@@ -53,10 +53,14 @@ class StepEngine:
     """One step's totals, per-micro-batch losses and metrics (module docstring)."""
 
     def __init__(self, cfg: TISConfig, reducer: Reducer, *, totals: StepTotals | None = None,
-                 collector: list[MetricStats] | None = None, decisions: Decisions | None = None) -> None:
+                 collector: list[MetricStats] | None = None, decisions: Decisions | None = None,
+                 host_kl: bool = False) -> None:
         self.cfg = cfg
         self.reducer = reducer
         self.totals = totals
+        #: the host adds its own KL term against the batches' ``ref_log_probs`` (slime's ``--use-kl-loss``): they are
+        #: checked like the advantages in every correction, as where the core's KL term is on (``term_inputs``)
+        self.host_kl = host_kl
         #: corrections decided without lp_theta (``engine.totals.decides_ahead``); a host may pass one cache for
         #: a whole rollout, so a micro-batch is decided once per rollout
         self.decisions = Decisions() if decisions is None else decisions
@@ -89,7 +93,7 @@ class StepEngine:
         if lp is None:
             raise ValueError("StepEngine.decide needs pi_old: lp_train or the batch's old_log_probs")
         inputs = correction_inputs(self.cfg, lp_train=lp, lp_rollout=batch.rollout_log_probs,
-                                   advantages=batch.advantages)
+                                   advantages=batch.advantages, terms=term_inputs(self.cfg, batch, self.host_kl))
         res = compute_tis(self.cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
                           batch.loss_mask, batch.cu_seqlens, reducer=self.reducer, extra_finite=inputs.extra_finite,
                           loss_finite=inputs.loss_finite)
@@ -108,7 +112,8 @@ class StepEngine:
         if decided is not None:
             return self._finish(decided, batch, factor, batch.advantages if lp_theta is None else lp_theta)
         inputs = correction_inputs(self.cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs,
-                                   advantages=batch.advantages, lp_theta=lp_theta)
+                                   advantages=batch.advantages, lp_theta=lp_theta,
+                                   terms=term_inputs(self.cfg, batch, self.host_kl))
         return compute_tis(self.cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, batch_norm_factor=factor, extra_finite=inputs.extra_finite,
                            reject=reject, loss_finite=inputs.loss_finite)
@@ -130,6 +135,8 @@ class StepEngine:
                            batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
                            lp_ref=batch.ref_log_probs, entropy=entropy, keep_override=keep_override,
+                           host_inputs=(batch.ref_log_probs,) if self.host_kl and batch.ref_log_probs is not None
+                           else (),
                            correction=decided if correction is None else correction)
 
     def record(self, stats: MetricStats) -> None:

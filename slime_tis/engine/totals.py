@@ -127,6 +127,14 @@ def needs_pre_pass(cfg: TISConfig) -> bool:
     return algorithm_of(cfg).lp_train == "lp_theta" and cfg.rejected_denominator == "drop" and cfg.rejects
 
 
+def term_inputs(cfg: TISConfig, batch: TISBatch, host_kl: bool = False) -> tuple[Tensor, ...]:
+    """The batch's inputs of the loss's added terms, checked like the advantages (a non-finite valid entry rejects
+    its sequence, counted in ``tis/nonfinite_seq_fraction``): the reference log-probs where a KL term reads them, the
+    core's (``kl_coef``) or the host's own (``host_kl``: slime's ``--use-kl-loss``)."""
+    reads_ref = cfg.kl_coef != 0.0 or host_kl
+    return (batch.ref_log_probs,) if reads_ref and batch.ref_log_probs is not None else ()
+
+
 def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer,
                      lp_theta: Tensor | None) -> TISResult:
     """The correction ``policy_loss`` will compute for this micro-batch (the same inputs, the algorithm's row):
@@ -135,7 +143,7 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
     inputs = correction_inputs(
         cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs if row.reads_rollout else None,
         advantages=batch.advantages.float(), lp_theta=None if lp_theta is None else lp_theta.float(),
-        terms=(batch.ref_log_probs,) if cfg.kl_coef != 0.0 and batch.ref_log_probs is not None else ())
+        terms=term_inputs(cfg, batch))
     # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
     # per-call all-reduce
     return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,

@@ -44,21 +44,23 @@ __all__ = ["RolloutDecision", "decide_rollout", "kept_part", "micro_batch", "ste
 
 
 def micro_batch(packed: SlimePacked, *, advantages: Tensor | None, rollout_log_probs: Tensor,
-                old_log_probs: Tensor | None = None) -> TISBatch:
+                old_log_probs: Tensor | None = None, ref_log_probs: Tensor | None = None) -> TISBatch:
     """One slime micro-batch (or rollout) as the engine's packed batch: this CP rank's response tokens, sample by
     sample (slime predicts no labels here: the engine's corrections and losses read none)."""
     mask = packed.local_mask
     labels = torch.zeros((), dtype=torch.int64, device=mask.device).expand(mask.shape[0])
     return TISBatch(labels=labels, loss_mask=mask, advantages=advantages, cu_seqlens=packed.cu_seqlens,
-                    rollout_log_probs=rollout_log_probs, old_log_probs=old_log_probs)
+                    rollout_log_probs=rollout_log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs)
 
 
 def step_engine(cfg: Any, reducer: Reducer, device: torch.device, *,
-                batch_norm_factor: Tensor | None = None) -> StepEngine:
+                batch_norm_factor: Tensor | None = None, host_kl: bool = False) -> StepEngine:
     """The engine of one slime hook call: slime's totals (module docstring); its records go to the step's
-    :data:`~slime_tis.slime.metrics.COLLECTOR`."""
+    :data:`~slime_tis.slime.metrics.COLLECTOR`; ``host_kl``: the custom loss adds slime's KL term
+    (:func:`slime_tis.slime.kept.custom_loss_kl`)."""
     one = torch.ones((), device=device)  # a device tensor: a Python float would sync the host
-    return StepEngine(cfg, reducer, totals=StepTotals(one, one, batch_norm_factor, 1), collector=COLLECTOR.records)
+    return StepEngine(cfg, reducer, totals=StepTotals(one, one, batch_norm_factor, 1), collector=COLLECTOR.records,
+                      host_kl=host_kl)
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,10 @@ class RolloutDecision:
 
 
 def decide_rollout(cfg: Any, packed: SlimePacked, lp: Sequence[Tensor], batch: TISBatch, reducer: Reducer, *,
-                   keep: bool) -> TISResult:
+                   keep: bool, host_kl: bool = False) -> TISResult:
     """``StepEngine.decide`` of the whole rollout ``batch`` (its ``old_log_probs``: ``lp``, the CP-local per-sample
     pi_old, concatenated); with ``keep`` remembered for the rollout's micro-batches."""
-    res = StepEngine(cfg, reducer).decide(batch)
+    res = StepEngine(cfg, reducer, host_kl=host_kl).decide(batch)
     if keep:
         STATE.decision = RolloutDecision(cfg, packed, tuple(lp), res)
     return res

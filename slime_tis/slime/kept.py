@@ -40,8 +40,8 @@ from slime_tis.slime.engine import decide_rollout, micro_batch
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
 from slime_tis.slime.schedule import n_steps, pi_old_pass_flags, sample_steps, slime_recomputes_pi_old
 
-__all__ = ["DropPlan", "check_drop_config", "count_kept", "drop_applies", "pi_old_correction", "plan_rollout_drop",
-           "step_hook_configured"]
+__all__ = ["DropPlan", "check_drop_config", "count_kept", "custom_loss_kl", "drop_applies", "pi_old_correction",
+           "plan_rollout_drop", "step_hook_configured"]
 
 STEP_HOOK = "slime_tis.slime.before_train_step"
 PER_TOKEN = ("tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
@@ -71,6 +71,16 @@ def drop_applies(cfg: Any) -> bool:
     return cfg.rejected_denominator == "drop" and algorithm_of(cfg).rejects and cfg.loss_agg == "seq-mean-token-mean"
 
 
+def custom_loss_kl(args: Any, cfg: Any) -> bool:
+    """The custom loss (algorithm 3) adds slime's KL term against ``ref_log_probs`` to the loss itself
+    (``--use-kl-loss`` with a nonzero ``--kl-loss-coef``): every correction of its samples checks them like the
+    advantages, so a non-finite reference log-prob rejects its sequence (counted in ``tis/nonfinite_seq_fraction``)
+    before the KL term reads it (``StepEngine(host_kl=...)``). At ``--kl-loss-coef 0`` the KL is a metric only and
+    the reference log-probs are no input of the loss; slime's own PPO loss computes its KL term in slime."""
+    return (bool(getattr(args, "use_kl_loss", False)) and float(getattr(args, "kl_loss_coef", 0.0) or 0.0) != 0.0
+            and not algorithm_of(cfg).ppo)
+
+
 def step_hook_configured(args: Any) -> bool:
     """slime runs :func:`slime_tis.slime.before_train_step` (or a hook of that name that calls it) before each step."""
     path = str(getattr(args, "custom_megatron_before_train_step_hook_path", None) or "")
@@ -94,10 +104,11 @@ def check_drop_config(args: Any, cfg: Any) -> None:
 
 
 def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
-                      keep: bool = False) -> tuple[SlimePacked, TISResult]:
+                      keep: bool = False, host_kl: bool = False) -> tuple[SlimePacked, TISResult]:
     """The correction of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) against the rollout
     log-probs, as the loss takes its decisions (non-finite advantages reject their sequence), without batch
-    normalisation (``StepEngine.decide``): ``(the packed samples, its TISResult)``. Its keep mask feeds ``drop``'s
+    normalisation (``StepEngine.decide``; ``host_kl``: :func:`custom_loss_kl`): ``(the packed samples, its
+    TISResult)``. Its keep mask feeds ``drop``'s
     counts and its ``norm_sum`` / ``norm_count`` the batch-normalisation factor; a rollout computes it once for
     both and, with ``keep``, for the TIS function's micro-batches (:func:`slime_tis.slime.engine.kept_part`)."""
     packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
@@ -107,16 +118,19 @@ def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor]
     adv = data.get("advantages")
     batch = micro_batch(packed, rollout_log_probs=lp_rollout,
                         old_log_probs=packed.cat_local("train log-probs", list(lp_train)).to(device),
-                        advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
-    return packed, decide_rollout(cfg, packed, list(lp_train), batch, ctx.reducer, keep=keep)
+                        advantages=None if adv is None else packed.cat_local("advantages", adv).to(device),
+                        ref_log_probs=packed.cat_local("ref_log_probs", data["ref_log_probs"]).to(device)
+                        if host_kl else None)
+    return packed, decide_rollout(cfg, packed, list(lp_train), batch, ctx.reducer, keep=keep, host_kl=host_kl)
 
 
 def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
-               decided: tuple[SlimePacked, TISResult] | None = None) -> tuple[list[Tensor], Tensor, Tensor]:
+               decided: tuple[SlimePacked, TISResult] | None = None,
+               host_kl: bool = False) -> tuple[list[Tensor], Tensor, Tensor]:
     """Keep decisions of ``data``'s samples from ``lp_train`` as the loss takes them (:func:`pi_old_correction`,
     or ``decided``, that correction already computed): ``(full-length keep masks, identical on all CP ranks;
     [n] valid counts; [n] kept counts)``."""
-    packed, res = decided if decided is not None else pi_old_correction(cfg, data, lp_train, ctx)
+    packed, res = decided if decided is not None else pi_old_correction(cfg, data, lp_train, ctx, host_kl=host_kl)
     n = len(data["loss_masks"])
     device = packed.full_mask.device
     keep_full = [k != 0 for k in packed.full_keep_masks(res.loss_keep, ctx.reducer)] if n else []
@@ -191,10 +205,12 @@ def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: Pa
             raise ValueError("tis_rejected_denominator = 'drop': slime's pi_old recompute was expected "
                              "(rollout_data['log_probs']) but is missing")
         view = {k: [rollout_data[k][i] for i in now] for k in
-                ("loss_masks", "total_lengths", "response_lengths", "rollout_log_probs", "advantages")
+                ("loss_masks", "total_lengths", "response_lengths", "rollout_log_probs", "advantages",
+                 "ref_log_probs")
                 if rollout_data.get(k) is not None}
         decided = whole() if whole is not None and len(now) == len(masks) else None
-        keep_full, _, kept_now = count_kept(cfg, view, [lp_old[i] for i in now], ctx, decided=decided)
+        keep_full, _, kept_now = count_kept(cfg, view, [lp_old[i] for i in now], ctx, decided=decided,
+                                            host_kl=custom_loss_kl(args, cfg))
         if now:
             kept[torch.tensor(now, dtype=torch.int64).to(kept.device)] = kept_now
     table, most = rollout_table(valid.to(kept.device), kept, keys, positions, n_batch, ctx.reducer)

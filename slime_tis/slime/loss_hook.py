@@ -73,7 +73,7 @@ from slime_tis.slime.custom_options import (
     unbiased_kl,
 )
 from slime_tis.slime.engine import micro_batch, step_engine
-from slime_tis.slime.kept import check_drop_config, drop_applies
+from slime_tis.slime.kept import check_drop_config, custom_loss_kl, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import COLLECTOR, token_metrics
 from slime_tis.slime.record import RECORDER, recording_enabled
@@ -227,8 +227,12 @@ def reinforce_is_loss(
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
     # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum (the engine's
     # totals: denominator 1, slime_tis.slime.engine)
-    engine = step_engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device)
-    batch_in = micro_batch(packed, advantages=advantages, rollout_log_probs=lp_rollout)
+    use_kl = bool(getattr(args, "use_kl_loss", False))
+    ref = packed.cat_local("ref_log_probs", batch["ref_log_probs"]).to(device) if use_kl else None
+    host_kl = custom_loss_kl(args, cfg)  # a KL term in the loss: its reference log-probs are checked like advantages
+    engine = step_engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device,
+                         host_kl=host_kl)
+    batch_in = micro_batch(packed, advantages=advantages, rollout_log_probs=lp_rollout, ref_log_probs=ref)
     keep_override = None
     decided = None
     reduce_pg = getattr(args, "custom_pg_loss_reducer_function_path", None)
@@ -266,16 +270,18 @@ def reinforce_is_loss(
         entropy_loss = sum_of_sample_mean(torch.where(keep, entropy, zero))
         loss = loss - entropy_coef * entropy_loss
         metrics["entropy_loss"] = entropy_loss.detach().clone()
-    if getattr(args, "use_kl_loss", False):
-        ref = packed.cat_local("ref_log_probs", batch["ref_log_probs"]).to(device)
+    if use_kl:
         kl_coef = float(getattr(args, "kl_loss_coef", 0.0) or 0.0)
-        kl_in = lp_theta if kl_coef != 0.0 else lp_theta.detach()
         kind = getattr(args, "kl_loss_type", "k1")
-        if use_unbiased and kind in KL_ESTIMATORS:  # inputs selected first: no NaN reaches a gradient
-            kl = unbiased_kl(torch.where(keep, kl_in, zero), torch.where(keep, ref.detach().float(), zero),
-                             torch.where(keep, anchor, zero), kind)
+        # inputs selected first: with the term in the loss the kept tokens' are finite (the correction rejected the
+        # sequences of any non-finite reference log-prob), elsewhere every estimator reads d = 0, so no NaN reaches
+        # the loss or a gradient; at --kl-loss-coef 0 (a metric only, detached) non-finite values stay out of it
+        theta_k = torch.where(keep, lp_theta if kl_coef != 0.0 else lp_theta.detach(), zero)
+        ref_k = torch.where(keep, ref.detach().float(), zero)
+        if use_unbiased and kind in KL_ESTIMATORS:
+            kl = unbiased_kl(theta_k, ref_k, torch.where(keep, anchor, zero), kind)
         else:
-            kl = kl_penalty(kl_in, ref.detach(), kind)
+            kl = kl_penalty(theta_k, ref_k, kind)
         kl_loss = sum_of_sample_mean(torch.where(keep & torch.isfinite(kl), kl, zero))
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl_loss

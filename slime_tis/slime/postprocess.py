@@ -53,7 +53,7 @@ from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
 from slime_tis.slime.custom_options import check_custom_options
-from slime_tis.slime.kept import drop_applies, pi_old_correction, plan_rollout_drop
+from slime_tis.slime.kept import custom_loss_kl, drop_applies, pi_old_correction, plan_rollout_drop
 from slime_tis.slime.opsm import check_opsm
 from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.rollouts import unit_keys
@@ -113,7 +113,8 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     # the rollout's correction from pi_old, decided once (StepEngine.decide) for drop's counts, the batch
     # normalisation and, with slime's own PPO loss, every micro-batch of the TIS function (slime_tis.slime.engine)
     keep = row.ppo and not use_opsm
-    whole = functools.cache(lambda: pi_old_correction(cfg, rollout_data, rollout_data["log_probs"], ctx, keep=keep))
+    whole = functools.cache(lambda: pi_old_correction(cfg, rollout_data, rollout_data["log_probs"], ctx, keep=keep,
+                                                      host_kl=custom_loss_kl(args, cfg)))
     if drop_applies(cfg):
         STATE.drop_plan = plan_rollout_drop(args, cfg, rollout_data, ctx, STATE.rollouts, whole)
         if STATE.drop_plan.hook_steps:

@@ -25,7 +25,7 @@ TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
 #: per-sample keys slime's ``forward_only`` reads (``slime/backends/megatron_utils/model.py``), plus the ones
 #: the counting needs
 _STEP_KEYS = ("tokens", "loss_masks", "multimodal_train_inputs", "total_lengths", "response_lengths",
-              "rollout_log_probs", "advantages")
+              "rollout_log_probs", "advantages", "ref_log_probs")
 
 
 def n_steps(rollout_data: dict[str, Any]) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.config import tis_config_from_slime_args
-from slime_tis.slime.kept import count_kept
+from slime_tis.slime.kept import count_kept, custom_loss_kl
 from slime_tis.slime.metrics import log_exact_metrics
 from slime_tis.slime.rollouts import rollout_table
 from slime_tis.slime.schedule import StepIterator, step_view
@@ -63,7 +63,7 @@ def count_step(args: Any, step_id: int, log_probs: list | None) -> None:
         raise RuntimeError(f"before_train_step: slime's forward pass returned {got} log-prob tensors for the "
                            f"{len(local)} samples of step {step_id}")
     cfg = tis_config_from_slime_args(args, algorithm=3)
-    keep_full, valid, kept = count_kept(cfg, view, log_probs, ctx)
+    keep_full, valid, kept = count_kept(cfg, view, log_probs, ctx, host_kl=custom_loss_kl(args, cfg))
     table, _ = rollout_table(valid, kept, [plan.keys[i] for i in local], [plan.positions[i] for i in local],
                              plan.n_batch, ctx.reducer)
     STATE.rollouts.set_counted(local, keep_full, table[:, :2])
