@@ -119,9 +119,16 @@ def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor]
     batch = micro_batch(packed, rollout_log_probs=lp_rollout,
                         old_log_probs=packed.cat_local("train log-probs", list(lp_train)).to(device),
                         advantages=None if adv is None else packed.cat_local("advantages", adv).to(device),
-                        ref_log_probs=packed.cat_local("ref_log_probs", data["ref_log_probs"]).to(device)
-                        if host_kl else None)
+                        ref_log_probs=_reference(data, packed, device) if host_kl else None)
     return packed, decide_rollout(cfg, packed, list(lp_train), batch, ctx.reducer, keep=keep, host_kl=host_kl)
+
+
+def _reference(data: dict[str, Any], packed: SlimePacked, device: torch.device) -> Tensor:
+    """The CP-local reference log-probs of ``data``'s samples (:func:`custom_loss_kl`)."""
+    if data.get("ref_log_probs") is None:
+        raise ValueError("--use-kl-loss with a nonzero --kl-loss-coef: the rollout data carries no ref_log_probs "
+                         "(slime computes them with the reference model: check --ref-load)")
+    return packed.cat_local("ref_log_probs", data["ref_log_probs"]).to(device)
 
 
 def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
