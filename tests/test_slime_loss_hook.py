@@ -278,6 +278,43 @@ def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
         assert any(0 < k < float(m.sum()) for k, m in zip(kept, b.masks)) or len(set(kept)) > 1
 
 
+def test_drop_counts_reject_what_the_kl_terms_reference_rejects():
+    """``drop`` with rollouts of several samples counts each rollout's kept tokens before training (the rollout-data
+    hook); with slime's KL term in the loss those counts check the reference log-probs as the loss does, so a
+    non-finite one gives the loss and gradient of the clean reference with non-finite advantages in its samples."""
+    b = make_batch(11, vocab=VOCAB)
+    b.rollout_ids = [0, 0, 1, 2, 2, 2]
+    ref_clean = [t - 0.1 for t in b.train]
+    ref_bad = [r.clone() for r in ref_clean]
+    ref_bad[1][0] = float("nan")
+    ref_bad[4][-1] = float("-inf")
+    adv_bad = [a.clone() for a in b.advantages]
+    adv_bad[1][0] = float("nan")
+    adv_bad[4][-1] = float("nan")
+    lp0, _ = oracle_log_probs(b, packed_logits(b, seed=4).detach())
+    deltas = [r - t for r, t in zip(b.rollout, b.train)]  # rollout log-probs near the policy: most tokens kept
+    b.rollout = [x + d for x, d in zip(lp0.split(b.response_lengths), deltas)]
+    runs = []
+    for ref, adv in ((ref_bad, b.advantages), (ref_clean, adv_bad)):
+        args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_rejected_denominator="drop",
+                       tis_mode="mask", tis_level="token", tis_upper_bound=1.3, use_kl_loss=True, kl_loss_coef=0.1,
+                       kl_loss_type="low_var_kl", get_mismatch_metrics=True, loss_type="custom_loss",
+                       custom_loss_function_path="slime_tis.slime.reinforce_is_loss")
+        logits = packed_logits(b, seed=4)
+        postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": list(lp0.split(b.response_lengths)),
+                                                              "ref_log_probs": ref, "advantages": adv})
+        batch = slime_batch(b) | {"rollout_mask_sums": b.rollout_mask_sums(), "ref_log_probs": ref,
+                                  "advantages": adv}
+        loss, metrics = reinforce_is_loss(args, batch, logits, reducer_for(b))
+        loss.backward()
+        runs.append((loss.detach(), logits.grad, metrics["kl_loss"]))
+    (loss, grad, kl), (loss_ref, grad_ref, kl_ref) = runs
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, loss_ref)
+    torch.testing.assert_close(grad, grad_ref)
+    torch.testing.assert_close(kl, kl_ref)
+
+
 def test_drop_needs_the_rollout_data_hook():
     b = make_batch(12, vocab=VOCAB)
     STATE.clear()
