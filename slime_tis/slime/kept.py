@@ -108,9 +108,9 @@ def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor]
     """The correction of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) against the rollout
     log-probs, as the loss takes its decisions (non-finite advantages reject their sequence), without batch
     normalisation (``StepEngine.decide``; ``host_kl``: :func:`custom_loss_kl`): ``(the packed samples, its
-    TISResult)``. Its keep mask feeds ``drop``'s
-    counts and its ``norm_sum`` / ``norm_count`` the batch-normalisation factor; a rollout computes it once for
-    both and, with ``keep``, for the TIS function's micro-batches (:func:`slime_tis.slime.engine.kept_part`)."""
+    TISResult)``. Its keep mask feeds ``drop``'s counts and its ``norm_sum`` / ``norm_count`` the
+    batch-normalisation factor; a rollout computes it once for both and, with ``keep``, for the TIS function's
+    micro-batches (:func:`slime_tis.slime.engine.kept_part`)."""
     packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
                               ctx.cp_rank, ctx.cp_size)
     device = packed.full_mask.device
