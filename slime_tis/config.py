@@ -247,7 +247,7 @@ class TISConfig:
     kl_estimator: str = option(
         "k3", flag="--tis-kl-estimator", kind="choice", choices=KL_ESTIMATORS,
         help="Reference-KL estimator of d = log pi_theta - log pi_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d, "
-             "low_var_kl = clamp(k3, -10, 10). Default: k3.")
+             "low_var_kl = clamp(k3, -10, 10) of d clamped to [-20, 20]. Default: k3.")
     kl_importance_weighted: bool = option(
         False, flag="--tis-kl-importance-weighted", kind="switch",
         help="Multiply the KL term by the token's rollout-correction weight (algorithms 2, 3). Default: off.")

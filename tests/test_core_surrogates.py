@@ -232,6 +232,7 @@ def test_kl_estimators_match_verl(kind: str) -> None:
     g = torch.Generator().manual_seed(0)
     lp, ref = -torch.rand(50, generator=g) * 4, -torch.rand(50, generator=g) * 4
     lp[0], ref[0] = -0.1, -25.0  # low_var_kl's clamp at 10 acts
+    lp[1], ref[1] = -100.5, -0.5  # d = -100: exp(-d) overflows float32 unless d is clamped first
     ours, theirs = kl_estimate(lp, ref, kind), core_algos.kl_penalty(lp, ref, kind)
     inside = theirs.abs() < 10.0
     torch.testing.assert_close(ours[inside], theirs[inside], rtol=1e-6, atol=1e-6)
@@ -239,6 +240,20 @@ def test_kl_estimators_match_verl(kind: str) -> None:
         assert float(ours[0]) > 10.0 and float(theirs[0]) == 10.0
     else:
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "low_var_kl"])
+def test_bounded_kl_estimators_have_finite_gradients_at_extreme_log_ratios(kind: str) -> None:
+    """``d = lp - lp_ref`` of -100 and +100 (a token the policy has all but ruled out, or the reverse): the estimators
+    that are finite there also have a finite gradient. low_var_kl clamps ``d`` to [-20, 20] before its exponential,
+    as verl does; without it ``exp(100)`` is inf in float32 and the saturated clamp's zero gradient meets it as NaN."""
+    lp = torch.tensor([-100.5, -0.5, -1.0], requires_grad=True)
+    ref = torch.tensor([-0.5, -100.5, -1.2])
+    k = kl_estimate(lp, ref, kind)
+    k.sum().backward()
+    assert torch.isfinite(k).all() and torch.isfinite(lp.grad).all()
+    if kind == "low_var_kl":
+        assert k[:2].tolist() == [10.0, 10.0] and lp.grad[:2].tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])

@@ -2,7 +2,7 @@
 
 With ``d_t = lp_theta_t - lp_ref_t`` (Schulman's estimators of KL(pi_theta || pi_ref) from samples of pi_theta)::
 
-    k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d,   low_var_kl = clamp(k3, -10, 10)
+    k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d,   low_var_kl = clamp(k3(clamp(d, -20, 20)), -10, 10)
 
     per-token addition = beta * [w] * k(d_t)  -  h * H_t
 
@@ -21,6 +21,8 @@ from torch import Tensor
 __all__ = ["KL_ESTIMATORS", "kl_estimate", "term_loss"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+#: low_var_kl's bound on ``d`` before its exponential (verl's ``kl_penalty``: 20)
+LOW_VAR_KL_D = 20.0
 
 
 def kl_estimate(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
@@ -30,9 +32,13 @@ def kl_estimate(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
         return d
     if kind == "k2":
         return 0.5 * d * d
-    if kind in ("k3", "low_var_kl"):
-        k3 = torch.exp(-d) - 1.0 + d
-        return k3.clamp(-10.0, 10.0) if kind == "low_var_kl" else k3
+    if kind == "k3":
+        return torch.exp(-d) - 1.0 + d  # unbounded: inf in float32 where d < -88.7
+    if kind == "low_var_kl":
+        # d clamped first (verl's numerical-stability clamp): the same values and gradients wherever they are finite,
+        # since k3 passes the +-10 clamp inside |d| < 12, and no exp overflow (whose 0 x inf gradient is NaN)
+        dc = d.clamp(-LOW_VAR_KL_D, LOW_VAR_KL_D)
+        return (torch.exp(-dc) - 1.0 + dc).clamp(-10.0, 10.0)
     raise ValueError(f"KL estimator = {kind!r}: must be one of {', '.join(KL_ESTIMATORS)}")
 
 
