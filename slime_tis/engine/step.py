@@ -44,7 +44,15 @@ from slime_tis.core.correction import as_valid_mask, refine
 from slime_tis.core.packing import packed_layout
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.metrics import aggregate_metrics
-from slime_tis.engine.totals import Decisions, StepTotals, decides_ahead, lp_theta_inputs, step_totals, term_inputs
+from slime_tis.engine.totals import (
+    Decisions,
+    StepTotals,
+    decides_ahead,
+    host_term_inputs,
+    lp_theta_inputs,
+    step_totals,
+    term_inputs,
+)
 
 __all__ = ["StepEngine"]
 
@@ -135,8 +143,7 @@ class StepEngine:
                            batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
                            lp_ref=batch.ref_log_probs, entropy=entropy, keep_override=keep_override,
-                           host_inputs=(batch.ref_log_probs,) if self.host_kl and batch.ref_log_probs is not None
-                           else (),
+                           host_inputs=host_term_inputs(batch, self.host_kl),
                            correction=decided if correction is None else correction)
 
     def record(self, stats: MetricStats) -> None:

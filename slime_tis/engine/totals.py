@@ -127,12 +127,18 @@ def needs_pre_pass(cfg: TISConfig) -> bool:
     return algorithm_of(cfg).lp_train == "lp_theta" and cfg.rejected_denominator == "drop" and cfg.rejects
 
 
+def host_term_inputs(batch: TISBatch, host_kl: bool) -> tuple[Tensor, ...]:
+    """The inputs of the terms a host adds to the loss itself: the reference log-probs where it adds its own KL term
+    (``host_kl``: slime's ``--use-kl-loss``), else none (``policy_loss(host_inputs=...)``)."""
+    return (batch.ref_log_probs,) if host_kl and batch.ref_log_probs is not None else ()
+
+
 def term_inputs(cfg: TISConfig, batch: TISBatch, host_kl: bool = False) -> tuple[Tensor, ...]:
     """The batch's inputs of the loss's added terms, checked like the advantages (a non-finite valid entry rejects
     its sequence, counted in ``tis/nonfinite_seq_fraction``): the reference log-probs where a KL term reads them, the
-    core's (``kl_coef``) or the host's own (``host_kl``: slime's ``--use-kl-loss``)."""
-    reads_ref = cfg.kl_coef != 0.0 or host_kl
-    return (batch.ref_log_probs,) if reads_ref and batch.ref_log_probs is not None else ()
+    core's (``kl_coef``) or the host's own (:func:`host_term_inputs`)."""
+    core = (batch.ref_log_probs,) if cfg.kl_coef != 0.0 and batch.ref_log_probs is not None else ()
+    return core or host_term_inputs(batch, host_kl)
 
 
 def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer,
