@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +29,6 @@ class DistInfo:
         return self.dp_rank == 0 and self.pp_rank == self.pp_size - 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(*, pp: int = 1, seed: int = 0) -> DistInfo:
     """Initialise torch.distributed (env from torchrun, or a 1-process group) and megatron's
     ``parallel_state`` with pipeline size ``pp`` (the rest of the world is data parallel, TP = 1)."""
@@ -46,19 +39,15 @@ def init_distributed(*, pp: int = 1, seed: int = 0) -> DistInfo:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:  # plain `python -m examples.rl.train`
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()),
-            )
+        alone = {}
+        if "RANK" not in os.environ:  # plain `python -m examples.rl.train`: one process, its store in memory (no port)
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            alone = dict(store=torch.distributed.HashStore(), rank=0, world_size=1)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group("nccl")
+            torch.distributed.init_process_group("nccl", **alone)
         else:
-            torch.distributed.init_process_group("gloo")
+            torch.distributed.init_process_group("gloo", **alone)
     world = torch.distributed.get_world_size()
     if world % pp:
         raise ValueError(f"world size {world} is not divisible by --pp {pp}")

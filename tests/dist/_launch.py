@@ -7,7 +7,14 @@ every descendant, found through the parent links while they still exist, is kill
 group. A process that left the tree (a double-forked daemon, re-parented to PID 1) is found by the tag
 every process of the launch inherits in its environment (``LAUNCH_TAG``, unique per launch): after the
 launch ends, in any way, every process still carrying the tag is killed, so no daemon outlives the test or
-keeps the log pipe open. Only a process that replaces its whole environment escapes the tag."""
+keeps the log pipe open. Only a process that replaces its whole environment escapes the tag.
+
+Ports. A port taken from the kernel's ephemeral range (``bind(0)``) and released is free only for a moment: until
+the launch binds it, any outgoing connection on the machine (gloo's mesh of the other pytest worker, pip) may take
+it, and a batch's ports wait minutes before their job binds them. ``free_port`` therefore hands out ports from
+below the ephemeral range, which the kernel never assigns by itself, each pytest-xdist worker from its own slice
+and in turn, skipping any port something is bound to. A launch whose agent still finds its store's port taken
+(another program on the machine) is started again on a fresh port, before any worker has run."""
 
 from __future__ import annotations
 
@@ -29,10 +36,53 @@ LAUNCH_TAG = "SLIME_TIS_TEST_LAUNCH"
 POLL_S = 2.0  # how often a launch whose torchrun has exited is checked for a daemon holding the log pipe
 
 
+LAUNCH_TRIES = 3  # starts of a launch whose agent found its store's port taken (EADDRINUSE), fresh port each
+
+
+def _port_band() -> range:
+    """The loopback ports ``free_port`` may hand out: below the kernel's ephemeral range (Linux:
+    ``ip_local_port_range``, 32768-60999 by default), or above it where the room below is too small."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+
+
+def _worker_slice() -> range:
+    """This process's share of the band: pytest-xdist worker ``gwK`` of N gets slice K of N, so that two workers
+    never hand out the same port."""
+    band = _port_band()
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % count
+    size = len(band) // count
+    return range(band.start + index * size, band.start + (index + 1) * size)
+
+
+_next_port: list[int] = []  # the cursor in this process's slice (starts at a pid-dependent place)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port for a launch's store or a test server: from this process's slice (see the module's
+    docstring), in turn, and not bound by anything at the moment of the call."""
+    ports = _worker_slice()
+    if not _next_port:
+        _next_port.append(os.getpid() % len(ports))
+    for _ in range(len(ports)):
+        port = ports[_next_port[0]]
+        _next_port[0] = (_next_port[0] + 1) % len(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # bound, or still in TIME_WAIT from a launch a moment ago
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in {ports}")
+
+
+def _store_port_taken(log: str) -> bool:
+    """Did the launch fail because its agent could not listen on the store's port (before any worker ran)?"""
+    return "EADDRINUSE" in log and "static_tcp_rendezvous" in log
 
 
 def kill_tree(pid: int) -> None:
@@ -97,21 +147,32 @@ def torchrun(
 
     ``env`` adds to the environment (``OMP_NUM_THREADS=1`` and ``PYTHONWARNINGS=ignore`` are always set,
     and the launch's tag). Fails the calling test when the launch times out or exits non-zero; no process of
-    the launch survives it.
+    the launch survives it. A launch whose store's port was taken is started again (``LAUNCH_TRIES`` in all).
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        *([str(script)] if isinstance(script, Path) else script),
-        *args,
-    ]
+    for _ in range(LAUNCH_TRIES):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            *([str(script)] if isinstance(script, Path) else script),
+            *args,
+        ]
+        returncode, log = _run_tagged(cmd, timeout=timeout, env=env, what=what)
+        if returncode == 0 or not _store_port_taken(log):
+            break
+    if returncode != 0:
+        pytest.fail(f"{what} failed (rc={returncode}):\n{log[-6000:]}")
+    return log
+
+
+def _run_tagged(cmd: list[str], *, timeout: float, env: dict | None, what: str) -> tuple[int, str]:
+    """Run ``cmd`` under a fresh launch tag; its exit code and log. Fails the calling test on timeout."""
     tag = f"{os.getpid()}-{uuid.uuid4().hex}"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {}), LAUNCH_TAG: tag}
     proc = subprocess.Popen(
@@ -140,6 +201,4 @@ def torchrun(
                     pytest.fail(f"{what} timed out after {timeout} s:\n{log[-4000:]}")
     finally:
         kill_tagged(tag)  # whatever outlived the launch (a daemon that closed its output)
-    if proc.returncode != 0:
-        pytest.fail(f"{what} failed (rc={proc.returncode}):\n{log[-6000:]}")
-    return log
+    return proc.returncode, log

@@ -1,6 +1,7 @@
 """The torchrun launcher of the distributed tests (``_launch.py``): a hanging worker fails the test within the
 timeout and leaves no process behind; a launch that ends leaves none behind either; several jobs in one launch
-(``_batch.py``) each get their own outcome.
+(``_batch.py``) each get their own outcome; ports of two pytest workers never coincide, and a launch whose store's
+port is taken starts again on another.
 
 torchrun starts every worker in its own session, so killing torchrun's process group alone orphans the
 workers, and they keep the log pipe open (the launcher would then block reading it). The worker here also
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
 
+import _launch
 import psutil
 import pytest
 from _batch import Job, torchrun_batch
-from _launch import torchrun
+from _launch import free_port, torchrun
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 30.0  # long enough for torchrun (a torch import) to start both workers on a loaded machine
@@ -112,3 +115,50 @@ def test_batch_records_each_job_and_runs_the_next(tmp_path):
     assert results["ok"].ok and results["ok_again"].ok, (results["ok"].failure(), results["ok_again"].failure())
     for d in (tmp_path, tmp_path / "again"):  # ranks 1 + 2 summed by the job's own all-reduce
         assert [(d / f"ok.rank{r}").read_text() for r in (0, 1)] == ["3 2", "3 2"]
+
+
+def test_free_port_slices_are_disjoint_and_skip_a_bound_port(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    slices = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        slices.append(set(_launch._worker_slice()))
+    assert slices[0] and slices[1] and not slices[0] & slices[1]
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(p < low or p > 60999 for p in slices[0] | slices[1]), "a port of the kernel's ephemeral range"
+    monkeypatch.setattr(_launch, "_next_port", [])
+    first = free_port()
+    monkeypatch.setattr(_launch, "_next_port", [])  # the same cursor again: ``first`` is next, but now bound
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", first))
+        held.listen()
+        second = free_port()
+    assert second != first and second in slices[1]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_launch_whose_port_is_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """The first port handed to the launch is held by a listening socket (another program took it after
+    ``free_port`` looked): torchrun's agent cannot listen, and the launch runs again on a fresh port. A launch
+    that fails for another reason runs once."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    given, taken, real = [], iter([held.getsockname()[1]]), _launch.free_port
+
+    def port_taken_first() -> int:
+        given.append(next(taken, None) or real())
+        return given[-1]
+
+    monkeypatch.setattr(_launch, "free_port", port_taken_first)
+    try:
+        torchrun(HERE / "batch_job.py", ["ok", tmp_path], nproc=2, timeout=TIMEOUT_S + CLEANUP_S, what="port taken")
+    finally:
+        held.close()
+    assert len(given) == 2 and given[0] != given[1]
+    assert [(tmp_path / f"ok.rank{r}").read_text() for r in (0, 1)] == ["3 2", "3 2"]
+    given.clear()
+    with pytest.raises(pytest.fail.Exception, match="rc=1"):
+        torchrun(HERE / "batch_job.py", ["fail", tmp_path], nproc=2, timeout=TIMEOUT_S + CLEANUP_S, what="exit 3")
+    assert len(given) == 1

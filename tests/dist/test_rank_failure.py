@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
+from _launch import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -21,18 +21,12 @@ TIMEOUT_S = 150
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_survivor_names_the_rank_that_failed_and_where(tmp_path):
     # Two worker processes of one gloo job, started directly (rank 0 hosts the job's store, as a torchrun agent
     # would). A single torchrun agent stops its other workers at its next check once one fails, at a moment
     # no test controls; a rank on another node, under its own agent, goes on: that is the case modelled here.
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1",
