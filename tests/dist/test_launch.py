@@ -141,7 +141,7 @@ def test_free_port_slices_are_disjoint_and_skip_a_bound_port(monkeypatch):
 def test_launch_whose_port_is_taken_starts_again_on_another(tmp_path, monkeypatch):
     """The first port handed to the launch is held by a listening socket (another program took it after
     ``free_port`` looked): torchrun's agent cannot listen, and the launch runs again on a fresh port. A launch
-    that fails for another reason runs once."""
+    that fails for another reason runs once. (One worker: the agent's store is what is tested.)"""
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
@@ -153,12 +153,12 @@ def test_launch_whose_port_is_taken_starts_again_on_another(tmp_path, monkeypatc
 
     monkeypatch.setattr(_launch, "free_port", port_taken_first)
     try:
-        torchrun(HERE / "batch_job.py", ["ok", tmp_path], nproc=2, timeout=TIMEOUT_S + CLEANUP_S, what="port taken")
+        torchrun(HERE / "batch_job.py", ["ok", tmp_path], nproc=1, timeout=TIMEOUT_S + CLEANUP_S, what="port taken")
     finally:
         held.close()
     assert len(given) == 2 and given[0] != given[1]
-    assert [(tmp_path / f"ok.rank{r}").read_text() for r in (0, 1)] == ["3 2", "3 2"]
+    assert (tmp_path / "ok.rank0").read_text() == "1 1"
     given.clear()
     with pytest.raises(pytest.fail.Exception, match="rc=1"):
-        torchrun(HERE / "batch_job.py", ["fail", tmp_path], nproc=2, timeout=TIMEOUT_S + CLEANUP_S, what="exit 3")
+        torchrun(HERE / "batch_job.py", ["fail", tmp_path], nproc=1, timeout=TIMEOUT_S + CLEANUP_S, what="exit 3")
     assert len(given) == 1
