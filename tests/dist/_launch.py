@@ -34,19 +34,22 @@ ROOT = Path(__file__).resolve().parents[2]
 #: environment variable carrying a launch's tag (inherited by every process it starts, daemons included)
 LAUNCH_TAG = "SLIME_TIS_TEST_LAUNCH"
 POLL_S = 2.0  # how often a launch whose torchrun has exited is checked for a daemon holding the log pipe
-
-
 LAUNCH_TRIES = 3  # starts of a launch whose agent found its store's port taken (EADDRINUSE), fresh port each
+MIN_BAND = 4096  # the fewest ports outside the ephemeral range worth a band of their own
 
 
 def _port_band() -> range:
     """The loopback ports ``free_port`` may hand out: below the kernel's ephemeral range (Linux:
-    ``ip_local_port_range``, 32768-60999 by default), or above it where the room below is too small."""
+    ``ip_local_port_range``, 32768-60999 by default), or above it where the room below is too small; empty where
+    neither side has ``MIN_BAND`` ports."""
     try:
         low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         low, high = 32768, 60999
-    return range(10000, low) if low - 10000 >= 4096 else range(high + 1, 65536)
+    for band in (range(10000, low), range(high + 1, 65536)):
+        if len(band) >= MIN_BAND:
+            return band
+    return range(0)
 
 
 def _worker_slice() -> range:
@@ -59,18 +62,24 @@ def _worker_slice() -> range:
     return range(band.start + index * size, band.start + (index + 1) * size)
 
 
-_next_port: list[int] = []  # the cursor in this process's slice (starts at a pid-dependent place)
+_cursor: int | None = None  # the next index into this process's slice (starts at a pid-dependent place)
 
 
 def free_port() -> int:
     """A loopback port for a launch's store or a test server: from this process's slice (see the module's
-    docstring), in turn, and not bound by anything at the moment of the call."""
+    docstring), in turn, and not bound by anything at the moment of the call. Where the ephemeral range leaves no
+    band, the kernel's choice (``bind(0)``), whose race only the launch's restart covers."""
+    global _cursor
     ports = _worker_slice()
-    if not _next_port:
-        _next_port.append(os.getpid() % len(ports))
+    if not ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    if _cursor is None:
+        _cursor = os.getpid() % len(ports)
     for _ in range(len(ports)):
-        port = ports[_next_port[0]]
-        _next_port[0] = (_next_port[0] + 1) % len(ports)
+        port = ports[_cursor]
+        _cursor = (_cursor + 1) % len(ports)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
