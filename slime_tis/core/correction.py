@@ -36,6 +36,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, rule_columns
+from slime_tis.core.staleness import check_staleness
 from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
 from slime_tis.core.weights import normalisation_factor, unit_weights
 
@@ -109,6 +110,7 @@ def compute_tis(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    staleness: Tensor | None = None,
 ) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
 
@@ -130,6 +132,8 @@ def compute_tis(
         loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
             whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
             (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
+        staleness: ``[n_seq]`` per-sequence staleness (policy versions behind the trainer), read by the metrics split
+            by staleness (``core.staleness``); required while the plan has ``staleness_buckets``.
 
     Raises:
         ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
@@ -146,7 +150,9 @@ def compute_tis(
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
-                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite)
+                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite,
+                   staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1,
+                                                                              lp_train.device))
 
 
 def correct(
@@ -161,10 +167,14 @@ def correct(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    staleness: Tensor | None = None,
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
+    if plan.staleness_buckets and staleness is None:
+        raise ValueError("staleness: --tis-staleness-buckets is set but the host gave no per-sequence staleness "
+                         "(compute_tis(..., staleness=[n_seq] tensor))")
     with torch.no_grad():
-        columns = rule_columns(plan)
+        columns = rule_columns(plan, lp_rollout.detach())
         if loss_finite:  # 1 where a loss input is not finite at a valid token, summed per sequence
             bad = torch.zeros_like(valid)
             for t in loss_finite:
@@ -174,6 +184,8 @@ def correct(
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
                                extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=columns,
                                token_pass=plan.token_pass)
+        if staleness is not None:
+            ratios = dataclasses.replace(ratios, staleness=staleness.detach())
     return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject)
 
 
