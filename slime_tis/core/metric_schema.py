@@ -36,8 +36,8 @@ from torch import Tensor
 from slime_tis.core.plan import Plan
 from slime_tis.core.rules import RULES, Rule
 
-__all__ = ["Metric", "Statistic", "METRICS", "STALENESS_ROWS", "COUNTS", "REDUCTIONS", "finalize", "statistics", "token_values",
-           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER"]
+__all__ = ["Metric", "Statistic", "METRICS", "COUNTS", "REDUCTIONS", "finalize", "statistics", "token_values",
+           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER", "STALENESS_ROWS"]
 
 
 def safe_ratio(num: Tensor, den: Tensor) -> Tensor:

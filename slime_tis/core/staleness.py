@@ -39,7 +39,7 @@ def bucket_labels(n: int) -> list[str]:
 def check_staleness(staleness: Any, n_seq: int, device: torch.device) -> Tensor:
     """``staleness`` as a ``[n_seq]`` tensor on ``device``, or ``ValueError`` naming it (shape, device, dtype)."""
     if not isinstance(staleness, Tensor):
-        raise ValueError(f"staleness must be a [n_seq] tensor of per-sequence staleness, got {type(staleness).__name__}")
+        raise ValueError(f"staleness must be a [n_seq] tensor, one value per sequence, got {type(staleness).__name__}")
     if tuple(staleness.shape) != (n_seq,):
         raise ValueError(f"staleness has shape {tuple(staleness.shape)}, expected ({n_seq},): one value per sequence")
     if staleness.device != device:
