@@ -280,6 +280,11 @@ class TISConfig:
         None, flag="--tis-staleness-buckets", valid="integer in [1, 16]",
         help="Split tis/staleness_<b>/* metrics by per-sequence staleness s (policy versions behind the trainer, "
              "given by the host) into the buckets s = 0, 1, ..., N-1 and s >= N. Default: off.")
+    staleness_decay: float | None = option(
+        None, flag="--tis-staleness-bound-decay", valid="in (0, 1)",
+        help="Tighten the --tis-mode bounds of a sequence s policy versions stale (given by the host) to "
+             "log upper_s = g^s log upper, log lower_s = g^s log lower (0 < g < 1; invalid s: bounds 1). "
+             "Default: off.")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
         error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
@@ -332,6 +337,9 @@ class TISConfig:
                        "already applies as its weight: the weight would count twice")
             raise _bad("loss_mode", self.loss_mode, why + "; use algorithm 1 (--use-rollout-log-probs, anchor "
                        "pi_rollout, no weight) or 2 (--use-tis, anchor pi_old, weight pi_old / pi_rollout)")
+        if self.staleness_decay is not None and not alg.weighted and not (alg.rejects and mode_of(self.mode).rejects):
+            raise _bad("staleness_decay", self.staleness_decay, f"algorithm {alg.number} applies no weights and "
+                       "--tis-mode is not mask: no bound acts to be tightened; use --use-tis or --tis-mode mask")
         if not alg.weighted and self.batch_normalize:
             raise _bad("batch_normalize", True, f"algorithm {alg.number} applies no importance weights "
                        "(weights are identically 1); batch normalisation needs --use-tis")
@@ -536,6 +544,7 @@ def _resolve(config: TISConfig) -> Plan:
         kl_importance_weighted=config.kl_importance_weighted and algorithm_of(config.algorithm).weighted,
         entropy_coef=float(config.entropy_coef),
         staleness_buckets=int(config.staleness_buckets or 0),
+        staleness_decay=None if config.staleness_decay is None else float(config.staleness_decay),
     )
 
 

@@ -302,7 +302,8 @@ def test_staleness_keys_follow_the_configuration_not_the_data():
 def test_staleness_bad_input_is_one_line():
     lt, lr, mask, cu = stale_batch()
     cfg = TISConfig(use_tis=True, staleness_buckets=2)
-    with pytest.raises(ValueError, match="--tis-staleness-buckets is set but the host gave no per-sequence staleness"):
+    with pytest.raises(ValueError, match="--tis-staleness-buckets / --tis-staleness-bound-decay is set but the host "
+                                         "gave no per-sequence staleness"):
         compute_tis(cfg, lt, lr, mask, cu)
     with pytest.raises(ValueError, match=r"staleness has shape \(5,\), expected \(6,\)"):
         compute_tis(cfg, lt, lr, mask, cu, staleness=torch.zeros(5))
@@ -312,3 +313,36 @@ def test_staleness_bad_input_is_one_line():
         with pytest.raises(ValueError, match=rf"--tis-staleness-buckets \(staleness_buckets\) = {bad!r}: must be an "
                                              r"integer in \[1, 16\]"):
             TISConfig(use_tis=True, staleness_buckets=bad)
+
+
+@pytest.mark.parametrize("mode, level", [("truncate", "token"), ("clip", "sequence"), ("mask", "token"),
+                                         ("mask", "geometric")])
+def test_staleness_decay_is_each_sequence_with_its_own_bounds(mode, level):
+    """``--tis-staleness-bound-decay g``: a sequence ``s`` stale has the weights and keep mask of the same sequence
+    alone with ``upper_s = upper^(g^s)``, ``lower_s = lower^(g^s)``; an invalid staleness has bounds 1."""
+    lt, lr, mask, cu = stale_batch(2)
+    staleness = torch.tensor([0.0, 1.0, 2.0, 5.0, -1.0, math.nan])
+    upper, lower, g = 1.6, 0.7, 0.5
+    cfg = TISConfig(use_tis=True, mode=mode, level=level, upper=upper, lower=None if mode == "truncate" else lower,
+                    staleness_decay=g)
+    got = compute_tis(cfg, lt, lr, mask, cu, staleness=staleness)
+    for i, s in enumerate(staleness.tolist()):
+        a, b = int(cu[i]), int(cu[i + 1])
+        f = g ** s if s >= 0 else 0.0
+        bounds = dict(upper=upper ** f, lower=None if mode == "truncate" else lower ** f)
+        if f == 0.0:  # bounds 1 and 1 cannot be configured: lower just below 1, the same decisions
+            bounds = dict(upper=1.0, lower=1.0 - 1e-12)
+        ref = compute_tis(cfg.replace(staleness_decay=None, **bounds), lt[a:b], lr[a:b], mask[a:b],
+                          torch.tensor([0, b - a]))
+        assert got.keep_mask[a:b].tolist() == ref.keep_mask.tolist(), (i, s)
+        assert got.weights[a:b].tolist() == pytest.approx(ref.weights.tolist(), rel=1e-6), (i, s)
+
+
+def test_staleness_decay_refused_where_no_bound_acts():
+    with pytest.raises(ValueError, match=r"--tis-staleness-bound-decay \(staleness_decay\) = 0.5: algorithm 1 applies "
+                                         "no weights and --tis-mode is not mask"):
+        TISConfig(use_rollout_log_probs=True, staleness_decay=0.5)
+    assert TISConfig(use_rollout_log_probs=True, mode="mask", staleness_decay=0.5).plan.staleness_decay == 0.5
+    lt, lr, mask, cu = stale_batch()
+    with pytest.raises(ValueError, match="the host gave no per-sequence staleness"):
+        compute_tis(TISConfig(use_tis=True, staleness_decay=0.5), lt, lr, mask, cu)

@@ -41,6 +41,7 @@ class Plan:
             options (read with :meth:`param`).
         kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the terms of ``core.terms``.
         staleness_buckets: ``N`` of the metrics split by staleness (``core.staleness``), 0 = off.
+        staleness_decay: ``gamma`` of the mode's bounds tightened with staleness (``core.staleness``), or None.
     """
 
     algorithm: int
@@ -71,6 +72,7 @@ class Plan:
     kl_importance_weighted: bool = False
     entropy_coef: float = 0.0
     staleness_buckets: int = 0
+    staleness_decay: float | None = None
 
     def threshold(self, field: str) -> float | None:
         """The value of the rejection threshold ``field`` (a ``TISConfig`` field name), or None when off."""

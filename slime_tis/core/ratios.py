@@ -96,6 +96,8 @@ class Ratios:
         lp_rollout: the ``[T]`` rollout log-probs as given (detached; read only on ``token_ok``, by a rule on
             probabilities such as the binary KL of ``core.rules``).
         staleness: ``[n_seq]`` per-sequence staleness given by the host (``core.staleness``), or None.
+        bound_scale: ``([T], [n_seq])`` float32 factors of the mode's log bounds per token and per sequence
+            (``core.staleness.bound_scale``), or None: the bounds as configured.
     """
 
     valid: Tensor
@@ -116,6 +118,7 @@ class Ratios:
     token_columns: Mapping[str, Tensor] = field(default_factory=dict)
     lp_rollout: Tensor | None = None
     staleness: Tensor | None = None
+    bound_scale: tuple[Tensor, Tensor] | None = None
 
     def column(self, name: str) -> Tensor:
         """``[n_seq]`` float64 full per-sequence sum of column ``name`` (0 unless ``seq_ok``)."""

@@ -85,11 +85,22 @@ class Rule:
         return self.key.removesuffix("_count") + "_column"
 
 
-def _below(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+def _unit_scale(r: Ratios, lvl: Level) -> Tensor | float:
+    """Per unit, the factor of the mode's log bounds (``core.staleness``: ``gamma^s``), 1 without tightening."""
+    if r.bound_scale is None:
+        return 1.0
+    return r.bound_scale[1] if lvl.per_sequence else r.bound_scale[0]
+
+
+def _below(bound: str, scaled: bool = False) -> Callable[[Plan, Ratios, Level], Tensor]:
+    if scaled:  # the mode's bound, tightened per unit with staleness
+        return lambda p, r, lvl: lvl.of(r) < getattr(p, bound) * _unit_scale(r, lvl)
     return lambda p, r, lvl: lvl.of(r) < getattr(p, bound)
 
 
-def _above(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+def _above(bound: str, scaled: bool = False) -> Callable[[Plan, Ratios, Level], Tensor]:
+    if scaled:
+        return lambda p, r, lvl: lvl.of(r) > getattr(p, bound) * _unit_scale(r, lvl)
     return lambda p, r, lvl: lvl.of(r) > getattr(p, bound)
 
 
@@ -184,9 +195,9 @@ RULES: tuple[Rule, ...] = (
     Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
          lambda p, r, lvl: r.token_columns["tis.veto_column"] & r.token_ok, False, "tis.n_tok",
          threshold="veto_threshold", doc="with the veto: valid tokens with raw ratio `r_t < v` / tokens of `D`"),
-    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units",
+    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower", True), True, "tis.n_units",
          doc="units rejected with `L_u < log lower` / units (mask mode)"),
-    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units",
+    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper", True), True, "tis.n_units",
          doc="units rejected with `L_u > log upper` / units (mask mode)"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
          "tis.n_rs_units", doc="rejection-sampling units rejected below its lower bound / its units"),
@@ -219,11 +230,11 @@ RULES: tuple[Rule, ...] = (
     _divergence("seq_sum_k3"),
     _divergence("seq_mean_k2"),
     _divergence("seq_max_k2"),
-    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units",
+    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper", True), False, "tis.n_units",
          doc="units with `L_u > log upper` / units (truncate mode)"),
-    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units",
+    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower", True), False, "tis.n_units",
          doc="units with `L_u < log lower` / units (clip mode)"),
-    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units",
+    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper", True), False, "tis.n_units",
          doc="units with `L_u > log upper` / units (clip mode)"),
 )
 
@@ -244,21 +255,22 @@ class _TokenLogRatios:
     """What a token-level row's test reads (the token log-ratios ``l``, the rollout log-probs), before the
     per-sequence sums exist."""
 
-    def __init__(self, log_ratio: Tensor, lp_rollout: Tensor | None) -> None:
+    def __init__(self, log_ratio: Tensor, lp_rollout: Tensor | None, bound_scale) -> None:
         self.log_ratio = log_ratio  # what ``TOKEN.of`` reads
-        self.lp_rollout = lp_rollout
+        self.lp_rollout, self.bound_scale = lp_rollout, bound_scale
 
 
-def rule_columns(plan: Plan, lp_rollout: Tensor | None = None) -> dict[str, TokenColumn]:
+def rule_columns(plan: Plan, lp_rollout: Tensor | None = None,
+                 bound_scale: tuple[Tensor, Tensor] | None = None) -> dict[str, TokenColumn]:
     """Token columns the active rules need summed per sequence, named by the rule's ``column_key``, plus
-    :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads token log-ratios and the
-    ``[T]`` ``lp_rollout``)."""
+    :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads token log-ratios, the
+    ``[T]`` ``lp_rollout`` and the bounds' factors ``Ratios.bound_scale``)."""
     rows = active(plan)
     columns = {rule.column_key: rule.column(plan) for rule, _ in rows if rule.column is not None}
     token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:
-            view = _TokenLogRatios(log_r, lp_rollout)
+            view = _TokenLogRatios(log_r, lp_rollout, bound_scale)
             hit = torch.zeros_like(log_r, dtype=torch.bool)
             for rule in token_rows:
                 hit = hit | rule.test(plan, view, TOKEN)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["bucket_labels", "staleness_statistics", "check_staleness"]
+__all__ = ["bucket_labels", "staleness_statistics", "check_staleness", "bound_scale"]
 
 F64 = torch.float64
 #: the token statistics of a bucket, in the rows of the block (``tis.staleness_<b>.<name>``)
@@ -47,6 +47,13 @@ def check_staleness(staleness: Any, n_seq: int, device: torch.device) -> Tensor:
     if staleness.dtype == torch.bool or staleness.is_complex():
         raise ValueError(f"staleness must be an integer or float tensor, got {staleness.dtype}")
     return staleness
+
+
+def bound_scale(plan: Any, staleness: Tensor) -> Tensor:
+    """``[n_seq]`` float32 ``gamma^s`` of each sequence (0 for an invalid staleness: negative or not finite)."""
+    s = staleness.to(F64)
+    ok = torch.isfinite(s) & (s >= 0)
+    return torch.where(ok, torch.pow(plan.staleness_decay, s.nan_to_num(0.0, 0.0, 0.0).clamp(min=0.0)), 0.0).float()
 
 
 def _buckets(staleness: Tensor, n: int) -> Tensor:

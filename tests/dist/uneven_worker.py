@@ -38,10 +38,10 @@ SCENARIOS = {
         batch_normalize=True, seq_mean_k3_threshold=0.5, loss_agg="seq-mean-token-sum"),
     "bypass_k3_rs": TISConfig.from_preset("bypass_ppo_clip_k3_rs"),
     "alg0_partial_rollout": TISConfig(),
-    # issue 40's rows (two-sided veto, binary KL, sequence log-prob error) and the metrics split by staleness
+    # issue 40: two-sided veto, binary KL, sequence log-prob error, metrics split by staleness, bounds tightened
     "kpop_logprob_error_veto2_staleness": TISConfig(
         use_tis=True, veto_threshold=1e-4, veto_upper_threshold=100.0, binary_kl_threshold=0.1,
-        seq_logprob_error_threshold=2.0, staleness_buckets=2),
+        seq_logprob_error_threshold=2.0, staleness_buckets=2, staleness_decay=0.5),
 }
 
 
