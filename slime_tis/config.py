@@ -472,6 +472,10 @@ class TISConfig:
         for field, declared in THRESHOLDS.items():
             if getattr(self, field) is not None:
                 lines.append("  " + declared.describe.format(value=getattr(self, field)))
+        if self.staleness_buckets is not None or self.staleness_decay is not None:
+            buckets = None if self.staleness_buckets is None else int(self.staleness_buckets)
+            lines.append(f"  staleness (per sequence, from the host): buckets={buckets} "
+                         f"bound_decay={self.staleness_decay} (log bound_s = decay^s log bound)")
         lines.append(f"  batch_normalize={self.batch_normalize} rejected_denominator={self.rejected_denominator} "
                      f"loss_agg={self.loss_agg}")
         lines.append(f"  loss={self.surrogate} clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] "
