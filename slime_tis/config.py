@@ -227,10 +227,10 @@ class TISConfig:
              "either direction (KPop; the paper's phi = 0.1). Default: off.",
         describe="binary-KL rejection: reject tokens with max(D(p||q), D(q||p)) > {value:g}")
     seq_logprob_error_threshold: float | None = threshold(
-        flag="--tis-seq-logprob-error-threshold", valid=">= 1", why="mean_t exp(|l_t|) >= 1",
-        help="Reject a sequence whose mean over valid tokens of exp(|lp_train - lp_rollout|) exceeds this (>= 1), "
+        flag="--tis-seq-logprob-error-threshold", valid=">= 1", why="mean_t exp(abs(l_t)) >= 1",
+        help="Reject a sequence whose mean over valid tokens of exp(abs(lp_train - lp_rollout)) exceeds this (>= 1), "
              "as NeMo-RL's seq_logprob_error_threshold (its recipes: 2). Default: off.",
-        describe="log-prob error rejection: reject sequences whose mean of exp(|l|) > {value:g}")
+        describe="log-prob error rejection: reject sequences whose mean of exp(abs(l)) > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
         help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "

@@ -216,8 +216,8 @@ RULES: tuple[Rule, ...] = (
          threshold="veto_upper_threshold", doc="with the upper veto: valid tokens with raw ratio `r_t > V` / tokens "
          "of `D`"),
     Rule("tis/binary_kl_fraction", "tis.binary_kl_count", _token, _binary_kl_hit, True, "tis.n_tok",
-         threshold="binary_kl_threshold", doc="with `--tis-binary-kl-threshold`: tokens with `max(D(p||q), D(q||p)) > "
-         "phi` (Bernoulli KL of the token's probabilities) / tokens of `D`"),
+         threshold="binary_kl_threshold", doc="with `--tis-binary-kl-threshold`: tokens whose Bernoulli KL between "
+         "the token's probabilities `p`, `q`, either way, exceeds `phi` / tokens of `D`"),
     Rule("tis/seq_logprob_error_fraction", "tis.seq_logprob_error_count", _sequence,
          lambda p, r, lvl: 1.0 + r.column_mean("tis.seq_logprob_error_column") > p.threshold(
              "seq_logprob_error_threshold"), True, "tis.n_seq",
