@@ -41,6 +41,8 @@ The binary KL (KPop) treats the vocabulary as two events, the sampled token and 
 ``D(p||q) = p log(p/q) + (1-p) log((1-p)/(1-q))`` with ``p = pi_train(token)``, ``q = pi_rollout(token)`` clamped to
 ``[1e-6, 1 - 1e-6]``, in float64 (:func:`binary_kl`). The sequence log-prob error is NeMo-RL's
 ``seq_logprob_error_threshold``: column ``expm1(min(abs(l_t), B))``, so that the test reads ``1 + mean > t``.
+With the bounds tightened by staleness (``core.staleness``), the mode's rows (mask, truncate, clip) compare ``L``
+with its unit's log bounds times ``gamma^s`` (``Ratios.bound_scale``).
 
 Every test is False outside its diagnostic domain: level log-ratios are 0 there and every pair of
 bounds contains 1; per-sequence statistics and divergences are 0 there and their thresholds are > 0
