@@ -24,12 +24,13 @@ the same formula to 1e-12.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 import torch
 
-from slime_tis import TISConfig, compute_tis
+from slime_tis import TISConfig, add_tis_arguments, compute_tis
 from slime_tis.core.rules import binary_kl
 
 
@@ -309,6 +310,10 @@ def test_staleness_bad_input_is_one_line():
         compute_tis(cfg, lt, lr, mask, cu, staleness=torch.zeros(5))
     with pytest.raises(ValueError, match="staleness must be an integer or float tensor"):
         compute_tis(cfg, lt, lr, mask, cu, staleness=torch.zeros(6, dtype=torch.bool))
+    args = add_tis_arguments(argparse.ArgumentParser()).parse_args(
+        ["--use-tis", "--tis-staleness-buckets", "3", "--tis-staleness-bound-decay", "0.5"])
+    plan = TISConfig.from_args(args).plan
+    assert (plan.staleness_buckets, plan.staleness_decay) == (3, 0.5)
     for bad in (0, 2.5, 17, -1):
         with pytest.raises(ValueError, match=rf"--tis-staleness-buckets \(staleness_buckets\) = {bad!r}: must be an "
                                              r"integer in \[1, 16\]"):
