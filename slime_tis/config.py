@@ -215,7 +215,7 @@ class TISConfig:
         help="Reject a sequence whose max over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
              "as verl's seq_max_k2. Default: off.",
         describe="k2 rejection: reject sequences whose max of k2 = (log r)^2 / 2 > {value:g}")
-    # issue 40: the upper veto (SkyRL), the binary KL (KPop) and the sequence log-prob error (NeMo-RL)
+    # the upper veto (SkyRL), the binary KL (KPop) and the sequence log-prob error (NeMo-RL)
     veto_upper_threshold: float | None = threshold(
         flag="--tis-veto-upper-threshold", valid="> 1", why="the upper side of the veto, r > V",
         help="Reject a whole sequence if any valid token has raw ratio > V (V > 1; with --tis-veto-threshold the "
