@@ -215,6 +215,22 @@ class TISConfig:
         help="Reject a sequence whose max over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
              "as verl's seq_max_k2. Default: off.",
         describe="k2 rejection: reject sequences whose max of k2 = (log r)^2 / 2 > {value:g}")
+    # the upper veto (SkyRL), the binary KL (KPop) and the sequence log-prob error (NeMo-RL)
+    veto_upper_threshold: float | None = threshold(
+        flag="--tis-veto-upper-threshold", valid="> 1", why="the upper side of the veto, r > V",
+        help="Reject a whole sequence if any valid token has raw ratio > V (V > 1; with --tis-veto-threshold the "
+             "two-sided veto, SkyRL's outlier bounds [1e-4, 100]). Default: off.",
+        describe="upper veto: reject sequences with any token ratio > {value:g}")
+    binary_kl_threshold: float | None = threshold(
+        flag="--tis-binary-kl-threshold", valid="> 0", why="a Bernoulli KL is >= 0",
+        help="Reject a token whose Bernoulli KL between pi_train and pi_rollout of the sampled token exceeds phi in "
+             "either direction (KPop; the paper's phi = 0.1). Default: off.",
+        describe="binary-KL rejection: reject tokens with max(D(p||q), D(q||p)) > {value:g}")
+    seq_logprob_error_threshold: float | None = threshold(
+        flag="--tis-seq-logprob-error-threshold", valid=">= 1", why="mean_t exp(abs(l_t)) >= 1",
+        help="Reject a sequence whose mean over valid tokens of exp(abs(lp_train - lp_rollout)) exceeds this (>= 1), "
+             "as NeMo-RL's seq_logprob_error_threshold (its recipes: 2). Default: off.",
+        describe="log-prob error rejection: reject sequences whose mean of exp(abs(l)) > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
         help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
@@ -260,6 +276,15 @@ class TISConfig:
     sapo_tau_neg: float = surrogate_option(
         "sapo", 1.05, flag="--tis-sapo-tau-neg", valid="> 0",
         help="SAPO gate temperature for tokens with advantage <= 0 (--tis-loss-mode sapo). Default: 1.05.")
+    staleness_buckets: float | None = option(
+        None, flag="--tis-staleness-buckets", valid="integer in [1, 16]",
+        help="Split tis/staleness_<b>/* metrics by per-sequence staleness s (policy versions behind the trainer, "
+             "given by the host) into the buckets s = 0, 1, ..., N-1 and s >= N. Default: off.")
+    staleness_decay: float | None = option(
+        None, flag="--tis-staleness-bound-decay", valid="in (0, 1)",
+        help="Tighten the --tis-mode bounds of a sequence s policy versions stale (given by the host) to "
+             "log upper_s = g^s log upper, log lower_s = g^s log lower (0 < g < 1; invalid s: bounds 1). "
+             "Default: off.")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
         error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
@@ -312,6 +337,9 @@ class TISConfig:
                        "already applies as its weight: the weight would count twice")
             raise _bad("loss_mode", self.loss_mode, why + "; use algorithm 1 (--use-rollout-log-probs, anchor "
                        "pi_rollout, no weight) or 2 (--use-tis, anchor pi_old, weight pi_old / pi_rollout)")
+        if self.staleness_decay is not None and not alg.weighted and not (alg.rejects and mode_of(self.mode).rejects):
+            raise _bad("staleness_decay", self.staleness_decay, f"algorithm {alg.number} applies no weights and "
+                       "--tis-mode is not mask: no bound acts to be tightened; use --use-tis or --tis-mode mask")
         if not alg.weighted and self.batch_normalize:
             raise _bad("batch_normalize", True, f"algorithm {alg.number} applies no importance weights "
                        "(weights are identically 1); batch normalisation needs --use-tis")
@@ -444,6 +472,10 @@ class TISConfig:
         for field, declared in THRESHOLDS.items():
             if getattr(self, field) is not None:
                 lines.append("  " + declared.describe.format(value=getattr(self, field)))
+        if self.staleness_buckets is not None or self.staleness_decay is not None:
+            buckets = None if self.staleness_buckets is None else int(self.staleness_buckets)
+            lines.append(f"  staleness (per sequence, from the host): buckets={buckets} "
+                         f"bound_decay={self.staleness_decay} (log bound_s = decay^s log bound)")
         lines.append(f"  batch_normalize={self.batch_normalize} rejected_denominator={self.rejected_denominator} "
                      f"loss_agg={self.loss_agg}")
         lines.append(f"  loss={self.surrogate} clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] "
@@ -515,6 +547,8 @@ def _resolve(config: TISConfig) -> Plan:
         kl_estimator=config.kl_estimator,
         kl_importance_weighted=config.kl_importance_weighted and algorithm_of(config.algorithm).weighted,
         entropy_coef=float(config.entropy_coef),
+        staleness_buckets=int(config.staleness_buckets or 0),
+        staleness_decay=None if config.staleness_decay is None else float(config.staleness_decay),
     )
 
 

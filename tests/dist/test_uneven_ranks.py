@@ -20,7 +20,8 @@ from _launch import torchrun
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-SCENARIOS = ("token_mask_rs_veto_k3_drop", "seq_truncate_rs_batchnorm", "bypass_k3_rs", "alg0_partial_rollout")
+SCENARIOS = ("token_mask_rs_veto_k3_drop", "seq_truncate_rs_batchnorm", "bypass_k3_rs", "alg0_partial_rollout",
+             "kpop_logprob_error_veto2_staleness")
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +57,7 @@ def test_uneven_ranks_same_collectives_and_right_metrics(ranks, scenario):
         assert m["tis/rejected_seq_fraction"] > 0.4  # DP rank 0's sequences are all rejected
     assert m.get("tis/nonfinite_seq_fraction", m.get("policy/nonfinite_seq_fraction")) > 0
     assert m["policy/nonfinite_seq_fraction"] > 0  # the NaN on rank 2 reaches every rank's metrics
+    if scenario == "kpop_logprob_error_veto2_staleness":  # every bucket and rule reported, DP rank 0 all rejected
+        assert {f"tis/staleness_{b}/k3_kl" for b in ("0", "1", "2plus")} <= set(m)
+        assert m["tis/veto_upper_seq_fraction"] > 0.4 and m["tis/binary_kl_fraction"] > 0.4
+        assert m["tis/staleness_invalid_seq_fraction"] == pytest.approx(1 / 10)  # of the 10 sequences
