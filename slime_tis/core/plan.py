@@ -40,6 +40,7 @@ class Plan:
         surrogate: the policy-loss row of ``core.surrogates.SURROGATES``; surrogate_params: ``(field, value)`` of its
             options (read with :meth:`param`).
         kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the terms of ``core.terms``.
+        kl_gradient: ``"direct"`` or ``"with_score"``: the KL term's gradient (``core.terms``).
     """
 
     algorithm: int
@@ -69,6 +70,7 @@ class Plan:
     kl_estimator: str = "k3"
     kl_importance_weighted: bool = False
     entropy_coef: float = 0.0
+    kl_gradient: str = "direct"
 
     def threshold(self, field: str) -> float | None:
         """The value of the rejection threshold ``field`` (a ``TISConfig`` field name), or None when off."""
