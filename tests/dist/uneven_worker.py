@@ -36,6 +36,8 @@ SCENARIOS = {
         batch_normalize=True, seq_mean_k3_threshold=0.5, loss_agg="seq-mean-token-sum"),
     "bypass_k3_rs": TISConfig.from_preset("bypass_ppo_clip_k3_rs"),
     "alg0_partial_rollout": TISConfig(),
+    "geo_mean_geo_rs": TISConfig(use_tis=True, rs_level="geometric", rs_upper=1.5, loss_mode="geo_mean",
+                                 eps_clip=0.05, loss_agg="seq-mean-token-mean"),
 }
 
 
