@@ -481,7 +481,8 @@ class TISConfig:
                      f"dual_clip_c={self.dual_clip_c} safety_bound={self.safety_bound:g}")
         if self.kl_coef != 0.0 or self.entropy_coef != 0.0:
             lines.append(f"  kl_coef={self.kl_coef:g} kl_estimator={self.kl_estimator} "
-                         f"kl_importance_weighted={self.kl_importance_weighted} entropy_coef={self.entropy_coef:g}")
+                         f"kl_importance_weighted={self.kl_importance_weighted} kl_gradient={self.kl_gradient} "
+                         f"entropy_coef={self.entropy_coef:g}")
         lines.append(f"  kernels={self.kernels}" + (" (Triton: not yet measured on a GPU; torch code where it "
                                                      "cannot run, with a warning)" if self.kernels == "triton" else ""))
         lines += [f"  warning: {line}" for line in self.inert_options()]

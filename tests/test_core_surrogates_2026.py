@@ -336,3 +336,32 @@ def test_covariance_selection_refuses_context_parallelism(mode: str) -> None:
     with pytest.raises(ValueError, match="context parallelism") as err:
         _run(TISConfig(loss_mode=mode), [-1.0, -2.0], [-1.1, -1.9], None, [1.0, -1.0], reducer=SplitReducer())
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov"])
+def test_new_rows_read_no_value_back_to_the_host(mode: str, monkeypatch) -> None:
+    """The rows' own code (masks, sequence sums, the covariance's rank selection) never reads a tensor's value on the
+    host: ``item``, ``tolist``, ``bool`` and ``int`` of a tensor raise while the row runs (on an accelerator each would
+    be a synchronisation)."""
+    from slime_tis.core.packing import packed_layout
+    from slime_tis.core.reducer import LocalReducer
+    from slime_tis.core.surrogates import SURROGATES, SurrogateInputs
+
+    b = _batch(3)
+    p = {k: padded_to_packed(v, b["mask"])[0] for k, v in b.items()}
+    cu = padded_to_packed(b["mask"], b["mask"])[1]
+    keep = p["mask"] > 0
+    x = SurrogateInputs(torch.where(keep, p["theta"], 0.0).requires_grad_(True), torch.where(keep, p["old"], 0.0),
+                        torch.where(keep, p["adv"], 0.0), keep, packed_layout(cu, keep.numel(), keep.device),
+                        LocalReducer())
+    plan = TISConfig(loss_mode=mode).plan
+
+    def refuse(*_a, **_k):
+        raise AssertionError("host read of a tensor value")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = SURROGATES[mode].fn(x, plan)
+    out.loss.sum().backward()
+    monkeypatch.undo()
+    assert torch.isfinite(x.lp.grad).all()
