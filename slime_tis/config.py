@@ -383,6 +383,9 @@ class TISConfig:
             lines.append(f"gspo clips the sequence's geometric-mean ratio at [1-{self.eps_clip:g}, 1+{self.eps_high:g}]"
                          ": token-level clip ranges rarely clip it (the GSPO paper uses --eps-clip 3e-4 "
                          "--eps-clip-high 4e-4)")
+        if sur.name == "dppo_kl" and max(self.eps_clip, self.eps_high) > 0.1:
+            lines.append(f"dppo_kl bounds the Bernoulli KL of each token at --eps-clip {self.eps_clip:g} / "
+                         f"--eps-clip-high {self.eps_high:g}: the DPPO paper uses 0.05 for the KL (0.2 for dppo_tv)")
         return lines
 
     def warn_inert(self) -> None:

@@ -321,6 +321,9 @@ def test_bad_combinations_are_refused_in_one_line() -> None:
     assert TISConfig(kl_gradient="with_score").inert_options() == [
         "--tis-kl-gradient does nothing while --tis-kl-coef is 0"]
     assert any("--tis-kl-cov-coef does nothing" in s for s in TISConfig(kl_cov_coef=2.0).inert_options())
+    assert any("paper uses 0.05" in s for s in TISConfig(loss_mode="dppo_kl").inert_options())
+    assert TISConfig(loss_mode="dppo_kl", eps_clip=0.05).inert_options() == []
+    assert TISConfig(loss_mode="dppo_tv").inert_options() == []
 
 
 @pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])

@@ -189,7 +189,8 @@ def geo_mean(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
 
 
 def _rank_local(x: SurrogateInputs, name: str) -> None:
-    """Covariance selections are over the tokens this rank holds; refused where a sequence is split over CP ranks."""
+    """Covariance selections are over the tokens this rank holds; refused where a sequence is split over CP ranks
+    (a reducer over a CP group states its ``cp_size``, as ``MegatronReducer`` does)."""
     cp = getattr(x.reducer, "cp_size", 1)
     if cp > 1:
         raise ValueError(f"--tis-loss-mode {name} selects tokens by a covariance over the micro-batch's tokens on "
