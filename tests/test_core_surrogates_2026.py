@@ -11,11 +11,14 @@ Published cases:
   the correction's ``tis/ratio_min|max`` in algorithm 1), ``test_clip_cov_policy_loss`` and
   ``test_kl_cov_policy_loss`` (sanity checks: finite, fraction in [0, 1], different from PPO).
 * NeMo-RL ``tests/unit/algorithms/test_loss_functions.py`` (NVIDIA-NeMo/RL at
-  7ea279abfbeb698b092856d0dab61e7cf39bc909): ``test_clipped_pg_loss_kl_gradient_includes_sampling_term`` (both
+  7ea279abfbeb698b092856d0dab61e7cf39bc909): ``test_clipped_pg_loss_kl_penalty`` and
+  ``test_clipped_pg_loss_kl_gradient_includes_sampling_term`` (both
   parametrisations; their on-policy KL approximation weights by ``pi_theta / pi_gen``: algorithm 3's weight with
   ``--tis-kl-importance-weighted`` here).
 * verl 0.9.1 (the venv's ``verl.trainer.ppo.core_algos``): ``dppo_tv``, ``dppo_kl``, ``geo_mean``, ``clip_cov``,
-  ``kl_cov`` as oracles, loss and gradient, float32 both (1e-5 relative: a different summation order).
+  ``kl_cov`` as oracles, loss and gradient, float32 both (1e-5 relative: a different summation order). verl's
+  newest commit (verl-project/verl at 1dda039b9c6311889a9c9a26040677e1254814f9) has the same five functions and
+  no test of them (``tests/trainer/ppo/test_dynamic_policy_losses_on_cpu.py`` covers DRO only).
 """
 
 from __future__ import annotations
@@ -163,6 +166,15 @@ def test_nemo_rl_kl_gradient_includes_sampling_term(on_policy_approximation: boo
     if not on_policy_approximation:  # the values the two conventions give on this case
         want = [-0.045, 0.06] if kl_gradient == "with_score" else [-0.05248, 0.04945]
         torch.testing.assert_close(actual, torch.tensor(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kl_gradient", ["direct", "with_score"])
+def test_nemo_rl_kl_penalty_value(kl_gradient: str) -> None:
+    """NeMo-RL ``test_clipped_pg_loss_kl_penalty``: zero advantages, ``0.1 * mean(k3)`` over ``d = [1, 0, -1]`` is
+    0.0362 (3 digits, theirs), whichever gradient."""
+    cfg = TISConfig(kl_coef=0.1, kl_gradient=kl_gradient)
+    out, _ = _run(cfg, [0.0, -1.0, -2.0], [0.0, 0.0, 0.0], None, [0.0, 0.0, 0.0], lp_ref=torch.full((3,), -1.0))
+    assert float(out.loss.detach()) == pytest.approx(0.0362, rel=1e-3)
 
 
 def test_kl_score_term_leaves_the_value() -> None:
