@@ -280,10 +280,10 @@ class TISConfig:
     kl_cov_ratio: float = surrogate_option(
         "kl_cov", 2e-4, flag="--tis-kl-cov-ratio", valid="in (0, 1)",
         help="KL-Cov: the fraction of the micro-batch's kept tokens (at least 1), those of largest covariance, given "
-             "the penalty coef |log rho| (--tis-loss-mode kl_cov). Default: 0.0002.")
+             "the penalty coef abs(log rho) (--tis-loss-mode kl_cov). Default: 0.0002.")
     kl_cov_coef: float = surrogate_option(
         "kl_cov", 1.0, flag="--tis-kl-cov-coef", valid=">= 0",
-        help="KL-Cov: the coefficient of |log rho| at the selected tokens (verl's ppo_kl_coef). Default: 1.0.")
+        help="KL-Cov: the coefficient of abs(log rho) at the selected tokens (verl's ppo_kl_coef). Default: 1.0.")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
         error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
