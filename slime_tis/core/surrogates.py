@@ -18,7 +18,7 @@ safety bound, ``sg`` stop-gradient, ``clip(x) = clamp(x, 1 - eps_low, 1 + eps_hi
     geo_mean   sequence  -Abar_i sg(g_i) (1 + c_t - sg(c_t)),  g_i = exp(clamp(mean_{kept t in i} c_t, -B, B)),
                          c_t = min(lp - a, eps_high) if A > 0, max(lp - a, -eps_low) if A < 0, 0 if A = 0,
                          Abar_i = mean_{kept t in i} A  (GMPO: -Abar_i g_i per sequence, its exact gradient)
-    clip_cov   token     ppo_clip's loss without dual clip, 0 at k random tokens with lb < cov_t < ub not clipped
+    clip_cov   token     ppo_clip's loss (no dual clip), 0 at k tokens (a hash's pick) with lb < cov_t < ub, not clipped
     kl_cov     token     -A rho + coef |clamp(lp - a, -B, B)| at the k tokens of largest cov_t  (``core.token_select``:
                          cov_t and k over the tokens this rank holds of the micro-batch)
 
@@ -44,7 +44,7 @@ from torch import Tensor
 from slime_tis.core.packing import Layout
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import Reducer
-from slime_tis.core.token_select import covariance, dppo_masked, first_k, selection_size
+from slime_tis.core.token_select import covariance, dppo_masked, first_k, hash_keys, selection_size
 
 __all__ = ["Surrogate", "SurrogateInputs", "SurrogateTerms", "SURROGATES", "surrogate_of", "ppo_clip_term"]
 
@@ -203,7 +203,7 @@ def clip_cov(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
     loss, clipped, _ = ppo_clip_term(x.lp - x.anchor, x.adv, plan.eps_low, plan.eps_high, None, plan.bound)
     cov = covariance(x.adv, x.lp.detach(), x.keep)
     candidates = x.keep & ~clipped & (cov > plan.param("clip_cov_lb")) & (cov < plan.param("clip_cov_ub"))
-    selected = first_k(candidates, torch.rand_like(cov), selection_size(x.keep, plan.param("clip_cov_ratio")))
+    selected = first_k(candidates, hash_keys(x.lp.detach()), selection_size(x.keep, plan.param("clip_cov_ratio")))
     return SurrogateTerms(torch.where(selected, 0.0, loss), clipped & x.keep, selected=selected)
 
 

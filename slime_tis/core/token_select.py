@@ -16,6 +16,9 @@ the micro-batch (``N`` kept tokens, means over them)::
 
 Clip-Cov takes ``k`` tokens at random among the candidates (``lb < cov_t < ub``, not clipped by PPO); KL-Cov the ``k``
 tokens of largest ``cov_t``. Both are ranks of a stable sort (:func:`first_k`), with no host synchronisation.
+Clip-Cov's draw is a hash of each token's position and current log-prob (:func:`hash_keys`), not a random generator:
+the same on tensor-parallel ranks (which hold the same log-probs) by construction, the same after a resume, and no
+generator's state is consumed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["dppo_masked", "DIVERGENCES", "covariance", "selection_size", "first_k"]
+__all__ = ["dppo_masked", "DIVERGENCES", "covariance", "selection_size", "first_k", "hash_keys"]
 
 F64 = torch.float64
 #: the Bernoulli KL's guard against log(0) where p or q is 1 (verl and SkyRL use the same 1e-8)
@@ -72,3 +75,16 @@ def first_k(mask: Tensor, key: Tensor, k: Tensor) -> Tensor:
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return mask & (rank < k)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def hash_keys(lp: Tensor) -> Tensor:
+    """``[T]`` int64 in ``[0, 2^32)``: a 32-bit integer hash (xor-shift-multiply rounds) of each token's float32
+    log-prob bits and its position: uniform-looking, a function of the data only."""
+    x = lp.float().view(torch.int32).to(torch.int64) & _MASK32
+    x = x ^ ((torch.arange(x.numel(), device=x.device) * 0x9E3779B1) & _MASK32)
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
