@@ -237,6 +237,11 @@ class PolicyBatch:
         return surrogate_of(self.plan.surrogate).clips
 
     @property
+    def selects(self) -> bool:
+        """The surrogate selects tokens by covariance (``selected`` is then a ``[T]`` bool, False where not kept)."""
+        return surrogate_of(self.plan.surrogate).selects
+
+    @property
     def dual_clips(self) -> bool:
         return self.clips and self.plan.dual_clip_c is not None and surrogate_of(self.plan.surrogate).dual_clip
 

@@ -204,7 +204,7 @@ METRICS: tuple[Metric, ...] = (
            lambda p: p.clip_active.sum(dtype=F64) if p.clips else None),
     Metric("policy/cov_selected_fraction", "policy.cov_selected_count", "policy.n_tok_kept", "mean",
            "clip_cov / kl_cov: kept tokens selected by covariance (taken out of the loss / given the penalty) / kept "
-           "tokens", "token", lambda p: p.selected.sum(dtype=F64) if p.selected is not None else None),
+           "tokens", "token", lambda p: p.selected.sum(dtype=F64) if p.selects else None),
     Metric("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the dual clip is active / kept tokens", "token",
            lambda p: p.dual_active.sum(dtype=F64) if p.dual_clips else None),

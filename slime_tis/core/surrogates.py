@@ -235,9 +235,9 @@ SURROGATES: dict[str, Surrogate] = {
     "geo_mean": Surrogate("geo_mean", ratio="sequence", clips=True, dual_clip=False, fn=geo_mean,
                           formula="-mean(A) exp(mean of the log-ratio clipped at [-eps_low, eps_high]) per sequence"),
     "clip_cov": Surrogate("clip_cov", ratio="token", clips=True, dual_clip=False, fn=clip_cov, selects=True,
-                          formula="ppo_clip's, 0 at random tokens whose covariance of A and lp is in (lb, ub)"),
+                          formula="ppo_clip's, 0 at pseudo-random tokens whose covariance of A and lp is in (lb, ub)"),
     "kl_cov": Surrogate("kl_cov", ratio="token", clips=False, dual_clip=False, fn=kl_cov, selects=True,
-                        formula="-A rho, + coef |log rho| at the tokens of largest covariance of A and lp"),
+                        formula="-A rho, + coef abs(log rho) at the tokens of largest covariance of A and lp"),
 }
 
 
