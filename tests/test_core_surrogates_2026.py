@@ -391,3 +391,45 @@ def test_new_rows_read_no_value_back_to_the_host(mode: str, monkeypatch) -> None
     out.loss.sum().backward()
     monkeypatch.undo()
     assert torch.isfinite(x.lp.grad).all()
+
+
+def _halves(b, cut_seq: int):
+    p = {k: padded_to_packed(v, b["mask"])[0] for k, v in b.items()}
+    cu = padded_to_packed(b["mask"], b["mask"])[1]
+    cut = int(cu[cut_seq])
+    parts = [({k: v[:cut] for k, v in p.items()}, cu[: cut_seq + 1]),
+             ({k: v[cut:] for k, v in p.items()}, cu[cut_seq:] - cut)]
+    return p, cu, parts
+
+
+@pytest.mark.parametrize("fields", [dict(loss_mode="dppo_tv", eps_clip=0.05), dict(loss_mode="dppo_kl", eps_clip=0.004),
+                                    dict(loss_mode="geo_mean", loss_agg="seq-mean-token-mean"),
+                                    dict(loss_mode="geo_mean", use_tis=True, mode="mask", upper=1.3),
+                                    dict(kl_coef=0.2, kl_gradient="with_score")])
+def test_split_into_micro_batches_with_the_global_denominator(fields: dict) -> None:
+    """Per-token and per-sequence rows: two micro-batches with the global denominator sum to the whole batch's loss
+    and gradient."""
+    from slime_tis import loss_denominator
+
+    b = _batch(4, rows=8)
+    b["ref"] = b["rollout"] + 0.2
+    cfg = TISConfig(**fields)
+    p, cu, parts = _halves(b, 3)
+    whole, g = _run(cfg, p["theta"], p["old"], p["rollout"], p["adv"], p["mask"], cu, lp_ref=p["ref"])
+    den = sum(loss_denominator(cfg, q["mask"], c) for q, c in parts)
+    outs = [_run(cfg, q["theta"], q["old"], q["rollout"], q["adv"], q["mask"], c, denominator=den, lp_ref=q["ref"])
+            for q, c in parts]
+    torch.testing.assert_close(outs[0][0].loss.detach() + outs[1][0].loss.detach(), whole.loss.detach(),
+                               rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([outs[0][1], outs[1][1]]), g, rtol=1e-5, atol=1e-7)
+
+
+def test_kl_cov_selects_per_micro_batch() -> None:
+    """The documented locality: ``k = max(floor(ratio N), 1)`` per micro-batch, so a tiny ratio selects one token in
+    the whole batch and one in each of two micro-batches."""
+    b = _batch(4, rows=8)
+    cfg = TISConfig(loss_mode="kl_cov", kl_cov_ratio=1e-4)
+    p, cu, parts = _halves(b, 3)
+    count = lambda out: float(out.stats.token_sums["policy.cov_selected_count"])  # noqa: E731
+    assert count(_run(cfg, p["theta"], p["old"], None, p["adv"], p["mask"], cu)[0]) == 1.0
+    assert [count(_run(cfg, q["theta"], q["old"], None, q["adv"], q["mask"], c)[0]) for q, c in parts] == [1.0, 1.0]
