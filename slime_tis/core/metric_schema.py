@@ -199,8 +199,12 @@ METRICS: tuple[Metric, ...] = (
            lambda b: None if b.factor is None else b.factor.to(F64).reshape(()),
            token=lambda t: None if t.factor is None else torch.ones_like(t.lc) * t.factor.float().reshape(())),
     Metric("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", "mean",
-           "kept tokens where the PPO clip is active / kept tokens", "token",
+           "kept tokens where the clip is active / kept tokens (dppo_tv, dppo_kl: outside the trust region)",
+           "token",
            lambda p: p.clip_active.sum(dtype=F64) if p.clips else None),
+    Metric("policy/cov_selected_fraction", "policy.cov_selected_count", "policy.n_tok_kept", "mean",
+           "clip_cov / kl_cov: kept tokens selected by covariance (taken out of the loss / given the penalty) / kept "
+           "tokens", "token", lambda p: p.selected.sum(dtype=F64) if p.selects else None),
     Metric("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the dual clip is active / kept tokens", "token",
            lambda p: p.dual_active.sum(dtype=F64) if p.dual_clips else None),

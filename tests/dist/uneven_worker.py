@@ -42,6 +42,8 @@ SCENARIOS = {
     "kpop_logprob_error_veto2_staleness": TISConfig(
         use_tis=True, veto_threshold=1e-4, veto_upper_threshold=100.0, binary_kl_threshold=0.1,
         seq_logprob_error_threshold=2.0, staleness_buckets=2, staleness_decay=0.5),
+    "geo_mean_geo_rs": TISConfig(use_tis=True, rs_level="geometric", rs_upper=1.5, loss_mode="geo_mean",
+                                 eps_clip=0.05, loss_agg="seq-mean-token-mean"),
 }
 
 
