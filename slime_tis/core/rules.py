@@ -62,6 +62,7 @@ from torch import Tensor
 from slime_tis.core.levels import MODES, SEQUENCE, TOKEN, Level
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
+from slime_tis.core.token_select import bernoulli_kl
 
 __all__ = ["Rule", "RULES", "NONFINITE", "Verdict", "evaluate", "rule_columns", "binary_kl"]
 
@@ -137,12 +138,8 @@ def binary_kl(lp_train: Tensor, lp_rollout: Tensor) -> Tensor:
     """``[T]`` float64 ``max(D(p||q), D(q||p))`` of the Bernoulli distributions (sampled token, any other token),
     ``p = exp(lp_train)``, ``q = exp(lp_rollout)`` clamped to ``[eps, 1 - eps]``,
     ``D(p||q) = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q))``."""
-    eps = BINARY_KL_EPS
-    p, q = (x.double().exp().clamp(eps, 1.0 - eps) for x in (lp_train, lp_rollout))
-    log_ratio, log_complement_ratio = p.log() - q.log(), torch.log1p(-p) - torch.log1p(-q)
-    forward = p * log_ratio + (1.0 - p) * log_complement_ratio
-    reverse = -(q * log_ratio + (1.0 - q) * log_complement_ratio)
-    return torch.maximum(forward, reverse)
+    p, q = lp_train.double().exp(), lp_rollout.double().exp()
+    return torch.maximum(bernoulli_kl(p, q, BINARY_KL_EPS), bernoulli_kl(q, p, BINARY_KL_EPS))
 
 
 def _binary_kl_hit(p: Plan, r: Ratios, lvl: Level) -> Tensor:

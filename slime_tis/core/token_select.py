@@ -37,13 +37,19 @@ def _binary_tv(p: Tensor, q: Tensor) -> Tensor:
     return (p - q).abs()
 
 
-def _binary_kl(p: Tensor, q: Tensor) -> Tensor:
-    lq, lp = torch.log(q), torch.log(p)
-    return q * (lq - lp) + (1.0 - q) * (torch.log1p(BERNOULLI_EPS - q) - torch.log1p(BERNOULLI_EPS - p))
+def bernoulli_kl(p: Tensor, q: Tensor, eps: float) -> Tensor:
+    """``D(p||q) = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q))`` of the Bernoulli distributions (the
+    token, any other token), ``p`` and ``q`` clamped to ``[eps, 1 - eps]``; elementwise, any shape."""
+    p, q = p.clamp(eps, 1.0 - eps), q.clamp(eps, 1.0 - eps)
+    return p * (p.log() - q.log()) + (1.0 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+def _dppo_kl(p: Tensor, q: Tensor) -> Tensor:
+    return bernoulli_kl(q, p, BERNOULLI_EPS)
 
 
 #: ``--tis-loss-mode`` name -> the divergence between the token's Bernoulli distributions ``(p, q)``
-DIVERGENCES = {"dppo_tv": _binary_tv, "dppo_kl": _binary_kl}
+DIVERGENCES = {"dppo_tv": _binary_tv, "dppo_kl": _dppo_kl}
 
 
 def dppo_masked(lp: Tensor, anchor: Tensor, adv: Tensor, keep: Tensor, delta_low: float, delta_high: float,
