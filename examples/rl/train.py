@@ -17,6 +17,7 @@ Everything the correction does happens inside ``tis_forward_backward_func`` (the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -484,18 +485,23 @@ class Trainer:
         from slime_tis.megatron.recompute import recompute_log_probs
 
         last = ps.is_pipeline_last_stage()
-        return recompute_log_probs(
-            get_forward_backward_func(),
-            self._forward_step,
-            items,
-            [self.model],
-            batches=[it["tis"] for it in items] if last else None,
-            num_microbatches=len(items),
-            vpp=False,
-            temperature=self.args.rollout_temperature,
-            seq_length=seq,
-            micro_batch_size=mbs,
-        )
+        routing = self.forward_backward.routing  # MoE: the same routing as the hook's passes (replay or not)
+        with contextlib.ExitStack() as stack:
+            step = self._forward_step
+            if routing is not None:
+                step = stack.enter_context(routing.active(step, training=False))
+            return recompute_log_probs(
+                get_forward_backward_func(),
+                step,
+                items,
+                [self.model],
+                batches=[it["tis"] for it in items] if last else None,
+                num_microbatches=len(items),
+                vpp=False,
+                temperature=self.args.rollout_temperature,
+                seq_length=seq,
+                micro_batch_size=mbs,
+            )
 
     def _dump(self, step: int, items: list[dict[str, Any]], extra_lp: list[torch.Tensor] | None) -> None:
         """Append this step's rollout and training (lp_old) log-probs to RUN_DIR/logprobs.jsonl
