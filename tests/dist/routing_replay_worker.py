@@ -12,8 +12,8 @@ never runs, is ``-1``) and its log-probs the rollout log-probs.
 Plan ``single`` (1 process): the hook with and without replay (metrics, k3, gradient reaching the router),
 replay under full activation recompute, every bad input; writes ``single.json`` and the replayed reference
 (loss, gradients by global name, metrics) to ``ref.pt``. Plan ``layouts`` (2 processes): PP=2 (dense first stage
-layer), TP=2 (sequence parallel), EP=2, CP=2, DP=2 and PP=2 with recompute, each against ``ref.pt``; writes
-``rank{r}.json``.
+layer), PP=2 x 2 virtual stages, TP=2 (sequence parallel), EP=2, CP=2, DP=2, PP=2 with recompute and PP=2 without
+replay, each against ``ref.pt`` (``RR_LAYOUTS`` selects some); writes ``rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ MOE_LAYERS = sum(PATTERN)
 ENGINE_NOISE = 0.02
 CFG = dict(use_tis=True, mode="truncate", level="token", upper=2.0)
 LAYOUTS_ALL = {"tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2), "cp2": dict(cp=2), "dp2": dict(),
-           "pp2_recompute": dict(pp=2, recompute=True), "pp2_no_replay": dict(pp=2, plain=True)}
+           "pp2_recompute": dict(pp=2, recompute=True), "pp2_no_replay": dict(pp=2, plain=True),
+           "pp2_vpp2": dict(pp=2, vpp=2)}
 LAYOUTS = {k: LAYOUTS_ALL[k] for k in __import__("os").environ.get("RR_LAYOUTS", ",".join(LAYOUTS_ALL)).split(",")}
 
 
@@ -72,7 +73,7 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
             p.sequence_parallel = True
 
 
-def setup(tp=1, pp=1, cp=1, ep=1, **_):
+def setup(tp=1, pp=1, cp=1, ep=1, vpp=1, **_):
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
         world = dist.distributed_c10d._world
@@ -80,21 +81,24 @@ def setup(tp=1, pp=1, cp=1, ep=1, **_):
             dist.destroy_process_group(pg)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  context_parallel_size=cp, expert_model_parallel_size=ep,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(1234)
 
 
-def build(tp=1, pp=1, cp=1, ep=1, recompute=False, replay=True, plain=False):
+def build(tp=1, pp=1, cp=1, ep=1, vpp=1, recompute=False, replay=True, plain=False, vp_stage=None):
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, add_bias_linear=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        expert_model_parallel_size=ep, sequence_parallel=tp > 1, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, batch_p2p_comm=vpp == 1,
+        num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_layer_freq=list(PATTERN), moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_enable_routing_replay=replay, moe_token_dispatcher_type="allgather",
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute
            else {}))
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, vp_stage=vp_stage)
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = CPUContextParallelAttention
         if tp > 1:
@@ -102,8 +106,9 @@ def build(tp=1, pp=1, cp=1, ep=1, recompute=False, replay=True, plain=False):
     if tp > 1:
         spec.layer_norm = SequenceParallelLayerNorm
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=False)
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    share_embeddings_and_output_weights=False, vp_stage=vp_stage)
 
 
 def global_name(model, name: str) -> str:
@@ -128,18 +133,21 @@ def shard(p, full):
 
 
 def ddp_model(weights, **layout):
-    model = build(**layout)
-    params = []
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            g = global_name(model, name)
-            p.copy_(shard(p, weights[g]))
-            params.append((name, p, g))
-    model.config.finalize_model_grads_func = finalize_model_grads
-    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
-    ddp.zero_grad_buffer()
-    return ddp, params
+    """This rank's model chunks (one per virtual stage), wrapped in megatron DDP, and their parameters."""
+    vpp = layout.get("vpp", 1)
+    models = [build(**layout, vp_stage=i) for i in range(vpp)] if vpp > 1 else [build(**layout)]
+    params, ddps = [], []
+    for model in models:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                g = global_name(model, name)
+                p.copy_(shard(p, weights[g]))
+                params.append((name, p, g))
+        model.config.finalize_model_grads_func = finalize_model_grads
+        ddps.append(DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)))
+        ddps[-1].zero_grad_buffer()
+    return ddps, params
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -210,16 +218,17 @@ def run(data, *, replay=True, metrics=True, m=2, layout=None, experts=None, mask
         old_pass=False):
     """One hooked training step on this rank's rows; returns (metrics, {global name: main_grad})."""
     layout = layout or {}
-    ddp, params = ddp_model(data["weights"], **layout)
+    ddps, params = ddp_model(data["weights"], **layout)
     dp = ps.get_data_parallel_world_size()
     items = items_for(data, rows_of(dp, ps.get_data_parallel_rank(), m), routing=routing, experts=experts,
                       mask=mask)
     fb = tis_forward_backward_func(get_forward_backward_func(), TISConfig(**CFG), routing_replay=replay,
                                    routing_metrics=metrics, chunk_size=7)
-    kw = dict(model=[ddp], num_microbatches=m, seq_length=SEQ, micro_batch_size=len(items[0]["tis"].cu_seqlens) - 1)
+    kw = dict(model=ddps, num_microbatches=m, seq_length=SEQ, micro_batch_size=len(items[0]["tis"].cu_seqlens) - 1)
     if old_pass:
         items = fb.compute_old_log_probs(forward_step_func=forward_step, data_iterator=iter(items), **kw)
-    fb(forward_step_func=forward_step, data_iterator=iter(items), forward_only=False, **kw)
+    data_it = [iter(items) for _ in ddps] if len(ddps) > 1 else iter(items)
+    fb(forward_step_func=forward_step, data_iterator=data_it, forward_only=False, **kw)
     grads = {g: p.main_grad.detach().clone() for _, p, g in params}  # this rank's shards
     return {k: float(v) for k, v in fb.last_metrics.items()}, grads, params
 

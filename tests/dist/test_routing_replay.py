@@ -6,8 +6,9 @@ One process: with replay the training forward uses exactly the engine's experts 
 while its own router disagrees on some decisions, without replay the mismatch is counted (and equals the
 disagreement), and ``tis/k3_kl`` drops; gradients still reach the router; full activation recompute and the
 rollout's pi_old pass give the same step; each bad input is one line. Two processes: PP=2 (the dense layer alone
-on stage 0, so the MoE index is global), TP=2 (sequence parallel), EP=2, CP=2, DP=2, PP=2 with recompute, and PP=2
-without replay each equal the one-process step in loss, gradients and routing metrics."""
+on stage 0, so the MoE index is global), PP=2 with 2 virtual stages (a chunk with only the dense layer), TP=2
+(sequence parallel), EP=2, CP=2, DP=2, PP=2 with recompute, and PP=2 without replay each equal the one-process
+step in loss, gradients and routing metrics."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_bad_routing_input_is_one_line(runs):
 
 
 @pytest.mark.timeout(720)
-@pytest.mark.parametrize("layout", ["pp2", "tp2", "ep2", "cp2", "dp2", "pp2_recompute", "pp2_no_replay"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2", "tp2", "ep2", "cp2", "dp2", "pp2_recompute", "pp2_no_replay"])
 def test_layout_equals_one_process(runs, layout):
     single, rows = runs
     mine = [r for r in rows if r["layout"] == layout]
