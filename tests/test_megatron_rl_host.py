@@ -297,16 +297,16 @@ def test_megatron_lm_flags_map_onto_the_plugin() -> None:
     assert same.upper_bound == 1.5
 
 
-def test_launcher_binds_the_host_forward_step_and_the_flags() -> None:
-    """``install`` wraps ``pretrain`` (positional or keyword ``forward_step_func``) and chains the script's
-    ``extra_args_provider`` with the plugin's flags; megatron-core >= 0.18's ``parse_and_validate_args`` too."""
+def test_launcher_hands_a_parsing_pretrain_the_host_forward_step_and_the_flags() -> None:
+    """megatron-core <= 0.17's ``pretrain(..., forward_step_func, extra_args_provider=...)`` parses the command line
+    itself: ``install`` replaces the forward step (positional or keyword) and chains the script's
+    ``extra_args_provider`` with the plugin's flags. (From 0.18 on, ``pretrain(cfg_container, ...)`` takes no
+    ``extra_args_provider`` and the script parses first: tests/dist/test_megatron_rl_real_tree.py runs that flow on
+    Megatron-LM's real tree.)"""
     seen = {}
 
     def pretrain(provider, model_provider, model_type, forward_step_func, extra_args_provider=None, **kw):
         seen["fs"], seen["extra"] = forward_step_func, extra_args_provider
-
-    def parse_and_validate_args(extra_args_provider=None):
-        seen["parse_extra"] = extra_args_provider
 
     def own_forward_step(data_iterator, model):
         raise AssertionError("train_rl's forward_step must not run")
@@ -321,15 +321,8 @@ def test_launcher_binds_the_host_forward_step_and_the_flags() -> None:
     assert seen["fs"] is not own_forward_step and seen["fs"].__name__ == "forward_step"
     ns = seen["extra"](argparse.ArgumentParser()).parse_args(["--use-tis", "--grpo-kl-beta", "0.01"])
     assert ns.use_tis and ns.grpo_kl_beta == 0.01
-
-    arguments = types.SimpleNamespace(parse_and_validate_args=parse_and_validate_args)
-    new = types.SimpleNamespace(pretrain=pretrain, parse_and_validate_args=parse_and_validate_args,
-                                arguments=arguments)
-    install(new)
-    new.arguments.parse_and_validate_args(extra_args_provider=own_args)   # train_rl.py's import path
-    new.pretrain(None, None, None, forward_step_func=own_forward_step)
-    assert seen["fs"] is not own_forward_step
-    assert seen["parse_extra"](argparse.ArgumentParser()).parse_args(["--tis-mode", "clip"]).tis_mode == "clip"
+    old.pretrain(None, None, None, forward_step_func=own_forward_step)
+    assert seen["fs"] is not own_forward_step and seen["extra"] is not None
 
 
 class _CountingReducer(LocalReducer):

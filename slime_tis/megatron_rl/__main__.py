@@ -21,6 +21,7 @@ train_rl.py <args>``.
 from __future__ import annotations
 
 import functools
+import inspect
 import runpy
 import sys
 from collections.abc import Callable
@@ -112,8 +113,14 @@ def _default_session() -> Session:
 
 
 def install(training_module, session: Session | None = None) -> None:
-    """Wrap ``training_module.pretrain`` (and ``parse_and_validate_args`` where present) in place."""
+    """Wrap ``training_module.pretrain`` (and ``parse_and_validate_args`` where present) in place.
+
+    ``pretrain`` gets the plugin's flags (``extra_args_provider``) only where its signature takes that argument
+    (megatron-core <= 0.17, where it parses the command line); from 0.18 on (``pretrain(cfg_container, ...)``)
+    the script parses first, through ``parse_and_validate_args`` (``megatron.training.arguments``; re-exported by
+    ``megatron.training`` in some versions), which is wrapped instead."""
     pretrain = training_module.pretrain
+    parses = _takes(pretrain, "extra_args_provider")
 
     @functools.wraps(pretrain)
     def pretrain_with_tis(*args, **kwargs):
@@ -124,7 +131,7 @@ def install(training_module, session: Session | None = None) -> None:
             args[3] = lazy_forward_step(session)
         else:
             raise ValueError("slime_tis.megatron_rl: pretrain(...) call without a forward_step_func to replace")
-        if "extra_args_provider" in kwargs or not hasattr(training_module, "parse_and_validate_args"):
+        if parses:  # megatron-core <= 0.17: pretrain parses the command line itself
             kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
         return pretrain(*args, **kwargs)
 
@@ -133,6 +140,14 @@ def install(training_module, session: Session | None = None) -> None:
         parse = getattr(module, "parse_and_validate_args", None)
         if parse is not None:
             module.parse_and_validate_args = _parse_with_tis(parse)
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn``'s signature has a parameter ``name`` (a ``**kwargs`` catch-all does not count)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a C function): take it as not taking ``name``
+        return False
 
 
 def _parse_with_tis(parse):
