@@ -53,12 +53,13 @@ import torch
 from torch import Tensor
 
 from slime_tis.arguments import add_tis_arguments
-from slime_tis.config import DEFAULTS, TISConfig, config_fields_from_args
+from slime_tis.config import TISConfig
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import Decisions, decides_ahead
+from slime_tis.megatron_rl.flags import config_from_megatron_rl_args, record_typed_flags, resolve_megatron_rl_flags
 
 __all__ = ["APPENDED_METRIC", "RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments",
            "config_from_megatron_rl_args", "item_to_batch", "refuse_context_parallel", "refuse_interleaved_pipeline"]
@@ -71,57 +72,9 @@ APPENDED_METRIC = "tis/appended_tokens"
 
 
 def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The plugin's flags (``slime_tis.arguments.add_tis_arguments``) on Megatron-LM's parser; returns it."""
-    return add_tis_arguments(parser)
-
-
-def _refuse(a: str, b: str) -> ValueError:
-    return ValueError(f"{a} conflicts with {b}: set one of them (docs/megatron_rl.md, flag mapping)")
-
-
-def config_from_megatron_rl_args(args: Any) -> TISConfig:
-    """``TISConfig`` from a namespace holding Megatron-LM's RL flags and the plugin's (one-line refusals).
-
-    ``--rl-inference-logprobs-is-correction`` -> ``use_tis``; ``--rl-importance-sampling-truncation-coef C`` ->
-    ``upper = C`` in truncate mode; ``--grpo-clamp-eps-lower/-upper`` -> ``eps_clip``/``eps_clip_high``;
-    ``--grpo-kl-beta`` -> ``kl_coef`` (k3); ``--grpo-entropy-term-weight`` -> ``entropy_coef`` with Megatron-LM's
-    sampled-token estimate (:meth:`RLHost.entropy_of`).
-    """
-    f = config_fields_from_args(args)
-    correction = bool(getattr(args, "rl_inference_logprobs_is_correction", False))
-    coef = getattr(args, "rl_importance_sampling_truncation_coef", None)
-    f["use_tis"] = f.get("use_tis", False) or correction
-    if coef is not None:
-        if not f["use_tis"]:
-            raise ValueError(f"--rl-importance-sampling-truncation-coef {coef} needs "
-                             "--rl-inference-logprobs-is-correction or --use-tis")
-        if f.get("mode", "truncate") != "truncate":
-            raise _refuse(f"--rl-importance-sampling-truncation-coef {coef}", f"--tis-mode {f['mode']}")
-        if f.get("upper") is not None and float(f["upper"]) != float(coef):
-            raise _refuse(f"--rl-importance-sampling-truncation-coef {coef}", f"--tis-upper-bound {f['upper']}")
-        f["upper"] = float(coef)
-    elif correction and f.get("upper") is None:
-        raise ValueError("--rl-inference-logprobs-is-correction without --rl-importance-sampling-truncation-coef "
-                         "or --tis-upper-bound: the weight would have no upper bound")
-    for ours, theirs, default in (("eps_clip", "grpo_clamp_eps_lower", DEFAULTS["eps_clip"]),
-                                  ("eps_clip_high", "grpo_clamp_eps_upper", DEFAULTS["eps_clip_high"]),
-                                  ("kl_coef", "grpo_kl_beta", DEFAULTS["kl_coef"])):
-        value = getattr(args, theirs, None)
-        if value is None:
-            continue
-        given = f.get(ours, default)
-        if given != default and float(given) != float(value):
-            raise _refuse(f"--{theirs.replace('_', '-')} {value}", f"--{_flag(ours)} {given}")
-        f[ours] = float(value)
-    weight = float(getattr(args, "grpo_entropy_term_weight", 0.0) or 0.0)
-    if weight:
-        if f.get("entropy_coef", 0.0):
-            raise _refuse(f"--grpo-entropy-term-weight {weight}", f"--tis-entropy-coef {f['entropy_coef']}")
-        f["entropy_coef"] = weight
-    if f.get("kl_coef") and f.get("kl_estimator", "k3") != "k3" and getattr(args, "grpo_kl_beta", None):
-        raise _refuse(f"--grpo-kl-beta {args.grpo_kl_beta} (the k3 estimator)",
-                      f"--tis-kl-estimator {f['kl_estimator']}")
-    return TISConfig(**f)
+    """The plugin's flags (``slime_tis.arguments.add_tis_arguments``) on Megatron-LM's parser, which also records
+    the mapped Megatron-LM flags the user typed (``flags.record_typed_flags``); returns it."""
+    return record_typed_flags(add_tis_arguments(parser))
 
 
 #: Megatron-LM's flags that select an interleaved (virtual) pipeline schedule, the attribute they set
@@ -149,10 +102,6 @@ def refuse_context_parallel(cp: Any) -> None:
         raise ValueError(f"--context-parallel-size {cp}: slime_tis.megatron_rl does not split sequences across "
                          "context-parallel ranks; use --context-parallel-size 1 (data, tensor and pipeline "
                          "parallelism are supported)")
-
-
-def _flag(field: str) -> str:
-    return {"eps_clip": "eps-clip", "eps_clip_high": "eps-clip-high", "kl_coef": "tis-kl-coef"}[field]
 
 
 def _f32(t: Tensor | None) -> Tensor | None:
@@ -283,11 +232,12 @@ class RLHost:
         """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
         refuse_interleaved_pipeline(args)
         refuse_context_parallel(getattr(args, "context_parallel_size", 1))
-        return cls(config_from_megatron_rl_args(args), num_microbatches,
+        flags = resolve_megatron_rl_flags(args)
+        return cls(flags.cfg, num_microbatches,
                    packed=bool(getattr(args, "rl_use_sequence_packing", False)),
                    temperature=float(getattr(args, "rl_default_temperature", 1.0) or 1.0),
                    per_token=bool(getattr(args, "calculate_per_token_loss", False)),
-                   sampled_entropy=bool(getattr(args, "grpo_entropy_term_weight", 0.0)), **kw)
+                   sampled_entropy=flags.sampled_entropy, **kw)
 
     def _translate(self, item) -> tuple[TISBatch, Tensor, Tensor, Any, int]:
         """``item_to_batch`` on the host's device, with the item's sequence count (Megatron-LM's)."""
