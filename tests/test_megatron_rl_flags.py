@@ -146,3 +146,28 @@ def test_the_correction_flags_map_onto_the_plugin() -> None:
     cfg = resolve(["--use-tis", "--rl-importance-sampling-truncation-coef", "1.5", "--tis-upper-bound", "1.5"]).cfg
     assert cfg.upper_bound == 1.5
     assert resolve(["--use-tis", "--use-rollout-log-probs", "--tis-upper-bound", "3"]).cfg.algorithm == 3
+
+
+def test_a_namespace_without_the_record_counts_megatron_lms_numbers_as_typed() -> None:
+    """Megatron-LM's values set on a namespace the launcher's parser did not parse (no ``tis_megatron_typed``):
+    a disagreement is refused, agreement and Megatron-LM's values alone map; its switch counts as not typed."""
+    parser = add_megatron_rl_tis_arguments(argparse.ArgumentParser())
+
+    def ns(argv, **megatron_lm):
+        args = parser.parse_args(argv)
+        for k, v in dict(grpo_clamp_eps_lower=0.2, grpo_clamp_eps_upper=0.28, grpo_kl_beta=0.05,
+                         grpo_entropy_term_weight=0.01, rl_inference_logprobs_is_correction=False,
+                         rl_importance_sampling_truncation_coef=1.5, **megatron_lm).items():
+            setattr(args, k, v)
+        return args
+
+    with pytest.raises(ValueError, match="^--grpo-clamp-eps-lower 0.2 conflicts with --eps-clip 0.3: "):
+        resolve_megatron_rl_flags(ns(["--use-tis", "--eps-clip", "0.3"]))
+    with pytest.raises(ValueError, match="^--grpo-kl-beta 0.05 conflicts with --tis-kl-coef 0: "):
+        resolve_megatron_rl_flags(ns(["--use-tis", "--tis-kl-coef", "0"]))
+    flags = resolve_megatron_rl_flags(ns(["--use-tis", "--use-rollout-log-probs", "--eps-clip", "0.2"]))
+    cfg = flags.cfg
+    assert (cfg.algorithm, cfg.upper_bound, cfg.eps_clip, cfg.eps_high, cfg.kl_coef, cfg.entropy_coef) == \
+        (3, 1.5, 0.2, 0.28, 0.05, 0.01)
+    assert flags.sampled_entropy
+

@@ -175,11 +175,34 @@ def block_causal_mask(b) -> Tensor:
     return ~(same & causal)[None, None].to(b.tokens.device)
 
 
+def unpacked_seq_params(tokens: Tensor):
+    """The ``packed_seq_params`` ``train_rl.forward_step`` passes for unpacked rows ``[B, S]``: THD, one sequence
+    spanning the row (``cu_seqlens = [0, S]``), without ``total_tokens`` (Megatron-LM leaves it out so that no
+    sequence-packing kernel is chosen)."""
+    from dataclasses import fields
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    s = tokens.shape[1]
+    cu = torch.tensor([0, s], dtype=torch.int32, device=tokens.device)
+    extra = {"pad_between_seqs": False} if "pad_between_seqs" in {f.name for f in fields(PackedSeqParams)} else {}
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s,
+                           **extra)
+
+
 def default_model_forward(model, tokens: Tensor, pos: Tensor, b) -> Tensor:
-    """``model(tokens, position_ids, attention_mask)``: no mask for unpacked rows (causal); a packed bin with
-    Megatron-LM's ``packed_seq_params`` attends per sequence through them (THD), one without them (the CPU local
-    attention) through a block-causal mask."""
+    """``model(tokens, position_ids, attention_mask[, packed_seq_params=...])`` as Megatron-LM's ``get_logprobs``
+    calls it: unpacked rows with no mask (causal), a micro-batch of one row with :func:`unpacked_seq_params` as
+    ``train_rl.forward_step`` passes them; a packed bin with Megatron-LM's ``packed_seq_params`` attends per
+    sequence through them (THD), one without them (the CPU local attention) through a block-causal mask.
+
+    Micro-batches of several unpacked rows get no ``packed_seq_params``: with THD parameters Megatron-LM's
+    attention layer takes the batch dimension for a dummy one (it reshapes the core attention's output to
+    ``[t, 1, heads * d]``), so the call ``train_rl.forward_step`` makes fails for two rows (measured on d98e8a64dd's
+    GPT on CPU: ``RuntimeError: mat1 and mat2 shapes cannot be multiplied`` in ``linear_proj``)."""
     if b is None:
+        if tokens.shape[0] == 1:
+            return model(tokens, pos, None, packed_seq_params=unpacked_seq_params(tokens))
         return model(tokens, pos, None)
     psp = getattr(b, "packed_seq_params", None)
     if psp is not None:

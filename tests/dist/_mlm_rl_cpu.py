@@ -102,6 +102,7 @@ torch.cuda.device_count = lambda: 1
 torch.cuda.set_device = lambda *a, **k: None
 
 import megatron.core.datasets.utils as _dataset_utils  # noqa: E402
+import megatron.training.arguments as _arguments  # noqa: E402
 import megatron.training.training as _training  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -111,6 +112,7 @@ from megatron.rl import rl_utils  # noqa: E402
 from megatron.rl.types import RolloutGroup, TokenRollout  # noqa: E402
 
 _dataset_utils.compile_helpers = lambda: None
+_arguments.get_device_arch_version = lambda: 9  # a device query (TP / CP > 1 check CUDA_DEVICE_MAX_CONNECTIONS)
 NullTokenizer.bos_id = None
 _initialize_megatron = _training.initialize_megatron
 
@@ -126,6 +128,11 @@ _training.set_jit_fusion_options = lambda *args, **kwargs: None
 
 
 # ------------------------------------------------------------------------------------------- packed attention
+#: what the launch did so far (rollout collections, log-prob passes, optimizer steps, attention calls with and
+#: without ``packed_seq_params``) and the current collection's data for the oracle
+STATE: dict = {"collections": 0, "passes": 0, "step": 0, "attention_with_params": 0, "attention_without_params": 0}
+
+
 def segment_ids(packed_seq_params, length: int) -> torch.Tensor:
     """``[length]`` segment of each position from ``cu_seqlens_q`` (positions past its end: one more segment)."""
     seg = torch.full((length,), -1, dtype=torch.int64)
@@ -139,8 +146,9 @@ def segment_ids(packed_seq_params, length: int) -> torch.Tensor:
 
 
 class CPUPackedAttention(MegatronModule):
-    """Megatron-LM's ``core_attention`` slot (``[S, B, heads, d]`` in and ``[S, B, heads * d]`` out) on CPU:
-    causal attention within each segment of ``packed_seq_params`` (one segment per row without them)."""
+    """Megatron-LM's ``core_attention`` slot (``[S, B, heads, d]`` in and ``[S, B, heads * d]`` out; under THD
+    ``packed_seq_params`` ``[T, heads, d]`` in and ``[T, 1, heads * d]`` out) on CPU: causal attention within each
+    segment of ``packed_seq_params`` (one segment per row without them)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **kwargs):
@@ -149,6 +157,9 @@ class CPUPackedAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
+        STATE["attention_with_params" if packed_seq_params is not None else "attention_without_params"] += 1
+        if query.dim() == 3:  # THD: Megatron-LM squeezed the dummy batch dimension
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         sq = query.shape[0]
         seg = segment_ids(packed_seq_params, sq)
         pos = torch.arange(sq)
@@ -192,7 +203,6 @@ def weights64(gpt) -> dict:
 # ------------------------------------------------------------------------------------------- the rollouts
 #: standard deviation (nats) of the perturbation added to the current policy's log-probs (the inference side)
 PERTURBATION = 0.3
-STATE: dict = {"collections": 0, "passes": 0, "step": 0}
 
 
 def make_rollouts(model, n_prompts: int, group: int):
@@ -297,7 +307,9 @@ def _recorded_train_step(forward_step_func, data_iterator, model, *args, **kwarg
     a = get_args()
     gpt = _gpt(model)
     params64 = weights64(gpt)
+    attention = {k: STATE[k] for k in ("attention_with_params", "attention_without_params")}
     out = _train_step(forward_step_func, data_iterator, model, *args, **kwargs)
+    attention = {k: STATE[k] - v for k, v in attention.items()}
     logged = {k: float(v) for k, v in out[0].items()}
     dp = ps.get_data_parallel_world_size()
     rows = step_rows(STATE["step"], STATE["tokens"].shape[0], dp, a.global_batch_size)
@@ -312,7 +324,7 @@ def _recorded_train_step(forward_step_func, data_iterator, model, *args, **kwarg
     record = dict(rank=torch.distributed.get_rank(), step=STATE["step"], collection=STATE["collections"],
                   logged=logged, oracle_loss=float(loss), grad_err=errs[worst], grad_err_param=worst,
                   grad_scale=scale, n_params=len(errs), passes=STATE["passes"], dp=dp,
-                  rows=rows, tokens=float(STATE["mask"][torch.tensor(rows)].sum()))
+                  rows=rows, tokens=float(STATE["mask"][torch.tensor(rows)].sum()), **attention)
     with open(os.path.join(os.environ["SLIME_TIS_MLM_OUT"], f"rank{record['rank']}.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
     STATE["step"] += 1

@@ -3,7 +3,7 @@ train_rl.py <Megatron-LM flags> <plugin flags>`` with ``train_rl.py`` and its ``
 included) from NVIDIA/Megatron-LM commit d98e8a64dd (``../shared/third_party/megatron-lm-d98e8a64dd.tar.gz``,
 extracted here and put first on ``PYTHONPATH``), on CPU with gloo: a tiny GPT (2 layers, hidden 32, vocabulary 64,
 sequences of 16), DP=2, one rollout collection of 4 prompts x 4 samples trained in two optimizer steps of 8 rows
-(2 micro-batches of 2 rows per rank), SGD at learning rate 1 so that the second step's ratios leave the clip range.
+(4 micro-batches of one row per rank), SGD at learning rate 1 so that the second step's ratios leave the clip range.
 
 Megatron-LM runs as shipped (``parse_and_validate_args`` -> ``pretrain`` -> ``train`` -> ``get_grpo_data_iterator``
 -> ``prepare_data_for_update`` -> ``train_step``, Megatron DDP, its SGD) except for the stand-ins of
@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow,
 MEGATRON_LM = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--spec", "_mlm_rl_cpu",
                "CPU_LAYER_SPEC", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                "--seq-length", "16", "--max-position-embeddings", "16", "--position-embedding-type",
-               "learned_absolute", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
+               "learned_absolute", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
                "--lr", "1.0", "--optimizer", "sgd", "--weight-decay", "0", "--clip-grad", "0", "--tokenizer-type",
                "NullTokenizer", "--vocab-size", "64", "--null-tokenizer-pad-id", "0", "--perform-rl-step",
                "--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--grpo-iterations", "1",
@@ -104,3 +104,11 @@ def test_the_explicit_eps_clip_and_tis_kl_coef_0_are_honoured(records) -> None:
         assert r["passes"] == 1, r["passes"]
         assert "policy/kl" not in r["logged"]
         assert r["logged"]["tis/weight_max"] <= 2.0  # Megatron-LM's truncation coefficient, as the upper bound
+
+
+def test_the_training_forward_gets_megatron_lms_packed_seq_params_for_unpacked_rows(records) -> None:
+    """As ``train_rl.forward_step``: every attention call of a training step (4 micro-batches of one row, 2
+    layers) has ``packed_seq_params`` (one THD sequence spanning the row), none runs without them."""
+    for r in records:
+        assert r["attention_with_params"] == 4 * 2 and r["attention_without_params"] == 0, r
+
