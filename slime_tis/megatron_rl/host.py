@@ -59,6 +59,7 @@ from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import Decisions, decides_ahead
+from slime_tis.megatron_rl.cp import local_rows, row_grid
 from slime_tis.megatron_rl.flags import config_from_megatron_rl_args, record_typed_flags, resolve_megatron_rl_flags
 
 __all__ = ["APPENDED_METRIC", "RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments",
@@ -94,22 +95,23 @@ def refuse_interleaved_pipeline(args: Any) -> None:
                              "schedules; drop the flag (plain pipeline parallelism is supported)")
 
 
-def refuse_context_parallel(cp: Any) -> None:
-    """One-line ``ValueError`` naming ``--context-parallel-size`` and its value where it is above 1: the host's
-    training forward and its pi_old / pi_ref passes run every sequence whole on each rank, while Megatron-LM's
-    ``get_logprobs`` splits it across the context-parallel ranks."""
-    if cp is not None and int(cp) > 1:
-        raise ValueError(f"--context-parallel-size {cp}: slime_tis.megatron_rl does not split sequences across "
-                         "context-parallel ranks; use --context-parallel-size 1 (data, tensor and pipeline "
-                         "parallelism are supported)")
+def refuse_context_parallel(cp: Any, *, packed: bool) -> None:
+    """One-line ``ValueError`` naming ``--context-parallel-size`` and its value where it is above 1 with
+    sequence-packed bins: the host splits unpacked rows across context-parallel ranks (``cp.py``), not bins."""
+    if packed and cp is not None and int(cp) > 1:
+        raise ValueError(f"--context-parallel-size {cp} with --rl-use-sequence-packing: slime_tis.megatron_rl "
+                         "splits unpacked rows across context-parallel ranks, not packed bins; use "
+                         "--no-rl-use-sequence-packing or --context-parallel-size 1")
 
 
 def _f32(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1).to(torch.float32)
 
 
-def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatch, Tensor, Tensor, Any]:
-    """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring)."""
+def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, int] = (1, 0)
+                  ) -> tuple[TISBatch, Tensor, Tensor, Any]:
+    """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring); unpacked
+    rows under context parallelism (``cp = (size, rank)``, size > 1): this CP rank's part of them (``cp.py``)."""
     if packed:
         if len(item) == 11:
             tokens, adv, old, mask, pos, ref, inf, starts, lengths, indices, psp = item
@@ -128,6 +130,8 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatc
             adv_tok = torch.repeat_interleave(adv.reshape(-1).to(torch.float32), cu.diff())
         else:  # a padding bin (Megatron-LM evens the bins over DP ranks): one span, nothing trains
             adv_tok = torch.zeros(t, dtype=torch.float32, device=mask.device)
+    elif cp[0] > 1:
+        return _cp_rows_to_batch(item, cfg, *cp)
     else:
         tokens, adv, old, mask, pos, ref, inf = item
         rows, t_row = tokens.shape[0], tokens.shape[1] - 1
@@ -140,6 +144,29 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatc
                      old_log_probs=_f32(old) if cfg.needs_old_log_probs else None,
                      ref_log_probs=_f32(ref) if cfg.kl_coef else None)
     return batch, tokens, pos, b
+
+
+def _cp_rows_to_batch(item: tuple, cfg: TISConfig, cp_size: int, cp_rank: int
+                      ) -> tuple[TISBatch, Tensor, Tensor, None]:
+    """Unpacked rows ``[B, S]`` -> this CP rank's ``[B, S / cp]`` part (``cp.py``): tokens, position ids and the
+    ``TISBatch`` of the row-aligned grids (position ``t`` predicts ``tokens[:, t + 1]``; the last one masked)."""
+    tokens, adv, old, mask, pos, ref, inf = item
+    rows = tokens.shape[0]
+    def part(x: Tensor) -> Tensor:
+        return local_rows(x, cp_size, cp_rank)
+
+    def grid(x: Tensor | None) -> Tensor | None:
+        return None if x is None else _f32(part(row_grid(x.reshape(rows, -1).to(torch.float32))))
+
+    labels = part(row_grid(tokens[:, 1:]))
+    local = labels.shape[1]
+    batch = TISBatch(labels=labels.reshape(-1).to(torch.int64), loss_mask=grid(mask[:, 1:]),
+                     advantages=part(adv.reshape(-1, 1).to(torch.float32).expand(tokens.shape)).reshape(-1),
+                     cu_seqlens=torch.arange(rows + 1, dtype=torch.int64, device=tokens.device) * local,
+                     rollout_log_probs=grid(inf) if cfg.algorithm != 0 else None,
+                     old_log_probs=grid(old) if cfg.needs_old_log_probs else None,
+                     ref_log_probs=grid(ref) if cfg.kl_coef else None)
+    return batch, part(tokens), part(pos), None
 
 
 @dataclass(frozen=True)
@@ -201,7 +228,7 @@ def default_model_forward(model, tokens: Tensor, pos: Tensor, b) -> Tensor:
     ``[t, 1, heads * d]``), so the call ``train_rl.forward_step`` makes fails for two rows (measured on d98e8a64dd's
     GPT on CPU: ``RuntimeError: mat1 and mat2 shapes cannot be multiplied`` in ``linear_proj``)."""
     if b is None:
-        if tokens.shape[0] == 1:
+        if tokens.shape[0] == 1 and parallel_context().cp_size == 1:
             return model(tokens, pos, None, packed_seq_params=unpacked_seq_params(tokens))
         return model(tokens, pos, None)
     psp = getattr(b, "packed_seq_params", None)
@@ -254,7 +281,8 @@ class RLHost:
     def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
         """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
         refuse_interleaved_pipeline(args)
-        refuse_context_parallel(getattr(args, "context_parallel_size", 1))
+        refuse_context_parallel(getattr(args, "context_parallel_size", 1),
+                                packed=bool(getattr(args, "rl_use_sequence_packing", False)))
         flags = resolve_megatron_rl_flags(args)
         return cls(flags.cfg, num_microbatches,
                    packed=bool(getattr(args, "rl_use_sequence_packing", False)),
@@ -264,7 +292,8 @@ class RLHost:
 
     def _translate(self, item) -> tuple[TISBatch, Tensor, Tensor, Any, int]:
         """``item_to_batch`` on the host's device, with the item's sequence count (Megatron-LM's)."""
-        batch, tokens, pos, b = item_to_batch(item, self.cfg, packed=self.packed)
+        ctx = parallel_context()
+        batch, tokens, pos, b = item_to_batch(item, self.cfg, packed=self.packed, cp=(ctx.cp_size, ctx.cp_rank))
         n_seq = len(b.seq_lengths) if b is not None else int(tokens.shape[0])
         if self.device is None:
             return batch, tokens, pos, b, n_seq
@@ -283,7 +312,7 @@ class RLHost:
         Collectives (last pipeline stage, where :func:`~slime_tis.engine.totals.decides_ahead`): those of one
         ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
         ctx = parallel_context()
-        refuse_context_parallel(ctx.cp_size)
+        refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self._rollout = [self._translate(item) for item in items]
         self.decisions, self.rollout_factor, self.appended = Decisions(), None, appended
         if ctx.last_pp_stage and decides_ahead(self.cfg):
@@ -305,7 +334,7 @@ class RLHost:
     def _begin_step(self, data_iterator) -> None:
         m = self._m()
         ctx = parallel_context()
-        refuse_context_parallel(ctx.cp_size)
+        refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self.ctx, self.m, self.dicts = ctx, m, []
         items = [self._next_item(data_iterator) for _ in range(m)]
         self.engine = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions) if ctx.last_pp_stage else None
@@ -328,12 +357,13 @@ class RLHost:
             return output, lambda out, *a, **k: (out.sum() * 0.0, {})
         return output, self._loss_func(batch, last=not self._queue)
 
-    def log_probs(self, output: Tensor, labels: Tensor, *, with_entropy: bool = False
+    def log_probs(self, output: Tensor, labels: Tensor, *, with_entropy: bool = False, local: bool = False
                   ) -> tuple[Tensor, Tensor | None]:
         """``(lp [B (S-1)], entropy or None)``: float32 log-probs of ``labels`` (``[B (S-1)]``, ``tokens[:, 1:]``)
-        under ``softmax(output[:, :-1] / T)`` (the engine's vocab-parallel log-softmax). The training loss and
-        the launcher's pi_old / pi_ref passes take their log-probs here."""
-        logits = output[:, :-1].reshape(-1, output.shape[-1])
+        under ``softmax(output[:, :-1] / T)`` (the engine's vocab-parallel log-softmax); ``local``: a CP rank's
+        part of the rows, every position's label given (``[B S/cp]``, ``cp.py``), under ``softmax(output / T)``.
+        The training loss and the launcher's pi_old / pi_ref passes take their log-probs here."""
+        logits = (output if local else output[:, :-1]).reshape(-1, output.shape[-1])
         return vocab_parallel_log_probs_and_entropy(logits, labels, temperature=self.temperature,
                                                     with_entropy=with_entropy)
 
@@ -343,7 +373,8 @@ class RLHost:
 
     def _loss_func(self, batch: TISBatch, last: bool) -> Callable:
         def loss_func(output: Tensor, *args, **kwargs):
-            lp, h = self.log_probs(output, batch.labels, with_entropy=not self.sampled_entropy)
+            lp, h = self.log_probs(output, batch.labels, with_entropy=not self.sampled_entropy,
+                                   local=self.ctx.cp_size > 1 and not self.packed)
             out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
             self.engine.record(out.stats)
             from megatron.core import parallel_state as ps

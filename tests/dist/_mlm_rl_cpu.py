@@ -9,11 +9,13 @@ Imported at interpreter start-up in each torchrun worker of that launch (``_mlm_
   model-parallel groups and its RNG tracker only where it counts a device), ``initialize_megatron`` with its own
   ``allow_no_cuda=True``, no warm-up of the JIT fusion kernels (``set_jit_fusion_options``: ``torch.compile``
   of the CUDA fusions, which on CPU would have inductor compile C++; the launch turns the fusions off with
-  Megatron-LM's ``--no-*-fusion`` flags) and no build of the C++ dataset helpers (the RL loop reads no indexed
-  dataset; the project compiles nothing);
-* **TE's packed attention**: :data:`CPU_LAYER_SPEC` (``--spec _mlm_rl_cpu CPU_LAYER_SPEC``), Megatron-LM's local
-  GPT layer with a core attention that honours the ``packed_seq_params`` (THD) ``get_logprobs`` passes: causal
-  attention within each ``cu_seqlens_q`` segment (Megatron-LM's local ``DotProductAttention`` refuses them);
+  Megatron-LM's ``--no-*-fusion`` flags), no build of the C++ dataset helpers (the RL loop reads no indexed
+  dataset; the project compiles nothing) and a device-architecture answer (``get_device_arch_version``, read by
+  ``validate_args`` for TP / CP > 1);
+* **TE's packed and context-parallel attention**: :data:`CPU_LAYER_SPEC` (``--spec _mlm_rl_cpu CPU_LAYER_SPEC``),
+  Megatron-LM's local GPT layer with a core attention that honours the ``packed_seq_params`` (THD) the forward
+  passes: causal attention within each ``cu_seqlens_q`` segment (Megatron-LM's local ``DotProductAttention``
+  refuses them); under context parallelism the project's CPU CP attention (``tests/_cpu/cpu_cp_attention.py``);
 * **the inference engine**: ``rl_utils.get_environment_rollouts`` returns rollouts made here
   (:func:`make_rollouts`): random prompts and completions, each completion's inference log-probs = the float64
   log-probs of the current weights at ``--rl-default-temperature`` plus a seeded Gaussian perturbation
@@ -31,7 +33,8 @@ logs (``lm loss``, every ``tis/*`` key), the float64 oracle's loss of the step, 
 
 The oracle (:func:`oracle_step`): the step's rows as Megatron-LM splits them (the collection group-major, DP rank
 ``r`` takes the ``r``-th contiguous share, each step the next ``global_batch / DP`` rows of it), the model run in
-float64 (``torch.func.functional_call`` with float64 copies of the weights) at temperature ``T``, and the plugin's
+float64 on whole rows (``torch.func.functional_call`` with float64 copies of the weights; no context-parallel split)
+at temperature ``T``, and the plugin's
 algorithm 2 written out: token weight ``w = min(exp(lp_old - lp_inf), C)``, ratio ``r = exp(lp - lp_old)``, loss
 ``sum(mask * -min(r A, clip(r, 1 - eps, 1 + eps_high) A) w) / sum(mask)`` over the step's global batch, with
 ``lp_old`` the float64 log-probs of the weights the collection was made with.
@@ -104,6 +107,7 @@ torch.cuda.set_device = lambda *a, **k: None
 import megatron.core.datasets.utils as _dataset_utils  # noqa: E402
 import megatron.training.arguments as _arguments  # noqa: E402
 import megatron.training.training as _training  # noqa: E402
+from _cpu.cpu_cp_attention import CPUContextParallelAttention  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # noqa: E402
@@ -130,7 +134,8 @@ _training.set_jit_fusion_options = lambda *args, **kwargs: None
 # ------------------------------------------------------------------------------------------- packed attention
 #: what the launch did so far (rollout collections, log-prob passes, optimizer steps, attention calls with and
 #: without ``packed_seq_params``) and the current collection's data for the oracle
-STATE: dict = {"collections": 0, "passes": 0, "step": 0, "attention_with_params": 0, "attention_without_params": 0}
+STATE: dict = {"collections": 0, "passes": 0, "step": 0, "attention_with_params": 0, "attention_without_params": 0,
+               "whole_rows": False}
 
 
 def segment_ids(packed_seq_params, length: int) -> torch.Tensor:
@@ -148,7 +153,9 @@ def segment_ids(packed_seq_params, length: int) -> torch.Tensor:
 class CPUPackedAttention(MegatronModule):
     """Megatron-LM's ``core_attention`` slot (``[S, B, heads, d]`` in and ``[S, B, heads * d]`` out; under THD
     ``packed_seq_params`` ``[T, heads, d]`` in and ``[T, 1, heads * d]`` out) on CPU: causal attention within each
-    segment of ``packed_seq_params`` (one segment per row without them)."""
+    segment of ``packed_seq_params`` (one segment per row without them); under context parallelism the project's
+    CPU context-parallel attention (``tests/_cpu/cpu_cp_attention.py``: K and V gathered over the CP group,
+    causal in the global positions of megatron-core's load-balanced layout)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **kwargs):
@@ -158,6 +165,9 @@ class CPUPackedAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         STATE["attention_with_params" if packed_seq_params is not None else "attention_without_params"] += 1
+        if ps.get_context_parallel_world_size() > 1 and not STATE["whole_rows"]:  # the CPU CP attention (sbhd)
+            assert packed_seq_params is None, "THD context parallelism is not stood in for here"
+            return CPUContextParallelAttention.forward(self, query, key, value, attention_mask)
         if query.dim() == 3:  # THD: Megatron-LM squeezed the dummy batch dimension
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         sq = query.shape[0]
@@ -185,12 +195,16 @@ def _gpt(model):
 
 def log_probs64(gpt, params64: dict, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[B, S-1]`` float64 log-probs of ``tokens[:, 1:]`` under ``softmax(logits / T)``, the model run with
-    ``params64`` (each row one causal sequence)."""
+    ``params64`` on whole rows (each row one causal sequence, no context-parallel split)."""
     from torch.func import functional_call
 
     b, s = tokens.shape
     pos = torch.arange(s).expand(b, s)
-    logits = functional_call(gpt, params64, (tokens, pos, None))
+    STATE["whole_rows"] = True  # every rank runs whole rows here, whatever the context-parallel layout
+    try:
+        logits = functional_call(gpt, params64, (tokens, pos, None))
+    finally:
+        STATE["whole_rows"] = False
     assert logits.dtype == torch.float64, logits.dtype
     logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
     return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)

@@ -2,8 +2,10 @@
 train_rl.py <Megatron-LM flags> <plugin flags>`` with ``train_rl.py`` and its ``megatron`` package (core
 included) from NVIDIA/Megatron-LM commit d98e8a64dd (``../shared/third_party/megatron-lm-d98e8a64dd.tar.gz``,
 extracted here and put first on ``PYTHONPATH``), on CPU with gloo: a tiny GPT (2 layers, hidden 32, vocabulary 64,
-sequences of 16), DP=2, one rollout collection of 4 prompts x 4 samples trained in two optimizer steps of 8 rows
-(4 micro-batches of one row per rank), SGD at learning rate 1 so that the second step's ratios leave the clip range.
+sequences of 16), one rollout collection of 4 prompts x 4 samples trained in two optimizer steps of 8 rows, SGD at
+learning rate 1 so that the second step's ratios leave the clip range, in two launches: DP=2 with micro-batches of
+one row (4 per rank and step; Megatron-LM's THD ``packed_seq_params``), and CP=2 (DP=1) with micro-batches of two
+rows (4 per step; each row split over the two ranks in megatron-core's load-balanced layout).
 
 Megatron-LM runs as shipped (``parse_and_validate_args`` -> ``pretrain`` -> ``train`` -> ``get_grpo_data_iterator``
 -> ``prepare_data_for_update`` -> ``train_step``, Megatron DDP, its SGD) except for the stand-ins of
@@ -15,14 +17,16 @@ Megatron-LM runs as shipped (``parse_and_validate_args`` -> ``pretrain`` -> ``tr
 * CUDA calls: the project's CPU layer (``examples/rl/cpu_compat.py``), a device count of 1 and a no-op
   ``set_device``, ``initialize_megatron(allow_no_cuda=True)``, no JIT-fusion warm-up (``torch.compile`` of the
   CUDA fusions) and no build of the C++ dataset helpers;
-* TE's packed attention: ``--spec _mlm_rl_cpu CPU_LAYER_SPEC``, the local GPT layer with a core attention that
-  honours the ``packed_seq_params`` Megatron-LM passes (causal within each ``cu_seqlens`` segment);
+* TE's packed and context-parallel attention: ``--spec _mlm_rl_cpu CPU_LAYER_SPEC``, the local GPT layer with a
+  core attention that honours the ``packed_seq_params`` Megatron-LM passes (causal within each ``cu_seqlens``
+  segment) and, under CP, gathers K and V over the CP group (``tests/_cpu/cpu_cp_attention.py``);
 * imports only: placeholders for ``wandb``, ``openai``, ``fastapi``, ``uvicorn`` where not installed,
   ``typing.override`` on Python 3.11, ``bos_id = None`` on the synthetic ``NullTokenizer``.
 
-Checked, on both ranks and both steps, against a float64 computation (the model run in float64 on the step's
-global rows, the plugin's algorithm 2 written out): the loss Megatron-LM's ``train_step`` logs and every gradient
-(``main_grad`` after Megatron DDP's reduction). The plugin flags are ``--use-tis --eps-clip 0.2 --tis-kl-coef 0``
+Checked, on both ranks and both steps of each launch, against a float64 computation on whole rows (no context
+parallelism: the model run in float64 on the step's global rows, the plugin's algorithm 2 written out): the loss
+Megatron-LM's ``train_step`` logs and every gradient (``main_grad`` after Megatron DDP's reduction over DP x CP);
+so CP=2 equals CP=1 within the float32 tolerance. The plugin flags are ``--use-tis --eps-clip 0.2 --tis-kl-coef 0``
 with Megatron-LM's ``--rl-importance-sampling-truncation-coef 2``: the explicit ``--eps-clip`` must win over
 ``--grpo-clamp-eps-lower``'s default 0.01 and ``--tis-kl-coef 0`` over ``--grpo-kl-beta``'s default 0.001 (no
 pi_ref pass, no KL metric). Skipped where ``../shared`` (the tarball) is absent, e.g. in a user's clone.
@@ -50,7 +54,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow,
 MEGATRON_LM = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--spec", "_mlm_rl_cpu",
                "CPU_LAYER_SPEC", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                "--seq-length", "16", "--max-position-embeddings", "16", "--position-embedding-type",
-               "learned_absolute", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
+               "learned_absolute", "--global-batch-size", "8", "--train-iters", "2",
                "--lr", "1.0", "--optimizer", "sgd", "--weight-decay", "0", "--clip-grad", "0", "--tokenizer-type",
                "NullTokenizer", "--vocab-size", "64", "--null-tokenizer-pad-id", "0", "--perform-rl-step",
                "--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--grpo-iterations", "1",
@@ -61,28 +65,39 @@ MEGATRON_LM = ["--distributed-backend", "gloo", "--transformer-impl", "local", "
                "--rl-importance-sampling-truncation-coef", "2"]
 PLUGIN = ["--use-tis", "--eps-clip", "0.2", "--tis-kl-coef", "0"]
 EPS = "0.2"  # what the oracle clips at: the --eps-clip typed above (symmetric)
-DP, STEPS = 2, 2
+STEPS = 2
+#: layout -> (its Megatron-LM flags, DP size): DP=2 with micro-batches of one row (Megatron-LM's THD
+#: ``packed_seq_params``), and CP=2 (DP=1) with micro-batches of two rows (megatron-core's load-balanced split)
+LAYOUTS = {"dp2": (["--micro-batch-size", "1"], 2),
+           "cp2": (["--micro-batch-size", "2", "--context-parallel-size", "2"], 1)}
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> list[dict]:
-    tree = tmp_path_factory.mktemp("megatron-lm-d98e8a64dd")
+def tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron-lm-d98e8a64dd")
     with tarfile.open(TARBALL) as archive:
-        archive.extractall(tree, filter="data")
-    out = tmp_path_factory.mktemp("records")
+        archive.extractall(root, filter="data")
+    return root
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def records(request, tree, tmp_path_factory) -> list[dict]:
+    flags, _ = LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp(f"records_{request.param}")
     path = os.pathsep.join([str(HERE / "_mlm_boot"), str(tree), os.environ.get("PYTHONPATH", "")])
-    torchrun(["-m", "slime_tis.megatron_rl"], [str(tree / "train_rl.py"), *MEGATRON_LM, *PLUGIN], nproc=DP,
-             timeout=300, what="train_rl.py on Megatron-LM d98e8a64dd",
+    torchrun(["-m", "slime_tis.megatron_rl"], [str(tree / "train_rl.py"), *MEGATRON_LM, *flags, *PLUGIN], nproc=2,
+             timeout=300, what=f"train_rl.py on Megatron-LM d98e8a64dd ({request.param})",
              env={"PYTHONPATH": path, "SLIME_TIS_MLM_CPU": "1", "SLIME_TIS_MLM_OUT": str(out),
-                  "SLIME_TIS_MLM_EPS": EPS})
+                  "SLIME_TIS_MLM_EPS": EPS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     rows = [json.loads(line) for f in sorted(out.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
     print(json.dumps([{k: r[k] for k in ("rank", "step", "oracle_loss", "grad_err", "passes")} for r in rows]))
-    return rows
+    return [dict(r, layout=request.param) for r in rows]
 
 
 def test_the_launch_trains_two_steps_of_one_collection_on_each_rank(records) -> None:
-    assert sorted((r["rank"], r["step"]) for r in records) == [(k, s) for k in range(DP) for s in range(STEPS)]
-    assert {r["collection"] for r in records} == {1} and {r["dp"] for r in records} == {DP}
+    dp = LAYOUTS[records[0]["layout"]][1]
+    assert sorted((r["rank"], r["step"]) for r in records) == [(k, s) for k in range(2) for s in range(STEPS)]
+    assert {r["collection"] for r in records} == {1} and {r["dp"] for r in records} == {dp}
     assert all(r["n_params"] > 20 and r["tokens"] > 20 for r in records)
 
 
@@ -107,8 +122,13 @@ def test_the_explicit_eps_clip_and_tis_kl_coef_0_are_honoured(records) -> None:
 
 
 def test_the_training_forward_gets_megatron_lms_packed_seq_params_for_unpacked_rows(records) -> None:
-    """As ``train_rl.forward_step``: every attention call of a training step (4 micro-batches of one row, 2
-    layers) has ``packed_seq_params`` (one THD sequence spanning the row), none runs without them."""
+    """DP=2: as ``train_rl.forward_step``, every attention call of a training step (4 micro-batches of one row, 2
+    layers) has ``packed_seq_params`` (one THD sequence spanning the row), none runs without them. CP=2: the
+    rows are split in megatron-core's load-balanced layout (``sbhd``), without THD parameters (4 micro-batches of
+    two rows, 2 layers)."""
     for r in records:
-        assert r["attention_with_params"] == 4 * 2 and r["attention_without_params"] == 0, r
+        if r["layout"] == "dp2":
+            assert r["attention_with_params"] == 4 * 2 and r["attention_without_params"] == 0, r
+        else:
+            assert r["attention_with_params"] == 0 and r["attention_without_params"] == 4 * 2, r
 
