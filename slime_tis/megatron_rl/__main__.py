@@ -1,10 +1,13 @@
 """``python -m slime_tis.megatron_rl train_rl.py <args>``: run Megatron-LM's ``train_rl.py`` with the plugin in place.
 
-Before the script runs, ``megatron.training.pretrain`` (and, on megatron-core >= 0.18,
-``megatron.training[.arguments].parse_and_validate_args``) are wrapped so that the call ``train_rl.py``'s
-``__main__`` makes gets
+Before the script runs, ``megatron.training.pretrain`` and ``parse_and_validate_args`` (in
+``megatron.training.arguments``, and in ``megatron.training`` where a version re-exports it) are wrapped so that
+the calls ``train_rl.py``'s ``__main__`` makes get
 
-* ``extra_args_provider``: ``train_rl``'s own, then the plugin's flags (``add_megatron_rl_tis_arguments``);
+* ``extra_args_provider``: ``train_rl``'s own, then the plugin's flags (``add_megatron_rl_tis_arguments``), in the
+  call that parses the command line: ``parse_and_validate_args`` (Megatron-LM main: the script parses, then calls
+  ``pretrain(cfg_container, ...)``, which takes no ``extra_args_provider``), or ``pretrain`` where its signature
+  takes ``extra_args_provider`` (megatron-core <= 0.17);
 * ``forward_step_func``: :meth:`RLHost.forward_step`, built from the parsed arguments on its first call
   (``megatron.training.get_args()``, ``get_num_microbatches()``), in place of ``train_rl.forward_step``;
 
