@@ -5,7 +5,8 @@ extracted here and put first on ``PYTHONPATH``), on CPU with gloo: a tiny GPT (2
 sequences of 16), one rollout collection of 4 prompts x 4 samples trained in two optimizer steps of 8 rows, SGD at
 learning rate 1 so that the second step's ratios leave the clip range, in two launches: DP=2 with micro-batches of
 one row (4 per rank and step; Megatron-LM's THD ``packed_seq_params``), and CP=2 (DP=1) with micro-batches of two
-rows (4 per step; each row split over the two ranks in megatron-core's load-balanced layout).
+rows (4 per step; each row split over the two ranks in megatron-core's load-balanced layout) and
+``--calculate-per-token-loss``.
 
 Megatron-LM runs as shipped (``parse_and_validate_args`` -> ``pretrain`` -> ``train`` -> ``get_grpo_data_iterator``
 -> ``prepare_data_for_update`` -> ``train_step``, Megatron DDP, its SGD) except for the stand-ins of
@@ -67,9 +68,10 @@ PLUGIN = ["--use-tis", "--eps-clip", "0.2", "--tis-kl-coef", "0"]
 EPS = "0.2"  # what the oracle clips at: the --eps-clip typed above (symmetric)
 STEPS = 2
 #: layout -> (its Megatron-LM flags, DP size): DP=2 with micro-batches of one row (Megatron-LM's THD
-#: ``packed_seq_params``), and CP=2 (DP=1) with micro-batches of two rows (megatron-core's load-balanced split)
+#: ``packed_seq_params``), and CP=2 (DP=1) with micro-batches of two rows (megatron-core's load-balanced split) and
+#: the per-token loss form (``--calculate-per-token-loss``: the 3-tuple loss)
 LAYOUTS = {"dp2": (["--micro-batch-size", "1"], 2),
-           "cp2": (["--micro-batch-size", "2", "--context-parallel-size", "2"], 1)}
+           "cp2": (["--micro-batch-size", "2", "--context-parallel-size", "2", "--calculate-per-token-loss"], 1)}
 
 
 @pytest.fixture(scope="module")
