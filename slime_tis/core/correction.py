@@ -36,6 +36,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, rule_columns
+from slime_tis.core.search import Searched, cut_hits, search, searches
 from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
 from slime_tis.core.weights import normalisation_factor, unit_weights
 
@@ -66,6 +67,7 @@ class TISResult:
             ``ratios.token_ok`` unless ``loss_finite`` was given.
         seq_loss_nonfinite: ``[n_seq]`` bool, sequences with valid tokens that do not count for a non-finite
             input (``ratios.seq_nonfinite`` unless ``loss_finite`` was given).
+        searched: the values of the plan's global searches this result applied (``core.search``), or ``None``.
     """
 
     weights: Tensor
@@ -78,6 +80,7 @@ class TISResult:
     loss_keep: Tensor | None = None
     loss_ok: Tensor | None = None
     seq_loss_nonfinite: Tensor | None = None
+    searched: Searched | None = None
 
 
 def plan_of(config: Any) -> Plan:
@@ -109,6 +112,7 @@ def compute_tis(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    searched: Searched | None = None,
 ) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
 
@@ -130,6 +134,9 @@ def compute_tis(
         loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
             whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
             (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
+        searched: the values of the plan's global searches (M2PO's cut, the auto bound: ``core.search.search`` over
+            the step's micro-batches, algorithm 2); ``None`` with a search on searches over this call's data reduced
+            over ``reducer`` (algorithms 1, 3: per micro-batch over DP x CP).
 
     Raises:
         ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
@@ -146,7 +153,7 @@ def compute_tis(
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
-                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite)
+                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite, searched=searched)
 
 
 def correct(
@@ -161,6 +168,7 @@ def correct(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    searched: Searched | None = None,
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     with torch.no_grad():
@@ -174,18 +182,31 @@ def correct(
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
                                extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=columns,
                                token_pass=plan.token_pass)
-    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject)
+    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject,
+                   searched=searched)
+
+
+def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
+    verdict = evaluate(plan, ratios)
+    return verdict if reject is None else verdict.with_rejected_tokens(reject & ratios.valid)
 
 
 def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, *,
-            batch_norm_factor: Tensor | float | None, reject: Tensor | None) -> TISResult:
+            batch_norm_factor: Tensor | float | None, reject: Tensor | None,
+            searched: Searched | None = None) -> TISResult:
     """The decision from the ratios: rules, weights, batch normalisation, statistics (no token pass over the
-    log-probs; one ``batch_sum`` where batch normalisation has no precomputed factor)."""
+    log-probs; one ``batch_sum`` where batch normalisation has no precomputed factor; with a global search
+    (``core.search``) its values, searched over this call's data where not given, and M2PO's sequences completed over
+    CP by one ``sequence_sum``)."""
     loss_finite = LOSS_NONFINITE in ratios.columns
     with torch.no_grad():
-        verdict = evaluate(plan, ratios)
-        if reject is not None:
-            verdict = verdict.with_rejected_tokens(reject & ratios.valid)
+        if searches(plan):
+            if searched is None:
+                searched = search(plan, [(ratios, _verdict(plan, ratios, reject))], reducer)
+            plan = searched.apply(plan)
+        verdict = _verdict(plan, ratios, reject)
+        if searched is not None and searched.cut is not None:
+            verdict = _with_cut_sequences(plan, ratios, verdict, layout, reducer)
         moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
         clamped = None if plan.per_sequence else moments[0]
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped)  # [T] or [n_seq]
@@ -217,7 +238,16 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
             loss_ok = valid & ~layout.expand(seq_loss_nonfinite)
             loss_keep = loss_ok if reject is None else loss_ok & ~reject
     return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict, loss_keep, loss_ok,
-                     seq_loss_nonfinite)
+                     seq_loss_nonfinite, searched)
+
+
+def _with_cut_sequences(plan: Plan, ratios: Ratios, verdict: Verdict, layout: Layout, reducer: Reducer) -> Verdict:
+    """``verdict`` with the sequences holding an M2PO-rejected token in ``seq_masked`` (its count per sequence
+    completed over CP: one ``sequence_sum``; the row's test needs the searched cut, so it has no column in the token
+    pass)."""
+    hits = (cut_hits(plan, ratios.log_ratio) & ratios.token_ok).to(torch.float64)
+    per_seq = reducer.sequence_sum(layout.sums(hits[:, None]))[:, 0] > 0
+    return dataclasses.replace(verdict, seq_masked=verdict.seq_masked | (per_seq & ratios.seq_ok))
 
 
 def refine(
@@ -230,6 +260,7 @@ def refine(
     batch_norm_factor: Tensor | float | None = None,
     extra_finite: tuple[Tensor, ...] = (),
     loss_finite: tuple[Tensor, ...] = (),
+    searched: Searched | None = None,
 ) -> TISResult:
     """:func:`correct` with ``extra_finite`` / ``loss_finite`` added to those of ``decided``, from its ratios.
 
@@ -246,7 +277,8 @@ def refine(
     if extra_finite or loss_finite:
         with torch.no_grad():
             ratios = _with_nonfinite(ratios, valid, layout, reducer, extra_finite, loss_finite)
-    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=None)
+    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=None,
+                   searched=searched)
 
 
 def _nonfinite(valid: Tensor, tensors: tuple[Tensor, ...]) -> Tensor:
