@@ -141,6 +141,11 @@ COUNTS: tuple[Statistic, ...] = (
 )
 
 
+def _value(x: Tensor | float, b: Any) -> Tensor:
+    """A plan value (a searched 0-d tensor, or its float placeholder before the search) as a 0-d float64 tensor."""
+    return torch.as_tensor(x, dtype=F64, device=b.ratios.seq_ok.device).reshape(())
+
+
 def _rule_metric(rule: Rule) -> Metric:
     """A rejection rule's row: ``count / denominator``, counted from the rule's hits (``core.rules``)."""
     return Metric(rule.metric, rule.key, rule.denominator, "mean", rule.doc)
@@ -204,10 +209,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("tis/auto_upper_bound", "tis.auto_upper_sum", "tis.search_calls", "mean",
            "with `--tis-upper-bound auto`: the searched truncation bound (mean over the corrections of the step: one "
            "value per step in algorithm 2)", "seq",
-           lambda b: None if b.plan.target_ess is None else b.plan.upper.to(F64).reshape(())),
+           lambda b: None if b.plan.target_ess is None else _value(b.plan.upper, b)),
     Metric("tis/log_ratio_sq_cut", "tis.log_ratio_sq_cut_sum", "tis.search_calls", "mean",
            "with M2PO on: the searched cut on `lc^2` (mean over the corrections of the step)", "seq",
-           lambda b: None if b.plan.threshold(M2PO_FIELD) is None else b.plan.sq_cut.to(F64).reshape(())),
+           lambda b: None if b.plan.threshold(M2PO_FIELD) is None else _value(b.plan.sq_cut, b)),
     Metric("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the PPO clip is active / kept tokens", "token",
            lambda p: p.clip_active.sum(dtype=F64) if p.clips else None),
