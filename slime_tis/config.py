@@ -154,7 +154,8 @@ class TISConfig:
     level: str = option(
         "token", flag="--tis-level", kind="choice", choices=LEVELS,
         help="Ratio level: token (per token), sequence (product over the sequence), geometric "
-             "(geometric mean over the sequence). Default: token.")
+             "(geometric mean over the sequence), prefix (CTPO: product over the token's prefix), prefix_min "
+             "(MinPRO: the prefix's smallest token ratio). Default: token.")
     upper: float | str | None = option(
         None, flag="--tis-upper-bound", words=("auto",),
         help="Upper bound on r=pi_train/pi_rollout, or auto (truncate mode, with --tis-target-ess: searched each "
@@ -298,6 +299,9 @@ class TISConfig:
             raise _bad("rs_upper" if self.rs_upper is not None else "rs_lower",
                        self.rs_upper if self.rs_upper is not None else self.rs_lower,
                        "rejection-sampling bounds given but --tis-rs-level is not set")
+        if self.rs_level is not None and level_of(self.rs_level).prefix is not None:
+            raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric level; "
+                       "a prefix level is a weight level (--tis-level)")
         if self.rs_level is not None:
             _check_upper("rs_upper", self.rs_upper_bound)
             _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)

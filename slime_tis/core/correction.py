@@ -33,10 +33,11 @@ from slime_tis.core.diagnostics import tis_statistics
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
+from slime_tis.core.prefix import Chunks, prefix_log_ratios
 from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
-from slime_tis.core.rules import Verdict, evaluate, rule_columns
-from slime_tis.core.search import Searched, cut_hits, search, searches
+from slime_tis.core.rules import Verdict, evaluate, late, rule_columns
+from slime_tis.core.search import Searched, search, searches
 from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
 from slime_tis.core.weights import normalisation_factor, unit_weights
 
@@ -113,6 +114,7 @@ def compute_tis(
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
     searched: Searched | None = None,
+    chunks: Chunks | None = None,
 ) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
 
@@ -137,6 +139,8 @@ def compute_tis(
         searched: the values of the plan's global searches (M2PO's cut, the auto bound: ``core.search.search`` over
             the step's micro-batches, algorithm 2); ``None`` with a search on searches over this call's data reduced
             over ``reducer`` (algorithms 1, 3: per micro-batch over DP x CP).
+        chunks: under context parallelism with a prefix level (``--tis-level prefix`` / ``prefix_min``):
+            ``(chunk [T] int, K)``, each token's chunk of its sequence in positional order (``core.prefix``).
 
     Raises:
         ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
@@ -153,7 +157,8 @@ def compute_tis(
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
-                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite, searched=searched)
+                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite, searched=searched,
+                   chunks=chunks)
 
 
 def correct(
@@ -169,6 +174,7 @@ def correct(
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
     searched: Searched | None = None,
+    chunks: Chunks | None = None,
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     with torch.no_grad():
@@ -182,8 +188,20 @@ def correct(
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
                                extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=columns,
                                token_pass=plan.token_pass)
+        if plan.level.prefix is not None:
+            ratios = _with_prefix(plan, ratios, layout, reducer, chunks)
     return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject,
                    searched=searched)
+
+
+def _with_prefix(plan: Plan, ratios: Ratios, layout: Layout, reducer: Reducer, chunks: Chunks | None) -> Ratios:
+    """``ratios`` with the plan's prefix level's ``L_t`` (``core.prefix``; a carry over CP from ``chunks``)."""
+    if chunks is None and getattr(reducer, "cp_size", 1) > 1:
+        raise ValueError(f"--tis-level {plan.level.name} under context parallelism (CP = {reducer.cp_size}) needs each "
+                         "token's chunk index (chunks=(chunk [T], K)) for the prefix's carry across CP ranks; this "
+                         "host passes none: use CP = 1 or another level")
+    values = prefix_log_ratios(plan.level.prefix, ratios.log_ratio, ratios.token_ok, layout, reducer, chunks)
+    return dataclasses.replace(ratios, **{plan.level.log_ratio: values})
 
 
 def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
@@ -205,10 +223,12 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
                 searched = search(plan, [(ratios, _verdict(plan, ratios, reject))], reducer)
             plan = searched.apply(plan)
         verdict = _verdict(plan, ratios, reject)
-        if searched is not None and searched.cut is not None:
-            verdict = _with_cut_sequences(plan, ratios, verdict, layout, reducer)
+        late_hits = [hit for rule, level, hit in verdict.hits if rule.rejects and not level.per_sequence
+                     and late(rule, level)]
+        if late_hits:
+            verdict = _with_late_sequences(ratios, verdict, late_hits, layout, reducer)
         moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
-        clamped = None if plan.per_sequence else moments[0]
+        clamped = moments[0] if plan.level.log_ratio == "log_ratio" else None  # the token level's lc
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
         # weights are finite (clamped exponent, finite factor): a product with a mask is the selection
@@ -241,12 +261,15 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
                      seq_loss_nonfinite, searched)
 
 
-def _with_cut_sequences(plan: Plan, ratios: Ratios, verdict: Verdict, layout: Layout, reducer: Reducer) -> Verdict:
-    """``verdict`` with the sequences holding an M2PO-rejected token in ``seq_masked`` (its count per sequence
-    completed over CP: one ``sequence_sum``; the row's test needs the searched cut, so it has no column in the token
-    pass)."""
-    hits = (cut_hits(plan, ratios.log_ratio) & ratios.token_ok).to(torch.float64)
-    per_seq = reducer.sequence_sum(layout.sums(hits[:, None]))[:, 0] > 0
+def _with_late_sequences(ratios: Ratios, verdict: Verdict, hits: list[Tensor], layout: Layout,
+                         reducer: Reducer) -> Verdict:
+    """``verdict`` with the sequences holding a token rejected by a late row (``core.rules.late``: a searched cut, a
+    prefix level; no column in the token pass) in ``seq_masked``: their count per sequence completed over CP by one
+    ``sequence_sum``."""
+    hit = hits[0]
+    for h in hits[1:]:
+        hit = hit | h
+    per_seq = reducer.sequence_sum(layout.sums((hit & ratios.token_ok).to(torch.float64)[:, None]))[:, 0] > 0
     return dataclasses.replace(verdict, seq_masked=verdict.seq_masked | (per_seq & ratios.seq_ok))
 
 
@@ -312,4 +335,7 @@ def _with_nonfinite(r: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, 
         seq_ok=seq_ok, seq_log_ratio_sum=torch.where(seq_ok, r.seq_log_ratio_sum, 0.0),
         seq_log_ratio_mean=torch.where(seq_ok, r.seq_log_ratio_mean, 0.0),
         seq_mean_lp_train=torch.where(seq_ok, r.seq_mean_lp_train, 0.0),
-        seq_mean_lp_rollout=torch.where(seq_ok, r.seq_mean_lp_rollout, 0.0), seq_sums=full)
+        seq_mean_lp_rollout=torch.where(seq_ok, r.seq_mean_lp_rollout, 0.0), seq_sums=full,
+        **{name: torch.where(token_ok, getattr(r, name), 0.0) for name in ("prefix_sum_log_ratio",
+                                                                           "prefix_min_log_ratio")
+           if getattr(r, name) is not None})

@@ -111,6 +111,8 @@ class Ratios:
     local_sums: Tensor
     columns: tuple[str, ...]
     token_columns: Mapping[str, Tensor] = field(default_factory=dict)
+    prefix_sum_log_ratio: Tensor | None = None  # [T] the prefix levels' L_t (core.prefix), where a plan reads them
+    prefix_min_log_ratio: Tensor | None = None
 
     def column(self, name: str) -> Tensor:
         """``[n_seq]`` float64 full per-sequence sum of column ``name`` (0 unless ``seq_ok``)."""

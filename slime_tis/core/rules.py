@@ -187,6 +187,12 @@ def active(plan: Plan) -> list[tuple[Rule, Level]]:
             and (level := rule.level(plan)) is not None]
 
 
+def late(rule: Rule, level: Level) -> bool:
+    """A token-level row whose test cannot run in the token pass: a searched value (the whole batch's) or a prefix
+    level (a carry across ranks); its rejected tokens' sequences are completed later (``core.correction``)."""
+    return rule.searched or level.prefix is not None
+
+
 #: Column of the tokens hit by a token-level rejecting row, summed per sequence: a sequence with a rejected token
 #: (complete over context parallelism, like every column). Present while a token-level rejecting row is active.
 TOKEN_REJECTIONS = "tis.token_rejections"
@@ -204,8 +210,7 @@ def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
     :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads only token log-ratios)."""
     rows = active(plan)
     columns = {rule.column_key: rule.column(plan) for rule, _ in rows if rule.column is not None}
-    # a searched row's test needs the whole batch: its sequences are added later (``core.correction``)
-    token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence and not rule.searched]
+    token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence and not late(rule, level)]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:
             view = _TokenLogRatios(log_r)

@@ -42,6 +42,11 @@ SCENARIOS = {
     # algorithm 3: weights read lp_theta, so each micro-batch searches over DP x CP
     "alg3_token_auto_m2po": TISConfig(use_tis=True, use_rollout_log_probs=True, upper="auto", target_ess=0.99,
                                       m2po_threshold=0.04),
+    # prefix levels (core.prefix) on Megatron's load-balanced CP split (4 chunks, rank r: chunks r and 3 - r): the
+    # carry across CP ranks, with the auto bound on top (algorithm 2: per micro-batch, given no step values)
+    "alg2_prefix_min_mask_zigzag": TISConfig(use_tis=True, level="prefix_min", mode="mask", lower=0.3, upper=3.0),
+    "alg3_prefix_auto_zigzag": TISConfig(use_tis=True, use_rollout_log_probs=True, level="prefix", upper="auto",
+                                         target_ess=0.6),
 }
 
 
@@ -86,6 +91,20 @@ def cp_part(mb: dict[str, list[torch.Tensor]], cp: int) -> dict[str, list[torch.
     return {k: [v[: (len(v) + 1) // 2] if cp == 0 else v[(len(v) + 1) // 2:] for v in vs] for k, vs in mb.items()}
 
 
+def zigzag(mb: dict[str, list[torch.Tensor]], cp: int) -> dict[str, list[torch.Tensor]]:
+    """CP rank ``cp``'s part of every sequence on Megatron's load-balanced split: 4 chunks in position order, rank
+    ``cp`` holding chunks ``cp`` and ``3 - cp`` (in that order); key ``chunk``: each token's chunk index."""
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in (*KEYS, "chunk")}
+    for i in range(len(mb["old"])):
+        n = len(mb["old"][i])
+        bounds = [round(n * j / 4) for j in range(5)]
+        mine = (cp, 3 - cp)
+        for k in KEYS:
+            out[k].append(torch.cat([mb[k][i][bounds[j]:bounds[j + 1]] for j in mine]))
+        out["chunk"].append(torch.cat([torch.full((bounds[j + 1] - bounds[j],), j) for j in mine]))
+    return out
+
+
 def pack(mb: dict[str, list[torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     lengths = torch.tensor([len(v) for v in mb["old"]])
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -100,6 +119,15 @@ def merge(mbs: list[dict[str, list[torch.Tensor]]]) -> dict[str, list[torch.Tens
 def run(cfg: TISConfig, mbs: list[dict[str, list[torch.Tensor]]], reducer) -> tuple[float, dict[str, float]]:
     """The step's loss (this rank's sum over its micro-batches) and its metrics."""
     packed = [pack(mb) for mb in mbs]
+    if cfg.level.startswith("prefix"):  # the core directly: hosts do not pass chunk indices
+        loss, stats = torch.zeros(()), None
+        for d, cu in packed:
+            chunks = (d["chunk"], 4) if "chunk" in d else None
+            out = policy_loss(cfg, d["theta"].clone().requires_grad_(True), d["old"], d["rollout"], d["adv"],
+                              d["mask"], cu, reducer=reducer, chunks=chunks)
+            loss = loss + out.loss.detach()
+            stats = out.stats if stats is None else stats.merge(out.stats)
+        return float(loss), {k: float(v) for k, v in stats.reduce(reducer).finalize().items()}
     if cfg.algorithm == 2:  # the engine: begin (the step's searches) then each micro-batch's loss
         batches = [TISBatch(labels=torch.zeros(len(d["old"]), dtype=torch.long), loss_mask=d["mask"],
                             advantages=d["adv"], cu_seqlens=cu, rollout_log_probs=d["rollout"],
@@ -138,7 +166,8 @@ def main() -> None:
         for uneven in (True, False):
             counted.calls = []
             reducer = LoggingReducer(cp_groups[dp], dp_groups[cp])
-            mbs = [cp_part(mb, cp) for mb in micro_batches(dp, seed + 10 * (not uneven), uneven)]
+            split = zigzag if name.endswith("zigzag") else cp_part
+            mbs = [split(mb, cp) for mb in micro_batches(dp, seed + 10 * (not uneven), uneven)]
             loss, metrics = run(cfg, mbs, reducer)
             census = list(counted.calls)
             total = torch.tensor([loss], dtype=torch.float64)
@@ -148,7 +177,7 @@ def main() -> None:
         ref = {}
         if rank == 0:  # one process on the whole batch of the uneven pass
             whole = [micro_batches(d, seed, True) for d in (0, 1)]
-            if cfg.algorithm == 2:
+            if cfg.algorithm == 2 and not name.endswith("zigzag"):
                 mbs = [merge(whole[0] + whole[1])]  # one step: the micro-batch split does not matter
             else:
                 mbs = [merge([whole[0][k], whole[1][k]]) for k in range(M)]

@@ -22,7 +22,8 @@ from slime_tis.core.search import SEARCH_STEPS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-SCENARIOS = ("alg2_token_auto_m2po_drop_bn", "alg2_sequence_auto", "alg3_token_auto_m2po")
+SCENARIOS = ("alg2_token_auto_m2po_drop_bn", "alg2_sequence_auto", "alg3_token_auto_m2po",
+             "alg2_prefix_min_mask_zigzag", "alg3_prefix_auto_zigzag")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_search_matches_one_process_and_collectives_ignore_the_data(ranks, scena
     first = res[0]["uneven"]
     searches = sum(k in scenario for k in ("auto", "m2po"))
     steps = sum(1 for name, *_ in first["log"] if name == "batch_sum")
-    assert steps >= searches * SEARCH_STEPS * (2 if scenario.startswith("alg3") else 1)
+    assert steps >= searches * SEARCH_STEPS * (2 if scenario.startswith("alg3") or "zigzag" in scenario else 1)
     for rank, r in enumerate(res):
         # the same collectives on every rank, and on even data as on the uneven data
         assert r["uneven"]["log"] == first["log"], rank
@@ -57,11 +58,13 @@ def test_search_matches_one_process_and_collectives_ignore_the_data(ranks, scena
             assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (rank, k, got["metrics"][k], v)
     m = first["metrics"]
     if "auto" in scenario:  # the bound binds and reaches the target ESS
-        target = 0.5 if "sequence" in scenario else 0.99
+        target = {"alg2_sequence_auto": 0.5, "alg3_prefix_auto_zigzag": 0.6}.get(scenario, 0.99)
         assert m["tis/truncate_fraction"] > 0
         assert 1.0 < m["tis/auto_upper_bound"] < 100.0
         if scenario.startswith("alg2"):  # one search over the step (alg 3: one per micro-batch, whose union's ESS
             assert m["tis/ess"] >= target - 1e-6  # may fall below the target: ESS is not additive)
+    if "prefix_min_mask" in scenario:  # rank 0's large first halves: rejected while their prefix minimum stays above
+        assert 0.05 < m["tis/mask_fraction_high"] < 0.9  # the upper bound; the tokens after them on rank 1 are kept
     if "m2po" in scenario:  # rank 0's large ratios are cut, the rest kept
         assert 0.1 < m["tis/m2po_fraction"] < 0.6
         assert m["tis/log_ratio_sq_cut"] >= 0.04
