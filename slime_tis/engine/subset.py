@@ -18,7 +18,7 @@ from slime_tis.core.ratios import Ratios
 
 __all__ = ["decision_part"]
 
-_TOKEN = ("valid", "token_ok", "log_ratio")
+_TOKEN = ("valid", "token_ok", "log_ratio", "prefix_sum_log_ratio", "prefix_min_log_ratio")  # the prefix: optional
 _SEQUENCE = ("seq_has_tokens", "seq_nonfinite", "seq_ok", "seq_count", "seq_log_ratio_sum", "seq_log_ratio_mean",
              "seq_mean_lp_train", "seq_mean_lp_rollout", "seq_sums", "local_sums")
 _OTHER = ("seq_id", "columns", "token_columns")
@@ -35,7 +35,8 @@ def decision_part(decided: TISResult, sequences: Tensor, tokens: Tensor, seq_id:
     r = decided.ratios
     part = dataclasses.replace(
         r, seq_id=seq_id, token_columns={k: v[tokens] for k, v in r.token_columns.items()},
-        **{k: getattr(r, k)[tokens] for k in _TOKEN}, **{k: getattr(r, k)[sequences] for k in _SEQUENCE})
+        **{k: None if getattr(r, k) is None else getattr(r, k)[tokens] for k in _TOKEN},
+        **{k: getattr(r, k)[sequences] for k in _SEQUENCE})
     at = {k: None if getattr(decided, k) is None else getattr(decided, k)[tokens]
           for k in ("weights", "keep_mask", "loss_keep", "loss_ok")}
     seq_loss = None if decided.seq_loss_nonfinite is None else decided.seq_loss_nonfinite[sequences]
