@@ -179,6 +179,7 @@ def test_search_collectives_do_not_depend_on_data():
     (dict(use_tis=True, m2po_threshold=0.0), "must be > 0"),
     (dict(use_tis=True, upper="auto", target_ess=1.0), "must lie in (0, 1)"),
     (dict(use_tis=True, upper="often"), "must be a finite number or 'auto'"),
+    (dict(use_tis=True, upper="auto", target_ess=0.9, staleness_decay=0.5), "use one of the two"),
 ])
 def test_refusals_name_the_flag(fields, words):
     with pytest.raises(ValueError, match="^--") as err:

@@ -38,6 +38,7 @@ from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, late, rule_columns
 from slime_tis.core.search import Searched, search, searches
+from slime_tis.core.staleness import bound_scale, check_staleness
 from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
 from slime_tis.core.weights import normalisation_factor, unit_weights
 
@@ -113,6 +114,7 @@ def compute_tis(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    staleness: Tensor | None = None,
     searched: Searched | None = None,
     chunks: Chunks | None = None,
 ) -> TISResult:
@@ -136,6 +138,8 @@ def compute_tis(
         loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
             whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
             (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
+        staleness: ``[n_seq]`` per-sequence staleness (policy versions behind the trainer), read by the metrics split
+            by staleness and the bounds tightened with it (``core.staleness``); required while either is on.
         searched: the values of the plan's global searches (M2PO's cut, the auto bound: ``core.search.search`` over
             the step's micro-batches, algorithm 2); ``None`` with a search on searches over this call's data reduced
             over ``reducer`` (algorithms 1, 3: per micro-batch over DP x CP).
@@ -157,8 +161,10 @@ def compute_tis(
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
-                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite, searched=searched,
-                   chunks=chunks)
+                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite,
+                   staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1,
+                                                                              lp_train.device),
+                   searched=searched, chunks=chunks)
 
 
 def correct(
@@ -173,12 +179,20 @@ def correct(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    staleness: Tensor | None = None,
     searched: Searched | None = None,
     chunks: Chunks | None = None,
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
+    if (plan.staleness_buckets or plan.staleness_decay is not None) and staleness is None:
+        raise ValueError("staleness: --tis-staleness-buckets / --tis-staleness-bound-decay is set but the host gave no "
+                         "per-sequence staleness (compute_tis(..., staleness=[n_seq] tensor))")
     with torch.no_grad():
-        columns = rule_columns(plan)
+        scale = None  # the mode's bounds tightened with staleness: factors per token and per sequence
+        if plan.staleness_decay is not None:
+            seq_scale = bound_scale(plan, staleness)
+            scale = (layout.expand(seq_scale), seq_scale)
+        columns = rule_columns(plan, lp_rollout.detach(), scale)
         if loss_finite:  # 1 where a loss input is not finite at a valid token, summed per sequence
             bad = torch.zeros_like(valid)
             for t in loss_finite:
@@ -188,6 +202,8 @@ def correct(
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
                                extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=columns,
                                token_pass=plan.token_pass)
+        if staleness is not None:
+            ratios = dataclasses.replace(ratios, staleness=staleness.detach(), bound_scale=scale)
         if plan.level.prefix is not None:
             ratios = _with_prefix(plan, ratios, layout, reducer, chunks)
     return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject,
@@ -229,7 +245,8 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
             verdict = _with_late_sequences(ratios, verdict, late_hits, layout, reducer)
         moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
         clamped = moments[0] if plan.level.log_ratio == "log_ratio" else None  # the token level's lc
-        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped)  # [T] or [n_seq]
+        scale = None if ratios.bound_scale is None else ratios.bound_scale[1 if plan.per_sequence else 0]
+        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped, scale)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
         # weights are finite (clamped exponent, finite factor): a product with a mask is the selection
         kept_weights = weights * kept_units

@@ -46,6 +46,9 @@ class Plan:
             given. While set, ``upper`` / ``log_upper`` are placeholders until ``core.search`` puts the searched bound
             (a 0-d tensor) in their place.
         sq_cut: M2PO's cut on ``(log r)^2`` (``core.search``): ``+inf`` (nothing rejected) until searched.
+        staleness_buckets: ``N`` of the metrics split by staleness (``core.staleness``), 0 = off.
+        staleness_decay: ``gamma`` of the mode's bounds tightened with staleness (``core.staleness``), or None.
+        kl_gradient: ``"direct"`` or ``"with_score"``: the KL term's gradient (``core.terms``).
     """
 
     algorithm: int
@@ -77,6 +80,9 @@ class Plan:
     entropy_coef: float = 0.0
     target_ess: float | None = None
     sq_cut: Any = math.inf
+    staleness_buckets: int = 0
+    staleness_decay: float | None = None
+    kl_gradient: str = "direct"
 
     def threshold(self, field: str) -> float | None:
         """The value of the rejection threshold ``field`` (a ``TISConfig`` field name), or None when off."""
