@@ -242,6 +242,12 @@ METRICS: tuple[Metric, ...] = (
            "`(sum_u w_u)^2 / (n_kept_units * sum_u w_u^2)` over kept units", extra="tis.w_sq_sum"),
     Metric("tis/num_tokens", "tis.n_tok_valid", None, "value", "valid tokens"),
     Metric("tis/num_seqs", "tis.n_seq_valid", None, "value", "sequences with a valid token"),
+    # the token ratio and its spread, whatever the level (top-p / top-k bias: docs/sampling_support.md)
+    Metric("tis/token_ratio_mean", "tis.token_r_sum", "tis.n_tok", "mean",
+           "`mean_{t in D} r_t` (token ratios, whatever the level)", "token", lambda b: b.e_sums[0] + b.n_tok),
+    Metric("tis/token_ratio_outside_10pct_fraction", "tis.n_tok_outside_10pct", "tis.n_tok", "mean",
+           "fraction of tokens of `D` with `r_t` outside [0.9, 1.1]", "token",
+           lambda b: _total((b.e < -0.1) | (b.e > 0.1)), token=lambda t: ((t.e < -0.1) | (t.e > 0.1)).float()),
 )
 
 _GROUPS = {"token": "token_sums", "seq": "seq_sums", "min": "mins", "max": "maxs"}

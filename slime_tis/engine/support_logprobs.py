@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["check_support", "SupportLogProbEntropy"]
+__all__ = ["check_support", "padded_support", "select_rows", "SupportLogProbEntropy"]
 
 _FMIN = torch.finfo(torch.float32).min
 _LOGQ_MIN = -200.0  # log q clamp in the backward, as in the full path (q is exactly 0 in float32 below it)
@@ -52,6 +52,37 @@ def check_support(support: object, n_rows: int) -> tuple[Tensor, Tensor]:
         raise ValueError(f"support_offsets has {offsets.numel()} entries; the logits have {n_rows} rows, so it "
                          f"needs {n_rows + 1}")
     return ids, offsets
+
+
+def select_rows(ids: Tensor, offsets: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The CSR of rows ``rows [n]`` (int64 indices) of the CSR ``(ids, offsets)``, in that order."""
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    new_offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=offsets.device)
+    new_offsets[1:] = torch.cumsum(lengths, 0)
+    total = int(new_offsets[-1])  # host-sync-ok (batch preparation, outside the loss)
+    first = torch.repeat_interleave(new_offsets[:-1], lengths, output_size=total)
+    src = torch.repeat_interleave(starts, lengths, output_size=total) + torch.arange(total, device=ids.device) - first
+    return ids[src], new_offsets
+
+
+def padded_support(ids: Tensor, offsets: Tensor, shape: tuple[int, int], *, cp_slice: bool = True,
+                   cp_size: int | None = None, cp_rank: int | None = None) -> tuple[Tensor, Tensor]:
+    """The supports of a ``[B, S]`` padded micro-batch (CSR over its ``B * S`` positions, row-major, as
+    ``TISBatch.from_padded`` lays out the other fields) on this context-parallel rank: megatron's load-balanced CP
+    slice of the positions (``engine.batch.cp_slice_padded``) with their rows; unchanged at CP = 1 or without
+    ``cp_slice``. ``cp_size``, ``cp_rank``: default from ``parallel_state``."""
+    from slime_tis.engine.batch import _cp_layout, cp_slice_padded
+
+    b, s = shape
+    ids, offsets = check_support((ids, offsets), b * s)
+    if cp_slice and (cp_size is None or cp_rank is None):
+        cp_size, cp_rank = _cp_layout()
+    if not cp_slice or cp_size == 1:
+        return ids, offsets.to(torch.int64)
+    positions = torch.arange(b * s, device=offsets.device).view(b, s)
+    rows = cp_slice_padded(positions, cp_size, cp_rank).reshape(-1)
+    return select_rows(ids, offsets.to(torch.int64), rows)
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
