@@ -41,14 +41,14 @@ def test_the_flag_picks_the_pass(mode):
         assert (lp - full).abs().max() > 1e-3
 
 
-def test_replay_without_a_support_and_fused_with_one_are_refused():
+def test_replay_without_a_support_is_refused():
     logits, plain = _batch(with_support=False)
     with pytest.raises(ValueError, match="--tis-sampling-support replay .* carries no support"):
         logits_to_log_probs(logits, plain, LogProbSettings(sampling_support="replay"), with_entropy=False)
     lp, _ = logits_to_log_probs(logits, plain, LogProbSettings(), with_entropy=False)   # default: full
     assert torch.isfinite(lp).all()
     _, batch = _batch()
-    with pytest.raises(ValueError, match="--tis-fused-output-layer has no sampling-support replay"):
+    with pytest.raises(ValueError, match="needs the model chunk"):   # fused: the support goes to fused_log_probs
         output_to_log_probs(torch.zeros(1, T, 4), batch, LogProbSettings(output_layer="fused"), with_entropy=False)
 
 

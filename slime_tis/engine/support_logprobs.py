@@ -32,26 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_tis.kernels.support_torch import SupportRows, check_support, support_forward, support_grad, support_rows
+
 __all__ = ["check_support", "padded_support", "select_rows", "SupportLogProbEntropy"]
-
-_FMIN = torch.finfo(torch.float32).min
-_LOGQ_MIN = -200.0  # log q clamp in the backward, as in the full path (q is exactly 0 in float32 below it)
-
-
-def check_support(support: object, n_rows: int) -> tuple[Tensor, Tensor]:
-    """``(ids [S] integer, offsets [n_rows + 1] integer)`` or ``ValueError`` naming what is wrong."""
-    if not isinstance(support, (tuple, list)) or len(support) != 2:
-        raise ValueError(f"support must be a pair (support_ids [S], support_offsets [T + 1]), got "
-                         f"{type(support).__name__}")
-    ids, offsets = support
-    for name, t in (("support_ids", ids), ("support_offsets", offsets)):
-        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {getattr(t, 'dtype', type(t).__name__)} "
-                             f"{tuple(getattr(t, 'shape', ()))}")
-    if offsets.numel() != n_rows + 1:
-        raise ValueError(f"support_offsets has {offsets.numel()} entries; the logits have {n_rows} rows, so it "
-                         f"needs {n_rows + 1}")
-    return ids, offsets
 
 
 def select_rows(ids: Tensor, offsets: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,72 +68,27 @@ def padded_support(ids: Tensor, offsets: Tensor, shape: tuple[int, int], *, cp_s
     return select_rows(ids, offsets.to(torch.int64), rows)
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
-
-
 class SupportLogProbEntropy(torch.autograd.Function):
-    """``(logits [T, Vp], targets [T], ids [S], offsets [T + 1]) -> (log_probs [T], entropy [T])``, float32."""
+    """``(logits [T, Vp], targets [T], ids [S], offsets [T + 1]) -> (log_probs [T], entropy [T])``, float32
+    (the math: :mod:`slime_tis.kernels.support_torch`)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ids: Tensor, offsets: Tensor, temperature: float,
                 group: dist.ProcessGroup | None, vocab_start: int, with_entropy: bool, keep: Tensor | None):
         n_tok, vp = logits.shape
-        dev = logits.device
-        ids = ids.to(device=dev, dtype=torch.int64)
-        offsets = offsets.to(device=dev, dtype=torch.int64)
-        lengths = offsets[1:] - offsets[:-1]
-        row = torch.repeat_interleave(torch.arange(n_tok, device=dev), lengths, output_size=ids.numel())
-        col = ids - vocab_start
-        own = (col >= 0) & (col < vp)
-        col = torch.where(own, col, torch.zeros_like(col))
-        x = logits.detach()[row, col].to(torch.float32).div_(temperature)          # [S] kept logits / tau
-        x = torch.where(own, x, torch.full_like(x, float("-inf")))
-        row_max = torch.full((n_tok,), float("-inf"), dtype=torch.float32, device=dev)
-        row_max.scatter_reduce_(0, row, x, "amax", include_self=True)
-        if _group_size(group) > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        m = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty / all -inf rows
-        y = (x - m[row]).clamp_(min=_FMIN)                                           # x - m, finite
-        e = torch.where(own, torch.exp(y), torch.zeros_like(y))
-        is_target = own & (ids == targets.to(torch.int64)[row])
-        sums = torch.zeros(n_tok, 4, dtype=torch.float32, device=dev)
-        sums[:, 0].index_add_(0, row, e)
-        sums[:, 1].index_add_(0, row, torch.where(is_target, x, torch.zeros_like(x)))
-        if with_entropy:
-            sums[:, 2].index_add_(0, row, e * y)
-        sums[:, 3].index_add_(0, row, is_target.to(torch.float32))
-        if _group_size(group) > 1:
-            dist.all_reduce(sums, group=group)
-        sum_exp = sums[:, 0]
-        log_z = m + torch.log(sum_exp)
-        found = sums[:, 3] > 0
-        log_probs = torch.where(found, sums[:, 1] - log_z, torch.full_like(log_z, float("nan")))
-        entropy = torch.log(sum_exp) - sums[:, 2] / sum_exp if with_entropy else torch.zeros_like(log_probs)
-        if keep is not None:
-            log_probs = torch.where(keep, log_probs, 0.0)
-            entropy = torch.where(keep, entropy, 0.0)
-        ctx.save_for_backward(row, col, own, is_target, x, log_z, entropy, keep)
+        rows = support_rows(ids, offsets, targets, vocab_start, vp)
+        x = logits.detach()[rows.row, rows.col].to(torch.float32).div_(temperature)   # [S] kept logits / tau
+        lp, ent, log_z = support_forward(x, rows, n_tok, group, with_entropy, keep)
+        ctx.save_for_backward(rows.row, rows.col, rows.own, rows.is_target, x, log_z, ent, keep)
         ctx.set_materialize_grads(False)
         ctx.shape, ctx.dtype, ctx.temperature, ctx.with_entropy = (n_tok, vp), logits.dtype, temperature, with_entropy
-        return log_probs, entropy
+        return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp: Tensor | None, grad_h: Tensor | None):
         row, col, own, is_target, x, log_z, entropy, keep = ctx.saved_tensors
-        g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
-        use_h = ctx.with_entropy and grad_h is not None
-        live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
-        if keep is not None:
-            live = live & keep
-        log_q = (x - log_z[row]).clamp_(min=_LOGQ_MIN)
-        q = torch.exp(log_q)
-        g = g_lp[row] * (is_target.to(torch.float32) - q)
-        if use_h:
-            g = g - grad_h[row] * q * (log_q + entropy[row])
-        if ctx.temperature != 1.0:
-            g = g / ctx.temperature
-        g = torch.where(own & live[row], g, torch.zeros_like(g))   # selected, never 0 * NaN
+        rows = SupportRows(row, col, own, is_target)
+        g = support_grad(x, rows, log_z, entropy, keep, grad_lp, grad_h, ctx.temperature, ctx.with_entropy)
         grad = torch.zeros(ctx.shape, dtype=ctx.dtype, device=x.device)
         grad.index_put_((row, col), g.to(ctx.dtype), accumulate=True)
         return grad, None, None, None, None, None, None, None, None

@@ -84,14 +84,11 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, settings: LogPro
     from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
 
     if settings.output_layer == "fused":
-        if replayed_support(batch, settings) is not None:
-            raise ValueError("--tis-fused-output-layer has no sampling-support replay: the micro-batch carries a "
-                             "support; use --tis-sampling-support full, or drop --tis-fused-output-layer (the "
-                             "logits path replays it)")
         if model_chunk is None:
             raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
         lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=settings.temperature,
-                                      loss_mask=batch.loss_mask, kernels=settings.kernels)
+                                      loss_mask=batch.loss_mask, kernels=settings.kernels,
+                                      support=replayed_support(batch, settings))
         return lp, (entropy if with_entropy else None)
     if model_chunk is not None and returns_hidden_states(model_chunk):
         raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "

@@ -4,7 +4,8 @@ Every rank builds the same full logits and supports (``tests/test_support_logpro
 row, a whole-vocabulary row, ids on both sides of the shard boundary), keeps its vocabulary shard and calls
 ``vocab_parallel_log_probs_and_entropy(..., support=..., tp_group=WORLD)``; compared with the same call at TP=1
 (the full logits, no group) and with the float64 masked log-softmax (values on every rank, the gradient on this
-rank's columns). Writes ``{check: [error, tolerance]}`` to ``--out/rank{r}.json``; the pytest side asserts.
+rank's columns); then the replay from hidden states (``kernels.output_layer_support``) on this rank's output-weight
+shard against the float64 oracle of ``h W^T`` (the hidden-state gradient summed over TP). Writes ``{check: [error, tolerance]}`` to ``--out/rank{r}.json``; the pytest side asserts.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_support_logprobs import TAU, T, V, make_case, oracle  # noqa: E402
+from test_support_output_layer import case as fused_case  # noqa: E402
+from test_support_output_layer import oracle as fused_oracle  # noqa: E402
 
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # noqa: E402
+from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy  # noqa: E402
 
 
 def _run(logits, targets, ids, offsets, w_lp, w_h, keep, group):
@@ -56,6 +60,16 @@ def main() -> None:
         checks[f"{seed}/lp_vs_float64"] = [float((tp2[0].double() - lp_ref).abs().max()), 2e-5]
         checks[f"{seed}/entropy_vs_float64"] = [float((tp2[1].double() - ent_ref).abs().max()), 2e-5]
         checks[f"{seed}/grad_vs_float64"] = [float((tp2[2].double() - grad_ref[:, cols]).abs().max()), 2e-5]
+    # the replay from hidden states: each rank its weight shard, dL/dhidden all-reduced over TP
+    hidden, weight, targets, ids, offsets, rows, w_lp, w_h, keep = fused_case(0)
+    h, w = hidden.clone().requires_grad_(True), weight[cols].clone().requires_grad_(True)
+    lp, ent = fused_support_log_probs_and_entropy(h, w, targets, (ids, offsets), temperature=TAU, loss_mask=keep,
+                                                  tp_group=dist.group.WORLD, chunk_size=5)
+    gh, gw = torch.autograd.grad((lp * w_lp).sum() + (ent * w_h).sum(), (h, w))
+    ref = fused_oracle(hidden, weight, targets, rows, w_lp, w_h, keep)
+    for name, a, b in (("lp", lp, ref[0]), ("entropy", ent, ref[1]), ("d_hidden", gh, ref[2]),
+                       ("d_weight", gw, ref[3][cols])):
+        checks[f"fused/{name}_vs_float64"] = [float((a.double() - b).abs().max()), 2e-5]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "checks": checks}))
     dist.destroy_process_group()

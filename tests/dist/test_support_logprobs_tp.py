@@ -1,5 +1,5 @@
-"""The sampling-support replay at TP=2 equals TP=1 and the float64 masked log-softmax: two real torchrun
-processes (gloo, CPU); the checks and their tolerances are in ``support_logprobs_tp_worker.py``."""
+"""The sampling-support replay at TP=2 (from logits, and from hidden states) equals TP=1 and the float64 masked
+log-softmax: two real torchrun processes (gloo, CPU); the checks and their tolerances are in ``support_logprobs_tp_worker.py``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,6 @@ def test_support_replay_tp2_equals_tp1_and_the_oracle(tmp_path):
     torchrun(HERE / "support_logprobs_tp_worker.py", ["--out", str(tmp_path)], timeout=LAUNCH_TIMEOUT_S)
     for rank in (0, 1):
         checks = json.loads((tmp_path / f"rank{rank}.json").read_text())["checks"]
-        assert len(checks) == 12, checks
+        assert len(checks) == 16, checks
         bad = {k: v for k, v in checks.items() if not v[0] <= v[1]}
         assert not bad, f"rank {rank}: [error, tolerance] above tolerance: {bad}"
