@@ -153,8 +153,8 @@ def vocab_parallel_log_probs_and_entropy(
         support: ``(support_ids [S], support_offsets [N + 1])`` over the ``N`` flattened rows (CSR of global
             vocabulary ids, row ``n`` keeps ``support_ids[support_offsets[n]:support_offsets[n + 1]]``): the
             replay of the sampled support (:mod:`slime_tis.engine.support_logprobs`: the same two all-reduces,
-            memory ``O(S)``, gradients through the kept logits only). Torch code only: ``kernels="triton"``
-            warns once and runs it (``chunk_size`` unused).
+            memory ``O(S)``, gradients through the kept logits only; ``kernels="triton"``:
+            :mod:`slime_tis.kernels.logprobs_support`; ``chunk_size`` unused).
 
     Returns:
         ``(log_probs [...], entropy [...] or None)``, float32, differentiable with respect to ``logits``.
@@ -192,10 +192,19 @@ def vocab_parallel_log_probs_and_entropy(
     lp = ent = None
     if support is not None:
         ids, offsets = check_support(support, flat_targets.numel())
-        dispatch.torch_only("logprobs", kernels, "the sampling-support replay has no Triton kernel yet")
-        keep = None if flat_mask is None else flat_mask != 0
-        lp, ent = SupportLogProbEntropy.apply(flat_logits, flat_targets, ids, offsets, float(temperature), group,
-                                              tp_rank * vp, with_entropy, keep)
+        support_kernels = dispatch.triton_module("logprobs", "slime_tis.kernels.logprobs_support", logits.device,
+                                                 kernels)
+        if support_kernels is not None:
+            try:
+                lp, ent = support_kernels.support_log_probs_and_entropy(
+                    flat_logits, flat_targets, ids, offsets, temperature=float(temperature), group=group,
+                    vocab_start=tp_rank * vp, with_entropy=with_entropy, row_mask=flat_mask)
+            except dispatch.KernelLaunchError as err:  # raised before any collective: the torch replay runs
+                dispatch.fall_back(err)
+        if lp is None:
+            keep = None if flat_mask is None else flat_mask != 0
+            lp, ent = SupportLogProbEntropy.apply(flat_logits, flat_targets, ids, offsets, float(temperature), group,
+                                                  tp_rank * vp, with_entropy, keep)
         return lp.view(lead), (ent.view(lead) if with_entropy else None)
     if triton_kernels is not None:
         try:

@@ -5,7 +5,8 @@ row, a whole-vocabulary row, ids on both sides of the shard boundary), keeps its
 ``vocab_parallel_log_probs_and_entropy(..., support=..., tp_group=WORLD)``; compared with the same call at TP=1
 (the full logits, no group) and with the float64 masked log-softmax (values on every rank, the gradient on this
 rank's columns); then the replay from hidden states (``kernels.output_layer_support``) on this rank's output-weight
-shard against the float64 oracle of ``h W^T`` (the hidden-state gradient summed over TP). Writes ``{check: [error, tolerance]}`` to ``--out/rank{r}.json``; the pytest side asserts.
+shard against the float64 oracle of ``h W^T`` (the hidden-state gradient summed over TP); with triton importable and
+``TRITON_INTERPRET=1``, the Triton replay kernels at TP=2 against the torch replay at TP=2. Writes ``{check: [error, tolerance]}`` to ``--out/rank{r}.json``; the pytest side asserts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import importlib.util
+import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,18 +29,24 @@ from test_support_output_layer import case as fused_case  # noqa: E402
 from test_support_output_layer import oracle as fused_oracle  # noqa: E402
 
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # noqa: E402
+from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
 from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy  # noqa: E402
 
 
-def _run(logits, targets, ids, offsets, w_lp, w_h, keep, group):
+#: the Triton replay kernels are checked too when triton imports and runs here (the launch sets TRITON_INTERPRET=1)
+TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _run(logits, targets, ids, offsets, w_lp, w_h, keep, group, kernels="torch"):
     z = logits.clone().requires_grad_(True)
     lp, ent = vocab_parallel_log_probs_and_entropy(z, targets, temperature=TAU, tp_group=group, row_mask=keep,
-                                                   support=(ids, offsets))
+                                                   support=(ids, offsets), kernels=kernels)
     (grad,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_h).sum(), z)
     return lp.detach(), ent.detach(), grad
 
 
 def main() -> None:
+    warnings.simplefilter("error", KernelFallbackWarning)  # kernels="triton" must run the kernels
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -60,6 +71,10 @@ def main() -> None:
         checks[f"{seed}/lp_vs_float64"] = [float((tp2[0].double() - lp_ref).abs().max()), 2e-5]
         checks[f"{seed}/entropy_vs_float64"] = [float((tp2[1].double() - ent_ref).abs().max()), 2e-5]
         checks[f"{seed}/grad_vs_float64"] = [float((tp2[2].double() - grad_ref[:, cols]).abs().max()), 2e-5]
+        if TRITON:  # the Triton replay kernels at TP=2 (interpreter), every check against the torch replay at TP=2
+            tri = _run(logits[:, cols], targets, ids, offsets, w_lp, w_h, keep, dist.group.WORLD, "triton")
+            for i, what in enumerate(("lp", "entropy", "grad")):
+                checks[f"{seed}/triton_{what}_vs_torch"] = [float((tri[i] - tp2[i]).abs().max()), 2e-5]
     # the replay from hidden states: each rank its weight shard, dL/dhidden all-reduced over TP
     hidden, weight, targets, ids, offsets, rows, w_lp, w_h, keep = fused_case(0)
     h, w = hidden.clone().requires_grad_(True), weight[cols].clone().requires_grad_(True)
