@@ -82,3 +82,28 @@ def test_padded_support_follows_the_context_parallel_slice():
         assert [got_ids[got_off[i]:got_off[i + 1]].tolist() for i in range(len(kept))] == [rows[p] for p in kept]
     sel_ids, sel_off = select_rows(ids, offsets, torch.tensor([3, 0, 3]))
     assert [sel_ids[sel_off[i]:sel_off[i + 1]].tolist() for i in range(3)] == [rows[3], rows[0], rows[3]]
+
+
+def test_fused_output_layer_replays_the_support():
+    """``output_to_log_probs`` in fused mode hands the batch's support to ``fused_log_probs``: the log-probs of
+    ``h W^T`` over each position's support (a stand-in GPTModel: untied output layer switched to fused mode)."""
+    from types import SimpleNamespace
+
+    from slime_tis.megatron.output_layer import _MODE_ATTR
+
+    _, batch = _batch()
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(1, T, 8, generator=g), torch.randn(V, 8, generator=g)
+    layer = SimpleNamespace(weight=weight, tp_group=None, **{_MODE_ATTR: "fused"})
+    model = SimpleNamespace(output_layer=layer, share_embeddings_and_output_weights=False, post_process=True)
+    settings = LogProbSettings(temperature=TAU, output_layer="fused")
+    lp, _ = output_to_log_probs(hidden, batch, settings, model_chunk=model, with_entropy=False)
+    logits = hidden.reshape(T, 8) @ weight.t()
+    ref, _ = vocab_parallel_log_probs_and_entropy(logits, batch.labels, temperature=TAU, tp_group=None,
+                                                  row_mask=batch.loss_mask, support=(batch.support_ids,
+                                                                                     batch.support_offsets))
+    assert (lp - ref).abs().max() < 2e-5
+    full, _ = output_to_log_probs(hidden, batch, LogProbSettings(temperature=TAU, output_layer="fused",
+                                                                 sampling_support="full"),
+                                  model_chunk=model, with_entropy=False)
+    assert (full - lp).abs().max() > 1e-3
