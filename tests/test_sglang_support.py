@@ -46,6 +46,9 @@ def test_sampling_mask_packed_as_csr():
     assert s.support.offsets.tolist() == [0, 3, 4, 4 + V]
     assert s.support.ids.tolist() == [3, 1, 7, 5, *range(V)]
     assert s.rollout_log_probs.tolist() == pytest.approx([-math.log(3), 0.0, -math.log(V)], abs=1e-6)
+    # log kept mass = full-distribution log-prob (-2.0 in these payloads) - sampling log-prob
+    assert s.rollout_log_mass.tolist() == pytest.approx([-2 + math.log(3), -2.0, -2 + math.log(V)], abs=1e-6)
+    assert parse_generate_response(outs[-1]).rollout_log_mass is None
 
 
 def test_sampling_mask_through_a_stream():
@@ -140,6 +143,7 @@ def test_collate_and_trajectory_carry_the_packed_support():
     assert batch.support_ids.tolist() == [1, 2, 3, 0, 4, 5, 7, 8]
     assert batch.support_offsets.numel() == batch.token_ids.numel() + 1
     assert batch.metrics[SUPPORT_INVALID_METRIC].item() == 0.0
+    assert batch.rollout_log_mass.shape == batch.token_ids.shape and (batch.rollout_log_mass[2:4] == 0).all()
     plain = collate([parse_generate_response(c[-1])])
     assert plain.support_ids is None and SUPPORT_INVALID_METRIC not in plain.metrics
     with pytest.raises(ValueError, match="some samples carry a sampling support and some do not"):

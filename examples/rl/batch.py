@@ -16,6 +16,8 @@ Row layout, for sequence ``i`` with prompt length ``P`` and ``R_i`` response tok
                        -1 where the engine did not run the token: the last response token and padding)
     support_lengths[i, s] = how many ids the engine kept when it sampled labels[i, s] (0 off the loss mask), and
     support_ids[i]        = those ids, position after position, padded with -1   (sampling-support replay only)
+    rollout_log_mass[i, s] = log of the mass the engine's top-p / top-k kept when it sampled labels[i, s] (0 off
+                       the loss mask; with the supports)
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class RolloutBatch:
     tokens, labels: ``[N, S]`` int64; loss_mask: ``[N, S]`` bool; rollout_log_probs, advantages: ``[N, S]``
     float32; rewards, response_lengths, sglang_rejected: ``[N]``; prompts: ``[N, P]`` int64; routed_experts:
     ``[N, S, num_layers, k]`` int64 or ``None`` (only when the engine was asked for them); support_lengths ``[N, S]``
-    int64 and support_ids ``[N, L]`` int32 (padded with -1) or ``None``: the sampling supports (module docstring).
+    int64 and support_ids ``[N, L]`` int32 (padded with -1) or ``None``: the sampling supports; rollout_log_mass
+    ``[N, S]`` float32 or ``None`` (module docstring).
     """
 
     tokens: torch.Tensor
@@ -50,6 +53,7 @@ class RolloutBatch:
     routed_experts: torch.Tensor | None = None
     support_lengths: torch.Tensor | None = None
     support_ids: torch.Tensor | None = None
+    rollout_log_mass: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -171,9 +175,12 @@ def build_batch(
     responses = [t.tolist() for t in packed.token_ids.split(lengths.tolist())]  # host data for the reward
     rewards = task.rewards(prompts, responses)
     adv = grpo_advantages(rewards, group_size, std_normalize=std_normalize)
-    support_lengths = support_ids = None
+    support_lengths = support_ids = log_mass = None
     if packed.support_offsets is not None:
         support_lengths, support_ids = _support_rows(packed, seq_id, offset, n, plen, rmax)
+    if packed.rollout_log_mass is not None:
+        log_mass = torch.zeros(n, seq_len, dtype=torch.float32)
+        log_mass[seq_id, plen - 1 + offset] = packed.rollout_log_mass.float()
     return RolloutBatch(
         tokens=tokens,
         labels=labels,
@@ -187,6 +194,7 @@ def build_batch(
         routed_experts=routed_experts,
         support_lengths=support_lengths,
         support_ids=support_ids,
+        rollout_log_mass=log_mass,
     )
 
 

@@ -498,6 +498,13 @@ class Trainer:
         )
         return metrics
 
+    def _sampling_support(self) -> str:
+        """Over what the trainer's log-probs are taken: ``replay`` when the rollout carries supports and
+        ``--tis-sampling-support`` is not ``full``, else ``full``."""
+        a = self.args
+        carried = truncates(a.rollout_top_p, a.rollout_top_k, self.mcfg.vocab_size)
+        return "replay" if carried and self.tis_cfg.sampling_support != "full" else "full"
+
     def _dump_now(self, step: int) -> bool:
         k = self.args.dump_interval
         return k > 0 and (step % k == 0 or step == self.args.steps - 1)
@@ -551,6 +558,8 @@ class Trainer:
                         "token_ids": rows.labels[i][m].tolist(),
                         "reward": float(rows.rewards[i]),
                         "step": step,
+                        **({"rollout_log_mass": rows.rollout_log_mass[i][m].tolist()}
+                           if rows.rollout_log_mass is not None else {}),
                     }
                 )
         gathered: list[Any] = [None] * self.info.dp_size
@@ -571,6 +580,7 @@ class Trainer:
                     "algorithm": self.tis_cfg.algorithm,
                     "temperature": self.args.rollout_temperature,
                     "writer": "examples.rl.train",
+                    "sampling_support": self._sampling_support(),
                 },
             )
 

@@ -106,6 +106,9 @@ class RolloutTokens:
         support: the kept ids of every token (:class:`~slime_tis.sglang.support.SamplingSupport`, ``R`` rows),
             parsed with ``sampling_support=True``; ``None`` otherwise.
         support_invalid: rejected for an invalid support row (row emptied, NaN at its log-prob, mask kept).
+        rollout_log_mass: ``[R]`` float32 with ``rollout_logprobs="sampling"``: the log of the probability mass the
+            sampler kept at each token, ``output_token_logprobs - output_token_sampling_logprobs`` (0 untruncated,
+            NaN where either is unusable; ``slime-tis diagnose`` reads it from a dump); ``None`` otherwise.
     """
 
     token_ids: Tensor
@@ -118,6 +121,7 @@ class RolloutTokens:
     reasons: list[str] = field(default_factory=list)
     support: SamplingSupport | None = None
     support_invalid: bool = False
+    rollout_log_mass: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -377,7 +381,7 @@ def parse_generate_response(
 
     entries = _entries(meta)
     ids = [int(e[1]) for e in entries]
-    raw = [e[0] for e in entries]
+    raw = full_raw = [e[0] for e in entries]
     align_reasons = _alignment_errors(meta, response, ids)
     if rollout_logprobs == "sampling":
         raw, sampling_align = _sampling_logprobs(meta, ids)
@@ -418,7 +422,14 @@ def parse_generate_response(
         reasons=reasons,
         support=support,
         support_invalid=bool(support_reasons),
+        rollout_log_mass=_log_mass(full_raw, log_probs, logprob_tolerance) if rollout_logprobs == "sampling" else None,
     )
+
+
+def _log_mass(full_raw: list[Any], sampling: Tensor, tolerance: float) -> Tensor:
+    """``log p_full(y) - log q(y)`` per token (NaN where either log-prob is unusable)."""
+    full, _ = _value_errors(full_raw, tolerance)
+    return torch.tensor(full, dtype=torch.float32) - sampling
 
 
 def _read_support(meta: Mapping[str, Any], n: int) -> tuple[SamplingSupport, list[str]]:

@@ -98,6 +98,7 @@ class TrajectoryBuilder:
                 rollout_log_probs=torch.zeros(n, dtype=torch.float32),
                 loss_mask=torch.zeros(n, dtype=torch.float32),
                 support=SamplingSupport.empty_rows(n) if self.sampling_support else None,
+                rollout_log_mass=torch.zeros(n, dtype=torch.float32) if self.rollout_logprobs == "sampling" else None,
             )
         )
 
@@ -117,6 +118,8 @@ class TrajectoryBuilder:
             reasons=[r for p in parts for r in p.reasons],
             support=concat_supports([p.support for p in parts]) if self.sampling_support else None,
             support_invalid=any(p.support_invalid for p in parts),
+            rollout_log_mass=(torch.cat([p.rollout_log_mass for p in parts])
+                              if all(p.rollout_log_mass is not None for p in parts) else None),
         )
         if out.misaligned or out.finish_error:
             # one misaligned turn shifts every later token, and a turn that did not finish broke the
@@ -136,6 +139,8 @@ class PackedRollouts:
         support_ids: ``[S]`` int32, support_offsets: ``[T + 1]`` int64: every token's sampling support (CSR, token
             ``t`` keeps ``support_ids[support_offsets[t]:support_offsets[t + 1]]``), when every sample carries one;
             else ``None``.
+        rollout_log_mass: ``[T]`` float32 (``RolloutTokens.rollout_log_mass``) when every sample carries it, else
+            ``None``.
     """
 
     token_ids: Tensor
@@ -147,6 +152,7 @@ class PackedRollouts:
     metrics: dict[str, Tensor] = field(default_factory=dict)
     support_ids: Tensor | None = None
     support_offsets: Tensor | None = None
+    rollout_log_mass: Tensor | None = None
 
     def per_sample(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """slime-style per-sample lists ``(token_ids, rollout_log_probs, loss_masks)``."""
@@ -195,4 +201,6 @@ def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
         },
         support_ids=None if support is None else support.ids,
         support_offsets=None if support is None else support.offsets,
+        rollout_log_mass=(torch.cat([s.rollout_log_mass for s in samples])
+                          if all(s.rollout_log_mass is not None for s in samples) else None),
     )
