@@ -7,7 +7,8 @@ Both are ``slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`` at T
 without ``support`` (``full``: the chunked log-softmax over the vocabulary) and with a CSR support of ``k`` ids
 per token (``replay k``: the target plus ``k - 1`` distinct random ids), for ``k`` in ``--support``. Modes:
 ``fwd`` and ``fwd+bwd`` (plus the gradient of ``sum(lp) + sum(H)`` with respect to the logits, whose
-``[T, V]`` buffer both must allocate). Each measurement runs in a fresh process: time is the best of
+``[T, V]`` buffer both must allocate), with each of ``--kernels`` (``torch``; on CUDA also ``triton``, the Triton
+kernels, a fallback to torch then an error). Each measurement runs in a fresh process: time is the best of
 ``--repeats`` runs after one warm-up; "peak extra" is the high-water mark above the inputs (logits
 ``[T, V]``, targets, support): ``torch.cuda.max_memory_allocated`` on CUDA, ``ru_maxrss`` on the CPU.
 """
@@ -70,9 +71,17 @@ def _one(args: argparse.Namespace) -> dict:
     else:
         base = _rss_mb()
 
+    if args.kernels == "triton":
+        import warnings
+
+        from slime_tis.kernels.dispatch import KernelFallbackWarning
+
+        warnings.simplefilter("error", KernelFallbackWarning)
+
     def run():
         z = logits.requires_grad_(args.mode == "fwd+bwd")
-        lp, ent = vocab_parallel_log_probs_and_entropy(z, targets, tp_group=None, support=support)
+        lp, ent = vocab_parallel_log_probs_and_entropy(z, targets, tp_group=None, support=support,
+                                                       kernels=args.kernels)
         if args.mode == "fwd+bwd":
             (grad,) = torch.autograd.grad(lp.sum() + ent.sum(), z)
             del grad
@@ -89,7 +98,7 @@ def _one(args: argparse.Namespace) -> dict:
         extra = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-    return {"k": args.k, "mode": args.mode, "ms": best * 1e3, "peak_extra_mb": extra}
+    return {"k": args.k, "mode": args.mode, "kernels": args.kernels, "ms": best * 1e3, "peak_extra_mb": extra}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,9 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", nargs="+", default=None, choices=("torch", "triton"),
+                   help="default: torch on the CPU, torch and triton on CUDA")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="fwd", help=argparse.SUPPRESS)
+    p.add_argument("--kernel", default="torch", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -111,22 +123,25 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tokens is None:
         args.tokens = 16384 if args.device == "cuda" else 1024
+    if args.kernels is None:
+        args.kernels = ["torch", "triton"] if args.device == "cuda" else ["torch"]
     if args.one:
+        args.kernels = args.kernel
         print(json.dumps(_one(args)))
         return 0
     print(f"T = {args.tokens}, V = {args.vocab}, logits {args.dtype} on {args.device}, TP = 1, "
           f"best of {args.repeats}")
-    print("| pass | mode | time (ms) | peak extra (MiB) |")
-    print("|---|---|---|---|")
-    for mode in ("fwd", "fwd+bwd"):
-        for k in [0, *args.support]:
-            cmd = [sys.executable, __file__, "--one", "--k", str(k), "--mode", mode, "--tokens", str(args.tokens),
-                   "--vocab", str(args.vocab), "--dtype", args.dtype, "--device", args.device,
-                   "--repeats", str(args.repeats), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            r = json.loads(out.strip().splitlines()[-1])
-            name = "full" if k == 0 else f"replay {k}"
-            print(f"| {name} | {mode} | {r['ms']:.1f} | {r['peak_extra_mb']:.0f} |", flush=True)
+    print("| pass | kernels | mode | time (ms) | peak extra (MiB) |")
+    print("|---|---|---|---|---|")
+    cases = [(mode, kernel, k) for mode in ("fwd", "fwd+bwd") for kernel in args.kernels for k in [0, *args.support]]
+    for mode, kernel, k in cases:
+        cmd = [sys.executable, __file__, "--one", "--k", str(k), "--mode", mode, "--tokens", str(args.tokens),
+               "--vocab", str(args.vocab), "--dtype", args.dtype, "--device", args.device,
+               "--repeats", str(args.repeats), "--threads", str(args.threads), "--kernel", kernel]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        name = "full" if k == 0 else f"replay {k}"
+        print(f"| {name} | {kernel} | {mode} | {r['ms']:.1f} | {r['peak_extra_mb']:.0f} |", flush=True)
     return 0
 
 
