@@ -77,3 +77,16 @@ def test_engine_sampling_fields_have_sglang_shape():
                                           meta["output_token_sampling_logprobs"]):
         assert tok in row and len(row) <= 4 and row == sorted(row)
         assert lp >= lp_full and lp <= 0 and math.isfinite(lp)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tis-sampling-support", "replay"], "--tis-sampling-support replay replays the support a truncated rollout"),
+    (["--tis-sampling-support", "replay", "--rollout-top-k", "16"], "keep the whole vocabulary of 16"),
+    (["--vocab-size", "8"], "--vocab-size must be >= 16"),
+])
+def test_launcher_refuses_a_replay_without_truncation(argv, message):
+    from examples.rl.train import build_parser, validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(build_parser().parse_args(argv), 1)
+    validate(build_parser().parse_args(["--tis-sampling-support", "replay", "--rollout-top-k", "5"]), 1)

@@ -179,6 +179,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.vocab_size < 16:
         raise ValueError(f"--vocab-size must be >= 16 (the task's ids), got {args.vocab_size}")
+    if getattr(args, "tis_sampling_support", None) == "replay" and not truncates(
+            args.rollout_top_p, args.rollout_top_k, args.vocab_size):
+        raise ValueError(f"--tis-sampling-support replay replays the support a truncated rollout sampled from, but "
+                         f"--rollout-top-p {args.rollout_top_p} and --rollout-top-k {args.rollout_top_k} keep the "
+                         f"whole vocabulary of {args.vocab_size}: set --rollout-top-p < 1 or --rollout-top-k")
     if args.rollout_temperature <= 0:
         raise ValueError(f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
     if args.moe_experts and not 1 <= args.moe_topk <= args.moe_experts:
