@@ -33,6 +33,9 @@ CFGS = {
                                   rejected_denominator="drop"),
     "a1_token_mask": TISConfig(use_tis=False, use_rollout_log_probs=True, mode="mask", level="token", upper=1.5),
     "a0": TISConfig(),
+    "a2_kpop_logprob_error_veto2_drop": TISConfig(use_tis=True, binary_kl_threshold=0.1,
+                                                  seq_logprob_error_threshold=1.5, veto_upper_threshold=50.0,
+                                                  rejected_denominator="drop"),
 }
 
 

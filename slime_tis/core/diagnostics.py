@@ -27,6 +27,7 @@ from slime_tis.core.metrics import MetricStats
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, ratio_moments
 from slime_tis.core.rules import Verdict
+from slime_tis.core.staleness import staleness_statistics
 
 __all__ = ["tis_statistics", "token_metrics", "TisBatch", "TisTokens"]
 
@@ -125,9 +126,10 @@ class TisBatch:
         self.exps = torch.where(seq_ok, clamped.exp(), 0.0)
 
         self.level_log = plan.level.of(ratios)  # 0 outside the units' domain
-        if plan.per_sequence:
-            e_unit = torch.where(seq_ok, torch.expm1(self.level_log.to(F64).clamp(-bound, bound)), 0.0)
-            self.ratio_sums = (e_unit + seq_ok).sum(), (e_unit * (e_unit + 2.0) + seq_ok).sum()
+        if plan.level.log_ratio != "log_ratio":  # sequence units, or a prefix level's own token ratios
+            unit_ok = plan.level.domain(ratios)
+            e_unit = torch.where(unit_ok, torch.expm1(self.level_log.to(F64).clamp(-bound, bound)), 0.0)
+            self.ratio_sums = (e_unit + unit_ok).sum(), (e_unit * (e_unit + 2.0) + unit_ok).sum()
         else:
             self.ratio_sums = e_sum + self.n_tok, self.r2_sum
         # float64: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5
@@ -168,6 +170,8 @@ def tis_statistics(
     batch = TisBatch(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, batch_norm_factor,
                      moments)
     groups = statistics("tis.", batch, plan)
+    if plan.staleness_buckets:
+        staleness_statistics(batch, groups)
     for rule, level, hit in verdict.hits:
         groups["seq_sums" if level.per_sequence else "token_sums"][rule.key] = _total(hit)
     return MetricStats(**groups)

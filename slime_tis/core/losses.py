@@ -3,7 +3,8 @@
 Per kept token ``t`` (``A`` advantage, ``w`` the detached importance weight of the algorithm, ``f`` the
 surrogate of ``core.surrogates`` against the algorithm's anchor, ``core.algorithms``)::
 
-    loss_t = [w] * f_t  +  beta * [w] * k(lp_theta_t - lp_ref_t)  -  h * H_t        (terms: ``core.terms``)
+    loss_t = [w] * f_t  +  beta * [w] * k(lp_theta_t - lp_ref_t)  -  h * H_t        (terms: ``core.terms``;
+                                                                                 the KL's gradient: --tis-kl-gradient)
 
 ``[w]``: algorithms 2 and 3 (the KL term's only with ``kl_importance_weighted``). Rejected tokens contribute zero
 loss and zero gradient (every input is selected with ``torch.where`` first, so a NaN at a rejected or masked
@@ -28,7 +29,9 @@ from slime_tis.core.metric_schema import statistics
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
+from slime_tis.core.prefix import Chunks
 from slime_tis.core.reducer import LocalReducer, Reducer
+from slime_tis.core.search import Searched
 from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
 from slime_tis.core.terms import kl_estimate, term_loss
 
@@ -101,6 +104,8 @@ def policy_loss(
     entropy: Tensor | None = None,
     correction: TISResult | None = None,
     host_inputs: tuple[Tensor, ...] = (),
+    searched: Searched | None = None,
+    chunks: Chunks | None = None,
 ) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
@@ -130,6 +135,8 @@ def policy_loss(
         host_inputs: ``[T]`` inputs of terms the host adds to this loss itself (slime's KL against its reference
             log-probs): checked like the advantages, so a non-finite valid entry takes its sequence out of the loss
             (counted in ``tis/nonfinite_seq_fraction``) instead of into a gradient.
+        searched: the step's searched values (``core.search``: M2PO's cut, the auto bound), see ``compute_tis``.
+        chunks: each token's context-parallel chunk for a prefix level (``core.prefix``), see ``compute_tis``.
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
@@ -173,7 +180,7 @@ def policy_loss(
                                terms=tuple(t for t in terms if t is not None) + tuple(host_inputs))
     tis = correction if correction is not None else correct(
         plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer, batch_norm_factor=batch_norm_factor,
-        extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite)
+        extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite, searched=searched, chunks=chunks)
     keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
@@ -190,7 +197,7 @@ def policy_loss(
     per_token = weights * out.loss if row.weighted else out.loss
     added = term_loss(theta_k, keep, kl_coef=plan.kl_coef, kl_estimator=plan.kl_estimator, lp_ref=terms[0],
                       kl_weights=weights if plan.kl_importance_weighted and row.weighted else None,
-                      entropy_coef=plan.entropy_coef, entropy=terms[1])
+                      entropy_coef=plan.entropy_coef, entropy=terms[1], kl_gradient=plan.kl_gradient)
     if added is not None:
         per_token = per_token + added
 
@@ -208,7 +215,8 @@ def policy_loss(
     # the KL estimate per kept token for policy/kl (d = 0 where not kept: every estimator is 0 there)
     kl = None if terms[0] is None else kl_estimate(theta_k.detach(), torch.where(keep, terms[0].detach().float(), 0.0),
                                                    plan.kl_estimator)
-    batch = PolicyBatch(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1])
+    batch = PolicyBatch(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1],
+                        out.selected)
     return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(batch)), keep, weights, tis)
 
 
@@ -227,11 +235,17 @@ class PolicyBatch:
     dual_active: Tensor | None
     kl: Tensor | None = None  # the KL estimator k(lp_theta - lp_ref) per kept token (0 elsewhere), detached
     entropy: Tensor | None = None
+    selected: Tensor | None = None  # the tokens a covariance-selecting surrogate chose (``core.token_select``)
 
     @property
     def clips(self) -> bool:
         """The surrogate clips (its clip mask is False at tokens not kept: all inputs 0 there)."""
         return surrogate_of(self.plan.surrogate).clips
+
+    @property
+    def selects(self) -> bool:
+        """The surrogate selects tokens by covariance (``selected`` is then a ``[T]`` bool, False where not kept)."""
+        return surrogate_of(self.plan.surrogate).selects
 
     @property
     def dual_clips(self) -> bool:

@@ -35,9 +35,10 @@ from torch import Tensor
 
 from slime_tis.core.plan import Plan
 from slime_tis.core.rules import RULES, Rule
+from slime_tis.core.search import M2PO_FIELD, searches
 
 __all__ = ["Metric", "Statistic", "METRICS", "COUNTS", "REDUCTIONS", "finalize", "statistics", "token_values",
-           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER"]
+           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER", "STALENESS_ROWS"]
 
 
 def safe_ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -133,9 +134,16 @@ COUNTS: tuple[Statistic, ...] = (
               lambda b: None if b.plan.rs_level is None else b.n_seq if b.plan.rs_level.per_sequence else b.n_tok),
     Statistic("tis.bn_calls", "seq",
               lambda b: None if b.factor is None else torch.ones((), dtype=F64, device=b.ratios.seq_ok.device)),
+    Statistic("tis.search_calls", "seq",
+              lambda b: torch.ones((), dtype=F64, device=b.ratios.seq_ok.device) if searches(b.plan) else None),
     Statistic("policy.n_tok_valid", "token", lambda p: p.valid.sum(dtype=F64)),
     Statistic("policy.n_seq_valid", "seq", lambda p: p.tis.ratios.seq_has_tokens.sum(dtype=F64)),
 )
+
+
+def _value(x: Tensor | float, b: Any) -> Tensor:
+    """A plan value (a searched 0-d tensor, or its float placeholder before the search) as a 0-d float64 tensor."""
+    return torch.as_tensor(x, dtype=F64, device=b.ratios.seq_ok.device).reshape(())
 
 
 def _rule_metric(rule: Rule) -> Metric:
@@ -198,9 +206,20 @@ METRICS: tuple[Metric, ...] = (
            "mean of the applied batch-normalisation factors", "seq",
            lambda b: None if b.factor is None else b.factor.to(F64).reshape(()),
            token=lambda t: None if t.factor is None else torch.ones_like(t.lc) * t.factor.float().reshape(())),
+    Metric("tis/auto_upper_bound", "tis.auto_upper_sum", "tis.search_calls", "mean",
+           "with `--tis-upper-bound auto`: the searched truncation bound (mean over the corrections of the step: one "
+           "value per step in algorithm 2)", "seq",
+           lambda b: None if b.plan.target_ess is None else _value(b.plan.upper, b)),
+    Metric("tis/log_ratio_sq_cut", "tis.log_ratio_sq_cut_sum", "tis.search_calls", "mean",
+           "with M2PO on: the searched cut on `lc^2` (mean over the corrections of the step)", "seq",
+           lambda b: None if b.plan.threshold(M2PO_FIELD) is None else _value(b.plan.sq_cut, b)),
     Metric("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", "mean",
-           "kept tokens where the PPO clip is active / kept tokens", "token",
+           "kept tokens where the clip is active / kept tokens (dppo_tv, dppo_kl: outside the trust region)",
+           "token",
            lambda p: p.clip_active.sum(dtype=F64) if p.clips else None),
+    Metric("policy/cov_selected_fraction", "policy.cov_selected_count", "policy.n_tok_kept", "mean",
+           "clip_cov / kl_cov: kept tokens selected by covariance (taken out of the loss / given the penalty) / kept "
+           "tokens", "token", lambda p: p.selected.sum(dtype=F64) if p.selects else None),
     Metric("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the dual clip is active / kept tokens", "token",
            lambda p: p.dual_active.sum(dtype=F64) if p.dual_clips else None),
@@ -242,6 +261,9 @@ METRICS: tuple[Metric, ...] = (
            "`(sum_u w_u)^2 / (n_kept_units * sum_u w_u^2)` over kept units", extra="tis.w_sq_sum"),
     Metric("tis/num_tokens", "tis.n_tok_valid", None, "value", "valid tokens"),
     Metric("tis/num_seqs", "tis.n_seq_valid", None, "value", "sequences with a valid token"),
+    Metric("tis/staleness_invalid_seq_fraction", "tis.staleness_invalid", "tis.n_seq_valid", "mean",
+           "with `--tis-staleness-buckets`: sequences whose staleness is negative or not finite (in no bucket) / "
+           "sequences with a valid token"),
     # the token ratio and its spread, whatever the level (top-p / top-k bias: docs/sampling_support.md)
     Metric("tis/token_ratio_mean", "tis.token_r_sum", "tis.n_tok", "mean",
            "`mean_{t in D} r_t` (token ratios, whatever the level)", "token", lambda b: b.e_sums[0] + b.n_tok),
@@ -249,6 +271,31 @@ METRICS: tuple[Metric, ...] = (
            "fraction of tokens of `D` with `r_t` outside [0.9, 1.1]", "token",
            lambda b: _total((b.e < -0.1) | (b.e > 0.1)), token=lambda t: ((t.e < -0.1) | (t.e > 0.1)).float()),
 )
+
+#: The rows of each staleness bucket (``core.staleness``; ``--tis-staleness-buckets N``): ``{b}`` is the bucket's label
+#: (``0``, ..., ``N-1``, ``<N>plus``), the statistics are those of ``D_b``, the tokens of ``D`` in its sequences.
+STALENESS_ROWS: tuple[Metric, ...] = (
+    Metric("tis/staleness_{b}/num_tokens", "tis.staleness_{b}.n_tok_valid", None, "value",
+           "valid tokens of the sequences of staleness bucket `b`"),
+    Metric("tis/staleness_{b}/num_seqs", "tis.staleness_{b}.n_seq", None, "value", "finite sequences of bucket `b`"),
+    Metric("tis/staleness_{b}/kl", "tis.staleness_{b}.kl_sum", "tis.staleness_{b}.n_tok", "mean",
+           "`mean_{t in D_b} (lp_rollout - lp_train)`"),
+    Metric("tis/staleness_{b}/k3_kl", "tis.staleness_{b}.k3_sum", "tis.staleness_{b}.n_tok", "mean",
+           "`mean_{t in D_b} (r_t - 1 - log r_t)`"),
+    Metric("tis/staleness_{b}/rejected_token_fraction", "tis.staleness_{b}.n_tok_rejected",
+           "tis.staleness_{b}.n_tok_valid", "mean", "valid tokens of bucket `b` rejected for any reason / its valid "
+           "tokens"),
+    Metric("tis/staleness_{b}/weight_mean", "tis.staleness_{b}.w_sum", "tis.staleness_{b}.n_tok_kept", "mean",
+           "mean applied weight over the kept tokens of bucket `b` (a sequence's weight once per token)"),
+)
+
+
+def staleness_rows(values: dict[str, Any]) -> list[Metric]:
+    """:data:`STALENESS_ROWS` for every bucket label whose statistics are in ``values`` (the configuration's)."""
+    labels = [k[len("tis.staleness_"):-len(".n_seq")] for k in values
+              if k.startswith("tis.staleness_") and k.endswith(".n_seq")]
+    return [Metric(m.name.format(b=b), m.numerator.format(b=b), m.denominator and m.denominator.format(b=b),
+                   m.reduction, m.doc) for b in labels for m in STALENESS_ROWS]
 
 _GROUPS = {"token": "token_sums", "seq": "seq_sums", "min": "mins", "max": "maxs"}
 
@@ -291,8 +338,8 @@ def finalize(values: dict[str, Tensor]) -> dict[str, Tensor]:
 
     The rows of each reduction are computed together (one stacked vector op per reduction, element-wise: the same
     values as one by one)."""
-    present = [m for m in METRICS if m.numerator in values and (m.denominator is None or m.denominator in values)
-               and (m.extra is None or m.extra in values)]
+    present = [m for m in (*METRICS, *staleness_rows(values)) if m.numerator in values
+               and (m.denominator is None or m.denominator in values) and (m.extra is None or m.extra in values)]
     by_reduction: dict[str, list[Metric]] = {}
     for m in present:
         by_reduction.setdefault(m.reduction, []).append(m)
@@ -317,6 +364,7 @@ def metric_table() -> str:
             rows[-1][0].append(m.name)
         else:
             rows.append(([m.name], m.doc))
+    rows += [([m.name.format(b="<b>")], m.doc) for m in STALENESS_ROWS]
     lines = [METRIC_TABLE_HEADER, "|---|---|"]
     lines += ["| " + ", ".join(f"`{name}`" for name in names) + f" | {doc} |" for names, doc in rows]
     return "\n".join(lines) + "\n"
