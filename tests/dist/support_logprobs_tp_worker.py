@@ -6,19 +6,19 @@ row, a whole-vocabulary row, ids on both sides of the shard boundary), keeps its
 (the full logits, no group) and with the float64 masked log-softmax (values on every rank, the gradient on this
 rank's columns); then the replay from hidden states (``kernels.output_layer_support``) on this rank's output-weight
 shard against the float64 oracle of ``h W^T`` (the hidden-state gradient summed over TP); with triton importable and
-``TRITON_INTERPRET=1``, the Triton replay kernels at TP=2 against the torch replay at TP=2. Writes ``{check: [error, tolerance]}`` to ``--out/rank{r}.json``; the pytest side asserts.
+``TRITON_INTERPRET=1``, the Triton replay kernels at TP=2 against the torch replay at TP=2. Writes
+``{check: [error, tolerance]}`` to ``--out/rank{r}.json``; the pytest side asserts.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
-
 import importlib.util
+import json
 import os
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ from test_support_output_layer import oracle as fused_oracle  # noqa: E402
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # noqa: E402
 from slime_tis.kernels.dispatch import KernelFallbackWarning  # noqa: E402
 from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy  # noqa: E402
-
 
 #: the Triton replay kernels are checked too when triton imports and runs here (the launch sets TRITON_INTERPRET=1)
 TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"

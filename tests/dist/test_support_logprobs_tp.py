@@ -1,6 +1,7 @@
 """The sampling-support replay at TP=2 (from logits, torch and Triton kernels under the
 interpreter, and from hidden states) equals TP=1 and the float64 masked
-log-softmax: two real torchrun processes (gloo, CPU); the checks and their tolerances are in ``support_logprobs_tp_worker.py``."""
+log-softmax: two real torchrun processes (gloo, CPU); the checks and their tolerances are in
+``support_logprobs_tp_worker.py``."""
 
 from __future__ import annotations
 
