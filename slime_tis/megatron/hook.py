@@ -49,6 +49,12 @@ the chunk's (tied) output weight: no logits tensor, one kernel for pi_old and pi
 (``use_fp32_lm_head``: float32 logits into the log-softmax). The model is switched back after the call
 (unless the launcher had switched it to that mode itself).
 
+With ``routing_replay=True`` (``--tis-routing-replay``; mixture-of-experts models) every pass of steps 3-5 and of
+:meth:`TISForwardBackward.compute_old_log_probs` runs the launcher's ``forward_step`` under
+``routing_replay.RoutingReplay.active``: each micro-batch's MoE routers use the rollout engine's experts (the
+item's ``RoutingBatch``); with ``routing_metrics`` the training schedule counts ``moe/routing_mismatch`` and
+``moe/router_disagreement``, reduced over every rank after step 5 and added to the step metrics.
+
 In steps 3-5 megatron's ``Float16Module`` wrappers default to ``fp32_output=False``
 (``model_dtype_output``): the loss reads bf16 logits as the model computed them, not a float32 copy.
 
