@@ -9,6 +9,9 @@ router: every router weight perturbed (``ENGINE_NOISE``), run once on the whole 
 mode; its top-k per token and MoE layer are the batch's routed experts (the last position, which an engine
 never runs, is ``-1``) and its log-probs the rollout log-probs.
 
+A second engine differs from the trainer only in its routers' choice (the trainer's weights and router scores at
+the perturbed routers' experts): with replay training computes exactly its network.
+
 Plan ``single`` (1 process): the hook with and without replay (metrics, k3, gradient reaching the router),
 replay under full activation recompute, every bad input; writes ``single.json`` and the replayed reference
 (loss, gradients by global name, metrics) to ``ref.pt``. Plan ``layouts`` (2 processes): PP=2 (dense first stage
@@ -177,24 +180,37 @@ def make_data():
         r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
     with torch.no_grad():
         logits = model(tokens, pos, None)
-    experts = torch.stack([r.router_replay.get_recorded_indices().view(SEQ, ROWS, TOPK).transpose(0, 1)
-                           for r in routers], dim=2).to(torch.int16)  # [B, S, L_moe, k]
+    recorded = [r.router_replay.get_recorded_indices() for r in routers]  # [S*B, k] each, s-major
+    experts = torch.stack([x.view(SEQ, ROWS, TOPK).transpose(0, 1) for x in recorded], dim=2).to(torch.int16)
+    # a second engine that differs from the trainer only in its routers' choice: the trainer's weights, the
+    # perturbed routers' experts (replayed), the trainer's router scores at them
+    model.load_state_dict(weights, strict=False)
+    for r, x in zip(routers, recorded):
+        r.router_replay.clear_indices()
+        r.router_replay.set_target_indices(x)
+        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    with torch.no_grad():
+        logits_choice = model(tokens, pos, None)
     for r in routers:
         r.router_replay.clear_indices()
         r.router_replay.clear_router_replay_action()
     experts[:, -1] = -1  # the engine never runs the last token
-    rollout = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
-    return dict(weights=weights, tokens=tokens, labels=labels, mask=mask, adv=adv, experts=experts, rollout=rollout)
+
+    def lp(z):
+        return torch.log_softmax(z.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+
+    return dict(weights=weights, tokens=tokens, labels=labels, mask=mask, adv=adv, experts=experts,
+                rollout=lp(logits), rollout_choice=lp(logits_choice))
 
 
-def items_for(data, rows_per_mb, *, routing=True, experts=None, mask=None):
+def items_for(data, rows_per_mb, *, routing=True, experts=None, mask=None, rollout="rollout"):
     cp, cpr = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     pos = torch.arange(SEQ).expand(ROWS, SEQ)
     out = []
     for rows in rows_per_mb:
         idx = torch.tensor(rows)
         tb = TISBatch.from_padded(data["labels"][idx], data["mask"][idx].float(), data["adv"][idx],
-                                  data["rollout"][idx])
+                                  data[rollout][idx])
         item = {"tokens": cp_slice_padded(data["tokens"][idx], cp, cpr),
                 "position_ids": cp_slice_padded(pos[idx], cp, cpr), "tis": tb}
         if routing:
@@ -215,13 +231,13 @@ def rows_of(dp, dp_rank, m):
 
 
 def run(data, *, replay=True, metrics=True, m=2, layout=None, experts=None, mask=None, routing=True,
-        old_pass=False):
+        old_pass=False, rollout="rollout"):
     """One hooked training step on this rank's rows; returns (metrics, {global name: main_grad})."""
     layout = layout or {}
     ddps, params = ddp_model(data["weights"], **layout)
     dp = ps.get_data_parallel_world_size()
     items = items_for(data, rows_of(dp, ps.get_data_parallel_rank(), m), routing=routing, experts=experts,
-                      mask=mask)
+                      mask=mask, rollout=rollout)
     fb = tis_forward_backward_func(get_forward_backward_func(), TISConfig(**CFG), routing_replay=replay,
                                    routing_metrics=metrics, chunk_size=7)
     kw = dict(model=ddps, num_microbatches=m, seq_length=SEQ, micro_batch_size=len(items[0]["tis"].cu_seqlens) - 1)
@@ -256,6 +272,9 @@ def plan_single(out: Path) -> None:
     res["recompute_grad_err"] = max(float((rec_grads[g] - grads[g]).abs().max()) for g in grads)
     old, _, _ = run(data, replay=True, old_pass=True)
     res["old_pass"] = old
+    # the engine that differs only in its routers' choice: replay makes training its network exactly
+    res["choice_replay"] = run(data, replay=True, rollout="rollout_choice")[0]
+    res["choice_plain"] = run(data, replay=False, metrics=True, rollout="rollout_choice")[0]
     torch.save({"replay": {"metrics": replay, "grads": grads}, "plain": {"metrics": plain, "grads": plain_grads}},
                out / "ref.pt")
     # bad input: one line each

@@ -4,7 +4,8 @@ mixture-of-experts; the rollout engine is the same model with perturbed router w
 
 One process: with replay the training forward uses exactly the engine's experts (``moe/routing_mismatch`` = 0)
 while its own router disagrees on some decisions, without replay the mismatch is counted (and equals the
-disagreement), and ``tis/k3_kl`` drops; gradients still reach the router; full activation recompute and the
+disagreement), and ``tis/k3_kl`` drops (to float32 noise where the engine differs only in its routers' choice);
+gradients still reach the router; full activation recompute and the
 rollout's pi_old pass give the same step; each bad input is one line. Two processes: PP=2 (the dense layer alone
 on stage 0, so the MoE index is global), PP=2 with 2 virtual stages (a chunk with only the dense layer), TP=2
 (sequence parallel), EP=2, CP=2, DP=2, PP=2 with recompute, and PP=2 without replay each equal the one-process
@@ -44,6 +45,11 @@ def test_replay_uses_the_engines_experts_and_the_mismatch_is_counted_without(run
     assert replay["moe/router_disagreement"] > 0.02  # the training router would have chosen otherwise
     assert plain["moe/routing_mismatch"] == plain["moe/router_disagreement"] == replay["moe/router_disagreement"]
     assert replay["tis/k3_kl"] < 0.2 * plain["tis/k3_kl"]  # measured 7.8e-7 vs 1.1e-5
+    # an engine that differs from the trainer only in its routers' choice: with replay training computes its
+    # network (k3 at float32 noise, as a dense model whose engine is the trainer: measured 3.6e-14), without
+    # replay the routing alone gives k3 1.1e-5
+    assert single["choice_replay"]["tis/k3_kl"] < 1e-10
+    assert single["choice_plain"]["tis/k3_kl"] > 1e-6
     assert single["router_grad_norm"] > 0  # the weights of the replayed experts are the router's own scores
     assert single["grad_diff_replay_vs_plain"] > 1e-4  # replay changed the step
     # full recompute: the backward's recompute replays the same experts (megatron's REPLAY_BACKWARD queue)
