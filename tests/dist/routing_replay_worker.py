@@ -13,10 +13,11 @@ A second engine differs from the trainer only in its routers' choice (the traine
 the perturbed routers' experts): with replay training computes exactly its network.
 
 Plan ``single`` (1 process): the hook with and without replay (metrics, k3, gradient reaching the router),
-replay under full activation recompute, every bad input; writes ``single.json`` and the replayed reference
-(loss, gradients by global name, metrics) to ``ref.pt``. Plan ``layouts`` (2 processes): PP=2 (dense first stage
-layer), PP=2 x 2 virtual stages, TP=2 (sequence parallel), EP=2, CP=2, DP=2, PP=2 with recompute and PP=2 without
-replay, each against ``ref.pt`` (``RR_LAYOUTS`` selects some); writes ``rank{r}.json``.
+replay under full activation recompute, through the rollout's pi_old pass, on packed rows, every bad input;
+writes ``single.json`` and the references (loss, gradients by global name, metrics) to ``ref.pt``. Plan
+``layouts`` (2 processes): PP=2 (dense first stage layer), PP=2 x 2 virtual stages, TP=2 (sequence parallel),
+EP=2, CP=2, DP=2, PP=2 with recompute and PP=2 without replay, each against ``ref.pt`` (``RR_LAYOUTS`` selects
+some); writes ``rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -203,19 +204,26 @@ def make_data():
                 rollout=lp(logits), rollout_choice=lp(logits_choice))
 
 
-def items_for(data, rows_per_mb, *, routing=True, experts=None, mask=None, rollout="rollout"):
+def items_for(data, rows_per_mb, *, routing=True, experts=None, mask=None, rollout="rollout", packed=False):
+    """This rank's micro-batch items; ``packed``: each micro-batch's rows as one packed row ``[1, rows * S]``."""
     cp, cpr = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     pos = torch.arange(SEQ).expand(ROWS, SEQ)
     out = []
     for rows in rows_per_mb:
         idx = torch.tensor(rows)
-        tb = TISBatch.from_padded(data["labels"][idx], data["mask"][idx].float(), data["adv"][idx],
-                                  data[rollout][idx])
-        item = {"tokens": cp_slice_padded(data["tokens"][idx], cp, cpr),
-                "position_ids": cp_slice_padded(pos[idx], cp, cpr), "tis": tb}
+
+        def cut(x, idx=idx):
+            x = x[idx]
+            return x.reshape(1, -1, *x.shape[2:]) if packed else x
+
+        seq_ids = torch.arange(len(rows)).repeat_interleave(SEQ).view(1, -1) if packed else None
+        tb = TISBatch.from_padded(cut(data["labels"]), cut(data["mask"]).float(), cut(data["adv"]),
+                                  cut(data[rollout]), seq_ids=seq_ids)
+        item = {"tokens": cp_slice_padded(cut(data["tokens"]), cp, cpr),
+                "position_ids": cp_slice_padded(cut(pos), cp, cpr), "tis": tb}
         if routing:
-            e = (data["experts"] if experts is None else experts)[idx]
-            item["routing"] = RoutingBatch(e, (data["mask"] if mask is None else mask)[idx])
+            e = cut(data["experts"] if experts is None else experts)
+            item["routing"] = RoutingBatch(e, cut(data["mask"] if mask is None else mask), packed=packed)
         out.append(item)
     return out
 
@@ -231,16 +239,18 @@ def rows_of(dp, dp_rank, m):
 
 
 def run(data, *, replay=True, metrics=True, m=2, layout=None, experts=None, mask=None, routing=True,
-        old_pass=False, rollout="rollout"):
+        old_pass=False, rollout="rollout", packed=False):
     """One hooked training step on this rank's rows; returns (metrics, {global name: main_grad})."""
     layout = layout or {}
     ddps, params = ddp_model(data["weights"], **layout)
     dp = ps.get_data_parallel_world_size()
     items = items_for(data, rows_of(dp, ps.get_data_parallel_rank(), m), routing=routing, experts=experts,
-                      mask=mask, rollout=rollout)
+                      mask=mask, rollout=rollout, packed=packed)
     fb = tis_forward_backward_func(get_forward_backward_func(), TISConfig(**CFG), routing_replay=replay,
                                    routing_metrics=metrics, chunk_size=7)
-    kw = dict(model=ddps, num_microbatches=m, seq_length=SEQ, micro_batch_size=len(items[0]["tis"].cu_seqlens) - 1)
+    rows = len(items[0]["tis"].cu_seqlens) - 1
+    kw = dict(model=ddps, num_microbatches=m, seq_length=SEQ * rows if packed else SEQ,
+              micro_batch_size=1 if packed else rows)
     if old_pass:
         items = fb.compute_old_log_probs(forward_step_func=forward_step, data_iterator=iter(items), **kw)
     data_it = [iter(items) for _ in ddps] if len(ddps) > 1 else iter(items)
@@ -275,6 +285,8 @@ def plan_single(out: Path) -> None:
     # the engine that differs only in its routers' choice: replay makes training its network exactly
     res["choice_replay"] = run(data, replay=True, rollout="rollout_choice")[0]
     res["choice_plain"] = run(data, replay=False, metrics=True, rollout="rollout_choice")[0]
+    # sequence packing: each micro-batch's 4 rows as one packed row (the tokens the routers see, in order)
+    res["packed"] = run(data, replay=True, packed=True)[0]
     torch.save({"replay": {"metrics": replay, "grads": grads}, "plain": {"metrics": plain, "grads": plain_grads}},
                out / "ref.pt")
     # bad input: one line each
@@ -306,6 +318,8 @@ def plan_layouts(out: Path, ref_path: Path) -> None:
                 row["metric_errs"] = {k: abs(metrics[k] - v) / max(abs(v), 1e-6) for k, v in ref["metrics"].items()
                                       if not k.endswith("_time_s")}
                 row["metrics"] = {k: metrics[k] for k in metrics if k.startswith(("moe/", "loss", "tis/k3"))}
+            if layout.get("cp", 1) > 1:  # packed rows are split per sequence under CP: refused
+                row["packed_cp"] = one_line_error(lambda layout=layout: run(data, layout=layout, packed=True))
         except Exception as exc:  # noqa: BLE001 - reported to the test
             row = {"layout": name, "error": traceback.format_exc(limit=3), "msg": str(exc)}
         results.append(row)

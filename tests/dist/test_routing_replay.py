@@ -6,7 +6,8 @@ One process: with replay the training forward uses exactly the engine's experts 
 while its own router disagrees on some decisions, without replay the mismatch is counted (and equals the
 disagreement), and ``tis/k3_kl`` drops (to float32 noise where the engine differs only in its routers' choice);
 gradients still reach the router; full activation recompute and the
-rollout's pi_old pass give the same step; each bad input is one line. Two processes: PP=2 (the dense layer alone
+rollout's pi_old pass give the same step; packed rows replay every decision (under CP they are refused); each bad
+input is one line. Two processes: PP=2 (the dense layer alone
 on stage 0, so the MoE index is global), PP=2 with 2 virtual stages (a chunk with only the dense layer), TP=2
 (sequence parallel), EP=2, CP=2, DP=2, PP=2 with recompute, and PP=2 without replay each equal the one-process
 step in loss, gradients and routing metrics."""
@@ -56,6 +57,10 @@ def test_replay_uses_the_engines_experts_and_the_mismatch_is_counted_without(run
     assert single["recompute_grad_err"] < 1e-6
     assert {k: single["recompute_metrics"][k] for k in replay if k.startswith("moe/")} == {
         k: v for k, v in replay.items() if k.startswith("moe/")}
+    # sequence packing ([1, 4 x 16] rows; attention crosses the packed sequences on CPU, so only routing compares):
+    # every decision replayed in the packed token order
+    packed = single["packed"]
+    assert packed["moe/routing_mismatch"] == 0.0 and packed["moe/routing_decisions"] == replay["moe/routing_decisions"]
     # the rollout's pi_old pass runs replayed too: the same step
     assert single["old_pass"]["moe/routing_mismatch"] == 0.0
     assert abs(single["old_pass"]["loss"] - replay["loss"]) < 1e-6
@@ -89,3 +94,6 @@ def test_layout_equals_one_process(runs, layout):
             k: v for k, v in ref.items() if k.startswith("moe/")}
         assert abs(r["metrics"]["loss"] - ref["loss"]) < 1e-6
         assert abs(r["metrics"]["tis/k3_kl"] - ref["tis/k3_kl"]) < 1e-8
+    if layout == "cp2":  # packed rows are split per sequence under CP, not in megatron's padded layout
+        assert all(r["packed_cp"].startswith("ValueError: RoutingBatch(packed=True) with context parallelism is not "
+                                             "supported") for r in mine)
