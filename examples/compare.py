@@ -10,7 +10,9 @@ Everything after ``--`` is passed to every ``examples.rl.train`` run (as is ``--
 Algorithms are selected by the plugin's flags only (``ALG_FLAGS``: ``0``-``3`` with default TIS settings =
 token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean masking with bounds
 [1/1.5, 1.5], the setting ``slime-tis diagnose`` recommends on this job's lag-2 dumps; ``2-tok-mis`` /
-``3-tok-mis`` = token-level masking at [0.5, 2], IcePop-style; ``3-seq`` = sequence-level truncation at 2).
+``3-tok-mis`` = token-level masking at [0.5, 2], IcePop-style; ``3-seq`` = sequence-level truncation at 2;
+``2-auto`` = the searched bound at target ESS 0.9, ``2-m2po`` = M2PO at tau 0.04, ``2-kpop`` = truncation at 2
+with KPop's binary-KL rejection at phi 0.1).
 Mismatch settings (``MISMATCH``):
 
 * ``none``  - engine decodes in float32 (same math as training up to summation order);
@@ -39,6 +41,9 @@ experts than the engine (``moe/routing_mismatch``) and where its router would ha
 (``moe/router_disagreement``; equal without replay).
 ``*`` marks a ``Δ`` whose 95 % interval excludes 0 (5 % per comparison), ``**`` one that also survives Holm's
 correction over all ``Δ`` cells of the table (:func:`examples.stats.holm`).
+``--columns stale`` keeps final reward and ``tis/k3_kl`` against algorithm 0 (the latter as the geometric-mean
+ratio with its 95 % paired interval, the t interval of the per-seed ``log(k3 / k3_0)``), the grad norm range,
+rejected fraction and wall time; Holm then runs over those two comparisons per variant.
 ``--headline`` trains nothing and prints what these runs measured for ``tis/k3_kl``, each setting against the
 first: per seed the mean, the ratio and the steps where it is lower; over the seeds how many agree, the
 geometric-mean ratio with its 95 % paired interval, the ratio of per-step medians, and a verdict (the
