@@ -42,6 +42,7 @@ from slime_tis.core import MetricStats, PolicyLossOutput, Reducer, TISResult, co
 from slime_tis.core.algorithms import correction_inputs
 from slime_tis.core.correction import as_valid_mask, refine
 from slime_tis.core.packing import packed_layout
+from slime_tis.core.search import PENDING
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.metrics import aggregate_metrics
 from slime_tis.engine.totals import (
@@ -82,13 +83,18 @@ class StepEngine:
                                   pi_old_from_theta=pi_old_from_theta, decisions=self.decisions)
         return self.totals
 
+    @property
+    def _searched(self):
+        """The step's searched values (algorithm 2, ``engine.totals``), or ``None``: searched per correction."""
+        return None if self.totals is None else self.totals.searched
+
     def _finish(self, decided: TISResult, batch: TISBatch, factor: Tensor | None, lp_theta: Tensor,
                 entropy: Tensor | None = None) -> TISResult:
         """A kept decision finished for this micro-batch (``refine``): ``lp_theta``'s (and ``entropy``'s) non-finite
         values reject their sequence, and the step's batch-normalisation ``factor`` applies."""
         layout = packed_layout(batch.cu_seqlens, batch.loss_mask.shape[0], batch.loss_mask.device)
         return refine(self.cfg.plan, decided, as_valid_mask(batch.loss_mask), layout, self.reducer,
-                      batch_norm_factor=factor, **lp_theta_inputs(self.cfg, lp_theta, entropy))
+                      batch_norm_factor=factor, searched=self._searched, **lp_theta_inputs(self.cfg, lp_theta, entropy))
 
     def decide(self, batch: TISBatch, lp_train: Tensor | None = None) -> TISResult:
         """The correction of ``batch`` without ``lp_theta``, from ``lp_train`` (default ``batch.old_log_probs``), the
@@ -104,7 +110,7 @@ class StepEngine:
                                    advantages=batch.advantages, terms=term_inputs(self.cfg, batch, self.host_kl))
         res = compute_tis(self.cfg.replace(batch_normalize=False), inputs.lp_train, inputs.lp_rollout,
                           batch.loss_mask, batch.cu_seqlens, reducer=self.reducer, extra_finite=inputs.extra_finite,
-                          loss_finite=inputs.loss_finite)
+                          loss_finite=inputs.loss_finite, searched=PENDING)
         self.decisions.put(batch, res)
         return res
 
@@ -124,7 +130,7 @@ class StepEngine:
                                    terms=term_inputs(self.cfg, batch, self.host_kl))
         return compute_tis(self.cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, batch_norm_factor=factor, extra_finite=inputs.extra_finite,
-                           reject=reject, loss_finite=inputs.loss_finite)
+                           reject=reject, loss_finite=inputs.loss_finite, searched=self._searched)
 
     def loss(self, batch: TISBatch, lp_theta: Tensor, *, entropy: Tensor | None = None,
              lp_old: Tensor | None = None, correction: TISResult | None = None,
@@ -143,7 +149,7 @@ class StepEngine:
                            batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
                            lp_ref=batch.ref_log_probs, entropy=entropy, keep_override=keep_override,
-                           host_inputs=host_term_inputs(batch, self.host_kl),
+                           host_inputs=host_term_inputs(batch, self.host_kl), searched=t.searched,
                            correction=decided if correction is None else correction)
 
     def record(self, stats: MetricStats) -> None:

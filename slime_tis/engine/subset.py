@@ -18,7 +18,7 @@ from slime_tis.core.ratios import Ratios
 
 __all__ = ["decision_part"]
 
-_TOKEN = ("valid", "token_ok", "log_ratio")
+_TOKEN = ("valid", "token_ok", "log_ratio", "prefix_sum_log_ratio", "prefix_min_log_ratio")  # the prefix: optional
 _SEQUENCE = ("seq_has_tokens", "seq_nonfinite", "seq_ok", "seq_count", "seq_log_ratio_sum", "seq_log_ratio_mean",
              "seq_mean_lp_train", "seq_mean_lp_rollout", "seq_sums", "local_sums")
 _OTHER = ("seq_id", "columns", "token_columns")
@@ -36,7 +36,8 @@ def decision_part(decided: TISResult, sequences: Tensor, tokens: Tensor, seq_id:
     r = decided.ratios
     part = dataclasses.replace(
         r, seq_id=seq_id, token_columns={k: v[tokens] for k, v in r.token_columns.items()},
-        **{k: getattr(r, k)[tokens] for k in _TOKEN}, **{k: getattr(r, k)[sequences] for k in _SEQUENCE},
+        **{k: None if getattr(r, k) is None else getattr(r, k)[tokens] for k in _TOKEN},
+        **{k: getattr(r, k)[sequences] for k in _SEQUENCE},
         lp_rollout=None if r.lp_rollout is None else r.lp_rollout[tokens],
         staleness=None if r.staleness is None else r.staleness[sequences],
         bound_scale=None if r.bound_scale is None else (r.bound_scale[0][tokens], r.bound_scale[1][sequences]))

@@ -9,6 +9,8 @@ data-parallel (x context-parallel) ranks:
     N  = sum_{ranks, micro-batches} #valid tokens              (DP x CP; used by the 3-tuple loss form)
     f  = sum norm_count / sum norm_sum                          algorithm 2 batch normalisation
          (units: tokens over DP x CP, or sequences over DP only)
+    s  = core.search.search(every micro-batch's decision)      algorithm 2 global searches (M2PO's cut, the auto
+         bound), before D and f, which read the keep masks and weights they give
 
 The loss of micro-batch ``k`` is then ``local_sum_k / D``, so the sum over micro-batches and ranks is
 the whole-batch loss whatever the micro-batch, DP, CP or PP sizes (docs/semantics.md, "Loss aggregation").
@@ -44,6 +46,7 @@ from slime_tis.core.aggregation import aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import as_valid_mask, refine
 from slime_tis.core.packing import packed_layout
+from slime_tis.core.search import PENDING, Searched, search, searches
 from slime_tis.core.weights import batch_norm_factor
 from slime_tis.engine.batch import TISBatch
 
@@ -60,6 +63,7 @@ class StepTotals:
     num_tokens: Tensor
     batch_norm_factor: Tensor | None
     num_microbatches: int
+    searched: Searched | None = None  # algorithm 2's searched values (``core.search``), or None: none per step
 
 
 class Decisions:
@@ -99,7 +103,8 @@ def decides_ahead(cfg: TISConfig) -> bool:
     normalisation). The loss then finishes that decision (``refine``) instead of correcting again."""
     row = algorithm_of(cfg)
     return row.lp_train == "lp_old" and (cfg.rejected_denominator == "drop" or (row.step_batch_norm and
-                                                                             cfg.batch_normalize))
+                                                                             cfg.batch_normalize)
+                                         or searches(cfg.plan))
 
 
 def lp_theta_inputs(cfg: TISConfig, lp_theta: Tensor, entropy: Tensor | None = None) -> dict[str, tuple[Tensor, ...]]:
@@ -118,7 +123,8 @@ def needs_pi_old_pass(cfg: TISConfig) -> bool:
     the weights) need it; otherwise each micro-batch's loss takes ``lp_old = lp_theta.detach()`` from its own
     training forward, at no extra cost."""
     row = algorithm_of(cfg)
-    return row.needs_pi_old and (cfg.rejected_denominator == "drop" or (row.step_batch_norm and cfg.batch_normalize))
+    return row.needs_pi_old and (cfg.rejected_denominator == "drop" or (row.step_batch_norm and cfg.batch_normalize)
+                                 or searches(cfg.plan))
 
 
 def needs_pre_pass(cfg: TISConfig) -> bool:
@@ -142,7 +148,7 @@ def term_inputs(cfg: TISConfig, batch: TISBatch, host_kl: bool = False) -> tuple
 
 
 def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer,
-                     lp_theta: Tensor | None) -> TISResult:
+                     lp_theta: Tensor | None, searched: Searched | None = None) -> TISResult:
     """The correction ``policy_loss`` will compute for this micro-batch (the same inputs, the algorithm's row):
     its keep mask (non-finite, mask mode, RS, veto) and its unnormalised batch-norm sums, from one call."""
     row = algorithm_of(cfg)
@@ -153,7 +159,8 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
     # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
     # per-call all-reduce
     return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
-                       batch_norm_factor=1.0, extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite)
+                       batch_norm_factor=1.0, extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite,
+                       searched=searched)
 
 
 def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
@@ -174,7 +181,9 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
 
     Collectives: per micro-batch the core's CP ``sequence_sum`` where needed (none for a decision found in
     ``decisions``; one more where ``refine`` adds a pre-pass's ``lp_theta``), then one ``batch_sum`` for the
-    token domain and one for the sequence domain.
+    token domain and one for the sequence domain. With a global search (algorithm 2, ``core.search``): every
+    micro-batch is decided first (with the searched values pending), then the searches (``SEARCH_STEPS`` all-reduces
+    each), then each decision is finished with them (M2PO: one ``sequence_sum`` each) before ``D`` and ``f``.
     """
     if not batches:
         raise ValueError("step_totals needs at least one micro-batch")
@@ -190,6 +199,8 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     n_tok = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float32, device=device)
     norm_count = torch.zeros((), dtype=torch.float32, device=device)
+    search_step = ahead and searches(cfg.plan)
+    pending: list[tuple[TISBatch, TISResult]] = []  # decisions awaiting the step's searched values
     for k, b in enumerate(batches):
         if row.needs_pi_old and b.old_log_probs is None and not pi_old_from_theta:
             raise ValueError(f"micro-batch {k}: algorithm {row.number} needs old_log_probs (pi_old): compute it once "
@@ -202,12 +213,15 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         if ahead and b.old_log_probs is not None:
             res = decisions.get(b)
             if res is None:
-                res = _step_correction(cfg, b, b.old_log_probs.float(), reducer, None)
+                res = _step_correction(cfg, b, b.old_log_probs.float(), reducer, None, searched=PENDING)
                 decisions.put(b, res)
             if lp_theta is not None:  # its non-finite values reject their sequence here as in the loss
                 layout = packed_layout(b.cu_seqlens, b.loss_mask.shape[0], device)
                 res = refine(cfg.plan, res, as_valid_mask(b.loss_mask), layout, reducer, batch_norm_factor=1.0,
-                             **lp_theta_inputs(cfg, lp_theta))
+                             searched=PENDING, **lp_theta_inputs(cfg, lp_theta))
+            if search_step:
+                pending.append((b, res))
+                continue
             keep = res.loss_keep if drop else None
         elif drop or bn:
             lp_train = b.old_log_probs if row.lp_train == "lp_old" else lp_theta
@@ -219,10 +233,22 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         n_tok = n_tok + torch.count_nonzero(as_valid_mask(b.loss_mask))
         if bn:
             norm_sum, norm_count = norm_sum + res.norm_sum, norm_count + res.norm_count
+    searched = None
+    if pending:  # algorithm 2's searches over every micro-batch, then each decision finished with their values
+        searched = search(cfg.plan, [(res.ratios, res.verdict) for _, res in pending], reducer)
+        for b, res in pending:
+            layout = packed_layout(b.cu_seqlens, b.loss_mask.shape[0], device)
+            res = refine(cfg.plan, res, as_valid_mask(b.loss_mask), layout, reducer, batch_norm_factor=1.0,
+                         searched=searched)
+            den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=res.loss_keep if drop else None,
+                                         reducer=reducer)
+            n_tok = n_tok + torch.count_nonzero(as_valid_mask(b.loss_mask))
+            if bn:
+                norm_sum, norm_count = norm_sum + res.norm_sum, norm_count + res.norm_count
     # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
     den = reducer.batch_sum(den, per_sequence=seq_domain)
     n_tok = reducer.batch_sum(n_tok)
     factor = batch_norm_factor(cfg.plan, norm_sum, norm_count, reducer) if bn else None
     return StepTotals(denominator=den.float(), num_tokens=n_tok.float(), batch_norm_factor=factor,
-                    num_microbatches=len(batches))
+                      num_microbatches=len(batches), searched=searched)
 

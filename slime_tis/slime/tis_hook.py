@@ -36,7 +36,9 @@ for every sample, also with zero local tokens). Rejected tokens get zero loss by
 
 With ``--use-opsm`` slime has already zeroed some tokens' loss; the hook recovers which
 (:mod:`slime_tis.slime.opsm`, needs the rollout-data hook) and counts them as rejected: not kept in the
-metrics, the returned masks or ``drop``'s counts.
+metrics or ``drop``'s counts, and their loss stays 0. The returned masks keep them (unless a rule of the hook
+rejects them): slime rebuilds the reducer of its entropy and KL terms (and hands a custom pg-loss reducer) from
+these masks, and slime's own OPSM leaves those terms and masks unchanged.
 
 slime divides each rollout's token sum by ``rollout_mask_sums`` = ``N_g``, its valid-token count over all
 its samples (``keep``); ``tis_rejected_denominator: drop`` makes that the rollout's kept count ``K_g`` by
@@ -162,4 +164,6 @@ def compute_tis_for_slime(
         scale = _drop_scale(loss_masks, train_log_probs, packed, masks)
         new_loss = new_loss * scale[packed.local_sample_index()].to(pg_loss.dtype)
     new_loss = torch.where(keep, new_loss, zero)
+    if opsm is not None:  # OPSM's tokens stay in slime's entropy, KL and reducer masks, as with slime's own OPSM
+        masks = packed.full_keep_masks(keep | (opsm & engine.correct(batch, lp_train).loss_keep), ctx.reducer)
     return new_loss, masks, metrics
