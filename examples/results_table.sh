@@ -22,7 +22,7 @@
 #   (token truncation at 2), 2 with --tis-upper-bound auto --tis-target-ess 0.9, 2 with M2PO at
 #   --tis-m2po-threshold 0.04, 2 with KPop at --tis-binary-kl-threshold 0.1; seeds 20-24 (held out: the setting
 #   was chosen on seeds 10-12); columns: final reward and tis/k3_kl against algorithm 0, Holm over those 8
-#   comparisons. 25 runs; measured: about 17 min with JOBS=2 on a 2-core machine shared with other jobs.
+#   comparisons. 25 runs; measured: 14 min with JOBS=2 on a 2-core machine shared with other jobs.
 #
 #   bash examples/results_table.sh                                   # the main grid, 2 runs at a time
 #   GRID=quant bash examples/results_table.sh                        # the quantized-rollout grid
