@@ -171,3 +171,24 @@ def test_a_namespace_without_the_record_counts_megatron_lms_numbers_as_typed() -
         (3, 1.5, 0.2, 0.28, 0.05, 0.01)
     assert flags.sampled_entropy
 
+
+
+def test_sampling_support_replay_is_refused_naming_the_flag():
+    """Megatron-LM's engine returns no support: an explicit replay is refused in one line, never ignored."""
+    message = refusal(BASE + ["--tis-sampling-support", "replay"])
+    assert message.startswith("--tis-sampling-support replay: Megatron-LM's inference engine returns no")
+    assert resolve(BASE + ["--tis-sampling-support", "full"]).cfg.sampling_support == "full"
+
+
+@pytest.mark.parametrize("extra, warns", [([], False), (["--rl-default-top-p", "0.9"], True),
+                                          (["--rl-default-top-k", "20"], True), (["--rl-default-top-p", "1"], False)])
+def test_truncated_sampling_warns_that_ratios_carry_the_kept_mass(extra, warns):
+    parser = megatron_lm_parser()
+    parser.add_argument("--rl-default-top-p", type=float, default=0)  # as d98e8a64dd's arguments.py
+    parser.add_argument("--rl-default-top-k", type=int, default=-1)
+    import warnings as w
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        resolve_megatron_rl_flags(parser.parse_args(BASE + extra))
+    hits = [c for c in caught if "kept mass" in str(c.message)]
+    assert len(hits) == (1 if warns else 0), [str(c.message) for c in caught]

@@ -20,6 +20,7 @@ counts as not typed: its default cannot be told apart).
 from __future__ import annotations
 
 import argparse
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,8 +164,25 @@ def resolve_megatron_rl_flags(args: Any) -> MegatronRLFlags:
             f[ours] = value
     if t.theirs("grpo_kl_beta") and f.get("kl_coef") and f.get("kl_estimator", "k3") != "k3":
         raise _conflict(f"{t.name_theirs('grpo_kl_beta')} (the k3 estimator)", t.name_ours("kl_estimator"))
+    if f.get("sampling_support") == "replay":
+        raise ValueError(f"{t.name_ours('sampling_support')}: Megatron-LM's inference engine returns no per-token "
+                         "sampling support with its log-probs, so there is none to replay; use "
+                         "--tis-sampling-support full (docs/sampling_support.md)")
+    _warn_truncated_sampling(args)
     sampled = bool(f.get("entropy_coef")) and not t.ours("entropy_coef")
     return MegatronRLFlags(TISConfig(**f), sampled_entropy=sampled)
+
+
+def _warn_truncated_sampling(args: Any) -> None:
+    """Megatron-LM samples with ``--rl-default-top-p`` / ``--rl-default-top-k`` (top-p in (0, 1) or top-k > 0
+    truncate) and its inference log-probs are of the truncated distribution, while the trainer's are over the
+    whole vocabulary: every ratio then carries the log of the kept mass (docs/sampling_support.md)."""
+    top_p, top_k = getattr(args, "rl_default_top_p", 0) or 0, getattr(args, "rl_default_top_k", -1) or -1
+    if 0 < top_p < 1 or top_k > 0:
+        warnings.warn(f"--rl-default-top-p {top_p:g} / --rl-default-top-k {top_k}: the engine samples from a "
+                      "truncated distribution and returns no support to replay, so every importance ratio carries "
+                      "the log of the kept mass (a bias no bound removes); sample with --rl-default-top-p 0 "
+                      "--rl-default-top-k -1 for unbiased ratios (docs/sampling_support.md)", stacklevel=3)
 
 
 def config_from_megatron_rl_args(args: Any) -> TISConfig:
