@@ -10,7 +10,9 @@ Everything after ``--`` is passed to every ``examples.rl.train`` run (as is ``--
 Algorithms are selected by the plugin's flags only (``ALG_FLAGS``: ``0``-``3`` with default TIS settings =
 token-level truncation at 2; ``2-geo-mis`` / ``3-geo-mis`` = geometric-mean masking with bounds
 [1/1.5, 1.5], the setting ``slime-tis diagnose`` recommends on this job's lag-2 dumps; ``2-tok-mis`` /
-``3-tok-mis`` = token-level masking at [0.5, 2], IcePop-style; ``3-seq`` = sequence-level truncation at 2).
+``3-tok-mis`` = token-level masking at [0.5, 2], IcePop-style; ``3-seq`` = sequence-level truncation at 2;
+``2-auto`` = the searched bound at target ESS 0.9, ``2-m2po`` = M2PO at tau 0.04, ``2-kpop`` = truncation at 2
+with KPop's binary-KL rejection at phi 0.1).
 Mismatch settings (``MISMATCH``):
 
 * ``none``  - engine decodes in float32 (same math as training up to summation order);
@@ -39,6 +41,9 @@ experts than the engine (``moe/routing_mismatch``) and where its router would ha
 (``moe/router_disagreement``; equal without replay).
 ``*`` marks a ``Δ`` whose 95 % interval excludes 0 (5 % per comparison), ``**`` one that also survives Holm's
 correction over all ``Δ`` cells of the table (:func:`examples.stats.holm`).
+``--columns stale`` keeps final reward and ``tis/k3_kl`` against algorithm 0 (the latter as the geometric-mean
+ratio with its 95 % paired interval, the t interval of the per-seed ``log(k3 / k3_0)``), the grad norm range,
+rejected fraction and wall time; Holm then runs over those two comparisons per variant.
 ``--headline`` trains nothing and prints what these runs measured for ``tis/k3_kl``, each setting against the
 first: per seed the mean, the ratio and the steps where it is lower; over the seeds how many agree, the
 geometric-mean ratio with its 95 % paired interval, the ratio of per-step medians, and a verdict (the
@@ -74,6 +79,10 @@ ALG_FLAGS: dict[str, list[str]] = {
     "2-tok-mis": ["--use-tis", *TOKEN_MIS],
     "3-tok-mis": ["--use-rollout-log-probs", "--use-tis", *TOKEN_MIS],
     "3-seq": ["--use-rollout-log-probs", "--use-tis", "--tis-level", "sequence"],
+    # algorithm 2 with the global searches and KPop (the stale-rollout table, GRID=stale)
+    "2-auto": ["--use-tis", "--tis-upper-bound", "auto", "--tis-target-ess", "0.9"],
+    "2-m2po": ["--use-tis", "--tis-m2po-threshold", "0.04"],
+    "2-kpop": ["--use-tis", "--tis-binary-kl-threshold", "0.1"],
 }
 MOE = ["--moe-experts", "4", "--moe-topk", "2"]
 MISMATCH: dict[str, list[str]] = {
@@ -109,6 +118,18 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("rejected frac", "rejected frac", "ci"),
     ("wall s", "wall s", "ci"),
 )
+#: the stale-rollout table (``--columns stale``): ``ratio`` = geometric-mean ratio to algorithm 0 over seeds with
+#: its 95 % paired interval (t interval of the per-seed ``log(x / x_0)``), tested like a ``delta``
+TABLE_STALE: tuple[tuple[str, str, str], ...] = (
+    ("final reward (95% CI)", "final reward", "ci"),
+    ("Δ final vs alg 0", "final reward", "delta"),
+    ("mean tis/k3_kl (95% CI)", "mean tis/k3_kl", "ci"),
+    ("tis/k3_kl / alg 0: geometric mean [95% CI]", "mean tis/k3_kl", "ratio"),
+    ("max grad norm: median [min, max]", "max grad norm", "range"),
+    ("rejected frac", "rejected frac", "ci"),
+    ("wall s", "wall s", "ci"),
+)
+COLUMN_SETS = {"full": TABLE, "stale": TABLE_STALE}
 #: extra columns when a MoE setting is in the table
 TABLE_MOE: tuple[tuple[str, str, str], ...] = (
     ("routing mismatch (used vs engine)", "mean moe/routing_mismatch", "ci"),
@@ -228,12 +249,26 @@ def _runs(out_dir: str, mm: str, alg: str, seeds: list[int]) -> dict[int, dict[s
     }
 
 
-def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]) -> str:
-    """A markdown table over the runs found in ``out_dir`` (columns: ``TABLE``, and ``TABLE_MOE`` when a
-    ``moe`` setting is among ``mismatches``; see the module docstring). A ``Δ`` cell ends in ``*`` when its 95 %
-    interval excludes 0, in ``**`` when it also survives Holm's correction over all ``Δ`` cells of the table."""
-    spec = TABLE + (TABLE_MOE if any(mm.startswith("moe") for mm in mismatches) else ())
-    columns = ("mismatch", "alg", *(header for header, _, _ in spec))
+def _fmt_ratio(iv: Interval) -> str:
+    """A paired interval of ``log(x / x_0)`` as ``ratio [low, high]`` (the bare ratio for one seed)."""
+    if iv.n == 0:
+        return "n/a"
+    if iv.n == 1:
+        return f"{math.exp(iv.mean):.3g}x"
+    return f"{math.exp(iv.mean):.3g}x [{math.exp(iv.low):.3g}x, {math.exp(iv.high):.3g}x]"
+
+
+def _log(values: dict[int, float]) -> dict[int, float]:
+    """``log`` of the positive finite values (a zero or missing one drops out of the pairing)."""
+    return {s: math.log(v) for s, v in values.items() if math.isfinite(v) and v > 0}
+
+
+def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int], columns: str = "full") -> str:
+    """A markdown table over the runs found in ``out_dir`` (columns: ``COLUMN_SETS[columns]``, and ``TABLE_MOE``
+    when a ``moe`` setting is among ``mismatches``; see the module docstring). A ``Δ`` or ratio cell ends in
+    ``*`` when its 95 % interval excludes 0 (ratio: 1), in ``**`` when it also survives Holm's correction over
+    all such cells of the table (the comparisons against algorithm 0)."""
+    spec = COLUMN_SETS[columns] + (TABLE_MOE if any(mm.startswith("moe") for mm in mismatches) else ())
     rows: list[list[str]] = []
     deltas: list[tuple[int, int, Interval]] = []  # (row, column, paired difference) of every Δ cell
     for mm in mismatches:
@@ -253,6 +288,10 @@ def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]
                     cells.append("—")
                 elif not base:
                     cells.append("n/a")
+                elif how == "ratio":
+                    d = paired_difference(_log(values), _log({s: r[key] for s, r in base.items()}))
+                    deltas.append((len(rows), len(cells), d))
+                    cells.append(_fmt_ratio(d))
                 else:
                     d = paired_difference(values, {s: r[key] for s, r in base.items()})
                     deltas.append((len(rows), len(cells), d))
@@ -262,7 +301,8 @@ def table(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[int]
     for (r, c, d), p_holm in zip(deltas, adjusted):
         if d.excludes_zero:
             rows[r][c] += " **" if p_holm <= 0.05 else " *"
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    header = ("mismatch", "alg", *(name for name, _, _ in spec))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
@@ -384,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="do not train; print what the runs measured: k3_kl of each setting vs the first, per seed and over seeds",
     )
+    p.add_argument(
+        "--columns",
+        choices=sorted(COLUMN_SETS),
+        default="full",
+        help="full: every column; stale: final reward and tis/k3_kl against algorithm 0 (GRID=stale)",
+    )
     p.add_argument("--train-args", default="", help='extra flags for every run, e.g. "--tis-mode mask"')
     args = p.parse_args(argv)
     if args.jobs < 1:
@@ -406,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             for n, msg in enumerate(pool.map(one, grid), 1):
                 print(f"[{n}/{len(grid)}] {msg}", flush=True)
         print(f"grid of {len(grid)} runs: {time.perf_counter() - t0:.0f} s wall", flush=True)
-    out = table(args.out_dir, args.mismatch, args.algs, args.seeds)
+    out = table(args.out_dir, args.mismatch, args.algs, args.seeds, args.columns)
     print(out)
     with open(os.path.join(args.out_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write(out + "\n")

@@ -17,10 +17,17 @@
 #   engine), MoE (4 experts, top-2, bf16 engine), MoE + rollout routing replay} at the default size, 4 optimizer
 #   steps per rollout, seeds 0-4, STEPS (default 50 instead of 80, for a 2-core machine). 60 runs; measured:
 #   about 40 min wall with JOBS=2 on a 2-core machine shared with other jobs (56-118 s per run).
+# GRID=stale: stale rollouts where algorithm 0 collapses (docs/results.md, "Stale rollouts: the searched bound,
+#   M2PO and KPop"): --rollout-lag 2 at --lr 1e-2, 4 optimizer steps per rollout, 40 steps; algorithms 0, 2
+#   (token truncation at 2), 2 with --tis-upper-bound auto --tis-target-ess 0.9, 2 with M2PO at
+#   --tis-m2po-threshold 0.04, 2 with KPop at --tis-binary-kl-threshold 0.1; seeds 20-24 (held out: the setting
+#   was chosen on seeds 10-12); columns: final reward and tis/k3_kl against algorithm 0, Holm over those 8
+#   comparisons. 25 runs; measured: 14 min with JOBS=2 on a 2-core machine shared with other jobs.
 #
 #   bash examples/results_table.sh                                   # the main grid, 2 runs at a time
 #   GRID=quant bash examples/results_table.sh                        # the quantized-rollout grid
 #   GRID=moe bash examples/results_table.sh                          # the MoE routing grid
+#   GRID=stale bash examples/results_table.sh                        # the stale-rollout table
 #   JOBS=8 STEPS=150 bash examples/results_table.sh                  # 8 runs in parallel (many-core / GPU box)
 #   bash examples/results_table.sh --algs 0 2 --mismatch int8        # extra args go to examples.compare ...
 #   bash examples/results_table.sh -- --rollout-temperature 0.8      # ... and after `--` to every run
@@ -29,7 +36,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 GRID=${GRID:-main}
 JOBS=${JOBS:-2}
-SEEDS=${SEEDS:-"0 1 2 3 4"}
+SEED_DEFAULT="0 1 2 3 4"
 case "$GRID" in
 main)
     OUT=${OUT:-runs/results}
@@ -50,11 +57,19 @@ moe)
     PRESET=(--algs 0 2 2-geo-mis 3-seq --mismatch bf16 moe moe-replay
         "--train-args=--steps-per-rollout 2 --ppo-epochs 2")
     ;;
+stale)
+    OUT=${OUT:-runs/results_stale}
+    STEPS=${STEPS:-40}
+    SEED_DEFAULT="20 21 22 23 24"  # held out: the setting was chosen on seeds 10-12
+    PRESET=(--algs 0 2 2-auto 2-m2po 2-kpop --mismatch lag2 --columns stale
+        "--train-args=--steps-per-rollout 2 --ppo-epochs 2 --lr 1e-2")
+    ;;
 *)
-    echo "results_table.sh: GRID must be 'main', 'quant' or 'moe', got '$GRID'" >&2
+    echo "results_table.sh: GRID must be 'main', 'quant', 'moe' or 'stale', got '$GRID'" >&2
     exit 2
     ;;
 esac
+SEEDS=${SEEDS:-$SEED_DEFAULT}
 # shellcheck disable=SC2086
 exec "$PY" -m examples.compare "${PRESET[@]}" --seeds ${SEEDS} --steps "$STEPS" --jobs "$JOBS" --out-dir "$OUT" \
     --plot "$@"
