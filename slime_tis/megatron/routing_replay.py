@@ -169,6 +169,9 @@ class RoutingReplay:
                 continue
             pattern = moe_layer_pattern(router.config)
             g = layer.layer_number - 1  # global, 0-based (pipeline / virtual-pipeline offset included)
+            if g >= len(pattern):
+                raise ValueError(f"routing replay: a MoE layer numbered {g + 1} beyond num_layers={len(pattern)} "
+                                 "(multi-token-prediction layers) is not supported")
             if not pattern[g]:
                 raise ValueError(f"layer {g} has a router but moe_layer_freq={router.config.moe_layer_freq} makes "
                                  "it dense")
