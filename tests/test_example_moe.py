@@ -1,7 +1,8 @@
 """The example's mixture-of-experts option: the engine's MoE routing (same rule as megatron-core's TopKRouter,
-in the decode dtype), SGLang's ``routed_experts`` wire format and its layout in the batch, the megatron MoE
-export, and rollout routing replay in real training runs (the routing disagreement is 0 and ``tis/k3_kl``
-drops with replay)."""
+in the decode dtype), SGLang's ``routed_experts`` wire format (parsed by ``slime_tis.sglang.parse_routed_experts``)
+and its layout in the batch, the megatron MoE export, and rollout routing replay (the plugin's
+``--tis-routing-replay`` feature, ``slime_tis.megatron.routing_replay``) in real training runs (the routing
+mismatch is 0 and ``tis/k3_kl`` drops with replay)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ if ROOT not in sys.path:
 from examples.rl.batch import routed_experts_rows  # noqa: E402
 from examples.rl.model import GELU_TANH, KVCacheGPT, ModelConfig, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from examples.rl.rollout import RolloutSettings, collect_rollout  # noqa: E402
-from examples.rl.rollout_engine import EmbeddedEngine, decode_routed_experts, encode_routed_experts  # noqa: E402
+from examples.rl.rollout_engine import EmbeddedEngine, encode_routed_experts  # noqa: E402
 from examples.rl.task import DigitTask  # noqa: E402
+from slime_tis.sglang import parse_routed_experts  # noqa: E402
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, max_seq_len=16, moe_experts=4, moe_topk=2)
 
@@ -113,8 +115,8 @@ def test_engine_returns_routed_experts_for_every_token_it_ran():
     out = engine.generate(req)
     for prompt, r in zip(prompts, out):
         meta = r["meta_info"]
-        experts = decode_routed_experts(meta["routed_experts"], CFG.num_layers, CFG.moe_topk)
         n = len(prompt) + meta["completion_tokens"] - 1
+        experts = parse_routed_experts(meta["routed_experts"], num_tokens=n, moe_layers=2, topk=2, num_experts=4)
         assert experts.shape == (n, CFG.num_layers, CFG.moe_topk)
         # the experts of the tokens the engine ran equal a full bf16 forward over those tokens
         routes: list[torch.Tensor] = []
@@ -141,18 +143,21 @@ def test_engine_returns_routed_experts_for_every_token_it_ran():
 
 def test_routed_experts_wire_format_and_batch_layout():
     x = torch.tensor([[[0, 3], [1, 2]], [[2, 1], [3, 0]], [[1, 0], [0, 1]]])  # [3 positions, 2 layers, k=2]
-    assert torch.equal(decode_routed_experts(encode_routed_experts(x), 2, 2), x)
-    with pytest.raises(ValueError, match="not a multiple of 4 x num_layers \\(2\\) x topk \\(5\\)"):
-        decode_routed_experts(encode_routed_experts(x), 2, 5)
-    resp = {"meta_info": {"prompt_tokens": 2, "completion_tokens": 2, "routed_experts": encode_routed_experts(x)}}
-    rows = routed_experts_rows([resp], seq_len=6, num_layers=2, topk=2)
+    wire = encode_routed_experts(x)
+    assert torch.equal(parse_routed_experts(wire, num_tokens=3, moe_layers=2, topk=2, num_experts=4).long(), x)
+    with pytest.raises(ValueError, match="not a multiple of 4 x moe_layers \\(2\\) x topk \\(5\\)"):
+        parse_routed_experts(wire, num_tokens=3, moe_layers=2, topk=5, num_experts=8)
+    resp = {"meta_info": {"prompt_tokens": 2, "completion_tokens": 2, "routed_experts": wire}}
+    rows = routed_experts_rows([resp], seq_len=6, num_layers=2, topk=2, num_experts=4)
     assert rows.shape == (1, 6, 2, 2)
-    assert torch.equal(rows[0, :3], x) and (rows[0, 3:] == -1).all()
+    assert torch.equal(rows[0, :3].long(), x) and (rows[0, 3:] == -1).all()
     bad = {"meta_info": {**resp["meta_info"], "completion_tokens": 3}}
-    with pytest.raises(ValueError, match="covers 3 positions, expected prompt_tokens \\+ completion_tokens - 1 = 4"):
-        routed_experts_rows([bad], seq_len=6, num_layers=2, topk=2)
+    with pytest.raises(ValueError, match="response 0: routed_experts covers 3 positions .* fewer than the 4"):
+        routed_experts_rows([bad], seq_len=6, num_layers=2, topk=2, num_experts=4)
+    with pytest.raises(ValueError, match="response 0: routed_experts has expert id 3 outside \\[0, num_experts=3\\)"):
+        routed_experts_rows([resp], seq_len=6, num_layers=2, topk=2, num_experts=3)
     with pytest.raises(ValueError, match="response 0 has no meta_info.routed_experts"):
-        routed_experts_rows([{"meta_info": {}}], seq_len=6, num_layers=2, topk=2)
+        routed_experts_rows([{"meta_info": {}}], seq_len=6, num_layers=2, topk=2, num_experts=4)
 
 
 def test_collect_rollout_carries_routed_experts_aligned_with_tokens():
@@ -162,7 +167,7 @@ def test_collect_rollout_carries_routed_experts_aligned_with_tokens():
     cfg = ModelConfig(hidden_size=32, num_heads=4, max_seq_len=16, moe_experts=4, moe_topk=2)
     engine = EmbeddedEngine(cfg)
     engine.load_weights(moe_weights(cfg))
-    batch = collect_rollout(engine, task, RolloutSettings(4, 2, routed_experts_shape=(2, 2)), step=0)
+    batch = collect_rollout(engine, task, RolloutSettings(4, 2, routed_experts_shape=(2, 2, 4)), step=0)
     ran = (batch.routed_experts >= 0).all(-1).all(-1)  # [N, S]
     plen = batch.prompts.shape[1]
     for i in range(batch.num_sequences):
@@ -190,7 +195,8 @@ def test_megatron_moe_export_matches_kv_cache_decoder():
         import torch, warnings; warnings.filterwarnings("ignore")
         from examples.rl.dist import init_distributed, shutdown
         from examples.rl.model import ModelConfig, build_megatron_gpt, gather_gpt2_weights, KVCacheGPT
-        from examples.rl.moe import RoutingProbe
+        from slime_tis.megatron import RoutingBatch
+        from slime_tis.megatron.routing_replay import RoutingReplay
         init_distributed(seed=3)
         cfg = ModelConfig(hidden_size=32, moe_experts=4, moe_topk=2)
         m = build_megatron_gpt(cfg)
@@ -220,10 +226,11 @@ def test_megatron_moe_export_matches_kv_cache_decoder():
         r16 = []
         KVCacheGPT(cfg, w, dtype=torch.bfloat16).forward(tok, 0, None, r16)
         eng = torch.stack(r16, dim=2)  # [B, S, layers, k]
-        probe = RoutingProbe(m, replay=True)
-        probe.begin(eng, torch.ones(3, 10, dtype=torch.bool))
+        item = {"routing": RoutingBatch(eng, torch.ones(3, 10, dtype=torch.bool))}
         cap.clear()
-        replayed = m(tok, pos, mask)
+        with RoutingReplay(replay=True, count=False).active(lambda it, mod: mod(tok, pos, mask) if next(it) else None,
+                                                            training=False) as step:
+            replayed = step(iter([item]), m)
         forced = [torch.nn.functional.one_hot(eng[:, :, l].transpose(0, 1).reshape(-1, 2), 4).sum(-2) > 0
                   for l in range(2)]
         replay_eq = all(torch.equal(forced[l], cap[l]) for l in range(2))

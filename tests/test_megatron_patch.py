@@ -136,9 +136,11 @@ def test_output_layer_flags_parse_and_exclude_each_other(capsys):
     def parse(*argv):
         return add_megatron_tis_arguments(argparse.ArgumentParser()).parse_args(list(argv))
 
-    assert megatron_hook_kwargs(parse()) == {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False}
+    assert megatron_hook_kwargs(parse()) == {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False,
+                                             "routing_replay": False}
     assert megatron_hook_kwargs(parse("--tis-fused-output-layer", "--rollout-temperature", "0.6")) == {
-        "temperature": 0.6, "fused_output_layer": True, "fp32_lm_head": False}
+        "temperature": 0.6, "fused_output_layer": True, "fp32_lm_head": False, "routing_replay": False}
+    assert megatron_hook_kwargs(parse("--tis-routing-replay"))["routing_replay"] is True
     assert megatron_hook_kwargs(parse("--tis-fp32-lm-head"))["fp32_lm_head"] is True
     with pytest.raises(SystemExit):
         parse("--tis-fused-output-layer", "--tis-fp32-lm-head")

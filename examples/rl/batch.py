@@ -12,8 +12,8 @@ Row layout, for sequence ``i`` with prompt length ``P`` and ``R_i`` response tok
     loss_mask[i, s]  = 1  iff  P - 1 <= s < P - 1 + R_i        (positions that predict a response token)
     rollout_lp[i, s] = SGLang log-prob of labels[i, s] where loss_mask, else 0
     advantages[i, s] = A_i (GRPO, broadcast over the row)
-    routed_experts[i, s] = experts the engine routed input token s to, [num_layers, k]  (MoE + replay only;
-                       -1 where the engine did not run the token: the last response token and padding)
+    routed_experts[i, s] = experts the engine routed input token s to, [num_layers, k]  (MoE only; -1 where
+                       the engine did not run the token: the last response token and padding)
     support_lengths[i, s] = how many ids the engine kept when it sampled labels[i, s] (0 off the loss mask), and
     support_ids[i]        = those ids, position after position, padded with -1   (sampling-support replay only)
     rollout_log_mass[i, s] = log of the mass the engine's top-p / top-k kept when it sampled labels[i, s] (0 off
@@ -36,7 +36,7 @@ class RolloutBatch:
 
     tokens, labels: ``[N, S]`` int64; loss_mask: ``[N, S]`` bool; rollout_log_probs, advantages: ``[N, S]``
     float32; rewards, response_lengths, sglang_rejected: ``[N]``; prompts: ``[N, P]`` int64; routed_experts:
-    ``[N, S, num_layers, k]`` int64 or ``None`` (only when the engine was asked for them); support_lengths ``[N, S]``
+    ``[N, S, num_layers, k]`` int16 or ``None`` (only when the engine was asked for them); support_lengths ``[N, S]``
     int64 and support_ids ``[N, L]`` int32 (padded with -1) or ``None``: the sampling supports; rollout_log_mass
     ``[N, S]`` float32 or ``None`` (module docstring).
     """
@@ -110,29 +110,39 @@ def grpo_advantages(
     return centred.reshape(-1)
 
 
-def routed_experts_rows(responses: list[dict[str, Any]], seq_len: int, num_layers: int, topk: int) -> torch.Tensor:
+def routed_experts_rows(
+    responses: list[dict[str, Any]], seq_len: int, num_layers: int, topk: int, num_experts: int
+) -> torch.Tensor:
     """The engine's experts per input position, ``[N, seq_len, num_layers, topk]`` (``-1`` past what the
-    engine ran), from each response's ``meta_info.routed_experts`` (``prompt + completion - 1`` positions)."""
-    from examples.rl.rollout_engine import decode_routed_experts
+    engine ran), from each response's ``meta_info.routed_experts`` (``prompt + completion - 1`` positions),
+    parsed and validated by the plugin (``slime_tis.sglang.parse_routed_experts``)."""
+    from slime_tis.sglang import parse_routed_experts
 
-    out = torch.full((len(responses), seq_len, num_layers, topk), -1, dtype=torch.long)
+    rows = []
     for i, r in enumerate(responses):  # host data (response parsing)
         meta = r.get("meta_info") if isinstance(r, dict) else None
         data = meta.get("routed_experts") if isinstance(meta, dict) else None
-        if not isinstance(data, str):
+        if data is None:
             raise ValueError(
                 f"response {i} has no meta_info.routed_experts (ask with return_routed_experts=true "
                 "from a mixture-of-experts engine)"
             )
-        experts = decode_routed_experts(data, num_layers, topk)
-        expected = meta.get("prompt_tokens", 0) + meta.get("completion_tokens", 0) - 1
-        if experts.shape[0] != expected or expected > seq_len:
-            raise ValueError(
-                f"response {i}: routed_experts covers {experts.shape[0]} positions, expected "
-                f"prompt_tokens + completion_tokens - 1 = {expected} (at most {seq_len})"
+        ran = meta.get("prompt_tokens", 0) + meta.get("completion_tokens", 0) - 1
+        if ran > seq_len:
+            raise ValueError(f"response {i}: the engine ran {ran} positions, more than the batch's {seq_len}")
+        try:
+            experts = parse_routed_experts(
+                data,
+                num_tokens=ran,
+                moe_layers=num_layers,
+                topk=topk,
+                num_experts=num_experts,
+                start_len=meta.get("routed_experts_start_len", 0),
             )
-        out[i, : experts.shape[0]] = experts
-    return out
+        except ValueError as e:
+            raise ValueError(f"response {i}: {e}") from None
+        rows.append(torch.cat([experts, experts.new_full((seq_len - ran, num_layers, topk), -1)]))
+    return torch.stack(rows)
 
 
 def build_batch(

@@ -92,9 +92,9 @@ def _moe_config(cfg: ModelConfig) -> dict:
 
     Top-k router on the raw logits with softmax over the chosen k (megatron's default ``score_function``),
     no load-balancing loss, no token dropping, ``SequentialMLP`` experts (no grouped GEMM, no
-    transformer-engine), the router's replay hook enabled (inactive unless a replay is set, see
-    :mod:`examples.rl.moe`). No linear biases: megatron-core 0.16's expert MLP adds its bias in place on a
-    custom-function view, which autograd refuses on CPU.
+    transformer-engine), the router's replay hook enabled (inactive unless the plugin's hook sets a replay:
+    ``slime_tis.megatron.routing_replay``). No linear biases: megatron-core 0.16's expert MLP adds its bias in
+    place on a custom-function view, which autograd refuses on CPU.
     """
     if not cfg.is_moe:
         return {}

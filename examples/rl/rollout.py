@@ -29,9 +29,9 @@ class RolloutSettings:
     top_k: int = -1
     seed: int = 0
     std_normalize: bool = True
-    #: MoE routing replay: ask for SGLang's ``return_routed_experts`` and carry them in the batch
-    #: (``(num_layers, topk)`` of the model, or ``None``)
-    routed_experts_shape: tuple[int, int] | None = None
+    #: MoE: ask for SGLang's ``return_routed_experts`` and carry them in the batch (routing replay, routing
+    #: metrics): ``(num_layers, topk, num_experts)`` of the model, or ``None``
+    routed_experts_shape: tuple[int, int, int] | None = None
     #: sampling-support replay: ask for SGLang's ``return_sampling_mask`` (each token's kept ids and its
     #: log-prob under the truncated distribution, used as pi_rollout) and carry the supports in the batch; the
     #: model's vocabulary size (ids are validated against it), or ``None``

@@ -20,7 +20,7 @@ response (one dict per prompt; a list when ``input_ids`` is a list of lists)::
 ``routed_experts`` follows SGLang's ``return_routed_experts``: the experts the engine's router chose for every
 token it ran through the model (the prompt and every output token but the last: ``prompt_tokens +
 completion_tokens - 1`` positions), as base64 of little-endian int32 ``[positions, num_layers, topk]``
-(:func:`decode_routed_experts`).
+(the trainer parses it with ``slime_tis.sglang.parse_routed_experts``).
 
 As in SGLang, the reported log-prob is ``log_softmax(logits / temperature)`` of the sampled token over
 the full vocabulary (top-p/top-k change what is sampled, not the reported log-prob), and the stop
@@ -258,25 +258,6 @@ def _sampling_mask_meta(kept: list[torch.Tensor], sampling_logps: torch.Tensor) 
 def encode_routed_experts(experts: torch.Tensor) -> str:
     """``experts [positions, num_layers, k]`` -> base64 of little-endian int32 (SGLang's wire format)."""
     return base64.b64encode(experts.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()).decode("ascii")
-
-
-def decode_routed_experts(data: str, num_layers: int, topk: int) -> torch.Tensor:
-    """Inverse of :func:`encode_routed_experts`: int64 ``[positions, num_layers, topk]``; raises ``ValueError``
-    naming the sizes when the payload is not a whole number of positions."""
-    import numpy as np
-
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"routed_experts is not base64: {e}") from e
-    per_pos = 4 * num_layers * topk
-    if len(raw) % per_pos:
-        raise ValueError(
-            f"routed_experts has {len(raw)} bytes, not a multiple of 4 x num_layers ({num_layers}) x "
-            f"topk ({topk}) = {per_pos}"
-        )
-    arr = np.frombuffer(raw, dtype="<i4").astype("int64").reshape(-1, num_layers, topk)
-    return torch.from_numpy(arr.copy())
 
 
 class _SamplingParams:

@@ -17,6 +17,7 @@ Everything the correction does happens inside ``tis_forward_backward_func`` (the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -340,15 +341,16 @@ class Trainer:
             [self.model],
         )
         # ---- the plugin: one line wraps megatron's schedule (flags were added in build_parser) ----
+        # MoE: the hook replays the engine's experts (--routing-replay) and counts the routing mismatch, from
+        # each micro-batch's item["routing"] (slime_tis.megatron.RoutingBatch)
         self.forward_backward = tis_forward_backward_func(
-            get_forward_backward_func(), self.tis_cfg, temperature=args.rollout_temperature
+            get_forward_backward_func(),
+            self.tis_cfg,
+            temperature=args.rollout_temperature,
+            routing_replay=args.routing_replay,
+            routing_metrics=self.mcfg.is_moe,
         )
         self.backend, self.sync = self._make_rollout_backend() if info.is_engine_rank else (None, None)
-        self.probe = None  # MoE: routing replay and the training/engine routing disagreement
-        if self.mcfg.is_moe:
-            from examples.rl.moe import RoutingProbe
-
-            self.probe = RoutingProbe(self.model, replay=args.routing_replay)
 
     # ------------------------------------------------------------------ rollout side (engine rank)
     def _make_rollout_backend(self) -> tuple[Any, Any]:
@@ -395,7 +397,7 @@ class Trainer:
                 a.rollout_top_k,
                 a.seed,
                 not a.no_adv_std_normalize,
-                (self.mcfg.num_layers, self.mcfg.moe_topk) if self.mcfg.is_moe else None,
+                (self.mcfg.num_layers, self.mcfg.moe_topk, self.mcfg.moe_experts) if self.mcfg.is_moe else None,
                 self.mcfg.vocab_size if truncates(a.rollout_top_p, a.rollout_top_k, self.mcfg.vocab_size) else None,
             )
             payload = [collect_rollout(self.backend, self.task, settings, step).to_payload()]
@@ -405,7 +407,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ training side
     def _micro_batches(self, batch: Any) -> tuple[list[dict[str, Any]], int]:
-        from slime_tis.megatron import TISBatch
+        from slime_tis.megatron import RoutingBatch, TISBatch
 
         n, seq = batch.tokens.shape
         shard = n // self.info.dp_size
@@ -429,15 +431,15 @@ class Trainer:
                         mb.rollout_log_probs.to(dev),
                     ), mb, dev),
                     "rows": mb,
-                    "routed_experts": mb.routed_experts,
+                    "routing": None
+                    if mb.routed_experts is None
+                    else RoutingBatch(mb.routed_experts, mb.loss_mask),
                 }
             )
         return items, mbs
 
     def _forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, None]:
         item = next(data_iterator)
-        if self.probe is not None:  # MoE: this micro-batch's engine experts (replay, disagreement counts)
-            self.probe.begin(item["routed_experts"], item["rows"].loss_mask.to(self.info.device))
         return model(item["tokens"], item["position_ids"], item["attention_mask"]), None
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -465,10 +467,9 @@ class Trainer:
                 micro_batch_size=mbs,
             )
         all_ok = True
+        routing: dict[str, Any] = {}  # MoE: the routing metrics of the rollout's first optimizer step
         for epoch in range(self.args.ppo_epochs):
             for s in range(n_steps):
-                if self.probe is not None:  # routing disagreement: at the parameters the rollout was sampled with
-                    self.probe.counting = epoch == 0 and s == 0
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 self.forward_backward(
@@ -480,13 +481,12 @@ class Trainer:
                     micro_batch_size=mbs,
                     forward_only=False,
                 )
+                if epoch == 0 and s == 0:  # at the parameters the rollout was sampled with
+                    routing = {k: v for k, v in self.forward_backward.last_metrics.items() if k.startswith("moe/")}
                 ok, grad_norm, _ = self.optimizer.step()
                 all_ok = all_ok and ok
         ok = all_ok  # the metrics below are those of the rollout's last optimizer step
-        metrics = {k: float(v) for k, v in self.forward_backward.last_metrics.items()}  # host-sync-ok (logging)
-        if self.probe is not None:
-            self.probe.counting = False
-            metrics.update(self.probe.step_metrics(self.info.world_size))
+        metrics = {k: float(v) for k, v in {**self.forward_backward.last_metrics, **routing}.items()}  # host-sync-ok
         if dump:
             self._dump(step, items, extra_lp)
         self._push_weights(step + 1)
@@ -525,18 +525,23 @@ class Trainer:
         from slime_tis.megatron.recompute import recompute_log_probs
 
         last = ps.is_pipeline_last_stage()
-        return recompute_log_probs(
-            get_forward_backward_func(),
-            self._forward_step,
-            items,
-            [self.model],
-            batches=[it["tis"] for it in items] if last else None,
-            num_microbatches=len(items),
-            vpp=False,
-            temperature=self.args.rollout_temperature,
-            seq_length=seq,
-            micro_batch_size=mbs,
-        )
+        routing = self.forward_backward.routing  # MoE: the same routing as the hook's passes (replay or not)
+        with contextlib.ExitStack() as stack:
+            step = self._forward_step
+            if routing is not None:
+                step = stack.enter_context(routing.active(step, training=False))
+            return recompute_log_probs(
+                get_forward_backward_func(),
+                step,
+                items,
+                [self.model],
+                batches=[it["tis"] for it in items] if last else None,
+                num_microbatches=len(items),
+                vpp=False,
+                temperature=self.args.rollout_temperature,
+                seq_length=seq,
+                micro_batch_size=mbs,
+            )
 
     def _dump(self, step: int, items: list[dict[str, Any]], extra_lp: list[torch.Tensor] | None) -> None:
         """Append this step's rollout and training (lp_old) log-probs to RUN_DIR/logprobs.jsonl

@@ -38,7 +38,7 @@ from slime_tis.core.rules import RULES, Rule
 from slime_tis.core.search import M2PO_FIELD, searches
 
 __all__ = ["Metric", "Statistic", "METRICS", "COUNTS", "REDUCTIONS", "finalize", "statistics", "token_values",
-           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER", "STALENESS_ROWS"]
+           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER", "STALENESS_ROWS", "ROUTING_ROWS"]
 
 
 def safe_ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -297,6 +297,19 @@ def staleness_rows(values: dict[str, Any]) -> list[Metric]:
     return [Metric(m.name.format(b=b), m.numerator.format(b=b), m.denominator and m.denominator.format(b=b),
                    m.reduction, m.doc) for b in labels for m in STALENESS_ROWS]
 
+#: Mixture-of-experts routing (``megatron.routing_replay``): counts over the routing decisions (token, MoE layer)
+#: at loss positions that the rollout engine routed, in the training forwards of a step, summed over all ranks.
+ROUTING_ROWS: tuple[Metric, ...] = (
+    Metric("moe/routing_mismatch", "moe.used_differs", "moe.decisions", "mean",
+           "routing decisions (token, MoE layer) at loss positions the engine routed where the expert set training "
+           "used differs from the engine's / those decisions (0 with `--tis-routing-replay`)"),
+    Metric("moe/router_disagreement", "moe.own_differs", "moe.decisions", "mean",
+           "those decisions where the training router's own top-k (from its logits) differs from the engine's / "
+           "those decisions (what replay overrides; equal to `moe/routing_mismatch` without replay)"),
+    Metric("moe/routing_decisions", "moe.decisions", None, "value",
+           "routing decisions (token, MoE layer) at loss positions the engine routed, counted over all ranks"),
+)
+
 _GROUPS = {"token": "token_sums", "seq": "seq_sums", "min": "mins", "max": "maxs"}
 
 
@@ -338,7 +351,7 @@ def finalize(values: dict[str, Tensor]) -> dict[str, Tensor]:
 
     The rows of each reduction are computed together (one stacked vector op per reduction, element-wise: the same
     values as one by one)."""
-    present = [m for m in (*METRICS, *staleness_rows(values)) if m.numerator in values
+    present = [m for m in (*METRICS, *staleness_rows(values), *ROUTING_ROWS) if m.numerator in values
                and (m.denominator is None or m.denominator in values) and (m.extra is None or m.extra in values)]
     by_reduction: dict[str, list[Metric]] = {}
     for m in present:
@@ -365,6 +378,7 @@ def metric_table() -> str:
         else:
             rows.append(([m.name], m.doc))
     rows += [([m.name.format(b="<b>")], m.doc) for m in STALENESS_ROWS]
+    rows += [([m.name], m.doc) for m in ROUTING_ROWS]
     lines = [METRIC_TABLE_HEADER, "|---|---|"]
     lines += ["| " + ", ".join(f"`{name}`" for name in names) + f" | {doc} |" for names, doc in rows]
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ Public API::
     add_megatron_tis_arguments, megatron_hook_kwargs   the plugin's flags + --rollout-temperature,
                                    --tis-fused-output-layer, --tis-fp32-lm-head; parsed args -> hook kwargs
     TISBatch                               per-micro-batch RL fields (packed, CP-local)
+    RoutingBatch                           MoE: the engine's experts per token (item["routing"], --tis-routing-replay)
     vocab_parallel_log_probs_and_entropy   fp32 log-probs / entropy from vocab-parallel logits (kernels="triton": fused)
     MegatronReducer                        the core's Reducer on parallel_state groups
     step_totals, make_loss_func, recompute_log_probs, aggregate_metrics   lower-level pieces, in the hook's order
@@ -31,6 +32,7 @@ from slime_tis.megatron.patch import tis_patch
 from slime_tis.megatron.rank_failure import RankFailedError
 from slime_tis.megatron.recompute import recompute_log_probs
 from slime_tis.megatron.rollout import compute_old_log_probs, rollout_step_iterator
+from slime_tis.megatron.routing_replay import RoutingBatch
 from slime_tis.megatron.tp_data import default_get_tis_batch
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "data_parallel_grad_average",
     "TISForwardBackward",
     "TISBatch",
+    "RoutingBatch",
     "default_get_tis_batch",
     "cp_slice_padded",
     "cu_seqlens_from_seq_ids",

@@ -21,7 +21,12 @@ option of that name (slime defines ``--rollout-temperature``; the host's is then
 * ``--tis-fp32-lm-head``: float32 logits from the output matmul (bf16 operands, float32 accumulation and
   output; float32 logits into the log-softmax).
 
-The last two are mutually exclusive (argparse names both). ``megatron_hook_kwargs(args)`` turns the parsed
+* ``--tis-routing-replay``: mixture-of-experts rollout routing replay: every forward of the hook routes each
+  MoE layer's tokens to the experts the rollout engine chose (SGLang's ``routed_experts``, carried in each
+  micro-batch item as a ``routing_replay.RoutingBatch``), and counts ``moe/routing_mismatch`` /
+  ``moe/router_disagreement``.
+
+The two output-layer flags are mutually exclusive (argparse names both). ``megatron_hook_kwargs(args)`` turns the parsed
 namespace into the hook's keyword arguments (read the temperature through it, not as ``args.rollout_temperature``:
 a parser without this provider has no such attribute)::
 
@@ -64,6 +69,12 @@ def add_megatron_tis_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                                help="Megatron hook: compute the output-layer matmul in float32 (float32 logits "
                                     "into the log-softmax), in the loss and the pi_old pass. Excludes "
                                     "--tis-fused-output-layer.")
+    if not _has(parser, "--tis-routing-replay"):
+        group.add_argument("--tis-routing-replay", action="store_true",
+                           help="Megatron hook, mixture-of-experts models: route every MoE layer's tokens to the "
+                                "experts the rollout engine chose (SGLang's routed_experts, item['routing']) in the "
+                                "pi_old pass and every training forward, through megatron-core's RouterReplay "
+                                "(routers built with --moe-enable-routing-replay); counts moe/routing_mismatch.")
     return parser
 
 
@@ -77,10 +88,11 @@ def rollout_temperature(args: Any) -> float:
 
 
 def megatron_hook_kwargs(args: Any) -> dict[str, Any]:
-    """``temperature`` (:func:`rollout_temperature`), ``fused_output_layer``, ``fp32_lm_head`` for
-    ``tis_forward_backward_func`` from parsed args (absent flags: False); both output-layer flags set is an error
-    naming them."""
+    """``temperature`` (:func:`rollout_temperature`), ``fused_output_layer``, ``fp32_lm_head``, ``routing_replay``
+    for ``tis_forward_backward_func`` from parsed args (absent flags: False); both output-layer flags set is an
+    error naming them."""
     fused = bool(getattr(args, "tis_fused_output_layer", False))
     fp32 = bool(getattr(args, "tis_fp32_lm_head", False))
     output_layer_of(fused, fp32)
-    return {"temperature": rollout_temperature(args), "fused_output_layer": fused, "fp32_lm_head": fp32}
+    return {"temperature": rollout_temperature(args), "fused_output_layer": fused, "fp32_lm_head": fp32,
+            "routing_replay": bool(getattr(args, "tis_routing_replay", False))}

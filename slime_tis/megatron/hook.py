@@ -49,6 +49,12 @@ the chunk's (tied) output weight: no logits tensor, one kernel for pi_old and pi
 (``use_fp32_lm_head``: float32 logits into the log-softmax). The model is switched back after the call
 (unless the launcher had switched it to that mode itself).
 
+With ``routing_replay=True`` (``--tis-routing-replay``; mixture-of-experts models) every pass of steps 3-5 and of
+:meth:`TISForwardBackward.compute_old_log_probs` runs the launcher's ``forward_step`` under
+``routing_replay.RoutingReplay.active``: each micro-batch's MoE routers use the rollout engine's experts (the
+item's ``RoutingBatch``); with ``routing_metrics`` the training schedule counts ``moe/routing_mismatch`` and
+``moe/router_disagreement``, reduced over every rank after step 5 and added to the step metrics.
+
 In steps 3-5 megatron's ``Float16Module`` wrappers default to ``fp32_output=False``
 (``model_dtype_output``): the loss reads bf16 logits as the model computed them, not a float32 copy.
 
@@ -57,6 +63,7 @@ In steps 3-5 megatron's ``Float16Module`` wrappers default to ``fp32_output=Fals
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import warnings
@@ -79,6 +86,7 @@ from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.rank_failure import Phase, reporting
 from slime_tis.megatron.recompute import forward_only_log_probs
 from slime_tis.megatron.rollout import rollout_old_log_probs
+from slime_tis.megatron.routing_replay import RoutingReplay, default_get_routing
 from slime_tis.megatron.schedule import materialise, replay
 from slime_tis.megatron.tp_data import default_get_tis_batch, step_batches
 
@@ -101,6 +109,8 @@ def hook_settings(hook: Any) -> dict[str, Any]:
         "broadcast_over_tp": hook.broadcast_over_tp, "grad_average": hook.grad_average,
         "metrics_in_loss_dicts": hook.metrics_in_loss_dicts, "output_layer": hook.output_layer,
         "reducer": None if hook.reducer is None else type(hook.reducer).__qualname__,
+        "routing_replay": hook.routing is not None and hook.routing.replay,
+        "routing_metrics": hook.routing is not None and hook.routing.count,
     }
     return {**config_settings(hook.cfg), **{f"tis_forward_backward_func({k}=)": v for k, v in own.items()}}
 
@@ -134,13 +144,20 @@ class TISForwardBackward:
             output weight (``output_layer.fused_log_probs``), in the loss and in every pi_old pass.
         fp32_lm_head: ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits), in the loss and in
             every pi_old pass. Mutually exclusive with ``fused_output_layer``.
+        routing_replay: ``--tis-routing-replay``: every forward of the hook's passes (pi_old and training) routes
+            each MoE layer's tokens to the rollout engine's experts (``routing_replay``: megatron-core's
+            ``RouterReplay``); the items must carry them (``get_routing``).
+        routing_metrics: count ``moe/routing_mismatch``, ``moe/router_disagreement`` in the training forwards
+            (default: ``routing_replay``); the items must carry the engine's routing.
+        get_routing: the ``routing_replay.RoutingBatch`` of a micro-batch item (default ``item["routing"]``).
     """
 
     def __init__(self, forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
                  chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                  reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
                  grad_average: float | None = None, metrics_in_loss_dicts: bool = True,
-                 fused_output_layer: bool = False, fp32_lm_head: bool = False) -> None:
+                 fused_output_layer: bool = False, fp32_lm_head: bool = False, routing_replay: bool = False,
+                 routing_metrics: bool | None = None, get_routing: Callable[[Any], Any] | None = None) -> None:
         if not isinstance(cfg, TISConfig):
             raise ValueError(f"cfg must be a slime_tis.TISConfig, got {type(cfg).__name__}")
         if pi_old not in PI_OLD_MODES:
@@ -161,6 +178,10 @@ class TISForwardBackward:
         self.broadcast_over_tp = bool(broadcast_over_tp)
         self.grad_average = grad_average
         self.metrics_in_loss_dicts = bool(metrics_in_loss_dicts)
+        count = routing_replay if routing_metrics is None else routing_metrics
+        #: MoE routing replay / metrics (``routing_replay.RoutingReplay``), or ``None``: the routers route alone
+        self.routing = None if not (routing_replay or count) else RoutingReplay(
+            replay=routing_replay, count=count, get_routing=get_routing or default_get_routing)
         self.last_metrics: dict[str, Tensor] = {}
         self.last_totals: StepTotals | None = None
         self.last_recomputed = False
@@ -218,6 +239,20 @@ class TISForwardBackward:
 
     def _compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
                                num_microbatches: int, num_steps: int, **schedule_kwargs: Any) -> Any:
+        with self._routed(forward_step_func, training=False) as forward_step_func:
+            return self._rollout_pass(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                                      num_microbatches=num_microbatches, num_steps=num_steps, **schedule_kwargs)
+
+    def _routed(self, forward_step_func: Callable, *, training: bool) -> Any:
+        """The launcher's ``forward_step`` for one pass: with the engine's routing set per micro-batch
+        (``routing_replay.RoutingReplay.active``; ``training``: the pass counts the routing metrics) when routing
+        is configured, else as given."""
+        if self.routing is None:
+            return contextlib.nullcontext(forward_step_func)
+        return self.routing.active(forward_step_func, training=training)
+
+    def _rollout_pass(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
+                      num_microbatches: int, num_steps: int, **schedule_kwargs: Any) -> Any:
         return rollout_old_log_probs(
             self.forward_backward_func, forward_step_func, data_iterator, model,
             num_microbatches=num_microbatches, num_steps=num_steps, settings=self.logprobs,
@@ -264,9 +299,10 @@ class TISForwardBackward:
         with model_output_mode(model, self.logprobs.output_layer):  # steps 3-5
             if self.last_recomputed:
                 phase.name = "the pi_old pass"
-                lps = forward_only_log_probs(
-                    self.forward_backward_func, forward_step_func, items, model, batches=batches,
-                    num_microbatches=num_microbatches, vpp=vpp, settings=self.logprobs, **kwargs)
+                with self._routed(forward_step_func, training=False) as step_func:
+                    lps = forward_only_log_probs(
+                        self.forward_backward_func, step_func, items, model, batches=batches,
+                        num_microbatches=num_microbatches, vpp=vpp, settings=self.logprobs, **kwargs)
                 if batches is not None and lps is not None:
                     pre = lps  # lp_theta at the step's parameters: its non-finite values reject as in the loss
                     if pi_old_pass:
@@ -275,15 +311,20 @@ class TISForwardBackward:
             engine = StepEngine(cfg, reducer, decisions=self._rollout_decisions) if batches is not None else None
             if engine is not None:
                 engine.begin(batches, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
-            forward_step = forward_step_with_tis_loss(forward_step_func, engine, batches, form,
-                                                      settings=self.logprobs, pi_old_from_theta=pi_old_from_theta)
             phase.name = "megatron's forward-backward schedule (the loss function included)"
-            out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
-                                             model=model, num_microbatches=num_microbatches, forward_only=False,
-                                             **kwargs)
+            with self._routed(forward_step_func, training=True) as step_func:
+                forward_step = forward_step_with_tis_loss(step_func, engine, batches, form, settings=self.logprobs,
+                                                          pi_old_from_theta=pi_old_from_theta)
+                out = self.forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp),
+                                                 model=model, num_microbatches=num_microbatches, forward_only=False,
+                                                 **kwargs)
         self.last_totals = None if engine is None else engine.totals
         phase.name = "the step metrics"
         self.last_metrics = engine.end(step=self.train_call) if is_last else {}
+        if self.routing is not None:  # every rank: one all-reduce of the routing counts
+            routing = self.routing.step_metrics()
+            if is_last:
+                self.last_metrics = {**self.last_metrics, **routing}
         if is_last and self.metrics_in_loss_dicts:
             add_metrics_to_loss_dicts(out, self.last_metrics)
         return out

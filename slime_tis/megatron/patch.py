@@ -28,8 +28,9 @@ copy, so those modules must be listed). Everything is restored on exit.
 ``cfg=None`` (default) builds ``TISConfig.from_args(megatron.training.get_args())`` when the schedule is
 first requested, i.e. after the command line was parsed (``add_megatron_tis_arguments`` adds the flags), and
 ``temperature=None`` then reads ``--rollout-temperature`` (else ``--rl-default-temperature``, else 1.0),
-``fused_output_layer=None`` / ``fp32_lm_head=None`` read ``--tis-fused-output-layer`` / ``--tis-fp32-lm-head``
-(``megatron_hook_kwargs``). With an explicit ``cfg``, ``None`` means 1.0 / False / False.
+``fused_output_layer=None`` / ``fp32_lm_head=None`` / ``routing_replay=None`` read ``--tis-fused-output-layer`` /
+``--tis-fp32-lm-head`` / ``--tis-routing-replay`` (``megatron_hook_kwargs``). With an explicit ``cfg``, ``None``
+means 1.0 / False / False / False.
 The micro-batch items must carry ``item["tis"] = TISBatch(...)`` or ``get_tis_batch=`` must build it
 (docs/megatron.md, "Data contract"); other keywords go to ``tis_forward_backward_func``.
 """
@@ -50,10 +51,11 @@ _ATTR = "get_forward_backward_func"
 
 
 def _from_megatron_lm_args(cfg: TISConfig | None, given: dict[str, Any]) -> tuple[TISConfig, dict[str, Any]]:
-    """The config and the hook keywords (``temperature``, ``fused_output_layer``, ``fp32_lm_head``): the given
-    ones, the others from Megatron-LM's parsed args (``cfg=None``) or the defaults."""
+    """The config and the hook keywords (``temperature``, ``fused_output_layer``, ``fp32_lm_head``,
+    ``routing_replay``): the given ones, the others from Megatron-LM's parsed args (``cfg=None``) or the
+    defaults."""
     if cfg is not None:
-        defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False}
+        defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False, "routing_replay": False}
         return cfg, {k: defaults[k] if v is None else v for k, v in given.items()}
     try:
         from megatron.training import get_args
@@ -67,8 +69,9 @@ def _from_megatron_lm_args(cfg: TISConfig | None, given: dict[str, Any]) -> tupl
 
 @contextlib.contextmanager
 def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
-              fused_output_layer: bool | None = None, fp32_lm_head: bool | None = None, chunk_size: int = 1024,
-              modules: Sequence[Any] = (), **hook_kwargs: Any) -> Iterator[None]:
+              fused_output_layer: bool | None = None, fp32_lm_head: bool | None = None,
+              routing_replay: bool | None = None, chunk_size: int = 1024, modules: Sequence[Any] = (),
+              **hook_kwargs: Any) -> Iterator[None]:
     """Make ``get_forward_backward_func()`` return the hooked schedule while the block runs."""
     import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core.pipeline_parallel import schedules
@@ -80,7 +83,8 @@ def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
     def hooked_get_forward_backward_func(*args: Any, **kwargs: Any):
         the_cfg, resolved = _from_megatron_lm_args(cfg, {"temperature": temperature,
                                                          "fused_output_layer": fused_output_layer,
-                                                         "fp32_lm_head": fp32_lm_head})
+                                                         "fp32_lm_head": fp32_lm_head,
+                                                         "routing_replay": routing_replay})
         return tis_forward_backward_func(original(*args, **kwargs), the_cfg, chunk_size=chunk_size, **resolved,
                                          **hook_kwargs)
 

@@ -9,6 +9,9 @@ Typical use (one request per sample, ``return_logprob`` on)::
     sample = parse_generate_response(resp)          # RolloutTokens: token_ids, rollout_log_probs, loss_mask
     batch = collate([sample, ...])                  # packed [T] tensors + cu_seqlens + sglang/* metrics
 
+Mixture of experts: ``parse_routed_experts(meta_info["routed_experts"], ...)`` (``return_routed_experts``) gives
+the engine's experts per token and MoE layer for rollout routing replay (``--tis-routing-replay``).
+
 Streaming: ``merge_stream_chunks(lines)`` first; multi-turn with tool tokens: ``TrajectoryBuilder``.
 Top-p / top-k sampling: ``generate_request(..., sampling_logprobs=True)`` and
 ``parse_generate_response(resp, rollout_logprobs="sampling")`` use SGLang's log-probs of the
@@ -23,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .response import FINISH_ERROR_METRICS, NAN_STOP, RolloutTokens, SGLangLogprobError, parse_generate_response
+from .routing import parse_routed_experts
 from .sampling import (
     ENV_RENORMALIZED,
     REPLAY_PARAM,
@@ -58,6 +62,7 @@ __all__ = [
     "merge_stream_batch",
     "merge_stream_chunks",
     "parse_generate_response",
+    "parse_routed_experts",
     "read_support",
     "reset_sampling_warnings",
     "validate_support",

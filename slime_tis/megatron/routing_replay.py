@@ -1,0 +1,331 @@
+"""Rollout routing replay on megatron-core's own ``RouterReplay``, and the routing mismatch metrics.
+
+Input, per micro-batch item (the launcher's, read with ``get_routing(item)``; default ``item["routing"]``): a
+:class:`RoutingBatch` ``(experts [B, S, L_moe, k] int, loss_mask [B, S] bool)`` in the launcher's full token
+layout (before context-parallel slicing): ``experts[b, s, m]`` = the experts the engine routed input token
+``s`` of row ``b`` to in the model's ``m``-th MoE layer (global order over all pipeline stages), ``-1`` where
+the engine did not run the token (the last response token, padding); ``loss_mask[b, s]``: the output at
+``s`` enters the loss. ``slime_tis.sglang.parse_routed_experts`` builds a row of ``experts`` from SGLang's
+``routed_experts``.
+
+:class:`RoutingReplay` (``tis_forward_backward_func(..., routing_replay=True)``, ``--tis-routing-replay``) wraps
+the launcher's ``forward_step``: when it reads its item from the data iterator, before the model runs, every MoE
+layer of that model chunk gets its micro-batch's targets, in the token order its router sees:
+
+* tokens: the item's ``[B, S]`` cut as megatron cuts the tokens: megatron's load-balanced context-parallel slice
+  (``cp_slice_padded``; packed rows (``packed=True``) need CP = 1), then ``[S_cp, B]`` flattened s-major, then,
+  under sequence parallelism with TP > 1, this TP rank's contiguous ``1/TP`` of it; expert parallelism splits
+  experts, not router tokens;
+* layers: a layer's index among the MoE layers is counted over megatron's global pattern
+  (``config.moe_layer_freq`` over ``config.num_layers``) at its global ``layer_number`` (pipeline and virtual
+  pipeline offsets included; dense layers have no router and take no data);
+* the router (``RouterReplay.set_target_indices``, action ``REPLAY_FORWARD``) uses exactly those experts; their
+  weights are the training router's own scores at them (megatron's ``get_replay_topk``: ``softmax`` over the
+  replayed logits), so gradients still reach the router. Positions without engine routing get experts
+  ``0..k-1``: per-token routing and causal attention keep them out of every loss position;
+* recompute of activations: a router forward inside the backward pass (``CheckpointFunction`` recomputing)
+  takes megatron's ``REPLAY_BACKWARD`` queue, the targets in the order they were set: per router, backward
+  passes run in forward order under every megatron schedule.
+
+Metrics (with ``routing_metrics``; counted in the training schedule's forwards, not in pi_old passes nor in a
+recompute inside the backward pass; declared
+in ``core.metric_schema.ROUTING_ROWS``), over the routing decisions ``(token, MoE layer)`` at loss positions
+that the engine routed: ``moe/routing_mismatch`` = fraction whose expert set used by training differs from the
+engine's (0 under replay), ``moe/router_disagreement`` = fraction where the training router's own top-k (its
+logits) differs from the engine's, ``moe/routing_decisions`` = their number. Counts stay tensors during the
+step and are summed over every rank once after it (one all-reduce of 3 numbers on the world group, issued on
+every rank whenever the hook has routing configured): ranks hold disjoint tokens (DP, CP, sequence-parallel
+TP) and disjoint layers (PP), so the sum is the exact count (TP without sequence parallelism: each TP rank
+routes every token; the sums are divided by TP).
+
+Refused with one line: replay without the data (``get_routing(item)`` is ``None``), a layer count or ``k``
+other than the model's, experts covering other tokens than the router sees, routers built without
+``moe_enable_routing_replay``, and a MoE layer that ran without its micro-batch's targets (a launcher whose
+``forward_step`` does not read its item from the data iterator on a rank holding MoE layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["RoutingBatch", "RoutingReplay", "default_get_routing", "moe_layer_pattern"]
+
+
+@dataclass
+class RoutingBatch:
+    """The engine's routing of one micro-batch (module docstring): ``experts [B, S, L_moe, k]`` int (``-1``: not
+    routed by the engine), ``loss_mask [B, S]``, ``packed``: rows are packed sequences (``[1, T]``)."""
+
+    experts: Tensor
+    loss_mask: Tensor
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        e, m = self.experts, self.loss_mask
+        if not isinstance(e, Tensor) or e.dim() != 4 or e.dtype.is_floating_point or e.dtype == torch.bool:
+            raise ValueError("RoutingBatch.experts must be an integer tensor [B, S, moe_layers, topk], got "
+                             + (f"{e.dtype} {list(e.shape)}" if isinstance(e, Tensor) else type(e).__name__))
+        if not isinstance(m, Tensor) or tuple(m.shape) != tuple(e.shape[:2]):
+            raise ValueError(f"RoutingBatch.loss_mask must be [B, S] = {list(e.shape[:2])} like experts, got "
+                             + (str(list(m.shape)) if isinstance(m, Tensor) else type(m).__name__))
+
+
+def default_get_routing(item: Any) -> RoutingBatch | None:
+    """``item["routing"]`` (``None`` where the item is not a dict or has none)."""
+    return item.get("routing") if isinstance(item, dict) else None
+
+
+def moe_layer_pattern(config: Any) -> list[bool]:
+    """Per global layer (0-based), whether it is a MoE layer: ``config.moe_layer_freq`` as megatron reads it (an
+    int ``f``: every ``f``-th layer from layer 0; a list: one 0/1 per layer)."""
+    freq, n = config.moe_layer_freq, config.num_layers
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(n)]
+    if len(freq) != n:
+        raise ValueError(f"moe_layer_freq has {len(freq)} entries, the model {n} layers")
+    return [bool(f) for f in freq]
+
+
+@dataclass
+class _Slot:
+    """One local MoE layer: its index among the MoE layers, its router, this micro-batch's engine routing."""
+
+    moe_index: int
+    router: Any
+    engine: Tensor | None = None  # [N, k] the engine's experts (-1: not routed), router token order
+    valid: Tensor | None = None  # [N] bool: loss position that the engine routed
+    fresh: bool = False  # targets set for the next (non-recompute) forward
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass (a checkpointed layer recomputing its forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _unwrap(model: Any) -> Any:
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+class _BeginOnNext:
+    """The launcher's data iterator; each item it hands out first sets its routing on the chunk's MoE layers."""
+
+    def __init__(self, inner: Any, begin: Callable[[Any], None]) -> None:
+        self._inner, self._begin = inner, begin
+
+    def __iter__(self) -> _BeginOnNext:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self._inner)
+        self._begin(item)
+        return item
+
+
+class RoutingReplay:
+    """Routing replay and counting on the MoE routers of this rank's model chunks (module docstring).
+
+    Args:
+        replay: override every router's top-k with the engine's experts.
+        count: count the routing metrics in training forwards.
+        get_routing: item -> :class:`RoutingBatch` (or ``None``).
+    """
+
+    def __init__(self, *, replay: bool, count: bool,
+                 get_routing: Callable[[Any], RoutingBatch | None] = default_get_routing) -> None:
+        self.replay, self.count, self.get_routing = bool(replay), bool(count), get_routing
+        self._chunks: dict[int, list[_Slot]] = {}
+        self._counts: Tensor | None = None  # float64 [3]: used differs, own differs, decisions
+        self._device: torch.device | None = None
+        self._num_moe: int | None = None
+        self._tp_duplicates = 1
+        self._active = self._counting = False
+
+    # ------------------------------------------------------------------ model
+    def _slots(self, model_chunk: Any) -> list[_Slot]:
+        inner = _unwrap(model_chunk)
+        key = id(inner)
+        if key not in self._chunks:
+            self._chunks[key] = self._attach(inner)
+        return self._chunks[key]
+
+    def _attach(self, chunk: torch.nn.Module) -> list[_Slot]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        slots = []
+        for layer in chunk.modules():
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if not isinstance(layer, TransformerLayer) or not isinstance(router, TopKRouter):
+                continue
+            pattern = moe_layer_pattern(router.config)
+            g = layer.layer_number - 1  # global, 0-based (pipeline / virtual-pipeline offset included)
+            if g >= len(pattern):
+                raise ValueError(f"routing replay: a MoE layer numbered {g + 1} beyond num_layers={len(pattern)} "
+                                 "(multi-token-prediction layers) is not supported")
+            if not pattern[g]:
+                raise ValueError(f"layer {g} has a router but moe_layer_freq={router.config.moe_layer_freq} makes "
+                                 "it dense")
+            if self.replay and getattr(router, "router_replay", None) is None:
+                raise ValueError("--tis-routing-replay (routing_replay=True) needs the MoE routers built with "
+                                 "moe_enable_routing_replay=True (TransformerConfig / --moe-enable-routing-replay)")
+            slot = _Slot(sum(pattern[:g]), router)
+            router.register_forward_pre_hook(self._pre_hook(slot))
+            router.register_forward_hook(self._count_hook(slot))
+            slots.append(slot)
+            self._num_moe = sum(pattern)
+        if self._device is None:
+            p = next(chunk.parameters(), None)
+            self._device = p.device if p is not None else torch.device("cpu")
+            cfg = getattr(chunk, "config", None)
+            tp = ps.get_tensor_model_parallel_world_size()
+            self._tp_duplicates = tp if tp > 1 and not getattr(cfg, "sequence_parallel", False) else 1
+        return slots
+
+    # ------------------------------------------------------------------ per micro-batch
+    @contextmanager
+    def active(self, forward_step_func: Callable, *, training: bool) -> Iterator[Callable]:
+        """For one schedule pass: the launcher's ``forward_step`` with each micro-batch's routing set on its
+        chunk's MoE layers when it reads its item; ``training``: the pass counts the routing metrics (the
+        training schedule, not a pi_old pass). Outside (evaluation, ``forward_only`` calls the hook passes
+        through) the routers route on their own: every target and replay action is cleared on entry and exit."""
+        self._clear_all()
+        self._active, self._counting = True, training and self.count
+        try:
+            yield self._wrap(forward_step_func)
+        finally:
+            self._active = self._counting = False
+            self._clear_all()
+
+    def _clear_all(self) -> None:
+        for slots in self._chunks.values():
+            for slot in slots:
+                self._clear(slot)
+
+    def _wrap(self, forward_step_func: Callable) -> Callable:
+
+        def forward_step(data_iterator: Any, model_chunk: Any, *args: Any, **kwargs: Any) -> Any:
+            slots = self._slots(model_chunk)
+            if slots and data_iterator is not None:
+                data_iterator = _BeginOnNext(data_iterator, lambda item: self._begin(slots, item))
+            return forward_step_func(data_iterator, model_chunk, *args, **kwargs)
+
+        return forward_step
+
+    def _clear(self, slot: _Slot) -> None:
+        slot.engine = slot.valid = None
+        slot.fresh = False
+        if slot.router.router_replay is not None:
+            slot.router.router_replay.clear_indices()
+            slot.router.router_replay.clear_router_replay_action()
+
+    def _begin(self, slots: list[_Slot], item: Any) -> None:
+        from megatron.core import parallel_state as ps
+
+        from slime_tis.engine.batch import cp_slice_padded
+
+        rb = self.get_routing(item)
+        if rb is None:
+            raise ValueError("--tis-routing-replay / routing metrics: a micro-batch carries no routed experts "
+                             "(get_routing(item) is None; put a RoutingBatch in item['routing'] on every rank "
+                             "holding MoE layers)")
+        if not isinstance(rb, RoutingBatch):
+            raise ValueError(f"get_routing(item) must return a slime_tis.megatron.RoutingBatch, got "
+                             f"{type(rb).__name__}")
+        b, s, n_layers, k = rb.experts.shape
+        topk = slots[0].router.topk
+        if n_layers != self._num_moe or k != topk:
+            raise ValueError(f"routed experts have shape [B={b}, S={s}, moe_layers={n_layers}, topk={k}], the model "
+                             f"[B, S, moe_layers={self._num_moe}, topk={topk}]")
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        if rb.packed and cp > 1:
+            raise ValueError("RoutingBatch(packed=True) with context parallelism is not supported (megatron splits "
+                             "packed sequences per sequence under CP)")
+        experts = cp_slice_padded(rb.experts, cp, cp_rank).transpose(0, 1)  # [S_cp, B, L, k]
+        mask = cp_slice_padded(rb.loss_mask, cp, cp_rank).transpose(0, 1)  # [S_cp, B]
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1 and getattr(slots[0].router.config, "sequence_parallel", False):
+            s_cp = experts.shape[0]
+            if s_cp % tp:
+                raise ValueError(f"sequence parallelism: the {s_cp} tokens per row on this CP rank are not "
+                                 f"divisible by tensor_model_parallel_size={tp}")
+            r = ps.get_tensor_model_parallel_rank()
+            experts, mask = experts.chunk(tp)[r], mask.chunk(tp)[r]
+        dev = self._device
+        experts = experts.reshape(-1, n_layers, k).to(dev)
+        routed = (experts >= 0).all(-1)  # [N, L]
+        mask = mask.reshape(-1).to(dev).bool()
+        fill = torch.arange(k, device=dev).expand(experts.shape[0], k)
+        for slot in slots:
+            engine = experts[:, slot.moe_index]
+            slot.engine, slot.valid, slot.fresh = engine, mask & routed[:, slot.moe_index], True
+            if self.replay:
+                rr = slot.router.router_replay
+                rr.set_target_indices(torch.where(engine >= 0, engine, fill).long())
+
+    # ------------------------------------------------------------------ router hooks
+    def _pre_hook(self, slot: _Slot) -> Callable:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        def pre(module: Any, args: tuple) -> None:
+            if not self._active:
+                return
+            if _in_backward():  # a recompute: megatron's queue of this router's targets, in forward order
+                if self.replay:
+                    module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+                return
+            if not slot.fresh:
+                raise RuntimeError(f"routing replay: MoE layer {slot.moe_index} ran a forward without its "
+                                   "micro-batch's routed experts (the launcher's forward_step must read its item "
+                                   "from data_iterator on every rank holding MoE layers)")
+            slot.fresh = False
+            tokens = args[0].shape[0] * args[0].shape[1]
+            if slot.engine.shape[0] != tokens:
+                raise ValueError(f"routed experts give {slot.engine.shape[0]} tokens to MoE layer {slot.moe_index} "
+                                 f"on this rank, its router sees {tokens} ({list(args[0].shape[:2])}): the "
+                                 "RoutingBatch must be [B, S] of the launcher's full (not CP-sliced) tokens")
+            if self.replay:
+                module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+        return pre
+
+    def _count_hook(self, slot: _Slot) -> Callable:
+        def hook(module: Any, args: tuple, output: tuple) -> None:
+            if not self._counting or _in_backward():
+                return
+            routing_map = output[1]  # [N, E] bool: the experts training used
+            n_exp = routing_map.shape[-1]
+            with torch.no_grad():
+                logits = module.gating(args[0]).reshape(-1, n_exp)
+                own = F.one_hot(logits.topk(module.topk, dim=-1).indices, n_exp).sum(-2) > 0
+                eng = F.one_hot(slot.engine.long().clamp_min(0), n_exp).sum(-2) > 0
+                used_diff = ((routing_map != eng).any(-1) & slot.valid).sum()
+                own_diff = ((own != eng).any(-1) & slot.valid).sum()
+                counts = torch.stack([used_diff, own_diff, slot.valid.sum()]).to(torch.float64)
+                self._counts = counts if self._counts is None else self._counts + counts.to(self._counts)
+
+        return hook
+
+    # ------------------------------------------------------------------ step
+    def step_metrics(self) -> dict[str, Tensor]:
+        """This step's routing metrics (float64 0-d, identical on every rank; ``core.metric_schema.ROUTING_ROWS``)
+        and reset the counts. Collective (world) when the job has more than one process; call on every rank."""
+        from slime_tis.core.metric_schema import finalize
+
+        dev = self._device or torch.device("cpu")
+        counts = torch.zeros(3, dtype=torch.float64, device=dev) if self._counts is None else self._counts.to(dev)
+        self._counts = None
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(counts)
+        counts = counts / self._tp_duplicates
+        used, own, decisions = counts.unbind(0)
+        return finalize({"moe.used_differs": used, "moe.own_differs": own, "moe.decisions": decisions})
