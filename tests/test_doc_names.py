@@ -1,0 +1,129 @@
+"""Every plugin flag, YAML key and metric a user page names exists.
+
+README.md and docs/*.md are scanned line by line:
+
+* a ``--tis-*`` flag must be one the plugin's parsers declare (``slime_tis.arguments.add_tis_arguments``, the
+  Megatron-LM hook's ``add_megatron_tis_arguments``, ``train_rl.py``'s ``add_megatron_rl_tis_arguments``) or
+  one of slime's own (``tests/_slime_args.FLAGS``: ``--tis-clip``, ``--tis-clip-low``);
+* a YAML key ``tis_*:`` (a key followed by a colon, as in a slime config file) must be a dest of those parsers
+  or of slime's flags, or a key the slime hooks read (``getattr(args, "tis_...")`` in the plugin's code);
+* a metric ``tis/*``, ``policy/*``, ``moe/*`` or ``sglang/*`` must be a row of the metric schema
+  (``core.metric_schema``: ``METRICS``, ``ROUTING_ROWS``, the staleness rows with their ``{b}`` label), or one
+  of the host-side metrics declared next to their code (the SGLang reader's, ``train_rl.py``'s appended-token
+  count).
+
+A placeholder (``tis/*``, ``tis/<metric>``, a brace list ``tis/staleness_<b>/{kl, k3_kl}``) and a path (``sglang/srt/...``) are not names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from _slime_args import FLAGS as SLIME_FLAGS
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FLAG = re.compile(r"(?<![\w-])--tis-[a-z0-9-]*[a-z0-9]")
+YAML_KEY = re.compile(r"(?<![\w./-])(tis_[a-z0-9_]+)\s*:(?!:)")
+METRIC = re.compile(r"(?<![\w./-])((?:tis|policy|moe|sglang)/[A-Za-z0-9_{}<>*./-]*[A-Za-z0-9_}>*])")
+
+
+def _plugin_parser() -> argparse.ArgumentParser:
+    from slime_tis.arguments import add_tis_arguments
+    from slime_tis.megatron.arguments import add_megatron_tis_arguments
+    from slime_tis.megatron_rl.host import add_megatron_rl_tis_arguments
+
+    parser = argparse.ArgumentParser(conflict_handler="resolve")
+    for add in (add_tis_arguments, add_megatron_tis_arguments, add_megatron_rl_tis_arguments):
+        add(parser)
+    return parser
+
+
+def _hook_keys() -> set[str]:
+    """The YAML keys slime's hooks read from its namespace (``getattr(args, "tis_...")`` in the plugin's code):
+    keys with no flag of their own (``tis_dump_dir``, ``tis_metrics_path`` ...)."""
+    read = re.compile(r"getattr\(args, \"(tis_[a-z0-9_]+)\"")
+    from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY
+
+    keys = {k for path in (ROOT / "slime_tis").rglob("*.py") for k in read.findall(path.read_text(encoding="utf-8"))}
+    return keys | {SKIP_RECOMPUTE_KEY}
+
+
+def _flags_and_dests() -> tuple[set[str], set[str]]:
+    parser = _plugin_parser()
+    flags = {s for a in parser._actions for s in a.option_strings} | set(SLIME_FLAGS)
+    dests = {a.dest for a in parser._actions} | {f.dest for f in SLIME_FLAGS.values()} | _hook_keys()
+    return flags, dests
+
+
+def _metrics() -> tuple[set[str], list[re.Pattern]]:
+    from slime_tis.core.metric_schema import METRICS, ROUTING_ROWS, STALENESS_ROWS
+    from slime_tis.megatron_rl.host import APPENDED_METRIC
+    from slime_tis.sglang.response import FINISH_ERROR_METRICS
+    from slime_tis.sglang.support import SUPPORT_INVALID_METRIC
+    from slime_tis.sglang.trajectory import READER_METRICS
+
+    names = {m.name for m in (*METRICS, *ROUTING_ROWS)} | {APPENDED_METRIC, SUPPORT_INVALID_METRIC}
+    names |= set(FINISH_ERROR_METRICS.values()) | set(READER_METRICS)
+    # a staleness row with its label: a bucket number, "<N>plus", or the placeholder {b} / <b>
+    label = r"(?:\d+|\d+plus|\{b\}|<b>)"
+    patterns = [re.compile(re.escape(m.name).replace(re.escape("{b}"), label) + "$") for m in STALENESS_ROWS]
+    return names, patterns
+
+
+def _is_placeholder(name: str) -> bool:
+    return ("*" in name or name.endswith((">", "/")) or name.startswith("sglang/srt")
+            or re.search(r"\{(?!b\})", name) is not None)  # a brace list: tis/staleness_<b>/{kl, k3_kl}
+
+
+def _stale_names() -> list[str]:
+    flags, dests = _flags_and_dests()
+    metrics, staleness = _metrics()
+    out = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{page.relative_to(ROOT)}:{n}"
+            out += [f"{where}: flag {f}" for f in FLAG.findall(line) if f not in flags]
+            out += [f"{where}: YAML key {k}" for k in YAML_KEY.findall(line) if k not in dests]
+            for name in METRIC.findall(line):
+                name = name.rstrip(".")
+                if _is_placeholder(name) or name in metrics or any(p.match(name) for p in staleness):
+                    continue
+                out.append(f"{where}: metric {name}")
+    return out
+
+
+def test_every_named_flag_key_and_metric_exists():
+    stale = _stale_names()
+    assert not stale, "names that do not exist:\n" + "\n".join(stale)
+
+
+def test_every_flag_named_in_the_code_exists():
+    """Docstrings and error messages of the plugin name only flags that exist (a user reads them in ``help()``
+    and in the one-line errors)."""
+    flags, _ = _flags_and_dests()
+    stale = [f"{path.relative_to(ROOT)}:{n}: flag {f}"
+             for path in sorted((ROOT / "slime_tis").rglob("*.py"))
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             for f in FLAG.findall(line) if f not in flags]
+    assert not stale, "flags that do not exist:\n" + "\n".join(stale)
+
+
+@pytest.mark.parametrize("line, kind", [
+    ("use `--tis-policy-loss ppo_clip`", "flag"),
+    ("tis_upper_bnd: 2.0", "YAML key"),
+    ("watch `tis/k3kl` rise", "metric"),
+    ("watch `moe/routing_mismatches`", "metric"),
+])
+def test_the_scan_catches_a_stale_name(line, kind, tmp_path, monkeypatch):
+    """The scan is not vacuous: a page with one misspelt name fails it, naming the line."""
+    page = tmp_path / "page.md"
+    page.write_text("fine: `--tis-level sequence`, `tis/k3_kl`, tis_mode: mask\n" + line + "\n", encoding="utf-8")
+    monkeypatch.setitem(globals(), "PAGES", [page])
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    stale = _stale_names()
+    assert len(stale) == 1 and stale[0].startswith("page.md:2:") and kind in stale[0], stale
