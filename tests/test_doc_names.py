@@ -12,7 +12,8 @@ README.md and docs/*.md are scanned line by line:
   of the host-side metrics declared next to their code (the SGLang reader's, ``train_rl.py``'s appended-token
   count).
 
-A placeholder (``tis/*``, ``tis/<metric>``, a brace list ``tis/staleness_<b>/{kl, k3_kl}``) and a path (``sglang/srt/...``) are not names.
+A placeholder (``tis/*``, ``tis/<metric>``, a brace list ``tis/staleness_<b>/{kl, k3_kl}``) and a path
+(``sglang/srt/...``) are not names.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from _slime_args import FLAGS as SLIME_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
