@@ -127,3 +127,12 @@ def test_the_scan_catches_a_stale_name(line, kind, tmp_path, monkeypatch):
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
     stale = _stale_names()
     assert len(stale) == 1 and stale[0].startswith("page.md:2:") and kind in stale[0], stale
+
+
+def test_troubleshooting_covers_every_metric():
+    """docs/troubleshooting.md gives ranges for every tis/ and policy/ metric of the schema (a new metric needs
+    its row)."""
+    from slime_tis.core.metric_schema import METRICS
+
+    text = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    assert [m.name for m in METRICS if f"`{m.name}`" not in text] == []
