@@ -21,14 +21,8 @@ the pi_old pass of ``pi_old="auto"`` or the pre-pass of algorithms 1, 3), and wh
 non-finite values reject their sequence here as in the loss. Without such a pass (``pi_old="rollout"``)
 the totals see every input but ``lp_theta``.
 
-Decide once (algorithms 0 and 2, whose correction reads pi_old and pi_rollout, :func:`decides_ahead`): the
-correction of a micro-batch is taken without ``lp_theta`` and kept in a :class:`Decisions` cache that a host may
-hold for a whole rollout (the Megatron hook: from its rollout pass to the next), so a micro-batch met again (a
-later epoch) is not corrected again; the step totals and each loss finish it with ``core.correction.refine``
-(``lp_theta``'s finiteness, the step's batch-normalisation factor), which gives exactly what one correction
-seeing every input gives. Algorithms 1 and 3 read ``lp_theta``: their totals correct at the pre-pass's
-``lp_theta``, for the denominator only, and each loss at the ``lp_theta`` of its own forward (every rule, weight
-and statistic of theirs reads it: nothing of the totals' correction is left to finish).
+Algorithms 1 and 3 read ``lp_theta``: their totals correct at the pre-pass's ``lp_theta``, for the denominator
+only, and each loss corrects again at the ``lp_theta`` of its own forward (tests/test_engine_two_forwards.py).
 """
 
 from __future__ import annotations
@@ -42,12 +36,11 @@ from slime_tis.config import TISConfig
 from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator
 from slime_tis.core.aggregation import aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
-from slime_tis.core.correction import as_valid_mask, refine
-from slime_tis.core.packing import packed_layout
+from slime_tis.core.correction import as_valid_mask
 from slime_tis.core.weights import batch_norm_factor
 from slime_tis.engine.batch import TISBatch
 
-__all__ = ["StepTotals", "Decisions", "step_totals", "needs_pre_pass", "needs_pi_old_pass", "decides_ahead"]
+__all__ = ["StepTotals", "step_totals", "step_batch_norm", "step_corrects", "needs_pre_pass", "needs_pi_old_pass"]
 
 
 @dataclass
@@ -62,52 +55,16 @@ class StepTotals:
     num_microbatches: int
 
 
-class Decisions:
-    """Corrections decided without ``lp_theta`` (:func:`decides_ahead`), per micro-batch, for as long as its inputs
-    are the same tensors: an entry is found by the ``TISBatch`` object and holds only if the batch still carries
-    the same ``old_log_probs``, ``rollout_log_probs``, ``advantages``, ``loss_mask``, ``cu_seqlens`` and
-    ``ref_log_probs`` objects (the tensors are assumed unchanged in place). The holder clears it when a new
-    rollout begins. Whether an entry is found depends on the host's object flow, the same on every rank of a
-    data-parallel x context-parallel group, never on the data."""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[tuple, TISResult]] = {}
-
-    @staticmethod
-    def _key(b: TISBatch) -> tuple:
-        return (b, b.old_log_probs, b.rollout_log_probs, b.advantages, b.loss_mask, b.cu_seqlens, b.ref_log_probs)
-
-    def get(self, b: TISBatch) -> TISResult | None:
-        entry = self._entries.get(id(b))
-        if entry is None or any(x is not y for x, y in zip(entry[0], self._key(b))):
-            return None
-        return entry[1]
-
-    def put(self, b: TISBatch, result: TISResult) -> None:
-        self._entries[id(b)] = (self._key(b), result)  # the key holds the objects: their ids are not reused
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
+def step_batch_norm(cfg: TISConfig) -> bool:
+    """Algorithm 2 with batch normalisation: one factor for the whole step (or rollout), fixed before its first loss
+    (the weights read pi_old); algorithm 3 normalises each micro-batch over its own data."""
+    return algorithm_of(cfg).step_batch_norm and cfg.batch_normalize
 
 
-def decides_ahead(cfg: TISConfig) -> bool:
-    """Whether the step decides each micro-batch's correction before its loss, without ``lp_theta``: algorithms 0
-    and 2 (the correction reads pi_old) where the totals need it (``drop``'s keep masks, algorithm 2's batch
-    normalisation). The loss then finishes that decision (``refine``) instead of correcting again."""
-    row = algorithm_of(cfg)
-    return row.lp_train == "lp_old" and (cfg.rejected_denominator == "drop" or (row.step_batch_norm and
-                                                                             cfg.batch_normalize))
-
-
-def lp_theta_inputs(cfg: TISConfig, lp_theta: Tensor, entropy: Tensor | None = None) -> dict[str, tuple[Tensor, ...]]:
-    """``refine``'s keywords that add ``lp_theta`` (and the loss's ``entropy`` where its term is on) to a decision
-    of :func:`decides_ahead`: a correcting row's ``extra_finite``, or algorithm 0's ``loss_finite``, as
-    ``core.algorithms.correction_inputs`` places them."""
-    new = tuple(t.detach() for t in (lp_theta, entropy if cfg.entropy_coef != 0.0 else None) if t is not None)
-    return {"extra_finite": new} if algorithm_of(cfg).rejects else {"loss_finite": new}
+def step_corrects(cfg: TISConfig) -> bool:
+    """Whether the step totals correct each micro-batch before the first loss: ``drop`` (the keep masks enter the
+    denominator) or algorithm 2's batch normalisation (its factor is a whole-step mean of the weights)."""
+    return cfg.plan.drop_rejected or step_batch_norm(cfg)
 
 
 def needs_pi_old_pass(cfg: TISConfig) -> bool:
@@ -117,14 +74,13 @@ def needs_pi_old_pass(cfg: TISConfig) -> bool:
     the batch normalisation of a weighted algorithm with pi_old (algorithm 2; its factor is a whole-batch mean of
     the weights) need it; otherwise each micro-batch's loss takes ``lp_old = lp_theta.detach()`` from its own
     training forward, at no extra cost."""
-    row = algorithm_of(cfg)
-    return row.needs_pi_old and (cfg.rejected_denominator == "drop" or (row.step_batch_norm and cfg.batch_normalize))
+    return algorithm_of(cfg).needs_pi_old and step_corrects(cfg)
 
 
 def needs_pre_pass(cfg: TISConfig) -> bool:
     """Algorithms whose ratios read ``lp_theta`` (1, 3) with ``drop`` and a rejecting rule need ``lp_theta`` of the
     whole step up front."""
-    return algorithm_of(cfg).lp_train == "lp_theta" and cfg.rejected_denominator == "drop" and cfg.rejects
+    return algorithm_of(cfg).lp_train == "lp_theta" and cfg.plan.drop_rejected and cfg.rejects
 
 
 def host_term_inputs(batch: TISBatch, host_kl: bool) -> tuple[Tensor, ...]:
@@ -157,8 +113,7 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
 
 
 def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
-                pre_log_probs: list[Tensor] | None = None, pi_old_from_theta: bool = False,
-                decisions: Decisions | None = None) -> StepTotals:
+                pre_log_probs: list[Tensor] | None = None, pi_old_from_theta: bool = False) -> StepTotals:
     """Global denominator, token count and (algorithm 2) batch-norm factor for one optimizer step.
 
     Args:
@@ -169,23 +124,17 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
             computed it (:func:`needs_pre_pass`, or the pi_old pass of :func:`needs_pi_old_pass`).
         pi_old_from_theta: algorithms 0, 2 without a pi_old pass (not :func:`needs_pi_old_pass`): a missing
             ``old_log_probs`` is the loss's detached ``lp_theta``, which nothing here needs.
-        decisions: where :func:`decides_ahead`, the micro-batches' corrections without ``lp_theta``: found there,
-            or decided here and added (a fresh cache when ``None``).
 
-    Collectives: per micro-batch the core's CP ``sequence_sum`` where needed (none for a decision found in
-    ``decisions``; one more where ``refine`` adds a pre-pass's ``lp_theta``), then one ``batch_sum`` for the
-    token domain and one for the sequence domain.
+    Collectives: per micro-batch the core's CP ``sequence_sum`` where :func:`step_corrects`, then one ``batch_sum``
+    for the token domain and one for the sequence domain.
     """
     if not batches:
         raise ValueError("step_totals needs at least one micro-batch")
     row = algorithm_of(cfg)
     device = batches[0].labels.device
-    drop = cfg.rejected_denominator == "drop"
+    drop = cfg.plan.drop_rejected
     seq_domain = aggregation_of(cfg.loss_agg).per_sequence
-    bn = row.step_batch_norm and cfg.batch_normalize  # algorithm 2: once per step
-    ahead = decides_ahead(cfg)
-    if ahead and decisions is None:
-        decisions = Decisions()
+    bn = step_batch_norm(cfg)
     den = torch.zeros((), dtype=torch.float64, device=device)  # counts: float64, exact beyond 2^24
     n_tok = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -199,20 +148,11 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         lp_theta = pre_log_probs[k] if pre_log_probs else None
         keep = None
         res = None
-        if ahead and b.old_log_probs is not None:
-            res = decisions.get(b)
-            if res is None:
-                res = _step_correction(cfg, b, b.old_log_probs.float(), reducer, None)
-                decisions.put(b, res)
-            if lp_theta is not None:  # its non-finite values reject their sequence here as in the loss
-                layout = packed_layout(b.cu_seqlens, b.loss_mask.shape[0], device)
-                res = refine(cfg.plan, res, as_valid_mask(b.loss_mask), layout, reducer, batch_norm_factor=1.0,
-                             **lp_theta_inputs(cfg, lp_theta))
-            keep = res.loss_keep if drop else None
-        elif drop or bn:
+        if drop or bn:
             lp_train = b.old_log_probs if row.lp_train == "lp_old" else lp_theta
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs
+            # lp_theta where known (a pass at the step's parameters): its non-finite values reject as in the loss
             res = _step_correction(cfg, b, lp_train.float(), reducer, lp_theta)
             keep = res.loss_keep if drop else None
         den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)

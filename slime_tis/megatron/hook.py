@@ -19,11 +19,7 @@ One training call of the wrapped function (``forward_only=False``) does, in orde
    the hook's mode, identically on every rank, never by the data;
 4. on the last pipeline stage: the step engine begins the step (``engine.step.StepEngine.begin``): the step totals
    (global denominator, token count, algorithm-2 batch-norm factor; ``engine.totals.step_totals``) on
-   megatron's DP / CP groups. Algorithms 0 and 2 with ``drop`` or batch normalisation decide each micro-batch's
-   correction there without ``lp_theta`` (it reads pi_old and pi_rollout only); after
-   :meth:`TISForwardBackward.compute_old_log_probs` these decisions are kept until the next rollout pass, so a
-   micro-batch is corrected once per rollout whatever the steps and epochs; the loss finishes the decision
-   (``core.correction.refine``) instead of correcting again;
+   megatron's DP / CP groups;
 5. megatron's training schedule with the launcher's ``forward_step_func`` wrapped so that its loss
    function is ours (``loss.forward_step_with_tis_loss``: megatron's output -> ``lp_theta`` -> ``StepEngine.loss``);
    every keyword
@@ -72,7 +68,7 @@ from slime_tis.engine.agreement import check_settings_agree, config_settings
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.settings import LogProbSettings, output_layer_of
 from slime_tis.engine.step import StepEngine
-from slime_tis.engine.totals import Decisions, StepTotals, needs_pi_old_pass, needs_pre_pass
+from slime_tis.engine.totals import StepTotals, needs_pi_old_pass, needs_pre_pass
 from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
 from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.output_layer import model_output_mode
@@ -167,10 +163,6 @@ class TISForwardBackward:
         self.train_call = 0  # process-wide number of this hook's last training call (``_TRAINING_CALLS``)
         self._settings_agreed = False
         self._warned_supplied = False
-        #: the rollout's corrections decided without lp_theta (``engine.totals.Decisions``), from this hook's
-        #: rollout pass (``compute_old_log_probs``) to the next; ``None``: the hook knows no rollout boundary
-        #: (per-call pi_old, or pi_old supplied by the caller) and each training call decides afresh
-        self._rollout_decisions: Decisions | None = None
 
     def _check_settings_agree(self) -> None:
         """Once, before this hook's first collective: every rank of the job runs the same configuration and
@@ -213,7 +205,6 @@ class TISForwardBackward:
                                                 model=model, num_microbatches=num_microbatches, num_steps=num_steps,
                                                 **schedule_kwargs)
         self.pi_old = "rollout"
-        self._rollout_decisions = Decisions()  # a new rollout: pi_old and the inputs of every decision are new
         return items
 
     def _compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
@@ -272,7 +263,7 @@ class TISForwardBackward:
                     if pi_old_pass:
                         batches = self._fill_missing_pi_old(batches, lps)
             phase.name = "the step totals"
-            engine = StepEngine(cfg, reducer, decisions=self._rollout_decisions) if batches is not None else None
+            engine = StepEngine(cfg, reducer) if batches is not None else None
             if engine is not None:
                 engine.begin(batches, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
             forward_step = forward_step_with_tis_loss(forward_step_func, engine, batches, form,

@@ -35,8 +35,8 @@ from torch import Tensor
 from slime_tis.core import TISResult
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import ParallelContext
+from slime_tis.engine.step import StepEngine
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
-from slime_tis.slime.engine import decide_rollout, micro_batch
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
 from slime_tis.slime.schedule import n_steps, pi_old_pass_flags, sample_steps, slime_recomputes_pi_old
 
@@ -104,23 +104,23 @@ def check_drop_config(args: Any, cfg: Any) -> None:
 
 
 def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
-                      keep: bool = False, host_kl: bool = False) -> tuple[SlimePacked, TISResult]:
+                      host_kl: bool = False) -> tuple[SlimePacked, TISResult]:
     """The correction of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) against the rollout
     log-probs, as the loss takes its decisions (non-finite advantages reject their sequence), without batch
-    normalisation (``StepEngine.decide``; ``host_kl``: :func:`custom_loss_kl`): ``(the packed samples, its
-    TISResult)``. Its keep mask feeds ``drop``'s counts and its ``norm_sum`` / ``norm_count`` the
-    batch-normalisation factor; a rollout computes it once for both and, with ``keep``, for the TIS function's
-    micro-batches (:func:`slime_tis.slime.engine.kept_part`)."""
+    normalisation (``host_kl``: :func:`custom_loss_kl`): ``(the packed samples, its TISResult)``. Its keep mask
+    feeds ``drop``'s counts and its ``norm_sum`` / ``norm_count`` the batch-normalisation factor; a rollout computes
+    it once for both."""
     packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
                               ctx.cp_rank, ctx.cp_size)
     device = packed.full_mask.device
     lp_rollout = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
     adv = data.get("advantages")
-    batch = micro_batch(packed, rollout_log_probs=lp_rollout,
-                        old_log_probs=packed.cat_local("train log-probs", list(lp_train)).to(device),
-                        advantages=None if adv is None else packed.cat_local("advantages", adv).to(device),
-                        ref_log_probs=_reference(data, packed, device) if host_kl else None)
-    return packed, decide_rollout(cfg, packed, list(lp_train), batch, ctx.reducer, keep=keep, host_kl=host_kl)
+    batch = packed.tis_batch(rollout_log_probs=lp_rollout,
+                             old_log_probs=packed.cat_local("train log-probs", list(lp_train)).to(device),
+                             advantages=None if adv is None else packed.cat_local("advantages", adv).to(device),
+                             ref_log_probs=_reference(data, packed, device) if host_kl else None)
+    engine = StepEngine(cfg.replace(batch_normalize=False), ctx.reducer, host_kl=host_kl)
+    return packed, engine.correct(batch, batch.old_log_probs)
 
 
 def _reference(data: dict[str, Any], packed: SlimePacked, device: torch.device) -> Tensor:

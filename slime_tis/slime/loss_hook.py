@@ -7,7 +7,7 @@ forbid (``--use-rollout-logprobs`` and ``--use-tis`` are mutually exclusive)::
 
 (``tis_loss_mode: on_policy``: ``-w_t * A_t * pi_theta_t / sg(pi_theta_t)``, the same gradient; the surrogates with
 a ratio anchor are refused with algorithm 3), computed by the step engine's loss of this micro-batch
-(``StepEngine.loss``: the core's :func:`slime_tis.policy_loss`; :mod:`slime_tis.slime.engine`). slime's contract:
+(``StepEngine.loss``: the core's :func:`slime_tis.policy_loss`). slime's contract:
 ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` with ``logits``
 ``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
 
@@ -72,10 +72,9 @@ from slime_tis.slime.custom_options import (
     slime_pg_loss_reducer,
     unbiased_kl,
 )
-from slime_tis.slime.engine import micro_batch, step_engine
 from slime_tis.slime.kept import check_drop_config, custom_loss_kl, drop_applies
 from slime_tis.slime.layout import response_logit_rows
-from slime_tis.slime.metrics import COLLECTOR, token_metrics
+from slime_tis.slime.metrics import COLLECTOR, step_engine, token_metrics
 from slime_tis.slime.record import RECORDER, recording_enabled
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
@@ -226,13 +225,13 @@ def reinforce_is_loss(
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
     # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum (the engine's
-    # totals: denominator 1, slime_tis.slime.engine)
+    # totals: denominator 1, slime_tis.slime.metrics.step_engine)
     use_kl = bool(getattr(args, "use_kl_loss", False))
     ref = packed.cat_local("ref_log_probs", batch["ref_log_probs"]).to(device) if use_kl else None
     host_kl = custom_loss_kl(args, cfg)  # a KL term in the loss: its reference log-probs are checked like advantages
     engine = step_engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device,
                          host_kl=host_kl)
-    batch_in = micro_batch(packed, advantages=advantages, rollout_log_probs=lp_rollout, ref_log_probs=ref)
+    batch_in = packed.tis_batch(advantages=advantages, rollout_log_probs=lp_rollout, ref_log_probs=ref)
     keep_override = None
     decided = None
     reduce_pg = getattr(args, "custom_pg_loss_reducer_function_path", None)

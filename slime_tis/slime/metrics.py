@@ -45,8 +45,9 @@ from slime_tis.core.reducer import LocalReducer
 from slime_tis.core.step_metrics import merge_stats
 from slime_tis.engine.metrics import aggregate_metrics
 from slime_tis.engine.step import StepEngine
+from slime_tis.engine.totals import StepTotals
 
-__all__ = ["COLLECTOR", "ExactMetricsCollector", "log_exact_metrics", "token_metrics"]
+__all__ = ["COLLECTOR", "ExactMetricsCollector", "log_exact_metrics", "step_engine", "token_metrics"]
 
 logger = logging.getLogger("slime_tis.slime")
 
@@ -164,3 +165,15 @@ def log_exact_metrics(
             with open(p, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"rollout_id": rollout_id, "step_id": step_id, **clean}) + "\n")
     return values
+
+
+def step_engine(cfg: Any, reducer: Any, device: torch.device, *, batch_norm_factor: Tensor | None = None,
+                host_kl: bool = False) -> StepEngine:
+    """The step engine of one slime hook call. slime aggregates the loss itself (per-rollout means,
+    :mod:`slime_tis.slime.rollouts`), so the engine's totals are the host's: denominator 1 (the custom loss folds
+    slime's means into per-token coefficients on the advantages and takes one token sum) and the rollout's
+    batch-normalisation factor. Its records go to the step's :data:`COLLECTOR`; ``host_kl``: the custom loss adds
+    slime's KL term (:func:`slime_tis.slime.kept.custom_loss_kl`)."""
+    one = torch.ones((), device=device)  # a device tensor: a Python float would sync the host
+    return StepEngine(cfg, reducer, totals=StepTotals(one, one, batch_norm_factor, 1), collector=COLLECTOR.records,
+                      host_kl=host_kl)

@@ -28,10 +28,7 @@ its fast path (one step per rollout, no KL, no ``--get-mismatch-metrics``); add
 3. **Recorded training log-probs (algorithm 3, ``tis_record_train_log_probs: true``).** Writes the
    previous rollout's log-probs recorded by the custom loss (:mod:`slime_tis.slime.record`) and starts
    recording this one; the pi_old dump above is then skipped when slime ran no recompute.
-4. **Decide once.** The correction from pi_old taken for 1. and 5. (``StepEngine.decide``) is kept for the
-   rollout: the TIS function finishes its part of it for each micro-batch instead of correcting again
-   (:mod:`slime_tis.slime.engine`).
-5. **Rollout membership and ``drop``.** Registers each sample's rollout (``rollout_data['rollout_ids']``; and its
+4. **Rollout membership and ``drop``.** Registers each sample's rollout (``rollout_data['rollout_ids']``; and its
    advantages with ``--use-opsm``) for the loss hooks and, with ``tis_rejected_denominator: drop``, decides how
    each rollout's kept-token count reaches them, counting now what pi_old decides and refusing what cannot
    be exact (:mod:`slime_tis.slime.kept`).
@@ -110,10 +107,8 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     else:
         RECORDER.clear()
     ctx = parallel_context()
-    # the rollout's correction from pi_old, decided once (StepEngine.decide) for drop's counts, the batch
-    # normalisation and, with slime's own PPO loss, every micro-batch of the TIS function (slime_tis.slime.engine)
-    keep = row.ppo and not use_opsm
-    whole = functools.cache(lambda: pi_old_correction(cfg, rollout_data, rollout_data["log_probs"], ctx, keep=keep,
+    # the rollout's correction from pi_old, computed at most once for drop's counts and the batch normalisation
+    whole = functools.cache(lambda: pi_old_correction(cfg, rollout_data, rollout_data["log_probs"], ctx,
                                                       host_kl=custom_loss_kl(args, cfg)))
     if drop_applies(cfg):
         STATE.drop_plan = plan_rollout_drop(args, cfg, rollout_data, ctx, STATE.rollouts, whole)

@@ -4,8 +4,7 @@ slime drops unknown keys from ``rollout_data`` before the loss, but the rollout-
 post-processing hook and the loss hooks run in the same training-actor process, so what the loss
 hooks need from the whole rollout batch is handed over here: the global batch-normalisation factor
 (algorithm 2), the rollout of every sample, the plan for ``tis_rejected_denominator: drop``
-(:mod:`slime_tis.slime.kept`), the rollout's correction from pi_old that the TIS function's micro-batches reuse
-(:mod:`slime_tis.slime.engine`) and, for the step hook, the rollout data itself.
+(:mod:`slime_tis.slime.kept`) and, for the step hook, the rollout data itself.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ __all__ = ["RolloutState", "STATE"]
 @dataclass
 class RolloutState:
     """``rollout_id`` of the data last post-processed, its global batch-norm factor (or None), the
-    rollout membership of its samples, the ``drop`` plan (or None), the rollout's kept decision (or None) and
-    the rollout data."""
+    rollout membership of its samples, the ``drop`` plan (or None) and the rollout data."""
 
     rollout_id: object = None
     batch_norm_factor: Tensor | None = None
@@ -32,7 +30,6 @@ class RolloutState:
     rollouts: RolloutRegistry = field(default_factory=RolloutRegistry)
     drop_plan: Any = None  # slime_tis.slime.kept.DropPlan of this rollout
     rollout_data: dict | None = None
-    decision: Any = None  # slime_tis.slime.engine.RolloutDecision of this rollout
 
     def set_factor(self, rollout_id: object, factor: Tensor | None, key: object) -> None:
         self.rollout_id = rollout_id
@@ -44,7 +41,6 @@ class RolloutState:
         self.rollouts.clear()
         self.drop_plan = None
         self.rollout_data = None
-        self.decision = None
 
 
 STATE = RolloutState()

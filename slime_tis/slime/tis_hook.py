@@ -27,12 +27,11 @@ flags                                     algorithm  effect
 ========================================  =========  =================================================
 
 Everything numeric is the step engine's correction of the packed CP-local tokens (``StepEngine.correct``:
-the core's :func:`slime_tis.compute_tis`, or, where the rollout-data hook decided the rollout from these very
-pi_old tensors, its part finished with ``pg_loss``'s finiteness: :mod:`slime_tis.slime.engine`) with the CP
-reducer, so sequence and geometric levels see full-sequence sums on every CP rank (one CP
-all-reduce per micro-batch for the sums, one for the full-length masks; every CP rank takes part
-for every sample, also with zero local tokens). Rejected tokens get zero loss by selection
-(``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)`` reducer.
+the core's :func:`slime_tis.compute_tis`) with the CP reducer, so sequence and geometric levels see
+full-sequence sums on every CP rank (one CP all-reduce per micro-batch for the sums, one for the full-length
+masks; every CP rank takes part for every sample, also with zero local tokens). Rejected tokens get zero
+loss by selection (``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)``
+reducer.
 
 With ``--use-opsm`` slime has already zeroed some tokens' loss; the hook recovers which
 (:mod:`slime_tis.slime.opsm`, needs the rollout-data hook) and counts them as rejected: not kept in the
@@ -65,10 +64,9 @@ from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import tis_config_from_slime_args
-from slime_tis.slime.engine import kept_part, micro_batch, step_engine
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
-from slime_tis.slime.metrics import COLLECTOR, token_metrics
+from slime_tis.slime.metrics import COLLECTOR, step_engine, token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
@@ -143,9 +141,8 @@ def compute_tis_for_slime(
         adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
         opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
     # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
-    batch = micro_batch(packed, advantages=pg_loss.detach(), rollout_log_probs=lp_rollout, old_log_probs=lp_train)
+    batch = packed.tis_batch(advantages=pg_loss.detach(), rollout_log_probs=lp_rollout, old_log_probs=lp_train)
     engine = step_engine(cfg, ctx.reducer, pg_loss.device, batch_norm_factor=factor)
-    kept_part(engine, batch, loss_masks, train_log_probs, packed)  # the rollout's decision, where it was kept
     res = engine.correct(batch, lp_train, reject=opsm)
     metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
     if rollout_log_probs:
