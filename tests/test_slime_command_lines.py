@@ -18,7 +18,6 @@ from _slime_args import FLAGS, SlimeArgsError, parse, slime_accepts, validate
 from _slime_sim import Layout, initial_weights, make_rollouts, schedule, slime_args, train_rollout
 
 from slime_tis.slime import tis_config_from_slime_args
-from slime_tis.slime.postprocess import uses_reinforce_is_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +102,7 @@ def test_documented_command_line_passes_slimes_checks(where, text, yml, side):
     arch = re.search(r"architectures (\w+)", text)  # slime reads it from --hf-checkpoint's config.json
     args = slime_accepts(text, yaml_text=yml, architecture=arch.group(1) if arch else None)
     if yml is not None and "slime_tis." in text:
-        tis_config_from_slime_args(args, algorithm=3 if uses_reinforce_is_loss(args) else None)
+        tis_config_from_slime_args(args, algorithm="loss")
 
 
 def test_every_flag_the_slime_docs_name_is_a_slime_flag():

@@ -35,18 +35,16 @@ import importlib.util
 import inspect
 import logging
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-from slime_tis.slime.bypass import skips_pi_old_recompute
+from slime_tis.core.algorithms import algorithm_of
 
-__all__ = ["check_slime_compat", "reset_slime_probes", "slime_function_params", "slime_source"]
+__all__ = ["check_slime_compat", "slime_function_params", "slime_source"]
 
 logger = logging.getLogger("slime_tis.slime")
 
 PATCH_MARKER = "skips_pi_old_recompute"  # what patches/slime_alg1_skip_recompute.patch adds to slime's actor.py
-_WARNED: set[str] = set()
 
 
 @functools.cache
@@ -91,41 +89,27 @@ def slime_function_params(module: str, name: str) -> tuple[str, ...] | None:
     return None
 
 
-def reset_slime_probes() -> None:
-    """Forget what the probes found and which warnings were given (tests; slime changed in this process)."""
-    slime_source.cache_clear()
-    slime_function_params.cache_clear()
-    _WARNED.clear()
+def check_slime_compat(view: Any) -> None:
+    """Refuse what the hooks cannot follow (module docstring); ``view``: :class:`slime_tis.slime.config.SlimeView`."""
+    from slime_tis.slime.state import STATE
 
-
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=4)
-
-
-def check_slime_compat(args: Any, *, slime_policy_loss: bool) -> None:
-    """Refuse what the hooks cannot follow (module docstring). ``slime_policy_loss``: the loss is slime's own
-    policy loss with the TIS hook (algorithms 0, 1, 2), not the algorithm-3 custom loss."""
-    a = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    if a("rs_batch_refill"):
+    if view.rs_batch_refill:
         raise ValueError("--rs-batch-refill: slime then applies its own sequence rejection in place of "
                          "--custom-tis-function-path and refuses the plugin's rollout-data and before-train-step "
                          "hooks; run it without the plugin's hooks, or the hooks without --rs-batch-refill")
-    top_k, top_p = a("rollout_top_k", -1), a("rollout_top_p", 1.0)
+    top_k, top_p = view.rollout_top_k, view.rollout_top_p
     if isinstance(top_k, int) and top_k > 0 and top_p == 1.0:
-        _warn_once("top_k", f"--rollout-top-k {top_k} with --rollout-top-p 1: slime replays the truncated support "
-                   "only when --rollout-top-p < 1, so SGLang's rollout log-probs are of the full distribution and "
-                   "every importance ratio is biased by the kept mass; use --rollout-top-k -1, or also set "
-                   "--rollout-top-p < 1")
-    if skips_pi_old_recompute(args):
+        STATE.warn_once("top_k", f"--rollout-top-k {top_k} with --rollout-top-p 1: slime replays the truncated "
+                        "support only when --rollout-top-p < 1, so SGLang's rollout log-probs are of the full "
+                        "distribution and every importance ratio is biased by the kept mass; use --rollout-top-k -1, "
+                        "or also set --rollout-top-p < 1", logger)
+    if view.skips_recompute:
         actor = slime_source("slime.backends.megatron_utils.actor")
         if actor is not None and PATCH_MARKER not in actor:
             raise ValueError("tis_bypass_skip_recompute is on, but the installed slime's "
                              "slime/backends/megatron_utils/actor.py lacks patches/slime_alg1_skip_recompute.patch "
                              "(slime still runs its pi_old pass): apply the patch or remove the key")
-    if slime_policy_loss and a("use_opsm"):
+    if algorithm_of(view.cfg).ppo and view.use_opsm:  # slime's own policy loss with the TIS hook
         params = slime_function_params("slime.utils.ppo_utils", "compute_opsm_mask")
         if params is not None and "full_advantages" in params:
             raise ValueError("--use-opsm: the installed slime decides OPSM per sequence (compute_opsm_mask takes "

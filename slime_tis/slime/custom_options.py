@@ -44,14 +44,15 @@ __all__ = ["check_custom_options", "load_slime_function", "opsm_mask", "per_toke
 DROP_WITH = ("tis_rejected_denominator = 'drop' with {flag}: {why}; use tis_rejected_denominator: keep")
 
 
-def check_custom_options(args: Any, drop: bool) -> None:
-    """Refuse the combinations that cannot be exact (module docstring), naming the nearest supported one."""
-    reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+def check_custom_options(view: Any, drop: bool) -> None:
+    """Refuse the combinations that cannot be exact (module docstring), naming the nearest supported one
+    (``view``: the :class:`~slime_tis.slime.config.SlimeView`)."""
+    reducer = view.custom_pg_loss_reducer_function_path
     if drop and reducer is not None:
         raise ValueError(DROP_WITH.format(
             flag=f"--custom-pg-loss-reducer-function-path {reducer}",
             why="your reducer chooses each sample's denominator from the kept masks it is given"))
-    if drop and getattr(args, "use_opsm", False):
+    if drop and view.use_opsm:
         raise ValueError(DROP_WITH.format(
             flag="--use-opsm", why="drop divides each rollout by its tokens kept by the rejection rules, counted "
             "before OPSM decides at the current parameters, so OPSM's zeroed tokens would count as kept"))
@@ -65,10 +66,10 @@ def load_slime_function(path: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), attr)
 
 
-def slime_anchor(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor) -> Tensor:
+def slime_anchor(view: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor) -> Tensor:
     """``[T_local]`` slime's ``old_log_probs`` (detached): rollout log-probs with ``--use-rollout-logprobs``,
     else slime's recomputed ``log_probs``, else ``sg(lp_theta)``."""
-    if getattr(args, "use_rollout_logprobs", False):
+    if view.use_rollout_logprobs:
         return packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(lp_theta.device).float()
     old = batch.get("log_probs")
     if old:
@@ -126,8 +127,7 @@ def per_token_pg_loss(cfg: Any, lp_theta: Tensor, advantages: Tensor, weights: T
     return torch.where(keep, weights.detach() * loss, 0.0)
 
 
-def slime_pg_loss_reducer(args: Any, batch: dict[str, Any], keep_masks: list[Tensor]) -> Callable[[Tensor], Tensor]:
+def slime_pg_loss_reducer(view: Any, batch: dict[str, Any], keep_masks: list[Tensor]) -> Callable[[Tensor], Tensor]:
     """The user's reducer built with slime's contract (module docstring)."""
-    make = load_slime_function(args.custom_pg_loss_reducer_function_path)
-    return make(batch["total_lengths"], batch["response_lengths"], keep_masks,
-                bool(getattr(args, "calculate_per_token_loss", False)))
+    make = load_slime_function(view.custom_pg_loss_reducer_function_path)
+    return make(batch["total_lengths"], batch["response_lengths"], keep_masks, bool(view.calculate_per_token_loss))

@@ -36,11 +36,12 @@ NEEDS_ADVANTAGES = ("--use-opsm: the TIS hook recovers the tokens OPSM zeroed fr
                     "not pass it: add --rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data")
 
 
-def check_opsm(args: Any) -> None:
-    """Refuse the configurations where OPSM's tokens cannot be recovered (module docstring)."""
-    if not getattr(args, "use_opsm", False):
+def check_opsm(view: Any) -> None:
+    """Refuse the configurations where OPSM's tokens cannot be recovered (module docstring); ``view``: the
+    :class:`~slime_tis.slime.config.SlimeView`."""
+    if not view.use_opsm:
         return
-    estimator = getattr(args, "advantage_estimator", None)
+    estimator = view.advantage_estimator
     if estimator in ZERO_AT_CERTAIN_TOKENS:
         raise ValueError(f"--use-opsm with --advantage-estimator {estimator}: the TIS hook cannot tell the tokens "
                          f"OPSM zeroed (slime does not pass its mask, and the {estimator} loss is 0 wherever "

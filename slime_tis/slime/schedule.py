@@ -15,12 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_tis.slime.bypass import skips_pi_old_recompute
-
-__all__ = ["n_steps", "pi_old_pass_flags", "sample_steps", "slime_recomputes_pi_old", "step_micro_batches", "step_view",
-           "StepIterator"]
-
-TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
+__all__ = ["n_steps", "sample_steps", "step_micro_batches", "step_view", "StepIterator"]
 
 #: per-sample keys slime's ``forward_only`` reads (``slime/backends/megatron_utils/model.py``), plus the ones
 #: the counting needs
@@ -88,31 +83,3 @@ class StepIterator:
     def reset(self) -> StepIterator:
         self.offset = 0
         return self
-
-
-def slime_recomputes_pi_old(args: Any, steps: int) -> bool:
-    """Whether slime's ``train_actor`` (``slime/backends/megatron_utils/actor.py``, 624b824) runs its pi_old
-    forward pass for this rollout (``rollout_data['log_probs']``), from the configuration alone: it skips it
-    with ``--use-rollout-logprobs`` unless ``--get-mismatch-metrics``, and when it can reuse the training
-    forward (one step per rollout, ``policy_loss``, no KL coefficient, no critic / old actor / OPD, routing
-    replay only from the rollout, not GSPO); and, with ``patches/slime_alg1_skip_recompute.patch``, when
-    ``tis_bypass_skip_recompute`` is on with ``--use-rollout-logprobs`` (:mod:`slime_tis.slime.bypass`)."""
-    a = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    if not a("compute_advantages_and_returns", True) or skips_pi_old_recompute(args):
-        return False
-    reuse = (steps == 1 and a("loss_type", "policy_loss") == "policy_loss" and not a("kl_coef", 0)
-             and not a("use_rollout_logprobs") and not a("get_mismatch_metrics") and not a("use_critic")
-             and not a("keep_old_actor") and not a("use_opd")
-             and (not a("use_routing_replay") or a("use_rollout_routing_replay"))
-             and a("advantage_estimator") != "gspo")
-    return (not a("use_rollout_logprobs") or bool(a("get_mismatch_metrics"))) and not reuse
-
-
-def pi_old_pass_flags(args: Any) -> str:
-    """The flags to add so that slime runs its pi_old pass, as slime's argument checks accept them:
-    ``--get-mismatch-metrics``, which slime accepts only with ``--custom-tis-function-path`` (its start-up
-    assertion); the TIS hook is named when ``args`` has no TIS function (e.g. the algorithm-3 custom loss,
-    which never calls it)."""
-    if getattr(args, "custom_tis_function_path", None):
-        return "--get-mismatch-metrics"
-    return f"--get-mismatch-metrics --custom-tis-function-path {TIS_FUNCTION}"
