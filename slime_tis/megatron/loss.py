@@ -37,7 +37,6 @@ from torch import Tensor
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
 from slime_tis.core.correction import as_valid_mask
-from slime_tis.core.metrics import column_sums
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.settings import LogProbSettings
 from slime_tis.engine.step import StepEngine
@@ -118,16 +117,12 @@ def loss_func_for(engine: StepEngine, batch: TISBatch, form: LossForm, *, settin
     passed whole: megatron's output -> ``lp_theta`` -> ``engine.loss`` -> the schedule's return form."""
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
-        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk, with_entropy=True)
+        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk,
+                                          with_entropy=engine.cfg.entropy_coef != 0.0)
         lp_old = lp.detach() if batch.old_log_probs is None and pi_old_from_theta else None
         out = engine.loss(batch, lp, entropy=entropy, lp_old=lp_old)
         valid = as_valid_mask(batch.loss_mask)
-        zero = torch.zeros((), dtype=torch.float32, device=lp.device)
-        extra = MetricStats(token_sums={
-            "megatron.loss_sum": out.loss.detach().clone(),
-            **column_sums({"megatron.entropy_sum": torch.where(valid, entropy.detach(), zero)}),
-        })
-        engine.record(out.stats.merge(extra))
+        engine.record(out.stats.merge(MetricStats(token_sums={"megatron.loss_sum": out.loss.detach().clone()})))
         metrics = {"loss": report_pair(out.loss.detach() * (form.num_microbatches * form.report_ranks))}
         if form.per_token:
             n_local = valid.sum().to(torch.int)
