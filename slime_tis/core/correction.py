@@ -29,8 +29,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, rule_columns
-from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
-from slime_tis.core.weights import normalisation_factor, unit_weights
+from slime_tis.core.weights import normalisation_factor, normalisation_factor_over, unit_weights
 
 #: The per-sequence column of ``loss_finite`` (``correct``).
 LOSS_NONFINITE = "loss_nonfinite"
@@ -184,7 +183,7 @@ def correct(
         factor: Tensor | None = None
         if plan.batch_normalize:
             if batch_norm_factor is None:
-                factor = batch_norm_factor_over(plan, norm_sum, norm_count, reducer)
+                factor = normalisation_factor_over(plan, norm_sum, norm_count, reducer)
             else:
                 factor = scalar_tensor(batch_norm_factor, weights.device)
             weights, kept_weights = weights * factor, kept_weights * factor

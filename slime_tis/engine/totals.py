@@ -37,7 +37,7 @@ from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator
 from slime_tis.core.aggregation import aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import as_valid_mask
-from slime_tis.core.weights import batch_norm_factor
+from slime_tis.core.weights import normalisation_factor_over
 from slime_tis.engine.batch import TISBatch
 
 __all__ = ["StepTotals", "step_totals", "step_batch_norm", "step_corrects", "needs_pre_pass", "needs_pi_old_pass"]
@@ -80,7 +80,7 @@ def needs_pi_old_pass(cfg: TISConfig) -> bool:
 def needs_pre_pass(cfg: TISConfig) -> bool:
     """Algorithms whose ratios read ``lp_theta`` (1, 3) with ``drop`` and a rejecting rule need ``lp_theta`` of the
     whole step up front."""
-    return algorithm_of(cfg).lp_train == "lp_theta" and cfg.plan.drop_rejected and cfg.rejects
+    return not algorithm_of(cfg).needs_pi_old and cfg.plan.drop_rejected and cfg.rejects
 
 
 def host_term_inputs(batch: TISBatch, host_kl: bool) -> tuple[Tensor, ...]:
@@ -149,7 +149,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         keep = None
         res = None
         if drop or bn:
-            lp_train = b.old_log_probs if row.lp_train == "lp_old" else lp_theta
+            lp_train = b.old_log_probs if row.needs_pi_old else lp_theta
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs
             # lp_theta where known (a pass at the step's parameters): its non-finite values reject as in the loss
@@ -162,7 +162,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
     den = reducer.batch_sum(den, per_sequence=seq_domain)
     n_tok = reducer.batch_sum(n_tok)
-    factor = batch_norm_factor(cfg.plan, norm_sum, norm_count, reducer) if bn else None
+    factor = normalisation_factor_over(cfg.plan, norm_sum, norm_count, reducer) if bn else None
     return StepTotals(denominator=den.float(), num_tokens=n_tok.float(), batch_norm_factor=factor,
                     num_microbatches=len(batches))
 

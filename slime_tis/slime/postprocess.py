@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.core.weights import batch_norm_factor
+from slime_tis.core.weights import normalisation_factor_over
 from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.engine.totals import step_batch_norm
 from slime_tis.slime.batch import SlimePacked, gather_full_responses, pack_slime_batch
@@ -94,7 +94,7 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     if want_norm:
         packed, res = whole()
         STATE.rollout_id, STATE.batch_norm_key = rollout_id, cfg
-        STATE.batch_norm_factor = batch_norm_factor(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
+        STATE.batch_norm_factor = normalisation_factor_over(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
     else:
         packed = pack_slime_batch(rollout_data["loss_masks"], rollout_data["total_lengths"],
                                   rollout_data["response_lengths"], ctx.cp_rank, ctx.cp_size)
