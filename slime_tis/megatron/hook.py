@@ -66,7 +66,7 @@ from slime_tis.core import Reducer
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.agreement import check_settings_agree, config_settings
 from slime_tis.engine.batch import TISBatch
-from slime_tis.engine.settings import LogProbSettings, output_layer_of
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings, output_layer_of
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import StepTotals, needs_pi_old_pass, needs_pre_pass
 from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
@@ -133,7 +133,7 @@ class TISForwardBackward:
     """
 
     def __init__(self, forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
-                 chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
+                 chunk_size: int = CHUNK_SIZE, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                  reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
                  grad_average: float | None = None, metrics_in_loss_dicts: bool = True,
                  fused_output_layer: bool = False, fp32_lm_head: bool = False) -> None:

@@ -38,7 +38,7 @@ from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
 from slime_tis.core.correction import as_valid_mask
 from slime_tis.engine.batch import TISBatch
-from slime_tis.engine.settings import LogProbSettings
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import StepTotals
 from slime_tis.megatron.loss_dict import report_pair
@@ -92,7 +92,7 @@ def loss_form_for(model_config, model_chunks: list, num_microbatches: int, *,
 
 
 def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: LossForm, reducer: Reducer, *,
-                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
+                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = CHUNK_SIZE,
                    model_chunk=None, output_layer: str | None = None,
                    pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
     """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring).

@@ -23,6 +23,7 @@ from typing import Any
 
 from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
 from slime_tis.core.algorithms import algorithm_of
+from slime_tis.engine.settings import CHUNK_SIZE
 from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY, skip_recompute_requested
 from slime_tis.slime.compat import check_slime_compat
 from slime_tis.slime.state import STATE
@@ -33,7 +34,6 @@ logger = logging.getLogger("slime_tis.slime")
 
 STEP_HOOK = "slime_tis.slime.before_train_step"
 TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
-DEFAULT_CHUNK = 4096  # rows per log-softmax chunk when args has no --log-probs-chunk-size
 
 #: slime flags the hooks read, with slime's defaults (a missing attribute reads as its default)
 _SLIME = {
@@ -73,7 +73,7 @@ class SlimeView:
     @property
     def chunk_size(self) -> int:
         """Rows per log-softmax chunk (slime's ``-1``: no chunking, returned as ``0``)."""
-        chunk = int(self.log_probs_chunk_size or DEFAULT_CHUNK)
+        chunk = int(self.log_probs_chunk_size or CHUNK_SIZE)
         return chunk if chunk > 0 else 0
 
     @property
