@@ -1,15 +1,7 @@
 """``TISConfig``: every knob of the correction, validated once at construction.
 
-The algorithm is derived from two switches (docs/semantics.md):
-
-=========================  ==========  =========  ==========================================
-``use_rollout_log_probs``  ``use_tis``  algorithm  per-token loss (default surrogate)
-=========================  ==========  =========  ==========================================
-False                      False        0          PPO-clip, old = Megatron recompute
-True                       False        1          PPO-clip, old = SGLang log-probs (bypass)
-False                      True         2          ``w * ppo_term``, w from ``lp_old - lp_rollout``
-True                       True         3          ``-w * A * lp_theta``, w from ``sg(lp_theta) - lp_rollout``
-=========================  ==========  =========  ==========================================
+The algorithm is ``use_rollout_log_probs + 2 * use_tis`` (its row: ``core.algorithms.ALGORITHMS``; the table:
+docs/semantics.md).
 
 Bounds are on ``r = pi_train / pi_rollout`` (never its inverse). Unset bounds take the
 defaults: ``upper = 2.0`` except mask mode at geometric level (and geometric rejection sampling),

@@ -10,20 +10,13 @@
 
 (the surrogate, the KL and entropy terms and the aggregation are the configuration's, all in the core).
 
-and returns what the schedule expects, pre-compensating megatron's own scaling so that the final
-parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D`` (:class:`LossForm`):
-
-* ``calculate_per_token_loss=False``: 2-tuple ``(loss * M * g / cp, metrics)``. The schedule multiplies a
-  2-tuple loss by ``cp`` and divides it by ``M``; megatron DDP averages gradients over ``g = dp * cp``
-  ranks (``g = 1`` without megatron DDP).
-* ``calculate_per_token_loss=True``: 3-tuple ``(loss * N, n_local, metrics)``; megatron leaves the loss
-  alone, sums gradients and divides them by ``sum n_local = N`` in ``finalize_model_grads``.
-
-The metrics dict holds detached clones (megatron-core's schedule scales the returned loss in place);
-the micro-batch's ``MetricStats`` go to the engine (``record``) for one reduction after the schedule. Its ``"loss"``
-entry is Megatron-LM's ``[value, count]`` reporting pair ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks):
-``train_step`` sums the pairs over the ``M`` micro-batches, all-reduces them over DP x CP and logs
-``value / count = sum_{k, ranks} loss_k``, the true step loss, on every rank (``loss_dict.py``).
+and returns the schedule's form (:class:`LossForm`), pre-compensating megatron's own scaling so that the final
+parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D``: the 2-tuple
+``(loss * M * g / cp, metrics)`` (``g``: the wrapper's gradient divisor, read by ``grad_scale``) or, with
+``calculate_per_token_loss``, the 3-tuple ``(loss * N, n_local, metrics)`` (the derivation: docs/megatron.md, "Which
+return form, and why"). The metrics dict holds detached clones, its ``"loss"`` Megatron-LM's reporting pair
+(``loss_dict.py``); the micro-batch's ``MetricStats`` go to the engine (``record``) for one reduction after the
+schedule.
 """
 
 from __future__ import annotations
