@@ -1,10 +1,9 @@
-"""slime's per-sample micro-batch layout -> the core's packed layout (and back for loss masks).
+"""slime's per-sample micro-batch -> the core's packed layout (and back, for the loss masks).
 
-slime hands its hooks, per micro-batch, lists over samples of CP-local 1-D tensors (log-probs,
-advantages: this rank's zigzag chunks of each response, see :mod:`slime_tis.slime.layout`) and
-full-length loss masks. The core wants one packed ``[T_local]`` tensor per quantity plus
-``cu_seqlens`` of the local per-sample lengths (zero-length samples allowed: a CP rank may hold no
-response token of a sample; it still takes part in every per-sequence reduction).
+slime hands its hooks per-sample lists of CP-local tensors (this rank's zigzag chunks of each response,
+:mod:`slime_tis.slime.layout`) and full-length loss masks; the core takes one packed ``[T_local]`` tensor per
+quantity and ``cu_seqlens`` of the local lengths (a CP rank may hold no token of a sample; it still takes part in
+every per-sequence reduction).
 """
 
 from __future__ import annotations

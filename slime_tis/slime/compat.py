@@ -1,30 +1,11 @@
-"""slime options and slime code the hooks cannot follow: refused (or warned about) at the first hook call.
+"""slime options and slime code the hooks cannot follow: refused (or warned about) when the view is built.
 
-The hooks are written against slime 624b824. Some slime options, and some of slime's open changes to its loss
-path once they land, would change what the hooks compute without any error. :func:`check_slime_compat` runs
-when a configuration is first built in a process (the first hook call, before the first training step) and
-turns each of them into a one-line ``ValueError`` (or, where the run stays correct but biased, a warning).
-
-Options:
-
-* ``--rs-batch-refill`` (an open slime change): slime then applies its own sequence rejection in place of the
-  TIS function and refuses the rollout-data and before-train-step hooks; the plugin's hooks would run
-  without the state they share. Refused.
-* ``--rollout-top-k`` > 0 with ``--rollout-top-p`` 1: slime replays the truncated support only when
-  ``--rollout-top-p`` < 1, so the rollout log-probs are of the full distribution while the tokens were drawn
-  from the top-k cut. Warned once (the ratios are biased by the kept mass).
-* ``tis_bypass_skip_recompute`` on with ``--use-rollout-logprobs``, while the installed slime's ``actor.py``
-  does not carry ``patches/slime_alg1_skip_recompute.patch``: slime still runs its pi_old pass, but the hooks
-  would plan as if it had not. Refused.
-
-Probes of the installed slime's code (:func:`slime_function_params`, :func:`slime_source`: the module's source,
-found with ``importlib`` without importing it, or its signature when slime already imported it; nothing is
-found when slime is not installed):
-
-* OPSM decided per sequence (an open slime change: ``compute_opsm_mask`` in ``slime/utils/ppo_utils.py`` takes
-  ``full_advantages``): OPSM then zeroes whole sequences, tokens of either advantage sign, while the TIS hook
-  recovers OPSM's tokens as ``A_t < 0 and pg_loss_t == 0`` (:mod:`slime_tis.slime.opsm`) and would count the
-  others as kept. ``--use-opsm`` with the TIS hook is refused there.
+Against slime 624b824 (docs/slime.md, "slime's open changes to the loss path"): ``--rs-batch-refill`` (slime then
+replaces the TIS function and refuses the other hooks) is refused; ``--rollout-top-k`` without top-p replay
+(rollout log-probs of the full distribution) is warned once; ``tis_bypass_skip_recompute`` without the patch in
+the installed slime's ``actor.py`` is refused; an installed slime that decides OPSM per sequence
+(``compute_opsm_mask`` takes ``full_advantages``) is refused with the TIS hook's ``--use-opsm``. The probes read
+the installed slime's source (``importlib``, without importing it) or signature; nothing is found without slime.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
-"""slime's policy-loss options inside the custom loss ``slime_tis.slime.reinforce_is_loss``.
+"""slime's policy-loss options inside the custom loss ``slime_tis.slime.reinforce_is_loss``, applied as slime's
+``policy_loss_function`` (624b824) applies them:
 
-slime applies these options in its own ``policy_loss_function`` (``slime/backends/megatron_utils/loss.py``,
-THUDM/slime 624b824), which the custom loss replaces; the custom loss applies each of them the way slime does:
+* ``--use-opsm``: slime's own ``compute_opsm_mask`` (called with the arguments its installed signature names), on
+  the anchor slime would use (rollout log-probs with ``--use-rollout-logprobs``, else slime's ``log_probs``, else
+  ``sg(pi_theta)``); the mask multiplies the policy term only; ``opsm_clipfrac`` as slime reports it.
+* ``--use-unbiased-kl``: ``exp(lp_theta - lp_old) * k(lp_theta, lp_ref)``, then ``low_var_kl``'s clamp.
+* ``--custom-pg-loss-reducer-function-path``: slime's reducer contract ``f(total_lengths, response_lengths,
+  masks, calculate_per_token_loss)`` with the rejected tokens zeroed in ``masks``; ``drop`` is refused with it.
 
-* ``--use-opsm``: slime's own mask, from slime's own ``compute_opsm_mask`` (``slime/utils/ppo_utils.py``) called
-  with the arguments its installed signature names (full-length log-probs of ``pi_theta`` and of the anchor,
-  the advantages, the loss masks), so that the decision is always the installed slime's (per token on
-  ``A < 0`` at 624b824; per sequence where slime decides it so). The anchor is slime's: the rollout log-probs
-  with ``--use-rollout-logprobs``, else slime's recomputed ``log_probs``, else ``sg(pi_theta)``. The mask
-  multiplies the policy term only (per token: the advantage), as slime multiplies ``pg_loss``; the
-  denominators, the entropy and the KL terms are unchanged. ``opsm_clipfrac`` is reported as slime does.
-* ``--use-unbiased-kl``: slime's estimator ``kl_t = r_t * k(lp_theta_t, lp_ref_t)``, ``r_t =
-  exp(lp_theta_t - lp_old_t)`` (differentiable in ``lp_theta``; ``lp_old`` the same anchor as OPSM's), then
-  ``low_var_kl``'s clamp to ``[-10, 10]``.
-* ``--custom-pg-loss-reducer-function-path``: slime's reducer contract, ``reducer = f(total_lengths,
-  response_lengths, masks, calculate_per_token_loss)`` with ``masks`` the full-length loss masks with the
-  rejected tokens zeroed, then ``pg_loss = reducer(per_token_pg_loss)`` (``[T_local]``, zero where not kept);
-  the reducer chooses the denominators, so ``tis_rejected_denominator: drop`` is refused with it.
-
-All collectives here depend on the options only (one CP sum per gathered tensor).
+Collectives depend on the options only (one CP sum per gathered tensor).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """slime's schedule of one rollout, read from ``rollout_data``: which samples train in which optimizer step.
 
-slime 624b824 (THUDM/slime; ``build_dp_schedule`` in ``slime/utils/dp_schedule.py``, ``train`` in
-``slime/backends/megatron_utils/model.py``) hands every data-parallel rank ``rollout_data`` with
-``micro_batch_indices`` (the rank's micro-batches, lists of indices into its per-sample lists) and
-``num_microbatches`` (micro-batches per optimizer step, the same on every rank). Step ``s`` trains the rank's
-micro-batches ``o_s ... o_s + num_microbatches[s] - 1`` with ``o_s = sum(num_microbatches[:s])``, in order;
-every sample is in exactly one micro-batch, and all samples of a rollout are in one step.
-
-:func:`step_view` is the part of ``rollout_data`` one step trains, renumbered so that slime's
-``forward_only`` can run over it alone (the step hook's forward pass).
+slime 624b824 (``build_dp_schedule``, ``train``) hands each DP rank ``micro_batch_indices`` (its micro-batches) and
+``num_microbatches`` (per optimizer step): step ``s`` trains micro-batches ``o_s .. o_s + num_microbatches[s] - 1``,
+``o_s = sum(num_microbatches[:s])``; every sample is in one micro-batch, all samples of a rollout in one step.
+:func:`step_view` is one step's part, renumbered for slime's ``forward_only`` (the step hook's pass).
 """
 
 from __future__ import annotations
