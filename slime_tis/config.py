@@ -54,7 +54,7 @@ from slime_tis.core.levels import LEVELS as LEVEL_TABLE
 from slime_tis.core.levels import MODES as MODE_TABLE
 from slime_tis.core.plan import Plan
 from slime_tis.core.surrogates import SURROGATES, surrogate_of
-from slime_tis.core.terms import KL_ESTIMATORS
+from slime_tis.core.terms import KL_ESTIMATORS, KL_GRADIENTS
 from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
 from slime_tis.kernels.token_pass import token_pass_for
 from slime_tis.presets import PRESETS, preset_fields
@@ -207,6 +207,22 @@ class TISConfig:
         help="Reject a sequence whose max over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
              "as verl's seq_max_k2. Default: off.",
         describe="k2 rejection: reject sequences whose max of k2 = (log r)^2 / 2 > {value:g}")
+    # the upper veto (SkyRL), the binary KL (KPop) and the sequence log-prob error (NeMo-RL)
+    veto_upper_threshold: float | None = threshold(
+        flag="--tis-veto-upper-threshold", valid="> 1", why="the upper side of the veto, r > V",
+        help="Reject a whole sequence if any valid token has raw ratio > V (V > 1; with --tis-veto-threshold the "
+             "two-sided veto, SkyRL's outlier bounds [1e-4, 100]). Default: off.",
+        describe="upper veto: reject sequences with any token ratio > {value:g}")
+    binary_kl_threshold: float | None = threshold(
+        flag="--tis-binary-kl-threshold", valid="> 0", why="a Bernoulli KL is >= 0",
+        help="Reject a token whose Bernoulli KL between pi_train and pi_rollout of the sampled token exceeds phi in "
+             "either direction (KPop; the paper's phi = 0.1). Default: off.",
+        describe="binary-KL rejection: reject tokens with max(D(p||q), D(q||p)) > {value:g}")
+    seq_logprob_error_threshold: float | None = threshold(
+        flag="--tis-seq-logprob-error-threshold", valid=">= 1", why="mean_t exp(abs(l_t)) >= 1",
+        help="Reject a sequence whose mean over valid tokens of exp(abs(lp_train - lp_rollout)) exceeds this (>= 1), "
+             "as NeMo-RL's seq_logprob_error_threshold (its recipes: 2). Default: off.",
+        describe="log-prob error rejection: reject sequences whose mean of exp(abs(l)) > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
         help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
@@ -229,9 +245,10 @@ class TISConfig:
         help="Dual-clip constant c > 1 for negative advantages. Default: off.")
     loss_mode: str | None = option(
         None, flag="--tis-loss-mode", kind="choice", choices=tuple(SURROGATES),
-        help="Policy-loss surrogate (verl's loss_mode names; ppo_clip is verl's vanilla): ppo_clip, gspo and "
-             "cispo need a ratio anchor (algorithms 0-2); reinforce and on_policy (ratio pi_theta/sg(pi_theta)) "
-             "fit every algorithm. Default: ppo_clip for algorithms 0-2, reinforce for algorithm 3.")
+        help="Policy-loss surrogate (verl's loss_mode names; ppo_clip is verl's vanilla): reinforce and on_policy "
+             "(ratio pi_theta/sg(pi_theta)) fit every algorithm, the others need a ratio anchor (algorithms 0-2); "
+             "dppo_tv / dppo_kl read --eps-clip / --eps-clip-high as the trust region delta on probabilities, "
+             "geo_mean as its clip of the log-ratio. Default: ppo_clip for algorithms 0-2, reinforce for algorithm 3.")
     kl_coef: float = option(
         0.0, flag="--tis-kl-coef", valid=">= 0",
         help="Coefficient of the reference-KL term added to the loss per kept token (needs reference "
@@ -243,6 +260,12 @@ class TISConfig:
     kl_importance_weighted: bool = option(
         False, flag="--tis-kl-importance-weighted", kind="switch",
         help="Multiply the KL term by the token's rollout-correction weight (algorithms 2, 3). Default: off.")
+    kl_gradient: str = option(
+        "direct", flag="--tis-kl-gradient", kind="choice", choices=KL_GRADIENTS,
+        help="Gradient of the KL term: direct = the estimator's own gradient beta [w] k'(d) (verl, slime); with_score "
+             "adds the score-function term beta [w] k(d) grad log pi_theta of a KL estimated on tokens sampled from "
+             "the policy (NeMo-RL); k1 and k3 with_score are unbiased gradients of KL(pi_theta || pi_ref). "
+             "Default: direct.")
     entropy_coef: float = option(
         0.0, flag="--tis-entropy-coef", valid=">= 0",
         help="Entropy bonus: subtract this times the policy's entropy per kept token. Default: 0 (off).")
@@ -252,6 +275,32 @@ class TISConfig:
     sapo_tau_neg: float = surrogate_option(
         "sapo", 1.05, flag="--tis-sapo-tau-neg", valid="> 0",
         help="SAPO gate temperature for tokens with advantage <= 0 (--tis-loss-mode sapo). Default: 1.05.")
+    staleness_buckets: float | None = option(
+        None, flag="--tis-staleness-buckets", valid="integer in [1, 16]",
+        help="Split tis/staleness_<b>/* metrics by per-sequence staleness s (policy versions behind the trainer, "
+             "given by the host) into the buckets s = 0, 1, ..., N-1 and s >= N. Default: off.")
+    staleness_decay: float | None = option(
+        None, flag="--tis-staleness-bound-decay", valid="in (0, 1)",
+        help="Tighten the --tis-mode bounds of a sequence s policy versions stale (given by the host) to "
+             "log upper_s = g^s log upper, log lower_s = g^s log lower (0 < g < 1; invalid s: bounds 1). "
+             "Default: off.")
+    clip_cov_ratio: float = surrogate_option(
+        "clip_cov", 2e-4, flag="--tis-clip-cov-ratio", valid="in (0, 1)",
+        help="Clip-Cov: the fraction of the micro-batch's kept tokens (at least 1) taken out of the loss, at random "
+             "among those whose covariance lies in (lb, ub) (--tis-loss-mode clip_cov). Default: 0.0002.")
+    clip_cov_lb: float = surrogate_option(
+        "clip_cov", 1.0, flag="--tis-clip-cov-lb",
+        help="Clip-Cov: lower bound of the candidates' covariance (A - mean A)(lp - mean lp). Default: 1.0.")
+    clip_cov_ub: float = surrogate_option(
+        "clip_cov", 5.0, flag="--tis-clip-cov-ub",
+        help="Clip-Cov: upper bound of the candidates' covariance (> --tis-clip-cov-lb). Default: 5.0.")
+    kl_cov_ratio: float = surrogate_option(
+        "kl_cov", 2e-4, flag="--tis-kl-cov-ratio", valid="in (0, 1)",
+        help="KL-Cov: the fraction of the micro-batch's kept tokens (at least 1), those of largest covariance, given "
+             "the penalty coef abs(log rho) (--tis-loss-mode kl_cov). Default: 0.0002.")
+    kl_cov_coef: float = surrogate_option(
+        "kl_cov", 1.0, flag="--tis-kl-cov-coef", valid=">= 0",
+        help="KL-Cov: the coefficient of abs(log rho) at the selected tokens (verl's ppo_kl_coef). Default: 1.0.")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
         error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
@@ -304,6 +353,14 @@ class TISConfig:
                        "already applies as its weight: the weight would count twice")
             raise _bad("loss_mode", self.loss_mode, why + "; use algorithm 1 (--use-rollout-log-probs, anchor "
                        "pi_rollout, no weight) or 2 (--use-tis, anchor pi_old, weight pi_old / pi_rollout)")
+        if self.staleness_decay is not None and not alg.weighted and not (alg.rejects and mode_of(self.mode).rejects):
+            raise _bad("staleness_decay", self.staleness_decay, f"algorithm {alg.number} applies no weights and "
+                       "--tis-mode is not mask: no bound acts to be tightened; use --use-tis or --tis-mode mask")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise _bad("clip_cov_lb", self.clip_cov_lb, f"must be < --tis-clip-cov-ub = {self.clip_cov_ub!r}")
+        if self.kl_gradient == "with_score" and self.kl_estimator == "k2":
+            raise _bad("kl_gradient", self.kl_gradient, "k2's own gradient d grad log pi_theta already is the unbiased "
+                       "gradient of KL(pi_theta || pi_ref); the score term would add (d^2 / 2) grad log pi_theta")
         if not alg.weighted and self.batch_normalize:
             raise _bad("batch_normalize", True, f"algorithm {alg.number} applies no importance weights "
                        "(weights are identically 1); batch normalisation needs --use-tis")
@@ -337,6 +394,8 @@ class TISConfig:
             lines.append("--tis-kl-estimator / --tis-kl-importance-weighted do nothing while --tis-kl-coef is 0")
         elif self.kl_importance_weighted and not alg.weighted:
             lines.append(f"--tis-kl-importance-weighted does nothing: algorithm {alg.number} applies no weights")
+        if self.kl_coef == 0.0 and self.kl_gradient != DEFAULTS["kl_gradient"]:
+            lines.append("--tis-kl-gradient does nothing while --tis-kl-coef is 0")
         for field, owner in SURROGATE_OPTIONS.items():
             if owner != sur.name and getattr(self, field) != DEFAULTS[field]:
                 lines.append(f"{FLAG_OF[field]} does nothing with the {sur.name} surrogate (it is {owner}'s)")
@@ -344,6 +403,9 @@ class TISConfig:
             lines.append(f"gspo clips the sequence's geometric-mean ratio at [1-{self.eps_clip:g}, 1+{self.eps_high:g}]"
                          ": token-level clip ranges rarely clip it (the GSPO paper uses --eps-clip 3e-4 "
                          "--eps-clip-high 4e-4)")
+        if sur.name == "dppo_kl" and max(self.eps_clip, self.eps_high) > 0.1:
+            lines.append(f"dppo_kl bounds the Bernoulli KL of each token at --eps-clip {self.eps_clip:g} / "
+                         f"--eps-clip-high {self.eps_high:g}: the DPPO paper uses 0.05 for the KL (0.2 for dppo_tv)")
         return lines
 
     def warn_inert(self) -> None:
@@ -436,13 +498,18 @@ class TISConfig:
         for field, declared in THRESHOLDS.items():
             if getattr(self, field) is not None:
                 lines.append("  " + declared.describe.format(value=getattr(self, field)))
+        if self.staleness_buckets is not None or self.staleness_decay is not None:
+            buckets = None if self.staleness_buckets is None else int(self.staleness_buckets)
+            lines.append(f"  staleness (per sequence, from the host): buckets={buckets} "
+                         f"bound_decay={self.staleness_decay} (log bound_s = decay^s log bound)")
         lines.append(f"  batch_normalize={self.batch_normalize} rejected_denominator={self.rejected_denominator} "
                      f"loss_agg={self.loss_agg}")
         lines.append(f"  loss={self.surrogate} clip=[1-{self.eps_clip:g}, 1+{self.eps_high:g}] "
                      f"dual_clip_c={self.dual_clip_c} safety_bound={self.safety_bound:g}")
         if self.kl_coef != 0.0 or self.entropy_coef != 0.0:
             lines.append(f"  kl_coef={self.kl_coef:g} kl_estimator={self.kl_estimator} "
-                         f"kl_importance_weighted={self.kl_importance_weighted} entropy_coef={self.entropy_coef:g}")
+                         f"kl_importance_weighted={self.kl_importance_weighted} kl_gradient={self.kl_gradient} "
+                         f"entropy_coef={self.entropy_coef:g}")
         lines.append(f"  kernels={self.kernels}" + (" (Triton: not yet measured on a GPU; torch code where it "
                                                      "cannot run, with a warning)" if self.kernels == "triton" else ""))
         lines += [f"  warning: {line}" for line in self.inert_options()]
@@ -505,8 +572,11 @@ def _resolve(config: TISConfig) -> Plan:
                                if owner == config.surrogate),
         kl_coef=float(config.kl_coef),
         kl_estimator=config.kl_estimator,
+        kl_gradient=config.kl_gradient,
         kl_importance_weighted=config.kl_importance_weighted and algorithm_of(config.algorithm).weighted,
         entropy_coef=float(config.entropy_coef),
+        staleness_buckets=int(config.staleness_buckets or 0),
+        staleness_decay=None if config.staleness_decay is None else float(config.staleness_decay),
     )
 
 

@@ -43,6 +43,8 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "in (0, 1)": (lambda v: 0 < v < 1, "must lie in (0, 1)"),
     "in [0, 1)": (lambda v: 0 <= v < 1, "must lie in [0, 1)"),
     f"in (0, {MAX_SAFETY_BOUND:g}]": (lambda v: 0 < v <= MAX_SAFETY_BOUND, f"must lie in (0, {MAX_SAFETY_BOUND:g}]"),
+    ">= 1": (lambda v: v >= 1, "must be >= 1"),
+    "integer in [1, 16]": (lambda v: 1 <= v <= 16 and float(v).is_integer(), "must be an integer in [1, 16]"),
 }
 
 KINDS = ("switch", "choice", "number")

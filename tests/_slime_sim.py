@@ -16,7 +16,9 @@ Re-stated in our own words from THUDM/slime 624b824 (no slime code is imported o
 * the loss: the custom loss (``--loss-type custom_loss``), or ``policy_loss_function``
   (``slime/backends/megatron_utils/loss.py``): PPO term of ``compute_policy_loss``, OPSM's mask
   (``compute_opsm_mask``, ``slime/utils/ppo_utils.py``) multiplied into it, the TIS function, then the reducer
-  rebuilt with the returned masks and ``rollout_mask_sums`` (or ``--custom-pg-loss-reducer-function-path``);
+  rebuilt with the returned masks and ``rollout_mask_sums`` (the policy term's, or
+  ``--custom-pg-loss-reducer-function-path``'s with those masks) and, over the rebuilt reducer, the entropy term
+  (``--entropy-coef``) and the KL term (``compute_approx_kl``, ``--use-kl-loss``, ``--use-unbiased-kl``);
   each micro-batch's loss enters the step as ``loss / step_global_batch_size`` per DP x CP rank.
 
 The model is linear: the logits of sample ``i`` are ``X_i @ W`` with fixed features ``X_i`` and one shared
@@ -54,6 +56,7 @@ class Rollouts:
     rollout_ids: list[int]
     features: list[Tensor]
     pi_old_full: dict[int, Tensor] = field(default_factory=dict)  # full-length pi_old, once recomputed
+    ref_lp: list[Tensor] = field(default_factory=list)  # the reference model's log-probs (slime's ref_log_probs)
 
     @property
     def total_lengths(self) -> list[int]:
@@ -71,6 +74,13 @@ def response_log_probs(ro: Rollouts, w: Tensor, i: int) -> Tensor:
     p, r = ro.prompt_lengths[i], ro.response_lengths[i]
     logits = ro.features[i] @ w / TEMP
     return torch.log_softmax(logits[p - 1:p - 1 + r], -1).gather(-1, ro.tokens[i][p:, None]).squeeze(-1)
+
+
+def response_entropy(ro: Rollouts, w: Tensor, i: int) -> Tensor:
+    """``[R_i]`` entropy ``-sum_v p_v log p_v`` of pi_W at sample ``i``'s response positions (differentiable)."""
+    p, r = ro.prompt_lengths[i], ro.response_lengths[i]
+    logp = torch.log_softmax((ro.features[i] @ w / TEMP)[p - 1:p - 1 + r], -1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def make_rollouts(seed: int, sizes: list[int], w0: Tensor, *, spread: float = 0.35, nan_trap: bool = True) -> Rollouts:
@@ -100,6 +110,7 @@ def make_rollouts(seed: int, sizes: list[int], w0: Tensor, *, spread: float = 0.
         lr = lp + spread * torch.randn(lp.shape, generator=g)
         lr[ro.masks[i] == 0] = float("nan") if nan_trap else 0.0  # no rollout log-prob at tool tokens: ignored
         ro.rollout_lp.append(lr)
+        ro.ref_lp.append(response_log_probs(ro, 0.7 * w0, i).detach())
     if nan_trap:
         ro.rollout_lp[n // 2][0] = float("nan") if ro.masks[n // 2][0] else ro.rollout_lp[n // 2][0]
     last = n - 1
@@ -158,6 +169,7 @@ def rank_data(ro: Rollouts, sched, lay: Layout, *, raw_reward: bool = True, mask
         "rollout_ids": [ro.rollout_ids[j] for j in part],
         "rollout_log_probs": [local(ro.rollout_lp[j], tot[j], ro.response_lengths[j], lay) for j in part],
         "advantages": [local(ro.advantages[j], tot[j], ro.response_lengths[j], lay) for j in part],
+        "ref_log_probs": [local(ro.ref_lp[j], tot[j], ro.response_lengths[j], lay) for j in part],
         "num_microbatches": num_mb,
         "micro_batch_indices": mbs[lay.dp_rank],
         "global_batch_sizes": gbs,
@@ -215,8 +227,19 @@ def opsm_keep(full_theta: list[Tensor], full_old: list[Tensor], adv_local: list[
     return torch.cat(out) if out else torch.zeros(0)
 
 
+def approx_kl(lp: Tensor, ref: Tensor, kind: str, ratio: Tensor | None) -> Tensor:
+    """``compute_approx_kl``: k1 ``lp - ref``, k2 ``(lp - ref)^2 / 2``, k3 / low_var_kl ``e^d - 1 - d`` with
+    ``d = ref - lp``; times ``ratio`` (``--use-unbiased-kl``); low_var_kl clamped to ``[-10, 10]``."""
+    d = ref - lp
+    kl = {"k1": -d, "k2": d * d / 2}.get(kind)
+    kl = torch.exp(d) - 1 - d if kl is None else kl
+    kl = kl if ratio is None else ratio * kl
+    return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
+
+
 def policy_loss_function(args, batch: dict, ro: Rollouts, w: Tensor, lay: Layout, sample_pos: list[int]):
-    """slime's ``policy_loss_function`` (no entropy, no KL) around the TIS function ``args.tis_fn``."""
+    """slime's ``policy_loss_function`` around its TIS function: ``args.tis_fn`` (a stand-in of slime's own, as
+    the test writes it) or, by default, the plugin's ``compute_tis_for_slime``."""
     from slime_tis.slime import compute_tis_for_slime
 
     tot, resp = batch["total_lengths"], batch["response_lengths"]
@@ -239,15 +262,25 @@ def policy_loss_function(args, batch: dict, ro: Rollouts, w: Tensor, lay: Layout
         pg_loss = pg_loss * opsm_keep([x.detach() for x in full_theta], full_old, batch["advantages"],
                                       batch["loss_masks"], args.opsm_delta)
     masks = batch["loss_masks"]
-    reducer = sum_of_sample_mean(batch, masks, lay)
     if args.get_mismatch_metrics or args.use_tis:
-        pg_loss, masks, _ = compute_tis_for_slime(
+        tis_fn = getattr(args, "tis_fn", None) or compute_tis_for_slime
+        pg_loss, masks, _ = tis_fn(
             args, pg_loss=pg_loss, train_log_probs=train_for_tis, rollout_log_probs=batch["rollout_log_probs"],
             loss_masks=batch["loss_masks"], total_lengths=tot, response_lengths=resp)
-        reducer = sum_of_sample_mean(batch, masks, lay)
+    reducer = sum_of_sample_mean(batch, masks, lay)  # rebuilt with the returned masks: every term below uses it
+    pg_reducer = reducer
     if args.custom_pg_loss_reducer_function_path is not None:
-        reducer = args.custom_reducer(tot, resp, masks, args.calculate_per_token_loss)
-    return reducer(pg_loss)
+        pg_reducer = args.custom_reducer(tot, resp, masks, args.calculate_per_token_loss)
+    loss = pg_reducer(pg_loss)
+    if args.entropy_coef:
+        ent = [local(response_entropy(ro, w, j), t, r, lay) for j, t, r in zip(sample_pos, tot, resp)]
+        loss = loss - args.entropy_coef * reducer(torch.cat(ent))
+    if args.use_kl_loss:
+        lp = torch.cat(theta)
+        ratio = torch.exp(lp - torch.cat(old)) if getattr(args, "use_unbiased_kl", False) else None
+        loss = loss + args.kl_loss_coef * reducer(approx_kl(lp, torch.cat(batch["ref_log_probs"]),
+                                                            args.kl_loss_type, ratio))
+    return loss
 
 
 def packed_logits(ro: Rollouts, w: Tensor, sample_pos: list[int], lay: Layout, pad: int = 3) -> Tensor:
@@ -336,7 +369,7 @@ def train_rollout(args, ro: Rollouts, w0: Tensor, sched, lay: Layout, *, lr: flo
     model = SimpleNamespace() if model is None else model
     it = DataIter(data, data["micro_batch_indices"])
     keys = ["tokens", "total_lengths", "response_lengths", "loss_masks", "log_probs", "advantages",
-            "rollout_log_probs", "rollout_mask_sums"]
+            "rollout_log_probs", "rollout_mask_sums", "ref_log_probs"]
     results = []
     try:
         for s in range(n_steps):

@@ -27,6 +27,11 @@ THRESHOLD_COUNTERS = [rule for rule in RULES if rule.threshold is not None and n
 PACKAGE = Path(__file__).resolve().parent.parent / "slime_tis"
 
 
+def valid_value(declared: Option) -> float:
+    """A value inside every declared range: 0.5, or 1.5 for a range above 1."""
+    return 1.5 if declared.valid in ("> 1", ">= 1") else 0.5
+
+
 def parser() -> argparse.ArgumentParser:
     return add_tis_arguments(argparse.ArgumentParser())
 
@@ -48,8 +53,9 @@ def test_flag_help_and_dest_generated_from_the_declaration(rule):
     action = actions[declared.dest]
     assert action.option_strings == [declared.flag] and action.help == declared.help and action.default is None
     assert declared.help.endswith("Default: off.")
-    cfg = TISConfig.from_args(parser().parse_args(["--use-tis", declared.flag, "0.25"]))
-    assert getattr(cfg, rule.threshold) == 0.25
+    value = 1.25 if declared.valid in ("> 1", ">= 1") else 0.25
+    cfg = TISConfig.from_args(parser().parse_args(["--use-tis", declared.flag, str(value)]))
+    assert getattr(cfg, rule.threshold) == value
     assert cfg.rejects
 
 
@@ -64,37 +70,38 @@ def test_validation_generated_from_the_declaration(rule):
     with pytest.raises(ValueError, match=rf"{declared.flag} \({rule.threshold}\) = -1.0: {re.escape(words)}"):
         TISConfig(use_tis=True, **{rule.threshold: -1.0})
     with pytest.raises(ValueError, match=rf"{declared.flag} .*algorithm 0"):
-        TISConfig(**{rule.threshold: 0.5})
+        TISConfig(**{rule.threshold: valid_value(declared)})
     with pytest.raises(ValueError, match=declared.flag):
         TISConfig.from_args(parser().parse_args(["--use-tis", declared.flag, "-2"]))
 
 
 @pytest.mark.parametrize("rule", THRESHOLD_RULES, ids=lambda r: r.threshold)
 def test_describe_plan_and_metric_follow_the_row(rule):
-    """Value 0.5 is valid for every declared range. One sequence holds a catastrophic token
-    (l = -15: r ~ 3e-7 < 0.5, k2 = 112.5 and k3 ~ 14, so its sum, mean and max of k2 or k3 > 0.5); the other is
-    on-policy (l = 0). A sequence-level row rejects the first sequence (1 of 2), a token-level row that token (1 of
-    8 tokens)."""
+    """Value 0.5 (1.5 for a range above 1) is valid for every declared range. One sequence holds two catastrophic
+    tokens (l = -15 at q = e^-1: r ~ 3e-7 < 0.5, k2 = 112.5 and k3 ~ 14, binary KL ~ 4.7; and l = +15 at
+    q = e^-16: r ~ 3e6 > 1.5, binary KL ~ 4.4), so every statistic of it exceeds the value; the other is on-policy
+    (l = 0). A sequence-level row rejects the first sequence (1 of 2), a token-level row those tokens (2 of 8)."""
     declared = THRESHOLDS[rule.threshold]
-    cfg = TISConfig(use_rollout_log_probs=True, **{rule.threshold: 0.5})
-    assert declared.describe.format(value=0.5) in cfg.describe()
-    assert cfg.plan.threshold(rule.threshold) == 0.5
+    value = valid_value(declared)
+    cfg = TISConfig(use_rollout_log_probs=True, **{rule.threshold: value})
+    assert declared.describe.format(value=value) in cfg.describe()
+    assert cfg.plan.threshold(rule.threshold) == value
     assert rule in [r for r, _ in active(cfg.plan)]
     off = TISConfig(use_rollout_log_probs=True)
     assert off.plan.threshold(rule.threshold) is None and rule not in [r for r, _ in active(off.plan)]
-    assert declared.describe.format(value=0.5) not in off.describe()
+    assert declared.describe.format(value=value) not in off.describe()
 
     on, without = two_sequences(cfg), two_sequences(off)
     token_level = rule.level(cfg.plan) == "token"
-    expected = [True, False] + [True] * 6 if token_level else [False] * 4 + [True] * 4
+    expected = [True, False, False] + [True] * 5 if token_level else [False] * 4 + [True] * 4
     assert on.keep_mask.tolist() == expected and bool(without.keep_mask.all())
-    assert float(on.stats.finalize()[rule.metric]) == pytest.approx(1 / 8 if token_level else 0.5)
+    assert float(on.stats.finalize()[rule.metric]) == pytest.approx(2 / 8 if token_level else 0.5)
     assert rule.metric not in without.stats.finalize()  # the metric keys follow the configuration
 
 
 def two_sequences(cfg: TISConfig):
-    lp_rollout = torch.full((8,), -1.0)
-    l = torch.tensor([0.0, -15.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # noqa: E741
+    lp_rollout = torch.tensor([-1.0, -1.0, -16.0, -1.0, -1.0, -1.0, -1.0, -1.0])
+    l = torch.tensor([0.0, -15.0, 15.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # noqa: E741
     return compute_tis(cfg, lp_rollout + l, lp_rollout, torch.ones(8, dtype=torch.bool), torch.tensor([0, 4, 8]))
 
 

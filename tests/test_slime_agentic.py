@@ -213,6 +213,44 @@ def test_opsm_tokens_are_not_kept(denominator):
             train_rollout(args, ro_multi, w0, schedule(ro_multi, steps=1, micro_batch_size=1), Layout())
 
 
+def slime_own_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **_):
+    """slime's own ``--use-tis`` (``vanilla_tis_function``, slime 624b824): ``pg_loss * clamp(exp(lp_train -
+    lp_rollout), --tis-clip-low, --tis-clip)``, the masks returned unchanged."""
+    w = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
+    return pg_loss * w.clamp(args.tis_clip_low, args.tis_clip), loss_masks, {}
+
+
+@pytest.mark.parametrize("reducer", [False, True])
+def test_opsm_leaves_entropy_kl_and_reducer_masks_as_slime_own_opsm(reducer):
+    """Issue 39 item 4: ``--use-opsm --use-kl-loss --use-unbiased-kl --entropy-coef`` with the TIS hook at
+    truncate/token/1.3 trains exactly what slime's own ``--use-tis --tis-clip 1.3`` trains: OPSM's tokens keep
+    their entropy and KL terms (slime rebuilds that reducer from the hook's masks) and stay in a custom pg-loss
+    reducer's masks, as slime's own OPSM leaves them (every step's loss and gradient, float32 sums of a few
+    hundred terms: rel 1e-5)."""
+    w0 = initial_weights(1)
+    terms = dict(use_opsm=True, opsm_delta=1e-3, use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type="low_var_kl",
+                 use_unbiased_kl=True, entropy_coef=0.01, tis_clip=1.3, tis_clip_low=0.0)
+    if reducer:
+        terms |= dict(custom_pg_loss_reducer_function_path="user.reducer", custom_reducer=sample_mean_reducer)
+    own = slime_args(use_tis=True, tis_fn=slime_own_tis, **terms)
+    hook = slime_args(use_tis=True, tis_mode="truncate", tis_level="token", tis_upper_bound=1.3,
+                      custom_tis_function_path="slime_tis.slime.compute_tis_for_slime", **terms)
+    runs = {}
+    for name, args in (("own", own), ("hook", hook), ("no_opsm", slime_args(**{**vars(hook), "use_opsm": False}))):
+        ro = make_rollouts(4, [1] * 8, w0, spread=0.6, nan_trap=False)  # slime's own TIS has no NaN guard
+        runs[name] = train_rollout(args, ro, w0, schedule(ro, steps=2, micro_batch_size=1), Layout(), lr=3.0)
+        COLLECTOR.flush()
+    for got, want in zip(runs["hook"], runs["own"]):
+        assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-5, abs=1e-7)
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7)
+    assert abs(float(runs["no_opsm"][1].loss - runs["hook"][1].loss)) > 1e-3  # OPSM acts at step 2
+
+
+def sample_mean_reducer(total_lengths, response_lengths, masks, per_token):
+    """A user's pg-loss reducer: each sample's mean over its mask (the masks slime hands it)."""
+    return lambda x: sum((xi * m).sum() / m.sum().clamp(min=1) for xi, m in zip(x.split(response_lengths), masks))
+
+
 def test_refused_combinations():
     w0 = initial_weights(1)
     ro = make_rollouts(3, [1] * 4, w0)
@@ -235,7 +273,8 @@ def test_refused_combinations():
 
 def test_custom_reducer_with_keep_gets_the_masks_without_rejected_tokens():
     """``keep`` with --custom-pg-loss-reducer-function-path: slime hands the reducer the returned masks, in which
-    rejected and OPSM tokens are 0 (a reducer dividing by them is slime's old per-sample 'drop')."""
+    rejected tokens are 0 (a reducer dividing by them is slime's old per-sample 'drop'); OPSM's tokens stay, as
+    slime's own OPSM leaves them (test_opsm_leaves_entropy_kl_and_reducer_masks_as_slime_own_opsm)."""
     w0 = initial_weights(1)
     ro = make_rollouts(4, [1] * 8, w0, spread=0.6)
     seen = []

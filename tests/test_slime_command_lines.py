@@ -1,8 +1,9 @@
 """Every slime command line the docs give, and every flag a refusal tells a slime user to add, is one slime accepts.
 
-slime's own argument checks (slime 624b824, restated in tests/_slime_args.py) run over: each ``bash`` / ``diff``
-block of docs/slime.md, of the README's slime section and of patches/README_slime.md (a new block is checked
-when it is written), with the YAML block that follows it; every ``--flag`` the slime docs name; and the advice
+slime's own argument checks (slime 624b824, restated in tests/_slime_args.py, its batch-size rule included) run
+over: each ``bash`` / ``diff`` block of docs/slime.md, of the README's slime section and of patches/README_slime.md
+(a new block is checked when it is written), with the YAML block that follows it, added to the batch flags of each
+of slime's own example scripts; every ``--flag`` the slime docs name; and the advice
 of each refusal: the refusal's scenario is a command line slime accepts, the flags the message says to add keep
 it accepted, and with them the plugin trains instead of refusing.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _slime_args import FLAGS, SlimeArgsError, parse, slime_accepts, validate
+from _slime_args import EXAMPLE_SCRIPTS, FLAGS, SlimeArgsError, parse, slime_accepts, validate
 from _slime_sim import Layout, initial_weights, make_rollouts, schedule, slime_args, train_rollout
 
 from slime_tis.slime import tis_config_from_slime_args
@@ -98,11 +99,24 @@ def test_the_docs_have_command_lines():
 
 @pytest.mark.parametrize(("where", "text", "yml", "side"), COMMANDS, ids=[c[0] for c in COMMANDS])
 def test_documented_command_line_passes_slimes_checks(where, text, yml, side):
-    """slime accepts it; with its YAML the plugin builds its configuration from what slime hands it."""
+    """slime accepts it added to each example script's batch flags (``--global-batch-size`` = rollout batch size *
+    samples per prompt // steps per rollout where steps are set); with its YAML the plugin builds its
+    configuration from what slime hands it."""
     arch = re.search(r"architectures (\w+)", text)  # slime reads it from --hf-checkpoint's config.json
-    args = slime_accepts(text, yaml_text=yml, architecture=arch.group(1) if arch else None)
-    if yml is not None and "slime_tis." in text:
-        tis_config_from_slime_args(args, algorithm="loss")
+    for script, base in EXAMPLE_SCRIPTS.items():
+        try:
+            args = slime_accepts(text, yaml_text=yml, base=base, architecture=arch.group(1) if arch else None)
+        except SlimeArgsError as e:
+            pytest.fail(f"added to {script}'s flags ({base}): {e}")
+        if yml is not None and "slime_tis." in text:
+            tis_config_from_slime_args(args, algorithm="loss")
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLE_SCRIPTS))
+def test_example_scripts_pass_the_batch_size_rule(script):
+    args = slime_accepts("", base=EXAMPLE_SCRIPTS[script])
+    steps = args.num_steps_per_rollout or 1
+    assert args.global_batch_size * steps == args.rollout_batch_size * args.n_samples_per_prompt
 
 
 def test_every_flag_the_slime_docs_name_is_a_slime_flag():
@@ -120,6 +134,9 @@ def test_every_flag_the_slime_docs_name_is_a_slime_flag():
     ("--custom-tis-function-path slime_tis.slime.no_such_hook", "no such function"),
     ("--use-dynamic-batch-size", "--max-tokens-per-gpu"),
     ("--num-steps-per-rollout 2 --global-batch-size 64", "--global-batch-size"),
+    # run-qwen3-4B.sh's --global-batch-size 256 with 2 steps (slime: 256 is not 32 * 8 // 2)
+    ("--num-steps-per-rollout 2", "--global-batch-size 256 is not --rollout-batch-size 32 * --n-samples-per-prompt 8 "
+                                  "// --num-steps-per-rollout 2 = 128"),
 ])
 def test_the_stand_in_refuses_what_slime_refuses(cmd, reason):
     with pytest.raises(SlimeArgsError, match=re.escape(reason)):

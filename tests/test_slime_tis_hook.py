@@ -141,6 +141,31 @@ def test_use_tis_false_with_rollout_logprobs_applies_no_weight():
     assert not ref.keep_mask[sum(b.response_lengths[:2]):sum(b.response_lengths[:3])].any()  # NaN sample
 
 
+def test_opsm_tokens_get_zero_loss_and_keep_their_masks_unless_a_rule_rejects_them():
+    """--use-opsm: the tokens slime's OPSM zeroed (``A < 0``, ``pg_loss == 0``) are counted rejected and keep a
+    zero loss, but the returned masks (slime's entropy / KL reducer, a custom pg-loss reducer) are those of the
+    same call without OPSM: a token OPSM zeroed leaves them only where a rule of the hook rejects it (sample 4's
+    catastrophic token, rejected by the token mask)."""
+    b = make_batch(3)
+    g = torch.Generator().manual_seed(5)
+    b.advantages = [torch.randn(r, generator=g) for r in b.response_lengths]
+    b.advantages[4] = -b.advantages[4].abs()  # every token of sample 4 is OPSM's, its catastrophic token too
+    for i in (0, 4, 5):  # OPSM zeroed these samples' negative-advantage tokens
+        b.pg_loss[i] = torch.where(b.advantages[i] < 0, torch.zeros(()), b.pg_loss[i])
+    out = {}
+    for opsm in (False, True):
+        args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=2.0, use_opsm=opsm)
+        postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train, "advantages": b.advantages})
+        out[opsm] = call(args, b)
+    opsm_tokens = (b.packed("advantages") < 0) & (b.packed("pg_loss") == 0) & (b.packed("masks") != 0)
+    assert int(opsm_tokens.sum()) > 0
+    assert [m.tolist() for m in out[True][1]] == [m.tolist() for m in out[False][1]]
+    assert float(out[False][1][4][7]) == 0.0  # the rule's rejection stays
+    assert out[True][0][opsm_tokens].abs().sum() == 0
+    rejected = {k: v[2]["tis/rejected_token_fraction"] for k, v in out.items()}
+    assert torch.equal(rejected[True], torch.maximum(rejected[False], opsm_tokens.float()))
+
+
 # ------------------------------------------------------------------ agentic rollouts (several samples each)
 def two_rollouts_of_two_samples():
     """Rollout 0 = samples 0, 1; rollout 1 = samples 2, 3. Log-ratios l = lp_train - lp_rollout chosen by hand:

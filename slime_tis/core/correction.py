@@ -16,6 +16,7 @@ normalisation computed in the call); no host sync.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, rule_columns
+from slime_tis.core.staleness import bound_scale, check_staleness
 from slime_tis.core.weights import normalisation_factor, normalisation_factor_over, unit_weights
 
 #: The per-sequence column of ``loss_finite`` (``correct``).
@@ -101,6 +103,7 @@ def compute_tis(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    staleness: Tensor | None = None,
 ) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
 
@@ -122,6 +125,8 @@ def compute_tis(
         loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
             whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
             (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
+        staleness: ``[n_seq]`` per-sequence staleness (policy versions behind the trainer), read by the metrics split
+            by staleness and the bounds tightened with it (``core.staleness``); required while either is on.
 
     Raises:
         ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
@@ -138,7 +143,9 @@ def compute_tis(
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
-                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite)
+                   reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite,
+                   staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1,
+                                                                              lp_train.device))
 
 
 def correct(
@@ -153,10 +160,18 @@ def correct(
     extra_finite: tuple[Tensor, ...] = (),
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
+    staleness: Tensor | None = None,
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
+    if (plan.staleness_buckets or plan.staleness_decay is not None) and staleness is None:
+        raise ValueError("staleness: --tis-staleness-buckets / --tis-staleness-bound-decay is set but the host gave no "
+                         "per-sequence staleness (compute_tis(..., staleness=[n_seq] tensor))")
     with torch.no_grad():
-        columns = rule_columns(plan)
+        scale = None  # the mode's bounds tightened with staleness: factors per token and per sequence
+        if plan.staleness_decay is not None:
+            seq_scale = bound_scale(plan, staleness)
+            scale = (layout.expand(seq_scale), seq_scale)
+        columns = rule_columns(plan, lp_rollout.detach(), scale)
         if loss_finite:  # 1 where a loss input is not finite at a valid token, summed per sequence
             bad = torch.zeros_like(valid)
             for t in loss_finite:
@@ -166,14 +181,24 @@ def correct(
         ratios = packed_ratios(lp_train.detach(), lp_rollout.detach(), valid, layout, reducer,
                                extra_finite=tuple(t.detach() for t in extra_finite), rule_columns=columns,
                                token_pass=plan.token_pass)
+        if staleness is not None:
+            ratios = dataclasses.replace(ratios, staleness=staleness.detach(), bound_scale=scale)
+    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject)
 
-        # the decision from the ratios: rules, weights, batch normalisation, statistics
+
+def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, *,
+            batch_norm_factor: Tensor | float | None, reject: Tensor | None) -> TISResult:
+    """The decision from the ratios: rules, weights, batch normalisation, statistics (no token pass over the
+    log-probs; one ``batch_sum`` where batch normalisation has no precomputed factor)."""
+    loss_finite = LOSS_NONFINITE in ratios.columns
+    with torch.no_grad():
         verdict = evaluate(plan, ratios)
         if reject is not None:
             verdict = verdict.with_rejected_tokens(reject & ratios.valid)
         moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
         clamped = None if plan.per_sequence else moments[0]
-        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped)  # [T] or [n_seq]
+        scale = None if ratios.bound_scale is None else ratios.bound_scale[1 if plan.per_sequence else 0]
+        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped, scale)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
         # weights are finite (clamped exponent, finite factor): a product with a mask is the selection
         kept_weights = weights * kept_units

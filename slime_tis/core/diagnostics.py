@@ -27,6 +27,7 @@ from slime_tis.core.metrics import MetricStats
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, ratio_moments
 from slime_tis.core.rules import Verdict
+from slime_tis.core.staleness import staleness_statistics
 
 __all__ = ["tis_statistics", "token_metrics", "TisContext", "TisTokens"]
 
@@ -168,6 +169,8 @@ def tis_statistics(
     batch = TisContext(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, batch_norm_factor,
                      moments)
     groups = statistics("tis.", batch, plan)
+    if plan.staleness_buckets:
+        staleness_statistics(batch, groups)
     for rule, level, hit in verdict.hits:
         groups["seq_sums" if level.per_sequence else "token_sums"][rule.key] = _total(hit)
     return MetricStats(**groups)

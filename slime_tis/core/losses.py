@@ -3,7 +3,8 @@
 Per kept token ``t`` (``A`` advantage, ``w`` the detached importance weight of the algorithm, ``f`` the
 surrogate of ``core.surrogates`` against the algorithm's anchor, ``core.algorithms``)::
 
-    loss_t = [w] * f_t  +  beta * [w] * k(lp_theta_t - lp_ref_t)  -  h * H_t        (terms: ``core.terms``)
+    loss_t = [w] * f_t  +  beta * [w] * k(lp_theta_t - lp_ref_t)  -  h * H_t        (terms: ``core.terms``;
+                                                                                 the KL's gradient: --tis-kl-gradient)
 
 ``[w]``: algorithms 2 and 3 (the KL term's only with ``kl_importance_weighted``). Rejected tokens contribute zero
 loss and zero gradient (every input is selected with ``torch.where`` first, so a NaN at a rejected or masked
@@ -190,7 +191,7 @@ def policy_loss(
     per_token = weights * out.loss if row.weighted else out.loss
     added = term_loss(theta_k, keep, kl_coef=plan.kl_coef, kl_estimator=plan.kl_estimator, lp_ref=terms[0],
                       kl_weights=weights if plan.kl_importance_weighted and row.weighted else None,
-                      entropy_coef=plan.entropy_coef, entropy=terms[1])
+                      entropy_coef=plan.entropy_coef, entropy=terms[1], kl_gradient=plan.kl_gradient)
     if added is not None:
         per_token = per_token + added
 
@@ -208,7 +209,8 @@ def policy_loss(
     # the KL estimate per kept token for policy/kl (d = 0 where not kept: every estimator is 0 there)
     kl = None if terms[0] is None else kl_estimate(theta_k.detach(), torch.where(keep, terms[0].detach().float(), 0.0),
                                                    plan.kl_estimator)
-    batch = PolicyContext(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1])
+    batch = PolicyContext(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1],
+                        out.selected)
     return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(batch)), keep, weights, tis)
 
 
@@ -227,11 +229,17 @@ class PolicyContext:
     dual_active: Tensor | None
     kl: Tensor | None = None  # the KL estimator k(lp_theta - lp_ref) per kept token (0 elsewhere), detached
     entropy: Tensor | None = None
+    selected: Tensor | None = None  # the tokens a covariance-selecting surrogate chose (``core.token_select``)
 
     @property
     def clips(self) -> bool:
         """The surrogate clips (its clip mask is False at tokens not kept: all inputs 0 there)."""
         return surrogate_of(self.plan.surrogate).clips
+
+    @property
+    def selects(self) -> bool:
+        """The surrogate selects tokens by covariance (``selected`` is then a ``[T]`` bool, False where not kept)."""
+        return surrogate_of(self.plan.surrogate).selects
 
     @property
     def dual_clips(self) -> bool:

@@ -37,7 +37,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.rules import RULES, Rule
 
 __all__ = ["Metric", "Statistic", "METRICS", "COUNTS", "REDUCTIONS", "finalize", "statistics", "token_values",
-           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER"]
+           "metric_table", "safe_ratio", "METRIC_TABLE_HEADER", "STALENESS_ROWS"]
 
 
 def safe_ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -199,8 +199,12 @@ METRICS: tuple[Metric, ...] = (
            lambda b: None if b.factor is None else b.factor.to(F64).reshape(()),
            token=lambda t: None if t.factor is None else torch.ones_like(t.lc) * t.factor.float().reshape(())),
     Metric("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", "mean",
-           "kept tokens where the PPO clip is active / kept tokens", "token",
+           "kept tokens where the clip is active / kept tokens (dppo_tv, dppo_kl: outside the trust region)",
+           "token",
            lambda p: p.clip_active.sum(dtype=F64) if p.clips else None),
+    Metric("policy/cov_selected_fraction", "policy.cov_selected_count", "policy.n_tok_kept", "mean",
+           "clip_cov / kl_cov: kept tokens selected by covariance (taken out of the loss / given the penalty) / kept "
+           "tokens", "token", lambda p: p.selected.sum(dtype=F64) if p.selects else None),
     Metric("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the dual clip is active / kept tokens", "token",
            lambda p: p.dual_active.sum(dtype=F64) if p.dual_clips else None),
@@ -242,7 +246,35 @@ METRICS: tuple[Metric, ...] = (
            "`(sum_u w_u)^2 / (n_kept_units * sum_u w_u^2)` over kept units", extra="tis.w_sq_sum"),
     Metric("tis/num_tokens", "tis.n_tok_valid", None, "value", "valid tokens"),
     Metric("tis/num_seqs", "tis.n_seq_valid", None, "value", "sequences with a valid token"),
+    Metric("tis/staleness_invalid_seq_fraction", "tis.staleness_invalid", "tis.n_seq_valid", "mean",
+           "with `--tis-staleness-buckets`: sequences whose staleness is negative or not finite (in no bucket) / "
+           "sequences with a valid token"),
 )
+
+#: The rows of each staleness bucket (``core.staleness``; ``--tis-staleness-buckets N``): ``{b}`` is the bucket's label
+#: (``0``, ..., ``N-1``, ``<N>plus``), the statistics are those of ``D_b``, the tokens of ``D`` in its sequences.
+STALENESS_ROWS: tuple[Metric, ...] = (
+    Metric("tis/staleness_{b}/num_tokens", "tis.staleness_{b}.n_tok_valid", None, "value",
+           "valid tokens of the sequences of staleness bucket `b`"),
+    Metric("tis/staleness_{b}/num_seqs", "tis.staleness_{b}.n_seq", None, "value", "finite sequences of bucket `b`"),
+    Metric("tis/staleness_{b}/kl", "tis.staleness_{b}.kl_sum", "tis.staleness_{b}.n_tok", "mean",
+           "`mean_{t in D_b} (lp_rollout - lp_train)`"),
+    Metric("tis/staleness_{b}/k3_kl", "tis.staleness_{b}.k3_sum", "tis.staleness_{b}.n_tok", "mean",
+           "`mean_{t in D_b} (r_t - 1 - log r_t)`"),
+    Metric("tis/staleness_{b}/rejected_token_fraction", "tis.staleness_{b}.n_tok_rejected",
+           "tis.staleness_{b}.n_tok_valid", "mean", "valid tokens of bucket `b` rejected for any reason / its valid "
+           "tokens"),
+    Metric("tis/staleness_{b}/weight_mean", "tis.staleness_{b}.w_sum", "tis.staleness_{b}.n_tok_kept", "mean",
+           "mean applied weight over the kept tokens of bucket `b` (a sequence's weight once per token)"),
+)
+
+
+def staleness_rows(values: dict[str, Any]) -> list[Metric]:
+    """:data:`STALENESS_ROWS` for every bucket label whose statistics are in ``values`` (the configuration's)."""
+    labels = [k[len("tis.staleness_"):-len(".n_seq")] for k in values
+              if k.startswith("tis.staleness_") and k.endswith(".n_seq")]
+    return [Metric(m.name.format(b=b), m.numerator.format(b=b), m.denominator and m.denominator.format(b=b),
+                   m.reduction, m.doc) for b in labels for m in STALENESS_ROWS]
 
 _GROUPS = {"token": "token_sums", "seq": "seq_sums", "min": "mins", "max": "maxs"}
 
@@ -285,8 +317,8 @@ def finalize(values: dict[str, Tensor]) -> dict[str, Tensor]:
 
     The rows of each reduction are computed together (one stacked vector op per reduction, element-wise: the same
     values as one by one)."""
-    present = [m for m in METRICS if m.numerator in values and (m.denominator is None or m.denominator in values)
-               and (m.extra is None or m.extra in values)]
+    present = [m for m in (*METRICS, *staleness_rows(values)) if m.numerator in values
+               and (m.denominator is None or m.denominator in values) and (m.extra is None or m.extra in values)]
     by_reduction: dict[str, list[Metric]] = {}
     for m in present:
         by_reduction.setdefault(m.reduction, []).append(m)
@@ -311,6 +343,7 @@ def metric_table() -> str:
             rows[-1][0].append(m.name)
         else:
             rows.append(([m.name], m.doc))
+    rows += [([m.name.format(b="<b>")], m.doc) for m in STALENESS_ROWS]
     lines = [METRIC_TABLE_HEADER, "|---|---|"]
     lines += ["| " + ", ".join(f"`{name}`" for name in names) + f" | {doc} |" for names, doc in rows]
     return "\n".join(lines) + "\n"

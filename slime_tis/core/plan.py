@@ -40,6 +40,9 @@ class Plan:
         surrogate: the policy-loss row of ``core.surrogates.SURROGATES``; surrogate_params: ``(field, value)`` of its
             options (read with :meth:`param`).
         kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the terms of ``core.terms``.
+        staleness_buckets: ``N`` of the metrics split by staleness (``core.staleness``), 0 = off.
+        staleness_decay: ``gamma`` of the mode's bounds tightened with staleness (``core.staleness``), or None.
+        kl_gradient: ``"direct"`` or ``"with_score"``: the KL term's gradient (``core.terms``).
     """
 
     algorithm: int
@@ -69,6 +72,9 @@ class Plan:
     kl_estimator: str = "k3"
     kl_importance_weighted: bool = False
     entropy_coef: float = 0.0
+    staleness_buckets: int = 0
+    staleness_decay: float | None = None
+    kl_gradient: str = "direct"
 
     def threshold(self, field: str) -> float | None:
         """The value of the rejection threshold ``field`` (a ``TISConfig`` field name), or None when off."""

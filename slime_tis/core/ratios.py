@@ -93,6 +93,11 @@ class Ratios:
         local_sums: the same before the CP reduction (this rank's tokens).
         token_columns: the rules' ``[T]`` token columns as computed from ``l`` (before the sums), by name, for a
             rule that tests the same tokens (read them on ``token_ok``: ``l`` is not 0 in non-finite sequences).
+        lp_rollout: the ``[T]`` rollout log-probs as given (detached; read only on ``token_ok``, by a rule on
+            probabilities such as the binary KL of ``core.rules``).
+        staleness: ``[n_seq]`` per-sequence staleness given by the host (``core.staleness``), or None.
+        bound_scale: ``([T], [n_seq])`` float32 factors of the mode's log bounds per token and per sequence
+            (``core.staleness.bound_scale``), or None: the bounds as configured.
     """
 
     valid: Tensor
@@ -111,6 +116,9 @@ class Ratios:
     local_sums: Tensor
     columns: tuple[str, ...]
     token_columns: Mapping[str, Tensor] = field(default_factory=dict)
+    lp_rollout: Tensor | None = None
+    staleness: Tensor | None = None
+    bound_scale: tuple[Tensor, Tensor] | None = None
 
     def column(self, name: str) -> Tensor:
         """``[n_seq]`` float64 full per-sequence sum of column ``name`` (0 unless ``seq_ok``)."""
@@ -202,4 +210,5 @@ def packed_ratios(
         local_sums=local,
         columns=tuple(names),
         token_columns=token_columns,
+        lp_rollout=lp_rollout,
     )

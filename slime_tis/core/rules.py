@@ -15,6 +15,14 @@ nonfinite_seq_fraction sequence   NaN/inf at a valid token (always on)        ye
 veto_seq_fraction      sequence   some valid token has l_t < log v            yes      n_seq
 catastrophic_token_    token      l_t < log v (the tokens the veto tests)      no       n_tok
 fraction
+veto_upper_seq_        sequence   some valid token has l_t > log V            yes      n_seq
+fraction
+catastrophic_upper_    token      l_t > log V (the tokens it tests)           no       n_tok
+token_fraction
+binary_kl_fraction     token      max(D(p||q), D(q||p)) > phi (p, q: token    yes      n_tok
+                                  probabilities of pi_train, pi_rollout)
+seq_logprob_error_     sequence   mean_t exp(abs(l_t)) > threshold            yes      n_seq
+fraction
 mask_fraction_low/high level      L < log lower / L > log upper (mask mode)   yes      n_units
 rs_fraction_low/high   rs_level   L < log rs_lower / L > log rs_upper         yes      n_rs_units
 <option>_fraction      token      k_t > threshold (``token_k2/k3``)           yes      n_tok
@@ -29,8 +37,16 @@ divergences ``k2 = (log r)^2 / 2`` and ``k3 = r - 1 - log r`` of the clamped log
 verl's ``k1`` options are ``rs_level`` token / sequence / geometric (``token_k1``, ``seq_sum_k1``,
 ``seq_mean_k1``), whose bounds are stated on ``r`` here (verl's ``"lo_hi"`` keeps ``1/hi <= r <= 1/lo``).
 
+The binary KL (KPop) treats the vocabulary as two events, the sampled token and every other one:
+``D(p||q) = p log(p/q) + (1-p) log((1-p)/(1-q))`` with ``p = pi_train(token)``, ``q = pi_rollout(token)`` clamped to
+``[1e-6, 1 - 1e-6]``, in float64 (:func:`binary_kl`). The sequence log-prob error is NeMo-RL's
+``seq_logprob_error_threshold``: column ``expm1(min(abs(l_t), B))``, so that the test reads ``1 + mean > t``.
+With the bounds tightened by staleness (``core.staleness``), the mode's rows (mask, truncate, clip) compare ``L``
+with its unit's log bounds times ``gamma^s`` (``Ratios.bound_scale``).
+
 Every test is False outside its diagnostic domain: level log-ratios are 0 there and every pair of
-bounds contains 1; per-sequence statistics and divergences are 0 there and their thresholds are > 0. Rejection never
+bounds contains 1; per-sequence statistics and divergences are 0 there and their thresholds are > 0
+(the log-prob error's ``>= 1``, its value at ``l = 0``). Rejection never
 changes a weight, only the keep mask.
 """
 
@@ -46,8 +62,9 @@ from torch import Tensor
 from slime_tis.core.levels import MODES, SEQUENCE, TOKEN, Level
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
+from slime_tis.core.token_select import bernoulli_kl
 
-__all__ = ["Rule", "RULES", "NONFINITE", "Verdict", "evaluate", "rule_columns"]
+__all__ = ["Rule", "RULES", "NONFINITE", "Verdict", "evaluate", "rule_columns", "binary_kl"]
 
 
 @dataclass(frozen=True)
@@ -71,11 +88,22 @@ class Rule:
         return self.key.removesuffix("_count") + "_column"
 
 
-def _below(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+def _unit_scale(r: Ratios, lvl: Level) -> Tensor | float:
+    """Per unit, the factor of the mode's log bounds (``core.staleness``: ``gamma^s``), 1 without tightening."""
+    if r.bound_scale is None:
+        return 1.0
+    return r.bound_scale[1] if lvl.per_sequence else r.bound_scale[0]
+
+
+def _below(bound: str, scaled: bool = False) -> Callable[[Plan, Ratios, Level], Tensor]:
+    if scaled:  # the mode's bound, tightened per unit with staleness
+        return lambda p, r, lvl: lvl.of(r) < getattr(p, bound) * _unit_scale(r, lvl)
     return lambda p, r, lvl: lvl.of(r) < getattr(p, bound)
 
 
-def _above(bound: str) -> Callable[[Plan, Ratios, Level], Tensor]:
+def _above(bound: str, scaled: bool = False) -> Callable[[Plan, Ratios, Level], Tensor]:
+    if scaled:
+        return lambda p, r, lvl: lvl.of(r) > getattr(p, bound) * _unit_scale(r, lvl)
     return lambda p, r, lvl: lvl.of(r) > getattr(p, bound)
 
 
@@ -99,6 +127,25 @@ def _k2(plan: Plan, log_ratio: Tensor) -> Tensor:
 def _k3(plan: Plan, log_ratio: Tensor) -> Tensor:
     """``k3 = r - 1 - log r = expm1(lc) - lc`` (verl's ``token_k3``; exact near ``r = 1``, never negative)."""
     return ratio_moments(log_ratio, plan.bound)[2]
+
+
+#: Probabilities are clamped to ``[BINARY_KL_EPS, 1 - BINARY_KL_EPS]`` before the binary KL (prime-rl #3283's value):
+#: a token whose log-prob rounds to 0 would otherwise have an infinite divergence against any other probability.
+BINARY_KL_EPS = 1e-6
+
+
+def binary_kl(lp_train: Tensor, lp_rollout: Tensor) -> Tensor:
+    """``[T]`` float64 ``max(D(p||q), D(q||p))`` of the Bernoulli distributions (sampled token, any other token),
+    ``p = exp(lp_train)``, ``q = exp(lp_rollout)`` clamped to ``[eps, 1 - eps]``,
+    ``D(p||q) = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q))``."""
+    p, q = lp_train.double().exp(), lp_rollout.double().exp()
+    return torch.maximum(bernoulli_kl(p, q, BINARY_KL_EPS), bernoulli_kl(q, p, BINARY_KL_EPS))
+
+
+def _binary_kl_hit(p: Plan, r: Ratios, lvl: Level) -> Tensor:
+    """Tokens whose binary KL exceeds ``phi`` (``l = 0`` off the domain: ``p = q``, divergence 0)."""
+    lp_rollout = r.lp_rollout.float()
+    return binary_kl(lp_rollout + r.log_ratio, lp_rollout) > p.threshold("binary_kl_threshold")
 
 
 #: Per-token divergences of verl's rejection options, by suffix (``k1`` is ``--tis-rs-level``, bounds on r).
@@ -147,9 +194,9 @@ RULES: tuple[Rule, ...] = (
     Rule("tis/catastrophic_token_fraction", "tis.catastrophic_token_count", _token,
          lambda p, r, lvl: r.token_columns["tis.veto_column"] & r.token_ok, False, "tis.n_tok",
          threshold="veto_threshold", doc="with the veto: valid tokens with raw ratio `r_t < v` / tokens of `D`"),
-    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower"), True, "tis.n_units",
+    Rule("tis/mask_fraction_low", "tis.mask_low_count", _mask, _below("log_lower", True), True, "tis.n_units",
          doc="units rejected with `L_u < log lower` / units (mask mode)"),
-    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper"), True, "tis.n_units",
+    Rule("tis/mask_fraction_high", "tis.mask_high_count", _mask, _above("log_upper", True), True, "tis.n_units",
          doc="units rejected with `L_u > log upper` / units (mask mode)"),
     Rule("tis/rs_fraction_low", "tis.rs_low_count", lambda p: p.rs_level, _below("rs_log_lower"), True,
          "tis.n_rs_units", doc="rejection-sampling units rejected below its lower bound / its units"),
@@ -157,17 +204,36 @@ RULES: tuple[Rule, ...] = (
          "tis.n_rs_units", doc="rejection-sampling units rejected above its upper bound / its units"),
     _divergence("seq_mean_k3"),
     _divergence("seq_max_k3"),
+    # the upper side of the veto (SkyRL's outlier_token_is_threshold_high) and its token counter
+    Rule("tis/veto_upper_seq_fraction", "tis.veto_upper_count", _sequence,
+         lambda p, r, lvl: r.column("tis.veto_upper_column") > 0, True, "tis.n_seq",
+         column=lambda p: lambda log_r: log_r > math.log(p.threshold("veto_upper_threshold")),
+         threshold="veto_upper_threshold", doc="with the upper veto `V`: sequences with a valid token whose "
+         "`r_t > V` / `abs(S)`"),
+    Rule("tis/catastrophic_upper_token_fraction", "tis.catastrophic_upper_token_count", _token,
+         lambda p, r, lvl: r.token_columns["tis.veto_upper_column"] & r.token_ok, False, "tis.n_tok",
+         threshold="veto_upper_threshold", doc="with the upper veto: valid tokens with raw ratio `r_t > V` / tokens "
+         "of `D`"),
+    Rule("tis/binary_kl_fraction", "tis.binary_kl_count", _token, _binary_kl_hit, True, "tis.n_tok",
+         threshold="binary_kl_threshold", doc="with `--tis-binary-kl-threshold`: tokens whose Bernoulli KL between "
+         "the token's probabilities `p`, `q`, either way, exceeds `phi` / tokens of `D`"),
+    Rule("tis/seq_logprob_error_fraction", "tis.seq_logprob_error_count", _sequence,
+         lambda p, r, lvl: 1.0 + r.column_mean("tis.seq_logprob_error_column") > p.threshold(
+             "seq_logprob_error_threshold"), True, "tis.n_seq",
+         column=lambda p: lambda log_r: torch.expm1(log_r.abs().clamp(max=p.bound)),
+         threshold="seq_logprob_error_threshold", doc="with `--tis-seq-logprob-error-threshold`: sequences with "
+         "`mean_t exp(abs(l_t)) > threshold` / `abs(S)`"),
     _divergence("token_k2"),
     _divergence("token_k3"),
     _divergence("seq_sum_k2"),
     _divergence("seq_sum_k3"),
     _divergence("seq_mean_k2"),
     _divergence("seq_max_k2"),
-    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper"), False, "tis.n_units",
+    Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper", True), False, "tis.n_units",
          doc="units with `L_u > log upper` / units (truncate mode)"),
-    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower"), False, "tis.n_units",
+    Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower", True), False, "tis.n_units",
          doc="units with `L_u < log lower` / units (clip mode)"),
-    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper"), False, "tis.n_units",
+    Rule("tis/clip_fraction_high", "tis.clip_high_count", _clip, _above("log_upper", True), False, "tis.n_units",
          doc="units with `L_u > log upper` / units (clip mode)"),
 )
 
@@ -185,21 +251,25 @@ TOKEN_REJECTIONS = "tis.token_rejections"
 
 
 class _TokenLogRatios:
-    """What a token-level row's test reads (the token log-ratios ``l``), before the per-sequence sums exist."""
+    """What a token-level row's test reads (the token log-ratios ``l``, the rollout log-probs), before the
+    per-sequence sums exist."""
 
-    def __init__(self, log_ratio: Tensor) -> None:
+    def __init__(self, log_ratio: Tensor, lp_rollout: Tensor | None, bound_scale) -> None:
         self.log_ratio = log_ratio  # what ``TOKEN.of`` reads
+        self.lp_rollout, self.bound_scale = lp_rollout, bound_scale
 
 
-def rule_columns(plan: Plan) -> dict[str, TokenColumn]:
+def rule_columns(plan: Plan, lp_rollout: Tensor | None = None,
+                 bound_scale: tuple[Tensor, Tensor] | None = None) -> dict[str, TokenColumn]:
     """Token columns the active rules need summed per sequence, named by the rule's ``column_key``, plus
-    :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads only token log-ratios)."""
+    :data:`TOKEN_REJECTIONS` while a token-level rejecting row is active (its test reads token log-ratios, the
+    ``[T]`` ``lp_rollout`` and the bounds' factors ``Ratios.bound_scale``)."""
     rows = active(plan)
     columns = {rule.column_key: rule.column(plan) for rule, _ in rows if rule.column is not None}
     token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:
-            view = _TokenLogRatios(log_r)
+            view = _TokenLogRatios(log_r, lp_rollout, bound_scale)
             hit = torch.zeros_like(log_r, dtype=torch.bool)
             for rule in token_rows:
                 hit = hit | rule.test(plan, view, TOKEN)

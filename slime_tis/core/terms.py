@@ -11,6 +11,12 @@ With ``d_t = lp_theta_t - lp_ref_t`` (Schulman's estimators of KL(pi_theta || pi
 the rollout policy, not pi_theta: the same weight that corrects the surrogate corrects the estimator). The terms
 act on the tokens the loss keeps and are aggregated with the surrogate (``core.aggregation``), so they share its
 denominator; their gradients flow through ``lp_theta`` and ``H``.
+
+``--tis-kl-gradient with_score`` writes the KL addition as ``beta [w] (k(d) + sg(k(d)) (lp - sg(lp)))``: the same
+value, and the gradient ``beta [w] (k'(d) + k(d)) grad lp`` of ``E_{pi_theta}[k]`` over tokens sampled from the policy
+(the score-function term ``k grad log pi_theta``). ``k1 + k1' = 1 + d`` and ``k3 + k3' = d`` make it an unbiased
+gradient of KL(pi_theta || pi_ref); ``direct`` (``beta [w] k'(d)``) is that for ``k2`` and, for ``k3``, the gradient of
+KL(pi_ref || pi_theta) in expectation.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["KL_ESTIMATORS", "kl_estimate", "term_loss"]
+__all__ = ["KL_ESTIMATORS", "KL_GRADIENTS", "kl_estimate", "term_loss"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KL_GRADIENTS = ("direct", "with_score")
 #: low_var_kl's bound on ``d`` before its exponential (verl's ``kl_penalty``: 20)
 LOW_VAR_KL_D = 20.0
 
@@ -43,16 +50,21 @@ def kl_estimate(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
 
 
 def term_loss(lp_k: Tensor, keep: Tensor, *, kl_coef: float, kl_estimator: str, lp_ref: Tensor | None,
-              kl_weights: Tensor | None, entropy_coef: float, entropy: Tensor | None) -> Tensor | None:
+              kl_weights: Tensor | None, entropy_coef: float, entropy: Tensor | None,
+              kl_gradient: str = "direct") -> Tensor | None:
     """``[T]`` per-token addition of the active terms (0 at tokens not kept), or ``None`` when none is active.
 
     ``lp_k``: current log-probs, 0 where not kept (differentiable); ``lp_ref``, ``entropy``: ``[T]``;
-    ``kl_weights``: ``[T]`` detached weights of the importance-weighted KL, or ``None``.
+    ``kl_weights``: ``[T]`` detached weights of the importance-weighted KL, or ``None``; ``kl_gradient``: one of
+    :data:`KL_GRADIENTS` (module docstring).
     """
     out = None
     if kl_coef != 0.0:
         ref_k = torch.where(keep, lp_ref.detach().float(), 0.0)  # d = 0 where not kept: every estimator is 0
-        kl = kl_coef * kl_estimate(lp_k, ref_k, kl_estimator)
+        k = kl_estimate(lp_k, ref_k, kl_estimator)
+        if kl_gradient == "with_score":  # + sg(k) grad lp: the score-function term, 0 in value
+            k = k + k.detach() * (lp_k - lp_k.detach())
+        kl = kl_coef * k
         out = kl * kl_weights if kl_weights is not None else kl
     if entropy_coef != 0.0:
         bonus = -entropy_coef * torch.where(keep, entropy.float(), 0.0)

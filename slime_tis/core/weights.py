@@ -23,13 +23,17 @@ from slime_tis.core.reducer import Reducer
 __all__ = ["unit_weights", "normalisation_factor", "normalisation_factor_over"]
 
 
-def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = None) -> Tensor:
+def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = None,
+                 scale: Tensor | None = None) -> Tensor:
     """Weights of ``plan.mode`` (``Mode.weight``, ``core.levels``) for unclamped level log-ratios (any shape,
     float32 out); ``clamped``: their ``clamp(L, -B, B)`` where already computed (token level: ``lc`` of
-    ``core.ratios.ratio_moments``)."""
+    ``core.ratios.ratio_moments``); ``scale``: per unit, the bounds tightened to ``exp(scale * log bound)``
+    (``core.staleness``)."""
     if not plan.weighted:
         return torch.ones_like(level_log_ratio)
     r = torch.exp(level_log_ratio.clamp(-plan.bound, plan.bound) if clamped is None else clamped)
+    if scale is not None:
+        return plan.mode.weight(r, torch.exp(scale * plan.log_lower), torch.exp(scale * plan.log_upper))
     return plan.mode.weight(r, plan.lower, plan.upper)  # may write r in place: this call's own tensor
 
 

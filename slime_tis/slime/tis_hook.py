@@ -16,7 +16,9 @@ algorithm 1 (``--use-rollout-logprobs``): rejection only; algorithm 2 (``--use-t
 
 The numbers are the step engine's correction of the packed CP-local tokens (``StepEngine.correct``, the CP
 reducer: one CP all-reduce for the sums, one for the full-length masks, every CP rank for every sample). Tokens
-slime's ``--use-opsm`` zeroed are counted as rejected (:mod:`slime_tis.slime.opsm`). ``drop`` scales each rollout's
+slime's ``--use-opsm`` zeroed are counted as rejected in the metrics and ``drop``'s counts, their loss stays 0, and
+the returned masks keep them unless a rule rejects them (slime's entropy / KL / reducer masks, as with slime's own
+OPSM; :mod:`slime_tis.slime.opsm`). ``drop`` scales each rollout's
 loss by ``N_g / K_g`` (:mod:`slime_tis.slime.kept`); algorithm 2's batch normalisation uses the rollout's factor
 (:mod:`slime_tis.slime.postprocess`). slime's loss computes the surrogate and the KL / entropy terms itself:
 ``tis_loss_mode`` other than ``ppo_clip`` and the ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused.
@@ -132,4 +134,6 @@ def compute_tis_for_slime(
         scale = _drop_scale(loss_masks, train_log_probs, packed, masks)
         new_loss = new_loss * scale[packed.local_sample_index()].to(pg_loss.dtype)
     new_loss = torch.where(keep, new_loss, zero)
+    if opsm is not None:  # OPSM's tokens stay in slime's entropy, KL and reducer masks, as with slime's own OPSM
+        masks = packed.full_keep_masks(keep | (opsm & engine.correct(batch, lp_train).loss_keep), ctx.reducer)
     return new_loss, masks, metrics

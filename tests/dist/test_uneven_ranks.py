@@ -1,8 +1,8 @@
 """No collective depends on data: the core under DP=2 x CP=2 (4 real torchrun processes, gloo) with ranks
 that see deliberately different data (everything rejected, fully masked, no rollout log-probs in
-algorithm 0, a NaN on one rank only) finishes under a timeout, every rank issues the same collectives
-(method, op, shape, dtype, in the same order), and the reduced metrics and the global loss equal one
-process on the whole batch. See ``uneven_worker.py`` for the data.
+algorithm 0, a NaN on one rank only; GMPO's sequence mean split over CP) finishes under a timeout, every
+rank issues the same collectives (method, op, shape, dtype, in the same order), and the reduced metrics and
+the global loss equal one process on the whole batch. See ``uneven_worker.py`` for the data.
 
 Tolerances: the ranks sum float32 values in float64 in another grouping than the single process
 (per CP half, then across ranks), so sums agree to ~1e-12 relative; float32 per-token terms (weights,
@@ -20,7 +20,9 @@ from _launch import torchrun
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-SCENARIOS = ("token_mask_rs_veto_k3_drop", "seq_truncate_rs_batchnorm", "bypass_k3_rs", "alg0_partial_rollout")
+SCENARIOS = ("token_mask_rs_veto_k3_drop", "seq_truncate_rs_batchnorm", "bypass_k3_rs", "alg0_partial_rollout",
+             "kpop_logprob_error_veto2_staleness",
+             "geo_mean_geo_rs")
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +58,7 @@ def test_uneven_ranks_same_collectives_and_right_metrics(ranks, scenario):
         assert m["tis/rejected_seq_fraction"] > 0.4  # DP rank 0's sequences are all rejected
     assert m.get("tis/nonfinite_seq_fraction", m.get("policy/nonfinite_seq_fraction")) > 0
     assert m["policy/nonfinite_seq_fraction"] > 0  # the NaN on rank 2 reaches every rank's metrics
+    if scenario == "kpop_logprob_error_veto2_staleness":  # every bucket and rule reported, DP rank 0 all rejected
+        assert {f"tis/staleness_{b}/k3_kl" for b in ("0", "1", "2plus")} <= set(m)
+        assert m["tis/veto_upper_seq_fraction"] > 0.4 and m["tis/binary_kl_fraction"] > 0.4
+        assert m["tis/staleness_invalid_seq_fraction"] == pytest.approx(1 / 10)  # of the 10 sequences

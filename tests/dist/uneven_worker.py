@@ -10,7 +10,9 @@ between its two CP ranks (first half / second half). Data:
 * rank 3: all of its tokens masked out.
 
 Per scenario the worker writes its metrics, its loss and its collective log; the test compares them with
-one process on the whole (unsplit) batch and across ranks.
+one process on the whole (unsplit) batch and across ranks. Where the configuration splits metrics by staleness, the
+sequences' staleness is :func:`staleness_of` (DP rank 0: buckets 0, 1 and 2plus; DP rank 1: an invalid one too),
+given to ``compute_tis`` whose result the loss takes (``policy_loss(correction=...)``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ SCENARIOS = {
         batch_normalize=True, seq_mean_k3_threshold=0.5, loss_agg="seq-mean-token-sum"),
     "bypass_k3_rs": TISConfig.from_preset("bypass_ppo_clip_k3_rs"),
     "alg0_partial_rollout": TISConfig(),
+    # issue 40: two-sided veto, binary KL, sequence log-prob error, metrics split by staleness, bounds tightened
+    "kpop_logprob_error_veto2_staleness": TISConfig(
+        use_tis=True, veto_threshold=1e-4, veto_upper_threshold=100.0, binary_kl_threshold=0.1,
+        seq_logprob_error_threshold=2.0, staleness_buckets=2, staleness_decay=0.5),
+    "geo_mean_geo_rs": TISConfig(use_tis=True, rs_level="geometric", rs_upper=1.5, loss_mode="geo_mean",
+                                 eps_clip=0.05, loss_agg="seq-mean-token-mean"),
 }
 
 
@@ -119,10 +127,23 @@ def whole_batch(seed: int, dps: tuple[int, ...]) -> dict[str, list[torch.Tensor]
     return out
 
 
-def run(cfg: TISConfig, data: dict[str, torch.Tensor], cu: torch.Tensor, reducer, with_rollout: bool):
+def staleness_of(dps: tuple[int, ...]) -> torch.Tensor:
+    """Per-sequence staleness of the sequences of DP ranks ``dps``, in order: 0, 1, 2, 5, 3 on DP rank 0 and
+    1, -1 (invalid), 0, 7, 2 on DP rank 1."""
+    table = {0: [0.0, 1.0, 2.0, 5.0, 3.0], 1: [1.0, -1.0, 0.0, 7.0, 2.0]}
+    return torch.tensor([s for dp in dps for s in table[dp]])
+
+
+def run(cfg: TISConfig, data: dict[str, torch.Tensor], cu: torch.Tensor, reducer, with_rollout: bool,
+        dps: tuple[int, ...] = ()):
     theta = data["theta"].clone().requires_grad_(True)
     rollout = data["rollout"] if with_rollout else None
-    out = policy_loss(cfg, theta, data["old"], rollout, data["adv"], data["mask"], cu, reducer=reducer)
+    correction = None
+    if cfg.staleness_buckets:  # algorithm 2: the correction of pi_old against pi_rollout, with the staleness
+        correction = compute_tis(cfg, data["old"], rollout, data["mask"], cu, reducer=reducer,
+                                 staleness=staleness_of(dps))
+    out = policy_loss(cfg, theta, data["old"], rollout, data["adv"], data["mask"], cu, reducer=reducer,
+                      correction=correction)
     return out
 
 
@@ -141,7 +162,7 @@ def main() -> None:
         reducer = LoggingReducer(cp_groups[dp], dp_groups[cp])
         with_rollout = not (name.startswith("alg0") and dp == 0)
         data, cu = pack(rank_data(dp, cp, seed))
-        out = run(cfg, data, cu, reducer, with_rollout)
+        out = run(cfg, data, cu, reducer, with_rollout, (dp,))
         loss = out.loss.detach().reshape(1).clone()
         dist.all_reduce(loss)  # the global loss: sum of the ranks' losses (global denominator)
         metrics = {k: float(v) for k, v in out.stats.reduce(reducer).finalize().items()}
@@ -158,7 +179,7 @@ def main() -> None:
                 ref = {k: float(v) for k, v in ref_out.stats.finalize().items() if k.startswith("policy/")}
                 ref.update({k: float(v) for k, v in tis.stats.finalize().items()})
             else:
-                ref_out = run(cfg, whole, wcu, None, True)
+                ref_out = run(cfg, whole, wcu, None, True, (0, 1))
                 ref = {k: float(v) for k, v in ref_out.stats.finalize().items()}
             ref["loss"] = float(ref_out.loss)
         results[name] = {"metrics": metrics, "loss": float(loss), "logs": logs, "ref": ref,

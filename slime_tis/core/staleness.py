@@ -1,0 +1,85 @@
+"""Diagnostics split by staleness: the ``tis/staleness_<b>/*`` statistics (``--tis-staleness-buckets N``).
+
+The host gives each sequence ``i`` its staleness ``s_i >= 0``: how many policy versions the trainer is ahead of the
+policy that generated it (Megatron-LM: ``current_iteration - policy_epoch`` of the sequence's oldest token; slime: the
+trainer's weight version minus the sample's ``weight_version``). Its bucket is ``b_i = min(floor(s_i), N)``, labelled
+``0, 1, ..., N-1`` and ``<N>plus`` (:func:`bucket_labels`). A sequence whose staleness is negative or not finite is in
+no bucket: it is counted (``tis.staleness_invalid``) and is otherwise like any other (staleness is a diagnostic).
+
+Per bucket ``b``, with ``D_b`` the tokens of ``D`` (valid tokens of finite sequences) in sequences of bucket ``b``::
+
+    n_tok_valid, n_tok = valid tokens, tokens of D_b     kl_sum = -sum l_t     k3_sum = sum k3_t
+    n_tok_rejected = valid tokens not kept               n_tok_kept, w_sum = kept tokens, sum of their weights
+    n_seq = finite sequences
+
+Token sums come from one ``index_add`` of a ``[7, T]`` float64 block into ``[7, N + 2]`` (the last column collects
+the invalid), the sequence counts from one over ``[n_seq]``: no host sync, and the keys depend on ``N`` only (every
+bucket is present, zero-filled), so every rank reduces the same statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["bucket_labels", "staleness_statistics", "check_staleness", "bound_scale"]
+
+F64 = torch.float64
+#: the token statistics of a bucket, in the rows of the block (``tis.staleness_<b>.<name>``)
+TOKEN_STATISTICS = ("n_tok_valid", "n_tok", "kl_sum", "k3_sum", "n_tok_rejected", "n_tok_kept", "w_sum")
+
+
+def bucket_labels(n: int) -> list[str]:
+    """The labels of the ``n + 1`` buckets: ``"0", ..., "<n-1>", "<n>plus"``."""
+    return [str(b) for b in range(n)] + [f"{n}plus"]
+
+
+def check_staleness(staleness: Any, n_seq: int, device: torch.device) -> Tensor:
+    """``staleness`` as a ``[n_seq]`` tensor on ``device``, or ``ValueError`` naming it (shape, device, dtype)."""
+    if not isinstance(staleness, Tensor):
+        raise ValueError(f"staleness must be a [n_seq] tensor, one value per sequence, got {type(staleness).__name__}")
+    if tuple(staleness.shape) != (n_seq,):
+        raise ValueError(f"staleness has shape {tuple(staleness.shape)}, expected ({n_seq},): one value per sequence")
+    if staleness.device != device:
+        raise ValueError(f"staleness is on {staleness.device}, the log-probs on {device}")
+    if staleness.dtype == torch.bool or staleness.is_complex():
+        raise ValueError(f"staleness must be an integer or float tensor, got {staleness.dtype}")
+    return staleness
+
+
+def bound_scale(plan: Any, staleness: Tensor) -> Tensor:
+    """``[n_seq]`` float32 ``gamma^s`` of each sequence (0 for an invalid staleness: negative or not finite)."""
+    s = staleness.to(F64)
+    ok = torch.isfinite(s) & (s >= 0)
+    return torch.where(ok, torch.pow(plan.staleness_decay, s.nan_to_num(0.0, 0.0, 0.0).clamp(min=0.0)), 0.0).float()
+
+
+def _buckets(staleness: Tensor, n: int) -> Tensor:
+    """``[n_seq]`` int64 bucket of each sequence, ``n + 1`` for an invalid staleness (negative or not finite)."""
+    s = staleness.to(F64)
+    ok = torch.isfinite(s) & (s >= 0)
+    return torch.where(ok, s.nan_to_num(0.0, 0.0, 0.0).clamp(0.0, float(n)).floor(), float(n + 1)).long()
+
+
+def staleness_statistics(batch: Any, groups: dict[str, dict[str, Tensor]]) -> None:
+    """Add the per-bucket statistics of ``batch`` (a ``core.diagnostics.TisContext``) to ``groups`` (token sums and
+    sequence sums, by ``MetricStats`` field)."""
+    plan, r, verdict = batch.plan, batch.ratios, batch.verdict
+    n = plan.staleness_buckets
+    seq_bucket = _buckets(r.staleness, n)
+    token_bucket = seq_bucket.index_select(0, r.seq_id)
+    kept = verdict.keep
+    weights = batch.kept_weights.index_select(0, r.seq_id) if plan.per_sequence else batch.kept_weights
+    block = torch.stack([r.valid.to(F64), r.token_ok.to(F64), -r.log_ratio.to(F64), batch.k3.to(F64),
+                         (r.valid & ~kept).to(F64), kept.to(F64), torch.where(kept, weights, 0.0).to(F64)])
+    token = torch.zeros((len(TOKEN_STATISTICS), n + 2), dtype=F64, device=block.device)
+    token.index_add_(1, token_bucket, block)
+    seq = torch.zeros(n + 2, dtype=F64, device=block.device).index_add_(0, seq_bucket, r.seq_ok.to(F64))
+    for b, label in enumerate(bucket_labels(n)):
+        for j, name in enumerate(TOKEN_STATISTICS):
+            groups["token_sums"][f"tis.staleness_{label}.{name}"] = token[j, b]
+        groups["seq_sums"][f"tis.staleness_{label}.n_seq"] = seq[b]
+    invalid = (seq_bucket == n + 1) & r.seq_has_tokens
+    groups["seq_sums"]["tis.staleness_invalid"] = invalid.sum(dtype=F64)
