@@ -81,8 +81,9 @@ class Algorithm:
         return self.weighted and self.needs_pi_old
 
     @property
-    def rejects(self) -> bool:
-        """Rejection rules act (algorithms 1-3); algorithm 0 rejects only non-finite data."""
+    def corrects(self) -> bool:
+        """The correction decides the loss: its rules act and its keep mask is the loss's (algorithms 1-3);
+        algorithm 0's only diagnoses (it rejects only non-finite data)."""
         return self.reads_rollout
 
 
@@ -141,6 +142,6 @@ def correction_inputs(config: Any, *, lp_train: Tensor, lp_rollout: Tensor | Non
     rollout = lp_train if lp_rollout is None else lp_rollout
     others = tuple(t.detach() for t in (advantages, lp_theta if row.needs_pi_old else None, *terms)
                    if t is not None)
-    if row.rejects:
+    if row.corrects:
         return CorrectionInputs(lp_train.detach(), rollout.detach(), others, ())
     return CorrectionInputs(lp_train.detach(), rollout.detach(), (), (lp_train.detach(),) + others)

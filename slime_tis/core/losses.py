@@ -179,7 +179,7 @@ def policy_loss(
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
         keep = as_valid_mask(keep_override) & tis.loss_ok
-    weights = tis.weights if row.rejects else torch.ones_like(theta_d)  # algorithm 0: no correction, w = 1
+    weights = tis.weights if row.corrects else torch.ones_like(theta_d)  # algorithm 0: no correction, w = 1
     tis_stats = tis.stats if lp_rollout is not None else _empty(tis.stats)  # algorithm 0 without rollout data
 
     # select before any arithmetic: at tokens not kept every input is 0, the loss there is +-0 with zero gradient

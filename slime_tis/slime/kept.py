@@ -55,13 +55,13 @@ class DropPlan:
 
 def drop_applies(cfg: Any) -> bool:
     """``drop`` with slime's per-rollout mean (the case that needs ``K_g``)."""
-    return cfg.rejected_denominator == "drop" and algorithm_of(cfg).rejects and cfg.loss_agg == "seq-mean-token-mean"
+    return cfg.rejected_denominator == "drop" and algorithm_of(cfg).corrects and cfg.loss_agg == "seq-mean-token-mean"
 
 
 def check_drop_config(view: SlimeView) -> None:
     """Configuration-level refusals of ``drop`` (raised by the rollout-data hook and the loss hooks)."""
     cfg = view.cfg
-    if cfg.rejected_denominator != "drop" or not algorithm_of(cfg).rejects:
+    if cfg.rejected_denominator != "drop" or not algorithm_of(cfg).corrects:
         return
     if view.calculate_per_token_loss:
         raise ValueError(PER_TOKEN)

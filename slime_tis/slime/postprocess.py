@@ -80,7 +80,7 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     ctx = parallel_context()
     # the rollout's correction from pi_old, computed at most once for drop's counts and the batch normalisation
     whole = functools.cache(lambda: pi_old_correction(view, rollout_data, rollout_data["log_probs"], ctx))
-    if cfg.rejected_denominator == "drop" and row.rejects and cfg.loss_agg == "seq-mean-token-mean":
+    if cfg.rejected_denominator == "drop" and row.corrects and cfg.loss_agg == "seq-mean-token-mean":
         STATE.drop_plan = plan_rollout_drop(view, rollout_data, ctx, STATE.rollouts, whole)
         if STATE.drop_plan.hook_steps:
             STATE.rollout_data = rollout_data  # for the step hook's forward passes (released after the last)

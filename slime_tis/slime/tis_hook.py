@@ -123,7 +123,7 @@ def compute_tis_for_slime(
     if rollout_log_probs:
         STATE.collector.add(res.stats, list(rollout_log_probs), ctx.reducer, engine)  # engine.record, once
 
-    if not row.rejects:  # algorithm 0, --get-mismatch-metrics without correction: diagnostics only
+    if not row.corrects:  # algorithm 0, --get-mismatch-metrics without correction: diagnostics only
         return pg_loss, list(loss_masks), metrics
 
     keep = res.loss_keep
