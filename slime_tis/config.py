@@ -146,11 +146,12 @@ class TISConfig:
     level: str = option(
         "token", flag="--tis-level", kind="choice", choices=LEVELS,
         help="Ratio level: token (per token), sequence (product over the sequence), geometric "
-             "(geometric mean over the sequence). Default: token.")
-    upper: float | None = option(
-        None, flag="--tis-upper-bound",
-        help="Upper bound on r=pi_train/pi_rollout. Default: 2.0; 1.001 for --tis-mode mask at "
-             "--tis-level geometric.")
+             "(geometric mean over the sequence), prefix (CTPO: product over the token's prefix), prefix_min "
+             "(MinPRO: the prefix's smallest token ratio). Default: token.")
+    upper: float | str | None = option(
+        None, flag="--tis-upper-bound", words=("auto",),
+        help="Upper bound on r=pi_train/pi_rollout, or auto (truncate mode, with --tis-target-ess: searched each "
+             "step). Default: 2.0; 1.001 for --tis-mode mask at --tis-level geometric.")
     lower: float | None = option(
         None, flag="--tis-lower-bound", help="Lower bound on r (clip and mask modes). Default: 1/upper.")
     rs_level: str | None = option(
@@ -313,6 +314,18 @@ class TISConfig:
              "token pass: torch, or the Triton kernels (CUDA; where one cannot run, e.g. a compile "
              "error, the torch code with one warning). Default: torch (the Triton kernels are opt-in "
              "until measured on a GPU, docs/kernels.md).")
+    # global searches (core.search): each a fixed-iteration bisection over the global batch
+    target_ess: float | None = option(
+        None, flag="--tis-target-ess", valid="in (0, 1)",
+        help="With --tis-upper-bound auto: the truncation bound is the largest whose truncated weights reach this "
+             "effective sample size (sum w)^2/(N sum w^2) over the global batch (algorithm 2: once per step; "
+             "3: per micro-batch over DPxCP). Default: off.")
+    m2po_threshold: float | None = threshold(
+        flag="--tis-m2po-threshold", valid="> 0", why="the mean of (log r)^2 >= 0",
+        help="M2PO: reject the tokens with the largest (log r)^2 until the mean of (log r)^2 over the kept tokens "
+             "of the global batch is <= this (the paper and AReaL use 0.04; algorithm 2: once per step; 1, 3: per "
+             "micro-batch over DPxCP). Default: off.",
+        describe="M2PO: reject the largest (log r)^2 until their global mean over kept tokens <= {value:g}")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -327,10 +340,37 @@ class TISConfig:
             raise _bad("rs_upper" if self.rs_upper is not None else "rs_lower",
                        self.rs_upper if self.rs_upper is not None else self.rs_lower,
                        "rejection-sampling bounds given but --tis-rs-level is not set")
+        if self.rs_level is not None and level_of(self.rs_level).prefix is not None:
+            raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric level; "
+                       "a prefix level is a weight level (--tis-level)")
         if self.rs_level is not None:
             _check_upper("rs_upper", self.rs_upper_bound)
             _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)
         self._check_algorithm_combinations()
+        self._check_auto_upper()
+
+    def _check_auto_upper(self) -> None:
+        """``--tis-upper-bound auto`` needs ``--tis-target-ess`` (and the reverse), truncate mode and weights."""
+        if not self.auto_upper:
+            if self.target_ess is not None:
+                raise _bad("target_ess", self.target_ess, "needs --tis-upper-bound auto")
+            return
+        if self.target_ess is None:
+            raise _bad("upper", self.upper, "needs --tis-target-ess E (the ESS the searched bound reaches)")
+        alg = algorithm_of(self.algorithm)
+        if not alg.weighted:
+            raise _bad("upper", self.upper, f"algorithm {alg.number} applies no importance weights: there is no "
+                       "weight to truncate; use --use-tis")
+        if self.mode != "truncate":
+            why = {"clip": "clip's lower bound moves the weights below 1 too, so the ESS of clipped weights need not "
+                           "fall as the upper bound rises (the search needs it monotone)",
+                   "mask": "mask mode rejects the units beyond the bound, so the bound changes the units the ESS "
+                           "counts (the search needs a fixed set of units)"}[self.mode]
+            raise _bad("upper", self.upper, f"auto needs --tis-mode truncate: {why}")
+        if self.staleness_decay is not None:
+            raise _bad("staleness_decay", self.staleness_decay, "--tis-upper-bound auto searches one bound for the "
+                       "batch's ESS; tightening it per sequence with staleness would change the weights it was "
+                       "searched on: use one of the two")
 
     def _check_algorithm_combinations(self) -> None:
         alg = algorithm_of(self.algorithm)
@@ -444,7 +484,15 @@ class TISConfig:
         return _resolve(self)
 
     @property
+    def auto_upper(self) -> bool:
+        """``--tis-upper-bound auto``: the truncation bound is searched (``core.search``)."""
+        return self.upper == "auto"
+
+    @property
     def upper_bound(self) -> float:
+        """The upper bound on r; with ``auto`` the search's upper end ``2 e^B`` (a placeholder the search replaces)."""
+        if self.auto_upper:
+            return 2.0 * math.exp(self.safety_bound)
         if self.upper is not None:
             return float(self.upper)
         return mode_of(self.mode).default_upper(level_of(self.level))
@@ -488,6 +536,8 @@ class TISConfig:
         if self.algorithm != 0 or self.use_tis:
             bounds = (f"lower={self.lower_bound:g} upper={self.upper_bound:g}" if mode_of(self.mode).has_lower
                       else f"upper={self.upper_bound:g} ({self.mode}: no lower bound)")
+            if self.auto_upper:
+                bounds = f"upper=auto (searched: ESS >= {self.target_ess:g}) ({self.mode}: no lower bound)"
             lines.append(f"  tis: mode={self.mode} level={self.level} bounds on r=pi_train/pi_rollout: {bounds}"
                          + ("" if self.applies_weights else " (weights off: only mask-mode rejection acts)"))
         else:
@@ -575,6 +625,7 @@ def _resolve(config: TISConfig) -> Plan:
         kl_gradient=config.kl_gradient,
         kl_importance_weighted=config.kl_importance_weighted and algorithm_of(config.algorithm).weighted,
         entropy_coef=float(config.entropy_coef),
+        target_ess=float(config.target_ess) if config.auto_upper else None,
         staleness_buckets=int(config.staleness_buckets or 0),
         staleness_decay=None if config.staleness_decay is None else float(config.staleness_decay),
     )

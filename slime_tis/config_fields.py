@@ -66,6 +66,7 @@ class Option:
         aliases: other flags for the same value (a host's spelling); their dests are read too.
         readme: the reference table's text when it differs from ``help``.
         metavar: shown after the flag in the reference table (e.g. ``NAME``).
+        words: strings a number also takes (``--tis-upper-bound auto``).
     """
 
     flag: str
@@ -79,6 +80,7 @@ class Option:
     aliases: tuple[str, ...] = ()
     readme: str = ""
     metavar: str = ""
+    words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -107,8 +109,10 @@ class Option:
             if value in self.choices:
                 return None
             return f"must be one of {', '.join(self.choices)}" + (" or None" if allow_none else "")
+        if isinstance(value, str) and value in self.words:
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return "must be a finite number"
+            return "must be a finite number" + "".join(f" or {w!r}" for w in self.words)
         if self.valid is None:
             return None
         ok, words = RANGES[self.valid]
@@ -122,7 +126,16 @@ class Option:
             return dict(action="store_true", default=None, help=self.help)
         if self.kind == "choice":
             return dict(choices=list(self.choices), default=None, help=self.help)
-        return dict(type=float, default=None, help=self.help)
+        return dict(type=_number_or(self.words) if self.words else float, default=None, help=self.help)
+
+
+def _number_or(words: tuple[str, ...]) -> Callable[[str], float | str]:
+    """argparse ``type`` of a number that also takes ``words``."""
+    def parse(text: str) -> float | str:
+        return text if text in words else float(text)
+
+    parse.__name__ = "number"  # argparse names the type in its error message
+    return parse
 
 
 def _dest(flag: str) -> str:

@@ -27,9 +27,11 @@ from slime_tis.core.diagnostics import tis_statistics
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
+from slime_tis.core.prefix import Chunks, prefix_log_ratios
 from slime_tis.core.ratios import Ratios, packed_ratios, ratio_moments
 from slime_tis.core.reducer import LocalReducer, Reducer
-from slime_tis.core.rules import Verdict, evaluate, rule_columns
+from slime_tis.core.rules import Verdict, evaluate, late, rule_columns
+from slime_tis.core.search import Searched, search, searches
 from slime_tis.core.staleness import bound_scale, check_staleness
 from slime_tis.core.weights import normalisation_factor, normalisation_factor_over, unit_weights
 
@@ -60,6 +62,7 @@ class TISResult:
             ``ratios.token_ok`` unless ``loss_finite`` was given.
         seq_loss_nonfinite: ``[n_seq]`` bool, sequences with valid tokens that do not count for a non-finite
             input (``ratios.seq_nonfinite`` unless ``loss_finite`` was given).
+        searched: the values of the plan's global searches this result applied (``core.search``), or ``None``.
     """
 
     weights: Tensor
@@ -72,6 +75,7 @@ class TISResult:
     loss_keep: Tensor | None = None
     loss_ok: Tensor | None = None
     seq_loss_nonfinite: Tensor | None = None
+    searched: Searched | None = None
 
 
 def plan_of(config: Any) -> Plan:
@@ -104,6 +108,8 @@ def compute_tis(
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
     staleness: Tensor | None = None,
+    searched: Searched | None = None,
+    chunks: Chunks | None = None,
 ) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
 
@@ -127,6 +133,11 @@ def compute_tis(
             (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
         staleness: ``[n_seq]`` per-sequence staleness (policy versions behind the trainer), read by the metrics split
             by staleness and the bounds tightened with it (``core.staleness``); required while either is on.
+        searched: the values of the plan's global searches (M2PO's cut, the auto bound: ``core.search.search`` over
+            the step's micro-batches, algorithm 2); ``None`` with a search on searches over this call's data reduced
+            over ``reducer`` (algorithms 1, 3: per micro-batch over DP x CP).
+        chunks: under context parallelism with a prefix level (``--tis-level prefix`` / ``prefix_min``):
+            ``(chunk [T] int, K)``, each token's chunk of its sequence in positional order (``core.prefix``).
 
     Raises:
         ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
@@ -145,7 +156,8 @@ def compute_tis(
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
                    reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite,
                    staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1,
-                                                                              lp_train.device))
+                                                                              lp_train.device),
+                   searched=searched, chunks=chunks)
 
 
 def correct(
@@ -161,6 +173,8 @@ def correct(
     reject: Tensor | None = None,
     loss_finite: tuple[Tensor, ...] = (),
     staleness: Tensor | None = None,
+    searched: Searched | None = None,
+    chunks: Chunks | None = None,
 ) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     if (plan.staleness_buckets or plan.staleness_decay is not None) and staleness is None:
@@ -183,20 +197,47 @@ def correct(
                                token_pass=plan.token_pass)
         if staleness is not None:
             ratios = dataclasses.replace(ratios, staleness=staleness.detach(), bound_scale=scale)
-    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject)
+        if plan.level.prefix is not None:
+            ratios = _with_prefix(plan, ratios, layout, reducer, chunks)
+    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject,
+                   searched=searched)
+
+
+def _with_prefix(plan: Plan, ratios: Ratios, layout: Layout, reducer: Reducer, chunks: Chunks | None) -> Ratios:
+    """``ratios`` with the plan's prefix level's ``L_t`` (``core.prefix``; a carry over CP from ``chunks``)."""
+    if chunks is None and getattr(reducer, "cp_size", 1) > 1:
+        raise ValueError(f"--tis-level {plan.level.name} under context parallelism (CP = {reducer.cp_size}) needs each "
+                         "token's chunk index (chunks=(chunk [T], K)) for the prefix's carry across CP ranks; this "
+                         "host passes none: use CP = 1 or another level")
+    values = prefix_log_ratios(plan.level.prefix, ratios.log_ratio, ratios.token_ok, layout, reducer, chunks)
+    return dataclasses.replace(ratios, **{plan.level.log_ratio: values})
+
+
+def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
+    verdict = evaluate(plan, ratios)
+    return verdict if reject is None else verdict.with_rejected_tokens(reject & ratios.valid)
 
 
 def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, *,
-            batch_norm_factor: Tensor | float | None, reject: Tensor | None) -> TISResult:
+            batch_norm_factor: Tensor | float | None, reject: Tensor | None,
+            searched: Searched | None = None) -> TISResult:
     """The decision from the ratios: rules, weights, batch normalisation, statistics (no token pass over the
-    log-probs; one ``batch_sum`` where batch normalisation has no precomputed factor)."""
+    log-probs; one ``batch_sum`` where batch normalisation has no precomputed factor; with a global search
+    (``core.search``) its values, searched over this call's data where not given, and M2PO's sequences completed over
+    CP by one ``sequence_sum``)."""
     loss_finite = LOSS_NONFINITE in ratios.columns
     with torch.no_grad():
-        verdict = evaluate(plan, ratios)
-        if reject is not None:
-            verdict = verdict.with_rejected_tokens(reject & ratios.valid)
+        if searches(plan):
+            if searched is None:
+                searched = search(plan, [(ratios, _verdict(plan, ratios, reject))], reducer)
+            plan = searched.apply(plan)
+        verdict = _verdict(plan, ratios, reject)
+        late_hits = [hit for rule, level, hit in verdict.hits if rule.rejects and not level.per_sequence
+                     and late(rule, level)]
+        if late_hits:
+            verdict = _with_late_sequences(ratios, verdict, late_hits, layout, reducer)
         moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
-        clamped = None if plan.per_sequence else moments[0]
+        clamped = moments[0] if plan.level.log_ratio == "log_ratio" else None  # the token level's lc
         scale = None if ratios.bound_scale is None else ratios.bound_scale[1 if plan.per_sequence else 0]
         weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped, scale)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
@@ -227,4 +268,16 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
             loss_ok = valid & ~layout.expand(seq_loss_nonfinite)
             loss_keep = loss_ok if reject is None else loss_ok & ~reject
     return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict, loss_keep, loss_ok,
-                     seq_loss_nonfinite)
+                     seq_loss_nonfinite, searched)
+
+
+def _with_late_sequences(ratios: Ratios, verdict: Verdict, hits: list[Tensor], layout: Layout,
+                         reducer: Reducer) -> Verdict:
+    """``verdict`` with the sequences holding a token rejected by a late row (``core.rules.late``: a searched cut, a
+    prefix level; no column in the token pass) in ``seq_masked``: their count per sequence completed over CP by one
+    ``sequence_sum``."""
+    hit = hits[0]
+    for h in hits[1:]:
+        hit = hit | h
+    per_seq = reducer.sequence_sum(layout.sums((hit & ratios.token_ok).to(torch.float64)[:, None]))[:, 0] > 0
+    return dataclasses.replace(verdict, seq_masked=verdict.seq_masked | (per_seq & ratios.seq_ok))

@@ -126,9 +126,10 @@ class TisContext:
         self.exps = torch.where(seq_ok, clamped.exp(), 0.0)
 
         self.level_log = plan.level.of(ratios)  # 0 outside the units' domain
-        if plan.per_sequence:
-            e_unit = torch.where(seq_ok, torch.expm1(self.level_log.to(F64).clamp(-bound, bound)), 0.0)
-            self.ratio_sums = (e_unit + seq_ok).sum(), (e_unit * (e_unit + 2.0) + seq_ok).sum()
+        if plan.level.log_ratio != "log_ratio":  # sequence units, or a prefix level's own token ratios
+            unit_ok = plan.level.domain(ratios)
+            e_unit = torch.where(unit_ok, torch.expm1(self.level_log.to(F64).clamp(-bound, bound)), 0.0)
+            self.ratio_sums = (e_unit + unit_ok).sum(), (e_unit * (e_unit + 2.0) + unit_ok).sum()
         else:
             self.ratio_sums = e_sum + self.n_tok, self.r2_sum
         # float64: weight_std = sqrt(w_sq / n - (w / n)^2) cancels (by ~1 / std^2), float32 sums would lose ~1e-5

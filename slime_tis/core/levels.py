@@ -11,7 +11,12 @@ level      log-ratio ``L_u``           unit      default upper bound where it re
 token      ``l_t``                     token     2.0
 sequence   ``sum_{t in i} l_t``        sequence  2.0
 geometric  ``mean_{t in i} l_t``       sequence  1.001
+prefix     ``sum_{s <= t in i} l_s``   token     2.0   (CTPO: the cumulative prefix product)
+prefix_min ``min_{s <= t in i} l_s``   token     2.0   (MinPRO: the prefix's smallest token ratio)
 =========  ==========================  ========  ===============================================
+
+The prefix levels read the sequence's earlier tokens: ``core.prefix`` computes them (with a carry across context
+parallel ranks from each token's chunk index).
 
 =========  ==============================  =======  =========  ====================
 mode       weight ``w``                    rejects  has lower  default upper bound
@@ -32,7 +37,8 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Level", "Mode", "LEVELS", "MODES", "TOKEN", "SEQUENCE", "GEOMETRIC", "level_of", "mode_of",
+__all__ = ["Level", "Mode", "LEVELS", "MODES", "TOKEN", "SEQUENCE", "GEOMETRIC", "PREFIX", "PREFIX_MIN", "level_of",
+           "mode_of",
            "DEFAULT_UPPER", "DEFAULT_GEOMETRIC_UPPER"]
 
 #: Default upper bound on ``r``; the lower bound defaults to ``1 / upper``.
@@ -68,6 +74,7 @@ class Level(_Named):
         log_ratio: the ``core.ratios.Ratios`` attribute holding ``L_u`` (``[T]`` or ``[n_seq]``, 0 off the domain).
         formula: ``L_u`` in words (docs).
         rejection_upper: the default upper bound on ``r`` where units of this level are rejected.
+        prefix: ``"sum"`` / ``"min"`` for a prefix level (``core.prefix``), else ``None``.
     """
 
     name: str
@@ -75,6 +82,7 @@ class Level(_Named):
     log_ratio: str
     formula: str
     rejection_upper: float
+    prefix: str | None = None
 
     @property
     def per_sequence(self) -> bool:
@@ -128,9 +136,12 @@ class Mode(_Named):
 TOKEN = Level("token", "token", "log_ratio", "L_t = l_t", DEFAULT_UPPER)
 SEQUENCE = Level("sequence", "sequence", "seq_log_ratio_sum", "L_i = sum_t l_t", DEFAULT_UPPER)
 GEOMETRIC = Level("geometric", "sequence", "seq_log_ratio_mean", "L_i = mean_t l_t", DEFAULT_GEOMETRIC_UPPER)
+PREFIX = Level("prefix", "token", "prefix_sum_log_ratio", "L_t = sum_{s <= t} l_s", DEFAULT_UPPER, prefix="sum")
+PREFIX_MIN = Level("prefix_min", "token", "prefix_min_log_ratio", "L_t = min_{s <= t} l_s", DEFAULT_UPPER,
+                   prefix="min")
 
 #: Every level by name, in the order of the flag's choices.
-LEVELS: dict[str, Level] = {level.name: level for level in (TOKEN, SEQUENCE, GEOMETRIC)}
+LEVELS: dict[str, Level] = {level.name: level for level in (TOKEN, SEQUENCE, GEOMETRIC, PREFIX, PREFIX_MIN)}
 #: Every mode by name, in the order of the flag's choices.
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode("truncate", _truncate, masks=False, has_lower=False, formula="w = min(r, upper)"),

@@ -29,7 +29,9 @@ from slime_tis.core.metric_schema import statistics
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import Layout, check_packed, packed_layout
 from slime_tis.core.plan import Plan
+from slime_tis.core.prefix import Chunks
 from slime_tis.core.reducer import LocalReducer, Reducer
+from slime_tis.core.search import Searched
 from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
 from slime_tis.core.terms import kl_estimate, term_loss
 
@@ -102,6 +104,8 @@ def policy_loss(
     entropy: Tensor | None = None,
     correction: TISResult | None = None,
     host_inputs: tuple[Tensor, ...] = (),
+    searched: Searched | None = None,
+    chunks: Chunks | None = None,
 ) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
@@ -131,6 +135,8 @@ def policy_loss(
         host_inputs: ``[T]`` inputs of terms the host adds to this loss itself (slime's KL against its reference
             log-probs): checked like the advantages, so a non-finite valid entry takes its sequence out of the loss
             (counted in ``tis/nonfinite_seq_fraction``) instead of into a gradient.
+        searched: the step's searched values (``core.search``: M2PO's cut, the auto bound), see ``compute_tis``.
+        chunks: each token's context-parallel chunk for a prefix level (``core.prefix``), see ``compute_tis``.
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
@@ -174,7 +180,7 @@ def policy_loss(
                                terms=tuple(t for t in terms if t is not None) + tuple(host_inputs))
     tis = correction if correction is not None else correct(
         plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer, batch_norm_factor=batch_norm_factor,
-        extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite)
+        extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite, searched=searched, chunks=chunks)
     keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from slime_tis.core.plan import Plan
 from slime_tis.core.rules import RULES, Rule
+from slime_tis.core.search import M2PO_FIELD, searches
 
 __all__ = ["Metric", "Statistic", "METRICS", "COUNTS", "REDUCTIONS", "finalize", "statistics", "token_values",
            "metric_table", "safe_ratio", "METRIC_TABLE_HEADER", "STALENESS_ROWS"]
@@ -133,9 +134,16 @@ COUNTS: tuple[Statistic, ...] = (
               lambda b: None if b.plan.rs_level is None else b.n_seq if b.plan.rs_level.per_sequence else b.n_tok),
     Statistic("tis.bn_calls", "seq",
               lambda b: None if b.factor is None else torch.ones((), dtype=F64, device=b.ratios.seq_ok.device)),
+    Statistic("tis.search_calls", "seq",
+              lambda b: torch.ones((), dtype=F64, device=b.ratios.seq_ok.device) if searches(b.plan) else None),
     Statistic("policy.n_tok_valid", "token", lambda p: p.valid.sum(dtype=F64)),
     Statistic("policy.n_seq_valid", "seq", lambda p: p.tis.ratios.seq_has_tokens.sum(dtype=F64)),
 )
+
+
+def _value(x: Tensor | float, b: Any) -> Tensor:
+    """A plan value (a searched 0-d tensor, or its float placeholder before the search) as a 0-d float64 tensor."""
+    return torch.as_tensor(x, dtype=F64, device=b.ratios.seq_ok.device).reshape(())
 
 
 def _rule_metric(rule: Rule) -> Metric:
@@ -198,6 +206,13 @@ METRICS: tuple[Metric, ...] = (
            "mean of the applied batch-normalisation factors", "seq",
            lambda b: None if b.factor is None else b.factor.to(F64).reshape(()),
            token=lambda t: None if t.factor is None else torch.ones_like(t.lc) * t.factor.float().reshape(())),
+    Metric("tis/auto_upper_bound", "tis.auto_upper_sum", "tis.search_calls", "mean",
+           "with `--tis-upper-bound auto`: the searched truncation bound (mean over the corrections of the step: one "
+           "value per step in algorithm 2)", "seq",
+           lambda b: None if b.plan.target_ess is None else _value(b.plan.upper, b)),
+    Metric("tis/log_ratio_sq_cut", "tis.log_ratio_sq_cut_sum", "tis.search_calls", "mean",
+           "with M2PO on: the searched cut on `lc^2` (mean over the corrections of the step)", "seq",
+           lambda b: None if b.plan.threshold(M2PO_FIELD) is None else _value(b.plan.sq_cut, b)),
     Metric("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the clip is active / kept tokens (dppo_tv, dppo_kl: outside the trust region)",
            "token",

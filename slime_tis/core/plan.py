@@ -11,7 +11,9 @@ The core knows nothing of flags: a rejection rule's threshold reaches it as ``(n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from slime_tis.core.levels import Level, Mode
 from slime_tis.core.ratios import TokenPass
@@ -40,6 +42,10 @@ class Plan:
         surrogate: the policy-loss row of ``core.surrogates.SURROGATES``; surrogate_params: ``(field, value)`` of its
             options (read with :meth:`param`).
         kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the terms of ``core.terms``.
+        target_ess: the auto truncation bound's target ESS (``--tis-upper-bound auto``), or ``None``: ``upper`` is
+            given. While set, ``upper`` / ``log_upper`` are placeholders until ``core.search`` puts the searched bound
+            (a 0-d tensor) in their place.
+        sq_cut: M2PO's cut on ``(log r)^2`` (``core.search``): ``+inf`` (nothing rejected) until searched.
         staleness_buckets: ``N`` of the metrics split by staleness (``core.staleness``), 0 = off.
         staleness_decay: ``gamma`` of the mode's bounds tightened with staleness (``core.staleness``), or None.
         kl_gradient: ``"direct"`` or ``"with_score"``: the KL term's gradient (``core.terms``).
@@ -72,6 +78,8 @@ class Plan:
     kl_estimator: str = "k3"
     kl_importance_weighted: bool = False
     entropy_coef: float = 0.0
+    target_ess: float | None = None
+    sq_cut: Any = math.inf
     staleness_buckets: int = 0
     staleness_decay: float | None = None
     kl_gradient: str = "direct"

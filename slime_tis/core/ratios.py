@@ -116,6 +116,8 @@ class Ratios:
     local_sums: Tensor
     columns: tuple[str, ...]
     token_columns: Mapping[str, Tensor] = field(default_factory=dict)
+    prefix_sum_log_ratio: Tensor | None = None  # [T] the prefix levels' L_t (core.prefix), where a plan reads them
+    prefix_min_log_ratio: Tensor | None = None
     lp_rollout: Tensor | None = None
     staleness: Tensor | None = None
     bound_scale: tuple[Tensor, Tensor] | None = None

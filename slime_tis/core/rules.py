@@ -28,6 +28,7 @@ rs_fraction_low/high   rs_level   L < log rs_lower / L > log rs_upper         ye
 <option>_fraction      token      k_t > threshold (``token_k2/k3``)           yes      n_tok
 <option>_fraction      sequence   sum_t / mean_t / max_t k_t > threshold      yes      n_seq
                                   (``seq_sum_*``, ``seq_mean_*``, ``seq_max_*``)
+m2po_fraction          token      lc_t^2 > searched cut (``core.search``)     yes      n_tok
 truncate_fraction      level      L > log upper (truncate mode, weighted)     no       n_units
 clip_fraction_low/high level      L < log lower / L > log upper (clip mode)   no       n_units
 =====================  =========  ==========================================  =======  ===========
@@ -62,6 +63,7 @@ from torch import Tensor
 from slime_tis.core.levels import MODES, SEQUENCE, TOKEN, Level
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
+from slime_tis.core.search import M2PO_FIELD, cut_hits
 from slime_tis.core.token_select import bernoulli_kl
 
 __all__ = ["Rule", "RULES", "NONFINITE", "Verdict", "evaluate", "rule_columns", "binary_kl"]
@@ -80,6 +82,7 @@ class Rule:
     column: Callable[[Plan], TokenColumn] | None = None  # a token column summed per sequence, read by test
     threshold: str | None = None  # the TISConfig field of its threshold (declared there); the row is off while unset
     doc: str = ""  # its metric in words (docs/reference.md's metric table, ``core.metric_schema``)
+    searched: bool = False  # its test reads a value searched over the global batch (``core.search``): no column
 
     @property
     def column_key(self) -> str:
@@ -229,6 +232,11 @@ RULES: tuple[Rule, ...] = (
     _divergence("seq_sum_k3"),
     _divergence("seq_mean_k2"),
     _divergence("seq_max_k2"),
+    # M2PO (core.search): tokens whose clamped (log r)^2 exceeds the globally searched cut
+    Rule("tis/m2po_fraction", "tis.m2po_count", _token, lambda p, r, lvl: cut_hits(p, r.log_ratio), True,
+         "tis.n_tok", threshold=M2PO_FIELD, searched=True,
+         doc="with `--tis-m2po-threshold tau`: tokens with `lc_t^2 >` the searched cut (the largest `s` whose kept "
+             "tokens `lc^2 <= s` have mean `lc^2 <= tau` over the global batch) / tokens of `D`"),
     Rule("tis/truncate_fraction", "tis.truncate_count", _truncate, _above("log_upper", True), False, "tis.n_units",
          doc="units with `L_u > log upper` / units (truncate mode)"),
     Rule("tis/clip_fraction_low", "tis.clip_low_count", _clip, _below("log_lower", True), False, "tis.n_units",
@@ -243,6 +251,12 @@ def active(plan: Plan) -> list[tuple[Rule, Level]]:
     return [(rule, level) for rule in RULES
             if (rule.threshold is None or plan.threshold(rule.threshold) is not None)
             and (level := rule.level(plan)) is not None]
+
+
+def late(rule: Rule, level: Level) -> bool:
+    """A token-level row whose test cannot run in the token pass: a searched value (the whole batch's) or a prefix
+    level (a carry across ranks); its rejected tokens' sequences are completed later (``core.correction``)."""
+    return rule.searched or level.prefix is not None
 
 
 #: Column of the tokens hit by a token-level rejecting row, summed per sequence: a sequence with a rejected token
@@ -266,7 +280,7 @@ def rule_columns(plan: Plan, lp_rollout: Tensor | None = None,
     ``[T]`` ``lp_rollout`` and the bounds' factors ``Ratios.bound_scale``)."""
     rows = active(plan)
     columns = {rule.column_key: rule.column(plan) for rule, _ in rows if rule.column is not None}
-    token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence]
+    token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence and not late(rule, level)]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:
             view = _TokenLogRatios(log_r, lp_rollout, bound_scale)
@@ -328,5 +342,6 @@ def evaluate(plan: Plan, ratios: Ratios) -> Verdict:
     seq_masked = seq_rejected
     if token_rejected is not None:
         keep = keep & ~token_rejected
-        seq_masked = seq_rejected | (ratios.column(TOKEN_REJECTIONS) > 0)
+        if TOKEN_REJECTIONS in ratios.columns:  # absent where only a searched row rejects tokens
+            seq_masked = seq_rejected | (ratios.column(TOKEN_REJECTIONS) > 0)
     return Verdict(hits, seq_rejected, token_rejected, keep, seq_masked)

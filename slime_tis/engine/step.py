@@ -55,6 +55,11 @@ class StepEngine:
                                   pi_old_from_theta=pi_old_from_theta)
         return self.totals
 
+    @property
+    def _searched(self):
+        """The step's searched values (algorithm 2, ``engine.totals``), or ``None``: searched per correction."""
+        return None if self.totals is None else self.totals.searched
+
     def correct(self, batch: TISBatch, lp_train: Tensor, *, lp_theta: Tensor | None = None,
                 reject: Tensor | None = None) -> TISResult:
         """One micro-batch's correction for a host whose own loss applies it, with the step's batch-normalisation
@@ -67,7 +72,7 @@ class StepEngine:
                                    terms=term_inputs(self.cfg, batch, self.host_kl))
         return compute_tis(self.cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, batch_norm_factor=factor, extra_finite=inputs.extra_finite,
-                           reject=reject, loss_finite=inputs.loss_finite)
+                           reject=reject, loss_finite=inputs.loss_finite, searched=self._searched)
 
     def loss(self, batch: TISBatch, lp_theta: Tensor, *, entropy: Tensor | None = None,
              lp_old: Tensor | None = None, correction: TISResult | None = None,
@@ -83,7 +88,8 @@ class StepEngine:
                            batch.rollout_log_probs, batch.advantages, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
                            lp_ref=batch.ref_log_probs, entropy=entropy, keep_override=keep_override,
-                           host_inputs=host_term_inputs(batch, self.host_kl), correction=correction)
+                           host_inputs=host_term_inputs(batch, self.host_kl), searched=t.searched,
+                           correction=correction)
 
     def record(self, stats: MetricStats) -> None:
         """Keep one micro-batch's statistics (detached) for :meth:`end`."""

@@ -9,6 +9,8 @@ data-parallel (x context-parallel) ranks:
     N  = sum_{ranks, micro-batches} #valid tokens              (DP x CP; used by the 3-tuple loss form)
     f  = sum norm_count / sum norm_sum                          algorithm 2 batch normalisation
          (units: tokens over DP x CP, or sequences over DP only)
+    s  = core.search.search(every micro-batch's correction)    algorithm 2 global searches (M2PO's cut, the auto
+         bound), before D and f, which read the keep masks and weights they give
 
 The loss of micro-batch ``k`` is then ``local_sum_k / D``, so the sum over micro-batches and ranks is
 the whole-batch loss whatever the micro-batch, DP, CP or PP sizes (docs/semantics.md, "Loss aggregation").
@@ -37,10 +39,12 @@ from slime_tis.core import Reducer, TISResult, compute_tis, loss_denominator
 from slime_tis.core.aggregation import aggregation_of
 from slime_tis.core.algorithms import algorithm_of, correction_inputs
 from slime_tis.core.correction import as_valid_mask
+from slime_tis.core.search import PENDING, Searched, search, searches
 from slime_tis.core.weights import normalisation_factor_over
 from slime_tis.engine.batch import TISBatch
 
-__all__ = ["StepTotals", "step_totals", "step_batch_norm", "step_corrects", "needs_pre_pass", "needs_pi_old_pass"]
+__all__ = ["StepTotals", "step_totals", "step_batch_norm", "step_corrects", "step_searches", "needs_pre_pass",
+           "needs_pi_old_pass"]
 
 
 @dataclass
@@ -53,6 +57,7 @@ class StepTotals:
     num_tokens: Tensor
     batch_norm_factor: Tensor | None
     num_microbatches: int
+    searched: Searched | None = None  # algorithm 2's searched values (``core.search``), or None: none per step
 
 
 def step_batch_norm(cfg: TISConfig) -> bool:
@@ -61,10 +66,17 @@ def step_batch_norm(cfg: TISConfig) -> bool:
     return algorithm_of(cfg).step_batch_norm and cfg.batch_normalize
 
 
+def step_searches(cfg: TISConfig) -> bool:
+    """Algorithm 2 (a row whose weights read pi_old) with a global search (``core.search``): searched once per step,
+    over every micro-batch; algorithms 1 and 3 search per micro-batch, in the loss."""
+    return algorithm_of(cfg).needs_pi_old and searches(cfg.plan)
+
+
 def step_corrects(cfg: TISConfig) -> bool:
     """Whether the step totals correct each micro-batch before the first loss: ``drop`` (the keep masks enter the
-    denominator) or algorithm 2's batch normalisation (its factor is a whole-step mean of the weights)."""
-    return cfg.plan.drop_rejected or step_batch_norm(cfg)
+    denominator), algorithm 2's batch normalisation (its factor is a whole-step mean of the weights) or its global
+    searches."""
+    return cfg.plan.drop_rejected or step_batch_norm(cfg) or step_searches(cfg)
 
 
 def needs_pi_old_pass(cfg: TISConfig) -> bool:
@@ -98,7 +110,7 @@ def term_inputs(cfg: TISConfig, batch: TISBatch, host_kl: bool = False) -> tuple
 
 
 def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer,
-                     lp_theta: Tensor | None) -> TISResult:
+                     lp_theta: Tensor | None, searched: Searched | None = None) -> TISResult:
     """The correction ``policy_loss`` will compute for this micro-batch (the same inputs, the algorithm's row):
     its keep mask (non-finite, mask mode, RS, veto) and its unnormalised batch-norm sums, from one call."""
     row = algorithm_of(cfg)
@@ -109,7 +121,8 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
     # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
     # per-call all-reduce
     return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
-                       batch_norm_factor=1.0, extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite)
+                       batch_norm_factor=1.0, extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite,
+                       searched=searched)
 
 
 def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
@@ -126,7 +139,9 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
             ``old_log_probs`` is the loss's detached ``lp_theta``, which nothing here needs.
 
     Collectives: per micro-batch the core's CP ``sequence_sum`` where :func:`step_corrects`, then one ``batch_sum``
-    for the token domain and one for the sequence domain.
+    for the token domain and one for the sequence domain. With a global search (:func:`step_searches`): every
+    micro-batch is corrected with the searched values pending, then the searches (``SEARCH_STEPS`` all-reduces each),
+    then each micro-batch is corrected with their values before ``D`` and ``f``.
     """
     if not batches:
         raise ValueError("step_totals needs at least one micro-batch")
@@ -135,6 +150,8 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     drop = cfg.plan.drop_rejected
     seq_domain = aggregation_of(cfg.loss_agg).per_sequence
     bn = step_batch_norm(cfg)
+    search_step = step_searches(cfg)
+    pending: list[tuple[TISBatch, Tensor, Tensor | None, TISResult]] = []  # corrections awaiting the searches
     den = torch.zeros((), dtype=torch.float64, device=device)  # counts: float64, exact beyond 2^24
     n_tok = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -148,21 +165,35 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
         lp_theta = pre_log_probs[k] if pre_log_probs else None
         keep = None
         res = None
-        if drop or bn:
+        if drop or bn or search_step:
             lp_train = b.old_log_probs if row.needs_pi_old else lp_theta
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs
             # lp_theta where known (a pass at the step's parameters): its non-finite values reject as in the loss
-            res = _step_correction(cfg, b, lp_train.float(), reducer, lp_theta)
+            res = _step_correction(cfg, b, lp_train.float(), reducer, lp_theta,
+                                   searched=PENDING if search_step else None)
+            if search_step:
+                pending.append((b, lp_train, lp_theta, res))
+                continue
             keep = res.loss_keep if drop else None
         den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=keep, reducer=reducer)
         n_tok = n_tok + torch.count_nonzero(as_valid_mask(b.loss_mask))
         if bn:
             norm_sum, norm_count = norm_sum + res.norm_sum, norm_count + res.norm_count
+    searched = None
+    if pending:  # algorithm 2's searches over every micro-batch, then each corrected with their values
+        searched = search(cfg.plan, [(res.ratios, res.verdict) for *_, res in pending], reducer)
+        for b, lp_train, lp_theta, _ in pending:
+            res = _step_correction(cfg, b, lp_train.float(), reducer, lp_theta, searched=searched)
+            den = den + loss_denominator(cfg, b.loss_mask, b.cu_seqlens, keep_mask=res.loss_keep if drop else None,
+                                         reducer=reducer)
+            n_tok = n_tok + torch.count_nonzero(as_valid_mask(b.loss_mask))
+            if bn:
+                norm_sum, norm_count = norm_sum + res.norm_sum, norm_count + res.norm_count
     # Sequence-domain counts are replicated on CP ranks (completed by sequence_sum): DP only.
     den = reducer.batch_sum(den, per_sequence=seq_domain)
     n_tok = reducer.batch_sum(n_tok)
     factor = normalisation_factor_over(cfg.plan, norm_sum, norm_count, reducer) if bn else None
     return StepTotals(denominator=den.float(), num_tokens=n_tok.float(), batch_norm_factor=factor,
-                    num_microbatches=len(batches))
+                      num_microbatches=len(batches), searched=searched)
 
