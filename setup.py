@@ -37,6 +37,10 @@ setup(
             "safetensors",
             # a real Hugging Face client for the exported engine weights (GPT2LMHeadModel); CPU-only, no torch pin
             "transformers>=4.40",
+            # Megatron-LM's tree (tests/dist/test_megatron_rl_real_tree.py): megatron.rl's rollout types and its
+            # configuration reader
+            "pydantic>=2",
+            "pyyaml",
         ],
         # The fused log-prob kernels (slime_tis/kernels); CUDA builds of torch usually bring triton already.
         "kernels": ["triton>=3.3"],

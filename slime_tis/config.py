@@ -55,6 +55,7 @@ from slime_tis.core.levels import MODES as MODE_TABLE
 from slime_tis.core.plan import Plan
 from slime_tis.core.surrogates import SURROGATES, surrogate_of
 from slime_tis.core.terms import KL_ESTIMATORS, KL_GRADIENTS
+from slime_tis.engine.settings import SAMPLING_SUPPORT_MODES
 from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
 from slime_tis.kernels.token_pass import token_pass_for
 from slime_tis.presets import PRESETS, preset_fields
@@ -129,6 +130,9 @@ class TISConfig:
             from the hidden states) and the correction's token pass (``Plan.token_pass``, resolved by
             ``slime_tis.kernels.token_pass``); the one switch for every Triton kernel (``slime_tis.kernels.dispatch``:
             where a kernel cannot run, the torch code with one warning).
+        sampling_support: ``"full"``, ``"replay"`` or ``None`` (replay where the micro-batch carries a support): the
+            trainer's log-probs over the full vocabulary or over each token's sampling support
+            (``engine.support_logprobs``).
     """
 
     use_rollout_log_probs: bool = option(
@@ -326,6 +330,12 @@ class TISConfig:
              "of the global batch is <= this (the paper and AReaL use 0.04; algorithm 2: once per step; 1, 3: per "
              "micro-batch over DPxCP). Default: off.",
         describe="M2PO: reject the largest (log r)^2 until their global mean over kept tokens <= {value:g}")
+    sampling_support: str | None = option(
+        None, flag="--tis-sampling-support", kind="choice", choices=SAMPLING_SUPPORT_MODES,
+        help="The trainer's log-probs (pi_old and pi_theta) over the full vocabulary (full) or over the support "
+             "each token was sampled from with top-p / top-k, renormalised there (replay; the batch carries "
+             "the supports: TISBatch.support_ids / support_offsets, from SGLang's return_sampling_mask). "
+             "Default: replay when the batch carries a support, full otherwise.")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

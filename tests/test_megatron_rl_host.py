@@ -41,7 +41,8 @@ class Bigram(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)))
 
-    def forward(self, tokens, position_ids=None, attention_mask=None):
+    def forward(self, tokens, position_ids=None, attention_mask=None, packed_seq_params=None):
+        self.seen = (attention_mask, packed_seq_params)
         return self.w[tokens]                                   # [B, S, V]
 
 
@@ -275,38 +276,16 @@ def test_the_three_defects_do_not_occur() -> None:
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
 
-@pytest.mark.parametrize("argv,kw,match", [
-    (["--tis-upper-bound", "3.0"], {}, "--rl-importance-sampling-truncation-coef 1.5 conflicts with --tis-upper"),
-    (["--tis-mode", "clip"], {}, "conflicts with --tis-mode clip"),
-    ([], dict(rl_inference_logprobs_is_correction=False), "needs --rl-inference-logprobs-is-correction"),
-    (["--eps-clip", "0.3"], {}, "--grpo-clamp-eps-lower 0.2 conflicts with --eps-clip 0.3"),
-    (["--tis-kl-coef", "0.2"], {}, "--grpo-kl-beta 0.05 conflicts with --tis-kl-coef 0.2"),
-    (["--tis-entropy-coef", "0.1"], {}, "--grpo-entropy-term-weight 0.01 conflicts with --tis-entropy-coef"),
-])
-def test_conflicting_flags_are_refused_in_one_line(argv, kw, match) -> None:
-    with pytest.raises(ValueError, match=match) as e:
-        config_from_megatron_rl_args(_rl_namespace(argv=argv, **kw))
-    assert "\n" not in str(e.value)
-
-
-def test_megatron_lm_flags_map_onto_the_plugin() -> None:
-    cfg = config_from_megatron_rl_args(_rl_namespace(argv=["--use-rollout-log-probs", "--tis-level", "sequence"]))
-    assert (cfg.algorithm, cfg.level, cfg.upper_bound, cfg.eps_clip, cfg.eps_high) == (3, "sequence", 1.5, 0.2, 0.28)
-    assert (cfg.kl_coef, cfg.kl_estimator, cfg.entropy_coef) == (0.05, "k3", 0.01)
-    same = config_from_megatron_rl_args(_rl_namespace(argv=["--tis-upper-bound", "1.5", "--eps-clip", "0.2"]))
-    assert same.upper_bound == 1.5
-
-
-def test_launcher_binds_the_host_forward_step_and_the_flags() -> None:
-    """``install`` wraps ``pretrain`` (positional or keyword ``forward_step_func``) and chains the script's
-    ``extra_args_provider`` with the plugin's flags; megatron-core >= 0.18's ``parse_and_validate_args`` too."""
+def test_launcher_hands_a_parsing_pretrain_the_host_forward_step_and_the_flags() -> None:
+    """megatron-core <= 0.17's ``pretrain(..., forward_step_func, extra_args_provider=...)`` parses the command line
+    itself: ``install`` replaces the forward step (positional or keyword) and chains the script's
+    ``extra_args_provider`` with the plugin's flags. (From 0.18 on, ``pretrain(cfg_container, ...)`` takes no
+    ``extra_args_provider`` and the script parses first: tests/dist/test_megatron_rl_real_tree.py runs that flow on
+    Megatron-LM's real tree.)"""
     seen = {}
 
     def pretrain(provider, model_provider, model_type, forward_step_func, extra_args_provider=None, **kw):
         seen["fs"], seen["extra"] = forward_step_func, extra_args_provider
-
-    def parse_and_validate_args(extra_args_provider=None):
-        seen["parse_extra"] = extra_args_provider
 
     def own_forward_step(data_iterator, model):
         raise AssertionError("train_rl's forward_step must not run")
@@ -321,15 +300,8 @@ def test_launcher_binds_the_host_forward_step_and_the_flags() -> None:
     assert seen["fs"] is not own_forward_step and seen["fs"].__name__ == "forward_step"
     ns = seen["extra"](argparse.ArgumentParser()).parse_args(["--use-tis", "--grpo-kl-beta", "0.01"])
     assert ns.use_tis and ns.grpo_kl_beta == 0.01
-
-    arguments = types.SimpleNamespace(parse_and_validate_args=parse_and_validate_args)
-    new = types.SimpleNamespace(pretrain=pretrain, parse_and_validate_args=parse_and_validate_args,
-                                arguments=arguments)
-    install(new)
-    new.arguments.parse_and_validate_args(extra_args_provider=own_args)   # train_rl.py's import path
-    new.pretrain(None, None, None, forward_step_func=own_forward_step)
-    assert seen["fs"] is not own_forward_step
-    assert seen["parse_extra"](argparse.ArgumentParser()).parse_args(["--tis-mode", "clip"]).tis_mode == "clip"
+    old.pretrain(None, None, None, forward_step_func=own_forward_step)
+    assert seen["fs"] is not own_forward_step and seen["extra"] is not None
 
 
 class _CountingReducer(LocalReducer):
@@ -416,3 +388,21 @@ def test_a_padding_bin_trains_nothing_and_counts_no_sequence() -> None:
     assert counts[0] == counts[1] == ROWS
     torch.testing.assert_close(res[1][0], res[0][0], rtol=0, atol=0)
     torch.testing.assert_close(res[1][1], res[0][1], rtol=0, atol=0)
+
+
+def test_unpacked_rows_get_the_packed_seq_params_train_rl_passes() -> None:
+    """As ``train_rl.forward_step`` (and ``get_logprobs``) at d98e8a64dd, for a micro-batch of one row: no
+    attention mask, THD ``packed_seq_params`` with one sequence spanning the row (``cu_seqlens = [0, S]``,
+    ``max_seqlen = S``) and no ``total_tokens``; several rows get none (``default_model_forward``)."""
+    d = _data(1)
+    host, model = RLHost(TISConfig(use_tis=True), ROWS), Bigram()
+    host.forward_step(iter(_unpacked_items(d, ROWS)), model)
+    mask, params = model.seen
+    assert mask is None and params is not None and params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, COLS]
+    assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == params.max_seqlen_kv == COLS
+    assert getattr(params, "total_tokens", None) is None
+    host, model = RLHost(TISConfig(use_tis=True), 2), Bigram()   # several rows a micro-batch: no THD parameters
+    host.forward_step(iter(_unpacked_items(d, 2)), model)
+    assert model.seen == (None, None)
+

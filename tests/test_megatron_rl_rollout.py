@@ -225,17 +225,19 @@ def test_interleaved_pipeline_is_refused_in_one_line(argv_attr: str, value: int,
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("cp,refused", [(2, True), (4, True), (1, False), (None, False)])
-def test_context_parallelism_is_refused_at_start_up_in_one_line(cp, refused: bool) -> None:
-    """The host runs every sequence whole on each rank (no context-parallel split of the sequence): a context
-    parallel size above 1 is refused when the host is built from Megatron-LM's arguments, in one line naming
-    ``--context-parallel-size`` and its value and what to use instead. Under a real CP=2 layout the host's
-    ``begin_rollout`` and ``forward_step`` refuse too (``tests/dist/test_megatron_rl_dist.py``)."""
-    ns = _args(["--use-tis", "--tis-upper-bound", "2.0"], context_parallel_size=cp)
-    if not refused:
+@pytest.mark.parametrize("cp,packed", [(2, True), (4, True), (2, False), (1, True), (None, True)])
+def test_context_parallelism_with_packed_bins_is_refused_at_start_up_in_one_line(cp, packed: bool) -> None:
+    """The host splits unpacked rows across context-parallel ranks (``cp.py``; on Megatron-LM's tree:
+    tests/dist/test_megatron_rl_real_tree.py), not packed bins: a context-parallel size above 1 with
+    ``--rl-use-sequence-packing`` is refused when the host is built from Megatron-LM's arguments, in one line naming
+    both flags and what to use instead (under a real CP=2 layout ``begin_rollout`` and ``forward_step`` refuse
+    packed bins too: tests/dist/test_megatron_rl_dist.py)."""
+    ns = _args(["--use-tis", "--tis-upper-bound", "2.0"], context_parallel_size=cp, rl_use_sequence_packing=packed)
+    if not (packed and cp and cp > 1):
         RLHost.from_args(ns, 2)
         return
-    with pytest.raises(ValueError, match=f"--context-parallel-size {cp}: .*use --context-parallel-size 1") as e:
+    with pytest.raises(ValueError, match=f"^--context-parallel-size {cp} with --rl-use-sequence-packing: .*"
+                                         "--context-parallel-size 1$") as e:
         RLHost.from_args(ns, 2)
     assert "\n" not in str(e.value)
 

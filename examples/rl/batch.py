@@ -14,6 +14,10 @@ Row layout, for sequence ``i`` with prompt length ``P`` and ``R_i`` response tok
     advantages[i, s] = A_i (GRPO, broadcast over the row)
     routed_experts[i, s] = experts the engine routed input token s to, [num_layers, k]  (MoE + replay only;
                        -1 where the engine did not run the token: the last response token and padding)
+    support_lengths[i, s] = how many ids the engine kept when it sampled labels[i, s] (0 off the loss mask), and
+    support_ids[i]        = those ids, position after position, padded with -1   (sampling-support replay only)
+    rollout_log_mass[i, s] = log of the mass the engine's top-p / top-k kept when it sampled labels[i, s] (0 off
+                       the loss mask; with the supports)
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ class RolloutBatch:
 
     tokens, labels: ``[N, S]`` int64; loss_mask: ``[N, S]`` bool; rollout_log_probs, advantages: ``[N, S]``
     float32; rewards, response_lengths, sglang_rejected: ``[N]``; prompts: ``[N, P]`` int64; routed_experts:
-    ``[N, S, num_layers, k]`` int64 or ``None`` (only when the engine was asked for them).
+    ``[N, S, num_layers, k]`` int64 or ``None`` (only when the engine was asked for them); support_lengths ``[N, S]``
+    int64 and support_ids ``[N, L]`` int32 (padded with -1) or ``None``: the sampling supports; rollout_log_mass
+    ``[N, S]`` float32 or ``None`` (module docstring).
     """
 
     tokens: torch.Tensor
@@ -45,6 +51,9 @@ class RolloutBatch:
     prompts: torch.Tensor
     sglang_rejected: torch.Tensor
     routed_experts: torch.Tensor | None = None
+    support_lengths: torch.Tensor | None = None
+    support_ids: torch.Tensor | None = None
+    rollout_log_mass: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -64,17 +73,27 @@ class RolloutBatch:
         return cls(**payload)
 
 
-def parse_responses(responses: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None) -> Any:
+def parse_responses(responses: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
+                    support_vocab_size: int | None = None) -> Any:
     """Parse ``/generate`` responses with the plugin's SGLang parser into a packed
     :class:`slime_tis.sglang.PackedRollouts` (token ids from ``output_token_logprobs``; misaligned or
-    non-finite responses are marked rejected and counted in ``sglang/*`` metrics, never silently used)."""
+    non-finite responses are marked rejected and counted in ``sglang/*`` metrics, never silently used).
+
+    ``support_vocab_size``: the responses carry SGLang's sampling supports (``return_sampling_mask``): pi_rollout
+    is ``output_token_sampling_logprobs`` (the truncated distribution's) and the supports are parsed and validated
+    against this vocabulary size; ``None``: pi_rollout is ``output_token_logprobs``."""
     from slime_tis.sglang import collate, parse_generate_response
 
+    replay = support_vocab_size is not None
     if sampling_params is not None:
         from slime_tis.sglang import check_sampling_params
 
-        check_sampling_params(sampling_params)  # warns once about the top-p / top-k log-prob bias
-    return collate([parse_generate_response(r) for r in responses])
+        # warns once about the top-p / top-k log-prob bias, unless the truncated log-probs are used
+        check_sampling_params(sampling_params, renormalized_logprobs=True if replay else None)
+    if not replay:
+        return collate([parse_generate_response(r) for r in responses])
+    return collate([parse_generate_response(r, rollout_logprobs="sampling", sampling_support=True,
+                                            vocab_size=support_vocab_size) for r in responses])
 
 
 def grpo_advantages(
@@ -156,6 +175,12 @@ def build_batch(
     responses = [t.tolist() for t in packed.token_ids.split(lengths.tolist())]  # host data for the reward
     rewards = task.rewards(prompts, responses)
     adv = grpo_advantages(rewards, group_size, std_normalize=std_normalize)
+    support_lengths = support_ids = log_mass = None
+    if packed.support_offsets is not None:
+        support_lengths, support_ids = _support_rows(packed, seq_id, offset, n, plen, rmax)
+    if packed.rollout_log_mass is not None:
+        log_mass = torch.zeros(n, seq_len, dtype=torch.float32)
+        log_mass[seq_id, plen - 1 + offset] = packed.rollout_log_mass.float()
     return RolloutBatch(
         tokens=tokens,
         labels=labels,
@@ -167,4 +192,33 @@ def build_batch(
         prompts=prompts,
         sglang_rejected=packed.rejected.float(),
         routed_experts=routed_experts,
+        support_lengths=support_lengths,
+        support_ids=support_ids,
+        rollout_log_mass=log_mass,
     )
+
+
+def _support_rows(packed: Any, seq_id: torch.Tensor, offset: torch.Tensor, n: int, plen: int,
+                  rmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed CSR supports laid out per sequence: ``lengths [n, P + rmax]`` (at the positions that predict
+    each response token) and ``ids [n, L]`` (sequence ``i``'s ids in position order, padded with -1)."""
+    per_token = packed.support_offsets[1:] - packed.support_offsets[:-1]
+    lengths = torch.zeros(n, plen + rmax, dtype=torch.int64)
+    lengths[seq_id, plen - 1 + offset] = per_token
+    per_seq = lengths.sum(dim=1)
+    ids = torch.full((n, int(per_seq.max()) if n else 0), -1, dtype=torch.int32)  # host-sync-ok (data prep)
+    id_seq = torch.repeat_interleave(seq_id, per_token)
+    seq_start = torch.zeros(n + 1, dtype=torch.int64)
+    seq_start[1:] = torch.cumsum(per_seq, 0)
+    ids[id_seq, torch.arange(id_seq.numel()) - seq_start[id_seq]] = packed.support_ids
+    return lengths, ids
+
+
+def support_csr(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's supports as the CSR the log-prob pass reads over its ``[N * S]`` positions:
+    ``(ids [S_total] int32, offsets [N * S + 1] int64)``."""
+    lengths = batch.support_lengths.reshape(-1)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    used = torch.arange(batch.support_ids.shape[1], device=lengths.device) < batch.support_lengths.sum(1, keepdim=True)
+    return batch.support_ids[used], offsets

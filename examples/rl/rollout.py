@@ -32,6 +32,10 @@ class RolloutSettings:
     #: MoE routing replay: ask for SGLang's ``return_routed_experts`` and carry them in the batch
     #: (``(num_layers, topk)`` of the model, or ``None``)
     routed_experts_shape: tuple[int, int] | None = None
+    #: sampling-support replay: ask for SGLang's ``return_sampling_mask`` (each token's kept ids and its
+    #: log-prob under the truncated distribution, used as pi_rollout) and carry the supports in the batch; the
+    #: model's vocabulary size (ids are validated against it), or ``None``
+    support_vocab_size: int | None = None
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -55,6 +59,7 @@ def make_request(prompts: torch.Tensor, task: DigitTask, s: RolloutSettings, sam
         "return_logprob": True,
         "logprob_start_len": -1,
         **({"return_routed_experts": True} if s.routed_experts_shape is not None else {}),
+        **({"return_sampling_mask": True} if s.support_vocab_size is not None else {}),
     }
 
 
@@ -67,7 +72,7 @@ def collect_rollout(backend: GenerateBackend, task: DigitTask, s: RolloutSetting
     if not isinstance(responses, list) or len(responses) != prompts.shape[0]:
         got = len(responses) if isinstance(responses, list) else type(responses).__name__
         raise ValueError(f"/generate returned {got} responses for {prompts.shape[0]} prompts")
-    packed = parse_responses(responses, request["sampling_params"])
+    packed = parse_responses(responses, request["sampling_params"], support_vocab_size=s.support_vocab_size)
     routed = None
     if s.routed_experts_shape is not None:
         routed = routed_experts_rows(responses, prompts.shape[1] + task.max_new_tokens, *s.routed_experts_shape)

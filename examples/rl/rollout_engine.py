@@ -26,6 +26,12 @@ As in SGLang, the reported log-prob is ``log_softmax(logits / temperature)`` of 
 the full vocabulary (top-p/top-k change what is sampled, not the reported log-prob), and the stop
 token is included in ``output_ids`` / ``output_token_logprobs``.
 
+Sampling follows SGLang's order: temperature, then top-k, then top-p on the top-k-renormalised distribution
+(:func:`_filter_probs`). With ``"return_sampling_mask": true`` the response also carries, as SGLang >= 0.5.23
+does in its default ``"selected"`` mode, ``output_token_sampling_mask`` (the kept ids of each token, ascending)
+and ``output_token_sampling_logprobs`` (the sampled token's log-prob under the truncated, renormalised
+distribution it was drawn from: ``log p(y) - log sum_{v kept} p(v)``), and ``output_token_sampling_mask_length``.
+
 Numerics: bfloat16 incremental decoding (``dtype``), optionally with Gaussian logit noise of std
 ``logit_noise`` added before sampling (a stronger, controllable training/inference mismatch; the noisy
 logits define the behaviour policy, so the reported log-probs are exact for what was sampled).
@@ -133,6 +139,9 @@ class EmbeddedEngine:
         params = _SamplingParams.parse(sp or {}, self.cfg.vocab_size)
         if request.get("return_logprob", False) is not True:
             raise ValueError("the embedded engine only serves return_logprob=true requests")
+        want_support = request.get("return_sampling_mask", False)
+        if not isinstance(want_support, bool):
+            raise ValueError(f"return_sampling_mask must be true or false, got {_short(want_support)}")
         want_routes = request.get("return_routed_experts", False)
         if not isinstance(want_routes, bool):
             raise ValueError(f"return_routed_experts must be true or false, got {_short(want_routes)}")
@@ -146,7 +155,7 @@ class EmbeddedEngine:
         for length in sorted(by_len):
             rows = by_len[length]
             batch = torch.tensor([prompts[i] for i in rows], dtype=torch.long)
-            results = self._decode(model, batch, params, gen, want_routes)
+            results = self._decode(model, batch, params, gen, want_routes, want_support)
             for i, res in zip(rows, results):
                 out[i] = res
         return out[0] if single else out
@@ -167,7 +176,8 @@ class EmbeddedEngine:
                 raise ValueError(f"{name}[{t}] = {_short(tok)} is not a token id in [0, {v})")
 
     def _decode(
-        self, model: KVCacheGPT, prompts: torch.Tensor, p: _SamplingParams, gen: torch.Generator, want_routes: bool
+        self, model: KVCacheGPT, prompts: torch.Tensor, p: _SamplingParams, gen: torch.Generator, want_routes: bool,
+        want_support: bool = False,
     ) -> list[dict[str, Any]]:
         """Incremental decoding of a batch of equal-length prompts ``[B, P]``."""
         b, plen = prompts.shape
@@ -185,6 +195,8 @@ class EmbeddedEngine:
         last = logits[:, -1]
         tokens = torch.zeros(b, max_new, dtype=torch.long)
         logps = torch.zeros(b, max_new, dtype=torch.float32)
+        sampling_logps = torch.zeros(b, max_new, dtype=torch.float32)
+        kept: list[torch.Tensor] = []  # per step: [B, V] bool, the support each token was drawn from
         done = torch.zeros(b, dtype=torch.bool)
         lengths = torch.full((b,), max_new, dtype=torch.long)
         stop = torch.tensor(p.stop_token_ids, dtype=torch.long)
@@ -197,6 +209,11 @@ class EmbeddedEngine:
             tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             tokens[:, t] = tok
             logps[:, t] = logp_full.gather(1, tok[:, None]).squeeze(1)
+            if want_support:
+                keep = probs > 0
+                log_mass = torch.logsumexp(logp_full.masked_fill(~keep, float("-inf")), dim=-1)
+                sampling_logps[:, t] = logps[:, t] - log_mass
+                kept.append(keep)
             hit = torch.isin(tok, stop) & ~done
             lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
             done |= hit
@@ -223,10 +240,19 @@ class EmbeddedEngine:
                         ),
                         "output_token_logprobs": [[lp, tid, None] for lp, tid in zip(logps[i, :n].tolist(), ids)],
                         **({"routed_experts": encode_routed_experts(routed[i, : plen + n - 1])} if want_routes else {}),
+                        **(_sampling_mask_meta([k[i] for k in kept[:n]], sampling_logps[i, :n]) if want_support
+                           else {}),
                     },
                 }
             )
         return out
+
+
+def _sampling_mask_meta(kept: list[torch.Tensor], sampling_logps: torch.Tensor) -> dict[str, Any]:
+    """SGLang's ``return_sampling_mask`` fields of one response ("selected" mode)."""
+    mask = [k.nonzero().flatten().tolist() for k in kept]
+    return {"output_token_sampling_mask": mask, "output_token_sampling_logprobs": sampling_logps.tolist(),
+            "output_token_sampling_mask_length": len(mask)}
 
 
 def encode_routed_experts(experts: torch.Tensor) -> str:

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-heads", type=int, default=4)
+    g.add_argument("--vocab-size", type=int, default=16,
+                   help="the model's vocabulary (the task uses ids 0-15; more ids are ones the policy may emit)")
     g.add_argument(
         "--moe-experts",
         type=int,
@@ -108,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
         "pushed via /update_weights_from_disk from RUN_DIR/engine_weights",
     )
     g.add_argument("--rollout-temperature", type=float, default=1.0)
-    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0,
+                   help="nucleus sampling; with top-p < 1 or top-k the engine also returns each token's support "
+                   "(SGLang's return_sampling_mask), pi_rollout is the truncated distribution's log-prob, and the "
+                   "trainer replays the support unless --tis-sampling-support full")
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-lag", type=int, default=0, help="sample from the policy of k steps ago")
     g.add_argument(
@@ -145,6 +150,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def truncates(top_p: float, top_k: int, vocab_size: int) -> bool:
+    """Whether the rollout samples from a truncated distribution (then the engine returns the supports)."""
+    return top_p < 1.0 or 0 < top_k < vocab_size
+
+
+def with_support(tis: Any, rows: Any, device: torch.device) -> Any:
+    """``tis`` (a ``TISBatch``) carrying the sampling supports of the micro-batch ``rows`` when the rollout has them
+    (CP-local CSR: ``engine.support_logprobs.padded_support``)."""
+    if rows.support_lengths is None:
+        return tis
+    import dataclasses
+
+    from examples.rl.batch import support_csr
+    from slime_tis.engine.support_logprobs import padded_support
+
+    ids, offsets = padded_support(*support_csr(rows), tuple(rows.labels.shape))
+    return dataclasses.replace(tis, support_ids=ids.to(device), support_offsets=offsets.to(device))
+
+
 def validate(args: argparse.Namespace, world_size: int) -> None:
     positive = ("steps", "prompts_per_step", "group_size", "num_microbatches", "pp", "steps_per_rollout", "ppo_epochs")
     for name in positive:
@@ -153,6 +177,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     for name in ("save_interval", "dump_interval", "rollout_lag", "rollout_logit_noise", "moe_experts"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.vocab_size < 16:
+        raise ValueError(f"--vocab-size must be >= 16 (the task's ids), got {args.vocab_size}")
+    if getattr(args, "tis_sampling_support", None) == "replay" and not truncates(
+            args.rollout_top_p, args.rollout_top_k, args.vocab_size):
+        raise ValueError(f"--tis-sampling-support replay replays the support a truncated rollout sampled from, but "
+                         f"--rollout-top-p {args.rollout_top_p} and --rollout-top-k {args.rollout_top_k} keep the "
+                         f"whole vocabulary of {args.vocab_size}: set --rollout-top-p < 1 or --rollout-top-k")
     if args.rollout_temperature <= 0:
         raise ValueError(f"--rollout-temperature must be > 0, got {args.rollout_temperature}")
     if args.moe_experts and not 1 <= args.moe_topk <= args.moe_experts:
@@ -277,6 +308,7 @@ class Trainer:
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_heads=args.num_heads,
+            vocab_size=args.vocab_size,
             max_seq_len=max(16, self.task.max_seq_len),
             moe_experts=args.moe_experts,
             moe_topk=args.moe_topk if args.moe_experts else 0,
@@ -364,6 +396,7 @@ class Trainer:
                 a.seed,
                 not a.no_adv_std_normalize,
                 (self.mcfg.num_layers, self.mcfg.moe_topk) if self.mcfg.is_moe else None,
+                self.mcfg.vocab_size if truncates(a.rollout_top_p, a.rollout_top_k, self.mcfg.vocab_size) else None,
             )
             payload = [collect_rollout(self.backend, self.task, settings, step).to_payload()]
         if self.info.world_size > 1:
@@ -389,12 +422,12 @@ class Trainer:
                     "tokens": mb.tokens.to(dev),
                     "position_ids": pos.expand(mbs, seq),
                     "attention_mask": causal,
-                    "tis": TISBatch.from_padded(
+                    "tis": with_support(TISBatch.from_padded(
                         mb.labels.to(dev),
                         mb.loss_mask.to(dev),
                         mb.advantages.to(dev),
                         mb.rollout_log_probs.to(dev),
-                    ),
+                    ), mb, dev),
                     "rows": mb,
                     "routed_experts": mb.routed_experts,
                 }
@@ -470,6 +503,13 @@ class Trainer:
         )
         return metrics
 
+    def _sampling_support(self) -> str:
+        """Over what the trainer's log-probs are taken: ``replay`` when the rollout carries supports and
+        ``--tis-sampling-support`` is not ``full``, else ``full``."""
+        a = self.args
+        carried = truncates(a.rollout_top_p, a.rollout_top_k, self.mcfg.vocab_size)
+        return "replay" if carried and self.tis_cfg.sampling_support != "full" else "full"
+
     def _dump_now(self, step: int) -> bool:
         k = self.args.dump_interval
         return k > 0 and (step % k == 0 or step == self.args.steps - 1)
@@ -523,6 +563,8 @@ class Trainer:
                         "token_ids": rows.labels[i][m].tolist(),
                         "reward": float(rows.rewards[i]),
                         "step": step,
+                        **({"rollout_log_mass": rows.rollout_log_mass[i][m].tolist()}
+                           if rows.rollout_log_mass is not None else {}),
                     }
                 )
         gathered: list[Any] = [None] * self.info.dp_size
@@ -543,6 +585,7 @@ class Trainer:
                     "algorithm": self.tis_cfg.algorithm,
                     "temperature": self.args.rollout_temperature,
                     "writer": "examples.rl.train",
+                    "sampling_support": self._sampling_support(),
                 },
             )
 

@@ -264,6 +264,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("tis/staleness_invalid_seq_fraction", "tis.staleness_invalid", "tis.n_seq_valid", "mean",
            "with `--tis-staleness-buckets`: sequences whose staleness is negative or not finite (in no bucket) / "
            "sequences with a valid token"),
+    # the token ratio and its spread, whatever the level (top-p / top-k bias: docs/sampling_support.md)
+    Metric("tis/token_ratio_mean", "tis.token_r_sum", "tis.n_tok", "mean",
+           "`mean_{t in D} r_t` (token ratios, whatever the level)", "token", lambda b: b.e_sums[0] + b.n_tok),
+    Metric("tis/token_ratio_outside_10pct_fraction", "tis.n_tok_outside_10pct", "tis.n_tok", "mean",
+           "fraction of tokens of `D` with `r_t` outside [0.9, 1.1]", "token",
+           lambda b: _total((b.e < -0.1) | (b.e > 0.1)), token=lambda t: ((t.e < -0.1) | (t.e > 0.1)).float()),
 )
 
 #: The rows of each staleness bucket (``core.staleness``; ``--tis-staleness-buckets N``): ``{b}`` is the bucket's label

@@ -63,6 +63,11 @@ class TISBatch:
             (algorithms 0, 2; correct for one optimizer step per rollout only).
         ref_log_probs: ``[T]`` reference-policy log-probs, CP-local like the others; required by the KL term
             (``--tis-kl-coef``).
+        support_ids, support_offsets: ``[S]`` int and ``[T + 1]`` int64: each position's sampling support (CSR of
+            global vocabulary ids: position ``t`` keeps ``support_ids[support_offsets[t]:support_offsets[t + 1]]``;
+            empty off the loss mask), for the replay of the sampled support (``--tis-sampling-support``,
+            :mod:`slime_tis.engine.support_logprobs`; CP-local: :func:`~slime_tis.engine.support_logprobs.
+            padded_support`). ``None``: log-probs over the full vocabulary.
     """
 
     labels: Tensor
@@ -72,6 +77,8 @@ class TISBatch:
     rollout_log_probs: Tensor | None = None
     old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    support_ids: Tensor | None = None
+    support_offsets: Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("labels", "loss_mask", "advantages", "rollout_log_probs", "old_log_probs", "ref_log_probs"):
@@ -89,6 +96,12 @@ class TISBatch:
         cu = self.cu_seqlens
         if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1:
             raise ValueError("TISBatch.cu_seqlens must be a 1-D integer tensor [n_seq + 1]")
+        if (self.support_ids is None) != (self.support_offsets is None):
+            raise ValueError("TISBatch.support_ids and support_offsets are given together (the CSR of the supports)")
+        if self.support_ids is not None:
+            from slime_tis.engine.support_logprobs import check_support
+
+            check_support((self.support_ids, self.support_offsets), self.labels.shape[0])
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.engine.settings import CHUNK_SIZE
+from slime_tis.engine.support_logprobs import SupportLogProbEntropy, check_support
 from slime_tis.kernels import dispatch
 from slime_tis.kernels.logprobs_torch import fp32_chunk, grad_logits
 
@@ -131,8 +132,10 @@ def vocab_parallel_log_probs_and_entropy(
     with_entropy: bool = True,
     row_mask: Tensor | None = None,
     kernels: str = dispatch.DEFAULT_KERNELS,
+    support: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)`` over the full vocabulary.
+    """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)`` over the full vocabulary, or
+    restricted to each position's sampling support and renormalised there (``support``).
 
     Args:
         logits: ``[..., V/TP]`` this TP rank's vocabulary shard (any float dtype; computed in float32).
@@ -148,6 +151,11 @@ def vocab_parallel_log_probs_and_entropy(
         kernels: ``"torch"`` (default: this chunked reference) or ``"triton"`` (the fused kernels on CUDA
             tensors, or CPU under ``TRITON_INTERPRET=1``; where they cannot run, this torch code with one
             warning: ``slime_tis.kernels.dispatch``). ``chunk_size`` applies to the torch code only.
+        support: ``(support_ids [S], support_offsets [N + 1])`` over the ``N`` flattened rows (CSR of global
+            vocabulary ids, row ``n`` keeps ``support_ids[support_offsets[n]:support_offsets[n + 1]]``): the
+            replay of the sampled support (:mod:`slime_tis.engine.support_logprobs`: the same two all-reduces,
+            memory ``O(S)``, gradients through the kept logits only; ``kernels="triton"``:
+            :mod:`slime_tis.kernels.logprobs_support`; ``chunk_size`` unused).
 
     Returns:
         ``(log_probs [...], entropy [...] or None)``, float32, differentiable with respect to ``logits``.
@@ -173,7 +181,8 @@ def vocab_parallel_log_probs_and_entropy(
     if row_mask is not None and (not isinstance(row_mask, Tensor) or tuple(row_mask.shape) != tuple(targets.shape)):
         raise ValueError(f"row_mask shape {tuple(getattr(row_mask, 'shape', ()))} must equal targets shape "
                          f"{tuple(targets.shape)}")
-    triton_kernels = dispatch.triton_module("logprobs", "slime_tis.kernels.logprobs", logits.device, kernels)
+    triton_kernels = None if support is not None else \
+        dispatch.triton_module("logprobs", "slime_tis.kernels.logprobs", logits.device, kernels)
     group = default_tp_group() if isinstance(tp_group, str) and tp_group == "default" else tp_group
     tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
     lead = logits.shape[:-1]
@@ -182,6 +191,22 @@ def vocab_parallel_log_probs_and_entropy(
     flat_targets = targets.reshape(-1).to(torch.int64)
     flat_mask = None if row_mask is None else row_mask.reshape(-1)
     lp = ent = None
+    if support is not None:
+        ids, offsets = check_support(support, flat_targets.numel())
+        support_kernels = dispatch.triton_module("logprobs", "slime_tis.kernels.logprobs_support", logits.device,
+                                                 kernels)
+        if support_kernels is not None:
+            try:
+                lp, ent = support_kernels.support_log_probs_and_entropy(
+                    flat_logits, flat_targets, ids, offsets, temperature=float(temperature), group=group,
+                    vocab_start=tp_rank * vp, with_entropy=with_entropy, row_mask=flat_mask)
+            except dispatch.KernelLaunchError as err:  # raised before any collective: the torch replay runs
+                dispatch.fall_back(err)
+        if lp is None:
+            keep = None if flat_mask is None else flat_mask != 0
+            lp, ent = SupportLogProbEntropy.apply(flat_logits, flat_targets, ids, offsets, float(temperature), group,
+                                                  tp_rank * vp, with_entropy, keep)
+        return lp.view(lead), (ent.view(lead) if with_entropy else None)
     if triton_kernels is not None:
         try:
             lp, ent = triton_kernels.fused_log_probs_and_entropy(

@@ -4,18 +4,21 @@ The same four settings decide every log-prob a step reads (the loss's ``lp_theta
 pre-pass): the sampling ``temperature`` (logits are divided by it), ``chunk_size`` (rows per log-softmax
 chunk), ``output_layer`` (``None``: the model's logits; ``"fp32"``: the output matmul in float32;
 ``"fused"``: log-probs straight from the hidden states and the output weight) and ``kernels``
-(``TISConfig.kernels``: ``"torch"`` or ``"triton"``). A host builds it once, at its boundary, and passes it
-whole.
+(``TISConfig.kernels``: ``"torch"`` or ``"triton"``), and ``sampling_support`` (``TISConfig.sampling_support``:
+``"full"``, ``"replay"``, or ``None`` = replay where the micro-batch carries a support). A host builds it once,
+at its boundary, and passes it whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CHUNK_SIZE", "LogProbSettings", "OUTPUT_LAYER_MODES", "output_layer_of"]
+__all__ = ["CHUNK_SIZE", "LogProbSettings", "OUTPUT_LAYER_MODES", "SAMPLING_SUPPORT_MODES", "output_layer_of"]
 
 #: The model's output-layer modes: ``None`` (as built), ``"fp32"``, ``"fused"``.
 OUTPUT_LAYER_MODES = (None, "fused", "fp32")
+#: ``--tis-sampling-support``: the trainer's log-probs over the full vocabulary or over the sampled support.
+SAMPLING_SUPPORT_MODES = ("full", "replay")
 
 
 def output_layer_of(fused_output_layer: bool = False, fp32_lm_head: bool = False) -> str | None:
@@ -37,12 +40,14 @@ CHUNK_SIZE = 1024
 
 @dataclass(frozen=True)
 class LogProbSettings:
-    """Temperature, chunk size, output-layer mode and kernels of every log-prob of a step (module docstring)."""
+    """Temperature, chunk size, output-layer mode, kernels and sampling-support mode of every log-prob of a step
+    (module docstring)."""
 
     temperature: float = 1.0
     chunk_size: int = CHUNK_SIZE
     output_layer: str | None = None
     kernels: str = "torch"
+    sampling_support: str | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -53,4 +58,7 @@ class LogProbSettings:
             raise ValueError(f"chunk_size must be an int >= 1, got {c!r}")
         if self.output_layer not in OUTPUT_LAYER_MODES:
             raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {self.output_layer!r}")
+        if self.sampling_support is not None and self.sampling_support not in SAMPLING_SUPPORT_MODES:
+            raise ValueError(f"sampling_support must be one of {SAMPLING_SUPPORT_MODES} or None, "
+                             f"got {self.sampling_support!r}")
         object.__setattr__(self, "temperature", float(t))

@@ -35,7 +35,7 @@ from types import ModuleType
 import torch
 
 __all__ = ["KERNELS", "DEFAULT_KERNELS", "KernelFallbackWarning", "KernelLaunchError", "check_kernels",
-           "triton_module", "launching", "fall_back", "reset"]
+           "triton_module", "launching", "fall_back", "torch_only", "reset"]
 
 KERNELS = ("torch", "triton")
 DEFAULT_KERNELS = "torch"  # until the Triton kernels pass on a GPU (docs/kernels.md)
@@ -87,6 +87,13 @@ def triton_module(kernel: str, module: str, device: torch.device, kernels: str) 
     except ImportError as err:
         _warn_once(kernel, f"triton is not importable: {type(err).__name__}: {err}; pip install triton")
         return None
+
+
+def torch_only(kernel: str, kernels: str, reason: str) -> None:
+    """A call ``kernel``'s Triton code does not cover (``reason``): with ``kernels="triton"`` one warning, and the
+    caller runs the torch code (the same collectives)."""
+    if check_kernels(kernels) == "triton":
+        _warn_once(kernel, reason)
 
 
 def fall_back(err: KernelLaunchError) -> None:

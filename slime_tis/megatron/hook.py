@@ -120,7 +120,7 @@ class TISForwardBackward:
             data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
         #: how every log-prob of the hook's passes is taken (engine.settings), built once here
         self.logprobs = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head),
-                                        cfg.kernels)
+                                        cfg.kernels, cfg.sampling_support)
         self.forward_backward_func = forward_backward_func
         self.cfg = cfg
         cfg.warn_inert()

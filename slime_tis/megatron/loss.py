@@ -99,7 +99,7 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: Lo
     (:func:`output_to_log_probs`). The micro-batch's statistics go to ``collector``.
     """
     engine = StepEngine(cfg, reducer, totals=totals, collector=collector)
-    settings = LogProbSettings(temperature, chunk_size, output_layer, cfg.kernels)
+    settings = LogProbSettings(temperature, chunk_size, output_layer, cfg.kernels, cfg.sampling_support)
     return loss_func_for(engine, batch, form, settings=settings, model_chunk=model_chunk,
                          pi_old_from_theta=pi_old_from_theta)
 

@@ -206,7 +206,7 @@ def output_weight(model) -> Tensor:
 
 def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float = 1.0,
                     loss_mask: Tensor | None = None, kernels: str = "torch",
-                    chunk_size: int = 8192) -> tuple[Tensor, Tensor]:
+                    chunk_size: int = 8192, support: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``(log_probs, entropy)`` float32, shaped like ``labels``, from the hidden states a fused-mode model returned.
 
     ``hidden [B, S, H]`` (CP-local, like the logits it replaces); ``labels`` global token ids, ``[B, S]`` or
@@ -214,7 +214,9 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
     output layer's TP group (one MAX and one SUM all-reduce of ``[B*S]`` / ``[B*S, 3]``); the hidden-state
     gradient is summed over TP by the input region of the model's forward. ``hidden`` is cast to the weight's
     dtype first (megatron's ``Float16Module`` hands the last stage's output back as float32). ``kernels``:
-    ``"torch"`` or ``"triton"`` (``TISConfig.kernels``, ``slime_tis.kernels.dispatch``).
+    ``"torch"`` or ``"triton"`` (``TISConfig.kernels``, ``slime_tis.kernels.dispatch``). ``support``: the
+    sampling-support replay over the flattened positions (``slime_tis.kernels.output_layer_support``, torch code;
+    ``kernels="triton"`` warns once and runs it).
     """
     gpt = _unwrap(model)
     if getattr(gpt.output_layer, _MODE_ATTR, None) != "fused":
@@ -233,6 +235,14 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
         hidden = hidden.reshape(-1, hidden.shape[-1])
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
+    if support is not None:
+        from slime_tis.kernels import dispatch
+        from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy
+
+        dispatch.torch_only("output_layer", kernels, "the sampling-support replay has no Triton kernel yet")
+        with torch.autocast(hidden.device.type, enabled=False):
+            return fused_support_log_probs_and_entropy(hidden, weight, labels, support, temperature=temperature,
+                                                       loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
     with torch.autocast(hidden.device.type, enabled=False):
         return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
                                            tp_group=group, reduce_hidden_grad=False, kernels=kernels,

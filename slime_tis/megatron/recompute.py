@@ -27,7 +27,8 @@ from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.schedule import MicroBatchCounter, replay
 
-__all__ = ["logits_to_log_probs", "output_to_log_probs", "forward_only_log_probs", "recompute_log_probs"]
+__all__ = ["logits_to_log_probs", "output_to_log_probs", "forward_only_log_probs", "recompute_log_probs",
+           "replayed_support"]
 
 
 def logits_to_log_probs(logits: Tensor, batch: TISBatch, settings: LogProbSettings, *,
@@ -46,7 +47,21 @@ def logits_to_log_probs(logits: Tensor, batch: TISBatch, settings: LogProbSettin
             "and return [B, S_local, V/TP] logits (model called without labels)")
     return vocab_parallel_log_probs_and_entropy(flat, batch.labels, temperature=settings.temperature,
                                                 chunk_size=settings.chunk_size, with_entropy=with_entropy,
-                                                row_mask=batch.loss_mask, kernels=settings.kernels)
+                                                row_mask=batch.loss_mask, kernels=settings.kernels,
+                                                support=replayed_support(batch, settings))
+
+
+def replayed_support(batch: TISBatch, settings: LogProbSettings) -> tuple[Tensor, Tensor] | None:
+    """The micro-batch's sampling support when the log-probs replay it (``settings.sampling_support``: ``"replay"``,
+    or ``None`` and the batch carries one), else ``None`` (full vocabulary). ``"replay"`` without a support in the
+    batch is an error naming the flag."""
+    if settings.sampling_support == "full" or (batch.support_ids is None and settings.sampling_support is None):
+        return None
+    if batch.support_ids is None:
+        raise ValueError("--tis-sampling-support replay (sampling_support='replay') but the micro-batch's TISBatch "
+                         "carries no support (support_ids / support_offsets): parse the rollouts with "
+                         "sampling_support=True, or use --tis-sampling-support full")
+    return batch.support_ids, batch.support_offsets
 
 
 def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, settings: LogProbSettings, *, model_chunk=None,
@@ -72,7 +87,8 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, settings: LogPro
         if model_chunk is None:
             raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
         lp, entropy = fused_log_probs(model_chunk, output_tensor, batch.labels, temperature=settings.temperature,
-                                      loss_mask=batch.loss_mask, kernels=settings.kernels)
+                                      loss_mask=batch.loss_mask, kernels=settings.kernels,
+                                      support=replayed_support(batch, settings))
         return lp, (entropy if with_entropy else None)
     if model_chunk is not None and returns_hidden_states(model_chunk):
         raise ValueError("the model's output layer returns hidden states (use_fused_output_layer was applied) "

@@ -1,10 +1,13 @@
 """``python -m slime_tis.megatron_rl train_rl.py <args>``: run Megatron-LM's ``train_rl.py`` with the plugin in place.
 
-Before the script runs, ``megatron.training.pretrain`` (and, on megatron-core >= 0.18,
-``megatron.training[.arguments].parse_and_validate_args``) are wrapped so that the call ``train_rl.py``'s
-``__main__`` makes gets
+Before the script runs, ``megatron.training.pretrain`` and ``parse_and_validate_args`` (in
+``megatron.training.arguments``, and in ``megatron.training`` where a version re-exports it) are wrapped so that
+the calls ``train_rl.py``'s ``__main__`` makes get
 
-* ``extra_args_provider``: ``train_rl``'s own, then the plugin's flags (``add_megatron_rl_tis_arguments``);
+* ``extra_args_provider``: ``train_rl``'s own, then the plugin's flags (``add_megatron_rl_tis_arguments``), in the
+  call that parses the command line: ``parse_and_validate_args`` (Megatron-LM main: the script parses, then calls
+  ``pretrain(cfg_container, ...)``, which takes no ``extra_args_provider``), or ``pretrain`` where its signature
+  takes ``extra_args_provider`` (megatron-core <= 0.17);
 * ``forward_step_func``: :meth:`RLHost.forward_step`, built from the parsed arguments on its first call
   (``megatron.training.get_args()``, ``get_num_microbatches()``), in place of ``train_rl.forward_step``;
 
@@ -21,6 +24,7 @@ train_rl.py <args>``.
 from __future__ import annotations
 
 import functools
+import inspect
 import runpy
 import sys
 from collections.abc import Callable
@@ -112,8 +116,14 @@ def _default_session() -> Session:
 
 
 def install(training_module, session: Session | None = None) -> None:
-    """Wrap ``training_module.pretrain`` (and ``parse_and_validate_args`` where present) in place."""
+    """Wrap ``training_module.pretrain`` (and ``parse_and_validate_args`` where present) in place.
+
+    ``pretrain`` gets the plugin's flags (``extra_args_provider``) only where its signature takes that argument
+    (megatron-core <= 0.17, where it parses the command line); from 0.18 on (``pretrain(cfg_container, ...)``)
+    the script parses first, through ``parse_and_validate_args`` (``megatron.training.arguments``; re-exported by
+    ``megatron.training`` in some versions), which is wrapped instead."""
     pretrain = training_module.pretrain
+    parses = _takes(pretrain, "extra_args_provider")
 
     @functools.wraps(pretrain)
     def pretrain_with_tis(*args, **kwargs):
@@ -124,7 +134,7 @@ def install(training_module, session: Session | None = None) -> None:
             args[3] = lazy_forward_step(session)
         else:
             raise ValueError("slime_tis.megatron_rl: pretrain(...) call without a forward_step_func to replace")
-        if "extra_args_provider" in kwargs or not hasattr(training_module, "parse_and_validate_args"):
+        if parses:  # megatron-core <= 0.17: pretrain parses the command line itself
             kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
         return pretrain(*args, **kwargs)
 
@@ -133,6 +143,14 @@ def install(training_module, session: Session | None = None) -> None:
         parse = getattr(module, "parse_and_validate_args", None)
         if parse is not None:
             module.parse_and_validate_args = _parse_with_tis(parse)
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn``'s signature has a parameter ``name`` (a ``**kwargs`` catch-all does not count)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a C function): take it as not taking ``name``
+        return False
 
 
 def _parse_with_tis(parse):

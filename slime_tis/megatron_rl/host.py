@@ -52,12 +52,14 @@ import torch
 from torch import Tensor
 
 from slime_tis.arguments import add_tis_arguments
-from slime_tis.config import DEFAULTS, TISConfig, config_fields_from_args
+from slime_tis.config import TISConfig
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import step_batch_norm
+from slime_tis.megatron_rl.cp import local_rows, row_grid
+from slime_tis.megatron_rl.flags import config_from_megatron_rl_args, record_typed_flags, resolve_megatron_rl_flags
 
 __all__ = ["APPENDED_METRIC", "RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments",
            "config_from_megatron_rl_args", "item_to_batch", "refuse_context_parallel", "refuse_interleaved_pipeline"]
@@ -70,57 +72,9 @@ APPENDED_METRIC = "tis/appended_tokens"
 
 
 def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The plugin's flags (``slime_tis.arguments.add_tis_arguments``) on Megatron-LM's parser; returns it."""
-    return add_tis_arguments(parser)
-
-
-def _refuse(a: str, b: str) -> ValueError:
-    return ValueError(f"{a} conflicts with {b}: set one of them (docs/megatron_rl.md, flag mapping)")
-
-
-def config_from_megatron_rl_args(args: Any) -> TISConfig:
-    """``TISConfig`` from a namespace holding Megatron-LM's RL flags and the plugin's (one-line refusals).
-
-    ``--rl-inference-logprobs-is-correction`` -> ``use_tis``; ``--rl-importance-sampling-truncation-coef C`` ->
-    ``upper = C`` in truncate mode; ``--grpo-clamp-eps-lower/-upper`` -> ``eps_clip``/``eps_clip_high``;
-    ``--grpo-kl-beta`` -> ``kl_coef`` (k3); ``--grpo-entropy-term-weight`` -> ``entropy_coef`` with Megatron-LM's
-    sampled-token estimate (:meth:`RLHost.entropy_of`).
-    """
-    f = config_fields_from_args(args)
-    correction = bool(getattr(args, "rl_inference_logprobs_is_correction", False))
-    coef = getattr(args, "rl_importance_sampling_truncation_coef", None)
-    f["use_tis"] = f.get("use_tis", False) or correction
-    if coef is not None:
-        if not f["use_tis"]:
-            raise ValueError(f"--rl-importance-sampling-truncation-coef {coef} needs "
-                             "--rl-inference-logprobs-is-correction or --use-tis")
-        if f.get("mode", "truncate") != "truncate":
-            raise _refuse(f"--rl-importance-sampling-truncation-coef {coef}", f"--tis-mode {f['mode']}")
-        if f.get("upper") is not None and float(f["upper"]) != float(coef):
-            raise _refuse(f"--rl-importance-sampling-truncation-coef {coef}", f"--tis-upper-bound {f['upper']}")
-        f["upper"] = float(coef)
-    elif correction and f.get("upper") is None:
-        raise ValueError("--rl-inference-logprobs-is-correction without --rl-importance-sampling-truncation-coef "
-                         "or --tis-upper-bound: the weight would have no upper bound")
-    for ours, theirs, default in (("eps_clip", "grpo_clamp_eps_lower", DEFAULTS["eps_clip"]),
-                                  ("eps_clip_high", "grpo_clamp_eps_upper", DEFAULTS["eps_clip_high"]),
-                                  ("kl_coef", "grpo_kl_beta", DEFAULTS["kl_coef"])):
-        value = getattr(args, theirs, None)
-        if value is None:
-            continue
-        given = f.get(ours, default)
-        if given != default and float(given) != float(value):
-            raise _refuse(f"--{theirs.replace('_', '-')} {value}", f"--{_flag(ours)} {given}")
-        f[ours] = float(value)
-    weight = float(getattr(args, "grpo_entropy_term_weight", 0.0) or 0.0)
-    if weight:
-        if f.get("entropy_coef", 0.0):
-            raise _refuse(f"--grpo-entropy-term-weight {weight}", f"--tis-entropy-coef {f['entropy_coef']}")
-        f["entropy_coef"] = weight
-    if f.get("kl_coef") and f.get("kl_estimator", "k3") != "k3" and getattr(args, "grpo_kl_beta", None):
-        raise _refuse(f"--grpo-kl-beta {args.grpo_kl_beta} (the k3 estimator)",
-                      f"--tis-kl-estimator {f['kl_estimator']}")
-    return TISConfig(**f)
+    """The plugin's flags (``slime_tis.arguments.add_tis_arguments``) on Megatron-LM's parser, which also records
+    the mapped Megatron-LM flags the user typed (``flags.record_typed_flags``); returns it."""
+    return record_typed_flags(add_tis_arguments(parser))
 
 
 #: Megatron-LM's flags that select an interleaved (virtual) pipeline schedule, the attribute they set
@@ -140,26 +94,23 @@ def refuse_interleaved_pipeline(args: Any) -> None:
                              "schedules; drop the flag (plain pipeline parallelism is supported)")
 
 
-def refuse_context_parallel(cp: Any) -> None:
-    """One-line ``ValueError`` naming ``--context-parallel-size`` and its value where it is above 1: the host's
-    training forward and its pi_old / pi_ref passes run every sequence whole on each rank, while Megatron-LM's
-    ``get_logprobs`` splits it across the context-parallel ranks."""
-    if cp is not None and int(cp) > 1:
-        raise ValueError(f"--context-parallel-size {cp}: slime_tis.megatron_rl does not split sequences across "
-                         "context-parallel ranks; use --context-parallel-size 1 (data, tensor and pipeline "
-                         "parallelism are supported)")
-
-
-def _flag(field: str) -> str:
-    return {"eps_clip": "eps-clip", "eps_clip_high": "eps-clip-high", "kl_coef": "tis-kl-coef"}[field]
+def refuse_context_parallel(cp: Any, *, packed: bool) -> None:
+    """One-line ``ValueError`` naming ``--context-parallel-size`` and its value where it is above 1 with
+    sequence-packed bins: the host splits unpacked rows across context-parallel ranks (``cp.py``), not bins."""
+    if packed and cp is not None and int(cp) > 1:
+        raise ValueError(f"--context-parallel-size {cp} with --rl-use-sequence-packing: slime_tis.megatron_rl "
+                         "splits unpacked rows across context-parallel ranks, not packed bins; use "
+                         "--no-rl-use-sequence-packing or --context-parallel-size 1")
 
 
 def _f32(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1).to(torch.float32)
 
 
-def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatch, Tensor, Tensor, Any]:
-    """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring)."""
+def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, int] = (1, 0)
+                  ) -> tuple[TISBatch, Tensor, Tensor, Any]:
+    """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring); unpacked
+    rows under context parallelism (``cp = (size, rank)``, size > 1): this CP rank's part of them (``cp.py``)."""
     if packed:
         if len(item) == 11:
             tokens, adv, old, mask, pos, ref, inf, starts, lengths, indices, psp = item
@@ -178,6 +129,8 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatc
             adv_tok = torch.repeat_interleave(adv.reshape(-1).to(torch.float32), cu.diff())
         else:  # a padding bin (Megatron-LM evens the bins over DP ranks): one span, nothing trains
             adv_tok = torch.zeros(t, dtype=torch.float32, device=mask.device)
+    elif cp[0] > 1:
+        return _cp_rows_to_batch(item, cfg, *cp)
     else:
         tokens, adv, old, mask, pos, ref, inf = item
         rows, t_row = tokens.shape[0], tokens.shape[1] - 1
@@ -190,6 +143,29 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool) -> tuple[TISBatc
                      old_log_probs=_f32(old) if cfg.needs_old_log_probs else None,
                      ref_log_probs=_f32(ref) if cfg.kl_coef else None)
     return batch, tokens, pos, b
+
+
+def _cp_rows_to_batch(item: tuple, cfg: TISConfig, cp_size: int, cp_rank: int
+                      ) -> tuple[TISBatch, Tensor, Tensor, None]:
+    """Unpacked rows ``[B, S]`` -> this CP rank's ``[B, S / cp]`` part (``cp.py``): tokens, position ids and the
+    ``TISBatch`` of the row-aligned grids (position ``t`` predicts ``tokens[:, t + 1]``; the last one masked)."""
+    tokens, adv, old, mask, pos, ref, inf = item
+    rows = tokens.shape[0]
+    def part(x: Tensor) -> Tensor:
+        return local_rows(x, cp_size, cp_rank)
+
+    def grid(x: Tensor | None) -> Tensor | None:
+        return None if x is None else _f32(part(row_grid(x.reshape(rows, -1).to(torch.float32))))
+
+    labels = part(row_grid(tokens[:, 1:]))
+    local = labels.shape[1]
+    batch = TISBatch(labels=labels.reshape(-1).to(torch.int64), loss_mask=grid(mask[:, 1:]),
+                     advantages=part(adv.reshape(-1, 1).to(torch.float32).expand(tokens.shape)).reshape(-1),
+                     cu_seqlens=torch.arange(rows + 1, dtype=torch.int64, device=tokens.device) * local,
+                     rollout_log_probs=grid(inf) if cfg.algorithm != 0 else None,
+                     old_log_probs=grid(old) if cfg.needs_old_log_probs else None,
+                     ref_log_probs=grid(ref) if cfg.kl_coef else None)
+    return batch, part(tokens), part(pos), None
 
 
 @dataclass(frozen=True)
@@ -225,11 +201,34 @@ def block_causal_mask(b) -> Tensor:
     return ~(same & causal)[None, None].to(b.tokens.device)
 
 
+def unpacked_seq_params(tokens: Tensor):
+    """The ``packed_seq_params`` ``train_rl.forward_step`` passes for unpacked rows ``[B, S]``: THD, one sequence
+    spanning the row (``cu_seqlens = [0, S]``), without ``total_tokens`` (Megatron-LM leaves it out so that no
+    sequence-packing kernel is chosen)."""
+    from dataclasses import fields
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    s = tokens.shape[1]
+    cu = torch.tensor([0, s], dtype=torch.int32, device=tokens.device)
+    extra = {"pad_between_seqs": False} if "pad_between_seqs" in {f.name for f in fields(PackedSeqParams)} else {}
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s,
+                           **extra)
+
+
 def default_model_forward(model, tokens: Tensor, pos: Tensor, b) -> Tensor:
-    """``model(tokens, position_ids, attention_mask)``: no mask for unpacked rows (causal); a packed bin with
-    Megatron-LM's ``packed_seq_params`` attends per sequence through them (THD), one without them (the CPU local
-    attention) through a block-causal mask."""
+    """``model(tokens, position_ids, attention_mask[, packed_seq_params=...])`` as Megatron-LM's ``get_logprobs``
+    calls it: unpacked rows with no mask (causal), a micro-batch of one row with :func:`unpacked_seq_params` as
+    ``train_rl.forward_step`` passes them; a packed bin with Megatron-LM's ``packed_seq_params`` attends per
+    sequence through them (THD), one without them (the CPU local attention) through a block-causal mask.
+
+    Micro-batches of several unpacked rows get no ``packed_seq_params``: with THD parameters Megatron-LM's
+    attention layer takes the batch dimension for a dummy one (it reshapes the core attention's output to
+    ``[t, 1, heads * d]``), so the call ``train_rl.forward_step`` makes fails for two rows (measured on d98e8a64dd's
+    GPT on CPU: ``RuntimeError: mat1 and mat2 shapes cannot be multiplied`` in ``linear_proj``)."""
     if b is None:
+        if tokens.shape[0] == 1 and parallel_context().cp_size == 1:
+            return model(tokens, pos, None, packed_seq_params=unpacked_seq_params(tokens))
         return model(tokens, pos, None)
     psp = getattr(b, "packed_seq_params", None)
     if psp is not None:
@@ -280,16 +279,19 @@ class RLHost:
     def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
         """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
         refuse_interleaved_pipeline(args)
-        refuse_context_parallel(getattr(args, "context_parallel_size", 1))
-        return cls(config_from_megatron_rl_args(args), num_microbatches,
+        refuse_context_parallel(getattr(args, "context_parallel_size", 1),
+                                packed=bool(getattr(args, "rl_use_sequence_packing", False)))
+        flags = resolve_megatron_rl_flags(args)
+        return cls(flags.cfg, num_microbatches,
                    packed=bool(getattr(args, "rl_use_sequence_packing", False)),
                    temperature=float(getattr(args, "rl_default_temperature", 1.0) or 1.0),
                    per_token=bool(getattr(args, "calculate_per_token_loss", False)),
-                   sampled_entropy=bool(getattr(args, "grpo_entropy_term_weight", 0.0)), **kw)
+                   sampled_entropy=flags.sampled_entropy, **kw)
 
     def _translate(self, item) -> tuple[TISBatch, Tensor, Tensor, Any, int]:
         """``item_to_batch`` on the host's device, with the item's sequence count (Megatron-LM's)."""
-        batch, tokens, pos, b = item_to_batch(item, self.cfg, packed=self.packed)
+        ctx = parallel_context()
+        batch, tokens, pos, b = item_to_batch(item, self.cfg, packed=self.packed, cp=(ctx.cp_size, ctx.cp_rank))
         n_seq = len(b.seq_lengths) if b is not None else int(tokens.shape[0])
         if self.device is None:
             return batch, tokens, pos, b, n_seq
@@ -307,7 +309,7 @@ class RLHost:
         Collectives (last pipeline stage, algorithm 2 with batch normalisation): those of one
         ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
         ctx = parallel_context()
-        refuse_context_parallel(ctx.cp_size)
+        refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self._rollout = [self._translate(item) for item in items]
         self.rollout_factor, self.appended = None, appended
         if ctx.last_pp_stage and step_batch_norm(self.cfg):
@@ -329,7 +331,7 @@ class RLHost:
     def _begin_step(self, data_iterator) -> None:
         m = self._m()
         ctx = parallel_context()
-        refuse_context_parallel(ctx.cp_size)
+        refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self.ctx, self.m, self.dicts = ctx, m, []
         items = [self._next_item(data_iterator) for _ in range(m)]
         self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
@@ -352,12 +354,13 @@ class RLHost:
             return output, lambda out, *a, **k: (out.sum() * 0.0, {})
         return output, self._loss_func(batch, last=not self._queue)
 
-    def log_probs(self, output: Tensor, labels: Tensor, *, with_entropy: bool = False
+    def log_probs(self, output: Tensor, labels: Tensor, *, with_entropy: bool = False, local: bool = False
                   ) -> tuple[Tensor, Tensor | None]:
         """``(lp [B (S-1)], entropy or None)``: float32 log-probs of ``labels`` (``[B (S-1)]``, ``tokens[:, 1:]``)
-        under ``softmax(output[:, :-1] / T)`` (the engine's vocab-parallel log-softmax). The training loss and
-        the launcher's pi_old / pi_ref passes take their log-probs here."""
-        logits = output[:, :-1].reshape(-1, output.shape[-1])
+        under ``softmax(output[:, :-1] / T)`` (the engine's vocab-parallel log-softmax); ``local``: a CP rank's
+        part of the rows, every position's label given (``[B S/cp]``, ``cp.py``), under ``softmax(output / T)``.
+        The training loss and the launcher's pi_old / pi_ref passes take their log-probs here."""
+        logits = (output if local else output[:, :-1]).reshape(-1, output.shape[-1])
         return vocab_parallel_log_probs_and_entropy(logits, labels, temperature=self.temperature,
                                                     with_entropy=with_entropy)
 
@@ -367,7 +370,8 @@ class RLHost:
 
     def _loss_func(self, batch: TISBatch, last: bool) -> Callable:
         def loss_func(output: Tensor, *args, **kwargs):
-            lp, h = self.log_probs(output, batch.labels, with_entropy=not self.sampled_entropy)
+            lp, h = self.log_probs(output, batch.labels, with_entropy=not self.sampled_entropy,
+                                   local=self.ctx.cp_size > 1 and not self.packed)
             out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
             self.engine.record(out.stats)
             from megatron.core import parallel_state as ps

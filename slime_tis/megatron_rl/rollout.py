@@ -24,7 +24,7 @@ the collection's training micro-batches. :func:`install_rollout` wraps both func
   ``--grpo-kl-beta``), skipped (zeros) where it is 0;
 * the collection: the training ``DataLoader`` the function builds (the last one made through the module's
   ``DataLoader``, or ``get_microbatch_dataloader`` for packed bins) is read once, the host translates every
-  micro-batch (:meth:`RLHost.begin_rollout`: once-per-rollout decisions and the collection's batch-normalisation
+  micro-batch (:meth:`RLHost.begin_rollout`: the collection's batch-normalisation
   factor, reduced over DP) and the function returns a cycling iterator of the same type over the host's
   :class:`~slime_tis.megatron_rl.host.RolloutIndex` elements, in the loader's order.
 
@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.engine.parallel import parallel_context
+from slime_tis.megatron_rl.cp import gather_rows, local_rows, row_grid
 from slime_tis.megatron_rl.host import PackedBin, RLHost
 
 __all__ = ["RolloutHooks", "check_inference_log_probs", "final_turns", "install_rollout"]
@@ -179,8 +181,6 @@ class RolloutHooks:
     def _logprobs_forward_step(self, data_iterator, model, is_correction, packing_context=None):
         """Megatron-LM's ``logprobs_forward_step`` through the host: ``([B, S-1] float32 log-probs at the
         sampling temperature, None)`` on the last pipeline stage, the model output elsewhere."""
-        from slime_tis.engine.parallel import parallel_context
-
         host = self.host()
         model.eval()
         if packing_context is not None:
@@ -193,13 +193,24 @@ class RolloutHooks:
             b = None
         if host.device is not None:
             tokens, pos = tokens.to(host.device), pos.to(host.device)
+        ctx = parallel_context()
+        if b is None and ctx.cp_size > 1:  # this CP rank's part of the rows; the parts gathered back (cp.py)
+            labels = local_rows(row_grid(tokens[:, 1:]), ctx.cp_size, ctx.cp_rank)
+            tokens_in, pos_in = (local_rows(x, ctx.cp_size, ctx.cp_rank) for x in (tokens, pos))
+        else:
+            labels, tokens_in, pos_in = tokens[:, 1:], tokens, pos
         with torch.no_grad():
-            output = host.model_forward(model, tokens, pos, b)
+            output = host.model_forward(model, tokens_in, pos_in, b)
         model.train()
-        if not parallel_context().last_pp_stage:
+        if not ctx.last_pp_stage:
             return output, None
-        lp, _ = host.log_probs(output, tokens[:, 1:].reshape(-1).to(torch.int64))
-        return lp.view(tokens.shape[0], tokens.shape[1] - 1), None
+        lp, _ = host.log_probs(output, labels.reshape(-1).to(torch.int64), local=tokens_in is not tokens)
+        if tokens_in is tokens:
+            return lp.view(tokens.shape[0], tokens.shape[1] - 1), None
+        from megatron.core import parallel_state as ps
+
+        full = gather_rows(lp.view(labels.shape), ctx.cp_size, ps.get_context_parallel_group())
+        return full[:, :-1].contiguous(), None
 
 
 def final_turns(rows: Any, n: int) -> list[bool] | None:

@@ -12,7 +12,9 @@ Typical use (one request per sample, ``return_logprob`` on)::
 Streaming: ``merge_stream_chunks(lines)`` first; multi-turn with tool tokens: ``TrajectoryBuilder``.
 Top-p / top-k sampling: ``generate_request(..., sampling_logprobs=True)`` and
 ``parse_generate_response(resp, rollout_logprobs="sampling")`` use SGLang's log-probs of the
-truncated distribution (``output_token_sampling_logprobs``) as pi_rollout.
+truncated distribution (``output_token_sampling_logprobs``) as pi_rollout; add ``sampling_support=True,
+vocab_size=V`` to carry each token's kept ids (``output_token_sampling_mask``, or slime's top-p token ids) in
+the batch (``PackedRollouts.support_ids`` / ``support_offsets``) for the trainer's replay of the same support.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .sampling import (
     reset_sampling_warnings,
 )
 from .stream import TOKEN_LISTS, merge_stream_batch, merge_stream_chunks
+from .support import SUPPORT_INVALID_METRIC, SamplingSupport, read_support, validate_support
 from .trajectory import PackedRollouts, TrajectoryBuilder, collate
 
 __all__ = [
@@ -42,6 +45,8 @@ __all__ = [
     "RolloutTokens",
     "SGLangLogprobError",
     "SamplingCheck",
+    "SamplingSupport",
+    "SUPPORT_INVALID_METRIC",
     "TOKEN_LISTS",
     "TOP_K_ALL",
     "TrajectoryBuilder",
@@ -52,7 +57,9 @@ __all__ = [
     "merge_stream_batch",
     "merge_stream_chunks",
     "parse_generate_response",
+    "read_support",
     "reset_sampling_warnings",
+    "validate_support",
 ]
 
 

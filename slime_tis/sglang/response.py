@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from .sampling import check_sampling_params
+from .support import SamplingSupport, read_support, validate_support
 
 __all__ = [
     "FINISH_ERROR_METRICS",
@@ -102,6 +103,12 @@ class RolloutTokens:
         finish_error: ``None``, or why the request did not finish normally (a key of
             :data:`FINISH_ERROR_METRICS`: ``"unfinished"``, ``"aborted"``, ``"nan_stop"``; mask zeroed).
         reasons: human-readable reasons, one per failed check.
+        support: the kept ids of every token (:class:`~slime_tis.sglang.support.SamplingSupport`, ``R`` rows),
+            parsed with ``sampling_support=True``; ``None`` otherwise.
+        support_invalid: rejected for an invalid support row (row emptied, NaN at its log-prob, mask kept).
+        rollout_log_mass: ``[R]`` float32 with ``rollout_logprobs="sampling"``: the log of the probability mass the
+            sampler kept at each token, ``output_token_logprobs - output_token_sampling_logprobs`` (0 untruncated,
+            NaN where either is unusable; ``slime-tis diagnose`` reads it from a dump); ``None`` otherwise.
     """
 
     token_ids: Tensor
@@ -112,6 +119,9 @@ class RolloutTokens:
     nonfinite: bool = False
     finish_error: str | None = None
     reasons: list[str] = field(default_factory=list)
+    support: SamplingSupport | None = None
+    support_invalid: bool = False
+    rollout_log_mass: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -326,6 +336,8 @@ def parse_generate_response(
     renormalized_logprobs: bool | None = None,
     logprob_tolerance: float = 1e-4,
     rollout_logprobs: RolloutLogprobs = "full",
+    sampling_support: bool = False,
+    vocab_size: int | None = None,
 ) -> RolloutTokens:
     """Turn one ``/generate`` response (a dict, as returned by ``requests.post(...).json()``) into
     :class:`RolloutTokens` (all tokens trainable, ``loss_mask = 1``).
@@ -342,11 +354,19 @@ def parse_generate_response(
             ignored); ``"sampling"``: pi_rollout = ``output_token_sampling_logprobs``, the log-prob under
             the truncated, renormalised distribution the token was drawn from (request sent with
             ``"return_sampling_mask": true``). With ``"sampling"`` the top-p/top-k check does not warn.
+        sampling_support: also read each token's sampling support (SGLang's ``output_token_sampling_mask``
+            or slime's ``top_p_token_ids`` / ``top_p_token_offsets``; :mod:`slime_tis.sglang.support`) into
+            ``RolloutTokens.support``, validated against ``vocab_size`` (required then). A response without a
+            support raises :class:`SGLangLogprobError` (the request lacked ``return_sampling_mask``); a bad row
+            rejects the sequence (``support_invalid``).
+        vocab_size: the model's vocabulary size (ids must lie in ``[0, vocab_size)``).
     """
     if on_error not in ("reject", "raise"):
         raise ValueError(f"on_error must be 'reject' or 'raise', got {on_error!r}")
     if rollout_logprobs not in ("full", "sampling"):
         raise ValueError(f"rollout_logprobs must be 'full' or 'sampling', got {rollout_logprobs!r}")
+    if sampling_support and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ValueError(f"sampling_support=True needs vocab_size, an int >= 1, got {vocab_size!r}")
     if not isinstance(response, Mapping):
         raise TypeError(f"response must be a dict (one /generate result), got {type(response).__name__}")
     meta = response.get("meta_info")
@@ -361,15 +381,24 @@ def parse_generate_response(
 
     entries = _entries(meta)
     ids = [int(e[1]) for e in entries]
-    raw = [e[0] for e in entries]
+    raw = full_raw = [e[0] for e in entries]
     align_reasons = _alignment_errors(meta, response, ids)
     if rollout_logprobs == "sampling":
         raw, sampling_align = _sampling_logprobs(meta, ids)
         align_reasons += sampling_align
+    support, support_bad, support_reasons = None, None, []
+    if sampling_support:
+        support, support_align = _read_support(meta, len(ids))
+        align_reasons += support_align
+        if not support_align:
+            support, support_bad, support_reasons = validate_support(
+                support, torch.tensor(ids, dtype=torch.int64), vocab_size)
     values, value_reasons = _value_errors(raw, logprob_tolerance)
+    if support_reasons:  # a token whose support is invalid has no usable log-prob: NaN, the core rejects
+        values = [math.nan if bad else v for v, bad in zip(values, support_bad.tolist())]
     finish = _finish_error(meta, response, len(ids))
     finish_reasons = [finish[1]] if finish else []
-    reasons = finish_reasons + align_reasons + value_reasons
+    reasons = finish_reasons + align_reasons + value_reasons + support_reasons
     rid = meta.get("id")
     if reasons and on_error == "raise":
         raise SGLangLogprobError(f"request {rid!r}: " + "; ".join(reasons))
@@ -391,4 +420,27 @@ def parse_generate_response(
         nonfinite=bool(value_reasons),
         finish_error=finish[0] if finish else None,
         reasons=reasons,
+        support=support,
+        support_invalid=bool(support_reasons),
+        rollout_log_mass=_log_mass(full_raw, log_probs, logprob_tolerance) if rollout_logprobs == "sampling" else None,
     )
+
+
+def _log_mass(full_raw: list[Any], sampling: Tensor, tolerance: float) -> Tensor:
+    """``log p_full(y) - log q(y)`` per token (NaN where either log-prob is unusable)."""
+    full, _ = _value_errors(full_raw, tolerance)
+    return torch.tensor(full, dtype=torch.float32) - sampling
+
+
+def _read_support(meta: Mapping[str, Any], n: int) -> tuple[SamplingSupport, list[str]]:
+    try:
+        support, errors = read_support(meta, n)
+    except ValueError as err:
+        raise SGLangLogprobError(str(err)) from err
+    if support is None:
+        raise SGLangLogprobError(
+            "sampling_support=True needs the per-token support: send the /generate request with "
+            "\"return_sampling_mask\": true (SGLang >= 0.5.23: meta_info['output_token_sampling_mask']) or slime's "
+            "custom_params {\"return_top_p_token_ids\": true} (meta_info['top_p_token_ids'] / "
+            "['top_p_token_offsets']), or parse with sampling_support=False")
+    return support, errors

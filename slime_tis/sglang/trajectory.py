@@ -11,7 +11,9 @@ rejections: ``sglang/rejected_seq_fraction`` (any reason), ``sglang/misaligned_s
 (None/NaN/inf/positive log-probs: NaN placed so that the core rejects the sequence), and the
 requests that did not finish normally (whole sequence masked): ``sglang/unfinished_seq_fraction``
 (``finish_reason`` null: a stream cut off before its finishing chunk), ``sglang/aborted_seq_fraction``
-(``finish_reason`` abort) and ``sglang/nan_stop_seq_fraction`` (SGLang's "NaN happened" stop).
+(``finish_reason`` abort) and ``sglang/nan_stop_seq_fraction`` (SGLang's "NaN happened" stop); parsed with
+``sampling_support=True``, the batch carries the packed supports and ``sglang/support_invalid_seq_fraction``
+counts the sequences rejected for an invalid support row (:mod:`slime_tis.sglang.support`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .response import (
     SGLangLogprobError,
     parse_generate_response,
 )
+from .support import SUPPORT_INVALID_METRIC, SamplingSupport, concat_supports
 
 __all__ = ["PackedRollouts", "TrajectoryBuilder", "collate"]
 
@@ -58,7 +61,10 @@ class TrajectoryBuilder:
         sampling_params: Mapping[str, Any] | None = None,
         renormalized_logprobs: bool | None = None,
         rollout_logprobs: RolloutLogprobs = "full",
+        sampling_support: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
+        self.sampling_support, self.vocab_size = sampling_support, vocab_size
         self.on_error = on_error
         self.sampling_params = sampling_params
         self.renormalized_logprobs = renormalized_logprobs
@@ -74,6 +80,8 @@ class TrajectoryBuilder:
             sampling_params=self.sampling_params,
             renormalized_logprobs=self.renormalized_logprobs,
             rollout_logprobs=self.rollout_logprobs,
+            sampling_support=self.sampling_support,
+            vocab_size=self.vocab_size,
         )
         parsed.reasons = [f"turn {self._turn}: {r}" for r in parsed.reasons]
         self._turn += 1
@@ -89,6 +97,8 @@ class TrajectoryBuilder:
                 token_ids=ids,
                 rollout_log_probs=torch.zeros(n, dtype=torch.float32),
                 loss_mask=torch.zeros(n, dtype=torch.float32),
+                support=SamplingSupport.empty_rows(n) if self.sampling_support else None,
+                rollout_log_mass=torch.zeros(n, dtype=torch.float32) if self.rollout_logprobs == "sampling" else None,
             )
         )
 
@@ -106,6 +116,10 @@ class TrajectoryBuilder:
             nonfinite=any(p.nonfinite for p in parts),
             finish_error=next((p.finish_error for p in parts if p.finish_error), None),
             reasons=[r for p in parts for r in p.reasons],
+            support=concat_supports([p.support for p in parts]) if self.sampling_support else None,
+            support_invalid=any(p.support_invalid for p in parts),
+            rollout_log_mass=(torch.cat([p.rollout_log_mass for p in parts])
+                              if all(p.rollout_log_mass is not None for p in parts) else None),
         )
         if out.misaligned or out.finish_error:
             # one misaligned turn shifts every later token, and a turn that did not finish broke the
@@ -122,6 +136,11 @@ class PackedRollouts:
         token_ids: ``[T]`` int64. rollout_log_probs: ``[T]`` float32. loss_mask: ``[T]`` float32.
         cu_seqlens: ``[n + 1]`` int64. rejected: ``[n]`` bool. reasons: per sequence, a list of str.
         metrics: ``sglang/*`` fractions (scalar float32 tensors).
+        support_ids: ``[S]`` int32, support_offsets: ``[T + 1]`` int64: every token's sampling support (CSR, token
+            ``t`` keeps ``support_ids[support_offsets[t]:support_offsets[t + 1]]``), when every sample carries one;
+            else ``None``.
+        rollout_log_mass: ``[T]`` float32 (``RolloutTokens.rollout_log_mass``) when every sample carries it, else
+            ``None``.
     """
 
     token_ids: Tensor
@@ -131,6 +150,9 @@ class PackedRollouts:
     rejected: Tensor
     reasons: list[list[str]] = field(default_factory=list)
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    support_ids: Tensor | None = None
+    support_offsets: Tensor | None = None
+    rollout_log_mass: Tensor | None = None
 
     def per_sample(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """slime-style per-sample lists ``(token_ids, rollout_log_probs, loss_masks)``."""
@@ -153,6 +175,12 @@ def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
     rejected = torch.tensor([s.rejected for s in samples], dtype=torch.bool)
     misaligned = torch.tensor([s.misaligned for s in samples], dtype=torch.bool)
     nonfinite = torch.tensor([s.nonfinite for s in samples], dtype=torch.bool)
+    with_support = [s.support is not None for s in samples]
+    if any(with_support) and not all(with_support):
+        raise ValueError("collate: some samples carry a sampling support and some do not; parse them all with "
+                         "the same sampling_support setting")
+    support = concat_supports([s.support for s in samples]) if all(with_support) else None
+    support_invalid = torch.tensor([s.support_invalid for s in samples], dtype=torch.float32)
     finish = {
         name: torch.tensor([s.finish_error == kind for s in samples], dtype=torch.float32).mean()
         for kind, name in FINISH_ERROR_METRICS.items()
@@ -169,5 +197,10 @@ def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
             "sglang/misaligned_seq_fraction": misaligned.float().mean(),
             "sglang/nonfinite_seq_fraction": nonfinite.float().mean(),
             **finish,
+            **({SUPPORT_INVALID_METRIC: support_invalid.mean()} if support is not None else {}),
         },
+        support_ids=None if support is None else support.ids,
+        support_offsets=None if support is None else support.offsets,
+        rollout_log_mass=(torch.cat([s.rollout_log_mass for s in samples])
+                          if all(s.rollout_log_mass is not None for s in samples) else None),
     )

@@ -15,6 +15,12 @@ Report:
    at each level: token and sequence ``[0.5, 2]``, geometric ``[1/1.001, 1.001]``.
 4. **Recommendation** (mode / level / bounds / veto) with its reasoning, and the core's metrics
    under it (rejected fractions, ess, weight mean).
+5. **Sampling support** (when the dump carries ``rollout_log_mass``, the log of the mass the rollout's top-p /
+   top-k kept at each token): the token log-ratio with the trainer's log-probs over the full vocabulary and over
+   the sampled support (``l_full = l_replay + log S``; the dump's meta ``sampling_support`` says which one its
+   train log-probs are, ``full`` when absent), their means, ``k3`` and fraction of tokens outside [0.9, 1.1], and
+   the share of the full-vocabulary ``k3`` the support explains, ``1 - k3(l_replay) / k3(l_full)``
+   (docs/sampling_support.md).
 
 The rules of the recommendation (thresholds are stated in the reasons it prints):
 
@@ -97,6 +103,7 @@ class Diagnosis:
     buckets: list[dict[str, float]]
     recommendation: Recommendation
     usable_tokens: int = -1  # valid tokens of finite sequences (the diagnostic domain); 0 = nothing to diagnose
+    support: dict[str, float] | None = None  # the sampling-support section (module docstring, 5.), when dumped
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +112,7 @@ class Diagnosis:
             "percentiles": {"q": list(PERCENTILES), **self.percentiles}, "buckets": self.buckets,
             "recommendation": {"fields": self.recommendation.fields, "flags": self.recommendation.flags,
                                "reasons": self.recommendation.reasons, "metrics": self.recommendation.metrics},
+            **({"support": self.support} if self.support is not None else {}),
         }
 
 
@@ -266,8 +274,31 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     return Diagnosis(
         n_seq=dump.n_seq, n_tokens=n_valid, config=cfg.describe(), overall=overall,
         percentiles={k: _quantiles(v) for k, v in dists.items()}, buckets=buckets,
-        recommendation=rec, usable_tokens=usable,
+        recommendation=rec, usable_tokens=usable, support=support_explained(dump),
     )
+
+
+def support_explained(dump: LogprobDump) -> dict[str, float] | None:
+    """The sampling-support section (module docstring, 5.) over valid tokens with finite values, or ``None``
+    when the dump carries no ``rollout_log_mass``."""
+    if dump.rollout_log_mass is None:
+        return None
+    mass = dump.rollout_log_mass.double()
+    log_r = dump.train_log_probs.double() - dump.rollout_log_probs.double()
+    ok = dump.loss_mask & torch.isfinite(log_r) & torch.isfinite(mass)
+    log_r, mass = log_r[ok], mass[ok]
+    replayed = dump.meta.get("sampling_support") == "replay"
+    out: dict[str, float] = {"tokens": float(log_r.numel()), "train_log_probs_over_support": float(replayed),
+                             "kept_mass_mean": float(mass.exp().mean()) if log_r.numel() else math.nan}
+    for mode, lr in (("full", log_r if not replayed else log_r + mass), ("replay", log_r - mass if not replayed
+                                                                          else log_r)):
+        r = lr.exp()
+        out[f"{mode}_ratio_mean"] = float(r.mean()) if lr.numel() else math.nan
+        out[f"{mode}_k3"] = float((r - 1 - lr).mean()) if lr.numel() else math.nan
+        out[f"{mode}_outside_10pct"] = float(((r < 0.9) | (r > 1.1)).double().mean()) if lr.numel() else math.nan
+    k3_full = out["full_k3"]
+    out["explained"] = 1.0 - out["replay_k3"] / k3_full if k3_full > 0 else math.nan
+    return out
 
 
 def _no_domain(dump: LogprobDump, n_valid: int, overall: dict[str, float]) -> Recommendation:
@@ -318,6 +349,18 @@ def format_report(d: Diagnosis) -> str:
     lines += [f"  - {why}" for why in r.reasons]
     if r.metrics:
         lines.append("  under it: " + ", ".join(f"{k.split('/')[1]}={_fmt(v)}" for k, v in r.metrics.items()))
+    if d.support is not None:
+        s = d.support
+        dumped = "the sampled support (replay)" if s["train_log_probs_over_support"] else "the full vocabulary"
+        lines += ["", f"sampling support (top-p / top-k; train log-probs in the dump: over {dumped}):",
+                  f"  {int(s['tokens'])} tokens, mean kept mass {_fmt(s['kept_mass_mean'])}",
+                  f"  {'trainer log-probs over':<26}{'mean ratio':>12}{'k3_kl':>12}{'outside [0.9, 1.1]':>20}"]
+        for mode, what in (("full", "the full vocabulary"), ("replay", "the sampled support")):
+            lines.append(f"  {what:<26}{_fmt(s[mode + '_ratio_mean']):>12}{_fmt(s[mode + '_k3']):>12}"
+                         f"{100 * s[mode + '_outside_10pct']:>19.1f}%")
+        lines.append(f"  the support explains {100 * s['explained']:.1f}% of the full-vocabulary k3_kl"
+                     + ("" if s["train_log_probs_over_support"] else
+                        " (--tis-sampling-support replay removes it: docs/sampling_support.md)"))
     return "\n".join(lines)
 
 

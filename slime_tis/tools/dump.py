@@ -78,6 +78,9 @@ class LogprobDump:
         sample_index: ``[n]`` int64 sample id within its step (``-1`` unknown).
         token_ids: ``[T]`` int64 or None.
         reward: ``[n]`` float32 or None (NaN where unknown).
+        rollout_log_mass: ``[T]`` float32 or None: log of the probability mass the rollout's sampler kept at each
+            token (top-p / top-k; SGLang's ``output_token_logprobs - output_token_sampling_logprobs``, 0 untruncated;
+            docs/sampling_support.md).
         meta: header fields (free-form, e.g. ``{"train_policy": "old", "temperature": 1.0}``).
         notes: what the reader tolerated and the user should know (e.g. a torn last line that was
             dropped), one sentence each.
@@ -91,6 +94,7 @@ class LogprobDump:
     sample_index: Tensor
     token_ids: Tensor | None = None
     reward: Tensor | None = None
+    rollout_log_mass: Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -130,6 +134,7 @@ class LogprobDump:
             sample_index=self.sample_index[seq_keep],
             token_ids=None if self.token_ids is None else self.token_ids[tok_keep],
             reward=None if self.reward is None else self.reward[seq_keep],
+            rollout_log_mass=None if self.rollout_log_mass is None else self.rollout_log_mass[tok_keep],
             meta=dict(self.meta),
             notes=list(self.notes),
         )
@@ -158,6 +163,7 @@ def records_from_packed(
     sample_index: Sequence[int] | Tensor | None = None,
     token_ids: Tensor | None = None,
     reward: Sequence[float] | Tensor | None = None,
+    rollout_log_mass: Tensor | None = None,
 ) -> list[dict[str, Any]]:
     """Split packed ``[T]`` tensors (core layout) into per-sequence records for :func:`write_logprob_dump`.
 
@@ -169,6 +175,7 @@ def records_from_packed(
     rl = rollout_log_probs.detach().float().cpu()  # host-sync-ok (dump file)
     lm = loss_mask.detach().cpu()  # host-sync-ok (dump file)
     ids = None if token_ids is None else token_ids.detach().cpu()  # host-sync-ok (dump file)
+    mass = None if rollout_log_mass is None else rollout_log_mass.detach().float().cpu()  # host-sync-ok (dump)
     steps = _per_seq(step, n, "step")
     idx = _per_seq(sample_index, n, "sample_index")
     rew = _per_seq(reward, n, "reward")
@@ -188,6 +195,8 @@ def records_from_packed(
             rec["token_ids"] = ids[a:b].tolist()  # host-sync-ok (dump file)
         if rew is not None:
             rec["reward"] = float(rew[i])
+        if mass is not None:
+            rec["rollout_log_mass"] = mass[a:b].tolist()  # host-sync-ok (dump file)
         out.append(rec)
     return out
 
@@ -326,6 +335,12 @@ def _normalise(rec: Mapping[str, Any], i: int) -> dict[str, Any]:
             raise DumpFormatError(
                 f"record {i}: token_ids has {len(ids)} entries but the log-probs have {len(train)}"
             )
+    mass = rec.get("rollout_log_mass")
+    if mass is not None:
+        mass = _numbers(_as_list(mass, "rollout_log_mass", i), i, "rollout_log_mass")
+        if len(mass) != len(train):
+            raise DumpFormatError(
+                f"record {i}: rollout_log_mass has {len(mass)} entries but the log-probs have {len(train)}")
     reward = rec.get("reward")
     step, index = rec.get("step"), rec.get("sample_index")
     return {
@@ -336,6 +351,7 @@ def _normalise(rec: Mapping[str, Any], i: int) -> dict[str, Any]:
         "sample_index": -1 if index is None else _integer(index, i, "sample_index", lo=-1),
         "token_ids": ids,
         "reward": None if reward is None else _number(reward, i, "reward"),
+        "rollout_log_mass": mass,
     }
 
 
@@ -351,6 +367,7 @@ def _pack(recs: list[dict[str, Any]], meta: dict[str, Any]) -> LogprobDump:
 
     have_ids = bool(recs) and all(r["token_ids"] is not None for r in recs)
     have_reward = any(r["reward"] is not None for r in recs)
+    have_mass = bool(recs) and all(r["rollout_log_mass"] is not None for r in recs)
     return LogprobDump(
         train_log_probs=cat("train_log_probs", torch.float32),
         rollout_log_probs=cat("rollout_log_probs", torch.float32),
@@ -364,6 +381,7 @@ def _pack(recs: list[dict[str, Any]], meta: dict[str, Any]) -> LogprobDump:
             if have_reward
             else None
         ),
+        rollout_log_mass=cat("rollout_log_mass", torch.float32) if have_mass else None,
         meta=meta,
     )
 
@@ -378,6 +396,7 @@ def _records_of(dump: LogprobDump) -> list[dict[str, Any]]:
         sample_index=dump.sample_index,
         token_ids=dump.token_ids,
         reward=dump.reward,
+        rollout_log_mass=dump.rollout_log_mass,
     )
     for r in recs:
         if r.get("reward") is not None and math.isnan(r["reward"]):
@@ -406,8 +425,8 @@ def write_logprob_dump(
 
     Each record is a mapping with ``train_log_probs`` and ``rollout_log_probs`` (lists or 1-D
     tensors of the same length ``R``), and optionally ``loss_mask`` ``[R]``, ``step``,
-    ``sample_index``, ``token_ids`` ``[R]``, ``reward``. ``meta`` goes into the header (e.g.
-    ``{"train_policy": "old", "algorithm": 2, "temperature": 1.0}``). Raises ``ValueError`` naming the
+    ``sample_index``, ``token_ids`` ``[R]``, ``reward``, ``rollout_log_mass`` ``[R]``. ``meta`` goes into the
+    header (e.g. ``{"train_policy": "old", "algorithm": 2, "temperature": 1.0}``). Raises ``ValueError`` naming the
     record and field on malformed input. Parent directories are created.
     """
     path = Path(path)
@@ -445,6 +464,7 @@ def write_logprob_dump(
         "sample_index": dump.sample_index,
         "token_ids": dump.token_ids,
         "reward": dump.reward,
+        "rollout_log_mass": dump.rollout_log_mass,
         "meta": dump.meta,
     }
     tmp = path.with_suffix(".pt.tmp")
@@ -597,6 +617,7 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
     idx = _pt_tensor(obj, "sample_index", path, kind="int", length=n, optional=True)
     ids = _pt_tensor(obj, "token_ids", path, kind="int", length=t, optional=True)
     reward = _pt_tensor(obj, "reward", path, kind="float", length=n, optional=True)
+    mass = _pt_tensor(obj, "rollout_log_mass", path, kind="float", length=t, optional=True)
     _pt_lower_bound(step, "step", -1, path, None)
     _pt_lower_bound(idx, "sample_index", -1, path, None)
     _pt_lower_bound(ids, "token_ids", 0, path, cu)
@@ -612,6 +633,7 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
         sample_index=idx.to(torch.int64) if idx is not None else torch.full((n,), -1, dtype=torch.int64),
         token_ids=None if ids is None else ids.to(torch.int64),
         reward=None if reward is None else reward.float(),
+        rollout_log_mass=None if mass is None else mass.float(),
         meta=dict(meta or {}),
     )
 

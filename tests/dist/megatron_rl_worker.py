@@ -10,7 +10,7 @@ its rows packed two to a bin with a block-causal attention mask: the same oracle
 writes ``DIR/rank{r}.jsonl``: the gradient error of its shards, and on the last stage the loss and ``tis/*``
 metrics as Megatron-LM's ``train_step`` logs them from the loss dicts; then, under DP=2, one rollout collection
 trained in two optimizer steps (:func:`run_rollout`): its batch-normalisation factor; then, under CP=2, the host's
-refusal (:func:`run_cp_refused`).
+refusal of packed bins (:func:`run_cp_refused`).
 """
 
 from __future__ import annotations
@@ -181,14 +181,16 @@ def run_rollout(weights: dict, b: dict) -> dict:
 
 
 def run_cp_refused(b: dict) -> dict:
-    """CP=2 (megatron-core's parallel state, both ranks one CP group): the host's ``begin_rollout`` and
-    ``forward_step`` refuse before any collective or forward, in one line naming ``--context-parallel-size 2``."""
+    """CP=2 (megatron-core's parallel state, both ranks one CP group) with sequence-packed bins: the host's
+    ``begin_rollout`` and ``forward_step`` refuse before any collective or forward, in one line naming
+    ``--context-parallel-size 2`` and ``--rl-use-sequence-packing`` (unpacked rows are split across the CP ranks:
+    tests/dist/test_megatron_rl_real_tree.py)."""
     setup_parallel(LAYOUTS["cp2"])
     item = tuple(b[k][:2] for k in ("tokens", "adv", "old", "mask", "pos", "ref", "inf"))
     messages = []
     for call in (lambda h: h.begin_rollout([item]), lambda h: h.forward_step(iter([item]), None)):
         try:
-            call(RLHost(TISConfig(**RL_CASES["a2_seq_clip_bn_kl"]), 1, temperature=TEMPERATURE))
+            call(RLHost(TISConfig(**RL_CASES["a2_seq_clip_bn_kl"]), 1, packed=True, temperature=TEMPERATURE))
             messages.append(None)
         except ValueError as e:
             messages.append(str(e))

@@ -4,8 +4,8 @@
 on the same tiny megatron-core GPT and global batch: every gradient shard to 1e-5 relative, the loss Megatron-LM's
 ``train_step`` logs (``lm loss``) to 1e-5 relative and every ``tis/*`` metric it logs to 1e-5 relative to
 ``max(|value|, 0.01)`` (float32 sums over a different split and reduction order; metrics that are differences of
-log-probs, e.g. ``tis/kl`` near 0, keep an absolute float32 error of ~1e-7); under CP=2 the host refuses in one
-line."""
+log-probs, e.g. ``tis/kl`` near 0, keep an absolute float32 error of ~1e-7); under CP=2 the host refuses
+packed bins in one line."""
 
 from __future__ import annotations
 
@@ -69,13 +69,15 @@ def test_batch_normalisation_over_the_rollout_collection_under_dp2(results) -> N
     assert mine[0]["factor"] == mine[1]["factor"]
 
 
-def test_context_parallelism_is_refused_under_cp2(results) -> None:
-    """Under a real CP=2 layout the host's ``begin_rollout`` and ``forward_step`` refuse on both ranks, in one
-    line naming ``--context-parallel-size 2`` (the host does not split sequences across CP ranks)."""
+def test_context_parallelism_with_packed_bins_is_refused_under_cp2(results) -> None:
+    """Under a real CP=2 layout the host's ``begin_rollout`` and ``forward_step`` on packed bins refuse on both
+    ranks, in one line naming ``--context-parallel-size 2`` and ``--rl-use-sequence-packing`` (the host splits
+    unpacked rows across CP ranks, not bins)."""
     mine = [r for r in results if r.get("kind") == "cp_refused"]
     assert len(mine) == 2
     for r in mine:
         assert "error" not in r, r.get("error")
         assert r["cp"] == 2 and len(r["messages"]) == 2
         for message in r["messages"]:
-            assert message is not None and message.startswith("--context-parallel-size 2: ") and "\n" not in message
+            assert message is not None and "\n" not in message
+            assert message.startswith("--context-parallel-size 2 with --rl-use-sequence-packing: "), message
