@@ -24,7 +24,7 @@ the collection's training micro-batches. :func:`install_rollout` wraps both func
   ``--grpo-kl-beta``), skipped (zeros) where it is 0;
 * the collection: the training ``DataLoader`` the function builds (the last one made through the module's
   ``DataLoader``, or ``get_microbatch_dataloader`` for packed bins) is read once, the host translates every
-  micro-batch (:meth:`RLHost.begin_rollout`: once-per-rollout decisions and the collection's batch-normalisation
+  micro-batch (:meth:`RLHost.begin_rollout`: the collection's batch-normalisation
   factor, reduced over DP) and the function returns a cycling iterator of the same type over the host's
   :class:`~slime_tis.megatron_rl.host.RolloutIndex` elements, in the loader's order.
 
