@@ -328,13 +328,12 @@ class _CountingReducer(LocalReducer):
 @pytest.mark.parametrize("denominator", ["keep", "drop"])
 @pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
 def test_the_host_corrects_each_micro_batch_once_in_the_loss(monkeypatch, algorithm, denominator) -> None:
-    """Two steps of three micro-batches: each loss call runs the correction exactly once (or, where ``begin``
-    decided the micro-batch, finishes that decision once with ``refine``) and the same number of reductions;
+    """Two steps of three micro-batches: each loss call runs the correction exactly once and the same number of
+    reductions;
     ``begin`` corrects each micro-batch once where ``drop`` or algorithm 2's batch normalisation need it before the
     first loss, else never (``tests/test_engine_correction_counts.py``'s counts, this host)."""
     import slime_tis.core.correction as correction_mod
     import slime_tis.core.losses as losses_mod
-    import slime_tis.engine.step as step_mod
 
     count = {"corrections": 0}
     real = correction_mod.correct
@@ -345,13 +344,6 @@ def test_the_host_corrects_each_micro_batch_once_in_the_loss(monkeypatch, algori
 
     monkeypatch.setattr(correction_mod, "correct", counted)
     monkeypatch.setattr(losses_mod, "correct", counted)
-    real_refine = step_mod.refine
-
-    def counted_refine(*a, **k):  # finishing a decision taken in ``begin`` is the loss's one pass
-        count["corrections"] += 1
-        return real_refine(*a, **k)
-
-    monkeypatch.setattr(step_mod, "refine", counted_refine)
     reducer = _CountingReducer()
     monkeypatch.setattr("slime_tis.megatron_rl.host.parallel_context", lambda: ParallelContext(0, 1, reducer))
     rules = {} if algorithm == 0 else dict(mode="mask", level="geometric", upper=1.3, veto_threshold=1e-3)

@@ -10,20 +10,13 @@
 
 (the surrogate, the KL and entropy terms and the aggregation are the configuration's, all in the core).
 
-and returns what the schedule expects, pre-compensating megatron's own scaling so that the final
-parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D`` (:class:`LossForm`):
-
-* ``calculate_per_token_loss=False``: 2-tuple ``(loss * M * g / cp, metrics)``. The schedule multiplies a
-  2-tuple loss by ``cp`` and divides it by ``M``; megatron DDP averages gradients over ``g = dp * cp``
-  ranks (``g = 1`` without megatron DDP).
-* ``calculate_per_token_loss=True``: 3-tuple ``(loss * N, n_local, metrics)``; megatron leaves the loss
-  alone, sums gradients and divides them by ``sum n_local = N`` in ``finalize_model_grads``.
-
-The metrics dict holds detached clones (megatron-core's schedule scales the returned loss in place);
-the micro-batch's ``MetricStats`` go to the engine (``record``) for one reduction after the schedule. Its ``"loss"``
-entry is Megatron-LM's ``[value, count]`` reporting pair ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks):
-``train_step`` sums the pairs over the ``M`` micro-batches, all-reduces them over DP x CP and logs
-``value / count = sum_{k, ranks} loss_k``, the true step loss, on every rank (``loss_dict.py``).
+and returns the schedule's form (:class:`LossForm`), pre-compensating megatron's own scaling so that the final
+parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D``: the 2-tuple
+``(loss * M * g / cp, metrics)`` (``g``: the wrapper's gradient divisor, read by ``grad_scale``) or, with
+``calculate_per_token_loss``, the 3-tuple ``(loss * N, n_local, metrics)`` (the derivation: docs/megatron.md, "Which
+return form, and why"). The metrics dict holds detached clones, its ``"loss"`` Megatron-LM's reporting pair
+(``loss_dict.py``); the micro-batch's ``MetricStats`` go to the engine (``record``) for one reduction after the
+schedule.
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ from torch import Tensor
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
 from slime_tis.core.correction import as_valid_mask
-from slime_tis.core.metrics import column_sums
 from slime_tis.engine.batch import TISBatch
-from slime_tis.engine.settings import LogProbSettings
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import StepTotals
 from slime_tis.megatron.loss_dict import report_pair
@@ -93,7 +85,7 @@ def loss_form_for(model_config, model_chunks: list, num_microbatches: int, *,
 
 
 def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: LossForm, reducer: Reducer, *,
-                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
+                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = CHUNK_SIZE,
                    model_chunk=None, output_layer: str | None = None,
                    pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
     """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring).
@@ -118,16 +110,12 @@ def loss_func_for(engine: StepEngine, batch: TISBatch, form: LossForm, *, settin
     passed whole: megatron's output -> ``lp_theta`` -> ``engine.loss`` -> the schedule's return form."""
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
-        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk, with_entropy=True)
+        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk,
+                                          with_entropy=engine.cfg.entropy_coef != 0.0)
         lp_old = lp.detach() if batch.old_log_probs is None and pi_old_from_theta else None
         out = engine.loss(batch, lp, entropy=entropy, lp_old=lp_old)
         valid = as_valid_mask(batch.loss_mask)
-        zero = torch.zeros((), dtype=torch.float32, device=lp.device)
-        extra = MetricStats(token_sums={
-            "megatron.loss_sum": out.loss.detach().clone(),
-            **column_sums({"megatron.entropy_sum": torch.where(valid, entropy.detach(), zero)}),
-        })
-        engine.record(out.stats.merge(extra))
+        engine.record(out.stats.merge(MetricStats(token_sums={"megatron.loss_sum": out.loss.detach().clone()})))
         metrics = {"loss": report_pair(out.loss.detach() * (form.num_microbatches * form.report_ranks))}
         if form.per_token:
             n_local = valid.sum().to(torch.int)

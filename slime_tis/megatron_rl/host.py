@@ -19,9 +19,8 @@ log-probs). ``lp_theta`` is the log-prob of ``softmax(logits / T)`` with ``T = -
 engine's vocab-parallel log-softmax, float32: :meth:`RLHost.log_probs`, also the launcher's pi_old / pi_ref path).
 
 Per rollout collection, :meth:`RLHost.begin_rollout` (the launcher calls it where Megatron-LM prepares the update,
-``rollout.py``) translates the collection's micro-batches once, decides the corrections that read only pi_old and
-pi_rollout once (``engine.totals.Decisions``) and takes algorithm 2's batch-normalisation factor over the whole
-collection, reduced over DP (x CP); the training iterator then yields :class:`RolloutIndex` elements.
+``rollout.py``) translates the collection's micro-batches once and takes algorithm 2's batch-normalisation factor
+over the whole collection, reduced over DP (x CP); the training iterator then yields :class:`RolloutIndex` elements.
 
 Per optimizer step (``M`` micro-batches), :meth:`RLHost.forward_step` reads the step's ``M`` items on its first
 call (a :class:`RolloutIndex`, or an item it translates) and calls ``engine.begin`` (the step's global
@@ -58,7 +57,7 @@ from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.step import StepEngine
-from slime_tis.engine.totals import Decisions, decides_ahead
+from slime_tis.engine.totals import step_batch_norm
 from slime_tis.megatron_rl.cp import local_rows, row_grid
 from slime_tis.megatron_rl.flags import config_from_megatron_rl_args, record_typed_flags, resolve_megatron_rl_flags
 
@@ -268,10 +267,9 @@ class RLHost:
         self._m = num_microbatches if callable(num_microbatches) else (lambda: num_microbatches)
         self.steps, self.metrics = 0, {}
         self._queue: list = []
-        #: the rollout collection (:meth:`begin_rollout`): its translated micro-batches, the corrections decided
-        #: once for it and algorithm 2's batch-normalisation factor over it; ``None`` outside one
+        #: the rollout collection (:meth:`begin_rollout`): its translated micro-batches and algorithm 2's
+        #: batch-normalisation factor over it; ``None`` outside one
         self._rollout: list | None = None
-        self.decisions: Decisions | None = None
         self.rollout_factor: Tensor | None = None
         #: this rank's count of the collection's appended tokens left out of the loss (``rollout.py``); ``None``
         #: where the collection's inference log-probs were not checked (algorithm 0, or no launcher)
@@ -301,22 +299,21 @@ class RLHost:
 
     def begin_rollout(self, items: list, appended: int | None = None) -> list[RolloutIndex]:
         """A new rollout collection: this rank's micro-batch items, in the order Megatron-LM's training iterator
-        yields them. Each is translated once and kept for every optimizer step on the collection; the
-        corrections that read only pi_old and pi_rollout (algorithms 0 and 2 with ``drop`` or batch
-        normalisation) are decided once, and algorithm 2's batch-normalisation factor is taken over the whole
-        collection of all DP (x CP) ranks, here, where Megatron-LM prepares the update. Returns the training
+        yields them. Each is translated once and kept for every optimizer step on the collection; algorithm 2's
+        batch-normalisation factor is taken over the whole collection of all DP (x CP) ranks, here, where
+        Megatron-LM prepares the update. Returns the training
         iterator's elements (one :class:`RolloutIndex` per micro-batch). ``appended``: this rank's count of the
         collection's tokens the training side appended without an inference log-prob and left out of the loss
         (``rollout.check_inference_log_probs``), logged with every step's metrics as :data:`APPENDED_METRIC`.
 
-        Collectives (last pipeline stage, where :func:`~slime_tis.engine.totals.decides_ahead`): those of one
+        Collectives (last pipeline stage, algorithm 2 with batch normalisation): those of one
         ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
         ctx = parallel_context()
         refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self._rollout = [self._translate(item) for item in items]
-        self.decisions, self.rollout_factor, self.appended = Decisions(), None, appended
-        if ctx.last_pp_stage and decides_ahead(self.cfg):
-            totals = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions).begin([r[0] for r in self._rollout])
+        self.rollout_factor, self.appended = None, appended
+        if ctx.last_pp_stage and step_batch_norm(self.cfg):
+            totals = StepEngine(self.cfg, ctx.reducer).begin([r[0] for r in self._rollout])
             self.rollout_factor = totals.batch_norm_factor
         return [RolloutIndex(k) for k in range(len(self._rollout))]
 
@@ -337,7 +334,7 @@ class RLHost:
         refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self.ctx, self.m, self.dicts = ctx, m, []
         items = [self._next_item(data_iterator) for _ in range(m)]
-        self.engine = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions) if ctx.last_pp_stage else None
+        self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
         if self.engine is not None:
             self.engine.begin([it[0] for it in items])
             if self.rollout_factor is not None:  # the collection's, decided in begin_rollout
