@@ -240,6 +240,41 @@ def test_tis_metrics_are_the_engines_in_megatron_lms_log() -> None:
         assert float(logged[k]) == pytest.approx(float(v), rel=1e-6, abs=1e-7), k
 
 
+def _megatron_ddp(module: torch.nn.Module, dp_cp: int, per_token: bool) -> torch.nn.Module:
+    """A megatron-core ``DistributedDataParallel`` as the schedule hands it to ``forward_step``, its process group
+    ``dp_cp`` ranks (the attributes the wrapper reading uses; no process group is built in one process)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)
+    torch.nn.Module.__init__(ddp)
+    ddp.module = module
+    ddp.config = types.SimpleNamespace(calculate_per_token_loss=per_token)
+    ddp.dp_cp_group = types.SimpleNamespace(size=lambda: dp_cp)
+    return ddp
+
+
+def test_gradient_divisor_is_read_from_the_models_wrapper() -> None:
+    """The 2-tuple's ``g`` is the divisor of the wrapper the schedule hands ``forward_step``, as in the megatron-core
+    hook (``engine.megatron_schedule``): megatron DDP averaging over 4 ranks returns 4 times the bare model's loss
+    (one process: ``R = 1``, ``cp = 1``); a DDP wrapper built without ``--calculate-per-token-loss`` under the flag
+    is refused in one line."""
+    d = _data(3)
+
+    def unwrap(model, tokens, pos, b):
+        return getattr(model, "module", model)(tokens)
+
+    returned = []
+    for wrap in (False, True):
+        host = RLHost(TISConfig(use_tis=True), 2, model_forward=unwrap)
+        model = _megatron_ddp(Bigram(), 4, per_token=False) if wrap else Bigram()
+        output, loss_func = host.forward_step(iter(_unpacked_items(d, 2)), model)
+        returned.append(loss_func(output)[0])
+    assert torch.equal(returned[1], 4 * returned[0])
+    host = RLHost(TISConfig(use_tis=True), 2, per_token=True, model_forward=unwrap)
+    with pytest.raises(ValueError, match="calculate_per_token_loss=False"):
+        host.forward_step(iter(_unpacked_items(d, 2)), _megatron_ddp(Bigram(), 4, per_token=False))
+
+
 def test_the_three_defects_do_not_occur() -> None:
     """(1) pi_old = inference log-probs = -9 in float32: every weight is exactly 1 and pi_old is float32;
     (2) the temperature divides the training logits (loss = the core's at T = 0.7, not at T = 1);

@@ -227,7 +227,7 @@ def test_interleaved_pipeline_is_refused_in_one_line(argv_attr: str, value: int,
 
 @pytest.mark.parametrize("cp,packed", [(2, True), (4, True), (2, False), (1, True), (None, True)])
 def test_context_parallelism_with_packed_bins_is_refused_at_start_up_in_one_line(cp, packed: bool) -> None:
-    """The host splits unpacked rows across context-parallel ranks (``cp.py``; on Megatron-LM's tree:
+    """The host splits unpacked rows across context-parallel ranks (``cp_slice_padded``; on Megatron-LM's tree:
     tests/dist/test_megatron_rl_real_tree.py), not packed bins: a context-parallel size above 1 with
     ``--rl-use-sequence-packing`` is refused when the host is built from Megatron-LM's arguments, in one line naming
     both flags and what to use instead (under a real CP=2 layout ``begin_rollout`` and ``forward_step`` refuse

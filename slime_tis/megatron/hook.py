@@ -15,7 +15,7 @@ One training call (``forward_only=False``), in order (docs/megatron.md, "What th
 5. megatron's schedule with the launcher's ``forward_step_func`` whose loss function is ours
    (``loss.forward_step_with_tis_loss``), every keyword forwarded;
 6. the step metrics (``StepEngine.end``) into ``last_metrics`` and every micro-batch loss dict as ``[value, 1]``
-   (``loss_dict``); ranks whose training calls are out of step raise ``RuntimeError`` together.
+   (``engine.megatron_schedule``); ranks whose training calls are out of step raise ``RuntimeError`` together.
 
 An error leaving a call is recorded with its rank and phase (``rank_failure``) and named on the other ranks as a
 ``RankFailedError``. With ``fused_output_layer`` / ``fp32_lm_head`` steps 3-5 run with the model's output layer
@@ -42,11 +42,11 @@ from slime_tis.core import Reducer
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.agreement import check_settings_agree, config_settings
 from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.megatron_schedule import add_metrics_to_loss_dicts
 from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings, output_layer_of
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import StepTotals, needs_pi_old_pass, needs_pre_pass
 from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
-from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.rank_failure import Phase, reporting
 from slime_tis.megatron.recompute import forward_only_log_probs
@@ -103,8 +103,8 @@ class TISForwardBackward:
             optimizer step per rollout); ``"rollout"`` never recomputes (the caller supplies pi_old).
         broadcast_over_tp: broadcast TP rank 0's ``TISBatch`` items to the other TP ranks (``tp_data``).
         grad_average: the factor the data-parallel wrapper divides summed gradients by, for wrappers the hook
-            cannot read (``grad_scale``); default: read from megatron / torch DDP.
-        metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``loss_dict``).
+            cannot read (``engine.megatron_schedule``); default: read from megatron / torch DDP.
+        metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``engine.megatron_schedule``).
         fused_output_layer: ``--tis-fused-output-layer``: log-probs straight from the hidden states and the
             output weight (``output_layer.fused_log_probs``), in the loss and in every pi_old pass.
         fp32_lm_head: ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits), in the loss and in
@@ -128,7 +128,7 @@ class TISForwardBackward:
         if pi_old not in PI_OLD_MODES:
             raise ValueError(f"pi_old must be one of {PI_OLD_MODES}, got {pi_old!r}")
         if grad_average is not None:
-            from slime_tis.megatron.grad_scale import data_parallel_grad_average
+            from slime_tis.engine.megatron_schedule import data_parallel_grad_average
 
             data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
         #: how every log-prob of the hook's passes is taken (engine.settings), built once here
