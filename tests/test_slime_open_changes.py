@@ -211,3 +211,12 @@ def test_temperature_per_logit_chunk_gives_the_custom_losss_log_probs():
     ours, _ = vocab_parallel_log_probs_and_entropy(logits, targets, temperature=TEMP, tp_group=None,
                                                    with_entropy=False)
     torch.testing.assert_close(ours, whole, rtol=1e-6, atol=1e-6)  # float32 log-softmax, same operations
+
+
+@pytest.mark.parametrize("mode", ["full", "replay"])
+def test_sampling_support_key_is_refused_on_slime(mode):
+    """slime computes the trainer's log-probs itself (and replays its own top-p support): the plugin's
+    --tis-sampling-support cannot act there, so the key is refused in one line instead of being ignored."""
+    with pytest.raises(ValueError, match=f"tis_sampling_support = '{mode}': slime computes") as e:
+        tis_config_from_slime_args(slime_args(use_tis=True, tis_sampling_support=mode))
+    assert "\n" not in str(e.value)

@@ -78,6 +78,10 @@ def check_slime_compat(view: Any) -> None:
         raise ValueError("--rs-batch-refill: slime then applies its own sequence rejection in place of "
                          "--custom-tis-function-path and refuses the plugin's rollout-data and before-train-step "
                          "hooks; run it without the plugin's hooks, or the hooks without --rs-batch-refill")
+    if view.cfg.sampling_support is not None:
+        raise ValueError(f"tis_sampling_support = {view.cfg.sampling_support!r}: slime computes the trainer's "
+                         "log-probs itself and replays its own top-p support (--rollout-top-p < 1), so the plugin's "
+                         "replay does not apply to slime; remove the key (docs/sampling_support.md)")
     top_k, top_p = view.rollout_top_k, view.rollout_top_p
     if isinstance(top_k, int) and top_k > 0 and top_p == 1.0:
         STATE.warn_once("top_k", f"--rollout-top-k {top_k} with --rollout-top-p 1: slime replays the truncated "
