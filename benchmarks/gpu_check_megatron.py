@@ -58,7 +58,7 @@ def _microbatch(k: int, n_tok: int, seq_len: int, vocab: int, device: torch.devi
     lp_old = -torch.rand(n_tok, generator=g) * 3
     rollout = lp_old + 0.05 * torch.randn(n_tok, generator=g)
     cu = torch.arange(0, n_tok + 1, seq_len)
-    tb = TISBatch.from_packed(labels, mask, adv, cu, rollout)
+    tb = TISBatch(labels=labels, loss_mask=mask, advantages=adv, cu_seqlens=cu, rollout_log_probs=rollout)
     tb.old_log_probs = lp_old
     return tb.to(device)
 

@@ -22,7 +22,6 @@ from slime_tis.core import (
     compute_tis,
     loss_denominator,
     normalisation_factor,
-    packed_to_padded,
     padded_to_packed,
     policy_loss,
 )
@@ -44,5 +43,4 @@ __all__ = [
     "TISResult",
     "PolicyLossOutput",
     "padded_to_packed",
-    "packed_to_padded",
 ]

@@ -1,15 +1,7 @@
 """``TISConfig``: every knob of the correction, validated once at construction.
 
-The algorithm is derived from two switches (docs/semantics.md):
-
-=========================  ==========  =========  ==========================================
-``use_rollout_log_probs``  ``use_tis``  algorithm  per-token loss (default surrogate)
-=========================  ==========  =========  ==========================================
-False                      False        0          PPO-clip, old = Megatron recompute
-True                       False        1          PPO-clip, old = SGLang log-probs (bypass)
-False                      True         2          ``w * ppo_term``, w from ``lp_old - lp_rollout``
-True                       True         3          ``-w * A * lp_theta``, w from ``sg(lp_theta) - lp_rollout``
-=========================  ==========  =========  ==========================================
+The algorithm is ``use_rollout_log_probs + 2 * use_tis`` (its row: ``core.algorithms.ALGORITHMS``; the table:
+docs/semantics.md).
 
 Bounds are on ``r = pi_train / pi_rollout`` (never its inverse). Unset bounds take the
 defaults: ``upper = 2.0`` except mask mode at geometric level (and geometric rejection sampling),
@@ -392,7 +384,7 @@ class TISConfig:
 
     def _check_algorithm_combinations(self) -> None:
         alg = algorithm_of(self.algorithm)
-        if not alg.rejects:
+        if not alg.corrects:
             why = ("algorithm 0 (neither --use-rollout-log-probs nor --use-tis) has no rollout log-probs in its "
                    "loss, so it cannot reject; use algorithm 1, 2 or 3")
             if self.rs_level is not None:
@@ -400,7 +392,7 @@ class TISConfig:
             for field in THRESHOLDS:
                 if getattr(self, field) is not None:
                     raise _bad(field, getattr(self, field), why)
-            if mode_of(self.mode).rejects:
+            if mode_of(self.mode).masks:
                 raise _bad("mode", self.mode, why)
         sur = surrogate_of(self.surrogate)
         if sur.anchored and alg.anchor is None:
@@ -411,7 +403,7 @@ class TISConfig:
                        "already applies as its weight: the weight would count twice")
             raise _bad("loss_mode", self.loss_mode, why + "; use algorithm 1 (--use-rollout-log-probs, anchor "
                        "pi_rollout, no weight) or 2 (--use-tis, anchor pi_old, weight pi_old / pi_rollout)")
-        if self.staleness_decay is not None and not alg.weighted and not (alg.rejects and mode_of(self.mode).rejects):
+        if self.staleness_decay is not None and not alg.weighted and not (alg.corrects and mode_of(self.mode).masks):
             raise _bad("staleness_decay", self.staleness_decay, f"algorithm {alg.number} applies no weights and "
                        "--tis-mode is not mask: no bound acts to be tightened; use --use-tis or --tis-mode mask")
         if self.clip_cov_lb >= self.clip_cov_ub:
@@ -445,7 +437,7 @@ class TISConfig:
         mode = mode_of(self.mode)
         if self.lower is not None and not mode.has_lower:
             lines.append(f"--tis-lower-bound does nothing in {mode} mode ({mode.formula})")
-        if (self.upper is not None or self.lower is not None) and not alg.weighted and not mode.rejects:
+        if (self.upper is not None or self.lower is not None) and not alg.weighted and not mode.masks:
             lines.append(f"--tis-upper-bound / --tis-lower-bound do nothing: algorithm {alg.number} applies no "
                          "weights and --tis-mode is not mask")
         if self.kl_coef == 0.0 and (self.kl_estimator != DEFAULTS["kl_estimator"] or self.kl_importance_weighted):
@@ -491,8 +483,8 @@ class TISConfig:
     @property
     def rejects(self) -> bool:
         """Whether any configured rule can reject tokens or sequences (besides non-finite data)."""
-        return algorithm_of(self.algorithm).rejects and (
-            mode_of(self.mode).rejects or self.rs_level is not None
+        return algorithm_of(self.algorithm).corrects and (
+            mode_of(self.mode).masks or self.rs_level is not None
             or any(getattr(self, field) is not None for field in THRESHOLDS)
         )
 
@@ -609,7 +601,7 @@ SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind =
 @lru_cache(maxsize=64)
 def _resolve(config: TISConfig) -> Plan:
     """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (hashable, frozen; cached)."""
-    rejecting = algorithm_of(config.algorithm).rejects
+    rejecting = algorithm_of(config.algorithm).corrects
     rs_level = level_of(config.rs_level) if rejecting and config.rs_level is not None else None
     mode = mode_of(config.mode)
     return Plan(
@@ -621,7 +613,7 @@ def _resolve(config: TISConfig) -> Plan:
         upper=config.upper_bound,
         log_lower=math.log(config.lower_bound),
         log_upper=math.log(config.upper_bound),
-        mask=mode.rejects and rejecting,
+        mask=mode.masks and rejecting,
         rs_level=rs_level,
         rs_log_lower=math.log(config.rs_lower_bound) if rs_level else 0.0,
         rs_log_upper=math.log(config.rs_upper_bound) if rs_level else 0.0,

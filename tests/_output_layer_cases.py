@@ -11,11 +11,26 @@ import json
 import sys
 
 import torch
+from torch import Tensor
 
-from slime_tis.kernels.output_layer import (
-    fused_log_probs_and_entropy,
-    reference_log_probs_and_entropy,
-)
+from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
+
+
+def reference_log_probs_and_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                                    logits_dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Plain autograd oracle (single shard, full ``[T, V]`` logits): ``logits = h W^T`` in ``logits_dtype``.
+
+    ``logits_dtype=torch.float64`` is the test reference; ``torch.bfloat16`` with bf16 inputs reproduces the
+    unfused bf16 path (logits rounded to bf16 before a float32 log-softmax).
+    """
+    z = (hidden.to(logits_dtype) @ weight.to(logits_dtype).t()) if logits_dtype != torch.bfloat16 \
+        else hidden.bfloat16() @ weight.bfloat16().t()
+    x = z.to(torch.float64 if logits_dtype == torch.float64 else torch.float32) / temperature
+    log_p = torch.log_softmax(x, dim=-1)
+    lp = log_p.gather(-1, targets[..., None].to(torch.int64)).squeeze(-1)
+    ent = -(log_p.exp() * log_p).sum(-1)
+    return lp, ent
+
 
 # name: (T, H, V, temperature, masked fraction, dtype, chunk)
 CASES = {

@@ -33,5 +33,4 @@ def _fresh_slime_hook_state():
     yield
     slime = sys.modules.get("slime_tis.slime")
     if slime is not None:
-        slime.COLLECTOR.reset()
-        sys.modules["slime_tis.slime.state"].STATE.clear()
+        slime.STATE.clear()

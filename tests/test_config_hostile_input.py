@@ -22,8 +22,7 @@ from slime_tis import TISConfig, policy_loss
 from slime_tis.arguments import add_tis_arguments
 from slime_tis.cli import main as cli_main
 from slime_tis.config import MAX_SAFETY_BOUND, config_fields_from_args, parse_switch
-from slime_tis.slime.config import tis_config_from_slime_args
-from slime_tis.slime.record import recording_enabled
+from slime_tis.slime.config import slime_view, tis_config_from_slime_args
 from slime_tis.tools.dump import write_logprob_dump
 
 
@@ -127,12 +126,12 @@ def test_quoted_yaml_false_leaves_switches_off():
     cfg = tis_config_from_slime_args(_slime_args(use_rs="false", rs_level="sequence"))
     assert cfg.rs_level is None
     assert tis_config_from_slime_args(_slime_args(use_rs="true", rs_level="sequence")).rs_level == "sequence"
-    assert recording_enabled(SimpleNamespace(tis_record_train_log_probs="false")) is False
-    assert recording_enabled(SimpleNamespace(tis_record_train_log_probs="yes")) is True
+    assert slime_view(SimpleNamespace(tis_record_train_log_probs="false")).recording is False
+    assert slime_view(SimpleNamespace(tis_record_train_log_probs="yes")).recording is True
     with pytest.raises(ValueError, match="use_rs = 'ture'"):
         tis_config_from_slime_args(_slime_args(use_rs="ture", rs_level="sequence"))
     with pytest.raises(ValueError, match="tis_record_train_log_probs = 'nope'"):
-        recording_enabled(SimpleNamespace(tis_record_train_log_probs="nope"))
+        slime_view(SimpleNamespace(tis_record_train_log_probs="nope"))
 
 
 # ------------------------------------------------------------------------------------------------ diagnose

@@ -8,16 +8,13 @@ trained in several optimizer steps of several micro-batches, with ``core.correct
 * ``step``: slime's before-train-step hook / the Megatron step totals;
 * ``loss``: one micro-batch's loss call.
 
-What must hold: no loss call corrects twice, the rollout hook corrects the rollout at most once (``drop``'s counts,
-the batch-normalisation factor and the TIS function's micro-batches share it), and a phase's reductions are the
-same for every micro-batch / step (they depend on the configuration only). slime: each hook call is a translator
-over the step engine (``StepEngine.decide`` in the rollout hook, ``correct`` / ``loss`` and ``record`` in each
-micro-batch's loss, ``end`` at the metrics flush); where the rollout hook decided the rollout from pi_old, each
-micro-batch only finishes its part of that decision (``core.correction.refine``), else it corrects once. Megatron:
-algorithms 0 and 2 with ``drop`` or batch normalisation decide each micro-batch once per rollout (in the step
-totals, without ``lp_theta``) and the loss only finishes that decision (``core.correction.refine``); the other
-rows correct once per loss call (plus once in the totals for algorithms 1 and 3 with ``drop``, at the pre-pass's
-``lp_theta``: another input, whose correction nothing of the loss's can reuse; tests/test_engine_two_forwards.py).
+What must hold: no loss call corrects twice, the rollout hook corrects the rollout at most once (``drop``'s counts
+and the batch-normalisation factor share it), and a phase's reductions are the same for every micro-batch / step
+(they depend on the configuration only). slime: each hook call is a translator over the step engine (``correct``
+in the rollout hook, ``correct`` / ``loss`` and ``record`` in each micro-batch's loss, ``end`` at the metrics
+flush). Megatron: the step totals correct each micro-batch where ``drop`` or algorithm 2's batch normalisation need
+it (algorithms 1 and 3 at the pre-pass's ``lp_theta``: tests/test_engine_two_forwards.py), and each loss corrects
+its own micro-batch once.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from _slime_sim import Layout, custom_loss_args, initial_weights, make_rollouts,
 
 import slime_tis.core.correction as correction_mod
 import slime_tis.core.losses as losses_mod
-import slime_tis.engine.step as step_mod
 import slime_tis.slime as plugin
 from slime_tis.core import LocalReducer
 from slime_tis.engine.parallel import ParallelContext
@@ -99,15 +95,8 @@ def _count_corrections(monkeypatch, counts: Counts) -> None:
 
 
 def _count_engine(monkeypatch, counts: Counts) -> None:
-    """Count ``refine`` (a kept decision finished) and every call of the step engine's protocol."""
-    real_refine = step_mod.refine
-
-    def refine(*a, **k):
-        counts.add("refines")
-        return real_refine(*a, **k)
-
-    monkeypatch.setattr(step_mod, "refine", refine)
-    for name in ("begin", "decide", "correct", "loss", "record", "end"):
+    """Count every call of the step engine's protocol."""
+    for name in ("begin", "correct", "loss", "record", "end"):
         real = getattr(StepEngine, name)
 
         def call(self, *a, _real=real, _name=name, **k):
@@ -163,13 +152,11 @@ def _slime_counts(monkeypatch, args, sizes: list[int], steps: int) -> Counts:
     return counts
 
 
-def _check(counts: Counts, *, micro_batches: int, rollout_max: int, custom: bool, decided: bool = False) -> dict:
-    """``custom``: slime's loss is the custom loss (else its PPO loss with the TIS function); ``decided``: the
-    rollout hook decided the rollout and every loss finishes its part of it."""
+def _check(counts: Counts, *, micro_batches: int, rollout_max: int, custom: bool) -> dict:
+    """``custom``: slime's loss is the custom loss (else its PPO loss with the TIS function)."""
     loss = counts.of("loss")
     assert len(loss) == micro_batches
-    assert {c["corrections"] + c["refines"] for c in loss} == {1}, "a micro-batch's loss corrected more than once"
-    assert {c["refines"] for c in loss} == {int(decided)}
+    assert {c["corrections"] for c in loss} == {1}, "a micro-batch's loss corrected more than once"
     assert len({c["collectives"] for c in loss}) == 1, "reductions per micro-batch depend on the data"
     # every loss call goes through the step engine: the custom loss's loss (and, where drop counts in the
     # micro-batch, the correction it applies) or the TIS function's correction, and one record; the metrics flush
@@ -193,12 +180,11 @@ def test_slime_corrects_each_micro_batch_once(monkeypatch, algorithm, denominato
     sizes = [1, 2, 3, 2, 4, 1, 2, 3]
     counts = _slime_counts(monkeypatch, SLIME_CASES[algorithm](denominator), sizes, steps=2)
     drop = denominator == "drop" and algorithm != 0
-    # the rollout hook corrects once where drop counts from pi_old or algorithm 2 normalises, never twice: a
-    # decision of the rollout (StepEngine.decide) that the TIS function's micro-batches finish
+    # the rollout hook corrects once where drop counts from pi_old or algorithm 2 normalises, never twice
     decided = (drop and algorithm in (1, 2)) or algorithm == 2
-    table = _check(counts, micro_batches=sum(sizes), rollout_max=1, custom=algorithm == 3, decided=decided)
+    table = _check(counts, micro_batches=sum(sizes), rollout_max=1, custom=algorithm == 3)
     assert table["rollout"].get("corrections", 0) == int(decided)
-    assert table["rollout"].get("engine.decide", 0) == int(decided)
+    assert table["rollout"].get("engine.correct", 0) == int(decided)
     # algorithm 3 with drop: the step hook counts each later step at its parameters (one correction per step)
     hooked = [c.get("corrections", 0) for c in counts.of("step")]
     assert hooked == ([1, 1] if drop and algorithm == 3 else [0, 0] if algorithm == 3 else [])
@@ -231,40 +217,26 @@ def megatron_counts(tmp_path_factory):
 @pytest.mark.parametrize("denominator", ["keep", "drop"])
 @pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
 def test_megatron_corrects_each_micro_batch_once(megatron_counts, algorithm, denominator):
-    """Algorithms 0 and 2 where the step decides ahead (``drop``; algorithm 2's batch normalisation, on in both
-    rows here): each micro-batch is corrected once per rollout, in the step totals of the first step that meets
-    it; every loss call finishes that decision (``refine``) and corrects nothing; a new rollout decides again.
-    Otherwise every loss call corrects once, and ``drop`` with algorithms 1 and 3 corrects once more in the
-    totals, at the pre-pass's ``lp_theta`` (a second forward: its ``sg(lp_theta)`` is not the loss's). The
-    reductions of a loss call are the same in every call."""
+    """Every loss call corrects its micro-batch once; the step totals correct each micro-batch once more where
+    ``drop`` or algorithm 2's batch normalisation (on in both of its rows here) need it before the first loss
+    (algorithms 1 and 3 at the pre-pass's ``lp_theta``, a second forward). The reductions of a loss call are the
+    same in every call."""
     rows = megatron_counts[f"{algorithm}-{denominator}"]
     m, steps, epochs, rollouts = rows["micro_batches"], rows["steps"], rows["epochs"], rows["rollouts"]
     calls = rows["calls"]
     assert len(calls) == rollouts * epochs * steps
-    ahead = algorithm in (0, 2) and (denominator == "drop" or algorithm == 2)
-    pre_pass = algorithm in (1, 3) and denominator == "drop"
+    in_totals = denominator == "drop" or algorithm == 2
     loss_collectives = set()
     for call in calls:
         assert len(call["totals"]) == 1 and len(call["loss"]) == m
         totals, loss = call["totals"][0], call["loss"]
-        first_meeting = call["epoch"] == 0  # each step meets its own micro-batches; a later epoch meets them again
-        if ahead:
-            assert totals.get("corrections", 0) == (m if first_meeting else 0), call
-            assert totals.get("refines", 0) == 0  # pi_old from the rollout pass: no lp_theta before the step
-            assert [c.get("corrections", 0) for c in loss] == [0] * m, call
-            assert [c.get("refines", 0) for c in loss] == [1] * m, call
-        else:
-            # algorithms 1, 3 + drop: the totals correct at the pre-pass's lp_theta, for the denominator only; each
-            # loss corrects at its own forward's lp_theta (every rule, weight and statistic reads it: no refine)
-            assert totals.get("corrections", 0) == (m if pre_pass else 0), call
-            assert totals.get("refines", 0) == 0, call
-            assert [c.get("corrections", 0) for c in loss] == [1] * m, call
-            assert [c.get("refines", 0) for c in loss] == [0] * m, call
+        assert totals.get("corrections", 0) == (m if in_totals else 0), call
+        assert [c.get("corrections", 0) for c in loss] == [1] * m, call
         loss_collectives |= {c["collectives"] for c in loss}
-    assert len(loss_collectives) == 1, "reductions per micro-batch loss depend on the data or the cache"
+    assert len(loss_collectives) == 1, "reductions per micro-batch loss depend on the data"
     per_rollout = sum(c["totals"][0].get("corrections", 0) + sum(x.get("corrections", 0) for x in c["loss"])
                       for c in calls) // rollouts
-    expect = steps * m if ahead else epochs * steps * m * (2 if pre_pass else 1)
+    expect = epochs * steps * m * (2 if in_totals else 1)
     assert per_rollout == expect
     print(json.dumps({"host": "megatron", "algorithm": algorithm, "denominator": denominator,
                       "corrections per rollout": per_rollout, "first call": calls[0], "later epoch": calls[-1]}))

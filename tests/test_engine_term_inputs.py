@@ -1,6 +1,6 @@
 """The reference log-probs are a checked input of every correction wherever a KL term reads them: the core's
 (``kl_coef``) or the host's own (``StepEngine(host_kl=True)``, slime's custom loss). A non-finite valid reference
-log-prob rejects its sequence like a non-finite advantage, in the rollout's decision (``decide``), in the step totals
+log-prob rejects its sequence like a non-finite advantage, in a host's own correction (``correct``), in the step totals
 and in the loss, so the three agree on which sequences count. Comparisons are exact: the same float operations on the
 same values."""
 
@@ -40,41 +40,45 @@ def _with_nonfinite_advantages(batch):
     return dataclasses.replace(batch, advantages=adv, ref_log_probs=batch.ref_log_probs.nan_to_num(0.0, 0.0, 0.0))
 
 
+def _pi_old(batch):
+    return batch, batch.old_log_probs
+
+
 def _rejected(res):
     return res.ratios.seq_nonfinite.tolist()
 
 
 @pytest.mark.parametrize("host_kl", [False, True])
-def test_decide_checks_the_reference_log_probs_where_the_host_adds_a_kl_term(host_kl):
+def test_correct_checks_the_reference_log_probs_where_the_host_adds_a_kl_term(host_kl):
     batch = _batch()
-    res = StepEngine(CFG, LocalReducer(), host_kl=host_kl).decide(batch)
+    res = StepEngine(CFG, LocalReducer(), host_kl=host_kl).correct(batch, batch.old_log_probs)
     assert _rejected(res) == ([False, True, False, True] if host_kl else [False] * 4)
     if host_kl:  # the same decision as non-finite advantages in those sequences
-        same = StepEngine(CFG, LocalReducer()).decide(_with_nonfinite_advantages(batch))
+        same = StepEngine(CFG, LocalReducer()).correct(*_pi_old(_with_nonfinite_advantages(batch)))
         assert torch.equal(res.keep_mask, same.keep_mask) and torch.equal(res.weights, same.weights)
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
-def test_decide_and_the_step_totals_take_the_same_decision(kl_coef):
-    """The rollout's decision (slime) and the step totals' (Megatron) read the same inputs: with the core's KL term
+def test_correct_and_the_step_totals_take_the_same_decision(kl_coef):
+    """A host's own correction (slime) and the step totals' (Megatron) read the same inputs: with the core's KL term
     on, both reject the sequences of a non-finite reference log-prob."""
     cfg = CFG.replace(kl_coef=kl_coef)
     batch = _batch()
-    decided = StepEngine(cfg, LocalReducer()).decide(batch)
+    decided = StepEngine(cfg, LocalReducer()).correct(batch, batch.old_log_probs)
     totals = _step_correction(cfg, batch, batch.old_log_probs, LocalReducer(), None)
     assert torch.equal(decided.keep_mask, totals.keep_mask)
     assert _rejected(decided) == ([False, True, False, True] if kl_coef else [False] * 4)
 
 
-def test_the_loss_rejects_what_the_decision_rejected():
-    """``loss`` without a kept decision checks the host's reference log-probs itself: the same keep mask as
-    ``decide`` and a finite loss and gradient."""
+def test_the_loss_rejects_what_the_correction_rejected():
+    """``loss`` checks the host's reference log-probs itself: the same keep mask as ``correct`` and a finite loss
+    and gradient."""
     batch = _batch()
     engine = StepEngine(CFG, LocalReducer(), host_kl=True)
     engine.begin([batch])
     lp_theta = batch.old_log_probs.clone().requires_grad_(True)
     out = engine.loss(batch, lp_theta)
-    decided = StepEngine(CFG, LocalReducer(), host_kl=True).decide(batch)
+    decided = StepEngine(CFG, LocalReducer(), host_kl=True).correct(batch, batch.old_log_probs)
     assert torch.equal(out.keep_mask, decided.keep_mask)
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(lp_theta.grad).all()

@@ -2,13 +2,13 @@
 ``lp_theta`` of its own forward, the one that produces the gradient.
 
 The pre-pass (a forward-only pass before the step) only fixes the step's ``drop`` denominator. Every part of these
-algorithms' correction reads ``lp_theta`` (the log-ratio ``l = sg(lp_theta) - lp_rollout`` feeds every rule, weight
-and statistic), so the pre-pass's decision cannot be finished into the loss's (as ``refine`` finishes algorithms
-0 and 2's): where the two forwards differ (dropout, a non-deterministic kernel, a weight change between them) its
-keep mask and weights are not the loss's. These tests run the real ``StepEngine`` with two different ``lp_theta``,
-then the real Megatron hook on a tiny GPT whose training forward differs from its pre-pass, and show that the loss
-follows its own forward and the denominator the pre-pass, and that reusing the pre-pass's decision would change the
-loss. Comparisons are exact: the same float operations on the same values."""
+algorithms' correction reads ``lp_theta`` (the log-ratio ``l = sg(lp_theta) - lp_rollout`` feeds every rule, weight and
+statistic), so the pre-pass's correction cannot stand for the loss's: where the two forwards differ (dropout, a
+non-deterministic kernel, a weight change between them) its keep mask and weights are not the loss's. These tests run
+the real ``StepEngine`` with two different ``lp_theta``, then the real Megatron hook on a tiny GPT whose training
+forward differs from its pre-pass, and show that the loss follows its own forward and the denominator the pre-pass, and
+that reusing the pre-pass's decision would change the loss. Comparisons are exact: the same float operations on the same
+values."""
 
 from __future__ import annotations
 

@@ -22,13 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _output_layer_cases import CASES, accumulation, accuracy, non_finite, run
+from _output_layer_cases import CASES, accumulation, accuracy, non_finite, reference_log_probs_and_entropy, run
 
 from slime_tis.kernels import dispatch
-from slime_tis.kernels.output_layer import (
-    fused_log_probs_and_entropy,
-    reference_log_probs_and_entropy,
-)
+from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
 
 HERE = Path(__file__).resolve().parent
 
@@ -224,8 +221,7 @@ def test_kernels_compile_for_h100_without_a_gpu():
     """
     pytest.importorskip("triton.backends.nvidia")
     import triton
-
-    from slime_tis.kernels._output_layer_triton import compile_for_cuda
+    from _output_layer_aot import compile_for_cuda
     kernels = compile_for_cuda(torch.bfloat16, hidden_size=4096, vocab_shard=152064, chunk=8192)
     assert set(kernels) == {"stats", "dlogits", "dhidden"}
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

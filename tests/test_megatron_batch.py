@@ -59,6 +59,6 @@ def test_errors_name_the_field():
     with pytest.raises(ValueError, match=r"advantages must be a \[B, S\] tensor shaped like labels \(1, 4\)"):
         TISBatch.from_padded(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), torch.ones(4), cp_slice=False)
     with pytest.raises(ValueError, match="length mismatch: advantages has 3 tokens, labels has 4"):
-        TISBatch.from_packed(torch.zeros(4, dtype=torch.long), torch.ones(4), torch.ones(3), torch.tensor([0, 4]))
+        TISBatch(torch.zeros(4, dtype=torch.long), torch.ones(4), torch.ones(3), torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="labels must hold integer token ids"):
-        TISBatch.from_packed(torch.zeros(4), torch.ones(4), torch.ones(4), torch.tensor([0, 4]))
+        TISBatch(torch.zeros(4), torch.ones(4), torch.ones(4), torch.tensor([0, 4]))

@@ -101,9 +101,7 @@ def test_microbatch_losses_reproduce_the_whole_batch(name, m, per_token):
     for key, value in expected.items():
         assert abs(float(metrics[key]) - value) <= 1e-5 + 1e-5 * abs(value), (key, float(metrics[key]), value)
     assert abs(float(metrics["loss"]) - float(ref.loss.detach())) <= 1e-6
-    valid = mask != 0
-    ent = -(torch.softmax(logits / TAU, -1) * torch.log_softmax(logits / TAU, -1)).sum(-1)
-    assert abs(float(metrics["policy/entropy"]) - float(ent[valid].mean())) <= 1e-5
+    assert set(metrics) == set(expected) | {"loss"}  # policy/entropy: the core's, with --tis-entropy-coef only
 
 
 @pytest.mark.parametrize("cp_size,grad_average", [(1, 1), (2, 2), (2, 6), (1, 3)])

@@ -240,6 +240,41 @@ def test_tis_metrics_are_the_engines_in_megatron_lms_log() -> None:
         assert float(logged[k]) == pytest.approx(float(v), rel=1e-6, abs=1e-7), k
 
 
+def _megatron_ddp(module: torch.nn.Module, dp_cp: int, per_token: bool) -> torch.nn.Module:
+    """A megatron-core ``DistributedDataParallel`` as the schedule hands it to ``forward_step``, its process group
+    ``dp_cp`` ranks (the attributes the wrapper reading uses; no process group is built in one process)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)
+    torch.nn.Module.__init__(ddp)
+    ddp.module = module
+    ddp.config = types.SimpleNamespace(calculate_per_token_loss=per_token)
+    ddp.dp_cp_group = types.SimpleNamespace(size=lambda: dp_cp)
+    return ddp
+
+
+def test_gradient_divisor_is_read_from_the_models_wrapper() -> None:
+    """The 2-tuple's ``g`` is the divisor of the wrapper the schedule hands ``forward_step``, as in the megatron-core
+    hook (``engine.megatron_schedule``): megatron DDP averaging over 4 ranks returns 4 times the bare model's loss
+    (one process: ``R = 1``, ``cp = 1``); a DDP wrapper built without ``--calculate-per-token-loss`` under the flag
+    is refused in one line."""
+    d = _data(3)
+
+    def unwrap(model, tokens, pos, b):
+        return getattr(model, "module", model)(tokens)
+
+    returned = []
+    for wrap in (False, True):
+        host = RLHost(TISConfig(use_tis=True), 2, model_forward=unwrap)
+        model = _megatron_ddp(Bigram(), 4, per_token=False) if wrap else Bigram()
+        output, loss_func = host.forward_step(iter(_unpacked_items(d, 2)), model)
+        returned.append(loss_func(output)[0])
+    assert torch.equal(returned[1], 4 * returned[0])
+    host = RLHost(TISConfig(use_tis=True), 2, per_token=True, model_forward=unwrap)
+    with pytest.raises(ValueError, match="calculate_per_token_loss=False"):
+        host.forward_step(iter(_unpacked_items(d, 2)), _megatron_ddp(Bigram(), 4, per_token=False))
+
+
 def test_the_three_defects_do_not_occur() -> None:
     """(1) pi_old = inference log-probs = -9 in float32: every weight is exactly 1 and pi_old is float32;
     (2) the temperature divides the training logits (loss = the core's at T = 0.7, not at T = 1);
@@ -328,13 +363,12 @@ class _CountingReducer(LocalReducer):
 @pytest.mark.parametrize("denominator", ["keep", "drop"])
 @pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
 def test_the_host_corrects_each_micro_batch_once_in_the_loss(monkeypatch, algorithm, denominator) -> None:
-    """Two steps of three micro-batches: each loss call runs the correction exactly once (or, where ``begin``
-    decided the micro-batch, finishes that decision once with ``refine``) and the same number of reductions;
+    """Two steps of three micro-batches: each loss call runs the correction exactly once and the same number of
+    reductions;
     ``begin`` corrects each micro-batch once where ``drop`` or algorithm 2's batch normalisation need it before the
     first loss, else never (``tests/test_engine_correction_counts.py``'s counts, this host)."""
     import slime_tis.core.correction as correction_mod
     import slime_tis.core.losses as losses_mod
-    import slime_tis.engine.step as step_mod
 
     count = {"corrections": 0}
     real = correction_mod.correct
@@ -345,13 +379,6 @@ def test_the_host_corrects_each_micro_batch_once_in_the_loss(monkeypatch, algori
 
     monkeypatch.setattr(correction_mod, "correct", counted)
     monkeypatch.setattr(losses_mod, "correct", counted)
-    real_refine = step_mod.refine
-
-    def counted_refine(*a, **k):  # finishing a decision taken in ``begin`` is the loss's one pass
-        count["corrections"] += 1
-        return real_refine(*a, **k)
-
-    monkeypatch.setattr(step_mod, "refine", counted_refine)
     reducer = _CountingReducer()
     monkeypatch.setattr("slime_tis.megatron_rl.host.parallel_context", lambda: ParallelContext(0, 1, reducer))
     rules = {} if algorithm == 0 else dict(mode="mask", level="geometric", upper=1.3, veto_threshold=1e-3)

@@ -17,7 +17,7 @@ from _slime_sim import slime_args
 
 from slime_tis.slime import tis_config_from_slime_args
 from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY
-from slime_tis.slime.schedule import slime_recomputes_pi_old
+from slime_tis.slime.config import slime_view
 
 PATCH = Path(__file__).resolve().parents[1] / "patches" / "slime_alg1_skip_recompute.patch"
 
@@ -46,13 +46,13 @@ def test_the_patch_and_the_plugin_read_the_key_as_a_switch(value, skips):
     if value is not None:
         kw[SKIP_RECOMPUTE_KEY] = value
     assert _patched_slime_runs_pi_old_pass(**kw) is (not skips)
-    assert slime_recomputes_pi_old(slime_args(**kw), 1) is (not skips)
+    assert slime_view(slime_args(**kw)).recomputes_pi_old(1) is (not skips)
 
 
 def test_the_key_acts_only_with_rollout_logprobs():
     kw = {"get_mismatch_metrics": True, SKIP_RECOMPUTE_KEY: True}
     assert _patched_slime_runs_pi_old_pass(**kw)
-    assert slime_recomputes_pi_old(slime_args(**kw), 1)
+    assert slime_view(slime_args(**kw)).recomputes_pi_old(1)
 
 
 @pytest.mark.parametrize("value", ["ture", "disabled", 2, [], {}])

@@ -19,7 +19,6 @@ from _slime_args import EXAMPLE_SCRIPTS, FLAGS, SlimeArgsError, parse, slime_acc
 from _slime_sim import Layout, initial_weights, make_rollouts, schedule, slime_args, train_rollout
 
 from slime_tis.slime import tis_config_from_slime_args
-from slime_tis.slime.postprocess import uses_reinforce_is_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +110,7 @@ def test_documented_command_line_passes_slimes_checks(where, text, yml, side):
         except SlimeArgsError as e:
             pytest.fail(f"added to {script}'s flags ({base}): {e}")
         if yml is not None and "slime_tis." in text:
-            tis_config_from_slime_args(args, algorithm=3 if uses_reinforce_is_loss(args) else None)
+            tis_config_from_slime_args(args, algorithm="loss")
 
 
 @pytest.mark.parametrize("script", sorted(EXAMPLE_SCRIPTS))

@@ -20,7 +20,7 @@ import torch
 from _slime_oracle import args_ns, make_batch
 from test_slime_loss_hook import TEMP, VOCAB, oracle_log_probs, packed_logits, reducer_for, register, slime_batch
 
-from slime_tis.slime import loss_hook, reinforce_is_loss
+from slime_tis.slime import STATE, reinforce_is_loss
 
 F64 = torch.float64
 DELTA = 0.05
@@ -142,7 +142,7 @@ def test_opsm_anchor_is_slime_recomputed_log_probs_without_rollout_logprobs(slim
         return opsm_624b824(args, full_log_probs, full_old_log_probs, advantages, loss_masks)
 
     slime_opsm(spy)
-    monkeypatch.setattr(loss_hook, "_WARNED_RECOMPUTE", False)  # the recompute warning is once per process
+    STATE.warned.discard("recompute")  # the recompute warning is once per process
     b = mixed_sign_batch(12)
     old = [t - 0.3 for t in b.rollout]
     args = args_ns(use_opsm=True, opsm_delta=DELTA, **(ARGS | {"use_rollout_logprobs": False}))

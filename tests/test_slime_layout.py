@@ -7,13 +7,24 @@ import random
 import pytest
 import torch
 from _slime_oracle import owner_layout
+from torch import Tensor
 
 from slime_tis.slime.layout import (
     cp_response_ranges,
     local_response_index,
     response_logit_rows,
-    slice_response_for_cp,
 )
+
+
+def slice_response_for_cp(
+    x: Tensor, total_length: int, response_length: int, cp_rank: int, cp_size: int
+) -> Tensor:
+    """One full-length response tensor ``[R, ...]`` -> this rank's CP-local part (chunk 0 then chunk 1)."""
+    if x.shape[0] != response_length:
+        raise ValueError(f"x has {x.shape[0]} entries along dim 0 but response_length = {response_length}")
+    ranges = cp_response_ranges([total_length], [response_length], cp_rank, cp_size)[0]
+    (s0, e0), (s1, e1) = ranges.tolist()  # host-sync-ok (CPU tensor of Python ints)
+    return torch.cat([x[s0:e0], x[s1:e1]], dim=0)
 
 
 def _cases(n: int = 60, seed: int = 0):

@@ -25,9 +25,7 @@ from _slime_oracle import SlimeBatch, args_ns, make_batch
 from _slime_schedule import build_dp_schedule
 from _slime_sim import Layout, custom_loss_args, initial_weights, make_rollouts, oracle_step, slime_args, train_rollout
 
-import slime_tis.slime.config as slime_config
-from slime_tis.slime import compute_tis_for_slime, reinforce_is_loss, tis_config_from_slime_args
-from slime_tis.slime.compat import reset_slime_probes
+from slime_tis.slime import STATE, compute_tis_for_slime, reinforce_is_loss, tis_config_from_slime_args
 from slime_tis.slime.opsm import check_opsm, opsm_rejected
 
 
@@ -36,8 +34,7 @@ def installed_slime(tmp_path, monkeypatch):
     """Install a stand-in ``slime`` package (files written by the test) for the probes; removed afterwards."""
     before = {k for k in sys.modules if k == "slime" or k.startswith("slime.")}
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(slime_config, "_CACHE", {})
-    reset_slime_probes()
+    STATE.clear()
 
     def install(files: dict[str, str]) -> None:
         for rel, text in {"slime/__init__.py": "", "slime/utils/__init__.py": "",
@@ -46,13 +43,12 @@ def installed_slime(tmp_path, monkeypatch):
             path = tmp_path / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-        reset_slime_probes()
-        slime_config._CACHE.clear()
+        STATE.clear()
 
     yield install
     for k in [k for k in sys.modules if (k == "slime" or k.startswith("slime.")) and k not in before]:
         del sys.modules[k]
-    reset_slime_probes()
+    STATE.clear()
 
 
 # slime's compute_opsm_mask signature at 624b824 and with the per-sequence change (bodies are not needed)
@@ -215,3 +211,12 @@ def test_temperature_per_logit_chunk_gives_the_custom_losss_log_probs():
     ours, _ = vocab_parallel_log_probs_and_entropy(logits, targets, temperature=TEMP, tp_group=None,
                                                    with_entropy=False)
     torch.testing.assert_close(ours, whole, rtol=1e-6, atol=1e-6)  # float32 log-softmax, same operations
+
+
+@pytest.mark.parametrize("mode", ["full", "replay"])
+def test_sampling_support_key_is_refused_on_slime(mode):
+    """slime computes the trainer's log-probs itself (and replays its own top-p support): the plugin's
+    --tis-sampling-support cannot act there, so the key is refused in one line instead of being ignored."""
+    with pytest.raises(ValueError, match=f"tis_sampling_support = '{mode}': slime computes") as e:
+        tis_config_from_slime_args(slime_args(use_tis=True, tis_sampling_support=mode))
+    assert "\n" not in str(e.value)

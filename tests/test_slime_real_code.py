@@ -39,7 +39,7 @@ def real_slime(monkeypatch):
     """slime's modules from ``SLIME_SRC`` with the stubs of the module docstring; removed afterwards."""
     from megatron.core import mpu
 
-    from slime_tis.slime.compat import reset_slime_probes
+    from slime_tis.slime.state import STATE
 
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")  # slime compiles its KL and PPO terms; eager is the same math
     monkeypatch.syspath_prepend(SLIME_SRC)
@@ -62,11 +62,11 @@ def real_slime(monkeypatch):
         parent, _, leaf = name.rpartition(".")
         if parent in sys.modules:
             setattr(sys.modules[parent], leaf, mod)
-    reset_slime_probes()
+    STATE.clear()
     yield
     for name in [k for k in sys.modules if k not in before and (k == "slime" or k.startswith("slime."))]:
         del sys.modules[name]
-    reset_slime_probes()
+    STATE.clear()
 
 
 # ----------------------------------------------------------------------------- the policy loss

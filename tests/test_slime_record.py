@@ -16,7 +16,7 @@ import torch
 from _slime_oracle import args_ns, make_batch, slime_sum_of_sample_mean
 
 from slime_tis.slime import flush_recorded_train_log_probs, postprocess_rollout_data, reinforce_is_loss
-from slime_tis.slime.record import RECORDER
+from slime_tis.slime.state import STATE
 from slime_tis.tools.dump import read_logprob_dump
 
 VOCAB = 11
@@ -87,18 +87,18 @@ def test_recording_feeds_slimes_own_capture(tmp_path, monkeypatch, opts):
     batch = {"unconcat_tokens": mb.tokens, "total_lengths": mb.total_lengths, "response_lengths": mb.response_lengths,
              "loss_masks": mb.masks, "advantages": mb.advantages, "rollout_log_probs": mb.rollout,
              "partition": [11, 14]}
-    RECORDER.clear()  # without the rollout-data hook only slime's capture gets the values
+    STATE.recorder.clear()  # without the rollout-data hook only slime's capture gets the values
     reinforce_is_loss(args, batch, logits, lambda x: slime_sum_of_sample_mean(x, mb, mb.masks, 0, 1))
     assert sorted(captured) == [11, 14]
     assert [len(captured[k]) for k in (11, 14)] == [b.response_lengths[1], b.response_lengths[4]]
-    assert RECORDER.recorded(mb.masks[0]) is None
+    assert STATE.recorder.recorded(mb.masks[0]) is None
 
 
 def test_without_the_option_nothing_is_recorded(tmp_path):
     b, args = setup(tmp_path, tis_record_train_log_probs=False, tis_dump_dir=None)
     postprocess_rollout_data(args, 0, b.rollout_data())
     run_loss(args, b, seed=1)
-    assert RECORDER.rollout is None and RECORDER.recorded(b.masks[0]) is None
+    assert STATE.recorder.rollout is None and STATE.recorder.recorded(b.masks[0]) is None
 
 
 def test_dump_without_pi_old_still_names_the_fix(tmp_path):

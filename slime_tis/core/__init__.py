@@ -9,7 +9,7 @@ distributed behaviour. No Megatron, slime or SGLang import below this package.
 from slime_tis.core.correction import TISResult, compute_tis
 from slime_tis.core.losses import PolicyLossOutput, loss_denominator, policy_loss, ppo_clip_term
 from slime_tis.core.metrics import MetricStats
-from slime_tis.core.packing import packed_to_padded, padded_to_packed, sequence_ids
+from slime_tis.core.packing import padded_to_packed, sequence_ids
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.weights import normalisation_factor
@@ -27,6 +27,5 @@ __all__ = [
     "LocalReducer",
     "Reducer",
     "padded_to_packed",
-    "packed_to_padded",
     "sequence_ids",
 ]

@@ -41,7 +41,6 @@ class Algorithm:
 
     Attributes:
         number: 0..3.
-        needs_pi_old: the loss reads pi_old (the Megatron recompute, ``lp_old``).
         anchor: the PPO ratio's denominator, ``"lp_old"`` or ``"lp_rollout"``; ``None``: no PPO ratio (REINFORCE).
         weighted: importance weights multiply the loss.
         lp_train: the training-side log-prob of ``r = pi_train / pi_rollout``: ``"lp_old"`` or ``"lp_theta"``
@@ -52,13 +51,17 @@ class Algorithm:
     """
 
     number: int
-    needs_pi_old: bool
     anchor: str | None
     weighted: bool
     lp_train: str
     reads_rollout: bool
     surrogate: str
     loss: str
+
+    @property
+    def needs_pi_old(self) -> bool:
+        """The row reads pi_old (algorithms 0, 2): it is the numerator of ``r`` (``lp_train``) and the PPO anchor."""
+        return self.lp_train == "lp_old"
 
     @property
     def finite(self) -> tuple[str, ...]:
@@ -75,22 +78,23 @@ class Algorithm:
     def step_batch_norm(self) -> bool:
         """Batch normalisation covers the whole step, fixed before it (the weights read pi_old, known before the
         step: algorithm 2); otherwise (algorithm 3) each micro-batch normalises over its own data."""
-        return self.weighted and self.lp_train == "lp_old"
+        return self.weighted and self.needs_pi_old
 
     @property
-    def rejects(self) -> bool:
-        """Rejection rules act (algorithms 1-3); algorithm 0 rejects only non-finite data."""
+    def corrects(self) -> bool:
+        """The correction decides the loss: its rules act and its keep mask is the loss's (algorithms 1-3);
+        algorithm 0's only diagnoses (it rejects only non-finite data)."""
         return self.reads_rollout
 
 
 ALGORITHMS: dict[int, Algorithm] = {
-    0: Algorithm(0, needs_pi_old=True, anchor="lp_old", weighted=False, lp_train="lp_old", reads_rollout=False,
+    0: Algorithm(0, anchor="lp_old", weighted=False, lp_train="lp_old", reads_rollout=False,
                  surrogate="ppo_clip", loss="f(lp_theta, lp_old)"),
-    1: Algorithm(1, needs_pi_old=False, anchor="lp_rollout", weighted=False, lp_train="lp_theta",
+    1: Algorithm(1, anchor="lp_rollout", weighted=False, lp_train="lp_theta",
                  reads_rollout=True, surrogate="ppo_clip", loss="f(lp_theta, lp_rollout)"),
-    2: Algorithm(2, needs_pi_old=True, anchor="lp_old", weighted=True, lp_train="lp_old", reads_rollout=True,
+    2: Algorithm(2, anchor="lp_old", weighted=True, lp_train="lp_old", reads_rollout=True,
                  surrogate="ppo_clip", loss="w * f(lp_theta, lp_old)"),
-    3: Algorithm(3, needs_pi_old=False, anchor=None, weighted=True, lp_train="lp_theta", reads_rollout=True,
+    3: Algorithm(3, anchor=None, weighted=True, lp_train="lp_theta", reads_rollout=True,
                  surrogate="reinforce", loss="w * f(lp_theta)"),
 }
 
@@ -136,8 +140,8 @@ def correction_inputs(config: Any, *, lp_train: Tensor, lp_rollout: Tensor | Non
     """
     row = algorithm_of(config)
     rollout = lp_train if lp_rollout is None else lp_rollout
-    others = tuple(t.detach() for t in (advantages, lp_theta if row.lp_train == "lp_old" else None, *terms)
+    others = tuple(t.detach() for t in (advantages, lp_theta if row.needs_pi_old else None, *terms)
                    if t is not None)
-    if row.rejects:
+    if row.corrects:
         return CorrectionInputs(lp_train.detach(), rollout.detach(), others, ())
     return CorrectionInputs(lp_train.detach(), rollout.detach(), (), (lp_train.detach(),) + others)

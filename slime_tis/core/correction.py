@@ -12,12 +12,6 @@ The pipeline (all detached; each step one formula, in its own module)::
 
 One token pass, one ``reducer.sequence_sum`` per call (plus one ``batch_sum`` for batch
 normalisation computed in the call); no host sync.
-
-``refine`` finishes a decision taken before some inputs were known (a host that corrects what depends only on
-pi_old and pi_rollout once per rollout): it marks the sequences where the new inputs (``lp_theta``) are not finite
-and runs the steps from ``keep`` on, with the step's batch-normalisation factor. The result equals
-``correct`` with those inputs added (one ``reducer.sequence_sum`` of their per-sequence non-finite counts, no
-pass over the log-ratios).
 """
 
 from __future__ import annotations
@@ -39,13 +33,12 @@ from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, late, rule_columns
 from slime_tis.core.search import Searched, search, searches
 from slime_tis.core.staleness import bound_scale, check_staleness
-from slime_tis.core.weights import batch_norm_factor as batch_norm_factor_over
-from slime_tis.core.weights import normalisation_factor, unit_weights
+from slime_tis.core.weights import normalisation_factor, normalisation_factor_over, unit_weights
 
 #: The per-sequence column of ``loss_finite`` (``correct``).
 LOSS_NONFINITE = "loss_nonfinite"
 
-__all__ = ["TISResult", "compute_tis", "correct", "refine", "plan_of", "as_valid_mask", "scalar_tensor",
+__all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "scalar_tensor",
            "normalisation_factor"]
 
 
@@ -256,7 +249,7 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
         factor: Tensor | None = None
         if plan.batch_normalize:
             if batch_norm_factor is None:
-                factor = batch_norm_factor_over(plan, norm_sum, norm_count, reducer)
+                factor = normalisation_factor_over(plan, norm_sum, norm_count, reducer)
             else:
                 factor = scalar_tensor(batch_norm_factor, weights.device)
             weights, kept_weights = weights * factor, kept_weights * factor
@@ -288,71 +281,3 @@ def _with_late_sequences(ratios: Ratios, verdict: Verdict, hits: list[Tensor], l
         hit = hit | h
     per_seq = reducer.sequence_sum(layout.sums((hit & ratios.token_ok).to(torch.float64)[:, None]))[:, 0] > 0
     return dataclasses.replace(verdict, seq_masked=verdict.seq_masked | (per_seq & ratios.seq_ok))
-
-
-def refine(
-    plan: Plan,
-    decided: TISResult,
-    valid: Tensor,
-    layout: Layout,
-    reducer: Reducer,
-    *,
-    batch_norm_factor: Tensor | float | None = None,
-    extra_finite: tuple[Tensor, ...] = (),
-    loss_finite: tuple[Tensor, ...] = (),
-    searched: Searched | None = None,
-) -> TISResult:
-    """:func:`correct` with ``extra_finite`` / ``loss_finite`` added to those of ``decided``, from its ratios.
-
-    ``decided``: the result of :func:`correct` on the same batch (``valid``, ``layout``) without these inputs
-    (its own ``batch_norm_factor`` is irrelevant: weights, rules and statistics are recomputed). A sequence with a
-    non-finite valid entry of ``extra_finite`` becomes non-finite (out of every diagnostic, rejected), one of
-    ``loss_finite`` leaves the loss (``decided`` must have been called with ``loss_finite`` then), exactly as if
-    :func:`correct` had seen them. Collectives: one ``reducer.sequence_sum`` (CP) where any input is given, plus
-    :func:`correct`'s ``batch_sum`` without a precomputed factor.
-    """
-    ratios = decided.ratios
-    if loss_finite and LOSS_NONFINITE not in ratios.columns:
-        raise ValueError("refine(loss_finite=...) needs a decision taken with loss_finite (algorithm 0's row)")
-    if extra_finite or loss_finite:
-        with torch.no_grad():
-            ratios = _with_nonfinite(ratios, valid, layout, reducer, extra_finite, loss_finite)
-    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=None,
-                   searched=searched)
-
-
-def _nonfinite(valid: Tensor, tensors: tuple[Tensor, ...]) -> Tensor:
-    """``[T]`` float64: 1 at valid tokens where one of ``tensors`` is not finite."""
-    bad = torch.zeros_like(valid)
-    for t in tensors:
-        bad = bad | ~torch.isfinite(t.detach())
-    return (valid & bad).to(torch.float64)
-
-
-def _with_nonfinite(r: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, extra_finite: tuple[Tensor, ...],
-                    loss_finite: tuple[Tensor, ...]) -> Ratios:
-    """``r`` as ``packed_ratios`` would give it with ``extra_finite`` added (and ``loss_finite`` in the
-    ``LOSS_NONFINITE`` column): per-sequence non-finite counts completed over CP (one ``sequence_sum``)."""
-    counts = reducer.sequence_sum(layout.sums(torch.stack(
-        [_nonfinite(valid, extra_finite), _nonfinite(valid, loss_finite)], dim=1)))  # [n_seq, 2] float64
-    full = r.seq_sums
-    if loss_finite:
-        j = r.columns.index(LOSS_NONFINITE)
-        full = torch.cat([full[:, :j], full[:, j:j + 1] + counts[:, 1:2], full[:, j + 1:]], dim=1)
-    if not extra_finite:
-        return dataclasses.replace(r, seq_sums=full)
-    newly = r.seq_has_tokens & (counts[:, 0] > 0)
-    seq_nonfinite = r.seq_nonfinite | newly
-    seq_ok = r.seq_has_tokens & ~seq_nonfinite
-    token_ok = layout.expand(seq_ok) & valid
-    # the sum of l is non-finite in a non-finite sequence: that is the flag packed_ratios reads
-    full = torch.cat([torch.where(newly, torch.nan, full[:, 0])[:, None], full[:, 1:]], dim=1)
-    return dataclasses.replace(
-        r, token_ok=token_ok, log_ratio=torch.where(token_ok, r.log_ratio, 0.0), seq_nonfinite=seq_nonfinite,
-        seq_ok=seq_ok, seq_log_ratio_sum=torch.where(seq_ok, r.seq_log_ratio_sum, 0.0),
-        seq_log_ratio_mean=torch.where(seq_ok, r.seq_log_ratio_mean, 0.0),
-        seq_mean_lp_train=torch.where(seq_ok, r.seq_mean_lp_train, 0.0),
-        seq_mean_lp_rollout=torch.where(seq_ok, r.seq_mean_lp_rollout, 0.0), seq_sums=full,
-        **{name: torch.where(token_ok, getattr(r, name), 0.0) for name in ("prefix_sum_log_ratio",
-                                                                           "prefix_min_log_ratio")
-           if getattr(r, name) is not None})

@@ -1,7 +1,7 @@
 """The ``tis.*`` statistics of one micro-batch (sums, minima, maxima) and its per-token values.
 
 Both are generated from the metric schema (``core.metric_schema.METRICS``): its rows' formulas read the contexts
-:class:`TisBatch` (statistics) and :class:`TisTokens` (per-token values), which compute each shared quantity
+:class:`TisContext` (statistics) and :class:`TisTokens` (per-token values), which compute each shared quantity
 once. Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite sequences on
 this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
 (0 outside D, where ``l = 0``)::
@@ -29,7 +29,7 @@ from slime_tis.core.ratios import Ratios, ratio_moments
 from slime_tis.core.rules import Verdict
 from slime_tis.core.staleness import staleness_statistics
 
-__all__ = ["tis_statistics", "token_metrics", "TisBatch", "TisTokens"]
+__all__ = ["tis_statistics", "token_metrics", "TisContext", "TisTokens"]
 
 F64 = torch.float64
 
@@ -80,7 +80,7 @@ def _weight_extremes(weights: Tensor, kept_weights: Tensor, off_kept: Tensor, n_
     return (weights.float() + off_kept).min(), torch.where(n_kept > 0, kept_weights.float().max(), -inf)
 
 
-class TisBatch:
+class TisContext:
     """The quantities the ``tis.*`` rows of the metric schema read, for one micro-batch (each computed once, at
     construction: every row reads them).
 
@@ -167,7 +167,7 @@ def tis_statistics(
         batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
         moments: ``ratio_moments(ratios.log_ratio, plan.bound)`` where already computed.
     """
-    batch = TisBatch(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, batch_norm_factor,
+    batch = TisContext(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, batch_norm_factor,
                      moments)
     groups = statistics("tis.", batch, plan)
     if plan.staleness_buckets:

@@ -117,20 +117,20 @@ class Mode(_Named):
     Attributes:
         name: the user-facing name (``--tis-mode`` value).
         weight: ``(r, lower, upper) -> w`` (may write ``r`` in place).
-        rejects: units outside ``[lower, upper]`` are rejected (mask-mode rejection).
+        masks: units outside ``[lower, upper]`` are rejected (mask-mode rejection).
         has_lower: the lower bound acts (truncate has none).
         formula: ``w`` in words (docs).
     """
 
     name: str
     weight: Callable[[Tensor, float, float], Tensor]
-    rejects: bool
+    masks: bool
     has_lower: bool
     formula: str
 
     def default_upper(self, level: Level) -> float:
         """The default upper bound on ``r`` at ``level``: the level's rejecting bound if this mode rejects."""
-        return level.rejection_upper if self.rejects else DEFAULT_UPPER
+        return level.rejection_upper if self.masks else DEFAULT_UPPER
 
 
 TOKEN = Level("token", "token", "log_ratio", "L_t = l_t", DEFAULT_UPPER)
@@ -144,9 +144,9 @@ PREFIX_MIN = Level("prefix_min", "token", "prefix_min_log_ratio", "L_t = min_{s 
 LEVELS: dict[str, Level] = {level.name: level for level in (TOKEN, SEQUENCE, GEOMETRIC, PREFIX, PREFIX_MIN)}
 #: Every mode by name, in the order of the flag's choices.
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode("truncate", _truncate, rejects=False, has_lower=False, formula="w = min(r, upper)"),
-    Mode("clip", _clip, rejects=False, has_lower=True, formula="w = clamp(r, lower, upper)"),
-    Mode("mask", _mask, rejects=True, has_lower=True, formula="w = r; units outside [lower, upper] rejected"),
+    Mode("truncate", _truncate, masks=False, has_lower=False, formula="w = min(r, upper)"),
+    Mode("clip", _clip, masks=False, has_lower=True, formula="w = clamp(r, lower, upper)"),
+    Mode("mask", _mask, masks=True, has_lower=True, formula="w = r; units outside [lower, upper] rejected"),
 )}
 
 

@@ -175,7 +175,7 @@ def policy_loss(
     layout = packed_layout(cu_seqlens, n_tokens, theta.device)
 
     # one correction decides everything: weights, rejection, and which sequences count (core.algorithms)
-    inputs = correction_inputs(plan, lp_train=old if row.lp_train == "lp_old" else theta_d,
+    inputs = correction_inputs(plan, lp_train=old if row.needs_pi_old else theta_d,
                                lp_rollout=lp_rollout, advantages=adv, lp_theta=theta_d,
                                terms=tuple(t for t in terms if t is not None) + tuple(host_inputs))
     tis = correction if correction is not None else correct(
@@ -185,13 +185,13 @@ def policy_loss(
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
         keep = as_valid_mask(keep_override) & tis.loss_ok
-    weights = tis.weights if row.rejects else torch.ones_like(theta_d)  # algorithm 0: no correction, w = 1
+    weights = tis.weights if row.corrects else torch.ones_like(theta_d)  # algorithm 0: no correction, w = 1
     tis_stats = tis.stats if lp_rollout is not None else _empty(tis.stats)  # algorithm 0 without rollout data
 
     # select before any arithmetic: at tokens not kept every input is 0, the loss there is +-0 with zero gradient
     theta_k = torch.where(keep, theta, 0.0)
     adv_k = torch.where(keep, adv, 0.0)
-    anchor = old if row.anchor == "lp_old" else lp_rollout  # algorithm 3: pi_rollout (for policy/ppo_kl only)
+    anchor = old if row.needs_pi_old else lp_rollout  # algorithm 3: pi_rollout (for policy/ppo_kl only)
     anchor_k = torch.where(keep, anchor.detach().float(), 0.0)
     out = sur.fn(SurrogateInputs(theta_k, anchor_k if sur.anchored else None, adv_k, keep, layout, reducer), plan)
     per_token = weights * out.loss if row.weighted else out.loss
@@ -215,13 +215,13 @@ def policy_loss(
     # the KL estimate per kept token for policy/kl (d = 0 where not kept: every estimator is 0 there)
     kl = None if terms[0] is None else kl_estimate(theta_k.detach(), torch.where(keep, terms[0].detach().float(), 0.0),
                                                    plan.kl_estimator)
-    batch = PolicyBatch(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1],
+    batch = PolicyContext(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1],
                         out.selected)
     return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(batch)), keep, weights, tis)
 
 
 @dataclass(frozen=True)
-class PolicyBatch:
+class PolicyContext:
     """What the ``policy.*`` rows of ``core.metric_schema.METRICS`` read: one micro-batch's loss inputs (``[T]``;
     ``*_k`` selected on the kept tokens, 0 elsewhere), its correction, and the terms that are on (``None`` off)."""
 
@@ -252,7 +252,7 @@ class PolicyBatch:
         return self.clips and self.plan.dual_clip_c is not None and surrogate_of(self.plan.surrogate).dual_clip
 
 
-def _policy_stats(batch: PolicyBatch) -> MetricStats:
+def _policy_stats(batch: PolicyContext) -> MetricStats:
     """``policy.*`` statistics (keys depend on the plan only): the ``policy.`` rows of the metric schema."""
     return MetricStats(**statistics("policy.", batch, batch.plan))
 

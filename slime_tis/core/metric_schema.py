@@ -16,8 +16,8 @@ The rejection rules' rows come from their own table (``core.rules.RULES``): a ru
 ``tis/<metric> = count / denominator`` and its 0/1 hit its per-token value.
 
 The formulas read a context object: for ``tis.*`` rows the micro-batch's correction
-(``core.diagnostics.TisBatch`` for statistics, ``core.diagnostics.TisTokens`` per token), for ``policy.*`` rows
-the loss (``core.policy_stats.PolicyBatch``). A new diagnostic whose inputs those contexts hold is one row.
+(``core.diagnostics.TisContext`` for statistics, ``core.diagnostics.TisTokens`` per token), for ``policy.*`` rows
+the loss (``core.policy_stats.PolicyContext``). A new diagnostic whose inputs those contexts hold is one row.
 
 Groups: ``token`` (summed over data x context parallel ranks), ``seq`` (one value per sequence, replicated over
 context parallelism: summed over data parallel ranks only), ``units`` / ``rs_units`` (``seq`` where the plan's
@@ -122,7 +122,7 @@ def _total(x: Tensor) -> Tensor:
     return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum().to(F64)
 
 
-#: Counts shared as denominators (their formulas over ``TisBatch`` / ``PolicyBatch``).
+#: Counts shared as denominators (their formulas over ``TisContext`` / ``PolicyContext``).
 COUNTS: tuple[Statistic, ...] = (
     Statistic("tis.n_tok_valid", "token", lambda b: b.n_valid),
     Statistic("tis.n_tok", "token", lambda b: b.n_tok),

@@ -29,7 +29,6 @@ __all__ = [
     "offsets_on",
     "sequence_ids",
     "padded_to_packed",
-    "packed_to_padded",
 ]
 
 
@@ -193,15 +192,3 @@ def padded_to_packed(padded: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
     cu[1:] = torch.cumsum(lengths, 0)
     return padded[keep], cu
-
-
-def packed_to_padded(packed: Tensor, cu_seqlens: Tensor, max_len: int | None = None, fill: float = 0.0) -> Tensor:
-    """Inverse of :func:`padded_to_packed`: scatter a packed ``[T]`` tensor into ``[n_seq, max_len]``."""
-    cu = cu_seqlens.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    width = int(lengths.max()) if max_len is None and lengths.numel() else int(max_len or 0)  # host-sync-ok
-    seq_id = sequence_ids(cu, packed.shape[0], packed.device)
-    pos = torch.arange(packed.shape[0], device=packed.device) - cu[:-1].to(packed.device)[seq_id]
-    out = torch.full((lengths.numel(), width), fill, dtype=packed.dtype, device=packed.device)
-    out[seq_id, pos] = packed
-    return out

@@ -64,7 +64,7 @@ def _buckets(staleness: Tensor, n: int) -> Tensor:
 
 
 def staleness_statistics(batch: Any, groups: dict[str, dict[str, Tensor]]) -> None:
-    """Add the per-bucket statistics of ``batch`` (a ``core.diagnostics.TisBatch``) to ``groups`` (token sums and
+    """Add the per-bucket statistics of ``batch`` (a ``core.diagnostics.TisContext``) to ``groups`` (token sums and
     sequence sums, by ``MetricStats`` field)."""
     plan, r, verdict = batch.plan, batch.ratios, batch.verdict
     n = plan.staleness_buckets

@@ -20,7 +20,7 @@ from torch import Tensor
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import Reducer
 
-__all__ = ["unit_weights", "normalisation_factor", "batch_norm_factor"]
+__all__ = ["unit_weights", "normalisation_factor", "normalisation_factor_over"]
 
 
 def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = None,
@@ -44,8 +44,9 @@ def normalisation_factor(weight_sum: Tensor, unit_count: Tensor) -> Tensor:
                        torch.ones_like(weight_sum))
 
 
-def batch_norm_factor(plan: Plan, norm_sum: Tensor, norm_count: Tensor, reducer: Reducer) -> Tensor:
-    """The batch-normalisation factor over every rank: ``f = sum norm_count / sum norm_sum``.
+def normalisation_factor_over(plan: Plan, norm_sum: Tensor, norm_count: Tensor, reducer: Reducer) -> Tensor:
+    """The batch-normalisation factor (the value every ``batch_norm_factor`` holds) over every rank:
+    ``f = sum norm_count / sum norm_sum``.
 
     ``norm_sum``, ``norm_count``: 0-d, this rank's sum of unnormalised kept weights and its number of kept units
     (``TISResult.norm_sum`` / ``norm_count``, summed over the micro-batches the factor covers). Token units are

@@ -22,7 +22,7 @@ Settings that change on every rank at once are compared again; settings that cha
 after they agreed are outside what this check can see without a collective per call.
 
 Each host compares its own settings with it: the resolved ``TISConfig`` (:func:`config_settings`) and the
-host's arguments that decide collectives or numbers (``megatron.hook.hook_settings``, ``slime.agreement``).
+host's arguments that decide collectives or numbers (``megatron.hook.hook_settings``, ``slime.config.slime_settings``).
 """
 
 from __future__ import annotations

@@ -118,13 +118,6 @@ class TISBatch:
                      else None) for f in dataclasses.fields(self)})
 
     @classmethod
-    def from_packed(cls, labels: Tensor, loss_mask: Tensor, advantages: Tensor, cu_seqlens: Tensor,
-                    rollout_log_probs: Tensor | None = None, ref_log_probs: Tensor | None = None) -> TISBatch:
-        """Wrap already CP-local packed tensors (THD layout); no copy."""
-        return cls(labels=labels, loss_mask=loss_mask, advantages=advantages, cu_seqlens=cu_seqlens,
-                   rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs)
-
-    @classmethod
     def from_padded(cls, labels: Tensor, loss_mask: Tensor, advantages: Tensor,
                     rollout_log_probs: Tensor | None = None, *, seq_ids: Tensor | None = None,
                     cp_slice: bool = True, cp_size: int | None = None, cp_rank: int | None = None,

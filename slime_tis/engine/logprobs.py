@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_tis.engine.settings import CHUNK_SIZE
 from slime_tis.engine.support_logprobs import SupportLogProbEntropy, check_support
 from slime_tis.kernels import dispatch
 from slime_tis.kernels.logprobs_torch import fp32_chunk, grad_logits
@@ -126,7 +127,7 @@ def vocab_parallel_log_probs_and_entropy(
     targets: Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = CHUNK_SIZE,
     tp_group: dist.ProcessGroup | None | str = "default",
     with_entropy: bool = True,
     row_mask: Tensor | None = None,

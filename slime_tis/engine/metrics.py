@@ -1,10 +1,10 @@
-"""Step metrics of the step engine: the core's step reduction plus the loss and entropy entries of a host's loss.
+"""Step metrics of the step engine: the core's step reduction plus the loss entry of a host's loss.
 
 ``aggregate_metrics`` returns the core's ``tis/*`` and ``policy/*`` metrics (``core.step_metrics``: merged over
-micro-batches, checked to agree across DP x CP, reduced once with SUM / MIN / MAX) plus
+micro-batches, checked to agree across DP x CP, reduced once with SUM / MIN / MAX; each defined once, in
+``core.metric_schema``) plus
 
     loss            = sum_{micro-batches, DP x CP} local_sum / D      (the exact global loss)
-    policy/entropy  = mean over valid tokens of the entropy of softmax(logits / temperature)
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from slime_tis.core import MetricStats, Reducer
-from slime_tis.core.metrics import safe_ratio
 from slime_tis.core.step_metrics import check_schema_agrees, merge_stats, reduce_step_metrics
 
 __all__ = ["aggregate_metrics", "check_schema_agrees"]
@@ -31,7 +30,4 @@ def aggregate_metrics(stats: list[MetricStats], reducer: Reducer, *, step: int |
     sums = reduced.token_sums
     if "megatron.loss_sum" in sums:
         out["loss"] = sums["megatron.loss_sum"].double()
-    if "megatron.entropy_sum" in sums and "policy.n_tok_valid" in sums:
-        out["policy/entropy"] = safe_ratio(sums["megatron.entropy_sum"].double(),
-                                           sums["policy.n_tok_valid"].double())
     return {k: v.to(torch.float64) for k, v in out.items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LogProbSettings", "OUTPUT_LAYER_MODES", "SAMPLING_SUPPORT_MODES", "output_layer_of"]
+__all__ = ["CHUNK_SIZE", "LogProbSettings", "OUTPUT_LAYER_MODES", "SAMPLING_SUPPORT_MODES", "output_layer_of"]
 
 #: The model's output-layer modes: ``None`` (as built), ``"fp32"``, ``"fused"``.
 OUTPUT_LAYER_MODES = (None, "fused", "fp32")
@@ -34,13 +34,17 @@ def output_layer_of(fused_output_layer: bool = False, fp32_lm_head: bool = False
     return "fused" if fused_output_layer else "fp32" if fp32_lm_head else None
 
 
+#: rows per log-softmax chunk (``LogProbSettings.chunk_size``): the one default of every host's ``chunk_size``
+CHUNK_SIZE = 1024
+
+
 @dataclass(frozen=True)
 class LogProbSettings:
     """Temperature, chunk size, output-layer mode, kernels and sampling-support mode of every log-prob of a step
     (module docstring)."""
 
     temperature: float = 1.0
-    chunk_size: int = 1024
+    chunk_size: int = CHUNK_SIZE
     output_layer: str | None = None
     kernels: str = "torch"
     sampling_support: str | None = None

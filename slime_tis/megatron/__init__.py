@@ -21,11 +21,11 @@ Importing this package does not import megatron-core; the functions that need it
 
 from slime_tis.engine.batch import TISBatch, cp_slice_padded, cu_seqlens_from_seq_ids
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
+from slime_tis.engine.megatron_schedule import data_parallel_grad_average
 from slime_tis.engine.metrics import aggregate_metrics
 from slime_tis.engine.reduce import MegatronReducer
 from slime_tis.engine.totals import StepTotals, needs_pre_pass, step_totals
 from slime_tis.megatron.arguments import add_megatron_tis_arguments, megatron_hook_kwargs
-from slime_tis.megatron.grad_scale import data_parallel_grad_average
 from slime_tis.megatron.hook import TISForwardBackward, tis_forward_backward_func
 from slime_tis.megatron.loss import LossForm, loss_form_for, make_loss_func
 from slime_tis.megatron.patch import tis_patch

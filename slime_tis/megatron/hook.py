@@ -1,64 +1,29 @@
 """``tis_forward_backward_func``: wrap megatron's ``forward_backward_func`` so every step uses the correction.
 
-One training call of the wrapped function (``forward_only=False``) does, in order:
+One training call (``forward_only=False``), in order (docs/megatron.md, "What the wrapped forward_backward does"):
 
-0. on the hook's first call only: compare the configuration and the hook's settings across every rank of the
-   job (``agreement``: a ``ValueError`` naming the differing setting on every rank, before any collective
-   whose shape or group depends on them; settings already found equal in the process issue no collective);
-1. materialise the step's ``num_microbatches`` items from ``data_iterator`` (one list per virtual stage;
-   ``schedule``);
-2. on the last pipeline stage: the step's ``TISBatch`` list, broadcast from tensor-parallel rank 0 under
-   TP > 1 (``tp_data.step_batches``, as the rollout's pi_old pass; Megatron-LM gives data to TP rank 0 only);
-3. pi_old (algorithms 0, 2): taken as given from ``TISBatch.old_log_probs`` (computed once per rollout by
-   :meth:`TISForwardBackward.compute_old_log_probs` / ``rollout.compute_old_log_probs``, or supplied by the
-   caller), never overwritten. In the per-call mode (``pi_old="auto"`` before any rollout pass: one optimizer
-   step per rollout, so pi_old = sg(pi_theta) at the step's parameters) a micro-batch without it takes the
-   detached log-probs of its own training forward, at no extra cost; only ``drop`` and algorithm 2's batch
-   normalisation, which need pi_old of the whole step before the first loss, run a forward-only pass at the
-   start of the call (``engine.totals.needs_pi_old_pass``). Whether a pass runs is decided by the configuration and
-   the hook's mode, identically on every rank, never by the data;
-4. on the last pipeline stage: the step engine begins the step (``engine.step.StepEngine.begin``): the step totals
-   (global denominator, token count, algorithm-2 batch-norm factor; ``engine.totals.step_totals``) on
-   megatron's DP / CP groups. Algorithms 0 and 2 with ``drop`` or batch normalisation decide each micro-batch's
-   correction there without ``lp_theta`` (it reads pi_old and pi_rollout only); after
-   :meth:`TISForwardBackward.compute_old_log_probs` these decisions are kept until the next rollout pass, so a
-   micro-batch is corrected once per rollout whatever the steps and epochs; the loss finishes the decision
-   (``core.correction.refine``) instead of correcting again;
-5. megatron's training schedule with the launcher's ``forward_step_func`` wrapped so that its loss
-   function is ours (``loss.forward_step_with_tis_loss``: megatron's output -> ``lp_theta`` -> ``StepEngine.loss``);
-   every keyword
-   (``return_schedule_plan``, ...) is forwarded;
-6. the step metrics: merged, reduced once, finalized (``StepEngine.end``, ``engine.metrics.aggregate_metrics``)
-   into ``last_metrics``
-   and added to every micro-batch loss dict as ``[value, 1]`` (``loss_dict``: Megatron-LM's
-   ``train_step`` logs them, and the ``[value, count]`` loss, as the exact step values on every rank). The
-   reduction first compares the process's training-call count across DP x CP: a rank whose earlier call raised
-   and whose launcher went on has paired this call's collectives with another call's, and every rank of the
-   step raises ``RuntimeError`` instead of returning mixed gradients and metrics.
+0. first call only: the configuration and the hook's settings agree across the job's ranks (``agreement``: a
+   ``ValueError`` naming the differing setting on every rank, before any collective that depends on it);
+1. the step's ``num_microbatches`` items read once from ``data_iterator`` and replayed (``schedule``);
+2. last pipeline stage: the step's ``TISBatch`` list, broadcast from TP rank 0 under TP > 1 (``tp_data``);
+3. pi_old (algorithms 0, 2) as given in ``TISBatch.old_log_probs`` (once per rollout:
+   :meth:`TISForwardBackward.compute_old_log_probs`), never overwritten; with ``pi_old="auto"`` and no rollout
+   pass, the detached ``lp_theta`` of each micro-batch's own forward, plus one forward-only pass where the step
+   totals need it first (``engine.totals.needs_pi_old_pass``; algorithms 1, 3 with ``drop``: ``needs_pre_pass``),
+   decided by the configuration and the mode, never by the data;
+4. last pipeline stage: ``StepEngine.begin``, the step's global scalars on megatron's DP / CP groups;
+5. megatron's schedule with the launcher's ``forward_step_func`` whose loss function is ours
+   (``loss.forward_step_with_tis_loss``), every keyword forwarded;
+6. the step metrics (``StepEngine.end``) into ``last_metrics`` and every micro-batch loss dict as ``[value, 1]``
+   (``engine.megatron_schedule``); ranks whose training calls are out of step raise ``RuntimeError`` together.
 
-An error leaving a training call (or :meth:`TISForwardBackward.compute_old_log_probs`) is recorded with the
-rank and the phase it left (``rank_failure``); on the other ranks, the broken connection their next
-collective then meets becomes a ``RankFailedError`` naming that rank, phase and error. Healthy calls touch
-neither the store nor any extra collective.
-
-With ``fused_output_layer=True`` (``--tis-fused-output-layer``) steps 3-5 run with the model's last-stage
-output layer switched to return hidden states (``output_layer.use_fused_output_layer``) and the loss and the
-pi_old passes compute log-probs and entropy with ``output_layer.fused_log_probs`` from the hidden states and
-the chunk's (tied) output weight: no logits tensor, one kernel for pi_old and pi_theta. With
-``fp32_lm_head=True`` (``--tis-fp32-lm-head``) they run with the output matmul in float32
-(``use_fp32_lm_head``: float32 logits into the log-softmax). The model is switched back after the call
-(unless the launcher had switched it to that mode itself).
-
-With ``routing_replay=True`` (``--tis-routing-replay``; mixture-of-experts models) every pass of steps 3-5 and of
-:meth:`TISForwardBackward.compute_old_log_probs` runs the launcher's ``forward_step`` under
-``routing_replay.RoutingReplay.active``: each micro-batch's MoE routers use the rollout engine's experts (the
-item's ``RoutingBatch``); with ``routing_metrics`` the training schedule counts ``moe/routing_mismatch`` and
-``moe/router_disagreement``, reduced over every rank after step 5 and added to the step metrics.
-
-In steps 3-5 megatron's ``Float16Module`` wrappers default to ``fp32_output=False``
-(``model_dtype_output``): the loss reads bf16 logits as the model computed them, not a float32 copy.
-
-``forward_only=True`` calls (evaluation) go straight to megatron, with the model as the launcher built it.
+An error leaving a call is recorded with its rank and phase (``rank_failure``) and named on the other ranks as a
+``RankFailedError``. With ``fused_output_layer`` / ``fp32_lm_head`` steps 3-5 run with the model's output layer
+switched (``output_layer.model_output_mode``; docs/output_layer.md) and switched back after; ``Float16Module``
+returns the logits in the model's dtype there (``model_dtype_output``). With ``routing_replay``
+(``--tis-routing-replay``) every pass runs the launcher's ``forward_step`` under ``routing_replay.RoutingReplay``:
+each micro-batch's MoE routers use the rollout engine's experts (docs/megatron.md). ``forward_only=True`` calls go
+straight to megatron.
 """
 
 from __future__ import annotations
@@ -77,11 +42,11 @@ from slime_tis.core import Reducer
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.agreement import check_settings_agree, config_settings
 from slime_tis.engine.batch import TISBatch
-from slime_tis.engine.settings import LogProbSettings, output_layer_of
+from slime_tis.engine.megatron_schedule import add_metrics_to_loss_dicts
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings, output_layer_of
 from slime_tis.engine.step import StepEngine
-from slime_tis.engine.totals import Decisions, StepTotals, needs_pi_old_pass, needs_pre_pass
+from slime_tis.engine.totals import StepTotals, needs_pi_old_pass, needs_pre_pass
 from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
-from slime_tis.megatron.loss_dict import add_metrics_to_loss_dicts
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.rank_failure import Phase, reporting
 from slime_tis.megatron.recompute import forward_only_log_probs
@@ -138,8 +103,8 @@ class TISForwardBackward:
             optimizer step per rollout); ``"rollout"`` never recomputes (the caller supplies pi_old).
         broadcast_over_tp: broadcast TP rank 0's ``TISBatch`` items to the other TP ranks (``tp_data``).
         grad_average: the factor the data-parallel wrapper divides summed gradients by, for wrappers the hook
-            cannot read (``grad_scale``); default: read from megatron / torch DDP.
-        metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``loss_dict``).
+            cannot read (``engine.megatron_schedule``); default: read from megatron / torch DDP.
+        metrics_in_loss_dicts: add ``[value, 1]`` of every step metric to the loss dicts (``engine.megatron_schedule``).
         fused_output_layer: ``--tis-fused-output-layer``: log-probs straight from the hidden states and the
             output weight (``output_layer.fused_log_probs``), in the loss and in every pi_old pass.
         fp32_lm_head: ``--tis-fp32-lm-head``: the output matmul in float32 (float32 logits), in the loss and in
@@ -153,7 +118,7 @@ class TISForwardBackward:
     """
 
     def __init__(self, forward_backward_func: Callable, cfg: TISConfig, *, temperature: float = 1.0,
-                 chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
+                 chunk_size: int = CHUNK_SIZE, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                  reducer: Reducer | None = None, pi_old: str = "auto", broadcast_over_tp: bool = True,
                  grad_average: float | None = None, metrics_in_loss_dicts: bool = True,
                  fused_output_layer: bool = False, fp32_lm_head: bool = False, routing_replay: bool = False,
@@ -163,7 +128,7 @@ class TISForwardBackward:
         if pi_old not in PI_OLD_MODES:
             raise ValueError(f"pi_old must be one of {PI_OLD_MODES}, got {pi_old!r}")
         if grad_average is not None:
-            from slime_tis.megatron.grad_scale import data_parallel_grad_average
+            from slime_tis.engine.megatron_schedule import data_parallel_grad_average
 
             data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
         #: how every log-prob of the hook's passes is taken (engine.settings), built once here
@@ -188,10 +153,6 @@ class TISForwardBackward:
         self.train_call = 0  # process-wide number of this hook's last training call (``_TRAINING_CALLS``)
         self._settings_agreed = False
         self._warned_supplied = False
-        #: the rollout's corrections decided without lp_theta (``engine.totals.Decisions``), from this hook's
-        #: rollout pass (``compute_old_log_probs``) to the next; ``None``: the hook knows no rollout boundary
-        #: (per-call pi_old, or pi_old supplied by the caller) and each training call decides afresh
-        self._rollout_decisions: Decisions | None = None
 
     def _check_settings_agree(self) -> None:
         """Once, before this hook's first collective: every rank of the job runs the same configuration and
@@ -234,7 +195,6 @@ class TISForwardBackward:
                                                 model=model, num_microbatches=num_microbatches, num_steps=num_steps,
                                                 **schedule_kwargs)
         self.pi_old = "rollout"
-        self._rollout_decisions = Decisions()  # a new rollout: pi_old and the inputs of every decision are new
         return items
 
     def _compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
@@ -308,7 +268,7 @@ class TISForwardBackward:
                     if pi_old_pass:
                         batches = self._fill_missing_pi_old(batches, lps)
             phase.name = "the step totals"
-            engine = StepEngine(cfg, reducer, decisions=self._rollout_decisions) if batches is not None else None
+            engine = StepEngine(cfg, reducer) if batches is not None else None
             if engine is not None:
                 engine.begin(batches, pre_log_probs=pre, pi_old_from_theta=pi_old_from_theta)
             phase.name = "megatron's forward-backward schedule (the loss function included)"

@@ -1,99 +1,42 @@
-"""The ``loss_func`` megatron-core's schedules call on the last pipeline stage, and its return form.
-
-``make_loss_func(...)(output_tensor)``:
-
-    lp_theta, H = output_to_log_probs(output_tensor, batch)                            [T] fp32
-                  (``recompute``: vocab-parallel log-softmax of logits / temperature, or the fused
-                  output layer from the hidden states)
-    out         = engine.loss(batch, lp_theta, entropy=H)                            loss = local_sum / D
-                  (``engine.step.StepEngine``: the core's policy_loss with the step totals D, f)
-
-(the surrogate, the KL and entropy terms and the aggregation are the configuration's, all in the core).
-
-and returns what the schedule expects, pre-compensating megatron's own scaling so that the final
-parameter gradient is ``sum_{micro-batches, DP x CP ranks} grad(local_sum) / D`` (:class:`LossForm`):
-
-* ``calculate_per_token_loss=False``: 2-tuple ``(loss * M * g / cp, metrics)``. The schedule multiplies a
-  2-tuple loss by ``cp`` and divides it by ``M``; megatron DDP averages gradients over ``g = dp * cp``
-  ranks (``g = 1`` without megatron DDP).
-* ``calculate_per_token_loss=True``: 3-tuple ``(loss * N, n_local, metrics)``; megatron leaves the loss
-  alone, sums gradients and divides them by ``sum n_local = N`` in ``finalize_model_grads``.
-
-The metrics dict holds detached clones (megatron-core's schedule scales the returned loss in place);
-the micro-batch's ``MetricStats`` go to the engine (``record``) for one reduction after the schedule. Its ``"loss"``
-entry is Megatron-LM's ``[value, count]`` reporting pair ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks):
-``train_step`` sums the pairs over the ``M`` micro-batches, all-reduces them over DP x CP and logs
-``value / count = sum_{k, ranks} loss_k``, the true step loss, on every rank (``loss_dict.py``).
+"""The ``loss_func`` megatron-core's schedules call on the last pipeline stage: megatron's output -> ``lp_theta``
+(``recompute.output_to_log_probs``) -> ``engine.loss`` -> the schedule contract's return form and ``"loss"`` report
+(``slime_tis.engine.megatron_schedule``; docs/megatron.md, "The schedule contract"). The micro-batch's
+``MetricStats`` go to the engine (``record``) for one reduction after the schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
 from slime_tis.core import MetricStats, Reducer
-from slime_tis.core.correction import as_valid_mask
-from slime_tis.core.metrics import column_sums
 from slime_tis.engine.batch import TISBatch
-from slime_tis.engine.settings import LogProbSettings
+from slime_tis.engine.megatron_schedule import LossForm
+from slime_tis.engine.megatron_schedule import loss_form_for as schedule_loss_form
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import StepTotals
-from slime_tis.megatron.loss_dict import report_pair
 from slime_tis.megatron.recompute import output_to_log_probs
 from slime_tis.megatron.schedule import MicroBatchCounter
 
 __all__ = ["LossForm", "loss_form_for", "make_loss_func", "loss_func_for", "forward_step_with_tis_loss"]
 
 
-@dataclass(frozen=True)
-class LossForm:
-    """How megatron will rescale the returned loss (see module docstring).
-
-    Attributes:
-        per_token: ``config.calculate_per_token_loss`` (3-tuple form) or not (2-tuple form).
-        num_microbatches: ``M``.
-        cp_size: context-parallel size (the schedule multiplies a 2-tuple loss by it).
-        grad_average: ``g``, the factor the data-parallel wrapper divides the summed gradient by
-            (``grad_scale.data_parallel_grad_average``: ``dp * cp`` for megatron DDP).
-        report_ranks: DP x CP ranks Megatron-LM's ``train_step`` all-reduces the loss report over.
-    """
-
-    per_token: bool
-    num_microbatches: int
-    cp_size: int
-    grad_average: float
-    report_ranks: int = 1
-
-    @property
-    def two_tuple_scale(self) -> float:
-        return self.num_microbatches * self.grad_average / self.cp_size
-
-
 def loss_form_for(model_config, model_chunks: list, num_microbatches: int, *,
                   grad_average: float | None = None) -> LossForm:
-    """Read megatron's scaling conventions from the model config and the data-parallel wrapper itself
-    (``grad_scale.data_parallel_grad_average``; ``grad_average`` overrides it for unknown wrappers)."""
-    from megatron.core import parallel_state as ps
-
-    from slime_tis.megatron.grad_scale import data_parallel_grad_average
-
+    """The hook's :class:`LossForm`: ``calculate_per_token_loss`` from the model config (which then needs
+    ``finalize_model_grads_func``), the rest from ``megatron_schedule.loss_form_for``."""
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
     if per_token and getattr(model_config, "finalize_model_grads_func", None) is None:
         raise ValueError("config.calculate_per_token_loss=True needs config.finalize_model_grads_func "
                          "(megatron divides the gradients by the global token count there)")
-    cp = ps.get_context_parallel_world_size()
-    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
-    g = data_parallel_grad_average(model_chunks, dp_cp_size=dp_cp, per_token=per_token, override=grad_average)
-    return LossForm(per_token=per_token, num_microbatches=num_microbatches, cp_size=cp, grad_average=g,
-                    report_ranks=dp_cp)
+    return schedule_loss_form(model_chunks, num_microbatches, per_token=per_token, grad_average=grad_average)
 
 
 def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: LossForm, reducer: Reducer, *,
-                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = 1024,
+                   collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = CHUNK_SIZE,
                    model_chunk=None, output_layer: str | None = None,
                    pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
     """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring).
@@ -118,21 +61,12 @@ def loss_func_for(engine: StepEngine, batch: TISBatch, form: LossForm, *, settin
     passed whole: megatron's output -> ``lp_theta`` -> ``engine.loss`` -> the schedule's return form."""
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
-        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk, with_entropy=True)
+        lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk,
+                                          with_entropy=engine.cfg.entropy_coef != 0.0)
         lp_old = lp.detach() if batch.old_log_probs is None and pi_old_from_theta else None
         out = engine.loss(batch, lp, entropy=entropy, lp_old=lp_old)
-        valid = as_valid_mask(batch.loss_mask)
-        zero = torch.zeros((), dtype=torch.float32, device=lp.device)
-        extra = MetricStats(token_sums={
-            "megatron.loss_sum": out.loss.detach().clone(),
-            **column_sums({"megatron.entropy_sum": torch.where(valid, entropy.detach(), zero)}),
-        })
-        engine.record(out.stats.merge(extra))
-        metrics = {"loss": report_pair(out.loss.detach() * (form.num_microbatches * form.report_ranks))}
-        if form.per_token:
-            n_local = valid.sum().to(torch.int)
-            return out.loss * engine.totals.num_tokens, n_local, metrics
-        return out.loss * form.two_tuple_scale, metrics
+        engine.record(out.stats.merge(MetricStats(token_sums={"megatron.loss_sum": out.loss.detach().clone()})))
+        return form.returns(out.loss, engine.totals.num_tokens, batch.loss_mask, {"loss": form.loss_pair(out.loss)})
 
     return loss_func
 

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from slime_tis.config import TISConfig
+from slime_tis.engine.settings import CHUNK_SIZE
 from slime_tis.megatron.arguments import megatron_hook_kwargs
 from slime_tis.megatron.hook import tis_forward_backward_func
 
@@ -70,7 +71,7 @@ def _from_megatron_lm_args(cfg: TISConfig | None, given: dict[str, Any]) -> tupl
 @contextlib.contextmanager
 def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
               fused_output_layer: bool | None = None, fp32_lm_head: bool | None = None,
-              routing_replay: bool | None = None, chunk_size: int = 1024, modules: Sequence[Any] = (),
+              routing_replay: bool | None = None, chunk_size: int = CHUNK_SIZE, modules: Sequence[Any] = (),
               **hook_kwargs: Any) -> Iterator[None]:
     """Make ``get_forward_backward_func()`` return the hooked schedule while the block runs."""
     import megatron.core.pipeline_parallel as pp_pkg

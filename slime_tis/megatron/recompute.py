@@ -23,7 +23,7 @@ from torch import Tensor
 
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
-from slime_tis.engine.settings import LogProbSettings
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.schedule import MicroBatchCounter, replay
 
@@ -101,7 +101,7 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, settings: LogPro
 def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any,
                         model: Any, *,
                         batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
-                        temperature: float = 1.0, chunk_size: int = 1024, output_layer: str | None = None,
+                        temperature: float = 1.0, chunk_size: int = CHUNK_SIZE, output_layer: str | None = None,
                         kernels: str = "torch", **schedule_kwargs: Any) -> list[Tensor] | None:
     """``[lp_k [T_k] for each micro-batch k]`` on the last pipeline stage, ``None`` elsewhere: one forward-only
     pass (:func:`forward_only_log_probs`) with the model in its output mode (``output_layer.model_output_mode``).

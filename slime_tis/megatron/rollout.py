@@ -42,7 +42,7 @@ from typing import Any
 from torch import Tensor
 
 from slime_tis.engine.batch import TISBatch
-from slime_tis.engine.settings import LogProbSettings, output_layer_of
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings, output_layer_of
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.recompute import forward_only_log_probs
 from slime_tis.megatron.schedule import materialise, step_items
@@ -69,7 +69,8 @@ def rollout_step_iterator(items: Any, step: int, num_microbatches: int) -> Any:
 
 def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, data_iterator: Any,
                           model: Any, *, num_microbatches: int, num_steps: int = 1, temperature: float = 1.0,
-                          chunk_size: int = 1024, get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
+                          chunk_size: int = CHUNK_SIZE,
+                          get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                           broadcast_over_tp: bool = True, fused_output_layer: bool = False,
                           fp32_lm_head: bool = False, kernels: str = "torch", run_pass: bool = True,
                           **schedule_kwargs: Any) -> Any:

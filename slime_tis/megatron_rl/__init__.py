@@ -7,7 +7,7 @@ Launch: the user's ``train_rl.py`` command with one word more (``docs/megatron_r
 ``host.py`` translates Megatron-LM's RL micro-batches (unpacked 7-tuples or sequence-packed bins) into the step
 engine's ``TISBatch`` and is the ``forward_step`` the launcher (``__main__.py``) hands to ``pretrain`` in place of
 ``train_rl.forward_step``; ``flags.py`` maps Megatron-LM's flags and the plugin's onto one configuration;
-``cp.py`` splits unpacked rows across context-parallel ranks; ``rollout.py`` wraps Megatron-LM's update
+``rollout.py`` wraps Megatron-LM's update
 preparation (the host's pi_old / pi_ref passes, the rollout collection handed to the host).
 """
 

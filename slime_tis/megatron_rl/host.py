@@ -19,27 +19,19 @@ log-probs). ``lp_theta`` is the log-prob of ``softmax(logits / T)`` with ``T = -
 engine's vocab-parallel log-softmax, float32: :meth:`RLHost.log_probs`, also the launcher's pi_old / pi_ref path).
 
 Per rollout collection, :meth:`RLHost.begin_rollout` (the launcher calls it where Megatron-LM prepares the update,
-``rollout.py``) translates the collection's micro-batches once, decides the corrections that read only pi_old and
-pi_rollout once (``engine.totals.Decisions``) and takes algorithm 2's batch-normalisation factor over the whole
-collection, reduced over DP (x CP); the training iterator then yields :class:`RolloutIndex` elements.
+``rollout.py``) translates the collection's micro-batches once and takes algorithm 2's batch-normalisation factor
+over the whole collection, reduced over DP (x CP); the training iterator then yields :class:`RolloutIndex` elements.
 
 Per optimizer step (``M`` micro-batches), :meth:`RLHost.forward_step` reads the step's ``M`` items on its first
 call (a :class:`RolloutIndex`, or an item it translates) and calls ``engine.begin`` (the step's global
 denominator; the collection's batch-normalisation factor where ``begin_rollout`` took one, else the step's,
 reduced over DP x CP); each call returns the model output and a ``loss_func`` that runs ``engine.loss`` and
-returns the schedule's form:
-
-* default: ``(loss * M * g / cp, dict)`` (the schedule multiplies a 2-tuple loss by ``cp`` and divides it by
-  ``M``; Megatron DDP averages gradients over ``g = dp * cp`` ranks);
-* ``--calculate-per-token-loss``: ``(loss * N, n_local, dict)`` (``finalize_model_grads`` divides by ``N``).
-
-so the gradient is ``sum_{micro-batches, ranks} grad(local_sum) / D`` whatever the layout. ``dict`` holds
-``lm loss`` as ``[loss_k * M * R, 1]`` (``R`` = DP x CP ranks: ``train_step`` logs the step loss) and, once the
-last micro-batch has run, every ``engine.end()`` metric as ``[value, 1]`` on the first micro-batch's dict and
-``[0, 0]`` on the others (``train_step`` reads the dicts after the schedule, sums the pairs over micro-batches and
-DP x CP and logs ``value``, next to Megatron-LM's own keys, in TensorBoard / W&B), and, where the launcher checked
-the collection's inference log-probs (algorithms 1-3), :data:`APPENDED_METRIC`: the collection's appended tokens
-left out of the loss, over all ranks.
+returns the megatron-core schedule contract's form (``slime_tis.engine.megatron_schedule``, the one the megatron-core
+hook returns; ``g`` read from the model's data-parallel wrapper). ``dict`` holds ``lm loss`` (the step loss as
+``train_step`` logs it) and, once the last micro-batch has run, every ``engine.end()`` metric as ``[value, 1]``
+(``train_step`` logs them next to Megatron-LM's own keys, in TensorBoard / W&B) and, where the launcher checked the
+collection's inference log-probs (algorithms 1-3), :data:`APPENDED_METRIC`: the collection's appended tokens left
+out of the loss, over all ranks.
 """
 
 from __future__ import annotations
@@ -54,12 +46,12 @@ from torch import Tensor
 
 from slime_tis.arguments import add_tis_arguments
 from slime_tis.config import TISConfig
-from slime_tis.engine.batch import TISBatch
+from slime_tis.engine.batch import TISBatch, cp_slice_padded
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
+from slime_tis.engine.megatron_schedule import add_metrics_to_loss_dicts, loss_form_for
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.step import StepEngine
-from slime_tis.engine.totals import Decisions, decides_ahead
-from slime_tis.megatron_rl.cp import local_rows, row_grid
+from slime_tis.engine.totals import step_batch_norm
 from slime_tis.megatron_rl.flags import config_from_megatron_rl_args, record_typed_flags, resolve_megatron_rl_flags
 
 __all__ = ["APPENDED_METRIC", "RLHost", "RolloutIndex", "add_megatron_rl_tis_arguments",
@@ -97,7 +89,7 @@ def refuse_interleaved_pipeline(args: Any) -> None:
 
 def refuse_context_parallel(cp: Any, *, packed: bool) -> None:
     """One-line ``ValueError`` naming ``--context-parallel-size`` and its value where it is above 1 with
-    sequence-packed bins: the host splits unpacked rows across context-parallel ranks (``cp.py``), not bins."""
+    sequence-packed bins: the host splits unpacked rows across context-parallel ranks, not bins."""
     if packed and cp is not None and int(cp) > 1:
         raise ValueError(f"--context-parallel-size {cp} with --rl-use-sequence-packing: slime_tis.megatron_rl "
                          "splits unpacked rows across context-parallel ranks, not packed bins; use "
@@ -108,10 +100,16 @@ def _f32(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1).to(torch.float32)
 
 
+def row_grid(x: Tensor) -> Tensor:
+    """``[B, S-1]`` (per log-prob position) -> ``[B, S]`` aligned with the tokens, a zero last column."""
+    return torch.cat([x, x.new_zeros(x.shape[0], 1)], dim=1)
+
+
 def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, int] = (1, 0)
                   ) -> tuple[TISBatch, Tensor, Tensor, Any]:
     """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring); unpacked
-    rows under context parallelism (``cp = (size, rank)``, size > 1): this CP rank's part of them (``cp.py``)."""
+    rows under context parallelism (``cp = (size, rank)``, size > 1): this CP rank's part of them
+    (megatron-core's load-balanced layout, ``engine.batch.cp_slice_padded``, as the megatron-core hook's batches)."""
     if packed:
         if len(item) == 11:
             tokens, adv, old, mask, pos, ref, inf, starts, lengths, indices, psp = item
@@ -148,12 +146,13 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, i
 
 def _cp_rows_to_batch(item: tuple, cfg: TISConfig, cp_size: int, cp_rank: int
                       ) -> tuple[TISBatch, Tensor, Tensor, None]:
-    """Unpacked rows ``[B, S]`` -> this CP rank's ``[B, S / cp]`` part (``cp.py``): tokens, position ids and the
-    ``TISBatch`` of the row-aligned grids (position ``t`` predicts ``tokens[:, t + 1]``; the last one masked)."""
+    """Unpacked rows ``[B, S]`` -> this CP rank's ``[B, S / cp]`` part (``cp_slice_padded``): tokens, position ids
+    and the ``TISBatch`` of the row-aligned grids (position ``t`` predicts ``tokens[:, t + 1]``; the last one
+    masked)."""
     tokens, adv, old, mask, pos, ref, inf = item
     rows = tokens.shape[0]
     def part(x: Tensor) -> Tensor:
-        return local_rows(x, cp_size, cp_rank)
+        return cp_slice_padded(x, cp_size, cp_rank)
 
     def grid(x: Tensor | None) -> Tensor | None:
         return None if x is None else _f32(part(row_grid(x.reshape(rows, -1).to(torch.float32))))
@@ -268,10 +267,9 @@ class RLHost:
         self._m = num_microbatches if callable(num_microbatches) else (lambda: num_microbatches)
         self.steps, self.metrics = 0, {}
         self._queue: list = []
-        #: the rollout collection (:meth:`begin_rollout`): its translated micro-batches, the corrections decided
-        #: once for it and algorithm 2's batch-normalisation factor over it; ``None`` outside one
+        #: the rollout collection (:meth:`begin_rollout`): its translated micro-batches and algorithm 2's
+        #: batch-normalisation factor over it; ``None`` outside one
         self._rollout: list | None = None
-        self.decisions: Decisions | None = None
         self.rollout_factor: Tensor | None = None
         #: this rank's count of the collection's appended tokens left out of the loss (``rollout.py``); ``None``
         #: where the collection's inference log-probs were not checked (algorithm 0, or no launcher)
@@ -301,22 +299,21 @@ class RLHost:
 
     def begin_rollout(self, items: list, appended: int | None = None) -> list[RolloutIndex]:
         """A new rollout collection: this rank's micro-batch items, in the order Megatron-LM's training iterator
-        yields them. Each is translated once and kept for every optimizer step on the collection; the
-        corrections that read only pi_old and pi_rollout (algorithms 0 and 2 with ``drop`` or batch
-        normalisation) are decided once, and algorithm 2's batch-normalisation factor is taken over the whole
-        collection of all DP (x CP) ranks, here, where Megatron-LM prepares the update. Returns the training
+        yields them. Each is translated once and kept for every optimizer step on the collection; algorithm 2's
+        batch-normalisation factor is taken over the whole collection of all DP (x CP) ranks, here, where
+        Megatron-LM prepares the update. Returns the training
         iterator's elements (one :class:`RolloutIndex` per micro-batch). ``appended``: this rank's count of the
         collection's tokens the training side appended without an inference log-prob and left out of the loss
         (``rollout.check_inference_log_probs``), logged with every step's metrics as :data:`APPENDED_METRIC`.
 
-        Collectives (last pipeline stage, where :func:`~slime_tis.engine.totals.decides_ahead`): those of one
+        Collectives (last pipeline stage, algorithm 2 with batch normalisation): those of one
         ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
         ctx = parallel_context()
         refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self._rollout = [self._translate(item) for item in items]
-        self.decisions, self.rollout_factor, self.appended = Decisions(), None, appended
-        if ctx.last_pp_stage and decides_ahead(self.cfg):
-            totals = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions).begin([r[0] for r in self._rollout])
+        self.rollout_factor, self.appended = None, appended
+        if ctx.last_pp_stage and step_batch_norm(self.cfg):
+            totals = StepEngine(self.cfg, ctx.reducer).begin([r[0] for r in self._rollout])
             self.rollout_factor = totals.batch_norm_factor
         return [RolloutIndex(k) for k in range(len(self._rollout))]
 
@@ -337,7 +334,7 @@ class RLHost:
         refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self.ctx, self.m, self.dicts = ctx, m, []
         items = [self._next_item(data_iterator) for _ in range(m)]
-        self.engine = StepEngine(self.cfg, ctx.reducer, decisions=self.decisions) if ctx.last_pp_stage else None
+        self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
         if self.engine is not None:
             self.engine.begin([it[0] for it in items])
             if self.rollout_factor is not None:  # the collection's, decided in begin_rollout
@@ -349,10 +346,12 @@ class RLHost:
         if isinstance(model, list) and len(model) > 1:
             raise ValueError(f"a model of {len(model)} virtual pipeline stages: slime_tis.megatron_rl does not run "
                              "interleaved pipeline schedules")
+        chunk = model[0] if isinstance(model, list) else model
         if not self._queue:
             self._begin_step(data_iterator)
+            self.form = loss_form_for([chunk], self.m, per_token=self.per_token)
         batch, tokens, pos, b, _ = self._queue.pop(0)
-        output = self.model_forward(model[0] if isinstance(model, list) else model, tokens, pos, b)
+        output = self.model_forward(chunk, tokens, pos, b)
         if self.engine is None:
             return output, lambda out, *a, **k: (out.sum() * 0.0, {})
         return output, self._loss_func(batch, last=not self._queue)
@@ -361,8 +360,9 @@ class RLHost:
                   ) -> tuple[Tensor, Tensor | None]:
         """``(lp [B (S-1)], entropy or None)``: float32 log-probs of ``labels`` (``[B (S-1)]``, ``tokens[:, 1:]``)
         under ``softmax(output[:, :-1] / T)`` (the engine's vocab-parallel log-softmax); ``local``: a CP rank's
-        part of the rows, every position's label given (``[B S/cp]``, ``cp.py``), under ``softmax(output / T)``.
-        The training loss and the launcher's pi_old / pi_ref passes take their log-probs here."""
+        part of the rows, every position's label given (``[B S/cp]``, ``cp_slice_padded``), under
+        ``softmax(output / T)``. The training loss and the launcher's pi_old / pi_ref passes take their log-probs
+        here."""
         logits = (output if local else output[:, :-1]).reshape(-1, output.shape[-1])
         return vocab_parallel_log_probs_and_entropy(logits, labels, temperature=self.temperature,
                                                     with_entropy=with_entropy)
@@ -377,34 +377,23 @@ class RLHost:
                                    local=self.ctx.cp_size > 1 and not self.packed)
             out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
             self.engine.record(out.stats)
-            from megatron.core import parallel_state as ps
-
-            cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-            ranks = ps.get_data_parallel_world_size(with_context_parallel=True) \
-                if ps.model_parallel_is_initialized() else 1
-            one = torch.ones((), dtype=torch.float32, device=lp.device)
-            d = {"lm loss": torch.stack([out.loss.detach().float() * (self.m * ranks), one])}
+            d = {"lm loss": self.form.loss_pair(out.loss.float())}
             self.dicts.append(d)
             if last:
-                self._end_step(ranks)
-            if self.per_token:
-                n_local = (batch.loss_mask != 0).sum().to(torch.int)
-                return out.loss * self.engine.totals.num_tokens, n_local, d
-            return out.loss * (self.m * ranks / cp), d
+                self._end_step()
+            return self.form.returns(out.loss, self.engine.totals.num_tokens, batch.loss_mask, d)
 
         return loss_func
 
-    def _end_step(self, ranks: int = 1) -> None:
+    def _end_step(self) -> None:
         """The step's metrics, once after its last loss, into the micro-batches' dicts (module docstring); with
-        the collection's appended-token count (:meth:`begin_rollout`), :data:`APPENDED_METRIC` as
-        ``[count * R, 1]`` on the first dict and ``[0, 0]`` on the others, which ``train_step``'s sum over
-        micro-batches and ``R`` DP x CP ranks turns into the count over all ranks."""
+        the collection's appended-token count (:meth:`begin_rollout`), :data:`APPENDED_METRIC` as the count summed
+        over the DP x CP ranks."""
         self.metrics = self.engine.end(step=self.steps)
         self.steps += 1
-        for i, d in enumerate(self.dicts):
-            for key, value in self.metrics.items():
-                v = value.to(torch.float32)
-                d[key] = torch.stack([v, torch.ones_like(v)]) if i == 0 else torch.zeros(2, dtype=torch.float32)
-            if self.appended is not None:
-                pair = [float(self.appended * ranks), 1.0] if i == 0 else [0.0, 0.0]
-                d[APPENDED_METRIC] = torch.tensor(pair, dtype=torch.float32, device=d["lm loss"].device)
+        add_metrics_to_loss_dicts(self.dicts, self.metrics)
+        if self.appended is not None:
+            device = self.dicts[0]["lm loss"].device
+            pair = self.form.rank_sum_pair(torch.tensor(float(self.appended), dtype=torch.float32, device=device))
+            for d in self.dicts:
+                d[APPENDED_METRIC] = pair

@@ -24,7 +24,7 @@ the collection's training micro-batches. :func:`install_rollout` wraps both func
   ``--grpo-kl-beta``), skipped (zeros) where it is 0;
 * the collection: the training ``DataLoader`` the function builds (the last one made through the module's
   ``DataLoader``, or ``get_microbatch_dataloader`` for packed bins) is read once, the host translates every
-  micro-batch (:meth:`RLHost.begin_rollout`: once-per-rollout decisions and the collection's batch-normalisation
+  micro-batch (:meth:`RLHost.begin_rollout`: the collection's batch-normalisation
   factor, reduced over DP) and the function returns a cycling iterator of the same type over the host's
   :class:`~slime_tis.megatron_rl.host.RolloutIndex` elements, in the loader's order.
 
@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_tis.engine.batch import cp_slice_padded
 from slime_tis.engine.parallel import parallel_context
-from slime_tis.megatron_rl.cp import gather_rows, local_rows, row_grid
-from slime_tis.megatron_rl.host import PackedBin, RLHost
+from slime_tis.megatron_rl.host import PackedBin, RLHost, row_grid
 
 __all__ = ["RolloutHooks", "check_inference_log_probs", "final_turns", "install_rollout"]
 
@@ -194,9 +194,9 @@ class RolloutHooks:
         if host.device is not None:
             tokens, pos = tokens.to(host.device), pos.to(host.device)
         ctx = parallel_context()
-        if b is None and ctx.cp_size > 1:  # this CP rank's part of the rows; the parts gathered back (cp.py)
-            labels = local_rows(row_grid(tokens[:, 1:]), ctx.cp_size, ctx.cp_rank)
-            tokens_in, pos_in = (local_rows(x, ctx.cp_size, ctx.cp_rank) for x in (tokens, pos))
+        if b is None and ctx.cp_size > 1:  # this CP rank's part of the rows; the parts gathered back
+            labels = cp_slice_padded(row_grid(tokens[:, 1:]), ctx.cp_size, ctx.cp_rank)
+            tokens_in, pos_in = (cp_slice_padded(x, ctx.cp_size, ctx.cp_rank) for x in (tokens, pos))
         else:
             labels, tokens_in, pos_in = tokens[:, 1:], tokens, pos
         with torch.no_grad():
@@ -209,8 +209,20 @@ class RolloutHooks:
             return lp.view(tokens.shape[0], tokens.shape[1] - 1), None
         from megatron.core import parallel_state as ps
 
-        full = gather_rows(lp.view(labels.shape), ctx.cp_size, ps.get_context_parallel_group())
+        full = _gather_rows(lp.view(labels.shape), ctx.cp_size, ps.get_context_parallel_group())
         return full[:, :-1].contiguous(), None
+
+
+def _gather_rows(local: Tensor, cp_size: int, group) -> Tensor:
+    """``[B, S]`` whole rows from every CP rank's ``cp_slice_padded`` part ``[B, S / cp]`` (rank ``r`` holds
+    chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``; no gradient: the pi_old / pi_ref passes)."""
+    parts = [torch.empty_like(local) for _ in range(cp_size)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    b, c = local.shape[0], local.shape[1] // 2
+    full = local.new_empty(b, 2 * cp_size, c, *local.shape[2:])
+    for r, part in enumerate(parts):
+        full[:, r], full[:, 2 * cp_size - 1 - r] = part[:, :c], part[:, c:]
+    return full.reshape(b, 2 * cp_size * c, *local.shape[2:])
 
 
 def final_turns(rows: Any, n: int) -> list[bool] | None:

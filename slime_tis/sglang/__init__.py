@@ -36,7 +36,7 @@ from .sampling import (
     check_sampling_params,
     reset_sampling_warnings,
 )
-from .stream import TOKEN_LISTS, iter_stream_chunks, merge_stream_batch, merge_stream_chunks
+from .stream import TOKEN_LISTS, merge_stream_batch, merge_stream_chunks
 from .support import SUPPORT_INVALID_METRIC, SamplingSupport, read_support, validate_support
 from .trajectory import PackedRollouts, TrajectoryBuilder, collate
 
@@ -58,7 +58,6 @@ __all__ = [
     "check_sampling_params",
     "collate",
     "generate_request",
-    "iter_stream_chunks",
     "merge_stream_batch",
     "merge_stream_chunks",
     "parse_generate_response",

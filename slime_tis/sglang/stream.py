@@ -51,7 +51,7 @@ from typing import Any
 
 from .response import SGLangLogprobError, is_finish_reason
 
-__all__ = ["TOKEN_LISTS", "iter_stream_chunks", "merge_stream_batch", "merge_stream_chunks"]
+__all__ = ["TOKEN_LISTS", "merge_stream_batch", "merge_stream_chunks"]
 
 #: ``meta_info`` lists with one entry per output token: the ones SGLang slices in incremental mode
 #: (``_INCREMENTAL_STREAMING_META_INFO_KEYS`` in ``tokenizer_manager.py``, 0.5.23). Merged alike.
@@ -100,14 +100,6 @@ class _Lines:
             if "error" in obj and "meta_info" not in obj:
                 raise SGLangLogprobError(f"stream line {lineno}: server error {obj['error']!r}")
             yield obj
-
-
-def iter_stream_chunks(lines: Iterable[str | bytes | Mapping[str, Any]]) -> Iterable[dict[str, Any]]:
-    """Yield chunk dicts from raw SSE lines (``str``/``bytes``) or already-decoded dicts.
-
-    Blank lines and SSE comments are skipped; ``data: [DONE]`` ends the stream.
-    """
-    return iter(_Lines(lines))
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,17 +1,10 @@
 """slime's ``--allgather-cp`` layout for the custom loss: contiguous CP chunks of the concatenated micro-batch.
 
-With ``--allgather-cp`` (THUDM/slime 624b824, ``slime/backends/megatron_utils/data.py``) slime concatenates the
-micro-batch's samples (prompt + response, back to back), pads the stream to a multiple of ``cp_size`` (times the
-TP padding) and gives CP rank ``r`` the contiguous positions ``[r L, (r + 1) L)``, ``L`` the local logits' length.
-The logit at global position ``g`` predicts token ``g + 1``; response token ``j`` of sample ``i`` (stream offset
-``o_i``, prompt ``P_i``) is predicted at ``g = o_i + P_i - 1 + j``.
-
-Everything else slime hands the loss (advantages, rollout and recomputed log-probs) stays in the zigzag layout,
-and slime's own loss returns its log-probs to it (``_allgather_cp_redistribute`` in ``loss.py``). The custom loss
-does the same: each rank's log-probs are placed at their full-length response positions (zeros elsewhere), one
-differentiable CP all-reduce (sum; its backward sums the gradients over CP) completes them, and the zigzag
-positions of :func:`slime_tis.slime.layout.local_response_index` are read out, so that the rest of the loss is
-the zigzag loss.
+With ``--allgather-cp`` (slime 624b824, ``data.py``) CP rank ``r`` holds positions ``[r L, (r + 1) L)`` of the
+concatenated, padded micro-batch; response token ``j`` of sample ``i`` (stream offset ``o_i``, prompt ``P_i``) is
+predicted at ``o_i + P_i - 1 + j``. Everything else slime hands the loss stays zigzag, so the custom loss places
+each rank's log-probs at their full-length positions, completes them with one differentiable CP all-reduce and
+reads the zigzag positions back out, as slime's own loss does.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""slime's per-sample micro-batch layout -> the core's packed layout (and back for loss masks).
+"""slime's per-sample micro-batch -> the core's packed layout (and back, for the loss masks).
 
-slime hands its hooks, per micro-batch, lists over samples of CP-local 1-D tensors (log-probs,
-advantages: this rank's zigzag chunks of each response, see :mod:`slime_tis.slime.layout`) and
-full-length loss masks. The core wants one packed ``[T_local]`` tensor per quantity plus
-``cu_seqlens`` of the local per-sample lengths (zero-length samples allowed: a CP rank may hold no
-response token of a sample; it still takes part in every per-sequence reduction).
+slime hands its hooks per-sample lists of CP-local tensors (this rank's zigzag chunks of each response,
+:mod:`slime_tis.slime.layout`) and full-length loss masks; the core takes one packed ``[T_local]`` tensor per
+quantity and ``cu_seqlens`` of the local lengths (a CP rank may hold no token of a sample; it still takes part in
+every per-sequence reduction).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.core import Reducer
+from slime_tis.engine.batch import TISBatch
 from slime_tis.slime.layout import local_response_index
 
 __all__ = ["SlimePacked", "gather_full_responses", "pack_slime_batch"]
@@ -60,9 +60,13 @@ class SlimePacked:
             return torch.zeros(0, device=self.full_mask.device)
         return torch.cat(list(tensors))
 
-    def local_starts(self) -> Tensor:
-        """``[n]`` int64 (CPU) offset of each sample's first local token in the packed ``[T_local]`` tensors."""
-        return torch.cumsum(self.local_lengths, 0) - self.local_lengths
+    def tis_batch(self, *, advantages: Tensor | None, rollout_log_probs: Tensor, old_log_probs: Tensor | None = None,
+                  ref_log_probs: Tensor | None = None) -> TISBatch:
+        """These samples as the engine's packed batch: this CP rank's response tokens, sample by sample (slime
+        predicts no labels here: the engine's corrections and losses read none)."""
+        labels = torch.zeros((), dtype=torch.int64, device=self.local_mask.device).expand(self.local_mask.shape[0])
+        return TISBatch(labels=labels, loss_mask=self.local_mask, advantages=advantages, cu_seqlens=self.cu_seqlens,
+                        rollout_log_probs=rollout_log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs)
 
     def full_sample_index(self) -> Tensor:
         """``[sum_i R_i]`` int64 sample number of each full-length position (on the masks' device)."""

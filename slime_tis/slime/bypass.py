@@ -1,14 +1,9 @@
-"""The optional slime patch's switch: ``tis_bypass_skip_recompute`` (``patches/slime_alg1_skip_recompute.patch``).
+"""The optional slime patch's switch ``tis_bypass_skip_recompute`` (``patches/slime_alg1_skip_recompute.patch``).
 
-With ``--use-rollout-logprobs`` (algorithm 1) slime calls the TIS function only with ``--get-mismatch-metrics``,
-and that flag forces slime's pi_old pass. The patched slime skips that pass when this YAML key is on, so the TIS
-function sees the detached current log-probs (``l = sg(log pi_theta) - log pi_rollout``, algorithm 1 as
-defined). The patch reads the key through :func:`skips_pi_old_recompute`, and the plugin's own idea of whether
-slime recomputes pi_old (:func:`slime_tis.slime.schedule.slime_recomputes_pi_old`) does too, so both agree.
-
-The key is a switch like every other of the plugin (``slime_tis.config_fields.parse_switch``): a YAML boolean
-or ``true``/``false``, ``yes``/``no``, ``on``/``off``, ``1``/``0``; a quoted ``"false"`` is off, and anything else
-is a ``ValueError`` naming the key.
+With ``--use-rollout-logprobs`` slime calls the TIS function only with ``--get-mismatch-metrics``, which forces
+its pi_old pass; the patched slime skips it when this key is on (algorithm 1 as defined: ``sg(log pi_theta)``).
+The patch reads the key through :func:`skips_pi_old_recompute`, as the plugin does (``SlimeView``). A switch like
+every other (``parse_switch``): anything but a boolean word is a ``ValueError`` naming the key.
 """
 
 from __future__ import annotations

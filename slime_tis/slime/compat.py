@@ -1,30 +1,11 @@
-"""slime options and slime code the hooks cannot follow: refused (or warned about) at the first hook call.
+"""slime options and slime code the hooks cannot follow: refused (or warned about) when the view is built.
 
-The hooks are written against slime 624b824. Some slime options, and some of slime's open changes to its loss
-path once they land, would change what the hooks compute without any error. :func:`check_slime_compat` runs
-when a configuration is first built in a process (the first hook call, before the first training step) and
-turns each of them into a one-line ``ValueError`` (or, where the run stays correct but biased, a warning).
-
-Options:
-
-* ``--rs-batch-refill`` (an open slime change): slime then applies its own sequence rejection in place of the
-  TIS function and refuses the rollout-data and before-train-step hooks; the plugin's hooks would run
-  without the state they share. Refused.
-* ``--rollout-top-k`` > 0 with ``--rollout-top-p`` 1: slime replays the truncated support only when
-  ``--rollout-top-p`` < 1, so the rollout log-probs are of the full distribution while the tokens were drawn
-  from the top-k cut. Warned once (the ratios are biased by the kept mass).
-* ``tis_bypass_skip_recompute`` on with ``--use-rollout-logprobs``, while the installed slime's ``actor.py``
-  does not carry ``patches/slime_alg1_skip_recompute.patch``: slime still runs its pi_old pass, but the hooks
-  would plan as if it had not. Refused.
-
-Probes of the installed slime's code (:func:`slime_function_params`, :func:`slime_source`: the module's source,
-found with ``importlib`` without importing it, or its signature when slime already imported it; nothing is
-found when slime is not installed):
-
-* OPSM decided per sequence (an open slime change: ``compute_opsm_mask`` in ``slime/utils/ppo_utils.py`` takes
-  ``full_advantages``): OPSM then zeroes whole sequences, tokens of either advantage sign, while the TIS hook
-  recovers OPSM's tokens as ``A_t < 0 and pg_loss_t == 0`` (:mod:`slime_tis.slime.opsm`) and would count the
-  others as kept. ``--use-opsm`` with the TIS hook is refused there.
+Against slime 624b824 (docs/slime.md, "slime's open changes to the loss path"): ``--rs-batch-refill`` (slime then
+replaces the TIS function and refuses the other hooks) is refused; ``--rollout-top-k`` without top-p replay
+(rollout log-probs of the full distribution) is warned once; ``tis_bypass_skip_recompute`` without the patch in
+the installed slime's ``actor.py`` is refused; an installed slime that decides OPSM per sequence
+(``compute_opsm_mask`` takes ``full_advantages``) is refused with the TIS hook's ``--use-opsm``. The probes read
+the installed slime's source (``importlib``, without importing it) or signature; nothing is found without slime.
 """
 
 from __future__ import annotations
@@ -35,18 +16,16 @@ import importlib.util
 import inspect
 import logging
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-from slime_tis.slime.bypass import skips_pi_old_recompute
+from slime_tis.core.algorithms import algorithm_of
 
-__all__ = ["check_slime_compat", "reset_slime_probes", "slime_function_params", "slime_source"]
+__all__ = ["check_slime_compat", "slime_function_params", "slime_source"]
 
 logger = logging.getLogger("slime_tis.slime")
 
 PATCH_MARKER = "skips_pi_old_recompute"  # what patches/slime_alg1_skip_recompute.patch adds to slime's actor.py
-_WARNED: set[str] = set()
 
 
 @functools.cache
@@ -91,41 +70,31 @@ def slime_function_params(module: str, name: str) -> tuple[str, ...] | None:
     return None
 
 
-def reset_slime_probes() -> None:
-    """Forget what the probes found and which warnings were given (tests; slime changed in this process)."""
-    slime_source.cache_clear()
-    slime_function_params.cache_clear()
-    _WARNED.clear()
+def check_slime_compat(view: Any) -> None:
+    """Refuse what the hooks cannot follow (module docstring); ``view``: :class:`slime_tis.slime.config.SlimeView`."""
+    from slime_tis.slime.state import STATE
 
-
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=4)
-
-
-def check_slime_compat(args: Any, *, slime_policy_loss: bool) -> None:
-    """Refuse what the hooks cannot follow (module docstring). ``slime_policy_loss``: the loss is slime's own
-    policy loss with the TIS hook (algorithms 0, 1, 2), not the algorithm-3 custom loss."""
-    a = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    if a("rs_batch_refill"):
+    if view.rs_batch_refill:
         raise ValueError("--rs-batch-refill: slime then applies its own sequence rejection in place of "
                          "--custom-tis-function-path and refuses the plugin's rollout-data and before-train-step "
                          "hooks; run it without the plugin's hooks, or the hooks without --rs-batch-refill")
-    top_k, top_p = a("rollout_top_k", -1), a("rollout_top_p", 1.0)
+    if view.cfg.sampling_support is not None:
+        raise ValueError(f"tis_sampling_support = {view.cfg.sampling_support!r}: slime computes the trainer's "
+                         "log-probs itself and replays its own top-p support (--rollout-top-p < 1), so the plugin's "
+                         "replay does not apply to slime; remove the key (docs/sampling_support.md)")
+    top_k, top_p = view.rollout_top_k, view.rollout_top_p
     if isinstance(top_k, int) and top_k > 0 and top_p == 1.0:
-        _warn_once("top_k", f"--rollout-top-k {top_k} with --rollout-top-p 1: slime replays the truncated support "
-                   "only when --rollout-top-p < 1, so SGLang's rollout log-probs are of the full distribution and "
-                   "every importance ratio is biased by the kept mass; use --rollout-top-k -1, or also set "
-                   "--rollout-top-p < 1")
-    if skips_pi_old_recompute(args):
+        STATE.warn_once("top_k", f"--rollout-top-k {top_k} with --rollout-top-p 1: slime replays the truncated "
+                        "support only when --rollout-top-p < 1, so SGLang's rollout log-probs are of the full "
+                        "distribution and every importance ratio is biased by the kept mass; use --rollout-top-k -1, "
+                        "or also set --rollout-top-p < 1", logger)
+    if view.skips_recompute:
         actor = slime_source("slime.backends.megatron_utils.actor")
         if actor is not None and PATCH_MARKER not in actor:
             raise ValueError("tis_bypass_skip_recompute is on, but the installed slime's "
                              "slime/backends/megatron_utils/actor.py lacks patches/slime_alg1_skip_recompute.patch "
                              "(slime still runs its pi_old pass): apply the patch or remove the key")
-    if slime_policy_loss and a("use_opsm"):
+    if algorithm_of(view.cfg).ppo and view.use_opsm:  # slime's own policy loss with the TIS hook
         params = slime_function_params("slime.utils.ppo_utils", "compute_opsm_mask")
         if params is not None and "full_advantages" in params:
             raise ValueError("--use-opsm: the installed slime decides OPSM per sequence (compute_opsm_mask takes "

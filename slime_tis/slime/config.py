@@ -1,133 +1,220 @@
-"""``TISConfig`` from slime's ``args`` namespace (flags + ``--custom-config-path`` YAML keys).
+"""slime's arguments read once: :class:`SlimeView`, the ``TISConfig`` and every slime flag the hooks read.
 
-slime has no flags for the plugin's options; they come as YAML keys that slime ``setattr``s onto
-``args`` (``--custom-config-path``), named after this package's argparse dests::
+The plugin's options come as ``--custom-config-path`` YAML keys that slime ``setattr``s onto ``args``, named after
+this package's argparse dests (``tis_mode``, ``tis_level``, ...; ``slime_tis.config.DESTS_OF``); the switches are
+slime's ``--use-tis`` and ``--use-rollout-logprobs``. slime's ``mis.yaml`` keys are translated when the plugin's own
+are absent (``use_rs`` + ``rs_level`` -> ``tis_rs_level``, ``rs_lower_bound`` / ``rs_upper_bound`` -> the rejection
+bounds, defaulting as in ``mis.py`` to the IS bounds; ``rs_veto_threshold`` -> ``tis_veto_threshold`` with
+``use_rs``; docs/slime.md). The aggregation is slime's (``--calculate-per-token-loss``: ``token-mean``, else
+``seq-mean-token-mean``); a ``tis_loss_agg`` key that contradicts it raises.
 
-    tis_mode, tis_level, tis_upper_bound, tis_lower_bound, tis_rs_level, tis_rs_upper_bound,
-    tis_rs_lower_bound, tis_batch_normalize, tis_rejected_denominator, tis_loss_agg, tis_safety_bound,
-    tis_preset, and one key per rejection threshold (its flag's dest, e.g. tis_veto_threshold;
-    ``slime_tis.config.THRESHOLDS``)
-
-The switches are slime's own flags: ``--use-tis`` (``args.use_tis``) and
-``--use-rollout-logprobs`` (``args.use_rollout_logprobs``).
-
-For a drop-in switch from slime's ``examples/train_infer_mismatch_helper/mis.yaml`` the mis.py keys
-are translated when the plugin's own keys are absent: ``use_rs`` + ``rs_level`` ->
-``tis_rs_level``; ``rs_lower_bound`` / ``rs_upper_bound`` -> rejection bounds (defaulting, as in
-mis.py, to the IS bounds); ``rs_veto_threshold`` -> ``tis_veto_threshold`` (only with ``use_rs``,
-as mis.py only vetoes inside RS). slime's vanilla-TIS flags ``--tis-clip`` / ``--tis-clip-low`` are
-not read.
-
-slime options and slime code the hooks cannot follow are refused here too (:mod:`slime_tis.slime.compat`).
-The optional patch's switch ``tis_bypass_skip_recompute`` (:mod:`slime_tis.slime.bypass`) is parsed here too, so
-a value it cannot read is refused at the first hook call.
-
-Loss aggregation is slime's: ``--calculate-per-token-loss`` is ``token-mean``, slime's default
-per-sample mean is ``seq-mean-token-mean``. A ``tis_loss_agg`` key that contradicts it raises.
+:func:`slime_view` builds the view once per distinct set of values (kept in ``STATE.views``); building it runs the
+start-up refusals (:mod:`slime_tis.slime.compat`) and, once per configuration, compares the settings the hooks'
+collectives depend on across the ranks of the pipeline stage (:func:`check_slime_settings_agree`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.slime.agreement import check_slime_settings_agree
+from slime_tis.engine.settings import CHUNK_SIZE
 from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY, skip_recompute_requested
 from slime_tis.slime.compat import check_slime_compat
+from slime_tis.slime.state import STATE
 
-__all__ = ["slime_loss_agg", "tis_config_from_slime_args"]
+__all__ = ["SlimeView", "check_slime_settings_agree", "slime_view", "tis_config_from_slime_args"]
 
 logger = logging.getLogger("slime_tis.slime")
 
-_DESCRIBED: set[TISConfig] = set()
+STEP_HOOK = "slime_tis.slime.before_train_step"
+TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
 
-# keys read from args (their values form the cache key): every dest of a TISConfig field, then mis.py's
-_KEYS = (
-    *(dest for dests in DESTS_OF.values() for dest in dests),
-    "tis_preset",
-    "use_rs",
-    "rs_level",
-    "rs_lower_bound",
-    "rs_upper_bound",
-    "rs_veto_threshold",
-    "calculate_per_token_loss",
-    SKIP_RECOMPUTE_KEY,
-    "use_rollout_logprobs",
-    # read by the start-up checks (slime_tis.slime.compat)
-    "rs_batch_refill",
-    "rollout_top_k",
-    "rollout_top_p",
-    "use_opsm",
-)
-_CACHE: dict[tuple, TISConfig] = {}
+#: slime flags the hooks read, with slime's defaults (a missing attribute reads as its default)
+_SLIME = {
+    "use_rollout_logprobs": False, "use_opsm": False, "calculate_per_token_loss": False,
+    "custom_pg_loss_reducer_function_path": None, "tis_dump_dir": None, "tis_metrics_path": None,
+    "tis_record_train_log_probs": None, SKIP_RECOMPUTE_KEY: None, "rollout_temperature": None,
+    "log_probs_chunk_size": None, "entropy_coef": None, "use_kl_loss": False, "kl_loss_coef": None,
+    "kl_loss_type": "k1", "use_unbiased_kl": False, "rollout_top_p": 1.0, "rollout_top_k": -1,
+    "allgather_cp": False, "save_debug_train_data": None, "advantage_estimator": None, "use_routing_replay": False,
+    "use_rollout_routing_replay": False, "loss_type": "policy_loss", "custom_loss_function_path": None,
+    "custom_tis_function_path": None, "custom_megatron_before_train_step_hook_path": None,
+    "get_mismatch_metrics": False, "compute_advantages_and_returns": True, "kl_coef": 0, "use_critic": False,
+    "keep_old_actor": False, "use_opd": False, "rs_batch_refill": False,
+}
+_MIS = ("use_rs", "rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
+_KEYS = (*(d for dests in DESTS_OF.values() for d in dests), "tis_preset", *_MIS, *_SLIME)
 
 
-def slime_loss_agg(args: Any) -> str:
-    """The aggregation slime applies: ``token-mean`` with ``--calculate-per-token-loss``, else
-    ``seq-mean-token-mean`` (slime's per-sample mean)."""
-    return "token-mean" if getattr(args, "calculate_per_token_loss", False) else "seq-mean-token-mean"
+@dataclass(frozen=True)
+class SlimeView:
+    """The configuration and slime's flags, as the hooks read them (``flags``: slime's value of every
+    :data:`_SLIME` key; the properties name what the hooks ask of them)."""
+
+    cfg: TISConfig
+    flags: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:  # the flags by their slime names (args.use_opsm -> view.use_opsm)
+        flags = self.__dict__.get("flags")
+        if flags is not None and name in flags:
+            return flags[name]
+        raise AttributeError(name)
+
+    @property
+    def temperature(self) -> float:
+        return float(self.rollout_temperature or 1.0)
+
+    @property
+    def chunk_size(self) -> int:
+        """Rows per log-softmax chunk (slime's ``-1``: no chunking, returned as ``0``)."""
+        chunk = int(self.log_probs_chunk_size or CHUNK_SIZE)
+        return chunk if chunk > 0 else 0
+
+    @property
+    def entropy(self) -> float:
+        return float(self.entropy_coef or 0.0)
+
+    @property
+    def kl(self) -> float:
+        return float(self.kl_loss_coef or 0.0) if self.use_kl_loss else 0.0
+
+    @property
+    def host_kl(self) -> bool:
+        """The custom loss adds slime's KL term against ``ref_log_probs`` to the loss (``--use-kl-loss``, nonzero
+        ``--kl-loss-coef``): its corrections check them like the advantages (``StepEngine(host_kl=...)``)."""
+        return self.kl != 0.0 and not algorithm_of(self.cfg).ppo
+
+    @property
+    def recording(self) -> bool:
+        """The ``tis_record_train_log_probs`` key (strictly parsed: a quoted ``"false"`` is off)."""
+        value = self.tis_record_train_log_probs
+        return value is not None and parse_switch("tis_record_train_log_probs", value)
+
+    @property
+    def skips_recompute(self) -> bool:
+        """The patched slime skips its pi_old pass (``tis_bypass_skip_recompute`` with ``--use-rollout-logprobs``)."""
+        value = self.flags[SKIP_RECOMPUTE_KEY]
+        return value is not None and parse_switch(SKIP_RECOMPUTE_KEY, value) and bool(self.use_rollout_logprobs)
+
+    @property
+    def step_hook(self) -> bool:
+        """slime runs :func:`slime_tis.slime.before_train_step` (or a hook of that name) before each step."""
+        return str(self.custom_megatron_before_train_step_hook_path or "").rsplit(".", 1)[-1] == "before_train_step"
+
+    def recomputes_pi_old(self, steps: int) -> bool:
+        """Whether slime's ``train_actor`` (``slime/backends/megatron_utils/actor.py``, 624b824) runs its pi_old pass
+        (``rollout_data['log_probs']``) for a rollout of ``steps`` optimizer steps: not with
+        ``--use-rollout-logprobs`` unless ``--get-mismatch-metrics``, nor where it reuses the training forward (one
+        step, ``policy_loss``, no KL coefficient, no critic / old actor / OPD, routing replay only from the rollout,
+        not GSPO), nor where the patched slime skips it."""
+        f = self.flags
+        if not f["compute_advantages_and_returns"] or self.skips_recompute:
+            return False
+        reuse = (steps == 1 and f["loss_type"] == "policy_loss" and not f["kl_coef"] and not f["use_rollout_logprobs"]
+                 and not f["get_mismatch_metrics"] and not f["use_critic"] and not f["keep_old_actor"]
+                 and not f["use_opd"] and (not f["use_routing_replay"] or f["use_rollout_routing_replay"])
+                 and f["advantage_estimator"] != "gspo")
+        return (not f["use_rollout_logprobs"] or bool(f["get_mismatch_metrics"])) and not reuse
+
+    @property
+    def pi_old_pass_flags(self) -> str:
+        """The flags that make slime run its pi_old pass as its argument checks accept them (``--get-mismatch-metrics``
+        needs a TIS function)."""
+        if self.custom_tis_function_path:
+            return "--get-mismatch-metrics"
+        return f"--get-mismatch-metrics --custom-tis-function-path {TIS_FUNCTION}"
 
 
 def _mis_translation(args: Any, fields: dict[str, Any]) -> None:
     use_rs = getattr(args, "use_rs", None)  # a YAML key: strictly parsed ("false" is off)
-    if use_rs is None or not parse_switch("use_rs", use_rs) or fields.get("rs_level") is not None:
-        return
     rs_level = getattr(args, "rs_level", None)
-    if rs_level is None:
+    if use_rs is None or not parse_switch("use_rs", use_rs) or fields.get("rs_level") is not None or rs_level is None:
         return
+    lower, upper = getattr(args, "rs_lower_bound", None), getattr(args, "rs_upper_bound", None)
     fields["rs_level"] = rs_level
-    lower = getattr(args, "rs_lower_bound", None)
-    upper = getattr(args, "rs_upper_bound", None)
-    # mis.py: rejection bounds default to the IS bounds
-    fields["rs_upper"] = upper if upper is not None else fields.get("upper")
+    fields["rs_upper"] = upper if upper is not None else fields.get("upper")  # mis.py: default to the IS bounds
     fields["rs_lower"] = lower if lower is not None else fields.get("lower")
     veto = getattr(args, "rs_veto_threshold", None)
     if veto is not None and fields.get("veto_threshold") is None:
         fields["veto_threshold"] = veto
 
 
-def tis_config_from_slime_args(args: Any, *, algorithm: int | None = None) -> TISConfig:
-    """Build (and cache) the validated ``TISConfig`` of a slime run.
-
-    Args:
-        args: slime's namespace.
-        algorithm: force the algorithm (the REINFORCE + IS loss passes 3, since slime's flags cannot
-            combine ``--use-rollout-logprobs`` and ``--use-tis``); ``None`` derives it from the flags.
+def slime_view(args: Any, *, algorithm: int | str | None = "loss") -> SlimeView:
+    """The :class:`SlimeView` of slime's ``args`` (built once per distinct set of values). ``algorithm``: ``"loss"``
+    the run's (3 where slime's loss is the REINFORCE + IS custom loss, since slime cannot combine
+    ``--use-rollout-logprobs`` and ``--use-tis``, else from slime's flags), ``None`` from slime's flags, or forced.
 
     Raises:
-        ValueError: invalid options (naming the flag/key and value), a ``tis_loss_agg`` key that
-            contradicts slime's aggregation, or settings that differ across the ranks of the pipeline stage
-            (compared when a configuration is first built, :mod:`slime_tis.slime.agreement`).
+        ValueError: invalid options (naming the flag / key and value), a ``tis_loss_agg`` key that contradicts
+            slime's aggregation, what :mod:`slime_tis.slime.compat` refuses, or settings that differ across the
+            ranks of the pipeline stage.
     """
     key = (algorithm, *(repr(getattr(args, k, None)) for k in _KEYS))
-    cached = _CACHE.get(key)
-    if cached is not None:
-        return cached
+    view = STATE.views.get(key)
+    if view is not None:
+        return view
+    flags = {k: getattr(args, k, default) for k, default in _SLIME.items()}
+    if algorithm == "loss":
+        custom = flags["loss_type"] == "custom_loss" and str(flags["custom_loss_function_path"] or "").endswith(
+            "reinforce_is_loss")
+        return slime_view(args, algorithm=3 if custom else None)
     fields = config_fields_from_args(args)
     skip_recompute_requested(args)  # the optional patch's switch: a value it would misread is refused here
     _mis_translation(args, fields)
-    agg = slime_loss_agg(args)
+    agg = "token-mean" if flags["calculate_per_token_loss"] else "seq-mean-token-mean"
     given = fields.get("loss_agg")
     if given is not None and given != agg:
-        raise ValueError(
-            f"tis_loss_agg = {given!r} contradicts slime's aggregation {agg!r} "
-            f"(--calculate-per-token-loss = {bool(getattr(args, 'calculate_per_token_loss', False))}); "
-            "in slime the aggregation is chosen by --calculate-per-token-loss"
-        )
+        raise ValueError(f"tis_loss_agg = {given!r} contradicts slime's aggregation {agg!r} (--calculate-per-token-loss"
+                         f" = {bool(flags['calculate_per_token_loss'])}); in slime the aggregation is chosen by "
+                         "--calculate-per-token-loss")
     fields["loss_agg"] = agg
     if algorithm is not None:
         if algorithm not in (0, 1, 2, 3):
             raise ValueError(f"algorithm must be 0, 1, 2 or 3, got {algorithm!r}")
-        fields["use_rollout_log_probs"] = bool(algorithm & 1)
-        fields["use_tis"] = bool(algorithm & 2)
-    cfg = TISConfig(**fields)
-    check_slime_compat(args, slime_policy_loss=algorithm_of(cfg).ppo)
-    check_slime_settings_agree(args, cfg)  # once per configuration, on every rank of the pipeline stage
-    if cfg not in _DESCRIBED:
-        _DESCRIBED.add(cfg)
-        logger.info("%s", cfg.describe())
-        cfg.warn_inert()
-    _CACHE[key] = cfg
-    return cfg
+        fields["use_rollout_log_probs"], fields["use_tis"] = bool(algorithm & 1), bool(algorithm & 2)
+    view = SlimeView(TISConfig(**fields), MappingProxyType(flags))
+    view.recording  # noqa: B018 - strictly parsed now: a value it would misread is refused at the first hook call
+    check_slime_compat(view)
+    check_slime_settings_agree(view)  # once per configuration, on every rank of the pipeline stage
+    if view.cfg not in STATE.described:
+        STATE.described.add(view.cfg)
+        logger.info("%s", view.cfg.describe())
+        view.cfg.warn_inert()
+    STATE.views[key] = view
+    return view
+
+
+def tis_config_from_slime_args(args: Any, *, algorithm: int | str | None = None) -> TISConfig:
+    """The validated ``TISConfig`` of slime's ``args`` (:func:`slime_view`'s; by default from slime's flags)."""
+    return slime_view(args, algorithm=algorithm).cfg
+
+
+def slime_settings(view: SlimeView) -> dict[str, Any]:
+    """The resolved configuration and the flags the hooks' collectives and numbers depend on."""
+    from slime_tis.engine.agreement import config_settings
+
+    return {**config_settings(view.cfg), "tis_dump_dir (given)": bool(view.tis_dump_dir),
+            "tis_record_train_log_probs": view.recording, "--rollout-temperature": view.rollout_temperature,
+            "--log-probs-chunk-size": view.log_probs_chunk_size, "--entropy-coef": view.entropy_coef}
+
+
+def check_slime_settings_agree(view: SlimeView) -> None:
+    """Compare :func:`slime_settings` across this rank's pipeline stage (the TP x DP x CP group, the ranks that run
+    the same hooks at the same points): a ``ValueError`` naming the differing setting on every rank, before a
+    collective chosen by it could deadlock or mix two definitions (a no-op without megatron's ``parallel_state``)."""
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:  # megatron-core is optional for single-process use
+        return
+    if not ps.model_parallel_is_initialized():
+        return
+    from slime_tis.engine.agreement import check_settings_agree
+
+    check_settings_agree(slime_settings(view), what="slime_tis (slime hooks)",
+                         group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))

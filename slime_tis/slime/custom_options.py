@@ -1,24 +1,14 @@
-"""slime's policy-loss options inside the custom loss ``slime_tis.slime.reinforce_is_loss``.
+"""slime's policy-loss options inside the custom loss ``slime_tis.slime.reinforce_is_loss``, applied as slime's
+``policy_loss_function`` (624b824) applies them:
 
-slime applies these options in its own ``policy_loss_function`` (``slime/backends/megatron_utils/loss.py``,
-THUDM/slime 624b824), which the custom loss replaces; the custom loss applies each of them the way slime does:
+* ``--use-opsm``: slime's own ``compute_opsm_mask`` (called with the arguments its installed signature names), on
+  the anchor slime would use (rollout log-probs with ``--use-rollout-logprobs``, else slime's ``log_probs``, else
+  ``sg(pi_theta)``); the mask multiplies the policy term only; ``opsm_clipfrac`` as slime reports it.
+* ``--use-unbiased-kl``: ``exp(lp_theta - lp_old) * k(lp_theta, lp_ref)``, then ``low_var_kl``'s clamp.
+* ``--custom-pg-loss-reducer-function-path``: slime's reducer contract ``f(total_lengths, response_lengths,
+  masks, calculate_per_token_loss)`` with the rejected tokens zeroed in ``masks``; ``drop`` is refused with it.
 
-* ``--use-opsm``: slime's own mask, from slime's own ``compute_opsm_mask`` (``slime/utils/ppo_utils.py``) called
-  with the arguments its installed signature names (full-length log-probs of ``pi_theta`` and of the anchor,
-  the advantages, the loss masks), so that the decision is always the installed slime's (per token on
-  ``A < 0`` at 624b824; per sequence where slime decides it so). The anchor is slime's: the rollout log-probs
-  with ``--use-rollout-logprobs``, else slime's recomputed ``log_probs``, else ``sg(pi_theta)``. The mask
-  multiplies the policy term only (per token: the advantage), as slime multiplies ``pg_loss``; the
-  denominators, the entropy and the KL terms are unchanged. ``opsm_clipfrac`` is reported as slime does.
-* ``--use-unbiased-kl``: slime's estimator ``kl_t = r_t * k(lp_theta_t, lp_ref_t)``, ``r_t =
-  exp(lp_theta_t - lp_old_t)`` (differentiable in ``lp_theta``; ``lp_old`` the same anchor as OPSM's), then
-  ``low_var_kl``'s clamp to ``[-10, 10]``.
-* ``--custom-pg-loss-reducer-function-path``: slime's reducer contract, ``reducer = f(total_lengths,
-  response_lengths, masks, calculate_per_token_loss)`` with ``masks`` the full-length loss masks with the
-  rejected tokens zeroed, then ``pg_loss = reducer(per_token_pg_loss)`` (``[T_local]``, zero where not kept);
-  the reducer chooses the denominators, so ``tis_rejected_denominator: drop`` is refused with it.
-
-All collectives here depend on the options only (one CP sum per gathered tensor).
+Collectives depend on the options only (one CP sum per gathered tensor).
 """
 
 from __future__ import annotations
@@ -44,14 +34,15 @@ __all__ = ["check_custom_options", "load_slime_function", "opsm_mask", "per_toke
 DROP_WITH = ("tis_rejected_denominator = 'drop' with {flag}: {why}; use tis_rejected_denominator: keep")
 
 
-def check_custom_options(args: Any, drop: bool) -> None:
-    """Refuse the combinations that cannot be exact (module docstring), naming the nearest supported one."""
-    reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+def check_custom_options(view: Any, drop: bool) -> None:
+    """Refuse the combinations that cannot be exact (module docstring), naming the nearest supported one
+    (``view``: the :class:`~slime_tis.slime.config.SlimeView`)."""
+    reducer = view.custom_pg_loss_reducer_function_path
     if drop and reducer is not None:
         raise ValueError(DROP_WITH.format(
             flag=f"--custom-pg-loss-reducer-function-path {reducer}",
             why="your reducer chooses each sample's denominator from the kept masks it is given"))
-    if drop and getattr(args, "use_opsm", False):
+    if drop and view.use_opsm:
         raise ValueError(DROP_WITH.format(
             flag="--use-opsm", why="drop divides each rollout by its tokens kept by the rejection rules, counted "
             "before OPSM decides at the current parameters, so OPSM's zeroed tokens would count as kept"))
@@ -65,10 +56,10 @@ def load_slime_function(path: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), attr)
 
 
-def slime_anchor(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor) -> Tensor:
+def slime_anchor(view: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor) -> Tensor:
     """``[T_local]`` slime's ``old_log_probs`` (detached): rollout log-probs with ``--use-rollout-logprobs``,
     else slime's recomputed ``log_probs``, else ``sg(lp_theta)``."""
-    if getattr(args, "use_rollout_logprobs", False):
+    if view.use_rollout_logprobs:
         return packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(lp_theta.device).float()
     old = batch.get("log_probs")
     if old:
@@ -126,8 +117,7 @@ def per_token_pg_loss(cfg: Any, lp_theta: Tensor, advantages: Tensor, weights: T
     return torch.where(keep, weights.detach() * loss, 0.0)
 
 
-def slime_pg_loss_reducer(args: Any, batch: dict[str, Any], keep_masks: list[Tensor]) -> Callable[[Tensor], Tensor]:
+def slime_pg_loss_reducer(view: Any, batch: dict[str, Any], keep_masks: list[Tensor]) -> Callable[[Tensor], Tensor]:
     """The user's reducer built with slime's contract (module docstring)."""
-    make = load_slime_function(args.custom_pg_loss_reducer_function_path)
-    return make(batch["total_lengths"], batch["response_lengths"], keep_masks,
-                bool(getattr(args, "calculate_per_token_loss", False)))
+    make = load_slime_function(view.custom_pg_loss_reducer_function_path)
+    return make(batch["total_lengths"], batch["response_lengths"], keep_masks, bool(view.calculate_per_token_loss))

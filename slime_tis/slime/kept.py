@@ -1,26 +1,15 @@
 """``tis_rejected_denominator: drop`` in slime: each rollout's kept-token count ``K_g``, exact or refused.
 
-slime divides each rollout's token sum by ``N_g`` (:mod:`slime_tis.slime.rollouts`); ``drop`` means dividing
-by ``K_g``, the rollout's kept tokens over all its samples, CP ranks and DP ranks, with the keep decisions
-the loss uses. A loss hook sees one micro-batch, and slime's packing splits multi-sample rollouts across
-micro-batches and DP ranks, so ``K_g`` is known in the loss only in these cases, decided once per rollout by
-the rollout-data hook (:func:`plan_rollout_drop`) from the configuration:
-
-* **counted from pi_old** (TIS hook, algorithms 1 and 2, slime recomputed pi_old): the decisions come from
-  pi_old, fixed for the rollout, so the rollout-data hook counts them before training.
-* **counted at each step** (custom loss, algorithm 3: the decisions come from ``sg(pi_theta)``):
-  step 0 trains at the parameters slime's pi_old was computed at, so with slime's recompute
-  (``--get-mismatch-metrics``) its samples are counted with the others above; every other step is counted
-  by :func:`slime_tis.slime.before_train_step` just before it trains, from a forward-only pass at the step's
-  parameters. The loss then uses exactly the counted decisions.
-* **local**: no count before the loss; each hook counts its micro-batch. Exact when every rollout of the
-  batch is one sample (or slime has no per-rollout denominators), the only case this mode accepts.
-
-Anything else is refused with a ``ValueError`` that says why and what to add. Collectives: one all-reduce
-MAX of one number and one all-reduce of ``[4, n_batch]`` per rollout (:mod:`slime_tis.slime.rollouts`),
-plus, when counting from pi_old, the CP reductions of one ``compute_tis`` (shared with the batch
-normalisation of the rollout-data hook) and one full-length keep mask;
-all set by the configuration and the layout alone.
+slime divides each rollout's token sum by ``N_g`` (:mod:`slime_tis.slime.rollouts`); ``drop`` divides by ``K_g``,
+the rollout's kept tokens over all its samples, CP and DP ranks, with the loss's keep decisions. slime's packing
+splits multi-sample rollouts across micro-batches and DP ranks, so the rollout-data hook decides once per rollout
+how ``K_g`` reaches the loss (:func:`plan_rollout_drop`): **counted from pi_old** before training (TIS hook,
+algorithms 1, 2, slime recomputed pi_old); **counted at each step** (custom loss, algorithm 3: step 0 from slime's
+pi_old when it was recomputed, the others by :func:`slime_tis.slime.before_train_step` at the step's parameters);
+or **local**, each hook counting its micro-batch, accepted only where every rollout is one sample. Anything else is
+a ``ValueError`` saying what to add (docs/slime.md). Collectives: one all-reduce MAX of one number and one of
+``[4, n_batch]`` per rollout, plus, when counting from pi_old, one correction's CP reductions (shared with the
+batch normalisation) and one full-length keep mask; all set by the configuration and the layout alone.
 """
 
 from __future__ import annotations
@@ -35,15 +24,13 @@ from torch import Tensor
 from slime_tis.core import TISResult
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import ParallelContext
+from slime_tis.engine.step import StepEngine
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
-from slime_tis.slime.engine import decide_rollout, micro_batch
+from slime_tis.slime.config import STEP_HOOK, SlimeView
 from slime_tis.slime.rollouts import RolloutRegistry, batch_positions, rollout_table, unit_keys
-from slime_tis.slime.schedule import n_steps, pi_old_pass_flags, sample_steps, slime_recomputes_pi_old
+from slime_tis.slime.schedule import n_steps, sample_steps
 
-__all__ = ["DropPlan", "check_drop_config", "count_kept", "custom_loss_kl", "drop_applies", "pi_old_correction",
-           "plan_rollout_drop", "step_hook_configured"]
-
-STEP_HOOK = "slime_tis.slime.before_train_step"
+__all__ = ["DropPlan", "check_drop_config", "count_kept", "drop_applies", "pi_old_correction", "plan_rollout_drop"]
 PER_TOKEN = ("tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
              "divides by the step's original token count; use the default per-rollout mean or 'keep'")
 
@@ -68,32 +55,17 @@ class DropPlan:
 
 def drop_applies(cfg: Any) -> bool:
     """``drop`` with slime's per-rollout mean (the case that needs ``K_g``)."""
-    return cfg.rejected_denominator == "drop" and algorithm_of(cfg).rejects and cfg.loss_agg == "seq-mean-token-mean"
+    return cfg.rejected_denominator == "drop" and algorithm_of(cfg).corrects and cfg.loss_agg == "seq-mean-token-mean"
 
 
-def custom_loss_kl(args: Any, cfg: Any) -> bool:
-    """The custom loss (algorithm 3) adds slime's KL term against ``ref_log_probs`` to the loss itself
-    (``--use-kl-loss`` with a nonzero ``--kl-loss-coef``): every correction of its samples checks them like the
-    advantages, so a non-finite reference log-prob rejects its sequence (counted in ``tis/nonfinite_seq_fraction``)
-    before the KL term reads it (``StepEngine(host_kl=...)``). At ``--kl-loss-coef 0`` the KL is a metric only and
-    the reference log-probs are no input of the loss; slime's own PPO loss computes its KL term in slime."""
-    return (bool(getattr(args, "use_kl_loss", False)) and float(getattr(args, "kl_loss_coef", 0.0) or 0.0) != 0.0
-            and not algorithm_of(cfg).ppo)
-
-
-def step_hook_configured(args: Any) -> bool:
-    """slime runs :func:`slime_tis.slime.before_train_step` (or a hook of that name that calls it) before each step."""
-    path = str(getattr(args, "custom_megatron_before_train_step_hook_path", None) or "")
-    return path.rsplit(".", 1)[-1] == "before_train_step"
-
-
-def check_drop_config(args: Any, cfg: Any) -> None:
+def check_drop_config(view: SlimeView) -> None:
     """Configuration-level refusals of ``drop`` (raised by the rollout-data hook and the loss hooks)."""
-    if cfg.rejected_denominator != "drop" or not algorithm_of(cfg).rejects:
+    cfg = view.cfg
+    if cfg.rejected_denominator != "drop" or not algorithm_of(cfg).corrects:
         return
-    if getattr(args, "calculate_per_token_loss", False):
+    if view.calculate_per_token_loss:
         raise ValueError(PER_TOKEN)
-    reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    reducer = view.custom_pg_loss_reducer_function_path
     if reducer is not None and algorithm_of(cfg).ppo:  # slime's own PPO loss (not the REINFORCE custom loss)
         raise ValueError(
             f"tis_rejected_denominator = 'drop' with --custom-pg-loss-reducer-function-path {reducer}: the TIS "
@@ -103,41 +75,41 @@ def check_drop_config(args: Any, cfg: Any) -> None:
         )
 
 
-def pi_old_correction(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
-                      keep: bool = False, host_kl: bool = False) -> tuple[SlimePacked, TISResult]:
+def pi_old_correction(view: SlimeView, data: dict[str, Any], lp_train: Sequence[Tensor],
+                      ctx: ParallelContext) -> tuple[SlimePacked, TISResult]:
     """The correction of ``data``'s samples from ``lp_train`` (CP-local per-sample log-probs) against the rollout
-    log-probs, as the loss takes its decisions (non-finite advantages reject their sequence), without batch
-    normalisation (``StepEngine.decide``; ``host_kl``: :func:`custom_loss_kl`): ``(the packed samples, its
+    log-probs, as the loss takes its decisions (non-finite advantages, and reference log-probs where the custom
+    loss adds slime's KL term, reject their sequence), without batch normalisation: ``(the packed samples, its
     TISResult)``. Its keep mask feeds ``drop``'s counts and its ``norm_sum`` / ``norm_count`` the
-    batch-normalisation factor; a rollout computes it once for both and, with ``keep``, for the TIS function's
-    micro-batches (:func:`slime_tis.slime.engine.kept_part`)."""
+    batch-normalisation factor; a rollout computes it once for both."""
+    host_kl = view.host_kl
     packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
                               ctx.cp_rank, ctx.cp_size)
     device = packed.full_mask.device
     lp_rollout = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
     adv = data.get("advantages")
-    batch = micro_batch(packed, rollout_log_probs=lp_rollout,
-                        old_log_probs=packed.cat_local("train log-probs", list(lp_train)).to(device),
-                        advantages=None if adv is None else packed.cat_local("advantages", adv).to(device),
-                        ref_log_probs=_reference(data, packed, device) if host_kl else None)
-    return packed, decide_rollout(cfg, packed, list(lp_train), batch, ctx.reducer, keep=keep, host_kl=host_kl)
+    batch = packed.tis_batch(rollout_log_probs=lp_rollout,
+                             old_log_probs=packed.cat_local("train log-probs", list(lp_train)).to(device),
+                             advantages=None if adv is None else packed.cat_local("advantages", adv).to(device),
+                             ref_log_probs=_reference(data, packed, device) if host_kl else None)
+    engine = StepEngine(view.cfg.replace(batch_normalize=False), ctx.reducer, host_kl=host_kl)
+    return packed, engine.correct(batch, batch.old_log_probs)
 
 
 def _reference(data: dict[str, Any], packed: SlimePacked, device: torch.device) -> Tensor:
-    """The CP-local reference log-probs of ``data``'s samples (:func:`custom_loss_kl`)."""
+    """The CP-local reference log-probs of ``data``'s samples (``SlimeView.host_kl``)."""
     if data.get("ref_log_probs") is None:
         raise ValueError("--use-kl-loss with a nonzero --kl-loss-coef: the rollout data carries no ref_log_probs "
                          "(slime computes them with the reference model: check --ref-load)")
     return packed.cat_local("ref_log_probs", data["ref_log_probs"]).to(device)
 
 
-def count_kept(cfg: Any, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
-               decided: tuple[SlimePacked, TISResult] | None = None,
-               host_kl: bool = False) -> tuple[list[Tensor], Tensor, Tensor]:
+def count_kept(view: SlimeView, data: dict[str, Any], lp_train: Sequence[Tensor], ctx: ParallelContext, *,
+               decided: tuple[SlimePacked, TISResult] | None = None) -> tuple[list[Tensor], Tensor, Tensor]:
     """Keep decisions of ``data``'s samples from ``lp_train`` as the loss takes them (:func:`pi_old_correction`,
     or ``decided``, that correction already computed): ``(full-length keep masks, identical on all CP ranks;
     [n] valid counts; [n] kept counts)``."""
-    packed, res = decided if decided is not None else pi_old_correction(cfg, data, lp_train, ctx, host_kl=host_kl)
+    packed, res = decided if decided is not None else pi_old_correction(view, data, lp_train, ctx)
     n = len(data["loss_masks"])
     device = packed.full_mask.device
     keep_full = [k != 0 for k in packed.full_keep_masks(res.loss_keep, ctx.reducer)] if n else []
@@ -152,15 +124,15 @@ def _valid_counts(masks: Sequence[Tensor]) -> Tensor:
     return torch.stack([(m != 0).sum() for m in masks]).float() if masks else torch.zeros(0, device=device)
 
 
-def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
+def _refusal(view: SlimeView, steps: int) -> str:
     head = ("tis_rejected_denominator = 'drop': this rollout batch has rollouts of several samples, which slime's "
             "packing puts in different micro-batches or on different data-parallel ranks, so each rollout's "
             "kept-token count K_g must be counted before its loss is computed; ")
-    custom = not algorithm_of(cfg).ppo  # the REINFORCE custom loss (algorithm 3)
+    custom = not algorithm_of(view.cfg).ppo  # the REINFORCE custom loss (algorithm 3)
     if custom and steps == 1:
         return head + (
             "the custom loss decides at pi_theta, which with one optimizer step per rollout is slime's pi_old: "
-            f"add {pi_old_pass_flags(args)} (slime's forward-only pass over the rollout; the custom loss never "
+            f"add {view.pi_old_pass_flags} (slime's forward-only pass over the rollout; the custom loss never "
             f"calls the TIS function), or --custom-megatron-before-train-step-hook-path {STEP_HOOK} (the same "
             "pass, run by the hook)")
     if custom:
@@ -168,29 +140,28 @@ def _refusal(args: Any, cfg: Any, steps: int, recomputed: bool) -> str:
             f"with {steps} optimizer steps per rollout the decisions change at every step: add "
             f"--custom-megatron-before-train-step-hook-path {STEP_HOOK} (one forward-only pass over each step's "
             "micro-batches before it trains)")
-    if getattr(args, "use_opsm", False):
+    if view.use_opsm:
         return head + (
             "--use-opsm zeroes tokens by a rule that depends on the step's parameters, and slime does not hand the "
             "TIS function its mask; the hook recovers it per micro-batch, which gives K_g only for rollouts of one "
             "sample. Use 'keep', or replace --use-opsm by tis_rs_level or a k3 rejection threshold")
     return head + ("slime skipped the pi_old recompute (it reuses the training forward with one step per "
-                   f"rollout): add {pi_old_pass_flags(args)} (slime's forward-only pass over the rollout)")
+                   f"rollout): add {view.pi_old_pass_flags} (slime's forward-only pass over the rollout)")
 
 
-def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: ParallelContext,
-                      registry: RolloutRegistry,
+def plan_rollout_drop(view: SlimeView, rollout_data: dict[str, Any], ctx: ParallelContext, registry: RolloutRegistry,
                       whole: Callable[[], tuple[SlimePacked, TISResult]] | None = None) -> DropPlan:
     """Decide how ``K_g`` reach the loss for this rollout, count what can be counted now, refuse the rest
     (module docstring). Runs on every rank, pipeline stages included (the counts only on the last).
 
     ``whole``: the rollout's :func:`pi_old_correction` over all its samples, computed at most once (the
     rollout-data hook shares it with the batch normalisation); used when every sample is counted now."""
-    check_drop_config(args, cfg)
+    check_drop_config(view)
     steps = n_steps(rollout_data)
-    recomputed = slime_recomputes_pi_old(args, steps)
-    custom = not algorithm_of(cfg).ppo  # the REINFORCE custom loss (algorithm 3)
-    hook = custom and step_hook_configured(args)
-    if hook and getattr(args, "use_routing_replay", False):
+    recomputed = view.recomputes_pi_old(steps)
+    custom = not algorithm_of(view.cfg).ppo  # the REINFORCE custom loss (algorithm 3)
+    hook = custom and view.step_hook
+    if hook and view.use_routing_replay:
         raise ValueError(f"{STEP_HOOK} counts kept tokens with an extra forward pass, which would consume slime's "
                          "routing-replay records (--use-routing-replay): use 'keep'")
     if custom:
@@ -198,7 +169,7 @@ def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: Pa
         count_now_steps = {0} if recomputed and counted else set()
         hook_steps = tuple(s for s in range(steps) if s not in count_now_steps) if hook else ()
     else:
-        counted = recomputed and not getattr(args, "use_opsm", False)
+        counted = recomputed and not view.use_opsm
         count_now_steps, hook_steps = (set(range(steps)) if counted else set()), ()
     positions, n_batch = batch_positions(rollout_data, ctx.reducer, ctx.dp_size)
     keys = unit_keys(rollout_data, positions)
@@ -211,18 +182,17 @@ def plan_rollout_drop(args: Any, cfg: Any, rollout_data: dict[str, Any], ctx: Pa
         if not lp_old:
             raise ValueError("tis_rejected_denominator = 'drop': slime's pi_old recompute was expected "
                              "(rollout_data['log_probs']) but is missing")
-        view = {k: [rollout_data[k][i] for i in now] for k in
+        part = {k: [rollout_data[k][i] for i in now] for k in
                 ("loss_masks", "total_lengths", "response_lengths", "rollout_log_probs", "advantages",
                  "ref_log_probs")
                 if rollout_data.get(k) is not None}
         decided = whole() if whole is not None and len(now) == len(masks) else None
-        keep_full, _, kept_now = count_kept(cfg, view, [lp_old[i] for i in now], ctx, decided=decided,
-                                            host_kl=custom_loss_kl(args, cfg))
+        keep_full, _, kept_now = count_kept(view, part, [lp_old[i] for i in now], ctx, decided=decided)
         if now:
             kept[torch.tensor(now, dtype=torch.int64).to(kept.device)] = kept_now
     table, most = rollout_table(valid.to(kept.device), kept, keys, positions, n_batch, ctx.reducer)
     if not counted and most > 1:
-        raise ValueError(_refusal(args, cfg, steps, recomputed))
+        raise ValueError(_refusal(view, steps))
     if keep_full:
         lp_of = None if custom else [rollout_data["log_probs"][i] for i in now]
         registry.set_counted(now, keep_full, table[now][:, :2] if now else table[:0, :2], lp_of)

@@ -1,24 +1,11 @@
-"""slime's zigzag context-parallel layout of response tokens, and conversion to the packed layout.
+"""slime's zigzag context-parallel layout of response tokens (``cp_utils.py`` of slime 624b824, re-derived).
 
-slime packs each sample (prompt + response, ``total_length`` tokens, of which ``response_length``
-are the response) for context parallelism of size ``cp`` by cutting it into ``2 cp`` chunks of
-``c = ceil(total_length / (2 cp))`` positions; CP rank ``r`` holds chunks ``r`` and ``2cp - 1 - r``::
-
-    chunk_0 = [r c, (r + 1) c)        chunk_1 = [(2cp - 1 - r) c, (2cp - r) c)
-
-The log-prob of response token ``j`` (0-based) is predicted by the logit at position
-``P - 1 + j`` (``P = total_length - response_length``), so rank ``r`` holds the response tokens
-
-    j in [max(s_k, P - 1), min(e_k, total_length - 1)) - (P - 1)      for (s_k, e_k) = chunk_0, chunk_1
-
-(an empty range when the bounds cross), chunk 0's tokens first. The union over ranks is every
-response token exactly once. This is ``get_logits_and_tokens_offset_with_cp`` /
-``slice_log_prob_with_cp`` of ``slime/backends/megatron_utils/cp_utils.py``, re-derived here.
-
-Per-sample log-prob lists in slime's loss hooks are CP-local (these ranges), loss masks are full
-length. :func:`local_response_index` turns the ranges of a whole micro-batch into one gather index
-into the concatenated full-length responses, built with vectorised CPU integer arithmetic (no
-Python loop over samples, no device sync).
+A sample of ``total_length`` tokens (the last ``response_length`` the response) is cut into ``2 cp`` chunks of
+``c = ceil(total_length / (2 cp))`` positions; CP rank ``r`` holds chunks ``r`` and ``2cp - 1 - r``. Response
+token ``j`` is predicted at position ``P - 1 + j`` (``P = total_length - response_length``), so rank ``r`` holds,
+chunk 0 first, ``j in [max(s_k, P - 1), min(e_k, total_length - 1)) - (P - 1)`` for its chunks ``[s_k, e_k)``.
+Log-prob lists are CP-local, loss masks full length; the index helpers are vectorised CPU integer arithmetic
+expanded on the device (no loop over samples, no device sync).
 """
 
 from __future__ import annotations
@@ -32,7 +19,6 @@ __all__ = [
     "cp_response_ranges",
     "local_response_index",
     "response_logit_rows",
-    "slice_response_for_cp",
 ]
 
 
@@ -114,17 +100,6 @@ def local_response_index(
     seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)
     seg, j = _segment_positions(seg_len, device)
     return _h2d(seg_start, device)[seg] + j, seg_len.reshape(-1, 2).sum(dim=1)
-
-
-def slice_response_for_cp(
-    x: Tensor, total_length: int, response_length: int, cp_rank: int, cp_size: int
-) -> Tensor:
-    """One full-length response tensor ``[R, ...]`` -> this rank's CP-local part (chunk 0 then chunk 1)."""
-    if x.shape[0] != response_length:
-        raise ValueError(f"x has {x.shape[0]} entries along dim 0 but response_length = {response_length}")
-    ranges = cp_response_ranges([total_length], [response_length], cp_rank, cp_size)[0]
-    (s0, e0), (s1, e1) = ranges.tolist()  # host-sync-ok (CPU tensor of Python ints)
-    return torch.cat([x[s0:e0], x[s1:e1]], dim=0)
 
 
 def response_logit_rows(

@@ -1,58 +1,35 @@
 """slime ``--loss-type custom_loss --custom-loss-function-path slime_tis.slime.reinforce_is_loss``.
 
-Algorithm 3 (REINFORCE + IS against the rollout policy, no PPO clip), which slime's own flags
-forbid (``--use-rollout-logprobs`` and ``--use-tis`` are mutually exclusive)::
+Algorithm 3 (REINFORCE + IS against the rollout policy; slime's flags cannot combine ``--use-rollout-logprobs``
+with ``--use-tis``): ``loss_t = -w_t * A_t * lp_theta_t``, ``w = sg(pi_theta / pi_rollout)`` at the configured level
+and mode (``tis_loss_mode: on_policy``: the same gradient), the step engine's loss of the micro-batch. slime's
+contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``, ``logits`` ``[1, T_pad, V/TP]`` of the
+packed micro-batch.
 
-    loss_t = -w_t * A_t * lp_theta_t,   w = sg(pi_theta / pi_rollout) at the configured level / mode
+* ``lp_theta``: ``logits / --rollout-temperature``, vocab-parallel log-softmax in ``--log-probs-chunk-size`` rows
+  (slime's ``-1``: one chunk), at the rows slime's zigzag CP layout assigns to each response token
+  (:mod:`slime_tis.slime.layout`; with ``--allgather-cp`` slime's contiguous chunks, returned to the zigzag layout:
+  :mod:`slime_tis.slime.allgather_cp`).
+* Aggregation is slime's, as per-token coefficients on the (linear) advantages and one token sum: each rollout
+  divided by ``N_g = rollout_mask_sums`` (the sample's own count without it), by its kept count ``K_g`` with
+  ``drop`` (:mod:`slime_tis.slime.kept`), or the token sum slime divides by its token count with
+  ``--calculate-per-token-loss``. Batch normalisation is per micro-batch over DP x CP.
+* slime's entropy bonus (``--entropy-coef``) and KL loss (``--use-kl-loss``, ``--kl-loss-type``: the core's
+  estimators) over kept tokens; ``--use-opsm``, ``--use-unbiased-kl`` and a custom pg-loss reducer as slime
+  applies them (:mod:`slime_tis.slime.custom_options`). The ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused.
+* Metrics: scalars reduced with ``sum_of_sample_mean`` like slime's own; the exact statistics to
+  ``STATE.collector``. The detached ``lp_theta`` goes to slime's ``--save-debug-train-data`` capture and, with
+  ``tis_record_train_log_probs: true``, to this package's dump.
 
-(``tis_loss_mode: on_policy``: ``-w_t * A_t * pi_theta_t / sg(pi_theta_t)``, the same gradient; the surrogates with
-a ratio anchor are refused with algorithm 3), computed by the step engine's loss of this micro-batch
-(``StepEngine.loss``: the core's :func:`slime_tis.policy_loss`; :mod:`slime_tis.slime.engine`). slime's contract:
-``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`` with ``logits``
-``[1, T_pad, V/TP]`` float32 of the packed micro-batch; slime then applies its Megatron scaling.
-
-* ``lp_theta`` comes from ``logits / args.rollout_temperature`` with a vocab-parallel log-softmax
-  (:func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`, chunks of
-  ``--log-probs-chunk-size`` rows; slime's ``-1`` = one chunk) at the rows slime's layout assigns
-  to each response token (:func:`slime_tis.slime.layout.response_logit_rows`, zigzag CP; with ``--allgather-cp``
-  slime's contiguous chunks, returned to the zigzag layout as slime's loss does: :mod:`slime_tis.slime.allgather_cp`).
-* Aggregation is slime's: per-rollout mean ``sum_t loss_t / max(N_i, 1)`` with ``N_i =
-  rollout_mask_sums[i]`` (the valid-token count of sample ``i``'s whole rollout, all its samples; the
-  sample's own count when slime gives none); with ``tis_rejected_denominator: drop`` the rollout's kept
-  count ``K_g``, over all its samples, at the parameters of the step: counted before the step (from slime's
-  pi_old at step 0, by :func:`slime_tis.slime.before_train_step` at the others), and the loss then keeps
-  exactly the counted tokens; or counted in this micro-batch when every rollout is one sample; anything
-  else is refused (:mod:`slime_tis.slime.kept`; needs the rollout-data hook); or, with
-  ``--calculate-per-token-loss``, the token sum that slime divides by its token count (``drop`` refused).
-  Implemented as per-token coefficients on the advantages (the loss is linear in them) and one token sum.
-* ``tis_batch_normalize`` normalises per micro-batch over DP x CP (the weights depend on theta);
-  every DP x CP rank must run the same number of micro-batches.
-* Entropy bonus (``--entropy-coef``) and KL loss (``--use-kl-loss``, ``--kl-loss-type`` k1 / k2 /
-  k3 / low_var_kl against ``ref_log_probs``, the core's estimators ``slime_tis.core.terms``) are added as slime's
-  policy loss does, over kept tokens; the ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused (slime's flags
-  carry these terms).
-* Metrics are scalars reduced with slime's ``sum_of_sample_mean`` (original masks), like slime's
-  own; the exact ``MetricStats`` go to :data:`slime_tis.slime.metrics.COLLECTOR`.
-
-* The detached ``lp_theta`` of every sample goes to slime's ``--save-debug-train-data`` capture (as
-  slime's own policy loss does) and, with ``tis_record_train_log_probs: true``, to this package's dump
-  (:mod:`slime_tis.slime.record`).
-
-* slime's ``--use-opsm``, ``--use-unbiased-kl`` and ``--custom-pg-loss-reducer-function-path`` are applied as
-  slime's policy loss applies them (:mod:`slime_tis.slime.custom_options`); ``drop`` is refused with OPSM and with
-  a custom reducer.
-
-Run it with ``--use-rollout-logprobs`` in place of ``--use-tis`` (no pi_old recompute is needed; without it slime
-recomputes pi_old, which this loss ignores except for ``drop``'s counts and the anchor of OPSM and of the
-unbiased KL, and a warning says so). Refused: slime's top-p replay (``--rollout-top-p < 1``: the TIS hook
-supports it, or sample with ``--rollout-top-p 1``).
+Refused: slime's top-p replay (``--rollout-top-p < 1``; the TIS hook supports it). Without
+``--use-rollout-logprobs`` slime recomputes pi_old, which this loss reads only for ``drop``'s counts and the anchor
+of OPSM and of the unbiased KL (warned once).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +40,7 @@ from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
-from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.slime.config import slime_view
 from slime_tis.slime.custom_options import (
     check_custom_options,
     opsm_mask,
@@ -72,19 +49,15 @@ from slime_tis.slime.custom_options import (
     slime_pg_loss_reducer,
     unbiased_kl,
 )
-from slime_tis.slime.engine import micro_batch, step_engine
-from slime_tis.slime.kept import check_drop_config, custom_loss_kl, drop_applies
+from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
-from slime_tis.slime.metrics import COLLECTOR, token_metrics
-from slime_tis.slime.record import RECORDER, recording_enabled
+from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["kl_penalty", "check_slime_terms", "reinforce_is_loss"]
 
 logger = logging.getLogger("slime_tis.slime")
-_WARNED_RECOMPUTE = False
-DEFAULT_CHUNK = 4096  # rows per log-softmax chunk when args has no --log-probs-chunk-size
 
 
 def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
@@ -154,19 +127,6 @@ def _counted_drop(batch: dict[str, Any], packed: SlimePacked) -> tuple[Tensor, T
     return 1.0 / counts[:, 1].clamp(min=1.0), keep_local
 
 
-def _warn_recompute(args: Any) -> None:
-    global _WARNED_RECOMPUTE
-    if not getattr(args, "use_rollout_logprobs", False) and not _WARNED_RECOMPUTE:
-        _WARNED_RECOMPUTE = True
-        msg = (
-            "slime_tis.slime.reinforce_is_loss (algorithm 3) does not use pi_old: add --use-rollout-logprobs "
-            "(in place of --use-tis, which slime does not accept with it) so that slime skips the old-log-prob "
-            "recompute"
-        )
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=3)
-
-
 def reinforce_is_loss(
     args: Any,
     batch: dict[str, Any],
@@ -174,27 +134,31 @@ def reinforce_is_loss(
     sum_of_sample_mean: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """slime custom loss for algorithm 3 (module docstring). Returns ``(loss, metrics)``."""
-    cfg = tis_config_from_slime_args(args, algorithm=3)
+    view = slime_view(args, algorithm=3)
+    cfg = view.cfg
     check_slime_terms(cfg, own_loss=False)
-    if getattr(args, "rollout_top_p", 1.0) < 1.0:
+    if view.rollout_top_p < 1.0:
         raise ValueError(
-            f"--rollout-top-p = {args.rollout_top_p}: top-p replay is not supported by reinforce_is_loss; use "
+            f"--rollout-top-p = {view.rollout_top_p}: top-p replay is not supported by reinforce_is_loss; use "
             "slime's policy loss with the TIS hook (--use-tis --custom-tis-function-path "
             "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
-    check_drop_config(args, cfg)
-    check_custom_options(args, drop_applies(cfg))
+    check_drop_config(view)
+    check_custom_options(view, drop_applies(cfg))
     if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
         raise ValueError(
             "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"
         )
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be slime's packed [1, T, V/TP], got shape {tuple(logits.shape)}")
-    _warn_recompute(args)
+    if not view.use_rollout_logprobs:
+        STATE.warn_once("recompute", "slime_tis.slime.reinforce_is_loss (algorithm 3) does not use pi_old: add "
+                        "--use-rollout-logprobs (in place of --use-tis, which slime does not accept with it) so that "
+                        "slime skips the old-log-prob recompute", logger)
     drop = drop_applies(cfg)
 
     ctx = parallel_context()
-    allgather = ctx.cp_size > 1 and bool(getattr(args, "allgather_cp", False))
+    allgather = ctx.cp_size > 1 and bool(view.allgather_cp)
     total, resp = batch["total_lengths"], batch["response_lengths"]
     packed = pack_slime_batch(batch["loss_masks"], total, resp, ctx.cp_rank, ctx.cp_size)
     device = logits.device
@@ -203,39 +167,34 @@ def reinforce_is_loss(
     else:
         rows, tok = response_logit_rows(total, resp, ctx.cp_rank, ctx.cp_size, device=device)
     targets = torch.cat(list(batch["unconcat_tokens"])).to(device)[tok]
-    entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
+    entropy_coef = view.entropy
     from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy  # lazy: torch.distributed only
 
-    chunk = int(getattr(args, "log_probs_chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK)
     lp_theta, entropy = vocab_parallel_log_probs_and_entropy(
-        logits[0][rows],
-        targets,
-        temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
-        chunk_size=chunk if chunk > 0 else max(int(rows.shape[0]), 1),  # slime: -1 = no chunking
-        with_entropy=entropy_coef != 0.0,
-        kernels=cfg.kernels,
-    )
+        logits[0][rows], targets, temperature=view.temperature,
+        chunk_size=view.chunk_size or max(int(rows.shape[0]), 1),  # slime: -1 = no chunking
+        with_entropy=entropy_coef != 0.0, kernels=cfg.kernels)
     if allgather:  # back to the zigzag layout of everything else slime hands the loss
         cp_group = getattr(ctx.reducer, "cp_group", None)
         n_full = int(packed.full_mask.shape[0])
         lp_theta = to_zigzag(lp_theta, resp_pos, n_full, packed.index, cp_group)
         if entropy is not None:
             entropy = to_zigzag(entropy, resp_pos, n_full, packed.index, cp_group)
-    if recording_enabled(args) or getattr(args, "save_debug_train_data", None):  # device copies; written later
-        RECORDER.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
+    if view.recording or view.save_debug_train_data:  # device copies; written later
+        STATE.recorder.record(batch, lp_theta.detach().split(packed.local_lengths.tolist()))  # host-sync-ok (CPU)
     lp_rollout = packed.cat_local("rollout_log_probs", batch["rollout_log_probs"]).to(device)
     advantages = packed.cat_local("advantages", batch["advantages"]).to(device)
     # slime's aggregation as per-sample coefficients on the (linear) advantages, then one token sum (the engine's
-    # totals: denominator 1, slime_tis.slime.engine)
-    use_kl = bool(getattr(args, "use_kl_loss", False))
+    # totals: denominator 1, SlimeState.engine)
+    use_kl = bool(view.use_kl_loss)
     ref = packed.cat_local("ref_log_probs", batch["ref_log_probs"]).to(device) if use_kl else None
-    host_kl = custom_loss_kl(args, cfg)  # a KL term in the loss: its reference log-probs are checked like advantages
-    engine = step_engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device,
-                         host_kl=host_kl)
-    batch_in = micro_batch(packed, advantages=advantages, rollout_log_probs=lp_rollout, ref_log_probs=ref)
+    # a KL term in the loss: its reference log-probs are checked like advantages
+    engine = STATE.engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device,
+                          host_kl=view.host_kl)
+    batch_in = packed.tis_batch(advantages=advantages, rollout_log_probs=lp_rollout, ref_log_probs=ref)
     keep_override = None
     decided = None
-    reduce_pg = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    reduce_pg = view.custom_pg_loss_reducer_function_path
     if cfg.loss_agg == "seq-mean-token-mean":
         counted = _counted_drop(batch, packed) if drop else None
         if counted is not None:  # decisions and K_g counted before the step, at its parameters
@@ -248,9 +207,9 @@ def reinforce_is_loss(
             coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
         if reduce_pg is None:  # a custom pg-loss reducer chooses its own denominators
             advantages = advantages * coef[packed.local_sample_index()]
-    use_opsm = bool(getattr(args, "use_opsm", False))
-    use_unbiased = bool(getattr(args, "use_kl_loss", False) and getattr(args, "use_unbiased_kl", False))
-    anchor = slime_anchor(args, batch, packed, lp_theta) if use_opsm or use_unbiased else None
+    use_opsm = bool(view.use_opsm)
+    use_unbiased = use_kl and bool(view.use_unbiased_kl)
+    anchor = slime_anchor(view, batch, packed, lp_theta) if use_opsm or use_unbiased else None
     if use_opsm:  # slime's own mask on the policy term only (the loss is linear in the advantages)
         opsm, opsm_clipfrac = opsm_mask(args, batch, packed, lp_theta, anchor, advantages, ctx.reducer)
         advantages = advantages * opsm
@@ -261,7 +220,7 @@ def reinforce_is_loss(
     zero = torch.zeros((), dtype=torch.float32, device=device)
     pg_loss = out.loss
     if reduce_pg is not None:  # slime's reducer contract: full-length masks with the rejected tokens zeroed
-        reducer_fn = slime_pg_loss_reducer(args, batch, packed.full_keep_masks(keep, ctx.reducer))
+        reducer_fn = slime_pg_loss_reducer(view, batch, packed.full_keep_masks(keep, ctx.reducer))
         pg_loss = reducer_fn(per_token_pg_loss(cfg, lp_theta, advantages, out.weights, keep, packed.cu_seqlens,
                                                ctx.reducer))
     loss = pg_loss
@@ -271,8 +230,7 @@ def reinforce_is_loss(
         loss = loss - entropy_coef * entropy_loss
         metrics["entropy_loss"] = entropy_loss.detach().clone()
     if use_kl:
-        kl_coef = float(getattr(args, "kl_loss_coef", 0.0) or 0.0)
-        kind = getattr(args, "kl_loss_type", "k1")
+        kl_coef, kind = view.kl, view.kl_loss_type
         # inputs selected first: with the term in the loss the kept tokens' are finite (the correction rejected the
         # sequences of any non-finite reference log-prob), elsewhere every estimator reads d = 0, so no NaN reaches
         # the loss or a gradient; at --kl-loss-coef 0 (a metric only, detached) non-finite values stay out of it
@@ -299,5 +257,5 @@ def reinforce_is_loss(
     tm["train_rollout_logprob_abs_diff"] = torch.where(valid_ok, (lp_theta.detach() - lp_rollout).abs(), zero)
     for name, value in tm.items():
         metrics[name] = sum_of_sample_mean(value).detach()
-    COLLECTOR.add(out.stats, list(batch["rollout_log_probs"]), ctx.reducer, engine)  # engine.record, once
+    STATE.collector.add(out.stats, list(batch["rollout_log_probs"]), ctx.reducer, engine)  # engine.record, once
     return loss, metrics

@@ -1,40 +1,20 @@
 """Metrics for slime: token-shaped tensors for slime's reducer, and the exact ``MetricStats`` path.
 
-**slime's path.** A TIS hook returns a dict of flat, CP-local, token-shaped tensors; slime reduces
-each with its per-sample reducer over the *original* loss masks, sums over micro-batches and
-DP x CP ranks, and divides by the number of samples. A reported value is therefore
-
-    mean over samples i of ( mean over valid tokens t of i of x_t )
-
-so a token statistic (``tis/kl``) becomes a mean of per-sample means (not the token mean), a
-sequence statistic broadcast to its tokens (``tis/chi2_seq``, ``tis/rejected_seq_fraction``)
-becomes its mean over samples, and a minimum or maximum could only be reported as an *average* of
-per-sample extremes. :func:`token_metrics` therefore emits no min/max (and no ``ess`` or ``std``,
-which are not means); every value is finite at every position (0 for sequences with non-finite
-data, which still count in slime's denominator).
-
-**Exact path.** The hooks also add the core's :class:`MetricStats` of every micro-batch to a
-process-wide :data:`COLLECTOR`. :func:`log_exact_metrics` (usable as slime's
-``--custom-megatron-before-train-step-hook-path``) reduces them over DP x CP with SUM / MIN / MAX
-(after checking that every rank holds the same statistics, ``core.step_metrics``) and finalises them into
-the documented metrics (true token means, true min/max, ess, ...); they are
-logged, kept in ``COLLECTOR.last``, and appended as JSON to ``args.tis_metrics_path`` if set.
-Micro-batches re-run under ``--recompute-loss-function`` (activation checkpointing replays the
-loss in backward) are counted once: stats are keyed by the identity of the micro-batch's rollout
-log-prob tensors.
+slime reduces each token-shaped metric a hook returns with its per-sample reducer over the original loss masks, so
+a reported value is a mean over samples of per-sample token means; :func:`token_metrics` therefore emits no
+min / max, ``ess`` or ``std`` (not means), and every value is finite (0 for sequences with non-finite data). The
+exact path: every micro-batch's :class:`MetricStats` goes to :class:`ExactMetricsCollector` (``STATE.collector``),
+whose flush is the step engine's end (reduced over DP x CP, finalised: true token means, min / max, ess); a
+micro-batch replayed under ``--recompute-loss-function`` is counted once (keyed by its rollout log-prob tensors).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import weakref
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from slime_tis.config import TISConfig
@@ -46,7 +26,7 @@ from slime_tis.core.step_metrics import merge_stats
 from slime_tis.engine.metrics import aggregate_metrics
 from slime_tis.engine.step import StepEngine
 
-__all__ = ["COLLECTOR", "ExactMetricsCollector", "log_exact_metrics", "token_metrics"]
+__all__ = ["ExactMetricsCollector", "token_metrics"]
 
 logger = logging.getLogger("slime_tis.slime")
 
@@ -129,38 +109,3 @@ class ExactMetricsCollector:
         values = {k: float(v) for k, v in metrics.items()}  # host-sync-ok (once per step, logging)
         self.last = values
         return values
-
-
-COLLECTOR = ExactMetricsCollector()
-
-
-def log_exact_metrics(
-    args: Any, rollout_id: Any = None, step_id: Any = None, *_: Any, **__: Any
-) -> dict[str, float]:
-    """slime ``--custom-megatron-before-train-step-hook-path`` entry: flush the previous step's exact
-    ``tis/`` metrics (reduced over DP x CP), log them, and append them to ``args.tis_metrics_path``.
-
-    Runs before every training step, so it reports the step before it (the last step of a run is
-    reported by an explicit ``COLLECTOR.flush()``).
-    """
-    values = COLLECTOR.flush()
-    if not values:
-        return values
-    logger.info(
-        "slime_tis exact metrics (before rollout %s step %s): %s",
-        rollout_id,
-        step_id,
-        ", ".join(f"{k}={v:.6g}" for k, v in sorted(values.items())),
-    )
-    path = getattr(args, "tis_metrics_path", None)
-    if path:
-        rank0 = True
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank0 = torch.distributed.get_rank() == 0
-        if rank0:
-            p = Path(path)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            clean = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
-            with open(p, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"rollout_id": rollout_id, "step_id": step_id, **clean}) + "\n")
-    return values

@@ -1,163 +1,155 @@
 """slime ``--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data``.
 
-slime calls ``fn(args, rollout_id, rollout_data)`` in every training process after the old / ref
-log-probs and the advantages are computed and before the first training step of a rollout;
-``rollout_data`` holds this data-parallel rank's samples as per-sample lists (log-probs CP-local,
-``loss_masks`` full length). This hook sees the whole step, which the per-micro-batch loss hooks
-cannot, and does two things:
+slime calls ``fn(args, rollout_id, rollout_data)`` in every training process after the old / ref log-probs and the
+advantages are computed and before the rollout's first training step; ``rollout_data`` holds this DP rank's
+samples as per-sample lists (log-probs CP-local, ``loss_masks`` full length). Modifying nothing, it computes what
+the per-micro-batch hooks cannot see, once per rollout, into :data:`~slime_tis.slime.state.STATE`:
 
-1. **Global batch normalisation (algorithm 2, ``tis_batch_normalize: true``).** The weights
-   ``w = f(pi_old / pi_rollout)`` are fixed for the step, so the factor that rescales them to mean 1
-   over the kept units of the whole global batch is computed once here::
+1. each sample's rollout (``rollout_ids``; and its advantages with ``--use-opsm``) and, with
+   ``tis_rejected_denominator: drop``, how each rollout's kept-token count reaches the loss
+   (:mod:`slime_tis.slime.kept`);
+2. algorithm 2's global batch-normalisation factor (``tis_batch_normalize``): ``sum kept units / sum of their
+   unnormalised weights`` over the rollout's samples of every DP rank (one all-reduce; DP x CP for token units),
+   from the same correction from pi_old as ``drop``'s counts (computed once for both);
+3. the log-prob dump (``tis_dump_dir``): this rank's full responses appended to
+   ``<tis_dump_dir>/logprobs_dp<rank>.jsonl`` (docs/dump_format.md), and the previous rollout's training log-probs
+   recorded by the custom loss (:func:`flush_recorded_train_log_probs`).
 
-       factor = (sum over DP ranks of kept units) / (sum over DP ranks of their unnormalised weights)
-
-   with the core's ``compute_tis`` (``norm_sum``, ``norm_count``) on every sample of this rank, then
-   one all-reduce (DP x CP for token units, DP for sequence units). The TIS hook multiplies the
-   weights by it. Here the global batch is the whole rollout, which is one optimizer step with
-   slime's default ``--num-steps-per-rollout 1``; with several steps per rollout the factor is
-   shared by the rollout's steps. slime's own ``mis.py`` normalises per micro-batch and rank.
-2. **Log-prob dump (``tis_dump_dir`` set).** Appends this rank's full responses (CP chunks
-   gathered) to ``<tis_dump_dir>/logprobs_dp<rank>.jsonl`` in the documented dump format
-   (``docs/dump_format.md``), for ``slime-tis diagnose``.
-
-Both need ``rollout_data['log_probs']`` (the recomputed ``pi_old``). slime skips that recompute in
-its fast path (one step per rollout, no KL, no ``--get-mismatch-metrics``); add
-``--get-mismatch-metrics`` to force it.
-
-3. **Recorded training log-probs (algorithm 3, ``tis_record_train_log_probs: true``).** Writes the
-   previous rollout's log-probs recorded by the custom loss (:mod:`slime_tis.slime.record`) and starts
-   recording this one; the pi_old dump above is then skipped when slime ran no recompute.
-4. **Decide once.** The correction from pi_old taken for 1. and 5. (``StepEngine.decide``) is kept for the
-   rollout: the TIS function finishes its part of it for each micro-batch instead of correcting again
-   (:mod:`slime_tis.slime.engine`).
-5. **Rollout membership and ``drop``.** Registers each sample's rollout (``rollout_data['rollout_ids']``; and its
-   advantages with ``--use-opsm``) for the loss hooks and, with ``tis_rejected_denominator: drop``, decides how
-   each rollout's kept-token count reaches them, counting now what pi_old decides and refusing what cannot
-   be exact (:mod:`slime_tis.slime.kept`).
-
-Pipeline stages other than the last hold no log-probs and
-do nothing (the loss runs on the last stage).
+2 and 3 need ``rollout_data['log_probs']`` (slime's pi_old recompute; ``--get-mismatch-metrics`` forces it).
+Pipeline stages other than the last hold no log-probs and only take part in the collectives.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.core.weights import batch_norm_factor
+from slime_tis.core.weights import normalisation_factor_over
 from slime_tis.engine.parallel import ParallelContext, parallel_context
-from slime_tis.slime.batch import gather_full_responses, pack_slime_batch
-from slime_tis.slime.config import tis_config_from_slime_args
+from slime_tis.engine.totals import step_batch_norm
+from slime_tis.slime.batch import SlimePacked, gather_full_responses, pack_slime_batch
+from slime_tis.slime.config import SlimeView, slime_view
 from slime_tis.slime.custom_options import check_custom_options
-from slime_tis.slime.kept import custom_loss_kl, drop_applies, pi_old_correction, plan_rollout_drop
+from slime_tis.slime.kept import pi_old_correction, plan_rollout_drop
 from slime_tis.slime.opsm import check_opsm
-from slime_tis.slime.record import RECORDER, flush_recorded_train_log_probs, recording_enabled
 from slime_tis.slime.rollouts import unit_keys
-from slime_tis.slime.schedule import pi_old_pass_flags
 from slime_tis.slime.state import STATE
 from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
-__all__ = ["postprocess_rollout_data"]
-
-logger = logging.getLogger("slime_tis.slime")
+__all__ = ["flush_recorded_train_log_probs", "postprocess_rollout_data"]
 
 
-def _needs_log_probs(args: Any, rollout_data: dict[str, Any], ctx: ParallelContext, what: str) -> bool:
+def _needs_log_probs(view: SlimeView, rollout_data: dict[str, Any], ctx: ParallelContext, what: str) -> bool:
     if rollout_data.get("log_probs"):
         return True
     if not ctx.last_pp_stage:
         return False
     raise ValueError(
         f"{what} needs rollout_data['log_probs'] (the pi_old recompute), which slime skipped "
-        f"(fast path: one step per rollout without KL, or --use-rollout-logprobs); add {pi_old_pass_flags(args)} "
+        f"(fast path: one step per rollout without KL, or --use-rollout-logprobs); add {view.pi_old_pass_flags} "
         "to force the recompute, or, with the algorithm-3 custom loss, tis_record_train_log_probs: true"
     )
 
 
-def uses_reinforce_is_loss(args: Any) -> bool:
-    """Whether slime's loss is this package's algorithm-3 custom loss (``--loss-type custom_loss``)."""
-    path = str(getattr(args, "custom_loss_function_path", None) or "")
-    return getattr(args, "loss_type", None) == "custom_loss" and path.endswith("reinforce_is_loss")
-
-
 def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str, Any]) -> None:
     """slime's rollout-data hook (module docstring). Modifies nothing in ``rollout_data``."""
-    cfg = tis_config_from_slime_args(args, algorithm=3 if uses_reinforce_is_loss(args) else None)
-    row = algorithm_of(cfg)
-    want_norm = cfg.batch_normalize and row.step_batch_norm
-    dump_dir = getattr(args, "tis_dump_dir", None)
+    view = slime_view(args)
+    cfg, row = view.cfg, algorithm_of(view.cfg)
+    want_norm = step_batch_norm(cfg)
     flush_recorded_train_log_probs(args)  # the previous rollout's recorded training log-probs (algorithm 3)
-    STATE.clear()
+    STATE.new_rollout()
     if not row.ppo:  # the custom loss: its refusals before anything is counted
-        check_custom_options(args, cfg.rejected_denominator == "drop")
-    if row.ppo:  # slime's own PPO loss (OPSM is applied there)
-        check_opsm(args)
-        if want_norm and getattr(args, "use_opsm", False):
+        check_custom_options(view, cfg.rejected_denominator == "drop")
+    else:  # slime's own PPO loss (OPSM is applied there)
+        check_opsm(view)
+        if want_norm and view.use_opsm:
             raise ValueError("tis_batch_normalize with --use-opsm: the global factor is fixed before training, but "
                              "OPSM's rejections depend on each step's parameters; use one of the two")
     masks = rollout_data.get("loss_masks") or []
     positions = rollout_data.get("partition")
     units = unit_keys(rollout_data, range(len(masks)) if positions is None else positions)
-    use_opsm = getattr(args, "use_opsm", False) and row.ppo
-    STATE.rollouts.register(masks, units, rollout_data.get("advantages") if use_opsm else None)
-    recording = recording_enabled(args)
-    if recording:
-        RECORDER.start_rollout(rollout_id, rollout_data)
+    STATE.rollouts.register(masks, units, rollout_data.get("advantages") if view.use_opsm and row.ppo else None)
+    if view.recording:
+        STATE.recorder.start_rollout(rollout_id, rollout_data)
     else:
-        RECORDER.clear()
+        STATE.recorder.clear()
     ctx = parallel_context()
-    # the rollout's correction from pi_old, decided once (StepEngine.decide) for drop's counts, the batch
-    # normalisation and, with slime's own PPO loss, every micro-batch of the TIS function (slime_tis.slime.engine)
-    keep = row.ppo and not use_opsm
-    whole = functools.cache(lambda: pi_old_correction(cfg, rollout_data, rollout_data["log_probs"], ctx, keep=keep,
-                                                      host_kl=custom_loss_kl(args, cfg)))
-    if drop_applies(cfg):
-        STATE.drop_plan = plan_rollout_drop(args, cfg, rollout_data, ctx, STATE.rollouts, whole)
+    # the rollout's correction from pi_old, computed at most once for drop's counts and the batch normalisation
+    whole = functools.cache(lambda: pi_old_correction(view, rollout_data, rollout_data["log_probs"], ctx))
+    if cfg.rejected_denominator == "drop" and row.corrects and cfg.loss_agg == "seq-mean-token-mean":
+        STATE.drop_plan = plan_rollout_drop(view, rollout_data, ctx, STATE.rollouts, whole)
         if STATE.drop_plan.hook_steps:
             STATE.rollout_data = rollout_data  # for the step hook's forward passes (released after the last)
+    dump_dir = view.tis_dump_dir
     if not want_norm and not dump_dir:
         return
-    if not want_norm and recording and not rollout_data.get("log_probs"):
+    if not want_norm and view.recording and not rollout_data.get("log_probs"):
         return  # no pi_old: the dump gets the training log-probs the custom loss records
-    if not _needs_log_probs(args, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
+    if not _needs_log_probs(view, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
         return
     if want_norm:
-        # the loss's inputs known now (pi_old, rollout log-probs, advantages): what they reject is left out here too;
-        # the same correction as drop's counts from pi_old (``whole``: computed once for both)
         packed, res = whole()
-        factor = batch_norm_factor(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
-        STATE.set_factor(rollout_id, factor, cfg)
+        STATE.rollout_id, STATE.batch_norm_key = rollout_id, cfg
+        STATE.batch_norm_factor = normalisation_factor_over(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
     else:
         packed = pack_slime_batch(rollout_data["loss_masks"], rollout_data["total_lengths"],
                                   rollout_data["response_lengths"], ctx.cp_rank, ctx.cp_size)
-    lp_old = packed.cat_local("log_probs", rollout_data["log_probs"]).to(packed.full_mask.device)
-    lp_rollout = packed.cat_local("rollout_log_probs", rollout_data["rollout_log_probs"]).to(lp_old.device)
-
     if dump_dir:
-        train_full = gather_full_responses(packed, lp_old, ctx.reducer)
-        rollout_full = gather_full_responses(packed, lp_rollout, ctx.reducer)
-        if ctx.cp_rank == 0 and ctx.tp_rank == 0:
-            path = Path(dump_dir) / f"logprobs_dp{ctx.dp_rank}.jsonl"
-            recs = records_from_samples(
-                train_full,
-                rollout_full,
-                list(rollout_data["loss_masks"]),
-                step=int(rollout_id) if isinstance(rollout_id, int) else None,
-            )
-            rewards = rollout_data.get("rewards")
-            if rewards is not None and len(rewards) == len(recs):
-                for rec, rew in zip(recs, rewards):
-                    try:
-                        rec["reward"] = float(rew)
-                    except (TypeError, ValueError):
-                        pass
-            write_logprob_dump(
-                path,
-                recs,
-                append=True,
-                meta={"train_policy": "old", "algorithm": cfg.algorithm, "writer": "slime_tis.slime"},
-            )
+        _dump(packed, rollout_data, rollout_id, ctx, Path(dump_dir) / f"logprobs_dp{ctx.dp_rank}.jsonl",
+              {"train_policy": "old", "algorithm": cfg.algorithm, "writer": "slime_tis.slime"})
+
+
+def _dump(packed: SlimePacked, data: dict[str, Any], rollout_id: Any, ctx: ParallelContext, path: Path,
+          meta: dict[str, Any], train: list | None = None, samples: list[int] | None = None) -> int:
+    """Append ``data``'s samples (``samples``: these only) to the dump at ``path``: the training log-probs
+    (``train``, CP-local per sample; default pi_old) and the rollout log-probs, CP chunks gathered (one CP
+    all-reduce each, every CP rank), written by CP rank 0 of TP rank 0. Returns the records written."""
+    device = packed.full_mask.device
+    local = packed.cat_local("log_probs", data["log_probs"]) if train is None else packed.cat_local(
+        "recorded log-probs", train)
+    train_full = gather_full_responses(packed, local.to(device), ctx.reducer)
+    rollout_local = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
+    rollout_full = gather_full_responses(packed, rollout_local, ctx.reducer)
+    keep = list(range(len(train_full))) if samples is None else samples
+    if not keep or ctx.cp_rank != 0 or ctx.tp_rank != 0:
+        return 0
+    recs = records_from_samples([train_full[i] for i in keep], [rollout_full[i] for i in keep],
+                                [data["loss_masks"][i] for i in keep],
+                                step=rollout_id if isinstance(rollout_id, int) else None,
+                                **({} if samples is None else {"sample_index": keep}))
+    rewards = data.get("rewards")
+    if samples is None and rewards is not None and len(rewards) == len(recs):
+        for rec, rew in zip(recs, rewards):
+            try:
+                rec["reward"] = float(rew)
+            except (TypeError, ValueError):
+                pass
+    return write_logprob_dump(path, recs, append=True, meta=meta)
+
+
+def flush_recorded_train_log_probs(args: Any, *, meta: dict[str, Any] | None = None) -> int:
+    """Append the training log-probs the custom loss recorded for the current rollout (``STATE.recorder``) to
+    ``<tis_dump_dir>/logprobs_theta_dp<rank>.jsonl`` (header ``train_policy: "theta_first_forward"``), then forget
+    them. Every rank of the CP group (one CP all-reduce per quantity; nothing without ``tis_dump_dir``, recording,
+    or a registered rollout). Returns the records written on this rank (samples the loss never saw are left out)."""
+    view = slime_view(args)
+    data = STATE.recorder.rollout
+    if not view.tis_dump_dir or not view.recording or data is None or not data.get("loss_masks"):
+        return 0
+    if data.get("rollout_log_probs") is None:
+        raise ValueError("tis_record_train_log_probs: the dump needs rollout_data['rollout_log_probs']")
+    ctx = parallel_context()
+    masks = list(data["loss_masks"])
+    packed = pack_slime_batch(masks, data["total_lengths"], data["response_lengths"], ctx.cp_rank, ctx.cp_size)
+    got = [STATE.recorder.recorded(m) for m in masks]
+    local = [g if g is not None else torch.zeros(int(n), device=packed.full_mask.device)
+             for g, n in zip(got, packed.local_lengths.tolist())]  # host-sync-ok (CPU lengths; outside the loss)
+    STATE.recorder.clear()
+    header = {"train_policy": "theta_first_forward", "algorithm": 3, "writer": "slime_tis.slime", **(meta or {})}
+    return _dump(packed, data, data["rollout_id"], ctx,
+                 Path(view.tis_dump_dir) / f"logprobs_theta_dp{ctx.dp_rank}.jsonl", header, train=local,
+                 samples=[i for i, g in enumerate(got) if g is not None])

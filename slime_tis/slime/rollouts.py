@@ -1,24 +1,12 @@
 """Which rollout each slime sample belongs to, and each rollout's valid / kept token counts.
 
-slime (THUDM/slime 624b824, ``RolloutManager._convert_samples_to_train_data`` in ``slime/ray/rollout.py``) gives
-every training sample a rollout id (``rollout_ids``; an agentic rollout may produce several samples) and
-
-    rollout_mask_sums[i] = N_g = sum over the samples j of i's rollout g of sum_t loss_mask_j[t]
-
-Its loss reducer (``get_sum_of_sample_mean``, ``slime/backends/megatron_utils/cp_utils.py``) divides every
-sample's token sum by ``N_g``: the unit of slime's "per-sample mean" is the rollout. Without
-``rollout_mask_sums`` (a custom convert function) it divides by each sample's own count: then every sample
-is its own unit here too. slime's packing (``build_dp_schedule``) may put the samples of a rollout in
-different micro-batches and on different data-parallel ranks.
-
-The hooks get neither rollout ids nor (the TIS function) ``rollout_mask_sums``. The rollout-data hook
-registers each local sample under the identity of its loss-mask tensor (slime's ``DataIterator.get_next``
-hands the loss hooks the very tensor objects of ``rollout_data['loss_masks']``): its unit, its advantages,
-and, once counted, its keep mask and its unit's ``(N_g, K_g)``.
-
-:func:`rollout_table` sums counts per unit over the data-parallel group: one all-reduce of ``[4, n_batch]``
-float64 (valid count, kept count, unit id + 1, 1 at each sample's position ``rollout_data['partition']`` in
-the rollout batch of ``n_batch`` samples), a shape that is the same on every rank.
+slime (624b824, ``slime/ray/rollout.py``) gives every sample a rollout id (``rollout_ids``; an agentic rollout may
+make several samples) and ``rollout_mask_sums[i] = N_g``, the valid tokens of all samples of ``i``'s rollout ``g``;
+its reducer divides each sample's token sum by ``N_g`` (by the sample's own count without ``rollout_mask_sums``).
+The hooks see neither, so the rollout-data hook registers each local sample under its loss-mask tensor object
+(slime hands the loss hooks those very objects): its unit, its advantages and, once counted, its keep mask and
+``(N_g, K_g)``. :func:`rollout_table` sums counts per unit over DP: one all-reduce of ``[4, n_batch]`` float64, a
+shape the same on every rank.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """slime's schedule of one rollout, read from ``rollout_data``: which samples train in which optimizer step.
 
-slime 624b824 (THUDM/slime; ``build_dp_schedule`` in ``slime/utils/dp_schedule.py``, ``train`` in
-``slime/backends/megatron_utils/model.py``) hands every data-parallel rank ``rollout_data`` with
-``micro_batch_indices`` (the rank's micro-batches, lists of indices into its per-sample lists) and
-``num_microbatches`` (micro-batches per optimizer step, the same on every rank). Step ``s`` trains the rank's
-micro-batches ``o_s ... o_s + num_microbatches[s] - 1`` with ``o_s = sum(num_microbatches[:s])``, in order;
-every sample is in exactly one micro-batch, and all samples of a rollout are in one step.
-
-:func:`step_view` is the part of ``rollout_data`` one step trains, renumbered so that slime's
-``forward_only`` can run over it alone (the step hook's forward pass).
+slime 624b824 (``build_dp_schedule``, ``train``) hands each DP rank ``micro_batch_indices`` (its micro-batches) and
+``num_microbatches`` (per optimizer step): step ``s`` trains micro-batches ``o_s .. o_s + num_microbatches[s] - 1``,
+``o_s = sum(num_microbatches[:s])``; every sample is in one micro-batch, all samples of a rollout in one step.
+:func:`step_view` is one step's part, renumbered for slime's ``forward_only`` (the step hook's pass).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from slime_tis.slime.bypass import skips_pi_old_recompute
-
-__all__ = ["n_steps", "pi_old_pass_flags", "sample_steps", "slime_recomputes_pi_old", "step_micro_batches", "step_view",
-           "StepIterator"]
-
-TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
+__all__ = ["n_steps", "sample_steps", "step_micro_batches", "step_view", "StepIterator"]
 
 #: per-sample keys slime's ``forward_only`` reads (``slime/backends/megatron_utils/model.py``), plus the ones
 #: the counting needs
@@ -88,31 +78,3 @@ class StepIterator:
     def reset(self) -> StepIterator:
         self.offset = 0
         return self
-
-
-def slime_recomputes_pi_old(args: Any, steps: int) -> bool:
-    """Whether slime's ``train_actor`` (``slime/backends/megatron_utils/actor.py``, 624b824) runs its pi_old
-    forward pass for this rollout (``rollout_data['log_probs']``), from the configuration alone: it skips it
-    with ``--use-rollout-logprobs`` unless ``--get-mismatch-metrics``, and when it can reuse the training
-    forward (one step per rollout, ``policy_loss``, no KL coefficient, no critic / old actor / OPD, routing
-    replay only from the rollout, not GSPO); and, with ``patches/slime_alg1_skip_recompute.patch``, when
-    ``tis_bypass_skip_recompute`` is on with ``--use-rollout-logprobs`` (:mod:`slime_tis.slime.bypass`)."""
-    a = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    if not a("compute_advantages_and_returns", True) or skips_pi_old_recompute(args):
-        return False
-    reuse = (steps == 1 and a("loss_type", "policy_loss") == "policy_loss" and not a("kl_coef", 0)
-             and not a("use_rollout_logprobs") and not a("get_mismatch_metrics") and not a("use_critic")
-             and not a("keep_old_actor") and not a("use_opd")
-             and (not a("use_routing_replay") or a("use_rollout_routing_replay"))
-             and a("advantage_estimator") != "gspo")
-    return (not a("use_rollout_logprobs") or bool(a("get_mismatch_metrics"))) and not reuse
-
-
-def pi_old_pass_flags(args: Any) -> str:
-    """The flags to add so that slime runs its pi_old pass, as slime's argument checks accept them:
-    ``--get-mismatch-metrics``, which slime accepts only with ``--custom-tis-function-path`` (its start-up
-    assertion); the TIS hook is named when ``args`` has no TIS function (e.g. the algorithm-3 custom loss,
-    which never calls it)."""
-    if getattr(args, "custom_tis_function_path", None):
-        return "--get-mismatch-metrics"
-    return f"--get-mismatch-metrics --custom-tis-function-path {TIS_FUNCTION}"

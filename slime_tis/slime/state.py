@@ -1,11 +1,9 @@
-"""Per-rollout state passed from slime's rollout-data hook to its loss hooks (same process).
+"""The slime hooks' one process-wide state (:data:`STATE`), with one :meth:`SlimeState.clear`.
 
-slime drops unknown keys from ``rollout_data`` before the loss, but the rollout-data
-post-processing hook and the loss hooks run in the same training-actor process, so what the loss
-hooks need from the whole rollout batch is handed over here: the global batch-normalisation factor
-(algorithm 2), the rollout of every sample, the plan for ``tis_rejected_denominator: drop``
-(:mod:`slime_tis.slime.kept`), the rollout's correction from pi_old that the TIS function's micro-batches reuse
-(:mod:`slime_tis.slime.engine`) and, for the step hook, the rollout data itself.
+slime calls the hooks by path, one at a time, in one training process, and drops unknown keys from
+``rollout_data`` before the loss; what a later hook needs from an earlier one is kept here: the rollout's
+global scalars (algorithm 2's batch-normalisation factor, ``drop``'s plan and counts), each sample's rollout, the
+step's exact-metric records, the recorded training log-probs, the arguments read once and the warnings given.
 """
 
 from __future__ import annotations
@@ -13,38 +11,74 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from slime_tis.engine.step import StepEngine
+from slime_tis.engine.totals import StepTotals
+from slime_tis.slime.compat import slime_function_params, slime_source
+from slime_tis.slime.metrics import ExactMetricsCollector
+from slime_tis.slime.record import TrainLogProbRecorder
 from slime_tis.slime.rollouts import RolloutRegistry
 
-__all__ = ["RolloutState", "STATE"]
+__all__ = ["SlimeState", "STATE"]
 
 
 @dataclass
-class RolloutState:
-    """``rollout_id`` of the data last post-processed, its global batch-norm factor (or None), the
-    rollout membership of its samples, the ``drop`` plan (or None), the rollout's kept decision (or None) and
-    the rollout data."""
+class SlimeState:
+    """Per rollout (reset by :meth:`new_rollout`): ``rollout_id``, its ``batch_norm_factor`` (or None) and the
+    ``TISConfig`` it was computed for, the samples' ``rollouts``, the ``drop_plan`` (or None) and, for the step
+    hook's counting passes, the ``rollout_data``. Per process: the exact-metric ``collector``, the training
+    log-prob ``recorder``, the ``views`` read from slime's arguments (:func:`slime_tis.slime.config.slime_view`),
+    the configurations ``described`` in the log and the ``warned`` keys."""
 
     rollout_id: object = None
     batch_norm_factor: Tensor | None = None
-    batch_norm_key: object = None  # the TISConfig it was computed for
+    batch_norm_key: object = None
     rollouts: RolloutRegistry = field(default_factory=RolloutRegistry)
-    drop_plan: Any = None  # slime_tis.slime.kept.DropPlan of this rollout
+    drop_plan: Any = None  # slime_tis.slime.kept.DropPlan
     rollout_data: dict | None = None
-    decision: Any = None  # slime_tis.slime.engine.RolloutDecision of this rollout
+    collector: ExactMetricsCollector = field(default_factory=ExactMetricsCollector)
+    recorder: TrainLogProbRecorder = field(default_factory=TrainLogProbRecorder)
+    views: dict[tuple, Any] = field(default_factory=dict)
+    described: set = field(default_factory=set)
+    warned: set[str] = field(default_factory=set)
 
-    def set_factor(self, rollout_id: object, factor: Tensor | None, key: object) -> None:
-        self.rollout_id = rollout_id
-        self.batch_norm_factor = factor
-        self.batch_norm_key = key
+    def new_rollout(self) -> None:
+        """Forget the previous rollout's scalars, samples and data (the rollout-data hook, before each rollout)."""
+        self.rollout_id = self.batch_norm_factor = self.batch_norm_key = None
+        self.rollouts.clear()
+        self.drop_plan = self.rollout_data = None
 
     def clear(self) -> None:
-        self.set_factor(None, None, None)
-        self.rollouts.clear()
-        self.drop_plan = None
-        self.rollout_data = None
-        self.decision = None
+        """Forget everything: the rollout, unflushed records, recordings, views, warnings and slime probes."""
+        self.new_rollout()
+        self.collector.reset()
+        self.recorder.clear()
+        self.views.clear()
+        self.described.clear()
+        self.warned.clear()
+        slime_source.cache_clear()
+        slime_function_params.cache_clear()
+
+    def warn_once(self, key: str, msg: str, logger: Any) -> None:
+        """Log and warn ``msg`` once per process (per ``key``)."""
+        if key not in self.warned:
+            import warnings
+
+            self.warned.add(key)
+            logger.warning(msg)
+            warnings.warn(msg, stacklevel=4)
+
+    def engine(self, cfg: Any, reducer: Any, device: torch.device, *, batch_norm_factor: Tensor | None = None,
+               host_kl: bool = False) -> StepEngine:
+        """The step engine of one hook call. slime aggregates the loss itself (per-rollout means), so the totals
+        are the host's: denominator 1 (the custom loss folds slime's means into per-token coefficients on the
+        advantages and takes one token sum) and the rollout's batch-normalisation factor; its records go to
+        :attr:`collector`; ``host_kl``: the custom loss adds slime's KL term."""
+        one = torch.ones((), device=device)  # a device tensor: a Python float would sync the host
+        return StepEngine(cfg, reducer, totals=StepTotals(one, one, batch_norm_factor, 1),
+                          collector=self.collector.records, host_kl=host_kl)
 
 
-STATE = RolloutState()
+STATE = SlimeState()

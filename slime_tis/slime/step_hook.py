@@ -1,43 +1,57 @@
 """slime ``--custom-megatron-before-train-step-hook-path slime_tis.slime.before_train_step``.
 
-slime calls ``fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)`` on every rank before
-every optimizer step (``train_one_step``, ``slime/backends/megatron_utils/model.py``, THUDM/slime 624b824),
-after the previous step's update. It does two things:
+slime calls ``fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)`` on every rank before every
+optimizer step, after the previous step's update. It
 
-1. **Exact metrics**: :func:`slime_tis.slime.log_exact_metrics` (flushes the previous step's ``tis/`` metrics).
-2. **Kept counts of the custom loss at this step's parameters** (algorithm 3 with
-   ``tis_rejected_denominator: drop``, for the steps the rollout-data hook assigned to it, see
-   :mod:`slime_tis.slime.kept`). Before the step trains:
-
-   * slime's own ``forward_only(get_log_probs_and_entropy, ...)`` (eval mode, no gradient) over this rank's
-     micro-batches of the step, grouped exactly as the step will train them, gives ``pi_theta`` at the
-     step's parameters (pipeline stages take part as in any forward pass; the last one gets the log-probs);
-   * the custom loss's keep decisions from them (``compute_tis`` of ``sg(pi_theta)`` against the rollout
-     log-probs, non-finite advantages reject), full-length and identical on all CP ranks (one CP
-     all-reduce of the per-sequence sums, one of the keep masks);
-   * each rollout's ``(N_g, K_g)`` summed over the data-parallel ranks (one all-reduce of ``[4, n_batch]``)
-     and registered; the custom loss then keeps exactly these tokens and divides rollout ``g`` by ``K_g``.
-
-   Cost per step: one forward pass over the step's micro-batches (over a rollout: one forward pass over
-   its data, the cost of slime's pi_old recompute: roughly a third of the training compute; not measured here),
-   plus one ``[4, n_batch]`` float64 all-reduce; memory: the step's log-probs while counting, then one
-   bool per response token of the step. Step 0 is skipped when slime recomputed pi_old (the same
-   parameters; the rollout-data hook counted it).
+1. flushes the previous step's exact ``tis/`` metrics (:func:`log_exact_metrics`);
+2. with algorithm 3's ``drop``, for the steps the rollout-data hook assigned to it (:mod:`slime_tis.slime.kept`):
+   runs slime's own ``forward_only`` over this rank's micro-batches of the step (grouped as the step trains them)
+   for ``pi_theta`` at the step's parameters, takes the custom loss's keep decisions from it (one CP all-reduce of
+   the per-sequence sums, one of the keep masks) and registers each rollout's ``(N_g, K_g)`` summed over DP (one
+   all-reduce of ``[4, n_batch]``). Cost: one forward pass over the step's data (docs/slime.md).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from slime_tis.engine.parallel import parallel_context
-from slime_tis.slime.config import tis_config_from_slime_args
-from slime_tis.slime.kept import count_kept, custom_loss_kl
-from slime_tis.slime.metrics import log_exact_metrics
+from slime_tis.slime.config import slime_view
+from slime_tis.slime.kept import count_kept
 from slime_tis.slime.rollouts import rollout_table
 from slime_tis.slime.schedule import StepIterator, step_view
 from slime_tis.slime.state import STATE
 
-__all__ = ["before_train_step"]
+__all__ = ["before_train_step", "log_exact_metrics"]
+
+logger = logging.getLogger("slime_tis.slime")
+
+
+def log_exact_metrics(args: Any, rollout_id: Any = None, step_id: Any = None, *_: Any, **__: Any) -> dict[str, float]:
+    """Flush the previous step's exact ``tis/`` metrics (``STATE.collector``, reduced over DP x CP), log them and
+    append them as JSON to ``tis_metrics_path`` (rank 0). Usable as slime's before-train-step hook on its own; the
+    last step of a run is reported by an explicit ``STATE.collector.flush()``."""
+    values = STATE.collector.flush()
+    if not values:
+        return values
+    logger.info("slime_tis exact metrics (before rollout %s step %s): %s", rollout_id, step_id,
+                ", ".join(f"{k}={v:.6g}" for k, v in sorted(values.items())))
+    path = slime_view(args).tis_metrics_path
+    rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+    if path and rank0:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        clean = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+        with open(p, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"rollout_id": rollout_id, "step_id": step_id, **clean}) + "\n")
+    return values
 
 
 def _step_log_probs(args: Any, model: Any, data: dict[str, Any], micro_batches: list[list[int]]) -> list | None:
@@ -62,8 +76,7 @@ def count_step(args: Any, step_id: int, log_probs: list | None) -> None:
     if got != len(local):
         raise RuntimeError(f"before_train_step: slime's forward pass returned {got} log-prob tensors for the "
                            f"{len(local)} samples of step {step_id}")
-    cfg = tis_config_from_slime_args(args, algorithm=3)
-    keep_full, valid, kept = count_kept(cfg, view, log_probs, ctx, host_kl=custom_loss_kl(args, cfg))
+    keep_full, valid, kept = count_kept(slime_view(args, algorithm=3), view, log_probs, ctx)
     table, _ = rollout_table(valid, kept, [plan.keys[i] for i in local], [plan.positions[i] for i in local],
                              plan.n_batch, ctx.reducer)
     STATE.rollouts.set_counted(local, keep_full, table[:, :2])

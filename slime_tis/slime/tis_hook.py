@@ -1,57 +1,27 @@
 """slime ``--custom-tis-function-path slime_tis.slime.compute_tis_for_slime``.
 
-slime calls it once per micro-batch inside ``policy_loss_function`` when ``--use-tis`` or
-``--get-mismatch-metrics`` is set::
+slime calls it once per micro-batch inside ``policy_loss_function`` (with ``--use-tis`` or
+``--get-mismatch-metrics``)::
 
-    pg_loss, modified_masks, metrics = fn(args, pg_loss=..., train_log_probs=..., rollout_log_probs=...,
-                                          loss_masks=..., total_lengths=..., response_lengths=...)
+    pg_loss, masks, metrics = fn(args, pg_loss=..., train_log_probs=..., rollout_log_probs=...,
+                                 loss_masks=..., total_lengths=..., response_lengths=...)
 
-* ``pg_loss``: ``[T_local]`` flat CP-local per-token PPO loss (already clipped);
-* ``train_log_probs`` / ``rollout_log_probs``: per-sample lists of CP-local ``[T_i]`` tensors
-  (slime's zigzag chunks; ``train`` = the recomputed ``pi_old``, or the detached current
-  log-probs when slime skipped the recompute);
-* ``loss_masks``: per-sample full-length ``[R_i]`` masks; ``total_lengths`` / ``response_lengths``.
+``pg_loss``: ``[T_local]`` flat CP-local per-token PPO loss (already clipped); ``train_log_probs`` /
+``rollout_log_probs``: per-sample CP-local ``[T_i]`` (zigzag chunks; ``train`` = pi_old, or the detached current
+log-probs where slime skipped the recompute); ``loss_masks``: per-sample full-length ``[R_i]``. It returns the new
+flat ``pg_loss`` (``w * pg_loss`` for algorithm 2; 0 at rejected tokens, by selection), full-length masks with the
+rejected tokens zeroed (slime's reducer divides by the original counts) and flat CP-local token-shaped metrics
+(:func:`slime_tis.slime.metrics.token_metrics`). Algorithm 0 (``--get-mismatch-metrics`` only): metrics only;
+algorithm 1 (``--use-rollout-logprobs``): rejection only; algorithm 2 (``--use-tis``): weights and rejection.
 
-It returns the new flat ``pg_loss``, full-length masks with rejected tokens zeroed (slime rebuilds
-its reducer with them as numerators and the *original* per-sample counts as denominators) and a
-dict of flat CP-local token-shaped metrics (:func:`slime_tis.slime.metrics.token_metrics`).
-
-What it does, by slime's flags (``args.use_rollout_logprobs``, ``args.use_tis``):
-
-========================================  =========  =================================================
-flags                                     algorithm  effect
-========================================  =========  =================================================
-``--get-mismatch-metrics`` only           0          metrics only: ``pg_loss`` and masks unchanged
-``--use-rollout-logprobs`` + ``--get-mm`` 1          rejection only (RS, veto, mask mode, non-finite)
-``--use-tis``                             2          ``w * pg_loss`` + rejection, ``w`` from the core
-========================================  =========  =================================================
-
-Everything numeric is the step engine's correction of the packed CP-local tokens (``StepEngine.correct``:
-the core's :func:`slime_tis.compute_tis`, or, where the rollout-data hook decided the rollout from these very
-pi_old tensors, its part finished with ``pg_loss``'s finiteness: :mod:`slime_tis.slime.engine`) with the CP
-reducer, so sequence and geometric levels see full-sequence sums on every CP rank (one CP
-all-reduce per micro-batch for the sums, one for the full-length masks; every CP rank takes part
-for every sample, also with zero local tokens). Rejected tokens get zero loss by selection
-(``torch.where``): a NaN in a rejected or masked position never reaches slime's ``(x * mask)`` reducer.
-
-With ``--use-opsm`` slime has already zeroed some tokens' loss; the hook recovers which
-(:mod:`slime_tis.slime.opsm`, needs the rollout-data hook) and counts them as rejected: not kept in the
-metrics or ``drop``'s counts, and their loss stays 0. The returned masks keep them (unless a rule of the hook
-rejects them): slime rebuilds the reducer of its entropy and KL terms (and hands a custom pg-loss reducer) from
-these masks, and slime's own OPSM leaves those terms and masks unchanged.
-
-slime divides each rollout's token sum by ``rollout_mask_sums`` = ``N_g``, its valid-token count over all
-its samples (``keep``); ``tis_rejected_denominator: drop`` makes that the rollout's kept count ``K_g`` by
-scaling the loss by ``N_g / K_g``, with ``K_g`` counted from pi_old before training, or counted in this
-micro-batch when every rollout is one sample; anything else is refused (:mod:`slime_tis.slime.kept`; needs
-the rollout-data hook; refused with ``--calculate-per-token-loss`` and with a custom pg-loss reducer).
-Algorithm 2 with ``tis_batch_normalize`` uses the global factor computed before training by
-:func:`slime_tis.slime.postprocess_rollout_data`.
-
-slime's policy loss computes the surrogate itself (PPO clip / dual clip, or GSPO with slime's
-``--advantage-estimator gspo``) and its KL / entropy terms: ``tis_loss_mode`` other than ``ppo_clip`` and the
-``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused with one line
-(:func:`slime_tis.slime.loss_hook.check_slime_terms`).
+The numbers are the step engine's correction of the packed CP-local tokens (``StepEngine.correct``, the CP
+reducer: one CP all-reduce for the sums, one for the full-length masks, every CP rank for every sample). Tokens
+slime's ``--use-opsm`` zeroed are counted as rejected in the metrics and ``drop``'s counts, their loss stays 0, and
+the returned masks keep them unless a rule rejects them (slime's entropy / KL / reducer masks, as with slime's own
+OPSM; :mod:`slime_tis.slime.opsm`). ``drop`` scales each rollout's
+loss by ``N_g / K_g`` (:mod:`slime_tis.slime.kept`); algorithm 2's batch normalisation uses the rollout's factor
+(:mod:`slime_tis.slime.postprocess`). slime's loss computes the surrogate and the KL / entropy terms itself:
+``tis_loss_mode`` other than ``ppo_clip`` and the ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused.
 """
 
 from __future__ import annotations
@@ -65,12 +35,12 @@ from torch import Tensor
 from slime_tis.config import TISConfig
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import parallel_context
+from slime_tis.engine.totals import step_batch_norm
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
-from slime_tis.slime.config import tis_config_from_slime_args
-from slime_tis.slime.engine import kept_part, micro_batch, step_engine
+from slime_tis.slime.config import slime_view
 from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
-from slime_tis.slime.metrics import COLLECTOR, token_metrics
+from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
 from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
@@ -79,7 +49,7 @@ __all__ = ["compute_tis_for_slime"]
 
 
 def _batch_norm_factor(cfg: TISConfig) -> Tensor | None:
-    if not (cfg.batch_normalize and algorithm_of(cfg).step_batch_norm):
+    if not step_batch_norm(cfg):
         return None
     if STATE.batch_norm_factor is None or STATE.batch_norm_key != cfg:
         raise RuntimeError(
@@ -119,7 +89,8 @@ def compute_tis_for_slime(
     **kwargs: Any,
 ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
     """slime's TIS-function contract (module docstring); returns ``(pg_loss, masks, metrics)``."""
-    cfg = tis_config_from_slime_args(args)
+    view = slime_view(args, algorithm=None)
+    cfg = view.cfg
     row = algorithm_of(cfg)
     if not row.ppo:
         raise ValueError(
@@ -128,8 +99,8 @@ def compute_tis_for_slime(
             "slime_tis.slime.reinforce_is_loss (see docs/slime.md)"
         )
     check_slime_terms(cfg, own_loss=True)
-    check_drop_config(args, cfg)
-    check_opsm(args)
+    check_drop_config(view)
+    check_opsm(view)
     ctx = parallel_context()
     packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)
     lp_train = packed.cat_local("train_log_probs", train_log_probs)
@@ -141,19 +112,18 @@ def compute_tis_for_slime(
         )
     factor = _batch_norm_factor(cfg)
     opsm = None
-    if getattr(args, "use_opsm", False):  # tokens slime's OPSM zeroed are not kept
+    if view.use_opsm:  # tokens slime's OPSM zeroed are not kept
         adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
         opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
     # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
-    batch = micro_batch(packed, advantages=pg_loss.detach(), rollout_log_probs=lp_rollout, old_log_probs=lp_train)
-    engine = step_engine(cfg, ctx.reducer, pg_loss.device, batch_norm_factor=factor)
-    kept_part(engine, batch, loss_masks, train_log_probs, packed)  # the rollout's decision, where it was kept
+    batch = packed.tis_batch(advantages=pg_loss.detach(), rollout_log_probs=lp_rollout, old_log_probs=lp_train)
+    engine = STATE.engine(cfg, ctx.reducer, pg_loss.device, batch_norm_factor=factor)
     res = engine.correct(batch, lp_train, reject=opsm)
     metrics = token_metrics(cfg, res, factor if cfg.batch_normalize else None)
     if rollout_log_probs:
-        COLLECTOR.add(res.stats, list(rollout_log_probs), ctx.reducer, engine)  # engine.record, once
+        STATE.collector.add(res.stats, list(rollout_log_probs), ctx.reducer, engine)  # engine.record, once
 
-    if not row.rejects:  # algorithm 0, --get-mismatch-metrics without correction: diagnostics only
+    if not row.corrects:  # algorithm 0, --get-mismatch-metrics without correction: diagnostics only
         return pg_loss, list(loss_masks), metrics
 
     keep = res.loss_keep

@@ -247,7 +247,7 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
     cfg = TISConfig(use_tis=True, **fields)
     rec = _metrics(_run(cfg, dump))
     w_mean = rec.get("tis/weight_mean", 1.0)
-    if not cfg.plan.mode.rejects and abs(w_mean - 1.0) > 0.05:
+    if not cfg.plan.mode.masks and abs(w_mean - 1.0) > 0.05:
         fields["batch_normalize"] = True
         reasons.append(f"the recommended weights average {w_mean:.3f} (off 1 by more than 5%): batch-normalise them")
         rec = _metrics(_run(TISConfig(use_tis=True, **fields), dump))

@@ -213,8 +213,6 @@ def oracle(cfg: TISConfig, weights: dict[str, torch.Tensor], batch: GlobalBatch,
         stats = stats.merge(out.stats)
     total.backward()
     metrics = {k: float(v) for k, v in stats.finalize().items()}
-    valid = batch.loss_mask != 0
-    metrics["policy/entropy"] = float(entropy[valid].sum() / valid.sum())
     metrics["loss"] = float(total.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return Oracle(float(total.detach()), grads, metrics)

@@ -1,11 +1,10 @@
 """Correction passes and reductions of the Megatron hook per phase (tests/test_engine_correction_counts.py).
 
-One gloo rank (TP = PP = CP = DP = 1), the harness's tiny GPT and 8-row batch: 2 rollouts, each trained for 2
-epochs of 2 optimizer steps x 2 micro-batches; pi_old once per rollout (``compute_old_log_probs``). For each
-algorithm x denominator and each training call (rollout, epoch, step): the corrections
-(``core.correction.correct``), the finished decisions (``core.correction.refine``) and the reducer calls of the
-step totals and of each loss call (``StepEngine.loss``). Writes ``counts.json`` into the directory given as the
-only argument.
+One gloo rank (TP = PP = CP = DP = 1), the harness's tiny GPT and 8-row batch: 2 rollouts, each trained for 2 epochs of
+2 optimizer steps x 2 micro-batches; pi_old once per rollout (``compute_old_log_probs``). For each algorithm x
+denominator and each training call (rollout, epoch, step): the corrections (``core.correction.correct``) and the reducer
+calls of the step totals and of each loss call (``StepEngine.loss``). Writes ``counts.json`` into the directory given as
+the only argument.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 import slime_tis.core.correction as correction_mod  # noqa: E402
 import slime_tis.core.losses as losses_mod  # noqa: E402
 import slime_tis.engine.step as step_mod  # noqa: E402
-import slime_tis.engine.totals as totals_mod  # noqa: E402
 from slime_tis import TISConfig  # noqa: E402
 from slime_tis.core import LocalReducer  # noqa: E402
 from slime_tis.megatron import rollout_step_iterator, tis_forward_backward_func  # noqa: E402
@@ -92,15 +90,6 @@ def main(out: Path) -> None:
         return real(*a, **k)
 
     correction_mod.correct = losses_mod.correct = counted
-    real_refine = getattr(correction_mod, "refine", None)
-    if real_refine is not None:
-        def refined(*a, **k):
-            add("refines")
-            return real_refine(*a, **k)
-
-        for mod in (correction_mod, step_mod, totals_mod):
-            if hasattr(mod, "refine"):
-                mod.refine = refined
     step_mod.step_totals = phase("step", step_mod.step_totals)
     step_mod.StepEngine.loss = phase("loss", step_mod.StepEngine.loss)
     weights, lp_full = full_weights_and_log_probs()

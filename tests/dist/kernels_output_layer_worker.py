@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _cpu import cpu_shim  # noqa: F401  (CPU patches for megatron-core)
+from _output_layer_cases import reference_log_probs_and_entropy
 
 from slime_tis.kernels.dispatch import KernelFallbackWarning
-from slime_tis.kernels.output_layer import (
-    fused_log_probs_and_entropy,
-    reference_log_probs_and_entropy,
-)
+from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
 
 TEMPERATURE = 0.7
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS, ROWS = 64, 8, 32, 2, 4, 2

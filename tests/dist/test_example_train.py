@@ -208,7 +208,7 @@ def test_checkpoint_saved_at_pp2_loads_at_dp2_and_pp1(runs, tmp_path):
     # the rollout comes from the restored lag history: the same tokens, rewards and lengths
     assert (a["reward"], a["response_len"]) == (b["reward"], b["response_len"])
     # pi_old comes from the resharded model: equal up to float32 summation order (PP vs DP reductions)
-    for key in ("loss", "grad_norm", "tis/k3_kl", "policy/entropy"):
+    for key in ("loss", "grad_norm", "tis/k3_kl"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 

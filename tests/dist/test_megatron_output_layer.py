@@ -88,7 +88,7 @@ def test_fused_hook_step_equals_the_unfused_one(nproc, name, tmp_path_factory):
             assert stock == [[VOCAB // tp, "torch.float32"]] * 2, (pass_name, stock)
         for run, per_source in row["metrics"].items():
             for source, (got, ref) in per_source.items():
-                assert sorted(got) == sorted(ref) and "loss" in got and "policy/entropy" in ref, (run, source)
+                assert sorted(got) == sorted(ref) and "loss" in got, (run, source)
                 bad = {k: (got[k], ref[k]) for k in ref if not _close(got[k], ref[k])}
                 assert not bad, (run, source, bad)
         if "auto" in name:  # pi_old from the fused training forward itself: no pass, same gradients
