@@ -6,7 +6,7 @@ README.md and docs/*.md are scanned line by line:
   Megatron-LM hook's ``add_megatron_tis_arguments``, ``train_rl.py``'s ``add_megatron_rl_tis_arguments``) or
   one of slime's own (``tests/_slime_args.FLAGS``: ``--tis-clip``, ``--tis-clip-low``);
 * a YAML key ``tis_*:`` (a key followed by a colon, as in a slime config file) must be a dest of those parsers
-  or of slime's flags, or a key the slime hooks read (``getattr(args, "tis_...")`` in the plugin's code);
+  or of slime's flags, or a key the slime hooks read (``slime_tis.slime.config``'s table);
 * a metric ``tis/*``, ``policy/*``, ``moe/*`` or ``sglang/*`` must be a row of the metric schema
   (``core.metric_schema``: ``METRICS``, ``ROUTING_ROWS``, the staleness rows with their ``{b}`` label), or one
   of the host-side metrics declared next to their code (the SGLang reader's, ``train_rl.py``'s appended-token
@@ -44,13 +44,11 @@ def _plugin_parser() -> argparse.ArgumentParser:
 
 
 def _hook_keys() -> set[str]:
-    """The YAML keys slime's hooks read from its namespace (``getattr(args, "tis_...")`` in the plugin's code):
-    keys with no flag of their own (``tis_dump_dir``, ``tis_metrics_path`` ...)."""
-    read = re.compile(r"getattr\(args, \"(tis_[a-z0-9_]+)\"")
-    from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY
+    """The YAML keys slime's hooks read from its namespace with no flag of their own (``tis_dump_dir``,
+    ``tis_metrics_path`` ...): ``slime_tis.slime.config``'s table of what the hooks read."""
+    from slime_tis.slime.config import _SLIME
 
-    keys = {k for path in (ROOT / "slime_tis").rglob("*.py") for k in read.findall(path.read_text(encoding="utf-8"))}
-    return keys | {SKIP_RECOMPUTE_KEY}
+    return set(_SLIME)
 
 
 def _flags_and_dests() -> tuple[set[str], set[str]]:
