@@ -116,7 +116,8 @@ class TISConfig:
             each declared with its flag, valid range and meaning at the field (rule rows: ``core.rules``).
         batch_normalize: rescale applied weights to mean 1 over the kept units of the global batch.
         rejected_denominator: ``keep`` (rejected tokens stay in the loss denominator) or ``drop``.
-        loss_agg: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
+        loss_agg: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or ``token-sum``
+            (``core.aggregation``).
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``
             (``eps_clip_high=None`` means symmetric).
         dual_clip_c: dual-clip constant ``c > 1`` for negative advantages; ``None`` = off.

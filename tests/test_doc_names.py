@@ -134,3 +134,30 @@ def test_troubleshooting_covers_every_metric():
 
     text = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
     assert [m.name for m in METRICS if f"`{m.name}`" not in text] == []
+
+
+LINK = re.compile(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation other than ``-`` and ``_`` dropped, spaces -> ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = page.read_text(encoding="utf-8")
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # a '#' line in a code block is no heading
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+
+
+def test_every_link_to_a_section_names_one_that_exists():
+    """A link ``page.md#section`` (or ``#section`` on the same page) names a heading of that page."""
+    broken = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for target, anchor in LINK.findall(line):
+                dest = (page.parent / target).resolve() if target else page
+                if not dest.exists() or anchor not in _anchors(dest):
+                    broken.append(f"{page.relative_to(ROOT)}:{n}: {target}#{anchor}")
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
