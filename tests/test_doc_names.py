@@ -161,3 +161,51 @@ def test_every_link_to_a_section_names_one_that_exists():
                 if not dest.exists() or anchor not in _anchors(dest):
                     broken.append(f"{page.relative_to(ROOT)}:{n}: {target}#{anchor}")
     assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
+
+
+FENCE = re.compile(r"^<!-- fragment: [^\n]*?\(([^)\n]*)\)[^\n]*-->\n```python[ \t]*\n(.*?)^```", re.M | re.S)
+
+
+def _free_names(code: str) -> set[str]:
+    """Names a snippet reads that it neither imports, assigns nor defines (nor are builtins)."""
+    import ast
+    import builtins
+
+    loaded, bound = set(), set(dir(builtins))
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+            if isinstance(node, ast.FunctionDef):
+                bound.update(a.arg for a in node.args.args)
+    return loaded - bound
+
+
+def _fragment_names() -> list[tuple[str, set[str], set[str]]]:
+    """``(where, names the marker lists, names the snippet takes from outside)`` of every python fragment whose
+    marker lists the names it stands in (``<!-- fragment: inside a launcher (args, model, M) -->``)."""
+    out = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for m in FENCE.finditer(text):
+            listed = {item.split(":")[0].strip() for item in m.group(1).split(",")}
+            where = f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+            out.append((where, listed, _free_names(m.group(2))))
+    return out
+
+
+def test_every_snippet_uses_only_the_names_its_marker_lists():
+    """A python fragment's marker says which of the launcher's names it uses; it uses no other (``providers``
+    stands for the ``*_provider`` functions). A snippet that names ``T`` or ``rollout_iterator`` while its marker
+    says ``rollout_it`` fails here."""
+    found = _fragment_names()
+    assert len(found) >= 8
+    bad = []
+    for where, listed, free in found:
+        extra = {n for n in free - listed if not ("providers" in listed and n.endswith("_provider"))}
+        if extra:
+            bad.append(f"{where}: uses {sorted(extra)}, its marker lists {sorted(listed)}")
+    assert not bad, "\n".join(bad)
