@@ -119,6 +119,34 @@ def test_recommendation_length_trap_goes_geometric_with_veto(tmp_path):
     assert "--tis-mode mask --tis-level geometric" in d.recommendation.flags
 
 
+def test_recommendation_as_slime_yaml_keys_and_what_the_given_config_does(tmp_path, capsys):
+    """--format yaml prints the recommendation as slime takes it (its --use-tis flag and the YAML keys, each
+    the flag's argparse dest, which TISConfig.from_args reads back to the same fields); the report says what the
+    configuration given would do to the dump (here: the veto and the mask fire)."""
+    import argparse
+
+    import yaml
+
+    from slime_tis.arguments import add_tis_arguments
+
+    dump = dump_of(synthetic(2, noise=0.08, lengths=(200, 400), catastrophic=True), tmp_path)
+    rec = diagnose(dump).recommendation
+    text = rec.yaml
+    assert text.startswith("slime flag: --use-tis\n  slime --custom-config-path YAML:\n")
+    keys = yaml.safe_load(text.split("YAML:\n", 1)[1])
+    ns = add_tis_arguments(argparse.ArgumentParser()).parse_args(["--use-tis"])
+    for k, v in keys.items():
+        setattr(ns, k, v)
+    cfg = TISConfig.from_args(ns)
+    assert {f: getattr(cfg, f) for f in rec.fields} == pytest.approx(rec.fields)
+    assert cli_main(["diagnose", str(tmp_path / "d.jsonl"), "--no-png", "--format", "yaml", "--use-tis",
+                     "--tis-veto-threshold", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "    tis_mode: mask\n" in out and "--tis-mode mask" not in out.split("recommendation:")[1].split("\n")[1]
+    acts = out.split("what this configuration would do to the dump:\n")[1].split("\n\n")[0]
+    assert "sequences vetoed" in acts and "rejects " in acts
+
+
 def test_recommendation_short_sequences_sequence_level(tmp_path):
     d = diagnose(dump_of(synthetic(3, noise=0.05, lengths=(4, 12), nan_seq=False), tmp_path))
     assert d.recommendation.fields == {"mode": "truncate", "level": "sequence", "upper": 2.0}

@@ -77,6 +77,22 @@ class Recommendation:
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
+    def yaml(self) -> str:
+        """The same configuration as slime takes it: its ``--use-tis`` flag, then the keys of the
+        ``--custom-config-path`` file (each flag's argparse dest)."""
+        if not self.fields:
+            return "(none: nothing to base a recommendation on)"
+        lines = ["slime flag: --use-tis", "slime --custom-config-path YAML:"]
+        for key in ("mode", "level", "upper", "lower", "veto_threshold"):
+            value = self.fields.get(key)
+            if value is not None:
+                lines.append(f"    {FLAG_OF[key].lstrip('-').replace('-', '_')}: "
+                             + (f"{value:g}" if isinstance(value, float) else f"{value}"))
+        if self.fields.get("batch_normalize"):
+            lines.append(f"    {FLAG_OF['batch_normalize'].lstrip('-').replace('-', '_')}: true")
+        return "\n  ".join(lines)
+
+    @property
     def flags(self) -> str:
         if not self.fields:
             return "(none: nothing to base a recommendation on)"
@@ -258,13 +274,11 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
 
 def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: list[int] | None = None) -> Diagnosis:
     """Diagnostics of ``dump`` (module docstring). ``cfg``: the user's configuration for the overall
-    metrics (default: algorithm 2, token-level truncation at 2); algorithm 0/1 configs are evaluated
-    with ``use_tis=True`` so that the weight statistics exist."""
+    metrics, evaluated as given (default: algorithm 2, token-level truncation at 2); algorithms 0 and 1 apply
+    no weights, so their weight statistics are those of weights 1."""
     if dump.n_seq == 0:
         raise ValueError("the dump holds no sequence")
     cfg = cfg or TISConfig(use_tis=True)
-    if not cfg.use_tis:
-        cfg = cfg.replace(use_tis=True)
     overall = _metrics(_run(cfg, dump))
     dists = _distributions(dump)
     buckets = _buckets(dump, bucket_edges)
@@ -319,8 +333,39 @@ def _fmt(v: float) -> str:
     return f"{v:.3e}"
 
 
-def format_report(d: Diagnosis) -> str:
-    """The text report printed by ``slime-tis diagnose``."""
+#: what the configuration given does to the dump's tokens: (metric, what it counts)
+ACTIONS = (
+    ("tis/truncate_fraction", "weights truncated at the upper bound (kept, capped)"),
+    ("tis/clip_fraction_low", "weights clipped up to the lower bound (kept)"),
+    ("tis/clip_fraction_high", "weights clipped down to the upper bound (kept)"),
+    ("tis/mask_fraction_low", "units rejected below the lower bound"),
+    ("tis/mask_fraction_high", "units rejected above the upper bound"),
+    ("tis/rs_fraction_low", "rejection-sampling units rejected below its lower bound"),
+    ("tis/rs_fraction_high", "rejection-sampling units rejected above its upper bound"),
+    ("tis/veto_seq_fraction", "sequences vetoed (a token with r_t below the veto)"),
+    ("tis/nonfinite_seq_fraction", "sequences rejected for non-finite log-probs"),
+)
+
+
+def given_actions(overall: dict[str, float]) -> list[str]:
+    """What the configuration given would do to this dump: one line per action that fires (``ACTIONS`` and every
+    rule's ``*_fraction``), then the rejected token and sequence fractions; ``nothing`` when no rule fires."""
+    names = dict(ACTIONS)
+    rules = [k for k in overall if k.endswith("_fraction") and k not in names and k.startswith("tis/")
+             and k not in ("tis/rejected_token_fraction", "tis/rejected_seq_fraction", "tis/rs_seq_masked_fraction",
+                           "tis/token_ratio_outside_10pct_fraction", "tis/catastrophic_token_fraction",
+                           "tis/catastrophic_upper_token_fraction")]
+    lines = [f"{100 * overall[k]:.2f}% {names.get(k, 'rejected by ' + k[4:-len('_fraction')])} ({k})"
+             for k in [*names, *rules] if overall.get(k, 0.0) > 0]
+    rej_tok, rej_seq = overall.get("tis/rejected_token_fraction", 0.0), overall.get("tis/rejected_seq_fraction", 0.0)
+    lines.append(f"rejects {100 * rej_tok:.2f}% of tokens and {100 * rej_seq:.2f}% of sequences in all"
+                 if rej_tok or rej_seq else "rejects nothing")
+    return lines
+
+
+def format_report(d: Diagnosis, fmt: str = "flags") -> str:
+    """The text report printed by ``slime-tis diagnose``; ``fmt``: the recommendation as ``flags`` or as slime's
+    ``yaml`` keys."""
     head = f"slime-tis diagnose: {d.n_seq} sequences, {d.n_tokens} valid tokens"
     if d.usable_tokens >= 0 and d.usable_tokens != d.n_tokens:
         head += f" ({d.usable_tokens} in sequences with finite log-probs)"
@@ -332,6 +377,7 @@ def format_report(d: Diagnosis) -> str:
             "tis/mask_fraction_high", "tis/rejected_token_fraction", "tis/rejected_seq_fraction",
             "tis/nonfinite_seq_fraction"]
     lines += [f"  {k:<28} {_fmt(d.overall[k])}" for k in keys if k in d.overall]
+    lines += ["", "what this configuration would do to the dump:"] + [f"  {a}" for a in given_actions(d.overall)]
     head = "  " + f"{'quantity':<22}" + "".join(f"{('p' + format(q, 'g')):>11}" for q in PERCENTILES)
     lines += ["", "percentiles (finite sequences, valid tokens):", head]
     for name, vals in d.percentiles.items():
@@ -343,9 +389,10 @@ def format_report(d: Diagnosis) -> str:
         lines.append("  " + f"{str(b['len_lo']) + '-' + str(b['len_hi']):<13}{b['n_seq']:>6}{b['mean_len']:>10.1f}"
                      f"{_fmt(b['kl']):>11}{_fmt(b['k3_kl']):>11}{_fmt(b['chi2_seq']):>11}"
                      f"{100 * b['out_token']:>8.1f}%{100 * b['out_sequence']:>8.1f}%{100 * b['out_geometric']:>8.1f}%")
-    lines.append("  (out = fraction of units outside [0.5, 2] at token / sequence level, [1/1.001, 1.001] geometric)")
+    lines.append("  (out = fraction of units outside [0.5, 2] at token / sequence level, [1/1.001, 1.001] geometric: "
+                 "geometric masking's default bound, which a per-token drift of 0.1% leaves)")
     r = d.recommendation
-    lines += ["", "recommendation:", f"  {r.flags}"]
+    lines += ["", "recommendation:", f"  {r.yaml if fmt == 'yaml' else r.flags}"]
     lines += [f"  - {why}" for why in r.reasons]
     if r.metrics:
         lines.append("  under it: " + ", ".join(f"{k.split('/')[1]}={_fmt(v)}" for k, v in r.metrics.items()))
