@@ -406,6 +406,17 @@ class Trainer:
         return RolloutBatch.from_payload(payload[0])
 
     # ------------------------------------------------------------------ training side
+    def _with_staleness(self, tis: Any) -> Any:
+        """``tis`` carrying each sequence's staleness where the correction reads it (``--tis-staleness-buckets`` /
+        ``--tis-staleness-bound-decay``): the engine samples with the weights of ``--rollout-lag`` optimizer steps
+        ago, so every sequence is that many policy versions behind the trainer's weights at the rollout."""
+        if self.tis_cfg.staleness_buckets is None and self.tis_cfg.staleness_decay is None:
+            return tis
+        import dataclasses
+
+        lag = torch.full((tis.num_sequences,), float(self.args.rollout_lag), device=tis.labels.device)
+        return dataclasses.replace(tis, staleness=lag)
+
     def _micro_batches(self, batch: Any) -> tuple[list[dict[str, Any]], int]:
         from slime_tis.megatron import RoutingBatch, TISBatch
 
@@ -424,12 +435,12 @@ class Trainer:
                     "tokens": mb.tokens.to(dev),
                     "position_ids": pos.expand(mbs, seq),
                     "attention_mask": causal,
-                    "tis": with_support(TISBatch.from_padded(
+                    "tis": self._with_staleness(with_support(TISBatch.from_padded(
                         mb.labels.to(dev),
                         mb.loss_mask.to(dev),
                         mb.advantages.to(dev),
                         mb.rollout_log_probs.to(dev),
-                    ), mb, dev),
+                    ), mb, dev)),
                     "rows": mb,
                     "routing": None
                     if mb.routed_experts is None

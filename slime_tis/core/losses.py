@@ -32,6 +32,7 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.prefix import Chunks
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.search import Searched
+from slime_tis.core.staleness import check_staleness
 from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
 from slime_tis.core.terms import kl_estimate, term_loss
 
@@ -106,6 +107,7 @@ def policy_loss(
     host_inputs: tuple[Tensor, ...] = (),
     searched: Searched | None = None,
     chunks: Chunks | None = None,
+    staleness: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch.
 
@@ -137,6 +139,7 @@ def policy_loss(
             (counted in ``tis/nonfinite_seq_fraction``) instead of into a gradient.
         searched: the step's searched values (``core.search``: M2PO's cut, the auto bound), see ``compute_tis``.
         chunks: each token's context-parallel chunk for a prefix level (``core.prefix``), see ``compute_tis``.
+        staleness: ``[n_seq]`` per-sequence staleness (``core.staleness``), see ``compute_tis``.
 
     Returns:
         :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
@@ -180,7 +183,8 @@ def policy_loss(
                                terms=tuple(t for t in terms if t is not None) + tuple(host_inputs))
     tis = correction if correction is not None else correct(
         plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer, batch_norm_factor=batch_norm_factor,
-        extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite, searched=searched, chunks=chunks)
+        extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite, searched=searched, chunks=chunks,
+        staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1, theta.device))
     keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)

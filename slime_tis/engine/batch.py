@@ -68,6 +68,8 @@ class TISBatch:
             empty off the loss mask), for the replay of the sampled support (``--tis-sampling-support``,
             :mod:`slime_tis.engine.support_logprobs`; CP-local: :func:`~slime_tis.engine.support_logprobs.
             padded_support`). ``None``: log-probs over the full vocabulary.
+        staleness: ``[n_seq]`` per-sequence staleness (policy versions between the rollout's weights and the
+            trainer's), read by ``--tis-staleness-buckets`` / ``--tis-staleness-bound-decay`` (``core.staleness``).
     """
 
     labels: Tensor
@@ -79,6 +81,7 @@ class TISBatch:
     ref_log_probs: Tensor | None = None
     support_ids: Tensor | None = None
     support_offsets: Tensor | None = None
+    staleness: Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("labels", "loss_mask", "advantages", "rollout_log_probs", "old_log_probs", "ref_log_probs"):

@@ -72,7 +72,8 @@ class StepEngine:
                                    terms=term_inputs(self.cfg, batch, self.host_kl))
         return compute_tis(self.cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens,
                            reducer=self.reducer, batch_norm_factor=factor, extra_finite=inputs.extra_finite,
-                           reject=reject, loss_finite=inputs.loss_finite, searched=self._searched)
+                           reject=reject, loss_finite=inputs.loss_finite, searched=self._searched,
+                           staleness=batch.staleness)
 
     def loss(self, batch: TISBatch, lp_theta: Tensor, *, entropy: Tensor | None = None,
              lp_old: Tensor | None = None, correction: TISResult | None = None,
@@ -89,7 +90,7 @@ class StepEngine:
                            reducer=self.reducer, denominator=t.denominator, batch_norm_factor=t.batch_norm_factor,
                            lp_ref=batch.ref_log_probs, entropy=entropy, keep_override=keep_override,
                            host_inputs=host_term_inputs(batch, self.host_kl), searched=t.searched,
-                           correction=correction)
+                           correction=correction, staleness=batch.staleness)
 
     def record(self, stats: MetricStats) -> None:
         """Keep one micro-batch's statistics (detached) for :meth:`end`."""

@@ -122,7 +122,7 @@ def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer:
     # per-call all-reduce
     return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
                        batch_norm_factor=1.0, extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite,
-                       searched=searched)
+                       searched=searched, staleness=batch.staleness)
 
 
 def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
