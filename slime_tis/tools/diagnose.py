@@ -21,6 +21,9 @@ Report:
    train log-probs are, ``full`` when absent), their means, ``k3`` and fraction of tokens outside [0.9, 1.1], and
    the share of the full-vocabulary ``k3`` the support explains, ``1 - k3(l_replay) / k3(l_full)``
    (docs/sampling_support.md).
+6. **Mismatch by cause** (when the dump records the sampling support, the tokens re-routed by MoE training or the
+   sequences' staleness): the share of ``tis/k3_kl`` explained by truncated sampling, MoE routing, staleness and
+   the remainder (:mod:`slime_tis.tools.causes`).
 
 The rules of the recommendation (thresholds are stated in the reasons it prints):
 
@@ -51,6 +54,7 @@ from slime_tis.config import FLAG_OF, TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.correction import TISResult
 from slime_tis.core.levels import GEOMETRIC, LEVELS
+from slime_tis.tools.causes import format_causes, mismatch_by_cause
 from slime_tis.tools.dump import LogprobDump
 
 __all__ = [
@@ -120,6 +124,7 @@ class Diagnosis:
     recommendation: Recommendation
     usable_tokens: int = -1  # valid tokens of finite sequences (the diagnostic domain); 0 = nothing to diagnose
     support: dict[str, float] | None = None  # the sampling-support section (module docstring, 5.), when dumped
+    causes: dict[str, Any] | None = None  # the mismatch by cause (module docstring, 6.), when the dump records one
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -129,6 +134,7 @@ class Diagnosis:
             "recommendation": {"fields": self.recommendation.fields, "flags": self.recommendation.flags,
                                "reasons": self.recommendation.reasons, "metrics": self.recommendation.metrics},
             **({"support": self.support} if self.support is not None else {}),
+            **({"causes": self.causes} if self.causes is not None else {}),
         }
 
 
@@ -288,7 +294,7 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     return Diagnosis(
         n_seq=dump.n_seq, n_tokens=n_valid, config=cfg.describe(), overall=overall,
         percentiles={k: _quantiles(v) for k, v in dists.items()}, buckets=buckets,
-        recommendation=rec, usable_tokens=usable, support=support_explained(dump),
+        recommendation=rec, usable_tokens=usable, support=support_explained(dump), causes=mismatch_by_cause(dump),
     )
 
 
@@ -408,6 +414,8 @@ def format_report(d: Diagnosis, fmt: str = "flags") -> str:
         lines.append(f"  the support explains {100 * s['explained']:.1f}% of the full-vocabulary k3_kl"
                      + ("" if s["train_log_probs_over_support"] else
                         " (--tis-sampling-support replay removes it: docs/sampling_support.md)"))
+    if d.causes is not None:
+        lines += [""] + format_causes(d.causes)
     return "\n".join(lines)
 
 
