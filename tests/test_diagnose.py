@@ -162,12 +162,13 @@ def test_histogram_png(tmp_path):
 
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory):
-    """A 2-step run of the example job (algorithm 2), which writes RUN_DIR/logprobs.jsonl every step."""
+    """A 2-step run of the example job (algorithm 2, rollouts 1 step stale), which writes RUN_DIR/logprobs.jsonl
+    every step."""
     run = tmp_path_factory.mktemp("example_run")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "examples.rl.train", "--run-dir", str(run), "--steps", "2", "--prompts-per-step",
            "8", "--group-size", "4", "--dump-interval", "1", "--use-tis", "--no-progress", "--rollout-logit-noise",
-           "0.3"]
+           "0.3", "--rollout-lag", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run
@@ -187,6 +188,9 @@ def test_cli_on_example_job_dump(example_run, tmp_path, capsys):
     report = json.loads(js.read_text())
     dump = read_logprob_dump(dump_path)
     assert report["n_seq"] == dump.n_seq == 2 * 8 * 4
+    # the engine serves step 0 the current weights and step 1 those of one step before: staleness 0, then 1
+    assert dump.staleness.tolist() == [0.0] * 32 + [1.0] * 32
+    assert report["causes"]["tokens_of"]["staleness"] > 0 and "mismatch by cause" in out
     cfg = TISConfig(use_tis=True, mode="mask", level="geometric")
     ref = compute_tis(cfg, dump.train_log_probs, dump.rollout_log_probs, dump.loss_mask, dump.cu_seqlens)
     for k, v in ref.stats.finalize().items():
