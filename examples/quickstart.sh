@@ -8,7 +8,7 @@
 # explodes. Prints the comparison table and, per seed, each run's final reward, largest grad norm and mean
 # tis/k3_kl; writes runs/quickstart/compare.png (seed 22) and bands.png (both seeds); its last line is the
 # diagnose command for algorithm 0's log-prob dump, runnable as printed.
-# Six runs, two at a time (JOBS=2): 138 s of training on a 2-core machine shared with another job, plus the
+# Six runs, two at a time (JOBS=2): 96-138 s of training on a 2-core machine shared with other jobs, plus the
 # install. Two seeds are a demonstration, not a statistic: docs/results.md has the 5-seed table.
 #
 #   bash examples/quickstart.sh                                   # defaults above
