@@ -10,7 +10,7 @@ Public API::
     MetricStats                    reducible statistics -> merge / reduce / finalize
     LocalReducer, Reducer          the distributed-reduction interface (identity by default)
 
-Hosts (each a thin translator over one step engine, ``slime_tis.engine``)::
+Hosts (each a thin translator over one step engine, ``slime_tis.engine``) and the rollout side::
 
     slime_tis.megatron             megatron-core: tis_forward_backward_func, tis_patch (Megatron-LM pretrain)
     slime_tis.megatron_rl          Megatron-LM's train_rl.py: python -m slime_tis.megatron_rl train_rl.py ...
