@@ -192,3 +192,9 @@ def test_truncated_sampling_warns_that_ratios_carry_the_kept_mass(extra, warns):
         resolve_megatron_rl_flags(parser.parse_args(BASE + extra))
     hits = [c for c in caught if "kept mass" in str(c.message)]
     assert len(hits) == (1 if warns else 0), [str(c.message) for c in caught]
+
+
+def test_routing_replay_is_refused_with_its_reason():
+    """Megatron-LM's RL loop carries no routed experts: the flag is refused in one line naming it, not ignored."""
+    assert refusal(BASE + ["--tis-routing-replay"]).startswith("--tis-routing-replay: Megatron-LM's RL loop")
+    assert not resolve(BASE).cfg.use_rollout_log_probs  # without it the launch resolves as before

@@ -406,18 +406,19 @@ class Trainer:
         return RolloutBatch.from_payload(payload[0])
 
     # ------------------------------------------------------------------ training side
-    def _with_staleness(self, tis: Any) -> Any:
+    def _with_staleness(self, step: int, tis: Any) -> Any:
         """``tis`` carrying each sequence's staleness where the correction reads it (``--tis-staleness-buckets`` /
-        ``--tis-staleness-bound-decay``): the engine samples with the weights of ``--rollout-lag`` optimizer steps
-        ago, so every sequence is that many policy versions behind the trainer's weights at the rollout."""
+        ``--tis-staleness-bound-decay``): at rollout ``step`` the engine samples with the weights pushed
+        ``min(step, --rollout-lag)`` steps ago (``LaggedWeightSync``), so every sequence is that many policy versions
+        behind the trainer's."""
         if self.tis_cfg.staleness_buckets is None and self.tis_cfg.staleness_decay is None:
             return tis
         import dataclasses
 
-        lag = torch.full((tis.num_sequences,), float(self.args.rollout_lag), device=tis.labels.device)
+        lag = torch.full((tis.num_sequences,), float(min(step, self.args.rollout_lag)), device=tis.labels.device)
         return dataclasses.replace(tis, staleness=lag)
 
-    def _micro_batches(self, batch: Any) -> tuple[list[dict[str, Any]], int]:
+    def _micro_batches(self, batch: Any, step: int) -> tuple[list[dict[str, Any]], int]:
         from slime_tis.megatron import RoutingBatch, TISBatch
 
         n, seq = batch.tokens.shape
@@ -435,7 +436,7 @@ class Trainer:
                     "tokens": mb.tokens.to(dev),
                     "position_ids": pos.expand(mbs, seq),
                     "attention_mask": causal,
-                    "tis": self._with_staleness(with_support(TISBatch.from_padded(
+                    "tis": self._with_staleness(step, with_support(TISBatch.from_padded(
                         mb.labels.to(dev),
                         mb.loss_mask.to(dev),
                         mb.advantages.to(dev),
@@ -463,7 +464,7 @@ class Trainer:
         per_step = batch.num_sequences // n_steps  # optimizer step s trains on sequences [s*per_step, (s+1)*per_step)
         items = []
         for s in range(n_steps):
-            step_items, mbs = self._micro_batches(batch.rows(s * per_step, (s + 1) * per_step))
+            step_items, mbs = self._micro_batches(batch.rows(s * per_step, (s + 1) * per_step), step)
             items += step_items
         dump = self._dump_now(step)
         extra_lp = self._recompute_for_dump(items, mbs, seq) if dump else None

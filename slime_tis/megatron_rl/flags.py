@@ -168,6 +168,11 @@ def resolve_megatron_rl_flags(args: Any) -> MegatronRLFlags:
         raise ValueError(f"{t.name_ours('sampling_support')}: Megatron-LM's inference engine returns no per-token "
                          "sampling support with its log-probs, so there is none to replay; use "
                          "--tis-sampling-support full (docs/sampling_support.md)")
+    if getattr(args, "tis_routing_replay", False):
+        raise ValueError("--tis-routing-replay: Megatron-LM's RL loop hands the trainer no routed experts (its "
+                         "inference engine records them under --moe-enable-routing-replay, but rl_utils does not carry "
+                         "them into the training data), so there is none to replay; remove the flag "
+                         "(docs/megatron.md, routing replay)")
     _warn_truncated_sampling(args)
     sampled = bool(f.get("entropy_coef")) and not t.ours("entropy_coef")
     return MegatronRLFlags(TISConfig(**f), sampled_entropy=sampled)

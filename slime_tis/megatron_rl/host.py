@@ -66,8 +66,13 @@ APPENDED_METRIC = "tis/appended_tokens"
 
 def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The plugin's flags (``slime_tis.arguments.add_tis_arguments``) on Megatron-LM's parser, which also records
-    the mapped Megatron-LM flags the user typed (``flags.record_typed_flags``); returns it."""
-    return record_typed_flags(add_tis_arguments(parser))
+    the mapped Megatron-LM flags the user typed (``flags.record_typed_flags``); returns it. ``--tis-routing-replay``
+    is declared so that it is refused with its reason (``flags.resolve_megatron_rl_flags``), not as unknown."""
+    parser = add_tis_arguments(parser)
+    if not any("--tis-routing-replay" in a.option_strings for a in parser._actions):
+        parser.add_argument("--tis-routing-replay", action="store_true",
+                            help="Refused by this host: Megatron-LM's RL loop hands the trainer no routed experts.")
+    return record_typed_flags(parser)
 
 
 #: Megatron-LM's flags that select an interleaved (virtual) pipeline schedule, the attribute they set
