@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job, from a fresh clone: create .venv, install slime_tis with the example extras, and train the example
-# policy under stale rollouts (the engine samples with the policy of two optimizer steps ago, bf16 engine,
+# policy under stale rollouts (the engine samples with the policy of two rollouts ago, bf16 engine,
 # --rollout-lag 2, at --lr 1e-2 with 4 optimizer steps per rollout: --steps-per-rollout 2 --ppo-epochs 2), with
 # the correction off and on: algorithm 0 (PPO, no correction), algorithm 2 (decoupled PPO, token truncation at 2,
 # --use-tis) and algorithm 2 with the searched bound (--tis-upper-bound auto --tis-target-ess 0.9). Seeds 22 and
