@@ -1,6 +1,7 @@
 """Run the example job under several algorithms x mismatch settings and print a comparison table.
 
-    python -m examples.compare --algs 0 2-geo-mis --mismatch lag2 --steps 50         # quickstart
+    python -m examples.compare --algs 0 2 2-auto --mismatch lag2 --seeds 22 23 --steps 40 \
+        -- --steps-per-rollout 2 --ppo-epochs 2 --lr 1e-2                         # quickstart
     python -m examples.compare --algs 0 1 2 2-geo-mis 3-geo-mis 2-tok-mis \
         --mismatch none int8 fp8 lag2 --seeds 0 1 2 3 4 --jobs 4 -- --steps-per-rollout 4   # results table
     python -m examples.compare --table-only --out-dir runs/compare ...                # re-print from logs
@@ -44,10 +45,12 @@ correction over all ``Δ`` cells of the table (:func:`examples.stats.holm`).
 ``--columns stale`` keeps final reward and ``tis/k3_kl`` against algorithm 0 (the latter as the geometric-mean
 ratio with its 95 % paired interval, the t interval of the per-seed ``log(k3 / k3_0)``), the grad norm range,
 rejected fraction and wall time; Holm then runs over those two comparisons per variant.
-``--headline`` trains nothing and prints what these runs measured for ``tis/k3_kl``, each setting against the
-first: per seed the mean, the ratio and the steps where it is lower; over the seeds how many agree, the
-geometric-mean ratio with its 95 % paired interval, the ratio of per-step medians, and a verdict (the
-quickstart's closing lines).
+``--headline`` trains nothing and prints what these runs measured. With one mismatch setting (the quickstart's
+closing lines): each algorithm against the first, per seed the final reward, largest grad norm and mean
+``tis/k3_kl``, over the seeds how often the final reward is higher and how many runs have a grad-norm spike. With
+several settings: ``tis/k3_kl`` of each setting against the first, per seed the mean, the ratio and the steps
+where it is lower; over the seeds how many agree, the geometric-mean ratio with its 95 % paired interval, the
+ratio of per-step medians, and a verdict.
 ``--plot`` writes ``OUT_DIR/compare.png`` (every run of the first seed, titled with it) and, with several seeds,
 ``OUT_DIR/bands.png`` (per-step mean and 95 % band of reward, ``tis/k3_kl``, rejected fraction and grad norm).
 """
@@ -362,6 +365,31 @@ def headline(out_dir: str, mismatches: list[str], algs: list[str], seeds: list[i
     return "\n".join(lines)
 
 
+def headline_algs(out_dir: str, mismatch: str, algs: list[str], seeds: list[int]) -> str:
+    """What the runs measured, each algorithm against the first (``algs[0]``, algorithm 0 in the quickstart),
+    under one mismatch setting: per seed each run's final reward, largest grad norm and mean ``tis/k3_kl``; over
+    the seeds on how many the final reward is higher than the first's, and how many runs of each have a step with
+    grad norm above ``GRAD_SPIKE`` (the stale-rollout failure of uncorrected PPO). Only what these runs show:
+    a few seeds make no statistical claim (docs/results.md has the 5-seed table)."""
+    runs = {alg: _runs(out_dir, mismatch, alg, seeds) for alg in algs}
+    lines = []
+    for seed in seeds:
+        parts = [f"alg {alg}: final reward {r['final reward']:.2f}, max grad norm {r['max grad norm']:.3g}, "
+                 f"k3_kl {r['mean tis/k3_kl']:.2e}" for alg in algs if (r := runs[alg].get(seed))]
+        lines.append(f"{mismatch} seed {seed}: " + " | ".join(parts))
+    first = runs[algs[0]]
+    spikes = {alg: sum(r["max grad norm"] > GRAD_SPIKE for r in rs.values()) for alg, rs in runs.items()}
+    for alg in algs[1:]:
+        common = sorted(first.keys() & runs[alg].keys())
+        if not common:
+            continue
+        higher = sum(runs[alg][s]["final reward"] > first[s]["final reward"] for s in common)
+        lines.append(f"alg {alg} vs alg {algs[0]}: final reward higher on {higher} of {len(common)} seeds; runs with "
+                     f"a grad norm > {GRAD_SPIKE:g}: {spikes[alg]} of {len(runs[alg])} (alg {algs[0]}: "
+                     f"{spikes[algs[0]]} of {len(first)})")
+    return "\n".join(lines)
+
+
 def _verdict(alg: str, first: str, mm: str, rs: list[float], step_rs: list[float], steps: list[int]) -> list[str]:
     """The over-seeds summary lines of :func:`headline` for one setting against the first."""
     n_lower = sum(r > 1 for r in rs)
@@ -435,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     extra = args.train_args.split() + train_extra
+    if args.headline and len(args.mismatch) == 1:
+        print(headline_algs(args.out_dir, args.mismatch[0], args.algs, args.seeds))
+        return 0
     if args.headline:
         print(headline(args.out_dir, args.mismatch, args.algs, args.seeds))
         return 0

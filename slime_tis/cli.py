@@ -34,9 +34,10 @@ the dump holds no usable token."""
 CONFIG_GROUP = "correction configuration to evaluate"
 CONFIG_DESCRIPTION = textwrap.fill(
     "These flags do not describe the run that wrote the dump: they describe a hypothetical correction "
-    "configuration, whose weights, rejections and tis/ metrics are computed on the dump's log-probs. "
-    "Without them the configuration evaluated is algorithm 2 with token-level truncation at 2, whatever "
-    "algorithm wrote the dump (an algorithm-0 dump included).", width=100)
+    "configuration, whose weights, rejections and tis/ metrics are computed on the dump's log-probs, read as a "
+    "host reads them (algorithm 0 and --tis-preset disabled included: no weights; options that configuration "
+    "ignores are named in the report). Without them the configuration evaluated is algorithm 2 with "
+    "token-level truncation at 2, whatever algorithm wrote the dump (an algorithm-0 dump included).", width=100)
 
 
 def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,6 +57,9 @@ def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--buckets", default=None,
                    help="comma-separated response-length bucket edges, e.g. 64,256,1024 (default: quartiles)")
     p.add_argument("--steps", default=None, help="only sequences of steps A:B (inclusive A, exclusive B; open ends ok)")
+    p.add_argument("--format", choices=("flags", "yaml"), default="flags",
+                   help="the recommendation as command-line flags (Megatron-LM, train_rl.py, megatron-core) or as "
+                   "the YAML keys of slime's --custom-config-path file (default: flags)")
     add_options(p, ALL_OPTIONS, CONFIG_GROUP, CONFIG_DESCRIPTION)  # what the report evaluates (not the dump's run)
 
 
@@ -67,26 +71,21 @@ def _parse_steps(spec: str) -> tuple[int | None, int | None]:
         raise ValueError(f"--steps = {spec!r}: expected A:B with integers (either may be empty)") from None
 
 
-def _refuse_ignored_options(ns: argparse.Namespace, cfg) -> None:
-    """Correction options given without ``--use-tis`` / ``--use-rollout-log-probs`` would be ignored (the report
-    then shows its default configuration): a ``ValueError`` naming them."""
-    from slime_tis.config import DESTS_OF, FLAG_OF, SWITCHES
+def _given_config(ns: argparse.Namespace):
+    """The configuration to evaluate: ``TISConfig.from_args`` of the options given, exactly as a host would build it
+    (algorithm 0 and ``--tis-preset disabled`` included; options it would ignore are named in the report's
+    warnings, as a host logs them), or algorithm 2 with token truncation at 2 when no option is given."""
+    from slime_tis.config import DESTS_OF, TISConfig
 
-    if cfg.use_tis or cfg.use_rollout_log_probs:
-        return
-    given = [f"{FLAG_OF[f]} {getattr(ns, dests[0])}" for f, dests in DESTS_OF.items()
-             if f not in SWITCHES and getattr(ns, dests[0], None) is not None]
-    given += [f"--tis-preset {ns.tis_preset}"] if getattr(ns, "tis_preset", None) else []
-    if given:
-        raise ValueError(f"{', '.join(given)} given without --use-tis (or --use-rollout-log-probs) would be ignored: "
-                         "diagnose reports a configuration of algorithm 1, 2 or 3 (default: --use-tis, token "
-                         "truncate at 2); add --use-tis to report this one")
+    given = any(getattr(ns, d, None) not in (None, False) for dests in DESTS_OF.values() for d in dests)
+    if not given and not getattr(ns, "tis_preset", None):
+        return TISConfig(use_tis=True)
+    return TISConfig.from_args(ns)
 
 
 def _diagnose(ns: argparse.Namespace) -> int:
     import torch
 
-    from slime_tis.config import TISConfig
     from slime_tis.tools.diagnose import diagnose, format_report, write_histogram
     from slime_tis.tools.dump import dump_files, read_logprob_dump
 
@@ -110,10 +109,8 @@ def _diagnose(ns: argparse.Namespace) -> int:
             edges = [int(x) for x in ns.buckets.split(",") if x.strip()]
         except ValueError:
             raise ValueError(f"--buckets = {ns.buckets!r}: expected comma-separated integers") from None
-    cfg = TISConfig.from_args(ns)
-    _refuse_ignored_options(ns, cfg)
-    result = diagnose(dump, cfg if (cfg.use_tis or cfg.use_rollout_log_probs) else None, bucket_edges=edges)
-    print(format_report(result))
+    result = diagnose(dump, _given_config(ns), bucket_edges=edges)
+    print(format_report(result, fmt=ns.format))
     if not ns.no_png:
         png = ns.png or str(files[0].with_suffix("")) + "_logratio_hist.png"
         n = write_histogram(dump, png)

@@ -116,7 +116,8 @@ class TISConfig:
             each declared with its flag, valid range and meaning at the field (rule rows: ``core.rules``).
         batch_normalize: rescale applied weights to mean 1 over the kept units of the global batch.
         rejected_denominator: ``keep`` (rejected tokens stay in the loss denominator) or ``drop``.
-        loss_agg: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
+        loss_agg: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or ``token-sum``
+            (``core.aggregation``).
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``
             (``eps_clip_high=None`` means symmetric).
         dual_clip_c: dual-clip constant ``c > 1`` for negative advantages; ``None`` = off.
@@ -440,6 +441,9 @@ class TISConfig:
         if (self.upper is not None or self.lower is not None) and not alg.weighted and not mode.masks:
             lines.append(f"--tis-upper-bound / --tis-lower-bound do nothing: algorithm {alg.number} applies no "
                          "weights and --tis-mode is not mask")
+        if (self.level != DEFAULTS["level"] or self.mode != DEFAULTS["mode"]) and not alg.weighted and not mode.masks:
+            lines.append(f"--tis-level {self.level} / --tis-mode {self.mode} do nothing: algorithm {alg.number} "
+                         "applies no weights and --tis-mode is not mask (add --use-tis for algorithm 2 or 3)")
         if self.kl_coef == 0.0 and (self.kl_estimator != DEFAULTS["kl_estimator"] or self.kl_importance_weighted):
             lines.append("--tis-kl-estimator / --tis-kl-importance-weighted do nothing while --tis-kl-coef is 0")
         elif self.kl_importance_weighted and not alg.weighted:

@@ -135,15 +135,27 @@ def test_quoted_yaml_false_leaves_switches_off():
 
 
 # ------------------------------------------------------------------------------------------------ diagnose
-def test_diagnose_refuses_correction_options_without_use_tis(tmp_path, capsys):
+def test_diagnose_reads_options_as_the_host_does(tmp_path, capsys):
+    """diagnose evaluates the configuration as ``TISConfig.from_args`` builds it: options that configuration
+    ignores are named (the same line a host logs at start-up), never refused by one and accepted by the other,
+    and never silently turned into algorithm 2; what TISConfig refuses, diagnose refuses."""
     path = tmp_path / "d.jsonl"
     write_logprob_dump(path, [{"train_log_probs": torch.tensor([-1.0, -2.0, -0.5]),
                                "rollout_log_probs": torch.tensor([-1.1, -2.0, -0.4]), "loss_mask": torch.ones(3)}])
-    assert cli_main(["diagnose", str(path), "--no-png", "--tis-mode", "clip"]) == 2
-    err = capsys.readouterr().err
-    assert "--tis-mode clip given without --use-tis" in err, err
-    assert cli_main(["diagnose", str(path), "--no-png", "--tis-mode", "clip", "--tis-upper-bound", "3"]) == 2
-    assert "--tis-mode clip, --tis-upper-bound 3.0" in capsys.readouterr().err
+    inert = TISConfig(level="sequence").inert_options()
+    assert inert and "--tis-level sequence" in inert[0]
+    assert cli_main(["diagnose", str(path), "--no-png", "--tis-level", "sequence"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm 0" in out and f"warning: {inert[0]}" in out
+    assert cli_main(["diagnose", str(path), "--no-png", "--tis-preset", "disabled"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm 0" in out and "algorithm 2" not in out.split("recommendation:")[0]
+    assert "rejects nothing" in out
+    # TISConfig refuses mask mode under algorithm 0; so does diagnose, in one line naming the flag
+    with pytest.raises(ValueError, match="--tis-mode"):
+        TISConfig(mode="mask")
+    assert cli_main(["diagnose", str(path), "--no-png", "--tis-mode", "mask"]) == 2
+    assert "--tis-mode (mode) = 'mask'" in capsys.readouterr().err
     assert cli_main(["diagnose", str(path), "--no-png", "--use-tis", "--tis-mode", "clip"]) == 0
     assert "mode=clip" in capsys.readouterr().out
     assert cli_main(["diagnose", str(path), "--no-png"]) == 0  # no option: the default report

@@ -119,6 +119,34 @@ def test_recommendation_length_trap_goes_geometric_with_veto(tmp_path):
     assert "--tis-mode mask --tis-level geometric" in d.recommendation.flags
 
 
+def test_recommendation_as_slime_yaml_keys_and_what_the_given_config_does(tmp_path, capsys):
+    """--format yaml prints the recommendation as slime takes it (its --use-tis flag and the YAML keys, each
+    the flag's argparse dest, which TISConfig.from_args reads back to the same fields); the report says what the
+    configuration given would do to the dump (here: the veto and the mask fire)."""
+    import argparse
+
+    import yaml
+
+    from slime_tis.arguments import add_tis_arguments
+
+    dump = dump_of(synthetic(2, noise=0.08, lengths=(200, 400), catastrophic=True), tmp_path)
+    rec = diagnose(dump).recommendation
+    text = rec.yaml
+    assert text.startswith("slime flag: --use-tis\n  slime --custom-config-path YAML:\n")
+    keys = yaml.safe_load(text.split("YAML:\n", 1)[1])
+    ns = add_tis_arguments(argparse.ArgumentParser()).parse_args(["--use-tis"])
+    for k, v in keys.items():
+        setattr(ns, k, v)
+    cfg = TISConfig.from_args(ns)
+    assert {f: getattr(cfg, f) for f in rec.fields} == pytest.approx(rec.fields)
+    assert cli_main(["diagnose", str(tmp_path / "d.jsonl"), "--no-png", "--format", "yaml", "--use-tis",
+                     "--tis-veto-threshold", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "    tis_mode: mask\n" in out and "--tis-mode mask" not in out.split("recommendation:")[1].split("\n")[1]
+    acts = out.split("what this configuration would do to the dump:\n")[1].split("\n\n")[0]
+    assert "sequences vetoed" in acts and "rejects " in acts
+
+
 def test_recommendation_short_sequences_sequence_level(tmp_path):
     d = diagnose(dump_of(synthetic(3, noise=0.05, lengths=(4, 12), nan_seq=False), tmp_path))
     assert d.recommendation.fields == {"mode": "truncate", "level": "sequence", "upper": 2.0}
@@ -134,12 +162,13 @@ def test_histogram_png(tmp_path):
 
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory):
-    """A 2-step run of the example job (algorithm 2), which writes RUN_DIR/logprobs.jsonl every step."""
+    """A 2-step run of the example job (algorithm 2, rollouts 1 step stale), which writes RUN_DIR/logprobs.jsonl
+    every step."""
     run = tmp_path_factory.mktemp("example_run")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "examples.rl.train", "--run-dir", str(run), "--steps", "2", "--prompts-per-step",
            "8", "--group-size", "4", "--dump-interval", "1", "--use-tis", "--no-progress", "--rollout-logit-noise",
-           "0.3"]
+           "0.3", "--rollout-lag", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run
@@ -159,6 +188,9 @@ def test_cli_on_example_job_dump(example_run, tmp_path, capsys):
     report = json.loads(js.read_text())
     dump = read_logprob_dump(dump_path)
     assert report["n_seq"] == dump.n_seq == 2 * 8 * 4
+    # the engine serves step 0 the current weights and step 1 those of one step before: staleness 0, then 1
+    assert dump.staleness.tolist() == [0.0] * 32 + [1.0] * 32
+    assert report["causes"]["tokens_of"]["staleness"] > 0 and "mismatch by cause" in out
     cfg = TISConfig(use_tis=True, mode="mask", level="geometric")
     ref = compute_tis(cfg, dump.train_log_probs, dump.rollout_log_probs, dump.loss_mask, dump.cu_seqlens)
     for k, v in ref.stats.finalize().items():

@@ -442,3 +442,30 @@ def test_plot_tolerates_torn_last_line_and_odd_args_json(tmp_path, capsys):
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").mkdir()
     _one_line_plot_error(capsys, [str(run)], "is not a run directory")
+
+
+def test_quickstart_headline_compares_algorithms_and_prints_no_na(tmp_path):
+    """The quickstart's closing lines (one mismatch setting, algorithms against algorithm 0): per seed each run's
+    final reward, largest grad norm and k3_kl; over seeds how often the final reward is higher and how many runs
+    spike; and the quickstart's table has no ``n/a`` cell (every Δ has its algorithm-0 run)."""
+    from examples.compare import headline_algs
+
+    for seed, (r0, gn0) in {22: (0.1, 900.0), 23: (0.3, 2.0)}.items():
+        _write_run(tmp_path / f"lag2-alg0-s{seed}", _rows(20, r0, 0.0, k3=0.01, gn=gn0), wall=40)
+        _write_run(tmp_path / f"lag2-alg2-s{seed}", _rows(20, 0.5, 0.0, k3=0.005, gn=1.0), wall=40)
+    text = headline_algs(str(tmp_path), "lag2", ["0", "2"], [22, 23]).splitlines()
+    # final reward = mean of the last 10 steps (constant here); max grad norm = gn + 0.1 * 19
+    assert text[0] == ("lag2 seed 22: alg 0: final reward 0.10, max grad norm 902, k3_kl 1.05e-01 | "
+                       "alg 2: final reward 0.50, max grad norm 2.9, k3_kl 5.25e-02")
+    assert text[-1] == ("alg 2 vs alg 0: final reward higher on 2 of 2 seeds; runs with a grad norm > 5: 0 of 2 "
+                        "(alg 0: 1 of 2)")
+    assert "n/a" not in table(str(tmp_path), ["lag2"], ["0", "2"], [22, 23], "full")
+
+
+def test_quickstart_prints_a_diagnose_command_that_names_its_own_dump():
+    """quickstart.sh's last line is ``<venv bin>/slime-tis diagnose <its algorithm-0 run directory>`` (the venv
+    is not active after the script: the path, not a bare ``slime-tis``)."""
+    text = open(os.path.join(ROOT, "examples", "quickstart.sh"), encoding="utf-8").read()
+    last = [ln for ln in text.splitlines() if ln.strip()][-1]
+    assert last == 'echo "${BIN}/slime-tis diagnose ${OUT}/${FIRST_MM}-alg${FIRST_ALG}-s${FIRST_SEED}"'
+    assert 'BIN=$(dirname "$VENV_PY")' in text and 'ALGS=${ALGS:-"0 2 2-auto"}' in text

@@ -52,6 +52,7 @@ def _section(path: Path, heading: str | None) -> str:
 DOCS = {
     "docs/slime.md": _section(ROOT / "docs/slime.md", None),
     "README.md": _section(ROOT / "README.md", "## Host 3: slime"),
+    "docs/getting_started.md": _section(ROOT / "docs/getting_started.md", "## slime (YAML keys)"),
     "patches/README_slime.md": _section(ROOT / "patches/README_slime.md", None),
 }
 

@@ -582,6 +582,8 @@ class Trainer:
                         "step": step,
                         **({"rollout_log_mass": rows.rollout_log_mass[i][m].tolist()}
                            if rows.rollout_log_mass is not None else {}),
+                        # the engine serves the weights pushed min(step, lag) steps ago (LaggedWeightSync)
+                        **({"staleness": float(min(step, self.args.rollout_lag))} if self.args.rollout_lag else {}),
                     }
                 )
         gathered: list[Any] = [None] * self.info.dp_size

@@ -2,7 +2,7 @@
 
 ``algorithm = use_rollout_log_probs + 2 * use_tis``. Per kept token (``A`` advantage, ``w`` the detached
 importance weight of ``r = pi_train / pi_rollout``, ``f`` the surrogate of ``core.surrogates``; its default is the
-row's, ``--tis-policy-loss`` picks another)::
+row's, ``--tis-loss-mode`` picks another)::
 
     alg  pi_old  anchor       weighted  lp_train (r's numerator)  surrogate  per-token loss
     0    yes     lp_old       no        lp_old                    ppo_clip   f(lp_theta, anchor)

@@ -1,4 +1,4 @@
-"""Policy-loss surrogates, one function and one row each (``--tis-policy-loss``; verl's ``loss_mode`` names).
+"""Policy-loss surrogates, one function and one row each (``--tis-loss-mode``; verl's ``loss_mode`` names).
 
 Per kept token ``t`` of sequence ``i`` (``A`` advantage, ``lp`` = log pi_theta, ``a`` the anchor's log-probs, ``B`` the
 safety bound, ``sg`` stop-gradient, ``clip(x) = clamp(x, 1 - eps_low, 1 + eps_high)``)::
@@ -85,7 +85,7 @@ class Surrogate:
     """One row of :data:`SURROGATES`.
 
     Attributes:
-        name: the ``--tis-policy-loss`` value.
+        name: the ``--tis-loss-mode`` value.
         ratio: ``"token"`` or ``"sequence"``: the ratio pi_theta / pi_anchor it reads; ``None``: no anchor.
         clips: it reads ``--eps-clip`` / ``--eps-clip-high`` (and reports ``policy/clipfrac``).
         dual_clip: it reads ``--eps-clip-c`` (and reports ``policy/dual_clipfrac`` when set).

@@ -35,7 +35,10 @@ from .response import (
 )
 from .support import SUPPORT_INVALID_METRIC, SamplingSupport, concat_supports
 
-__all__ = ["PackedRollouts", "TrajectoryBuilder", "collate"]
+__all__ = ["READER_METRICS", "PackedRollouts", "TrajectoryBuilder", "collate"]
+
+#: The reader's per-batch fractions (``collate``): sequences rejected for any reason, misaligned, non-finite.
+READER_METRICS = ("sglang/rejected_seq_fraction", "sglang/misaligned_seq_fraction", "sglang/nonfinite_seq_fraction")
 
 
 class TrajectoryBuilder:
@@ -193,9 +196,8 @@ def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
         rejected=rejected,
         reasons=[list(s.reasons) for s in samples],
         metrics={
-            "sglang/rejected_seq_fraction": rejected.float().mean(),
-            "sglang/misaligned_seq_fraction": misaligned.float().mean(),
-            "sglang/nonfinite_seq_fraction": nonfinite.float().mean(),
+            **dict(zip(READER_METRICS, (rejected.float().mean(), misaligned.float().mean(),
+                                        nonfinite.float().mean()))),
             **finish,
             **({SUPPORT_INVALID_METRIC: support_invalid.mean()} if support is not None else {}),
         },

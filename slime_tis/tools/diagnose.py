@@ -21,6 +21,9 @@ Report:
    train log-probs are, ``full`` when absent), their means, ``k3`` and fraction of tokens outside [0.9, 1.1], and
    the share of the full-vocabulary ``k3`` the support explains, ``1 - k3(l_replay) / k3(l_full)``
    (docs/sampling_support.md).
+6. **Mismatch by cause** (when the dump records the sampling support, the tokens re-routed by MoE training or the
+   sequences' staleness): the share of ``tis/k3_kl`` explained by truncated sampling, MoE routing, staleness and
+   the remainder (:mod:`slime_tis.tools.causes`).
 
 The rules of the recommendation (thresholds are stated in the reasons it prints):
 
@@ -51,6 +54,7 @@ from slime_tis.config import FLAG_OF, TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.correction import TISResult
 from slime_tis.core.levels import GEOMETRIC, LEVELS
+from slime_tis.tools.causes import format_causes, mismatch_by_cause
 from slime_tis.tools.dump import LogprobDump
 
 __all__ = [
@@ -75,6 +79,22 @@ class Recommendation:
     fields: dict[str, Any]
     reasons: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def yaml(self) -> str:
+        """The same configuration as slime takes it: its ``--use-tis`` flag, then the keys of the
+        ``--custom-config-path`` file (each flag's argparse dest)."""
+        if not self.fields:
+            return "(none: nothing to base a recommendation on)"
+        lines = ["slime flag: --use-tis", "slime --custom-config-path YAML:"]
+        for key in ("mode", "level", "upper", "lower", "veto_threshold"):
+            value = self.fields.get(key)
+            if value is not None:
+                lines.append(f"    {FLAG_OF[key].lstrip('-').replace('-', '_')}: "
+                             + (f"{value:g}" if isinstance(value, float) else f"{value}"))
+        if self.fields.get("batch_normalize"):
+            lines.append(f"    {FLAG_OF['batch_normalize'].lstrip('-').replace('-', '_')}: true")
+        return "\n  ".join(lines)
 
     @property
     def flags(self) -> str:
@@ -104,6 +124,7 @@ class Diagnosis:
     recommendation: Recommendation
     usable_tokens: int = -1  # valid tokens of finite sequences (the diagnostic domain); 0 = nothing to diagnose
     support: dict[str, float] | None = None  # the sampling-support section (module docstring, 5.), when dumped
+    causes: dict[str, Any] | None = None  # the mismatch by cause (module docstring, 6.), when the dump records one
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +134,7 @@ class Diagnosis:
             "recommendation": {"fields": self.recommendation.fields, "flags": self.recommendation.flags,
                                "reasons": self.recommendation.reasons, "metrics": self.recommendation.metrics},
             **({"support": self.support} if self.support is not None else {}),
+            **({"causes": self.causes} if self.causes is not None else {}),
         }
 
 
@@ -258,13 +280,11 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
 
 def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: list[int] | None = None) -> Diagnosis:
     """Diagnostics of ``dump`` (module docstring). ``cfg``: the user's configuration for the overall
-    metrics (default: algorithm 2, token-level truncation at 2); algorithm 0/1 configs are evaluated
-    with ``use_tis=True`` so that the weight statistics exist."""
+    metrics, evaluated as given (default: algorithm 2, token-level truncation at 2); algorithms 0 and 1 apply
+    no weights, so their weight statistics are those of weights 1."""
     if dump.n_seq == 0:
         raise ValueError("the dump holds no sequence")
     cfg = cfg or TISConfig(use_tis=True)
-    if not cfg.use_tis:
-        cfg = cfg.replace(use_tis=True)
     overall = _metrics(_run(cfg, dump))
     dists = _distributions(dump)
     buckets = _buckets(dump, bucket_edges)
@@ -274,7 +294,7 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     return Diagnosis(
         n_seq=dump.n_seq, n_tokens=n_valid, config=cfg.describe(), overall=overall,
         percentiles={k: _quantiles(v) for k, v in dists.items()}, buckets=buckets,
-        recommendation=rec, usable_tokens=usable, support=support_explained(dump),
+        recommendation=rec, usable_tokens=usable, support=support_explained(dump), causes=mismatch_by_cause(dump),
     )
 
 
@@ -319,8 +339,39 @@ def _fmt(v: float) -> str:
     return f"{v:.3e}"
 
 
-def format_report(d: Diagnosis) -> str:
-    """The text report printed by ``slime-tis diagnose``."""
+#: what the configuration given does to the dump's tokens: (metric, what it counts)
+ACTIONS = (
+    ("tis/truncate_fraction", "weights truncated at the upper bound (kept, capped)"),
+    ("tis/clip_fraction_low", "weights clipped up to the lower bound (kept)"),
+    ("tis/clip_fraction_high", "weights clipped down to the upper bound (kept)"),
+    ("tis/mask_fraction_low", "units rejected below the lower bound"),
+    ("tis/mask_fraction_high", "units rejected above the upper bound"),
+    ("tis/rs_fraction_low", "rejection-sampling units rejected below its lower bound"),
+    ("tis/rs_fraction_high", "rejection-sampling units rejected above its upper bound"),
+    ("tis/veto_seq_fraction", "sequences vetoed (a token with r_t below the veto)"),
+    ("tis/nonfinite_seq_fraction", "sequences rejected for non-finite log-probs"),
+)
+
+
+def given_actions(overall: dict[str, float]) -> list[str]:
+    """What the configuration given would do to this dump: one line per action that fires (``ACTIONS`` and every
+    rule's ``*_fraction``), then the rejected token and sequence fractions; ``nothing`` when no rule fires."""
+    names = dict(ACTIONS)
+    rules = [k for k in overall if k.endswith("_fraction") and k not in names and k.startswith("tis/")
+             and k not in ("tis/rejected_token_fraction", "tis/rejected_seq_fraction", "tis/rs_seq_masked_fraction",
+                           "tis/token_ratio_outside_10pct_fraction", "tis/catastrophic_token_fraction",
+                           "tis/catastrophic_upper_token_fraction")]
+    lines = [f"{100 * overall[k]:.2f}% {names.get(k, 'rejected by ' + k[4:-len('_fraction')])} ({k})"
+             for k in [*names, *rules] if overall.get(k, 0.0) > 0]
+    rej_tok, rej_seq = overall.get("tis/rejected_token_fraction", 0.0), overall.get("tis/rejected_seq_fraction", 0.0)
+    lines.append(f"rejects {100 * rej_tok:.2f}% of tokens and {100 * rej_seq:.2f}% of sequences in all"
+                 if rej_tok or rej_seq else "rejects nothing")
+    return lines
+
+
+def format_report(d: Diagnosis, fmt: str = "flags") -> str:
+    """The text report printed by ``slime-tis diagnose``; ``fmt``: the recommendation as ``flags`` or as slime's
+    ``yaml`` keys."""
     head = f"slime-tis diagnose: {d.n_seq} sequences, {d.n_tokens} valid tokens"
     if d.usable_tokens >= 0 and d.usable_tokens != d.n_tokens:
         head += f" ({d.usable_tokens} in sequences with finite log-probs)"
@@ -332,6 +383,7 @@ def format_report(d: Diagnosis) -> str:
             "tis/mask_fraction_high", "tis/rejected_token_fraction", "tis/rejected_seq_fraction",
             "tis/nonfinite_seq_fraction"]
     lines += [f"  {k:<28} {_fmt(d.overall[k])}" for k in keys if k in d.overall]
+    lines += ["", "what this configuration would do to the dump:"] + [f"  {a}" for a in given_actions(d.overall)]
     head = "  " + f"{'quantity':<22}" + "".join(f"{('p' + format(q, 'g')):>11}" for q in PERCENTILES)
     lines += ["", "percentiles (finite sequences, valid tokens):", head]
     for name, vals in d.percentiles.items():
@@ -343,9 +395,10 @@ def format_report(d: Diagnosis) -> str:
         lines.append("  " + f"{str(b['len_lo']) + '-' + str(b['len_hi']):<13}{b['n_seq']:>6}{b['mean_len']:>10.1f}"
                      f"{_fmt(b['kl']):>11}{_fmt(b['k3_kl']):>11}{_fmt(b['chi2_seq']):>11}"
                      f"{100 * b['out_token']:>8.1f}%{100 * b['out_sequence']:>8.1f}%{100 * b['out_geometric']:>8.1f}%")
-    lines.append("  (out = fraction of units outside [0.5, 2] at token / sequence level, [1/1.001, 1.001] geometric)")
+    lines.append("  (out = fraction of units outside [0.5, 2] at token / sequence level, [1/1.001, 1.001] geometric: "
+                 "geometric masking's default bound, which a per-token drift of 0.1% leaves)")
     r = d.recommendation
-    lines += ["", "recommendation:", f"  {r.flags}"]
+    lines += ["", "recommendation:", f"  {r.yaml if fmt == 'yaml' else r.flags}"]
     lines += [f"  - {why}" for why in r.reasons]
     if r.metrics:
         lines.append("  under it: " + ", ".join(f"{k.split('/')[1]}={_fmt(v)}" for k, v in r.metrics.items()))
@@ -361,6 +414,8 @@ def format_report(d: Diagnosis) -> str:
         lines.append(f"  the support explains {100 * s['explained']:.1f}% of the full-vocabulary k3_kl"
                      + ("" if s["train_log_probs_over_support"] else
                         " (--tis-sampling-support replay removes it: docs/sampling_support.md)"))
+    if d.causes is not None:
+        lines += [""] + format_causes(d.causes)
     return "\n".join(lines)
 
 

@@ -81,6 +81,10 @@ class LogprobDump:
         rollout_log_mass: ``[T]`` float32 or None: log of the probability mass the rollout's sampler kept at each
             token (top-p / top-k; SGLang's ``output_token_logprobs - output_token_sampling_logprobs``, 0 untruncated;
             docs/sampling_support.md).
+        routing_differs: ``[T]`` bool or None: True where the trainer's router chose another expert set than the
+            rollout engine at some MoE layer (the token's routing mismatch).
+        staleness: ``[n]`` float32 or None: policy versions between the rollout's policy and the trainer's (0 =
+            on-policy; NaN where unknown).
         meta: header fields (free-form, e.g. ``{"train_policy": "old", "temperature": 1.0}``).
         notes: what the reader tolerated and the user should know (e.g. a torn last line that was
             dropped), one sentence each.
@@ -95,6 +99,8 @@ class LogprobDump:
     token_ids: Tensor | None = None
     reward: Tensor | None = None
     rollout_log_mass: Tensor | None = None
+    routing_differs: Tensor | None = None
+    staleness: Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -135,6 +141,8 @@ class LogprobDump:
             token_ids=None if self.token_ids is None else self.token_ids[tok_keep],
             reward=None if self.reward is None else self.reward[seq_keep],
             rollout_log_mass=None if self.rollout_log_mass is None else self.rollout_log_mass[tok_keep],
+            routing_differs=None if self.routing_differs is None else self.routing_differs[tok_keep],
+            staleness=None if self.staleness is None else self.staleness[seq_keep],
             meta=dict(self.meta),
             notes=list(self.notes),
         )
@@ -164,6 +172,8 @@ def records_from_packed(
     token_ids: Tensor | None = None,
     reward: Sequence[float] | Tensor | None = None,
     rollout_log_mass: Tensor | None = None,
+    routing_differs: Tensor | None = None,
+    staleness: Sequence[float] | Tensor | None = None,
 ) -> list[dict[str, Any]]:
     """Split packed ``[T]`` tensors (core layout) into per-sequence records for :func:`write_logprob_dump`.
 
@@ -179,6 +189,8 @@ def records_from_packed(
     steps = _per_seq(step, n, "step")
     idx = _per_seq(sample_index, n, "sample_index")
     rew = _per_seq(reward, n, "reward")
+    stale = _per_seq(staleness, n, "staleness")
+    differs = None if routing_differs is None else routing_differs.detach().cpu()  # host-sync-ok (dump file)
     out = []
     for i in range(n):
         a, b = cu[i], cu[i + 1]
@@ -197,6 +209,10 @@ def records_from_packed(
             rec["reward"] = float(rew[i])
         if mass is not None:
             rec["rollout_log_mass"] = mass[a:b].tolist()  # host-sync-ok (dump file)
+        if differs is not None:
+            rec["routing_differs"] = [int(v) for v in (differs[a:b] != 0).tolist()]  # host-sync-ok (dump file)
+        if stale is not None and not math.isnan(float(stale[i])):
+            rec["staleness"] = float(stale[i])
         out.append(rec)
     return out
 
@@ -341,6 +357,17 @@ def _normalise(rec: Mapping[str, Any], i: int) -> dict[str, Any]:
         if len(mass) != len(train):
             raise DumpFormatError(
                 f"record {i}: rollout_log_mass has {len(mass)} entries but the log-probs have {len(train)}")
+    differs = rec.get("routing_differs")
+    if differs is not None:
+        differs = [_integer(v, i, "routing_differs", t) for t, v in enumerate(_as_list(differs, "routing_differs", i))]
+        if len(differs) != len(train) or any(v not in (0, 1) for v in differs):
+            raise DumpFormatError(f"record {i}: routing_differs must hold {len(train)} entries of 0 / 1 (one per "
+                                  f"log-prob), got {len(differs)} {_short(differs)}")
+    stale = rec.get("staleness")
+    if stale is not None:
+        stale = _number(stale, i, "staleness")
+        if not math.isnan(stale) and stale < 0:
+            raise DumpFormatError(f"record {i}: staleness = {stale!r}: policy versions behind must be >= 0")
     reward = rec.get("reward")
     step, index = rec.get("step"), rec.get("sample_index")
     return {
@@ -352,6 +379,8 @@ def _normalise(rec: Mapping[str, Any], i: int) -> dict[str, Any]:
         "token_ids": ids,
         "reward": None if reward is None else _number(reward, i, "reward"),
         "rollout_log_mass": mass,
+        "routing_differs": differs,
+        "staleness": stale,
     }
 
 
@@ -368,6 +397,8 @@ def _pack(recs: list[dict[str, Any]], meta: dict[str, Any]) -> LogprobDump:
     have_ids = bool(recs) and all(r["token_ids"] is not None for r in recs)
     have_reward = any(r["reward"] is not None for r in recs)
     have_mass = bool(recs) and all(r["rollout_log_mass"] is not None for r in recs)
+    have_differs = bool(recs) and all(r.get("routing_differs") is not None for r in recs)
+    have_stale = any(r.get("staleness") is not None for r in recs)
     return LogprobDump(
         train_log_probs=cat("train_log_probs", torch.float32),
         rollout_log_probs=cat("rollout_log_probs", torch.float32),
@@ -382,6 +413,9 @@ def _pack(recs: list[dict[str, Any]], meta: dict[str, Any]) -> LogprobDump:
             else None
         ),
         rollout_log_mass=cat("rollout_log_mass", torch.float32) if have_mass else None,
+        routing_differs=cat("routing_differs", torch.bool) if have_differs else None,
+        staleness=(torch.tensor([math.nan if r.get("staleness") is None else r["staleness"] for r in recs],
+                                dtype=torch.float32) if have_stale else None),
         meta=meta,
     )
 
@@ -397,6 +431,8 @@ def _records_of(dump: LogprobDump) -> list[dict[str, Any]]:
         token_ids=dump.token_ids,
         reward=dump.reward,
         rollout_log_mass=dump.rollout_log_mass,
+        routing_differs=dump.routing_differs,
+        staleness=dump.staleness,
     )
     for r in recs:
         if r.get("reward") is not None and math.isnan(r["reward"]):
@@ -465,6 +501,8 @@ def write_logprob_dump(
         "token_ids": dump.token_ids,
         "reward": dump.reward,
         "rollout_log_mass": dump.rollout_log_mass,
+        "routing_differs": dump.routing_differs,
+        "staleness": dump.staleness,
         "meta": dump.meta,
     }
     tmp = path.with_suffix(".pt.tmp")
@@ -618,6 +656,8 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
     ids = _pt_tensor(obj, "token_ids", path, kind="int", length=t, optional=True)
     reward = _pt_tensor(obj, "reward", path, kind="float", length=n, optional=True)
     mass = _pt_tensor(obj, "rollout_log_mass", path, kind="float", length=t, optional=True)
+    differs = _pt_tensor(obj, "routing_differs", path, kind="mask", length=t, optional=True)
+    stale = _pt_tensor(obj, "staleness", path, kind="float", length=n, optional=True)
     _pt_lower_bound(step, "step", -1, path, None)
     _pt_lower_bound(idx, "sample_index", -1, path, None)
     _pt_lower_bound(ids, "token_ids", 0, path, cu)
@@ -634,6 +674,8 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
         token_ids=None if ids is None else ids.to(torch.int64),
         reward=None if reward is None else reward.float(),
         rollout_log_mass=None if mass is None else mass.float(),
+        routing_differs=None if differs is None else differs.to(torch.bool),
+        staleness=None if stale is None else stale.float(),
         meta=dict(meta or {}),
     )
 

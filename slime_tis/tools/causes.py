@@ -1,0 +1,95 @@
+"""The training/rollout mismatch of a dump by cause: the share of ``tis/k3_kl`` explained by truncated sampling,
+by MoE routing and by staleness, and the remainder.
+
+Per valid token with finite values, ``l_t = lp_train - lp_rollout`` over the full vocabulary and
+``k3_t = exp(l_t) - 1 - l_t``; ``K = sum_t k3_t`` (``N K`` with ``N`` tokens is ``tis/k3_kl``). Each cause is read
+from what the dump records:
+
+* **truncated sampling** (``rollout_log_mass``, the log of the mass ``S_t`` top-p / top-k kept): exactly, by
+  removing it, ``l'_t = l_t - log S_t`` (the ratio over the sampled support, docs/sampling_support.md);
+  ``share = (K - sum_t k3(l'_t)) / K``;
+* **MoE routing** (``routing_differs``, tokens whose training router chose other experts than the engine) and
+  **staleness** (``staleness``, policy versions behind per sequence; > 0 = stale): by excess over the clean
+  tokens, those neither re-routed nor stale, whose mean ``b = mean_{t clean} k3(l'_t)`` is what every token would
+  show without these two causes: ``share_c = sum_{t in c} (k3(l'_t) - b) / K`` over the tokens of cause ``c``
+  only; tokens with both go to ``routing and staleness``;
+* **remainder** = ``1 -`` the shares: the mismatch of the clean tokens (numerics: dtype, kernels, batch
+  invariance) and what the recorded causes do not explain.
+
+The excess attribution assumes the clean tokens' mismatch is what the others would have without their cause
+(tokens of the same kind); a share is ``None`` when the dump does not record its cause. A cause's share can be
+negative when its tokens show less mismatch than the clean ones (noise on few tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from slime_tis.tools.dump import LogprobDump
+
+__all__ = ["CAUSES", "mismatch_by_cause"]
+
+#: the causes, in report order
+CAUSES = ("truncated sampling", "MoE routing", "staleness", "routing and staleness", "remainder")
+
+
+def _k3(x: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(x) - x
+
+
+def mismatch_by_cause(dump: LogprobDump) -> dict[str, Any] | None:
+    """``{"k3_kl", "tokens", "shares": {cause: share or None}, "tokens_of": {cause: count}}`` (module docstring),
+    or ``None`` when the dump records none of the causes or holds no usable token."""
+    if dump.rollout_log_mass is None and dump.routing_differs is None and dump.staleness is None:
+        return None
+    lengths = dump.cu_seqlens[1:] - dump.cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    log_r = dump.train_log_probs.double() - dump.rollout_log_probs.double()
+    mass = torch.zeros_like(log_r) if dump.rollout_log_mass is None else dump.rollout_log_mass.double()
+    if dump.meta.get("sampling_support") == "replay":  # train log-probs over the support: back to full vocabulary
+        log_r = log_r + mass
+    ok = dump.loss_mask & torch.isfinite(log_r) & torch.isfinite(mass)
+    if not bool(ok.any()):
+        return None
+    full, rest = log_r[ok], (log_r - mass)[ok]
+    total = float(_k3(full).sum())
+    shares: dict[str, float | None] = dict.fromkeys(CAUSES)
+    counts = dict.fromkeys(CAUSES, 0)
+    if total <= 0:
+        return {"k3_kl": 0.0, "tokens": int(ok.sum()), "shares": shares, "tokens_of": counts}
+    k3_rest = _k3(rest)
+    if dump.rollout_log_mass is not None:
+        shares["truncated sampling"] = (total - float(k3_rest.sum())) / total
+        counts["truncated sampling"] = int((mass[ok] < 0).sum())
+    routed = torch.zeros_like(ok) if dump.routing_differs is None else dump.routing_differs
+    stale_seq = torch.zeros(lengths.numel(), dtype=torch.bool) if dump.staleness is None else dump.staleness > 0
+    routed, stale = routed[ok], stale_seq[seq][ok]
+    clean = ~routed & ~stale
+    groups = {"MoE routing": routed & ~stale, "staleness": stale & ~routed, "routing and staleness": routed & stale}
+    recorded = {"MoE routing": dump.routing_differs is not None, "staleness": dump.staleness is not None,
+                "routing and staleness": dump.routing_differs is not None and dump.staleness is not None}
+    base = float(k3_rest[clean].mean()) if bool(clean.any()) else math.nan
+    for cause, sel in groups.items():
+        if recorded[cause]:
+            counts[cause] = int(sel.sum())
+            shares[cause] = float((k3_rest[sel] - base).sum()) / total if counts[cause] else 0.0
+    known = [v for v in shares.values() if v is not None]
+    shares["remainder"] = 1.0 - sum(known) if all(math.isfinite(v) for v in known) else math.nan
+    counts["remainder"] = int(clean.sum())
+    return {"k3_kl": total / int(ok.sum()), "tokens": int(ok.sum()), "shares": shares, "tokens_of": counts}
+
+
+def format_causes(c: dict[str, Any]) -> list[str]:
+    """The report's lines for :func:`mismatch_by_cause`'s result."""
+    lines = [f"mismatch by cause (share of k3_kl = {c['k3_kl']:.4g} over {c['tokens']} tokens; "
+             "slime_tis/tools/causes.py says how each is measured):"]
+    for cause in CAUSES:
+        share = c["shares"][cause]
+        if share is None:
+            lines.append(f"  {cause:<24} not recorded in the dump")
+        else:
+            lines.append(f"  {cause:<24} {100 * share:>7.1f}%   ({c['tokens_of'][cause]} tokens)")
+    return lines
