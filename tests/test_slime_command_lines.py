@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_SLIME_FLAGS = {
     "--no-deps": "pip's",
     "--check": "git apply's",
+    "--format": "slime-tis diagnose's (its recommendation as slime's YAML keys)",
     "--tis-mode": "the plugin's own flag (Megatron launchers), named as the source of the YAML key",
     "--use-rollout-correction": "named by slime's mis README, defined nowhere in slime (docs say so)",
     "--mis-mode": "named by slime's mis README, defined nowhere in slime (docs say so)",
