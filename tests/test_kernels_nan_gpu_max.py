@@ -78,7 +78,8 @@ print("ok")
 
 
 def test_nan_rows_stay_nan_under_gpu_max_semantics():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))}
+    paths = os.pathsep.join((str(ROOT), str(ROOT / "tests")))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": paths}
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
