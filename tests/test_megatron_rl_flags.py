@@ -4,8 +4,8 @@ plugin's flags added by the launcher's ``add_megatron_rl_tis_arguments``).
 
 ``megatron_lm_parser`` declares the six Megatron-LM flags the mapping reads exactly as Megatron-LM d98e8a64dd's
 ``megatron/training/arguments.py`` does (names, types, defaults, actions); ``test_the_parser_declares_the_flags_as_
-megatron_lm_does`` checks that against the tree in ``../shared`` where it is present. The whole launch, with
-``--eps-clip 0.2 --tis-kl-coef 0``, runs on the real tree in tests/dist/test_megatron_rl_real_tree.py.
+megatron_lm_does`` checks that against the tree where it is found (``tests/_megatron_lm_tree.py``). The whole
+launch, with ``--eps-clip 0.2 --tis-kl-coef 0``, runs on the real tree in tests/dist/test_megatron_rl_real_tree.py.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import ast
 import tarfile
-from pathlib import Path
 
 import pytest
+from _megatron_lm_tree import MISSING, TARBALL
 
 from slime_tis.megatron_rl import add_megatron_rl_tis_arguments
 from slime_tis.megatron_rl.flags import resolve_megatron_rl_flags
-
-TARBALL = Path(__file__).resolve().parents[2] / "shared" / "third_party" / "megatron-lm-d98e8a64dd.tar.gz"
 
 #: (flag, add_argument keywords) as in Megatron-LM d98e8a64dd's arguments.py (_add_rl_args)
 MEGATRON_LM_FLAGS = (
@@ -58,7 +56,7 @@ def refusal(argv: list[str]) -> str:
     return message
 
 
-@pytest.mark.skipif(not TARBALL.is_file(), reason=f"Megatron-LM's tree is not here ({TARBALL} absent)")
+@pytest.mark.skipif(not TARBALL.is_file(), reason=MISSING)
 def test_the_parser_declares_the_flags_as_megatron_lm_does() -> None:
     with tarfile.open(TARBALL) as archive:
         source = archive.extractfile("./megatron/training/arguments.py").read().decode()

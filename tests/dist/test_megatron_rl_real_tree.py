@@ -1,6 +1,6 @@
 """The documented launch over Megatron-LM's real tree: ``torchrun --nproc-per-node 2 -m slime_tis.megatron_rl
 train_rl.py <Megatron-LM flags> <plugin flags>`` with ``train_rl.py`` and its ``megatron`` package (core
-included) from NVIDIA/Megatron-LM commit d98e8a64dd (``../shared/third_party/megatron-lm-d98e8a64dd.tar.gz``,
+included) from NVIDIA/Megatron-LM commit d98e8a64dd (``tests/_megatron_lm_tree.py`` finds it,
 extracted here and put first on ``PYTHONPATH``), on CPU with gloo: a tiny GPT (2 layers, hidden 32, vocabulary 64,
 sequences of 16), one rollout collection of 4 prompts x 4 samples trained in two optimizer steps of 8 rows, SGD at
 learning rate 1 so that the second step's ratios leave the clip range, in two launches: DP=2 with micro-batches of
@@ -30,7 +30,7 @@ Megatron-LM's ``train_step`` logs and every gradient (``main_grad`` after Megatr
 so CP=2 equals CP=1 within the float32 tolerance. The plugin flags are ``--use-tis --eps-clip 0.2 --tis-kl-coef 0``
 with Megatron-LM's ``--rl-importance-sampling-truncation-coef 2``: the explicit ``--eps-clip`` must win over
 ``--grpo-clamp-eps-lower``'s default 0.01 and ``--tis-kl-coef 0`` over ``--grpo-kl-beta``'s default 0.001 (no
-pi_ref pass, no KL metric). Skipped where ``../shared`` (the tarball) is absent, e.g. in a user's clone.
+pi_ref pass, no KL metric). Skipped, saying so, where the tree is not found.
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, torchrun
+from _launch import torchrun
+from _megatron_lm_tree import MISSING, TARBALL
 
 HERE = Path(__file__).resolve().parent
-TARBALL = ROOT.parent / "shared" / "third_party" / "megatron-lm-d98e8a64dd.tar.gz"
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow,
-              pytest.mark.skipif(not TARBALL.is_file(),
-                                 reason=f"Megatron-LM's tree is not here ({TARBALL} absent: ../shared is CI's)")]
+              pytest.mark.skipif(not TARBALL.is_file(), reason=MISSING)]
 
 #: Megatron-LM's flags: a tiny GPT on CPU (local layers, no fusions, learned positions), GRPO with one collection
 #: of 16 rollouts trained in two steps of 8
