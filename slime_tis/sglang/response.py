@@ -395,7 +395,7 @@ def parse_generate_response(
                 support, torch.tensor(ids, dtype=torch.int64), vocab_size)
     values, value_reasons = _value_errors(raw, logprob_tolerance)
     if support_reasons:  # a token whose support is invalid has no usable log-prob: NaN, the core rejects
-        values = [math.nan if bad else v for v, bad in zip(values, support_bad.tolist())]
+        values = [math.nan if bad else v for v, bad in zip(values, support_bad.tolist())]  # host-sync-ok: parsing
     finish = _finish_error(meta, response, len(ids))
     finish_reasons = [finish[1]] if finish else []
     reasons = finish_reasons + align_reasons + value_reasons + support_reasons

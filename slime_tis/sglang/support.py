@@ -136,7 +136,7 @@ def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSuppor
 
 
 def _positions(where: Tensor) -> str:
-    idx = where.nonzero().flatten()[:6].tolist()
+    idx = where.nonzero().flatten()[:6].tolist()  # host-sync-ok: an error message's positions, rollout parsing
     return ", ".join(map(str, idx[:5])) + (", ..." if len(idx) > 5 else "")
 
 
