@@ -169,19 +169,10 @@ FENCE = re.compile(r"^<!-- fragment: [^\n]*?\(([^)\n]*)\)[^\n]*-->\n```python[ \
 def _free_names(code: str) -> set[str]:
     """Names a snippet reads that it neither imports, assigns nor defines (nor are builtins)."""
     import ast
-    import builtins
 
-    loaded, bound = set(), set(dir(builtins))
-    for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.Name):
-            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-            if isinstance(node, ast.FunctionDef):
-                bound.update(a.arg for a in node.args.args)
-    return loaded - bound
+    from test_doc_snippets import _free_names as free_in_tree
+
+    return free_in_tree(ast.parse(code))
 
 
 def _fragment_names() -> list[tuple[str, set[str], set[str]]]:
