@@ -106,3 +106,12 @@ def test_weight_std_keeps_its_digits_when_the_weights_are_close_to_one():
     res, m = _run(TISConfig(use_tis=True), l, [0, 100_000])
     truth = res.weights.double().std(unbiased=False)
     assert m["tis/weight_std"] == pytest.approx(float(truth), rel=1e-6)
+
+
+def test_token_ratio_mean_and_outside_fraction_read_token_ratios_at_every_level():
+    # token ratios 0.85, 0.95, 1.05, 1.2 (two outside [0.9, 1.1]); the sequence level does not change them
+    r = [0.85, 0.95, 1.05, 1.2]
+    for level in ("token", "sequence"):
+        _, m = _run(TISConfig(use_tis=True, level=level), [math.log(x) for x in r], [0, 1, 4])
+        assert m["tis/token_ratio_mean"] == pytest.approx(sum(r) / 4, rel=1e-6)
+        assert m["tis/token_ratio_outside_10pct_fraction"] == 0.5

@@ -269,7 +269,7 @@ METRICS: tuple[Metric, ...] = (
            "`mean_{t in D} r_t` (token ratios, whatever the level)", "token", lambda b: b.e_sums[0] + b.n_tok),
     Metric("tis/token_ratio_outside_10pct_fraction", "tis.n_tok_outside_10pct", "tis.n_tok", "mean",
            "fraction of tokens of `D` with `r_t` outside [0.9, 1.1]", "token",
-           lambda b: _total((b.e < -0.1) | (b.e > 0.1)), token=lambda t: ((t.e < -0.1) | (t.e > 0.1)).float()),
+           lambda b: _total(b.e.abs() > 0.1), token=lambda t: (t.e.abs() > 0.1).float()),
 )
 
 #: The rows of each staleness bucket (``core.staleness``; ``--tis-staleness-buckets N``): ``{b}`` is the bucket's label
