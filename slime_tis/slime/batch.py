@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,7 +19,7 @@ from slime_tis.core import Reducer
 from slime_tis.engine.batch import TISBatch
 from slime_tis.slime.layout import local_response_index
 
-__all__ = ["SlimePacked", "gather_full_responses", "pack_slime_batch"]
+__all__ = ["SlimePacked", "gather_full_responses", "mask_sums", "pack_slime_batch"]
 
 
 @dataclass
@@ -68,11 +69,20 @@ class SlimePacked:
         return TISBatch(labels=labels, loss_mask=self.local_mask, advantages=advantages, cu_seqlens=self.cu_seqlens,
                         rollout_log_probs=rollout_log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs)
 
-    def full_sample_index(self) -> Tensor:
-        """``[sum_i R_i]`` int64 sample number of each full-length position (on the masks' device)."""
+    def counts(self, masks: Sequence[Tensor] | None = None) -> Tensor:
+        """``[n]`` float32 non-zero entries of each sample's full-length ``masks`` (default: the loss masks)."""
         n = len(self.response_lengths)
-        idx = torch.repeat_interleave(torch.arange(n), torch.tensor(self.response_lengths, dtype=torch.int64))
-        return idx.to(self.full_mask.device, non_blocking=True)
+        flat = self.full_mask if masks is None or not n else torch.cat(list(masks))
+        sample = torch.repeat_interleave(torch.arange(n), torch.tensor(self.response_lengths, dtype=torch.int64))
+        return torch.zeros(n, device=flat.device).index_add_(0, sample.to(flat.device, non_blocking=True),
+                                                             (flat != 0).float())
+
+    def denominators(self, rollout_mask_sums: Any) -> Tensor:
+        """``[n]`` float32 ``N_i``: slime's ``rollout_mask_sums`` (the valid tokens of sample ``i``'s whole rollout),
+        else the sample's own valid count (slime's per-sample mean)."""
+        if rollout_mask_sums is None:
+            return self.counts()
+        return mask_sums(rollout_mask_sums, len(self.response_lengths), self.full_mask.device)
 
     def local_sample_index(self) -> Tensor:
         """``[T_local]`` int64 sample number of each CP-local token (on the masks' device)."""
@@ -91,6 +101,17 @@ class SlimePacked:
         kept = reducer.sequence_sum(kept.unsqueeze(1))[:, 0]
         full = torch.where(kept > 0, self.full_mask, torch.zeros_like(self.full_mask))
         return list(full.split(self.response_lengths))
+
+
+def mask_sums(rollout_mask_sums: Any, n: int, device: torch.device) -> Tensor:
+    """slime's per-sample ``rollout_mask_sums`` (a tensor or a list of numbers) as ``[n]`` float32 on ``device``."""
+    if isinstance(rollout_mask_sums, Tensor):
+        sums = rollout_mask_sums.reshape(-1)
+    else:
+        sums = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums]) if n else torch.zeros(0)
+    if sums.numel() != n:
+        raise ValueError(f"rollout_mask_sums has {sums.numel()} entries, expected one per sample ({n})")
+    return sums.to(device=device, dtype=torch.float32, non_blocking=True)
 
 
 def pack_slime_batch(

@@ -32,7 +32,6 @@ __all__ = ["SlimeView", "check_slime_settings_agree", "slime_view", "tis_config_
 
 logger = logging.getLogger("slime_tis.slime")
 
-STEP_HOOK = "slime_tis.slime.before_train_step"
 TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
 
 #: slime flags the hooks read, with slime's defaults (a missing attribute reads as its default)
@@ -42,11 +41,8 @@ _SLIME = {
     "tis_record_train_log_probs": None, SKIP_RECOMPUTE_KEY: None, "rollout_temperature": None,
     "log_probs_chunk_size": None, "entropy_coef": None, "use_kl_loss": False, "kl_loss_coef": None,
     "kl_loss_type": "k1", "use_unbiased_kl": False, "rollout_top_p": 1.0, "rollout_top_k": -1,
-    "allgather_cp": False, "save_debug_train_data": None, "advantage_estimator": None, "use_routing_replay": False,
-    "use_rollout_routing_replay": False, "loss_type": "policy_loss", "custom_loss_function_path": None,
-    "custom_tis_function_path": None, "custom_megatron_before_train_step_hook_path": None,
-    "get_mismatch_metrics": False, "compute_advantages_and_returns": True, "kl_coef": 0, "use_critic": False,
-    "keep_old_actor": False, "use_opd": False, "rs_batch_refill": False,
+    "allgather_cp": False, "save_debug_train_data": None, "advantage_estimator": None, "loss_type": "policy_loss",
+    "custom_loss_function_path": None, "custom_tis_function_path": None, "rs_batch_refill": False,
 }
 _MIS = ("use_rs", "rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
 _KEYS = (*(d for dests in DESTS_OF.values() for d in dests), "tis_preset", *_MIS, *_SLIME)
@@ -101,26 +97,6 @@ class SlimeView:
         """The patched slime skips its pi_old pass (``tis_bypass_skip_recompute`` with ``--use-rollout-logprobs``)."""
         value = self.flags[SKIP_RECOMPUTE_KEY]
         return value is not None and parse_switch(SKIP_RECOMPUTE_KEY, value) and bool(self.use_rollout_logprobs)
-
-    @property
-    def step_hook(self) -> bool:
-        """slime runs :func:`slime_tis.slime.before_train_step` (or a hook of that name) before each step."""
-        return str(self.custom_megatron_before_train_step_hook_path or "").rsplit(".", 1)[-1] == "before_train_step"
-
-    def recomputes_pi_old(self, steps: int) -> bool:
-        """Whether slime's ``train_actor`` (``slime/backends/megatron_utils/actor.py``, 624b824) runs its pi_old pass
-        (``rollout_data['log_probs']``) for a rollout of ``steps`` optimizer steps: not with
-        ``--use-rollout-logprobs`` unless ``--get-mismatch-metrics``, nor where it reuses the training forward (one
-        step, ``policy_loss``, no KL coefficient, no critic / old actor / OPD, routing replay only from the rollout,
-        not GSPO), nor where the patched slime skips it."""
-        f = self.flags
-        if not f["compute_advantages_and_returns"] or self.skips_recompute:
-            return False
-        reuse = (steps == 1 and f["loss_type"] == "policy_loss" and not f["kl_coef"] and not f["use_rollout_logprobs"]
-                 and not f["get_mismatch_metrics"] and not f["use_critic"] and not f["keep_old_actor"]
-                 and not f["use_opd"] and (not f["use_routing_replay"] or f["use_rollout_routing_replay"])
-                 and f["advantage_estimator"] != "gspo")
-        return (not f["use_rollout_logprobs"] or bool(f["get_mismatch_metrics"])) and not reuse
 
     @property
     def pi_old_pass_flags(self) -> str:

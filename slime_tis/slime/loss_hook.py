@@ -39,7 +39,7 @@ from torch import Tensor
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
-from slime_tis.slime.batch import SlimePacked, pack_slime_batch
+from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import slime_view
 from slime_tis.slime.custom_options import (
     check_custom_options,
@@ -49,10 +49,9 @@ from slime_tis.slime.custom_options import (
     slime_pg_loss_reducer,
     unbiased_kl,
 )
-from slime_tis.slime.kept import check_drop_config, drop_applies
+from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import token_metrics
-from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["kl_penalty", "check_slime_terms", "reinforce_is_loss"]
@@ -80,51 +79,6 @@ def check_slime_terms(cfg: Any, *, own_loss: bool) -> None:
         raise ValueError(f"tis_loss_mode = {cfg.loss_mode!r}: slime's own policy loss computes the surrogate "
                          "(PPO clip; GSPO with --advantage-estimator gspo) and the TIS function only weights and "
                          "rejects it; for reinforce / on_policy use the custom loss slime_tis.slime.reinforce_is_loss")
-
-
-def _rollout_denominators(rollout_mask_sums: Any, packed: SlimePacked, device: torch.device) -> Tensor:
-    """``[n]`` float32 ``N_i``: slime's ``rollout_mask_sums`` (the valid-token count of sample ``i``'s whole
-    rollout), or the sample's own valid count when slime gave none (its legacy per-sample mean)."""
-    n = len(packed.response_lengths)
-    if rollout_mask_sums is None:
-        return torch.zeros(n, device=device).index_add_(
-            0, packed.full_sample_index(), (packed.full_mask != 0).float()
-        )
-    if isinstance(rollout_mask_sums, Tensor):
-        denoms = rollout_mask_sums.reshape(-1)
-    else:
-        denoms = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums]) if n else torch.zeros(0)
-    if denoms.numel() != n:
-        raise ValueError(f"batch['rollout_mask_sums'] has {denoms.numel()} entries, expected one per sample ({n})")
-    return denoms.to(device=device, dtype=torch.float32, non_blocking=True)
-
-
-def _local_drop_coefficients(batch: dict[str, Any], packed: SlimePacked, keep: Tensor, reducer: Any,
-                             device: torch.device) -> Tensor:
-    """``[n]`` ``1 / K_i`` counted in this micro-batch (every rollout is one sample, whole here):
-    ``n_i / (max(N_i, 1) k_i)``, 0 when ``k_i = 0``."""
-    denoms = _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
-    groups = STATE.rollouts.group_index(batch["loss_masks"])
-    n_part, k_part = rollout_part_counts(packed, packed.full_keep_masks(keep, reducer), groups)
-    return torch.where(k_part > 0, n_part / (denoms * k_part.clamp(min=1.0)), torch.zeros_like(k_part))
-
-
-def _counted_drop(batch: dict[str, Any], packed: SlimePacked) -> tuple[Tensor, Tensor] | None:
-    """``([n] 1 / max(K_g, 1), [T_local] counted keep mask)`` when the micro-batch's decisions were counted
-    before the step (:mod:`slime_tis.slime.kept`), None when this micro-batch counts them itself."""
-    plan = STATE.drop_plan
-    if plan is None:
-        raise ValueError(NEEDS_HOOK)
-    if not plan.counted:
-        return None
-    counted = STATE.rollouts.counted(batch["loss_masks"])
-    if counted is None:
-        raise RuntimeError("tis_rejected_denominator = 'drop': a sample of this micro-batch was not counted at its "
-                           "step's parameters; slime_tis.slime.before_train_step must run before every step "
-                           "(--custom-megatron-before-train-step-hook-path)")
-    keep_full, counts = counted
-    keep_local = torch.cat(keep_full)[packed.index] if keep_full else packed.local_mask
-    return 1.0 / counts[:, 1].clamp(min=1.0), keep_local
 
 
 def reinforce_is_loss(
@@ -156,6 +110,8 @@ def reinforce_is_loss(
                         "--use-rollout-logprobs (in place of --use-tis, which slime does not accept with it) so that "
                         "slime skips the old-log-prob recompute", logger)
     drop = drop_applies(cfg)
+    if drop and not STATE.drop_checked:
+        raise ValueError(NEEDS_HOOK)
 
     ctx = parallel_context()
     allgather = ctx.cp_size > 1 and bool(view.allgather_cp)
@@ -192,19 +148,15 @@ def reinforce_is_loss(
     engine = STATE.engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device,
                           host_kl=view.host_kl)
     batch_in = packed.tis_batch(advantages=advantages, rollout_log_probs=lp_rollout, ref_log_probs=ref)
-    keep_override = None
     decided = None
     reduce_pg = view.custom_pg_loss_reducer_function_path
     if cfg.loss_agg == "seq-mean-token-mean":
-        counted = _counted_drop(batch, packed) if drop else None
-        if counted is not None:  # decisions and K_g counted before the step, at its parameters
-            coef, keep_override = counted
-        elif drop:  # the correction the loss takes, decided once here: its keep mask sets the coefficients
-            # (finite coefficients: the advantages' finiteness, which the correction reads, is the same after them)
+        if drop:  # K_g: the sample's kept tokens (kept.py), from the correction the loss then applies (the
+            # coefficients are finite, so the advantages' finiteness it reads is the same after them)
             decided = engine.correct(batch_in, lp_theta)
-            coef = _local_drop_coefficients(batch, packed, decided.loss_keep, ctx.reducer, device)
+            coef = 1.0 / packed.counts(packed.full_keep_masks(decided.loss_keep, ctx.reducer)).clamp(min=1.0)
         else:
-            coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
+            coef = 1.0 / packed.denominators(batch.get("rollout_mask_sums")).clamp(min=1.0)
         if reduce_pg is None:  # a custom pg-loss reducer chooses its own denominators
             advantages = advantages * coef[packed.local_sample_index()]
     use_opsm = bool(view.use_opsm)
@@ -214,8 +166,7 @@ def reinforce_is_loss(
         opsm, opsm_clipfrac = opsm_mask(args, batch, packed, lp_theta, anchor, advantages, ctx.reducer)
         advantages = advantages * opsm
 
-    out = engine.loss(dataclasses.replace(batch_in, advantages=advantages), lp_theta, correction=decided,
-                      keep_override=keep_override)
+    out = engine.loss(dataclasses.replace(batch_in, advantages=advantages), lp_theta, correction=decided)
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)
     pg_loss = out.loss

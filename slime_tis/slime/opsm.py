@@ -42,9 +42,10 @@ def opsm_rejected(pg_loss: Tensor, advantages: Tensor, valid: Tensor) -> Tensor:
     return valid & (advantages.to(pg_loss.device) < 0) & (pg_loss.detach() == 0)
 
 
-def registered_advantages(registry: Any, loss_masks: Any, cat_local: Any) -> Tensor:
-    """The micro-batch's CP-local advantages registered by the rollout-data hook (raises naming the fix)."""
-    adv = registry.advantages(loss_masks)
-    if adv is None:
+def registered_advantages(registered: dict, loss_masks: Any, cat_local: Any) -> Tensor:
+    """The micro-batch's CP-local advantages registered by the rollout-data hook (``STATE.advantages``: id of a
+    loss-mask tensor -> ``(mask, advantages)``); raises naming the fix when one is missing."""
+    entries = [registered.get(id(m)) for m in loss_masks]
+    if any(e is None or e[0] is not m for e, m in zip(entries, loss_masks)):
         raise ValueError(NEEDS_ADVANTAGES)
-    return cat_local("advantages", adv) if adv else torch.zeros(0)
+    return cat_local("advantages", [e[1] for e in entries]) if entries else torch.zeros(0)

@@ -36,13 +36,12 @@ from slime_tis.config import TISConfig
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.totals import step_batch_norm
-from slime_tis.slime.batch import SlimePacked, pack_slime_batch
+from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import slime_view
-from slime_tis.slime.kept import check_drop_config, drop_applies
+from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
 from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
-from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["compute_tis_for_slime"]
@@ -58,23 +57,6 @@ def _batch_norm_factor(cfg: TISConfig) -> Tensor | None:
             "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"
         )
     return STATE.batch_norm_factor
-
-
-def _drop_scale(loss_masks: Sequence[Tensor], train_log_probs: Sequence[Tensor], packed: SlimePacked,
-                masks: list[Tensor]) -> Tensor:
-    """``[n]`` float32 ``N_g / K_g`` per sample (slime divides by ``N_g``), see :mod:`slime_tis.slime.kept`."""
-    plan = STATE.drop_plan
-    if plan is None:
-        raise ValueError(NEEDS_HOOK)
-    if plan.counted:
-        counted = STATE.rollouts.counted(loss_masks, train_log_probs if plan.from_pi_old else None)
-        if counted is None:
-            raise RuntimeError("tis_rejected_denominator = 'drop': the kept counts were taken from slime's pi_old "
-                               "before training, but the TIS function got other train_log_probs")
-        counts = counted[1]
-        return counts[:, 0] / counts[:, 1].clamp(min=1.0)
-    n_part, k_part = rollout_part_counts(packed, masks, STATE.rollouts.group_index(loss_masks))
-    return n_part / k_part.clamp(min=1.0)  # local: every rollout is one sample, whole in this micro-batch
 
 
 def compute_tis_for_slime(
@@ -100,6 +82,8 @@ def compute_tis_for_slime(
         )
     check_slime_terms(cfg, own_loss=True)
     check_drop_config(view)
+    if drop_applies(cfg) and not STATE.drop_checked:
+        raise ValueError(NEEDS_HOOK)
     check_opsm(view)
     ctx = parallel_context()
     packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)
@@ -113,7 +97,7 @@ def compute_tis_for_slime(
     factor = _batch_norm_factor(cfg)
     opsm = None
     if view.use_opsm:  # tokens slime's OPSM zeroed are not kept
-        adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
+        adv = registered_advantages(STATE.advantages, loss_masks, packed.cat_local)
         opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
     # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
     batch = packed.tis_batch(advantages=pg_loss.detach(), rollout_log_probs=lp_rollout, old_log_probs=lp_train)
@@ -130,8 +114,8 @@ def compute_tis_for_slime(
     zero = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
     new_loss = pg_loss * res.weights.to(pg_loss.dtype) if row.weighted else pg_loss
     masks = packed.full_keep_masks(keep, ctx.reducer)
-    if drop_applies(cfg):
-        scale = _drop_scale(loss_masks, train_log_probs, packed, masks)
+    if drop_applies(cfg):  # slime divides by N_g = n_i (kept.py): rescale each sample by n_i / K_g
+        scale = packed.counts() / packed.counts(masks).clamp(min=1.0)
         new_loss = new_loss * scale[packed.local_sample_index()].to(pg_loss.dtype)
     new_loss = torch.where(keep, new_loss, zero)
     if opsm is not None:  # OPSM's tokens stay in slime's entropy, KL and reducer masks, as with slime's own OPSM
