@@ -19,11 +19,10 @@ __all__ = ["check_drop_config", "check_one_sample_rollouts", "drop_applies"]
 
 NEEDS_HOOK = ("tis_rejected_denominator = 'drop' needs --rollout-data-postprocess-path "
               "slime_tis.slime.postprocess_rollout_data (it checks that every rollout is one sample)")
-MULTI_SAMPLE = ("tis_rejected_denominator = 'drop' with rollouts of several samples (a sample's rollout_mask_sums "
-                "exceeds its own valid tokens): slime packs a rollout's samples into different micro-batches, "
-                "data-parallel ranks or optimizer steps, so its kept-token count K_g would need a pi_old pass or an "
-                "extra forward pass per optimizer step before the loss; use tis_rejected_denominator: keep (the "
-                "default)")
+MULTI_SAMPLE = ("tis_rejected_denominator = 'drop' with rollouts of several samples: slime packs a rollout's "
+                "samples into different micro-batches, data-parallel ranks or optimizer steps, so its kept-token count "
+                "K_g would need a pi_old pass or an extra forward pass per optimizer step before the loss; use "
+                "tis_rejected_denominator: keep (the default)")
 PER_TOKEN = ("tis_rejected_denominator = 'drop' cannot be honoured with --calculate-per-token-loss: slime "
              "divides by the step's original token count; use the default per-rollout mean or 'keep'")
 
@@ -51,14 +50,14 @@ def check_drop_config(view: Any) -> None:
 
 
 def check_one_sample_rollouts(rollout_data: dict[str, Any], reducer: Any) -> None:
-    """Raise :data:`MULTI_SAMPLE` where a sample's ``rollout_mask_sums`` exceeds its own valid tokens on any rank
-    (one all-reduce MAX of one number, taken on every rank whatever the data)."""
+    """Raise :data:`MULTI_SAMPLE` where, on any rank, a sample with valid tokens has ``rollout_mask_sums`` above the
+    sum of its own loss mask (one all-reduce MAX of one number, taken on every rank whatever the data)."""
     masks = list(rollout_data.get("loss_masks") or [])
     sums = rollout_data.get("rollout_mask_sums")
     device = masks[0].device if masks else torch.device("cpu")
     split = torch.zeros(1, dtype=torch.float64, device=device)
     if sums is not None and masks:
-        own = torch.stack([(m != 0).sum() for m in masks]).double()
-        split[0] = (mask_sums(sums, len(masks), device).double() > own).any().double()
+        own = torch.stack([m.double().sum() for m in masks])
+        split[0] = ((mask_sums(sums, len(masks), device).double() > own) & (own > 0)).any().double()
     if float(reducer.batch_max(split)[0]) > 0:  # host-sync-ok (rollout-data hook, before training)
         raise ValueError(MULTI_SAMPLE)
