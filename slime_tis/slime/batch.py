@@ -1,9 +1,5 @@
-"""slime's per-sample micro-batch -> the core's packed layout (and back, for the loss masks).
-
-slime hands its hooks per-sample lists of CP-local tensors (this rank's zigzag chunks of each response,
-:mod:`slime_tis.slime.layout`) and full-length loss masks; the core takes one packed ``[T_local]`` tensor per
-quantity and ``cu_seqlens`` of the local lengths (a CP rank may hold no token of a sample; it still takes part in
-every per-sequence reduction).
+"""slime's per-sample micro-batch (CP-local per-sample lists, full-length loss masks) <-> the packed ``[T_local]``
+layout and ``cu_seqlens`` the engine takes (a CP rank may hold no token of a sample; it joins every reduction).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""slime's policy-loss options inside the custom loss ``slime_tis.slime.reinforce_is_loss``, applied as slime's
-``policy_loss_function`` (624b824) applies them:
-
-* ``--use-opsm``: slime's own ``compute_opsm_mask`` (called with the arguments its installed signature names), on
-  the anchor slime would use (rollout log-probs with ``--use-rollout-logprobs``, else slime's ``log_probs``, else
-  ``sg(pi_theta)``); the mask multiplies the policy term only; ``opsm_clipfrac`` as slime reports it.
-* ``--use-unbiased-kl``: ``exp(lp_theta - lp_old) * k(lp_theta, lp_ref)``, then ``low_var_kl``'s clamp.
-* ``--custom-pg-loss-reducer-function-path``: slime's reducer contract ``f(total_lengths, response_lengths,
-  masks, calculate_per_token_loss)`` with the rejected tokens zeroed in ``masks``; ``drop`` is refused with it.
-
-Collectives depend on the options only (one CP sum per gathered tensor).
+"""slime's policy-loss options inside the custom loss, applied as slime's ``policy_loss_function`` (624b824) applies
+them: ``--use-opsm`` (slime's own ``compute_opsm_mask``, on the policy term), ``--use-unbiased-kl`` and
+``--custom-pg-loss-reducer-function-path`` (docs/slime.md). Collectives depend on the options only.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
-"""slime ``--loss-type custom_loss --custom-loss-function-path slime_tis.slime.reinforce_is_loss``.
+"""slime ``--loss-type custom_loss --custom-loss-function-path slime_tis.slime.reinforce_is_loss`` (algorithm 3).
 
-Algorithm 3 (REINFORCE + IS against the rollout policy; slime's flags cannot combine ``--use-rollout-logprobs``
-with ``--use-tis``): ``loss_t = -w_t * A_t * lp_theta_t``, ``w = sg(pi_theta / pi_rollout)`` at the configured level
-and mode (``tis_loss_mode: on_policy``: the same gradient), the step engine's loss of the micro-batch. slime's
-contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``, ``logits`` ``[1, T_pad, V/TP]`` of the
-packed micro-batch.
-
-* ``lp_theta``: ``logits / --rollout-temperature``, vocab-parallel log-softmax in ``--log-probs-chunk-size`` rows
-  (slime's ``-1``: one chunk), at the rows slime's zigzag CP layout assigns to each response token
-  (:mod:`slime_tis.slime.layout`; with ``--allgather-cp`` slime's contiguous chunks, returned to the zigzag layout:
-  :mod:`slime_tis.slime.allgather_cp`).
-* Aggregation is slime's, as per-token coefficients on the (linear) advantages and one token sum: each rollout
-  divided by ``N_g = rollout_mask_sums`` (the sample's own count without it), by its kept count ``K_g`` with
-  ``drop`` (:mod:`slime_tis.slime.kept`), or the token sum slime divides by its token count with
-  ``--calculate-per-token-loss``. Batch normalisation is per micro-batch over DP x CP.
-* slime's entropy bonus (``--entropy-coef``) and KL loss (``--use-kl-loss``, ``--kl-loss-type``: the core's
-  estimators) over kept tokens; ``--use-opsm``, ``--use-unbiased-kl`` and a custom pg-loss reducer as slime
-  applies them (:mod:`slime_tis.slime.custom_options`). The ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused.
-* Metrics: scalars reduced with ``sum_of_sample_mean`` like slime's own; the exact statistics to
-  ``STATE.collector``. The detached ``lp_theta`` goes to slime's ``--save-debug-train-data`` capture and, with
-  ``tis_record_train_log_probs: true``, to this package's dump.
-
-Refused: slime's top-p replay (``--rollout-top-p < 1``; the TIS hook supports it). Without
-``--use-rollout-logprobs`` slime recomputes pi_old, which this loss reads only for ``drop``'s counts and the anchor
-of OPSM and of the unbiased KL (warned once).
+``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``, ``logits`` ``[1, T_pad, V/TP]`` of the packed
+micro-batch: ``loss_t = -w_t A_t lp_theta_t``, ``w = sg(pi_theta / pi_rollout)`` at the configured level and mode,
+``lp_theta`` from ``logits / --rollout-temperature`` at the rows of slime's CP layout (:mod:`slime_tis.slime.layout`,
+:mod:`slime_tis.slime.allgather_cp`). slime's aggregation as per-sample coefficients on the advantages and one
+token sum: ``1 / N_g`` (``rollout_mask_sums``, else the sample's own count), ``1 / K_g`` with ``drop``, or the
+token sum with ``--calculate-per-token-loss``. slime's entropy and KL terms over kept tokens; ``--use-opsm``,
+``--use-unbiased-kl`` and a custom pg-loss reducer as slime applies them (:mod:`slime_tis.slime.custom_options`).
+Refused: ``--rollout-top-p < 1``, the ``tis_kl_coef`` / ``tis_entropy_coef`` keys (docs/slime.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Metrics for slime: token-shaped tensors for slime's reducer, and the exact ``MetricStats`` path.
+"""slime's metrics: token-shaped tensors for slime's reducer, and the exact statistics of every micro-batch.
 
-slime reduces each token-shaped metric a hook returns with its per-sample reducer over the original loss masks, so
-a reported value is a mean over samples of per-sample token means; :func:`token_metrics` therefore emits no
-min / max, ``ess`` or ``std`` (not means), and every value is finite (0 for sequences with non-finite data). The
-exact path: every micro-batch's :class:`MetricStats` goes to :class:`ExactMetricsCollector` (``STATE.collector``),
-whose flush is the step engine's end (reduced over DP x CP, finalised: true token means, min / max, ess); a
-micro-batch replayed under ``--recompute-loss-function`` is counted once (keyed by its rollout log-prob tensors).
+slime reduces a token-shaped metric as a mean over samples of per-sample means, so :func:`token_metrics` emits
+means only, all finite. :class:`ExactMetricsCollector` (``STATE.collector``) merges each micro-batch's
+``MetricStats`` once (a loss replayed under ``--recompute-loss-function`` is ignored); its flush is the step
+engine's end.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""slime's ``--use-opsm`` as the TIS function sees it: which tokens OPSM has already taken out.
+"""slime's ``--use-opsm`` as the TIS function sees it: which tokens OPSM has already zeroed.
 
-slime multiplies OPSM's mask into ``pg_loss`` before calling the TIS function and passes neither the mask nor the
-advantages. OPSM zeroes token ``t`` where ``A_t < 0`` and the sample's mean ``lp_anchor - lp_theta`` exceeds
-``--opsm-delta``; with slime's PPO term and ``eps_clip < 1`` a valid token with ``A_t < 0`` has ``pg_loss_t > 0``
-unless OPSM zeroed it, so ``opsm_t = valid_t and A_t < 0 and pg_loss_t == 0`` (``A``: the advantages the
-rollout-data hook registered). Estimators whose loss is 0 wherever ``lp_theta = 0`` (CISPO, REINFORCE) do not allow
-this and are refused.
+slime multiplies OPSM's mask into ``pg_loss`` and passes neither the mask nor the advantages; with its PPO term
+and ``eps_clip < 1`` a valid token with ``A_t < 0`` has ``pg_loss_t > 0`` unless OPSM zeroed it, so
+``opsm_t = valid_t and A_t < 0 and pg_loss_t == 0`` (``A``: the advantages the rollout-data hook registered).
+Estimators whose loss is 0 wherever ``lp_theta = 0`` are refused.
 """
 
 from __future__ import annotations

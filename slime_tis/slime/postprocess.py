@@ -1,21 +1,10 @@
 """slime ``--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data``.
 
-slime calls ``fn(args, rollout_id, rollout_data)`` in every training process after the old / ref log-probs and the
-advantages are computed and before the rollout's first training step; ``rollout_data`` holds this DP rank's
-samples as per-sample lists (log-probs CP-local, ``loss_masks`` full length). Modifying nothing, it computes what
-the per-micro-batch hooks cannot see, once per rollout, into :data:`~slime_tis.slime.state.STATE`:
-
-1. with ``--use-opsm``, each sample's advantages; with ``tis_rejected_denominator: drop``, the refusal of
-   rollouts of several samples (:mod:`slime_tis.slime.kept`);
-2. algorithm 2's global batch-normalisation factor (``tis_batch_normalize``): ``sum kept units / sum of their
-   unnormalised weights`` over the rollout's samples of every DP rank (one all-reduce; DP x CP for token units),
-   from the rollout's correction from pi_old;
-3. the log-prob dump (``tis_dump_dir``): this rank's full responses appended to
-   ``<tis_dump_dir>/logprobs_dp<rank>.jsonl`` (docs/dump_format.md), and the previous rollout's training log-probs
-   recorded by the custom loss (:func:`flush_recorded_train_log_probs`).
-
-2 and 3 need ``rollout_data['log_probs']`` (slime's pi_old recompute; ``--get-mismatch-metrics`` forces it).
-Pipeline stages other than the last hold no log-probs and only take part in the collectives.
+slime calls ``fn(args, rollout_id, rollout_data)`` on every training rank before the rollout's first step
+(``rollout_data``: this DP rank's samples, log-probs CP-local, ``loss_masks`` full length). Modifying nothing, it
+registers the advantages for ``--use-opsm``, checks ``drop``'s rollouts (:mod:`slime_tis.slime.kept`), computes
+algorithm 2's global batch-normalisation factor from pi_old (one all-reduce) and writes the log-prob dumps
+(docs/dump_format.md). Pipeline stages other than the last hold no log-probs and take part in the collectives.
 """
 
 from __future__ import annotations

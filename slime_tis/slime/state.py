@@ -1,10 +1,5 @@
-"""The slime hooks' one process-wide state (:data:`STATE`), with one :meth:`SlimeState.clear`.
-
-slime calls the hooks by path, one at a time, in one training process, and drops unknown keys from
-``rollout_data`` before the loss; what a later hook needs from an earlier one is kept here: the rollout's
-global scalars (algorithm 2's batch-normalisation factor), whether ``drop``'s rollouts were checked, the samples'
-advantages (``--use-opsm``), the step's exact-metric records, the recorded training log-probs, the arguments read
-once and the warnings given.
+"""The slime hooks' one process-wide state (:data:`STATE`), with one :meth:`SlimeState.clear`: what a later hook
+needs from an earlier one (slime calls them by path and drops unknown ``rollout_data`` keys).
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """slime ``--custom-tis-function-path slime_tis.slime.compute_tis_for_slime``.
 
-slime calls it once per micro-batch inside ``policy_loss_function`` (with ``--use-tis`` or
-``--get-mismatch-metrics``)::
-
-    pg_loss, masks, metrics = fn(args, pg_loss=..., train_log_probs=..., rollout_log_probs=...,
-                                 loss_masks=..., total_lengths=..., response_lengths=...)
-
-``pg_loss``: ``[T_local]`` flat CP-local per-token PPO loss (already clipped); ``train_log_probs`` /
-``rollout_log_probs``: per-sample CP-local ``[T_i]`` (zigzag chunks; ``train`` = pi_old, or the detached current
-log-probs where slime skipped the recompute); ``loss_masks``: per-sample full-length ``[R_i]``. It returns the new
-flat ``pg_loss`` (``w * pg_loss`` for algorithm 2; 0 at rejected tokens, by selection), full-length masks with the
-rejected tokens zeroed (slime's reducer divides by the original counts) and flat CP-local token-shaped metrics
-(:func:`slime_tis.slime.metrics.token_metrics`). Algorithm 0 (``--get-mismatch-metrics`` only): metrics only;
-algorithm 1 (``--use-rollout-logprobs``): rejection only; algorithm 2 (``--use-tis``): weights and rejection.
-
-The numbers are the step engine's correction of the packed CP-local tokens (``StepEngine.correct``, the CP
-reducer: one CP all-reduce for the sums, one for the full-length masks, every CP rank for every sample). Tokens
-slime's ``--use-opsm`` zeroed are counted as rejected in the metrics and ``drop``'s counts, their loss stays 0, and
-the returned masks keep them unless a rule rejects them (slime's entropy / KL / reducer masks, as with slime's own
-OPSM; :mod:`slime_tis.slime.opsm`). ``drop`` scales each rollout's
-loss by ``N_g / K_g`` (:mod:`slime_tis.slime.kept`); algorithm 2's batch normalisation uses the rollout's factor
-(:mod:`slime_tis.slime.postprocess`). slime's loss computes the surrogate and the KL / entropy terms itself:
-``tis_loss_mode`` other than ``ppo_clip`` and the ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused.
+slime calls it per micro-batch inside ``policy_loss_function`` (``--use-tis`` or ``--get-mismatch-metrics``) as
+``fn(args, pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=, total_lengths=, response_lengths=)``:
+``pg_loss`` ``[T_local]`` flat CP-local (PPO-clipped), log-probs per-sample CP-local ``[T_i]`` (``train``: pi_old,
+or the detached current log-probs), ``loss_masks`` per-sample full-length ``[R_i]``. It returns ``(pg_loss, masks,
+metrics)``: ``w * pg_loss`` (algorithm 2; ``pg_loss`` for 1), 0 at rejected tokens, by selection; full-length masks
+with the rejected tokens zeroed (slime still divides by the original counts); token-shaped ``tis/`` metrics.
+Algorithm 0 returns its inputs and the metrics. Tokens slime's OPSM zeroed count as rejected but stay in the masks
+(:mod:`slime_tis.slime.opsm`); ``drop`` rescales each rollout by ``N_g / K_g`` (:mod:`slime_tis.slime.kept`).
 """
 
 from __future__ import annotations
