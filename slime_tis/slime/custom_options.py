@@ -18,7 +18,7 @@ from slime_tis.core.packing import packed_layout
 from slime_tis.core.reducer import Reducer
 from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
 from slime_tis.core.terms import kl_estimate
-from slime_tis.slime.batch import SlimePacked, gather_full_responses
+from slime_tis.slime.batch import SlimePacked
 
 __all__ = ["check_custom_options", "load_slime_function", "opsm_mask", "per_token_pg_loss", "slime_anchor",
            "slime_pg_loss_reducer", "unbiased_kl"]
@@ -71,8 +71,8 @@ def opsm_mask(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: T
     params = inspect.signature(compute_opsm_mask).parameters
     kwargs: dict[str, Any] = {
         "args": args,
-        "full_log_probs": gather_full_responses(packed, lp_theta.detach(), reducer),
-        "full_old_log_probs": gather_full_responses(packed, anchor, reducer),
+        "full_log_probs": packed.gather_full(lp_theta.detach(), reducer),
+        "full_old_log_probs": packed.gather_full(anchor, reducer),
         "loss_masks": list(batch["loss_masks"]),
     }
     local_adv = list(advantages.split(packed.local_lengths.tolist()))  # host-sync-ok (CPU lengths)
@@ -81,7 +81,7 @@ def opsm_mask(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: T
     if "local_advantages" in params:
         kwargs["local_advantages"] = local_adv
     if "full_advantages" in params:
-        kwargs["full_advantages"] = gather_full_responses(packed, advantages, reducer)
+        kwargs["full_advantages"] = packed.gather_full(advantages, reducer)
     mask, clipfrac = compute_opsm_mask(**kwargs)
     mask = mask.to(lp_theta.device).float().reshape(-1)
     if mask.shape[0] != lp_theta.shape[0]:

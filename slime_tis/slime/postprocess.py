@@ -20,7 +20,7 @@ from slime_tis.core.weights import normalisation_factor_over
 from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import step_batch_norm
-from slime_tis.slime.batch import SlimePacked, gather_full_responses, pack_slime_batch
+from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import SlimeView, slime_view
 from slime_tis.slime.custom_options import check_custom_options
 from slime_tis.slime.kept import check_drop_config, check_one_sample_rollouts, drop_applies
@@ -109,9 +109,9 @@ def _dump(packed: SlimePacked, data: dict[str, Any], rollout_id: Any, ctx: Paral
     device = packed.full_mask.device
     local = packed.cat_local("log_probs", data["log_probs"]) if train is None else packed.cat_local(
         "recorded log-probs", train)
-    train_full = gather_full_responses(packed, local.to(device), ctx.reducer)
+    train_full = packed.gather_full(local.to(device), ctx.reducer)
     rollout_local = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
-    rollout_full = gather_full_responses(packed, rollout_local, ctx.reducer)
+    rollout_full = packed.gather_full(rollout_local, ctx.reducer)
     keep = list(range(len(train_full))) if samples is None else samples
     if not keep or ctx.cp_rank != 0 or ctx.tp_rank != 0:
         return 0
