@@ -220,7 +220,7 @@ def test_refused_combinations():
     def run(args):
         train_rollout(args, ro, w0, sched, Layout())
 
-    with pytest.raises(ValueError, match="custom-pg-loss-reducer-function-path.*Use 'keep'"):
+    with pytest.raises(ValueError, match="custom-pg-loss-reducer-function-path.*use tis_rejected_denominator: keep"):
         run(slime_args(use_tis=True, tis_rejected_denominator="drop", custom_pg_loss_reducer_function_path="m.f"))
     with pytest.raises(ValueError, match="'drop' with --use-opsm.*keep"):
         run(custom_loss_args(use_opsm=True, tis_rejected_denominator="drop"))

@@ -20,25 +20,8 @@ from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
 from slime_tis.core.terms import kl_estimate
 from slime_tis.slime.batch import SlimePacked
 
-__all__ = ["check_custom_options", "load_slime_function", "opsm_mask", "per_token_pg_loss", "slime_anchor",
+__all__ = ["load_slime_function", "opsm_mask", "per_token_pg_loss", "slime_anchor",
            "slime_pg_loss_reducer", "unbiased_kl"]
-
-DROP_WITH = ("tis_rejected_denominator = 'drop' with {flag}: {why}; use tis_rejected_denominator: keep")
-
-
-def check_custom_options(view: Any, drop: bool) -> None:
-    """Refuse the combinations that cannot be exact (module docstring), naming the nearest supported one
-    (``view``: the :class:`~slime_tis.slime.config.SlimeView`)."""
-    reducer = view.custom_pg_loss_reducer_function_path
-    if drop and reducer is not None:
-        raise ValueError(DROP_WITH.format(
-            flag=f"--custom-pg-loss-reducer-function-path {reducer}",
-            why="your reducer chooses each sample's denominator from the kept masks it is given"))
-    if drop and view.use_opsm:
-        raise ValueError(DROP_WITH.format(
-            flag="--use-opsm", why="drop divides each rollout by its tokens kept by the rejection rules, counted "
-            "before OPSM decides at the current parameters, so OPSM's zeroed tokens would count as kept"))
-
 
 def load_slime_function(path: str) -> Callable[..., Any]:
     """``module.attr`` -> the function (slime's ``load_function`` convention)."""

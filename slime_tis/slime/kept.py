@@ -40,13 +40,14 @@ def check_drop_config(view: Any) -> None:
     if view.calculate_per_token_loss:
         raise ValueError(PER_TOKEN)
     reducer = view.custom_pg_loss_reducer_function_path
-    if reducer is not None and algorithm_of(cfg).ppo:  # slime's own PPO loss (not the REINFORCE custom loss)
-        raise ValueError(
-            f"tis_rejected_denominator = 'drop' with --custom-pg-loss-reducer-function-path {reducer}: the TIS "
-            "hook rescales each rollout's loss by N_g / K_g for slime's default reducer (which divides by "
-            "rollout_mask_sums = N_g); a custom reducer picks its own denominators. Use 'keep' (your reducer gets "
-            "the masks with rejected tokens zeroed) or slime's default reducer"
-        )
+    if reducer is not None:
+        raise ValueError(f"tis_rejected_denominator = 'drop' with --custom-pg-loss-reducer-function-path {reducer}: "
+                         "your reducer chooses each sample's denominator from the kept masks it is given; use "
+                         "tis_rejected_denominator: keep, or slime's default reducer")
+    if view.use_opsm and not algorithm_of(cfg).ppo:  # the custom loss applies slime's OPSM after the correction
+        raise ValueError("tis_rejected_denominator = 'drop' with --use-opsm: drop divides each rollout by its tokens "
+                         "kept by the rejection rules, counted before OPSM decides, so OPSM's zeroed tokens would "
+                         "count as kept; use tis_rejected_denominator: keep")
 
 
 def check_one_sample_rollouts(rollout_data: dict[str, Any], reducer: Any) -> None:

@@ -26,7 +26,6 @@ from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
 from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import slime_view
 from slime_tis.slime.custom_options import (
-    check_custom_options,
     opsm_mask,
     per_token_pg_loss,
     slime_anchor,
@@ -82,7 +81,6 @@ def reinforce_is_loss(
             "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
     check_drop_config(view)
-    check_custom_options(view, drop_applies(cfg))
     if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
         raise ValueError(
             "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"

@@ -22,7 +22,6 @@ from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import step_batch_norm
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import SlimeView, slime_view
-from slime_tis.slime.custom_options import check_custom_options
 from slime_tis.slime.kept import check_drop_config, check_one_sample_rollouts, drop_applies
 from slime_tis.slime.opsm import check_opsm
 from slime_tis.slime.state import STATE
@@ -50,9 +49,8 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     want_norm = step_batch_norm(cfg)
     flush_recorded_train_log_probs(args)  # the previous rollout's recorded training log-probs (algorithm 3)
     STATE.new_rollout()
-    if not row.ppo:  # the custom loss: its refusals before anything is counted
-        check_custom_options(view, cfg.rejected_denominator == "drop")
-    else:  # slime's own PPO loss (OPSM is applied there)
+    check_drop_config(view)
+    if row.ppo:  # slime's own PPO loss (OPSM is applied there)
         check_opsm(view)
         if want_norm and view.use_opsm:
             raise ValueError("tis_batch_normalize with --use-opsm: the global factor is fixed before training, but "
@@ -66,7 +64,6 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
         STATE.recorder.clear()
     ctx = parallel_context()
     if drop_applies(cfg):
-        check_drop_config(view)
         check_one_sample_rollouts(rollout_data, ctx.reducer)
         STATE.drop_checked = True
     dump_dir = view.tis_dump_dir

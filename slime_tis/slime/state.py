@@ -66,10 +66,8 @@ class SlimeState:
 
     def engine(self, cfg: Any, reducer: Any, device: torch.device, *, batch_norm_factor: Tensor | None = None,
                host_kl: bool = False) -> StepEngine:
-        """The step engine of one hook call. slime aggregates the loss itself (per-rollout means), so the totals
-        are the host's: denominator 1 (the custom loss folds slime's means into per-token coefficients on the
-        advantages and takes one token sum) and the rollout's batch-normalisation factor; its records go to
-        :attr:`collector`; ``host_kl``: the custom loss adds slime's KL term."""
+        """The step engine of one hook call: slime aggregates the loss itself, so the totals are denominator 1 and the
+        rollout's batch-normalisation factor; its records go to :attr:`collector`."""
         one = torch.ones((), device=device)  # a device tensor: a Python float would sync the host
         return StepEngine(cfg, reducer, totals=StepTotals(one, one, batch_norm_factor, 1),
                           collector=self.collector.records, host_kl=host_kl)
