@@ -28,8 +28,6 @@ parameter ``W``, so an optimizer step moves the log-probs of every sample (as a 
 from __future__ import annotations
 
 import math
-import sys
-import types
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -300,47 +298,6 @@ def packed_logits(ro: Rollouts, w: Tensor, sample_pos: list[int], lay: Layout, p
     return out[..., lay.tp_rank * shard:(lay.tp_rank + 1) * shard]
 
 
-# ----------------------------------------------------------------------------- slime's forward_only, for the hook
-def install_forward_only(ro: Rollouts, w_ref: list[Tensor], lay: Layout) -> None:
-    """Put a stand-in for slime's ``forward_only`` / ``get_log_probs_and_entropy`` where the step hook
-    imports them (slime itself does not install here). Same contract: reset the iterators, one
-    ``get_next`` of forward_only's keys per micro-batch, per-sample CP-local log-probs at the current
-    parameters in iterator order, returned under ``store_prefix + "log_probs"`` (last stage only)."""
-    loss_mod = types.ModuleType("slime.backends.megatron_utils.loss")
-    model_mod = types.ModuleType("slime.backends.megatron_utils.model")
-
-    def get_log_probs_and_entropy(*a, **k):  # never called by the stand-in: forward_only computes directly
-        raise AssertionError("stand-in")
-
-    def forward_only(f, args, model, data_iterator, num_microbatches, store_prefix="", **_):
-        assert f is get_log_probs_and_entropy
-        for it in data_iterator:
-            it.reset()
-        out = []
-        for n_mb in num_microbatches:
-            for _ in range(n_mb):
-                b = data_iterator[0].get_next(["tokens", "loss_masks", "multimodal_train_inputs", "total_lengths",
-                                               "response_lengths"])
-                for tok, t, r in zip(b["tokens"], b["total_lengths"], b["response_lengths"]):
-                    j = next(k for k, x in enumerate(ro.tokens) if x is tok)
-                    out.append(local(response_log_probs(ro, w_ref[0].detach(), j), t, r, lay))
-        model[0].forward_calls = getattr(model[0], "forward_calls", 0) + 1
-        return {f"{store_prefix}log_probs": out}
-
-    loss_mod.get_log_probs_and_entropy = get_log_probs_and_entropy
-    model_mod.forward_only = forward_only
-    for name in ("slime", "slime.backends", "slime.backends.megatron_utils"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["slime.backends.megatron_utils.loss"] = loss_mod
-    sys.modules["slime.backends.megatron_utils.model"] = model_mod
-
-
-def uninstall_forward_only() -> None:
-    for name in ("slime.backends.megatron_utils.model", "slime.backends.megatron_utils.loss",
-                 "slime.backends.megatron_utils", "slime.backends", "slime"):
-        sys.modules.pop(name, None)
-
-
 # ----------------------------------------------------------------------------- one rollout
 @dataclass
 class StepResult:
@@ -351,9 +308,9 @@ class StepResult:
 
 
 def train_rollout(args, ro: Rollouts, w0: Tensor, sched, lay: Layout, *, lr: float = 0.5, all_reduce=None,
-                  data_kw: dict | None = None, model: SimpleNamespace | None = None) -> list[StepResult]:
+                  data_kw: dict | None = None) -> list[StepResult]:
     """Run one rollout through the hooks as slime's ``train_actor`` does (module docstring); ``all_reduce``
-    sums a tensor over every rank (None: one process); ``model`` counts the step hook's forward passes."""
+    sums a tensor over every rank (None: one process)."""
     import slime_tis.slime as plugin
 
     data = rank_data(ro, sched, lay, **(data_kw or {}))
@@ -364,39 +321,34 @@ def train_rollout(args, ro: Rollouts, w0: Tensor, sched, lay: Layout, *, lr: flo
                              for j, t, r in zip(part, data["total_lengths"], data["response_lengths"])]
         ro.pi_old_full = {j: response_log_probs(ro, w0, j).detach() for j in part}
     plugin.postprocess_rollout_data(args, 0, data)
-    w_ref = [w0.clone()]
-    install_forward_only(ro, w_ref, lay)
-    model = SimpleNamespace() if model is None else model
+    w = w0.clone()
     it = DataIter(data, data["micro_batch_indices"])
     keys = ["tokens", "total_lengths", "response_lengths", "loss_masks", "log_probs", "advantages",
             "rollout_log_probs", "rollout_mask_sums", "ref_log_probs"]
     results = []
-    try:
-        for s in range(n_steps):
-            if args.custom_megatron_before_train_step_hook_path:
-                plugin.before_train_step(args, 0, s, [model], None, None)
-            w = w_ref[0].clone().requires_grad_(True)
-            total, positions = torch.zeros(()), []
-            for _ in range(data["num_microbatches"][s]):
-                idx = it.micro_batch_indices[it.offset]
-                batch = it.get_next(keys)
-                pos = [part[i] for i in idx]
-                positions += pos
-                if args.loss_type == "custom_loss":
-                    batch["unconcat_tokens"] = batch.pop("tokens")
-                    logits = packed_logits(ro, w, pos, lay)
-                    reducer = sum_of_sample_mean(batch, batch["loss_masks"], lay)
-                    loss, _ = plugin.reinforce_is_loss(args, batch, logits, reducer)
-                else:
-                    loss = policy_loss_function(args, batch, ro, w, lay, pos)
-                total = total + loss / data["global_batch_sizes"][s]
-            (grad,) = torch.autograd.grad(total, w, allow_unused=True)
-            grad = torch.zeros_like(w) if grad is None else grad
-            results.append(StepResult(total.detach(), grad, w.detach().clone(), positions))
-            g_all = grad.clone() if all_reduce is None else all_reduce(grad.clone())
-            w_ref[0] = w_ref[0] - lr * g_all
-    finally:
-        uninstall_forward_only()
+    for s in range(n_steps):
+        if args.custom_megatron_before_train_step_hook_path:
+            plugin.before_train_step(args, 0, s, [None], None, None)
+        w = w.clone().requires_grad_(True)
+        total, positions = torch.zeros(()), []
+        for _ in range(data["num_microbatches"][s]):
+            idx = it.micro_batch_indices[it.offset]
+            batch = it.get_next(keys)
+            pos = [part[i] for i in idx]
+            positions += pos
+            if args.loss_type == "custom_loss":
+                batch["unconcat_tokens"] = batch.pop("tokens")
+                logits = packed_logits(ro, w, pos, lay)
+                reducer = sum_of_sample_mean(batch, batch["loss_masks"], lay)
+                loss, _ = plugin.reinforce_is_loss(args, batch, logits, reducer)
+            else:
+                loss = policy_loss_function(args, batch, ro, w, lay, pos)
+            total = total + loss / data["global_batch_sizes"][s]
+        (grad,) = torch.autograd.grad(total, w, allow_unused=True)
+        grad = torch.zeros_like(w) if grad is None else grad
+        results.append(StepResult(total.detach(), grad, w.detach().clone(), positions))
+        g_all = grad.clone() if all_reduce is None else all_reduce(grad.clone())
+        w = w.detach() - lr * g_all
     return results
 
 

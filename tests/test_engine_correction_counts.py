@@ -8,8 +8,8 @@ trained in several optimizer steps of several micro-batches, with ``core.correct
 * ``step``: slime's before-train-step hook / the Megatron step totals;
 * ``loss``: one micro-batch's loss call.
 
-What must hold: no loss call corrects twice, the rollout hook corrects the rollout at most once (``drop``'s counts
-and the batch-normalisation factor share it), and a phase's reductions are the same for every micro-batch / step
+What must hold: no loss call corrects twice, the rollout hook corrects the rollout at most once (algorithm 2's
+batch-normalisation factor), and a phase's reductions are the same for every micro-batch / step
 (they depend on the configuration only). slime: each hook call is a translator over the step engine (``correct``
 in the rollout hook, ``correct`` / ``loss`` and ``record`` in each micro-batch's loss, ``end`` at the metrics
 flush). Megatron: the step totals correct each micro-batch where ``drop`` or algorithm 2's batch normalisation need
@@ -120,7 +120,7 @@ def _phase(monkeypatch, counts: Counts, name: str, phase: str) -> None:
 
 
 SLIME_CASES = {
-    # algorithm: slime args (several samples per rollout, two optimizer steps; drop counts as documented)
+    # algorithm: slime args (two optimizer steps; drop: one-sample rollouts, each counted in its micro-batch)
     0: lambda d: slime_args(get_mismatch_metrics=True, tis_rejected_denominator=d, **RULES0),
     1: lambda d: slime_args(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_rejected_denominator=d,
                             **RULES),
@@ -136,7 +136,7 @@ def _slime_counts(monkeypatch, args, sizes: list[int], steps: int) -> Counts:
     _count_corrections(monkeypatch, counts)
     _count_engine(monkeypatch, counts)
     ctx = ParallelContext(0, 1, CountingReducer(counts))
-    for mod in ("loss_hook", "tis_hook", "postprocess", "step_hook"):
+    for mod in ("loss_hook", "tis_hook", "postprocess"):
         monkeypatch.setattr(f"slime_tis.slime.{mod}.parallel_context", lambda: ctx)
     monkeypatch.setattr("slime_tis.engine.parallel.parallel_context", lambda: ctx)
     _phase(monkeypatch, counts, "postprocess_rollout_data", "rollout")
@@ -176,29 +176,18 @@ def _check(counts: Counts, *, micro_batches: int, rollout_max: int, custom: bool
 @pytest.mark.parametrize("denominator", ["keep", "drop"])
 @pytest.mark.parametrize("algorithm", [0, 1, 2, 3])
 def test_slime_corrects_each_micro_batch_once(monkeypatch, algorithm, denominator):
-    """slime host: 8 rollouts of 1-4 samples, 2 optimizer steps, one sample per micro-batch."""
-    sizes = [1, 2, 3, 2, 4, 1, 2, 3]
+    """slime host: 8 rollouts (keep: of 1-4 samples; drop: of one sample), 2 optimizer steps, one sample per
+    micro-batch."""
+    sizes = [1, 2, 3, 2, 4, 1, 2, 3] if denominator == "keep" else [1] * 8
     counts = _slime_counts(monkeypatch, SLIME_CASES[algorithm](denominator), sizes, steps=2)
-    drop = denominator == "drop" and algorithm != 0
-    # the rollout hook corrects once where drop counts from pi_old or algorithm 2 normalises, never twice
-    decided = (drop and algorithm in (1, 2)) or algorithm == 2
+    # the rollout hook corrects once where algorithm 2 normalises, never twice
     table = _check(counts, micro_batches=sum(sizes), rollout_max=1, custom=algorithm == 3)
-    assert table["rollout"].get("corrections", 0) == int(decided)
-    assert table["rollout"].get("engine.correct", 0) == int(decided)
-    # algorithm 3 with drop: the step hook counts each later step at its parameters (one correction per step)
-    hooked = [c.get("corrections", 0) for c in counts.of("step")]
-    assert hooked == ([1, 1] if drop and algorithm == 3 else [0, 0] if algorithm == 3 else [])
+    assert table["rollout"].get("corrections", 0) == int(algorithm == 2)
+    assert table["rollout"].get("engine.correct", 0) == int(algorithm == 2)
+    assert [c.get("corrections", 0) for c in counts.of("step")] == ([0, 0] if algorithm == 3 else [])
+    if algorithm == 3:  # drop: the keep mask that sets the per-rollout coefficients is the loss's one correction
+        assert {c["engine.correct"] for c in counts.of("loss")} == {int(denominator == "drop")}
     print(json.dumps({"host": "slime", "algorithm": algorithm, "denominator": denominator, **table}))
-
-
-def test_slime_local_drop_corrects_once(monkeypatch):
-    """The custom loss's local ``drop`` (one-sample rollouts, no count before the loss): the keep mask that
-    sets the per-rollout coefficients and the loss come from one correction, one CP reduction."""
-    args = custom_loss_args(tis_rejected_denominator="drop", **RULES)
-    counts = _slime_counts(monkeypatch, args, [1] * 8, steps=2)
-    table = _check(counts, micro_batches=8, rollout_max=0, custom=True)
-    assert {c["engine.correct"] for c in counts.of("loss")} == {1}  # the keep mask the coefficients read
-    print(json.dumps({"host": "slime", "algorithm": 3, "denominator": "drop (local)", **table}))
 
 
 CHILD = Path(__file__).parent / "dist" / "correction_count_worker.py"

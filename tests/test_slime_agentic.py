@@ -1,4 +1,5 @@
-"""Agentic rollouts packed as slime packs them: ``keep`` / ``drop`` are per-rollout means, exactly, or refused.
+"""Agentic rollouts packed as slime packs them: ``keep`` is the per-rollout mean, exactly; ``drop`` is exact for
+one-sample rollouts and refused for rollouts of several samples.
 
 Each test trains one rollout batch (rollouts of 1-4 samples) through the hooks the way slime 624b824 does
 (tests/_slime_sim.py: slime's ``build_dp_schedule`` packing, pi_old recompute, rollout-data hook, per step the
@@ -9,8 +10,6 @@ tests/dist/test_slime_agentic_torchrun.py.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,7 +30,6 @@ from _slime_sim import (
 
 from slime_tis import compute_tis
 from slime_tis.slime import COLLECTOR, tis_config_from_slime_args
-from slime_tis.slime.state import STATE
 
 SIZES = [1, 2, 3, 2, 4, 1, 2, 3]  # samples per rollout
 HOOK = "slime_tis.slime.before_train_step"
@@ -43,21 +41,19 @@ LEVELS = {
 }
 
 
-def flags(hook: str, steps: int, denominator: str, level: str) -> object:
-    """slime args of a run: the counting source ``drop`` needs is part of the documented configuration."""
+def flags(hook: str, denominator: str, level: str) -> object:
+    """slime args of a run (algorithm 3: the custom loss; 2 and 1: the TIS hook with slime's pi_old pass)."""
     kw = dict(tis_rejected_denominator=denominator, **LEVELS[level])
-    if hook == "custom":  # algorithm 3: pi_old for one step, the step hook for several
-        if steps == 1:
-            return custom_loss_args(get_mismatch_metrics=True, **kw)
-        return custom_loss_args(custom_megatron_before_train_step_hook_path=HOOK, **kw)
+    if hook == "custom":
+        return custom_loss_args(**kw)
     if hook == "alg2":
         return slime_args(use_tis=True, get_mismatch_metrics=True, **kw)
     return slime_args(use_rollout_logprobs=True, get_mismatch_metrics=True, **kw)  # algorithm 1
 
 
-def check_rollout(args, ro, w0, sched, *, lr=0.5, model=None):
+def check_rollout(args, ro, w0, sched, *, lr=0.5):
     """Train, then compare each step's loss and gradient with the oracle's; return the steps."""
-    res = train_rollout(args, ro, w0, sched, Layout(), lr=lr, model=model)
+    res = train_rollout(args, ro, w0, sched, Layout(), lr=lr)
     assert len(res) == len(sched[3])
     for s, r in enumerate(res):
         w = r.w.clone().requires_grad_(True)
@@ -73,85 +69,54 @@ def check_rollout(args, ro, w0, sched, *, lr=0.5, model=None):
 @pytest.mark.parametrize("denominator", ["keep", "drop"])
 @pytest.mark.parametrize("hook", ["custom", "alg2", "alg1"])
 def test_rollout_means_with_slime_packing(hook, denominator, level, steps):
-    """Every step's loss and gradient equal the per-rollout means over valid (keep) / kept (drop) tokens, with
-    multi-sample rollouts split across micro-batches (``--micro-batch-size 1``, and dynamic batching)."""
+    """Every step's loss and gradient equal the per-rollout means over valid (keep) / kept (drop) tokens: keep
+    with multi-sample rollouts split across micro-batches (``--micro-batch-size 1``, and dynamic batching), drop
+    with one-sample rollouts (each micro-batch counts its own)."""
     w0 = initial_weights(1)
-    ro = make_rollouts(3, SIZES, w0, nan_trap=hook != "alg1")  # algorithm 1: slime's own PPO term needs finite
+    sizes = SIZES if denominator == "keep" else [1] * 8
+    ro = make_rollouts(3, sizes, w0, nan_trap=hook != "alg1")  # algorithm 1: slime's own PPO term needs finite
     packing = dict(micro_batch_size=1) if (steps + len(level)) % 2 else dict(max_tokens=40)
     sched = schedule(ro, steps=steps, **packing)
-    assert split_fraction(ro, sched) >= 0.5  # the case the counts exist for
-    check_rollout(flags(hook, steps, denominator, level), ro, w0, sched)
+    if denominator == "keep":
+        assert split_fraction(ro, sched) >= 0.5  # rollouts split across micro-batches
+    check_rollout(flags(hook, denominator, level), ro, w0, sched)
 
 
-def test_two_steps_count_at_each_steps_parameters():
-    """Algorithm 3, two steps: the kept counts of step 1 differ from those at pi_old (the step moved the policy),
-    the hook counts each step with one forward pass (step 0 too, without slime's recompute) and the loss is
-    exact; with --get-mismatch-metrics it skips step 0 (counted from slime's pi_old)."""
+@pytest.mark.parametrize("hook", ["custom", "alg2", "alg1"])
+def test_drop_is_refused_for_multi_sample_rollouts(hook):
+    """``drop`` with rollouts of several samples raises in the rollout-data hook, before training, naming the key,
+    why and what to use instead, whatever else is configured (slime's pi_old pass, the step hook)."""
     w0 = initial_weights(1)
     ro = make_rollouts(3, SIZES, w0)
-    sched = schedule(ro, steps=2, micro_batch_size=1)
-    args = flags("custom", 2, "drop", "geometric")
-    res = check_rollout(args, ro, w0, sched, lr=2.0)
-    step1 = res[1].positions
-    kept_at = {}
-    cfg = tis_config_from_slime_args(args, algorithm=3)
-    for name, w in (("pi_old", w0), ("theta_1", res[1].w)):
-        lp = torch.cat([response_log_probs(ro, w, j) for j in step1]).detach()
-        cu = torch.tensor([0, *torch.cumsum(torch.tensor([ro.response_lengths[j] for j in step1]), 0).tolist()])
-        kept_at[name] = compute_tis(cfg, lp, torch.cat([ro.rollout_lp[j] for j in step1]),
-                                    torch.cat([ro.masks[j] for j in step1]), cu,
-                                    extra_finite=(torch.cat([ro.advantages[j] for j in step1]),)).keep_mask
-    assert not torch.equal(kept_at["pi_old"], kept_at["theta_1"])  # counting at pi_old would be wrong here
-    for recompute, calls in ((False, 2), (True, 1)):
-        args.get_mismatch_metrics = recompute
-        model = SimpleNamespace(forward_calls=0)
-        check_rollout(args, ro, w0, sched, lr=2.0, model=model)
-        assert model.forward_calls == calls
-
-
-@pytest.mark.parametrize(("hook", "steps", "extra", "match"), [
-    ("custom", 2, dict(get_mismatch_metrics=True), "custom-megatron-before-train-step-hook-path"),
-    ("custom", 1, dict(get_mismatch_metrics=False), "add --get-mismatch-metrics"),
-    ("alg2", 1, dict(get_mismatch_metrics=False), "add --get-mismatch-metrics"),
-])
-def test_drop_without_counts_is_refused_for_multi_sample_rollouts(hook, steps, extra, match):
-    """Where no exact K_g exists, ``drop`` raises before training, saying why and what to add."""
-    w0 = initial_weights(1)
-    ro = make_rollouts(3, SIZES, w0)
-    args = flags(hook, steps, "drop", "geometric")
-    args.custom_megatron_before_train_step_hook_path = None
-    for k, v in extra.items():
-        setattr(args, k, v)
-    with pytest.raises(ValueError, match=f"rollouts of several samples.*{match}"):
-        train_rollout(args, ro, w0, schedule(ro, steps=steps, micro_batch_size=1), Layout())
+    args = flags(hook, "drop", "geometric")
+    args.custom_megatron_before_train_step_hook_path = HOOK
+    with pytest.raises(ValueError, match=r"^tis_rejected_denominator = 'drop' with rollouts of several samples.*K_g "
+                                         r"would need a pi_old pass or an extra forward pass.*use "
+                                         r"tis_rejected_denominator: keep \(the default\)$"):
+        train_rollout(args, ro, w0, schedule(ro, steps=2, micro_batch_size=1), Layout())
 
 
 @pytest.mark.parametrize(("hook", "steps"), [("custom", 2), ("alg2", 1)])
-def test_one_sample_rollouts_need_no_count(hook, steps):
-    """One sample per rollout (GRPO): a rollout is never split, each micro-batch counts its own K_g; no flag."""
+def test_drop_needs_no_pi_old_pass(hook, steps):
+    """One-sample rollouts without slime's pi_old pass (algorithm 2: slime reuses the training forward): each
+    micro-batch counts its own K_g; no flag."""
     w0 = initial_weights(2)
     ro = make_rollouts(5, [1] * 8, w0)
-    args = flags(hook, steps, "drop", "geometric")
-    args.custom_megatron_before_train_step_hook_path = None
+    args = flags(hook, "drop", "geometric")
     args.get_mismatch_metrics = False
     check_rollout(args, ro, w0, schedule(ro, steps=steps, max_tokens=40))
-    assert not STATE.drop_plan.counted
 
 
-def test_batch_size_without_raw_reward_or_rollout_mask_sums():
-    """Without ``raw_reward`` the rollout batch size comes from ``partition``; without ``rollout_mask_sums`` slime
-    divides each sample by its own count, and so does ``drop``."""
+def test_drop_without_rollout_mask_sums_divides_each_sample_by_its_own_kept_count():
+    """Without ``rollout_mask_sums`` slime divides each sample by its own count (the unit is the sample), and so
+    does ``drop``, whatever the rollout ids; without ``raw_reward`` too."""
     w0 = initial_weights(1)
     ro = make_rollouts(3, SIZES, w0)
     sched = schedule(ro, steps=1, micro_batch_size=1)
-    args = flags("custom", 1, "drop", "token")
-    res = train_rollout(args, ro, w0, sched, Layout(), data_kw=dict(raw_reward=False))
+    args = flags("custom", "drop", "token")
+    res = train_rollout(args, ro, w0, sched, Layout(), data_kw=dict(raw_reward=False, mask_sums=False))
+    ro.rollout_ids = list(range(len(ro.masks)))  # the oracle's units: samples
     want = oracle_step(args, ro, res[0].w, res[0].positions, sched[3][0], w0)
-    assert float(res[0].loss) == pytest.approx(float(want), rel=1e-5)
-    per_sample = make_rollouts(3, SIZES, w0)
-    res = train_rollout(args, per_sample, w0, sched, Layout(), data_kw=dict(raw_reward=False, mask_sums=False))
-    per_sample.rollout_ids = list(range(len(per_sample.masks)))  # the oracle's units: samples
-    want = oracle_step(args, per_sample, res[0].w, res[0].positions, sched[3][0], w0)
     assert float(res[0].loss) == pytest.approx(float(want), rel=1e-5)
 
 
@@ -185,7 +150,7 @@ def test_opsm_tokens_are_recovered_exactly():
 @pytest.mark.parametrize("denominator", ["keep", "drop"])
 def test_opsm_tokens_are_not_kept(denominator):
     """--use-opsm: slime zeroes tokens before the TIS function; they count as rejected in the exact metrics and,
-    with ``drop``, leave the rollout's kept count (one-sample rollouts; several are refused)."""
+    with ``drop``, leave the rollout's kept count."""
     w0 = initial_weights(1)
     ro = make_rollouts(4, [1] * 8, w0, spread=0.6)
     args = opsm_args(denominator, custom_megatron_before_train_step_hook_path=HOOK)  # flushes metrics per step
@@ -207,10 +172,6 @@ def test_opsm_tokens_are_not_kept(denominator):
     assert int((opsm & valid & rules).sum()) > 0  # OPSM takes out tokens the rules keep
     rejected = valid & (~rules | opsm)
     assert exact["tis/rejected_token_fraction"] == pytest.approx(float(rejected.sum() / valid.sum()), rel=1e-6)
-    if denominator == "drop":
-        ro_multi = make_rollouts(4, SIZES, w0)
-        with pytest.raises(ValueError, match="--use-opsm zeroes tokens"):
-            train_rollout(args, ro_multi, w0, schedule(ro_multi, steps=1, micro_batch_size=1), Layout())
 
 
 def slime_own_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **_):
@@ -259,7 +220,7 @@ def test_refused_combinations():
     def run(args):
         train_rollout(args, ro, w0, sched, Layout())
 
-    with pytest.raises(ValueError, match="custom-pg-loss-reducer-function-path.*Use 'keep'"):
+    with pytest.raises(ValueError, match="custom-pg-loss-reducer-function-path.*use tis_rejected_denominator: keep"):
         run(slime_args(use_tis=True, tis_rejected_denominator="drop", custom_pg_loss_reducer_function_path="m.f"))
     with pytest.raises(ValueError, match="'drop' with --use-opsm.*keep"):
         run(custom_loss_args(use_opsm=True, tis_rejected_denominator="drop"))

@@ -46,13 +46,13 @@ def test_the_patch_and_the_plugin_read_the_key_as_a_switch(value, skips):
     if value is not None:
         kw[SKIP_RECOMPUTE_KEY] = value
     assert _patched_slime_runs_pi_old_pass(**kw) is (not skips)
-    assert slime_view(slime_args(**kw)).recomputes_pi_old(1) is (not skips)
+    assert slime_view(slime_args(**kw)).skips_recompute is skips
 
 
 def test_the_key_acts_only_with_rollout_logprobs():
     kw = {"get_mismatch_metrics": True, SKIP_RECOMPUTE_KEY: True}
     assert _patched_slime_runs_pi_old_pass(**kw)
-    assert slime_view(slime_args(**kw)).recomputes_pi_old(1)
+    assert not slime_view(slime_args(**kw)).skips_recompute
 
 
 @pytest.mark.parametrize("value", ["ture", "disabled", 2, [], {}])

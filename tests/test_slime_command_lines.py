@@ -157,12 +157,8 @@ POST = "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data
 ALG2 = f"--use-tis --custom-tis-function-path slime_tis.slime.compute_tis_for_slime {POST}"
 ALG3 = (f"--use-rollout-logprobs --loss-type custom_loss --custom-loss-function-path slime_tis.slime.reinforce_is_loss "
         f"{POST}")
-DROP = "tis_rejected_denominator: drop\ntis_mode: mask\ntis_level: geometric\ntis_upper_bound: 1.05\n"
 
 REFUSALS = [  # (name, command line, YAML, optimizer steps per rollout)
-    ("custom loss, drop, one step", ALG3, DROP, 1),
-    ("custom loss, drop, two steps", ALG3, DROP, 2),
-    ("TIS hook, drop, one step", ALG2, DROP, 1),
     ("TIS hook, global normalisation, one step", ALG2, "tis_batch_normalize: true\n", 1),
     ("custom loss, dump, one step", ALG3, "tis_dump_dir: {dump}\n", 1),
 ]

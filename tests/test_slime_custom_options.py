@@ -239,18 +239,19 @@ def test_refusal_advice_is_a_command_slime_accepts_and_trains(slime_opsm):
     custom loss trains a rollout of multi-sample rollouts (the slime harness, slime's OPSM rule installed)."""
     from _slime_args import slime_accepts
     from _slime_sim import Layout, initial_weights, make_rollouts, schedule, train_rollout
-    from test_slime_command_lines import ALG2, ALG3, DROP, SIZES, _harness_args
+    from test_slime_command_lines import ALG2, ALG3, SIZES, _harness_args
 
     slime_opsm(opsm_624b824)
     w0 = initial_weights(1)
     ro = make_rollouts(3, SIZES, w0)
     sched = schedule(ro, steps=1, micro_batch_size=1)
-    keep = DROP.replace("drop", "keep")
+    drop = "tis_rejected_denominator: drop\ntis_mode: mask\ntis_level: geometric\ntis_upper_bound: 1.05\n"
+    keep = drop.replace("drop", "keep")
     for extra in ("--use-opsm --opsm-delta 1e-4", "--custom-pg-loss-reducer-function-path user_reducers.kept_mean"):
         cmd = f"{ALG3} {extra}"
-        slime_accepts(cmd.split(), yaml_text=DROP)
+        slime_accepts(cmd.split(), yaml_text=drop)
         with pytest.raises(ValueError, match="use tis_rejected_denominator: keep"):
-            train_rollout(_harness_args(cmd, DROP), ro, w0, sched, Layout())
+            train_rollout(_harness_args(cmd, drop), ro, w0, sched, Layout())
         slime_accepts(cmd.split(), yaml_text=keep)
         sys.modules["user_reducers"] = types.ModuleType("user_reducers")
         sys.modules["user_reducers"].kept_mean = token_sum_over_kept

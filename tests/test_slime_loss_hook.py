@@ -237,25 +237,21 @@ AGENTIC = {
 
 
 @pytest.mark.parametrize("name", sorted(AGENTIC))
-def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
-    """Loss and gradient equal the rollout mean of -w A lp over valid (keep) / kept (drop) tokens of each
-    rollout (all its samples), slime's ``rollout_mask_sums`` in the batch; with one sample per rollout too."""
+def test_keep_and_drop_are_per_rollout_means(name):
+    """Loss and gradient equal the rollout mean of -w A lp over valid tokens of each rollout (all its samples,
+    slime's ``rollout_mask_sums`` in the batch: keep); with one sample per rollout over valid (keep) / kept (drop)
+    tokens."""
     for rollout_ids in ([0, 0, 1, 2, 2, 2], None):
         b = make_batch(11, vocab=VOCAB)
         b.rollout_ids = rollout_ids
         deltas = [r - t for r, t in zip(b.rollout, b.train)]
-        for denominator in ("keep", "drop"):
+        for denominator in ("keep",) if rollout_ids else ("keep", "drop"):
             args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_rejected_denominator=denominator,
                            **AGENTIC[name])
             logits = packed_logits(b, seed=4)
             lp0, _ = oracle_log_probs(b, logits.detach())  # rollout log-probs near the policy (make_batch's
             b.rollout = [x + d for x, d in zip(lp0.split(b.response_lengths), deltas)]  # offsets, NaN, traps)
-            if rollout_ids is None:  # one-sample rollouts: counted in the micro-batch
-                register(args, b)
-            else:  # several samples: counted before training from slime's pi_old (--get-mismatch-metrics)
-                args.get_mismatch_metrics = True
-                args.loss_type, args.custom_loss_function_path = "custom_loss", "slime_tis.slime.reinforce_is_loss"
-                postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": list(lp0.split(b.response_lengths))})
+            register(args, b)
             batch = slime_batch(b) | {"rollout_mask_sums": b.rollout_mask_sums()}
             loss, metrics = reinforce_is_loss(args, batch, logits, reducer_for(b))
             loss.backward()
@@ -279,11 +275,10 @@ def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
 
 
 def test_drop_counts_reject_what_the_kl_terms_reference_rejects():
-    """``drop`` with rollouts of several samples counts each rollout's kept tokens before training (the rollout-data
-    hook); with slime's KL term in the loss those counts check the reference log-probs as the loss does, so a
-    non-finite one gives the loss and gradient of the clean reference with non-finite advantages in its samples."""
+    """``drop`` counts each rollout's kept tokens with the loss's correction; with slime's KL term in the loss it
+    checks the reference log-probs, so a non-finite one gives the loss and gradient of the clean reference with
+    non-finite advantages in its samples."""
     b = make_batch(11, vocab=VOCAB)
-    b.rollout_ids = [0, 0, 1, 2, 2, 2]
     ref_clean = [t - 0.1 for t in b.train]
     ref_bad = [r.clone() for r in ref_clean]
     ref_bad[1][0] = float("nan")
@@ -298,11 +293,10 @@ def test_drop_counts_reject_what_the_kl_terms_reference_rejects():
     for ref, adv in ((ref_bad, b.advantages), (ref_clean, adv_bad)):
         args = args_ns(use_rollout_logprobs=True, rollout_temperature=TEMP, tis_rejected_denominator="drop",
                        tis_mode="mask", tis_level="token", tis_upper_bound=1.3, use_kl_loss=True, kl_loss_coef=0.1,
-                       kl_loss_type="low_var_kl", get_mismatch_metrics=True, loss_type="custom_loss",
+                       kl_loss_type="low_var_kl", loss_type="custom_loss",
                        custom_loss_function_path="slime_tis.slime.reinforce_is_loss")
         logits = packed_logits(b, seed=4)
-        postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": list(lp0.split(b.response_lengths)),
-                                                              "ref_log_probs": ref, "advantages": adv})
+        postprocess_rollout_data(args, 0, b.rollout_data() | {"ref_log_probs": ref, "advantages": adv})
         batch = slime_batch(b) | {"rollout_mask_sums": b.rollout_mask_sums(), "ref_log_probs": ref,
                                   "advantages": adv}
         loss, metrics = reinforce_is_loss(args, batch, logits, reducer_for(b))

@@ -151,7 +151,7 @@ def schedule_dropping_trailing(ro, dropped: int):
 @pytest.mark.parametrize(("hook", "denominator"), [("alg2", "drop"), ("custom", "drop"), ("alg2", "keep")])
 def test_trailing_rollouts_dropped_by_the_schedule_train_exactly(hook, denominator):
     w0 = initial_weights(1)
-    ro = make_rollouts(3, SIZES, w0)
+    ro = make_rollouts(3, SIZES if denominator == "keep" else [1] * 8, w0)  # drop: one-sample rollouts
     sched = schedule_dropping_trailing(ro, dropped=2)
     assert sched[3] == [len(SIZES) - 2]
     kw = dict(tis_mode="mask", tis_level="geometric", tis_upper_bound=1.05, tis_veto_threshold=1e-3,

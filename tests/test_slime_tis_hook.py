@@ -178,11 +178,12 @@ def two_rollouts_of_two_samples():
                       rollout_ids=[0, 0, 1, 1])
 
 
-def test_drop_divides_each_rollout_by_its_kept_count_hand_values():
-    """keep: (1 + 3 + 4) / 4 + (6 + 7) / 3; drop: (1 + 3 + 4) / 3 + (6 + 7) / 2 (per-sample rescaling
-    would give 1 * 2 / 4 + 7 / 4 + (6 + 7) / 3 instead)."""
+def test_drop_divides_each_one_sample_rollout_by_its_kept_count_hand_values():
+    """keep: (1 + 3 + 4) / 4 + (6 + 7) / 3 (two rollouts of two samples); drop with one-sample rollouts:
+    1 / 1 + (3 + 4) / 2 + 0 + (6 + 7) / 2; drop with the two-sample rollouts: refused."""
     b = two_rollouts_of_two_samples()
-    for denominator, expect in (("keep", 8 / 4 + 13 / 3), ("drop", 8 / 3 + 13 / 2)):
+    for denominator, rollout_ids, expect in (("keep", [0, 0, 1, 1], 8 / 4 + 13 / 3), ("drop", None, 11.0)):
+        b.rollout_ids = rollout_ids
         args = args_ns(use_rollout_logprobs=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="token",
                        tis_rejected_denominator=denominator)  # algorithm 1: rejection only, w = 1
         register(args, b)
@@ -190,9 +191,14 @@ def test_drop_divides_each_rollout_by_its_kept_count_hand_values():
         assert [m.tolist() for m in masks] == [[1.0, 0.0], [1.0, 1.0], [0.0], [1.0, 1.0]]
         loss = slime_sum_of_sample_mean(new, b, masks, 0, 1, sample_denoms=b.rollout_mask_sums())
         assert float(loss) == pytest.approx(expect, rel=1e-6), denominator
+    b.rollout_ids = [0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"^tis_rejected_denominator = 'drop' with rollouts of several samples.*"
+                                         r"K_g would need a pi_old pass or an extra forward pass per optimizer step.*"
+                                         r"use tis_rejected_denominator: keep \(the default\)$"):
+        register(args, b)
 
 
-AGENTIC = {  # --get-mismatch-metrics: slime recomputes pi_old, from which the kept counts come
+AGENTIC = {  # --get-mismatch-metrics: slime recomputes pi_old
     "a2_tok_mask": dict(use_tis=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="token",
                         tis_upper_bound=1.3),
     "a2_geo_mask_veto": dict(use_tis=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="geometric",
@@ -205,13 +211,13 @@ AGENTIC = {  # --get-mismatch-metrics: slime recomputes pi_old, from which the k
 
 
 @pytest.mark.parametrize("name", sorted(AGENTIC))
-def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
+def test_keep_and_drop_are_per_rollout_means(name):
     """slime's own reducer (rollout_mask_sums denominators) applied to the hook's output equals the rollout mean
-    over valid (keep) / kept (drop) tokens; with one sample per rollout too."""
+    over valid tokens (keep); with one sample per rollout, over valid (keep) / kept (drop) tokens."""
     for rollout_ids in ([0, 0, 1, 2, 2, 2], None):
         b = make_batch(4)
         b.rollout_ids = rollout_ids
-        for denominator in ("keep", "drop"):
+        for denominator in ("keep",) if rollout_ids else ("keep", "drop"):
             args = args_ns(tis_rejected_denominator=denominator, **AGENTIC[name])
             cfg = tis_config_from_slime_args(args)
             register(args, b)
@@ -227,60 +233,33 @@ def test_keep_and_drop_are_per_rollout_means_with_multi_sample_rollouts(name):
         assert len(set(kept_frac)) > 1
 
 
-def test_drop_without_pi_old_is_refused_for_multi_sample_rollouts_and_local_for_single_ones():
-    """--use-tis with one step per rollout and no --get-mismatch-metrics: slime reuses the training forward, so no
-    kept count exists before the loss. Multi-sample rollouts (which slime's packing splits) are refused, naming the
-    flag; one-sample rollouts are counted exactly in their micro-batch."""
+@pytest.mark.parametrize("get_mismatch_metrics", [False, True])
+def test_drop_is_refused_for_multi_sample_rollouts_and_local_for_single_ones(get_mismatch_metrics):
+    """Rollouts of several samples (which slime's packing splits) are refused before training, with or without
+    slime's pi_old pass; a rollout whose other samples have no valid token, and one-sample rollouts, are counted
+    exactly in their micro-batch."""
     b = make_batch(6)
     args = args_ns(use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
-                   tis_rejected_denominator="drop")
+                   tis_rejected_denominator="drop", get_mismatch_metrics=get_mismatch_metrics)
     b.rollout_ids = [0, 0, 1, 1, 2, 2]
-    with pytest.raises(ValueError, match="rollouts of several samples.*add --get-mismatch-metrics"):
-        postprocess_rollout_data(args, 0, b.rollout_data())
-    b.rollout_ids = None
-    postprocess_rollout_data(args, 0, b.rollout_data())
+    with pytest.raises(ValueError, match="'drop' with rollouts of several samples"):
+        postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train})
+    assert not STATE.drop_checked
+    with pytest.raises(ValueError, match="'drop' needs --rollout-data-postprocess-path"):
+        call(args, b)  # the loss hooks refuse drop on a rollout the rollout-data hook did not check
+    b.rollout_ids = [0, 0, 1, 2, 3, 4]
+    b.masks = [b.masks[0], torch.zeros_like(b.masks[1]), *b.masks[2:]]  # rollout 0's valid tokens: sample 0's
+    postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train})
     cfg = tis_config_from_slime_args(args)
     total = torch.zeros(())
     for idx in ([0, 1, 2], [3, 4, 5]):
         mb = b.subset(idx)
         new, masks, _ = call(args, mb)
-        total = total + slime_sum_of_sample_mean(new, mb, masks, 0, 1)
+        total = total + slime_sum_of_sample_mean(new, mb, masks, 0, 1, sample_denoms=mb.rollout_mask_sums())
     ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
                       extra_finite=(b.packed("pg_loss"),))
     expect = rollout_mean(b.packed("pg_loss") * ref.weights, ref.keep_mask, b, "drop")
     assert float(total) == pytest.approx(float(expect), rel=1e-5)
-
-
-@pytest.mark.parametrize("name", ["a2_tok_mask", "a1_geo_mask"])
-def test_drop_is_exact_for_split_rollouts_when_pi_old_was_recomputed(name):
-    """slime recomputed pi_old (rollout_data['log_probs'], the tensors the hook gets as train_log_probs): the
-    rollout-data hook counts each rollout's kept tokens before training, and the micro-batches' losses add up
-    to the exact rollout means, also for rollouts split across micro-batches. Other train_log_probs tensors
-    than the ones counted are an error, not an approximation."""
-    b = make_batch(6)
-    b.rollout_ids = [0, 1, 1, 2, 2, 3]  # rollouts 1 and 2 are split across the two micro-batches
-    args = args_ns(tis_rejected_denominator="drop", **AGENTIC[name])  # with --get-mismatch-metrics
-    cfg = tis_config_from_slime_args(args)
-    postprocess_rollout_data(args, 0, b.rollout_data() | {"log_probs": b.train})
-
-    def step_loss(train):
-        total = torch.zeros(())
-        for idx in ([0, 1, 3], [2, 4, 5]):
-            mb = b.subset(idx)
-            new, masks, _ = compute_tis_for_slime(
-                args, pg_loss=mb.packed("pg_loss"), train_log_probs=[train[i] for i in idx],
-                rollout_log_probs=mb.rollout, loss_masks=mb.masks, total_lengths=mb.total_lengths,
-                response_lengths=mb.response_lengths)
-            total = total + slime_sum_of_sample_mean(new, mb, masks, 0, 1)
-        return total
-
-    ref = compute_tis(cfg, b.packed("train"), b.packed("rollout"), b.packed("masks"), b.cu_seqlens(),
-                      extra_finite=(b.packed("pg_loss"),))
-    w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
-    exact = rollout_mean(b.packed("pg_loss") * w, ref.keep_mask, b, "drop")
-    assert float(step_loss(b.train)) == pytest.approx(float(exact), rel=1e-5)
-    with pytest.raises(RuntimeError, match="got other train_log_probs"):
-        step_loss([t.clone() for t in b.train])  # decisions from other tensors than the ones counted
 
 
 # ------------------------------------------------------------------ configuration from slime's args
@@ -314,8 +293,8 @@ def test_bad_configurations_raise_clear_errors():
     with pytest.raises(ValueError, match="'drop' cannot be honoured with --calculate-per-token-loss"):
         call(args_ns(use_tis=True, calculate_per_token_loss=True, tis_rejected_denominator="drop"), b)
     STATE.clear()
-    with pytest.raises(ValueError, match="'drop' divides by each rollout's kept-token count.*"
-                                         "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"):
+    with pytest.raises(ValueError, match="'drop' needs --rollout-data-postprocess-path "
+                                         "slime_tis.slime.postprocess_rollout_data"):
         call(args_ns(use_tis=True, tis_rejected_denominator="drop"), b)
     with pytest.raises(ValueError, match=r"--tis-mode \(mode\) = 'bogus'"):
         call(args_ns(use_tis=True, tis_mode="bogus"), b)

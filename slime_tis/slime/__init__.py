@@ -1,19 +1,9 @@
-"""Drop-in entry points for slime's existing hooks (no change to slime needed; see docs/slime.md).
+"""Drop-in entry points for slime's existing hooks, no change to slime needed (flags and options: docs/slime.md).
 
-=====================================================  ===============================================
-slime flag                                             value
-=====================================================  ===============================================
-``--custom-tis-function-path``                         ``slime_tis.slime.compute_tis_for_slime``
-``--custom-loss-function-path`` (``--loss-type``       ``slime_tis.slime.reinforce_is_loss``
-``custom_loss``; algorithm 3)
-``--rollout-data-postprocess-path``                    ``slime_tis.slime.postprocess_rollout_data``
-``--custom-megatron-before-train-step-hook-path``      ``slime_tis.slime.before_train_step`` (exact metrics; and
-                                                       ``drop``'s kept counts of algorithm 3 at each step)
-=====================================================  ===============================================
-
-Options come as ``--custom-config-path`` YAML keys (``tis_mode``, ``tis_level``, ...), see
-:mod:`slime_tis.slime.config`. The hooks' shared state is :data:`STATE` (``COLLECTOR``: its exact-metric
-collector; ``COLLECTOR.flush()`` reports a run's last step).
+``compute_tis_for_slime`` (``--custom-tis-function-path``), ``reinforce_is_loss`` (``--custom-loss-function-path``),
+``postprocess_rollout_data`` (``--rollout-data-postprocess-path``), ``before_train_step``
+(``--custom-megatron-before-train-step-hook-path``); their shared state is :data:`STATE` (``COLLECTOR``: its
+exact-metric collector; ``COLLECTOR.flush()`` reports a run's last step).
 """
 
 from slime_tis.slime.config import slime_view, tis_config_from_slime_args

@@ -1,10 +1,6 @@
-"""slime's ``--allgather-cp`` layout for the custom loss: contiguous CP chunks of the concatenated micro-batch.
-
-With ``--allgather-cp`` (slime 624b824, ``data.py``) CP rank ``r`` holds positions ``[r L, (r + 1) L)`` of the
-concatenated, padded micro-batch; response token ``j`` of sample ``i`` (stream offset ``o_i``, prompt ``P_i``) is
-predicted at ``o_i + P_i - 1 + j``. Everything else slime hands the loss stays zigzag, so the custom loss places
-each rank's log-probs at their full-length positions, completes them with one differentiable CP all-reduce and
-reads the zigzag positions back out, as slime's own loss does.
+"""slime's ``--allgather-cp`` layout for the custom loss: CP rank ``r`` holds positions ``[r L, (r + 1) L)`` of the
+concatenated, padded micro-batch; response token ``j`` of sample ``i`` (offset ``o_i``, prompt ``P_i``) is predicted
+at ``o_i + P_i - 1 + j``. The loss returns its log-probs to slime's zigzag layout with one differentiable CP sum.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""slime's per-sample micro-batch -> the core's packed layout (and back, for the loss masks).
-
-slime hands its hooks per-sample lists of CP-local tensors (this rank's zigzag chunks of each response,
-:mod:`slime_tis.slime.layout`) and full-length loss masks; the core takes one packed ``[T_local]`` tensor per
-quantity and ``cu_seqlens`` of the local lengths (a CP rank may hold no token of a sample; it still takes part in
-every per-sequence reduction).
+"""slime's per-sample micro-batch (CP-local per-sample lists, full-length loss masks) <-> the packed ``[T_local]``
+layout and ``cu_seqlens`` the engine takes (a CP rank may hold no token of a sample; it joins every reduction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,28 +15,19 @@ from slime_tis.core import Reducer
 from slime_tis.engine.batch import TISBatch
 from slime_tis.slime.layout import local_response_index
 
-__all__ = ["SlimePacked", "gather_full_responses", "pack_slime_batch"]
+__all__ = ["SlimePacked", "mask_sums", "pack_slime_batch"]
 
 
 @dataclass
 class SlimePacked:
-    """One micro-batch in packed form (all tensors on the device of the loss masks).
+    """One micro-batch in packed form (tensors on the device of the loss masks unless said)."""
 
-    Attributes:
-        index: ``[T_local]`` int64 gather index into the concatenated full-length responses.
-        cu_seqlens: ``[n + 1]`` int64 boundaries of the local per-sample segments.
-        full_mask: ``[sum_i R_i]`` concatenated full-length loss masks (original dtype).
-        local_mask: ``[T_local]`` bool, this rank's part of the loss masks.
-        response_lengths: full response lengths ``R_i``.
-        local_lengths: ``[n]`` int64 (CPU) number of local tokens per sample.
-    """
-
-    index: Tensor
-    cu_seqlens: Tensor
-    full_mask: Tensor
-    local_mask: Tensor
-    response_lengths: list[int]
-    local_lengths: Tensor
+    index: Tensor  # [T_local] int64 gather index into the concatenated full-length responses
+    cu_seqlens: Tensor  # [n + 1] int64 boundaries of the local per-sample segments
+    full_mask: Tensor  # [sum_i R_i] the concatenated full-length loss masks (original dtype)
+    local_mask: Tensor  # [T_local] bool, this rank's part of the loss masks
+    response_lengths: list[int]  # R_i
+    local_lengths: Tensor  # [n] int64 (CPU) local tokens per sample
 
     def cat_local(self, name: str, tensors: Sequence[Tensor]) -> Tensor:
         """Concatenate CP-local per-sample tensors after checking each length against the layout."""
@@ -68,29 +56,52 @@ class SlimePacked:
         return TISBatch(labels=labels, loss_mask=self.local_mask, advantages=advantages, cu_seqlens=self.cu_seqlens,
                         rollout_log_probs=rollout_log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs)
 
-    def full_sample_index(self) -> Tensor:
-        """``[sum_i R_i]`` int64 sample number of each full-length position (on the masks' device)."""
+    def counts(self, masks: Sequence[Tensor] | None = None) -> Tensor:
+        """``[n]`` float32 non-zero entries of each sample's full-length ``masks`` (default: the loss masks)."""
         n = len(self.response_lengths)
-        idx = torch.repeat_interleave(torch.arange(n), torch.tensor(self.response_lengths, dtype=torch.int64))
-        return idx.to(self.full_mask.device, non_blocking=True)
+        flat = self.full_mask if masks is None or not n else torch.cat(list(masks))
+        sample = torch.repeat_interleave(torch.arange(n), torch.tensor(self.response_lengths, dtype=torch.int64))
+        return torch.zeros(n, device=flat.device).index_add_(0, sample.to(flat.device, non_blocking=True),
+                                                             (flat != 0).float())
+
+    def denominators(self, rollout_mask_sums: Any) -> Tensor:
+        """``[n]`` float32 ``N_i``: slime's ``rollout_mask_sums`` (the valid tokens of sample ``i``'s whole rollout),
+        else the sample's own valid count (slime's per-sample mean)."""
+        if rollout_mask_sums is None:
+            return self.counts()
+        return mask_sums(rollout_mask_sums, len(self.response_lengths), self.full_mask.device)
 
     def local_sample_index(self) -> Tensor:
         """``[T_local]`` int64 sample number of each CP-local token (on the masks' device)."""
         idx = torch.repeat_interleave(torch.arange(len(self.response_lengths)), self.local_lengths)
         return idx.to(self.full_mask.device, non_blocking=True)
 
-    def full_keep_masks(self, keep: Tensor, reducer: Reducer) -> list[Tensor]:
-        """Full-length per-sample loss masks with the rejected tokens zeroed, identical on all CP ranks.
+    def _full(self, local: Tensor, reducer: Reducer) -> Tensor:
+        """CP-local packed ``[T_local]`` values -> ``[sum_i R_i]`` float32, the same on every CP rank (one
+        ``reducer.sequence_sum``: each rank contributes its positions, zeros elsewhere)."""
+        full = torch.zeros(self.full_mask.shape[0], dtype=torch.float32, device=local.device)
+        full[self.index] = local.float()
+        return reducer.sequence_sum(full.unsqueeze(1))[:, 0]
 
-        Each rank scatters its local keep mask into the full-length layout and the CP group sums them
-        (every response position belongs to exactly one rank): one collective, taken by every CP rank
-        for every sample of the micro-batch.
-        """
-        kept = torch.zeros(self.full_mask.shape[0], dtype=torch.float32, device=self.full_mask.device)
-        kept[self.index] = keep.float()
-        kept = reducer.sequence_sum(kept.unsqueeze(1))[:, 0]
-        full = torch.where(kept > 0, self.full_mask, torch.zeros_like(self.full_mask))
+    def gather_full(self, local: Tensor, reducer: Reducer) -> list[Tensor]:
+        """CP-local packed ``[T_local]`` values -> full-length ``[R_i]`` float32 per-sample tensors."""
+        return list(self._full(local, reducer).split(self.response_lengths))
+
+    def full_keep_masks(self, keep: Tensor, reducer: Reducer) -> list[Tensor]:
+        """Full-length per-sample loss masks with the tokens ``keep`` ``[T_local]`` rejects zeroed (every CP rank)."""
+        full = torch.where(self._full(keep, reducer) > 0, self.full_mask, torch.zeros_like(self.full_mask))
         return list(full.split(self.response_lengths))
+
+
+def mask_sums(rollout_mask_sums: Any, n: int, device: torch.device) -> Tensor:
+    """slime's per-sample ``rollout_mask_sums`` (a tensor or a list of numbers) as ``[n]`` float32 on ``device``."""
+    if isinstance(rollout_mask_sums, Tensor):
+        sums = rollout_mask_sums.reshape(-1)
+    else:
+        sums = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums]) if n else torch.zeros(0)
+    if sums.numel() != n:
+        raise ValueError(f"rollout_mask_sums has {sums.numel()} entries, expected one per sample ({n})")
+    return sums.to(device=device, dtype=torch.float32, non_blocking=True)
 
 
 def pack_slime_batch(
@@ -128,12 +139,3 @@ def pack_slime_batch(
         response_lengths=resp,
         local_lengths=local_lengths,
     )
-
-
-def gather_full_responses(packed: SlimePacked, local: Tensor, reducer: Reducer) -> list[Tensor]:
-    """Context-parallel-local packed ``[T_local]`` values -> full-length ``[len_i]`` float32 per-sample tensors
-    (one ``reducer.sequence_sum``: each CP rank contributes its positions, zeros elsewhere)."""
-    full = torch.zeros(packed.full_mask.shape[0], dtype=torch.float32, device=local.device)
-    full[packed.index] = local.float()
-    full = reducer.sequence_sum(full.unsqueeze(1))[:, 0]
-    return list(full.split(packed.response_lengths))

@@ -1,11 +1,7 @@
-"""slime options and slime code the hooks cannot follow: refused (or warned about) when the view is built.
+"""slime options and slime code the hooks cannot follow, refused (or warned about) when the view is built.
 
-Against slime 624b824 (docs/slime.md, "slime's open changes to the loss path"): ``--rs-batch-refill`` (slime then
-replaces the TIS function and refuses the other hooks) is refused; ``--rollout-top-k`` without top-p replay
-(rollout log-probs of the full distribution) is warned once; ``tis_bypass_skip_recompute`` without the patch in
-the installed slime's ``actor.py`` is refused; an installed slime that decides OPSM per sequence
-(``compute_opsm_mask`` takes ``full_advantages``) is refused with the TIS hook's ``--use-opsm``. The probes read
-the installed slime's source (``importlib``, without importing it) or signature; nothing is found without slime.
+The probes read the installed slime's source or signatures (without importing it); without slime they find
+nothing. What is refused and why: docs/slime.md, "slime's open changes to the loss path".
 """
 
 from __future__ import annotations

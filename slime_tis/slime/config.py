@@ -1,16 +1,9 @@
-"""slime's arguments read once: :class:`SlimeView`, the ``TISConfig`` and every slime flag the hooks read.
+"""slime's arguments read once (:func:`slime_view`): the ``TISConfig`` and the slime flags the hooks read.
 
-The plugin's options come as ``--custom-config-path`` YAML keys that slime ``setattr``s onto ``args``, named after
-this package's argparse dests (``tis_mode``, ``tis_level``, ...; ``slime_tis.config.DESTS_OF``); the switches are
-slime's ``--use-tis`` and ``--use-rollout-logprobs``. slime's ``mis.yaml`` keys are translated when the plugin's own
-are absent (``use_rs`` + ``rs_level`` -> ``tis_rs_level``, ``rs_lower_bound`` / ``rs_upper_bound`` -> the rejection
-bounds, defaulting as in ``mis.py`` to the IS bounds; ``rs_veto_threshold`` -> ``tis_veto_threshold`` with
-``use_rs``; docs/slime.md). The aggregation is slime's (``--calculate-per-token-loss``: ``token-mean``, else
-``seq-mean-token-mean``); a ``tis_loss_agg`` key that contradicts it raises.
-
-:func:`slime_view` builds the view once per distinct set of values (kept in ``STATE.views``); building it runs the
-start-up refusals (:mod:`slime_tis.slime.compat`) and, once per configuration, compares the settings the hooks'
-collectives depend on across the ranks of the pipeline stage (:func:`check_slime_settings_agree`).
+Options are ``--custom-config-path`` YAML keys named after this package's argparse dests (``tis_mode``, ...);
+slime's ``mis.yaml`` keys are translated when the plugin's are absent; the aggregation is slime's
+(``--calculate-per-token-loss``). Building a view runs the start-up refusals (:mod:`slime_tis.slime.compat`) and
+compares the settings across the ranks of the pipeline stage (docs/slime.md).
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from typing import Any
 from slime_tis.config import DESTS_OF, TISConfig, config_fields_from_args, parse_switch
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.settings import CHUNK_SIZE
-from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY, skip_recompute_requested
+from slime_tis.slime.bypass import SKIP_RECOMPUTE_KEY, skips_pi_old_recompute
 from slime_tis.slime.compat import check_slime_compat
 from slime_tis.slime.state import STATE
 
@@ -32,7 +25,6 @@ __all__ = ["SlimeView", "check_slime_settings_agree", "slime_view", "tis_config_
 
 logger = logging.getLogger("slime_tis.slime")
 
-STEP_HOOK = "slime_tis.slime.before_train_step"
 TIS_FUNCTION = "slime_tis.slime.compute_tis_for_slime"
 
 #: slime flags the hooks read, with slime's defaults (a missing attribute reads as its default)
@@ -42,11 +34,8 @@ _SLIME = {
     "tis_record_train_log_probs": None, SKIP_RECOMPUTE_KEY: None, "rollout_temperature": None,
     "log_probs_chunk_size": None, "entropy_coef": None, "use_kl_loss": False, "kl_loss_coef": None,
     "kl_loss_type": "k1", "use_unbiased_kl": False, "rollout_top_p": 1.0, "rollout_top_k": -1,
-    "allgather_cp": False, "save_debug_train_data": None, "advantage_estimator": None, "use_routing_replay": False,
-    "use_rollout_routing_replay": False, "loss_type": "policy_loss", "custom_loss_function_path": None,
-    "custom_tis_function_path": None, "custom_megatron_before_train_step_hook_path": None,
-    "get_mismatch_metrics": False, "compute_advantages_and_returns": True, "kl_coef": 0, "use_critic": False,
-    "keep_old_actor": False, "use_opd": False, "rs_batch_refill": False,
+    "allgather_cp": False, "save_debug_train_data": None, "advantage_estimator": None, "loss_type": "policy_loss",
+    "custom_loss_function_path": None, "custom_tis_function_path": None, "rs_batch_refill": False,
 }
 _MIS = ("use_rs", "rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
 _KEYS = (*(d for dests in DESTS_OF.values() for d in dests), "tis_preset", *_MIS, *_SLIME)
@@ -54,13 +43,12 @@ _KEYS = (*(d for dests in DESTS_OF.values() for d in dests), "tis_preset", *_MIS
 
 @dataclass(frozen=True)
 class SlimeView:
-    """The configuration and slime's flags, as the hooks read them (``flags``: slime's value of every
-    :data:`_SLIME` key; the properties name what the hooks ask of them)."""
+    """The configuration and slime's value of every :data:`_SLIME` flag (``view.use_opsm``)."""
 
     cfg: TISConfig
     flags: Mapping[str, Any]
 
-    def __getattr__(self, name: str) -> Any:  # the flags by their slime names (args.use_opsm -> view.use_opsm)
+    def __getattr__(self, name: str) -> Any:
         flags = self.__dict__.get("flags")
         if flags is not None and name in flags:
             return flags[name]
@@ -86,8 +74,7 @@ class SlimeView:
 
     @property
     def host_kl(self) -> bool:
-        """The custom loss adds slime's KL term against ``ref_log_probs`` to the loss (``--use-kl-loss``, nonzero
-        ``--kl-loss-coef``): its corrections check them like the advantages (``StepEngine(host_kl=...)``)."""
+        """The custom loss adds slime's KL term to the loss: its corrections check ``ref_log_probs``."""
         return self.kl != 0.0 and not algorithm_of(self.cfg).ppo
 
     @property
@@ -98,34 +85,12 @@ class SlimeView:
 
     @property
     def skips_recompute(self) -> bool:
-        """The patched slime skips its pi_old pass (``tis_bypass_skip_recompute`` with ``--use-rollout-logprobs``)."""
-        value = self.flags[SKIP_RECOMPUTE_KEY]
-        return value is not None and parse_switch(SKIP_RECOMPUTE_KEY, value) and bool(self.use_rollout_logprobs)
-
-    @property
-    def step_hook(self) -> bool:
-        """slime runs :func:`slime_tis.slime.before_train_step` (or a hook of that name) before each step."""
-        return str(self.custom_megatron_before_train_step_hook_path or "").rsplit(".", 1)[-1] == "before_train_step"
-
-    def recomputes_pi_old(self, steps: int) -> bool:
-        """Whether slime's ``train_actor`` (``slime/backends/megatron_utils/actor.py``, 624b824) runs its pi_old pass
-        (``rollout_data['log_probs']``) for a rollout of ``steps`` optimizer steps: not with
-        ``--use-rollout-logprobs`` unless ``--get-mismatch-metrics``, nor where it reuses the training forward (one
-        step, ``policy_loss``, no KL coefficient, no critic / old actor / OPD, routing replay only from the rollout,
-        not GSPO), nor where the patched slime skips it."""
-        f = self.flags
-        if not f["compute_advantages_and_returns"] or self.skips_recompute:
-            return False
-        reuse = (steps == 1 and f["loss_type"] == "policy_loss" and not f["kl_coef"] and not f["use_rollout_logprobs"]
-                 and not f["get_mismatch_metrics"] and not f["use_critic"] and not f["keep_old_actor"]
-                 and not f["use_opd"] and (not f["use_routing_replay"] or f["use_rollout_routing_replay"])
-                 and f["advantage_estimator"] != "gspo")
-        return (not f["use_rollout_logprobs"] or bool(f["get_mismatch_metrics"])) and not reuse
+        """The patched slime skips its pi_old pass (:func:`slime_tis.slime.bypass.skips_pi_old_recompute`)."""
+        return skips_pi_old_recompute(self)
 
     @property
     def pi_old_pass_flags(self) -> str:
-        """The flags that make slime run its pi_old pass as its argument checks accept them (``--get-mismatch-metrics``
-        needs a TIS function)."""
+        """The flags that make slime run its pi_old pass (``--get-mismatch-metrics`` needs a TIS function)."""
         if self.custom_tis_function_path:
             return "--get-mismatch-metrics"
         return f"--get-mismatch-metrics --custom-tis-function-path {TIS_FUNCTION}"
@@ -146,15 +111,9 @@ def _mis_translation(args: Any, fields: dict[str, Any]) -> None:
 
 
 def slime_view(args: Any, *, algorithm: int | str | None = "loss") -> SlimeView:
-    """The :class:`SlimeView` of slime's ``args`` (built once per distinct set of values). ``algorithm``: ``"loss"``
-    the run's (3 where slime's loss is the REINFORCE + IS custom loss, since slime cannot combine
-    ``--use-rollout-logprobs`` and ``--use-tis``, else from slime's flags), ``None`` from slime's flags, or forced.
-
-    Raises:
-        ValueError: invalid options (naming the flag / key and value), a ``tis_loss_agg`` key that contradicts
-            slime's aggregation, what :mod:`slime_tis.slime.compat` refuses, or settings that differ across the
-            ranks of the pipeline stage.
-    """
+    """The :class:`SlimeView` of slime's ``args``, built once per distinct set of values. ``algorithm``: ``"loss"``
+    3 where slime's loss is the custom loss ``reinforce_is_loss``, else from slime's flags; ``None`` from slime's
+    flags; or forced. Raises ``ValueError`` naming the option for what is refused."""
     key = (algorithm, *(repr(getattr(args, k, None)) for k in _KEYS))
     view = STATE.views.get(key)
     if view is not None:
@@ -165,7 +124,6 @@ def slime_view(args: Any, *, algorithm: int | str | None = "loss") -> SlimeView:
             "reinforce_is_loss")
         return slime_view(args, algorithm=3 if custom else None)
     fields = config_fields_from_args(args)
-    skip_recompute_requested(args)  # the optional patch's switch: a value it would misread is refused here
     _mis_translation(args, fields)
     agg = "token-mean" if flags["calculate_per_token_loss"] else "seq-mean-token-mean"
     given = fields.get("loss_agg")
@@ -195,26 +153,19 @@ def tis_config_from_slime_args(args: Any, *, algorithm: int | str | None = None)
     return slime_view(args, algorithm=algorithm).cfg
 
 
-def slime_settings(view: SlimeView) -> dict[str, Any]:
-    """The resolved configuration and the flags the hooks' collectives and numbers depend on."""
-    from slime_tis.engine.agreement import config_settings
-
-    return {**config_settings(view.cfg), "tis_dump_dir (given)": bool(view.tis_dump_dir),
-            "tis_record_train_log_probs": view.recording, "--rollout-temperature": view.rollout_temperature,
-            "--log-probs-chunk-size": view.log_probs_chunk_size, "--entropy-coef": view.entropy_coef}
-
-
 def check_slime_settings_agree(view: SlimeView) -> None:
-    """Compare :func:`slime_settings` across this rank's pipeline stage (the TP x DP x CP group, the ranks that run
-    the same hooks at the same points): a ``ValueError`` naming the differing setting on every rank, before a
-    collective chosen by it could deadlock or mix two definitions (a no-op without megatron's ``parallel_state``)."""
+    """A ``ValueError`` on every rank where the resolved configuration or a flag the hooks' collectives and numbers
+    depend on differs across this rank's pipeline stage (TP x DP x CP); a no-op without megatron's parallel_state."""
     try:
         from megatron.core import parallel_state as ps
     except ImportError:  # megatron-core is optional for single-process use
         return
     if not ps.model_parallel_is_initialized():
         return
-    from slime_tis.engine.agreement import check_settings_agree
+    from slime_tis.engine.agreement import check_settings_agree, config_settings
 
-    check_settings_agree(slime_settings(view), what="slime_tis (slime hooks)",
+    settings = {**config_settings(view.cfg), "tis_dump_dir (given)": bool(view.tis_dump_dir),
+                "tis_record_train_log_probs": view.recording, "--rollout-temperature": view.rollout_temperature,
+                "--log-probs-chunk-size": view.log_probs_chunk_size, "--entropy-coef": view.entropy_coef}
+    check_settings_agree(settings, what="slime_tis (slime hooks)",
                          group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))

@@ -1,14 +1,6 @@
-"""slime's policy-loss options inside the custom loss ``slime_tis.slime.reinforce_is_loss``, applied as slime's
-``policy_loss_function`` (624b824) applies them:
-
-* ``--use-opsm``: slime's own ``compute_opsm_mask`` (called with the arguments its installed signature names), on
-  the anchor slime would use (rollout log-probs with ``--use-rollout-logprobs``, else slime's ``log_probs``, else
-  ``sg(pi_theta)``); the mask multiplies the policy term only; ``opsm_clipfrac`` as slime reports it.
-* ``--use-unbiased-kl``: ``exp(lp_theta - lp_old) * k(lp_theta, lp_ref)``, then ``low_var_kl``'s clamp.
-* ``--custom-pg-loss-reducer-function-path``: slime's reducer contract ``f(total_lengths, response_lengths,
-  masks, calculate_per_token_loss)`` with the rejected tokens zeroed in ``masks``; ``drop`` is refused with it.
-
-Collectives depend on the options only (one CP sum per gathered tensor).
+"""slime's policy-loss options inside the custom loss, applied as slime's ``policy_loss_function`` (624b824) applies
+them: ``--use-opsm`` (slime's own ``compute_opsm_mask``, on the policy term), ``--use-unbiased-kl`` and
+``--custom-pg-loss-reducer-function-path`` (docs/slime.md). Collectives depend on the options only.
 """
 
 from __future__ import annotations
@@ -26,27 +18,10 @@ from slime_tis.core.packing import packed_layout
 from slime_tis.core.reducer import Reducer
 from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
 from slime_tis.core.terms import kl_estimate
-from slime_tis.slime.batch import SlimePacked, gather_full_responses
+from slime_tis.slime.batch import SlimePacked
 
-__all__ = ["check_custom_options", "load_slime_function", "opsm_mask", "per_token_pg_loss", "slime_anchor",
+__all__ = ["load_slime_function", "opsm_mask", "per_token_pg_loss", "slime_anchor",
            "slime_pg_loss_reducer", "unbiased_kl"]
-
-DROP_WITH = ("tis_rejected_denominator = 'drop' with {flag}: {why}; use tis_rejected_denominator: keep")
-
-
-def check_custom_options(view: Any, drop: bool) -> None:
-    """Refuse the combinations that cannot be exact (module docstring), naming the nearest supported one
-    (``view``: the :class:`~slime_tis.slime.config.SlimeView`)."""
-    reducer = view.custom_pg_loss_reducer_function_path
-    if drop and reducer is not None:
-        raise ValueError(DROP_WITH.format(
-            flag=f"--custom-pg-loss-reducer-function-path {reducer}",
-            why="your reducer chooses each sample's denominator from the kept masks it is given"))
-    if drop and view.use_opsm:
-        raise ValueError(DROP_WITH.format(
-            flag="--use-opsm", why="drop divides each rollout by its tokens kept by the rejection rules, counted "
-            "before OPSM decides at the current parameters, so OPSM's zeroed tokens would count as kept"))
-
 
 def load_slime_function(path: str) -> Callable[..., Any]:
     """``module.attr`` -> the function (slime's ``load_function`` convention)."""
@@ -79,8 +54,8 @@ def opsm_mask(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: T
     params = inspect.signature(compute_opsm_mask).parameters
     kwargs: dict[str, Any] = {
         "args": args,
-        "full_log_probs": gather_full_responses(packed, lp_theta.detach(), reducer),
-        "full_old_log_probs": gather_full_responses(packed, anchor, reducer),
+        "full_log_probs": packed.gather_full(lp_theta.detach(), reducer),
+        "full_old_log_probs": packed.gather_full(anchor, reducer),
         "loss_masks": list(batch["loss_masks"]),
     }
     local_adv = list(advantages.split(packed.local_lengths.tolist()))  # host-sync-ok (CPU lengths)
@@ -89,7 +64,7 @@ def opsm_mask(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: T
     if "local_advantages" in params:
         kwargs["local_advantages"] = local_adv
     if "full_advantages" in params:
-        kwargs["full_advantages"] = gather_full_responses(packed, advantages, reducer)
+        kwargs["full_advantages"] = packed.gather_full(advantages, reducer)
     mask, clipfrac = compute_opsm_mask(**kwargs)
     mask = mask.to(lp_theta.device).float().reshape(-1)
     if mask.shape[0] != lp_theta.shape[0]:

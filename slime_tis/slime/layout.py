@@ -15,33 +15,23 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = [
-    "cp_response_ranges",
-    "local_response_index",
-    "response_logit_rows",
-]
+__all__ = ["cp_response_ranges", "local_response_index", "response_logit_rows"]
 
 
 def _check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
     if len(total_lengths) != len(response_lengths):
-        raise ValueError(
-            f"total_lengths has {len(total_lengths)} samples but response_lengths has {len(response_lengths)}"
-        )
+        raise ValueError(f"total_lengths has {len(total_lengths)} samples but response_lengths has "
+                         f"{len(response_lengths)}")
     for i, (t, r) in enumerate(zip(total_lengths, response_lengths)):
         if not 0 <= r < t:
-            raise ValueError(
-                f"sample {i}: response_length = {r} must satisfy 0 <= response_length < total_length = {t} "
-                "(a prompt token precedes the response)"
-            )
+            raise ValueError(f"sample {i}: response_length = {r} must satisfy 0 <= response_length < total_length = "
+                             f"{t} (a prompt token precedes the response)")
 
 
-def cp_response_ranges(
-    total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int
-) -> Tensor:
-    """Response-index ranges of this CP rank: int64 ``[n, 2, 2]`` = ``(sample, chunk, (start, end))``.
-
-    Empty chunks are ``(0, 0)``. With ``cp_size == 1`` chunk 0 is the whole response, chunk 1 empty.
-    """
+def cp_response_ranges(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int,
+                       cp_size: int) -> Tensor:
+    """Response-index ranges of this CP rank: int64 ``[n, 2, 2]`` = ``(sample, chunk, (start, end))``; empty chunks
+    ``(0, 0)``; with ``cp_size == 1`` chunk 0 is the whole response."""
     _check_lengths(total_lengths, response_lengths)
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank = {cp_rank} must lie in [0, cp_size = {cp_size})")
@@ -74,25 +64,14 @@ def _segment_positions(seg_len: Tensor, device: torch.device | str | None) -> tu
 
 
 def _h2d(t: Tensor, device: torch.device | str | None) -> Tensor:
-    """Host-to-device copy that does not block on the device (torch flags blocking copies as syncs)."""
+    """Host-to-device copy that does not block on the device."""
     return t if device is None else t.to(device, non_blocking=True)
 
 
-def local_response_index(
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    cp_rank: int,
-    cp_size: int,
-    *,
-    device: torch.device | str | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Gather index of this rank's response tokens in the concatenated full-length responses.
-
-    Returns ``(index [T_local] int64 on device, local_lengths [n] int64 on the CPU)``: with
-    ``full = torch.cat(full_length_tensors)``, ``full[index]`` is the CP-local packed layout (sample
-    by sample, chunk 0 then chunk 1), i.e. ``torch.cat`` of slime's CP-local per-sample tensors. Only
-    ``O(n)`` integers are computed on the host; the index is expanded on ``device``.
-    """
+def local_response_index(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int,
+                         *, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """``(index [T_local] int64 on device, local_lengths [n] int64 on the CPU)``: ``torch.cat(full-length
+    tensors)[index]`` is ``torch.cat`` of slime's CP-local per-sample tensors (chunk 0 then chunk 1)."""
     ranges = cp_response_ranges(total_lengths, response_lengths, cp_rank, cp_size)
     resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
     offsets = torch.cumsum(resp, 0) - resp  # start of each sample in the concatenation
@@ -102,24 +81,12 @@ def local_response_index(
     return _h2d(seg_start, device)[seg] + j, seg_len.reshape(-1, 2).sum(dim=1)
 
 
-def response_logit_rows(
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    cp_rank: int,
-    cp_size: int,
-    *,
-    device: torch.device | str | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Rows of slime's packed local logits that predict this rank's response tokens, and the targets.
-
-    slime's packed logits ``[1, T_pad, V/TP]`` hold the samples back to back: without CP sample
-    ``i`` occupies rows ``[o_i, o_i + total_i)``; with zigzag CP each sample occupies ``2 c_i`` rows
-    on every rank (its chunk 0, then its chunk 1). The logit at global position ``g`` predicts
-    token ``g + 1``. Returns ``(rows [T_local], token_index [T_local])`` (int64, CPU), where
-    ``token_index`` indexes ``torch.cat(unconcat_tokens)`` (the full prompt + response token
-    sequences of the samples), in the CP-local order of :func:`local_response_index`; on ``device``
-    (expanded there from ``O(n)`` host integers).
-    """
+def response_logit_rows(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int,
+                        *, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """``(rows [T_local], token_index [T_local])`` int64 on ``device``: the rows of slime's packed local logits
+    ``[1, T_pad, V/TP]`` (samples back to back; with zigzag CP ``2 c_i`` rows each, chunk 0 then chunk 1) that
+    predict this rank's response tokens, and the targets' indices into ``torch.cat(unconcat_tokens)``, in the order
+    of :func:`local_response_index`."""
     ranges = cp_response_ranges(total_lengths, response_lengths, cp_rank, cp_size)  # [n, 2, 2]
     total = torch.as_tensor(list(total_lengths), dtype=torch.int64).reshape(-1)
     resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
@@ -131,12 +98,8 @@ def response_logit_rows(
         chunk = (total + 2 * cp_size - 1) // (2 * cp_size)
         local_offset = torch.cumsum(2 * chunk, 0) - 2 * chunk
         chunk_start = torch.stack([cp_rank * chunk, (2 * cp_size - cp_rank - 1) * chunk], dim=1)
-        row_base = (
-            local_offset[:, None]
-            + torch.stack([torch.zeros_like(chunk), chunk], dim=1)
-            + first_logit[:, None]
+        row_base = local_offset[:, None] + torch.stack([torch.zeros_like(chunk), chunk], dim=1) + first_logit[:, None] \
             - chunk_start
-        )
     tok_base = (token_offset + first_logit + 1)[:, None].expand(-1, 2)
     seg_j0 = ranges[:, :, 0].reshape(-1)
     seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)

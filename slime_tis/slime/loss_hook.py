@@ -1,29 +1,13 @@
-"""slime ``--loss-type custom_loss --custom-loss-function-path slime_tis.slime.reinforce_is_loss``.
+"""slime ``--loss-type custom_loss --custom-loss-function-path slime_tis.slime.reinforce_is_loss`` (algorithm 3).
 
-Algorithm 3 (REINFORCE + IS against the rollout policy; slime's flags cannot combine ``--use-rollout-logprobs``
-with ``--use-tis``): ``loss_t = -w_t * A_t * lp_theta_t``, ``w = sg(pi_theta / pi_rollout)`` at the configured level
-and mode (``tis_loss_mode: on_policy``: the same gradient), the step engine's loss of the micro-batch. slime's
-contract: ``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``, ``logits`` ``[1, T_pad, V/TP]`` of the
-packed micro-batch.
-
-* ``lp_theta``: ``logits / --rollout-temperature``, vocab-parallel log-softmax in ``--log-probs-chunk-size`` rows
-  (slime's ``-1``: one chunk), at the rows slime's zigzag CP layout assigns to each response token
-  (:mod:`slime_tis.slime.layout`; with ``--allgather-cp`` slime's contiguous chunks, returned to the zigzag layout:
-  :mod:`slime_tis.slime.allgather_cp`).
-* Aggregation is slime's, as per-token coefficients on the (linear) advantages and one token sum: each rollout
-  divided by ``N_g = rollout_mask_sums`` (the sample's own count without it), by its kept count ``K_g`` with
-  ``drop`` (:mod:`slime_tis.slime.kept`), or the token sum slime divides by its token count with
-  ``--calculate-per-token-loss``. Batch normalisation is per micro-batch over DP x CP.
-* slime's entropy bonus (``--entropy-coef``) and KL loss (``--use-kl-loss``, ``--kl-loss-type``: the core's
-  estimators) over kept tokens; ``--use-opsm``, ``--use-unbiased-kl`` and a custom pg-loss reducer as slime
-  applies them (:mod:`slime_tis.slime.custom_options`). The ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused.
-* Metrics: scalars reduced with ``sum_of_sample_mean`` like slime's own; the exact statistics to
-  ``STATE.collector``. The detached ``lp_theta`` goes to slime's ``--save-debug-train-data`` capture and, with
-  ``tis_record_train_log_probs: true``, to this package's dump.
-
-Refused: slime's top-p replay (``--rollout-top-p < 1``; the TIS hook supports it). Without
-``--use-rollout-logprobs`` slime recomputes pi_old, which this loss reads only for ``drop``'s counts and the anchor
-of OPSM and of the unbiased KL (warned once).
+``fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``, ``logits`` ``[1, T_pad, V/TP]`` of the packed
+micro-batch: ``loss_t = -w_t A_t lp_theta_t``, ``w = sg(pi_theta / pi_rollout)`` at the configured level and mode,
+``lp_theta`` from ``logits / --rollout-temperature`` at the rows of slime's CP layout (:mod:`slime_tis.slime.layout`,
+:mod:`slime_tis.slime.allgather_cp`). slime's aggregation as per-sample coefficients on the advantages and one
+token sum: ``1 / N_g`` (``rollout_mask_sums``, else the sample's own count), ``1 / K_g`` with ``drop``, or the
+token sum with ``--calculate-per-token-loss``. slime's entropy and KL terms over kept tokens; ``--use-opsm``,
+``--use-unbiased-kl`` and a custom pg-loss reducer as slime applies them (:mod:`slime_tis.slime.custom_options`).
+Refused: ``--rollout-top-p < 1``, the ``tis_kl_coef`` / ``tis_entropy_coef`` keys (docs/slime.md).
 """
 
 from __future__ import annotations
@@ -39,20 +23,18 @@ from torch import Tensor
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
-from slime_tis.slime.batch import SlimePacked, pack_slime_batch
+from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import slime_view
 from slime_tis.slime.custom_options import (
-    check_custom_options,
     opsm_mask,
     per_token_pg_loss,
     slime_anchor,
     slime_pg_loss_reducer,
     unbiased_kl,
 )
-from slime_tis.slime.kept import check_drop_config, drop_applies
+from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import token_metrics
-from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["kl_penalty", "check_slime_terms", "reinforce_is_loss"]
@@ -82,51 +64,6 @@ def check_slime_terms(cfg: Any, *, own_loss: bool) -> None:
                          "rejects it; for reinforce / on_policy use the custom loss slime_tis.slime.reinforce_is_loss")
 
 
-def _rollout_denominators(rollout_mask_sums: Any, packed: SlimePacked, device: torch.device) -> Tensor:
-    """``[n]`` float32 ``N_i``: slime's ``rollout_mask_sums`` (the valid-token count of sample ``i``'s whole
-    rollout), or the sample's own valid count when slime gave none (its legacy per-sample mean)."""
-    n = len(packed.response_lengths)
-    if rollout_mask_sums is None:
-        return torch.zeros(n, device=device).index_add_(
-            0, packed.full_sample_index(), (packed.full_mask != 0).float()
-        )
-    if isinstance(rollout_mask_sums, Tensor):
-        denoms = rollout_mask_sums.reshape(-1)
-    else:
-        denoms = torch.stack([torch.as_tensor(d).reshape(()) for d in rollout_mask_sums]) if n else torch.zeros(0)
-    if denoms.numel() != n:
-        raise ValueError(f"batch['rollout_mask_sums'] has {denoms.numel()} entries, expected one per sample ({n})")
-    return denoms.to(device=device, dtype=torch.float32, non_blocking=True)
-
-
-def _local_drop_coefficients(batch: dict[str, Any], packed: SlimePacked, keep: Tensor, reducer: Any,
-                             device: torch.device) -> Tensor:
-    """``[n]`` ``1 / K_i`` counted in this micro-batch (every rollout is one sample, whole here):
-    ``n_i / (max(N_i, 1) k_i)``, 0 when ``k_i = 0``."""
-    denoms = _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
-    groups = STATE.rollouts.group_index(batch["loss_masks"])
-    n_part, k_part = rollout_part_counts(packed, packed.full_keep_masks(keep, reducer), groups)
-    return torch.where(k_part > 0, n_part / (denoms * k_part.clamp(min=1.0)), torch.zeros_like(k_part))
-
-
-def _counted_drop(batch: dict[str, Any], packed: SlimePacked) -> tuple[Tensor, Tensor] | None:
-    """``([n] 1 / max(K_g, 1), [T_local] counted keep mask)`` when the micro-batch's decisions were counted
-    before the step (:mod:`slime_tis.slime.kept`), None when this micro-batch counts them itself."""
-    plan = STATE.drop_plan
-    if plan is None:
-        raise ValueError(NEEDS_HOOK)
-    if not plan.counted:
-        return None
-    counted = STATE.rollouts.counted(batch["loss_masks"])
-    if counted is None:
-        raise RuntimeError("tis_rejected_denominator = 'drop': a sample of this micro-batch was not counted at its "
-                           "step's parameters; slime_tis.slime.before_train_step must run before every step "
-                           "(--custom-megatron-before-train-step-hook-path)")
-    keep_full, counts = counted
-    keep_local = torch.cat(keep_full)[packed.index] if keep_full else packed.local_mask
-    return 1.0 / counts[:, 1].clamp(min=1.0), keep_local
-
-
 def reinforce_is_loss(
     args: Any,
     batch: dict[str, Any],
@@ -144,7 +81,6 @@ def reinforce_is_loss(
             "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
     check_drop_config(view)
-    check_custom_options(view, drop_applies(cfg))
     if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
         raise ValueError(
             "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"
@@ -156,6 +92,8 @@ def reinforce_is_loss(
                         "--use-rollout-logprobs (in place of --use-tis, which slime does not accept with it) so that "
                         "slime skips the old-log-prob recompute", logger)
     drop = drop_applies(cfg)
+    if drop and not STATE.drop_checked:
+        raise ValueError(NEEDS_HOOK)
 
     ctx = parallel_context()
     allgather = ctx.cp_size > 1 and bool(view.allgather_cp)
@@ -192,19 +130,15 @@ def reinforce_is_loss(
     engine = STATE.engine(cfg.replace(loss_agg="token-mean", rejected_denominator="keep"), ctx.reducer, device,
                           host_kl=view.host_kl)
     batch_in = packed.tis_batch(advantages=advantages, rollout_log_probs=lp_rollout, ref_log_probs=ref)
-    keep_override = None
     decided = None
     reduce_pg = view.custom_pg_loss_reducer_function_path
     if cfg.loss_agg == "seq-mean-token-mean":
-        counted = _counted_drop(batch, packed) if drop else None
-        if counted is not None:  # decisions and K_g counted before the step, at its parameters
-            coef, keep_override = counted
-        elif drop:  # the correction the loss takes, decided once here: its keep mask sets the coefficients
-            # (finite coefficients: the advantages' finiteness, which the correction reads, is the same after them)
+        if drop:  # K_g: the sample's kept tokens (kept.py), from the correction the loss then applies (the
+            # coefficients are finite, so the advantages' finiteness it reads is the same after them)
             decided = engine.correct(batch_in, lp_theta)
-            coef = _local_drop_coefficients(batch, packed, decided.loss_keep, ctx.reducer, device)
+            coef = 1.0 / packed.counts(packed.full_keep_masks(decided.loss_keep, ctx.reducer)).clamp(min=1.0)
         else:
-            coef = 1.0 / _rollout_denominators(batch.get("rollout_mask_sums"), packed, device).clamp(min=1.0)
+            coef = 1.0 / packed.denominators(batch.get("rollout_mask_sums")).clamp(min=1.0)
         if reduce_pg is None:  # a custom pg-loss reducer chooses its own denominators
             advantages = advantages * coef[packed.local_sample_index()]
     use_opsm = bool(view.use_opsm)
@@ -214,8 +148,7 @@ def reinforce_is_loss(
         opsm, opsm_clipfrac = opsm_mask(args, batch, packed, lp_theta, anchor, advantages, ctx.reducer)
         advantages = advantages * opsm
 
-    out = engine.loss(dataclasses.replace(batch_in, advantages=advantages), lp_theta, correction=decided,
-                      keep_override=keep_override)
+    out = engine.loss(dataclasses.replace(batch_in, advantages=advantages), lp_theta, correction=decided)
     keep = out.keep_mask
     zero = torch.zeros((), dtype=torch.float32, device=device)
     pg_loss = out.loss

@@ -1,11 +1,9 @@
-"""Metrics for slime: token-shaped tensors for slime's reducer, and the exact ``MetricStats`` path.
+"""slime's metrics: token-shaped tensors for slime's reducer, and the exact statistics of every micro-batch.
 
-slime reduces each token-shaped metric a hook returns with its per-sample reducer over the original loss masks, so
-a reported value is a mean over samples of per-sample token means; :func:`token_metrics` therefore emits no
-min / max, ``ess`` or ``std`` (not means), and every value is finite (0 for sequences with non-finite data). The
-exact path: every micro-batch's :class:`MetricStats` goes to :class:`ExactMetricsCollector` (``STATE.collector``),
-whose flush is the step engine's end (reduced over DP x CP, finalised: true token means, min / max, ess); a
-micro-batch replayed under ``--recompute-loss-function`` is counted once (keyed by its rollout log-prob tensors).
+slime reduces a token-shaped metric as a mean over samples of per-sample means, so :func:`token_metrics` emits
+means only, all finite. :class:`ExactMetricsCollector` (``STATE.collector``) merges each micro-batch's
+``MetricStats`` once (a loss replayed under ``--recompute-loss-function`` is ignored); its flush is the step
+engine's end.
 """
 
 from __future__ import annotations
@@ -34,24 +32,17 @@ logger = logging.getLogger("slime_tis.slime")
 def token_metrics(
     cfg: TISConfig, res: TISResult, batch_norm_factor: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """Per-token (CP-local ``[T]``, detached, finite; float32, ``tis/chi2_token`` float64) ``tis/`` metrics for
-    slime's reducer.
-
-    The values, rules and indicators are the core's (``slime_tis.core.diagnostics.token_metrics``,
-    rows of ``slime_tis.core.rules.RULES``); this adapter computes none of its own.
-    """
+    """Per-token (CP-local ``[T]``, detached, finite) ``tis/`` metrics for slime's reducer: the core's
+    (``slime_tis.core.diagnostics.token_metrics``)."""
     return core_token_metrics(cfg.plan, res, batch_norm_factor)
 
 
 class ExactMetricsCollector:
-    """The step engine's records of slime's hooks (``StepEngine.record``, once per micro-batch) and their end
-    (``StepEngine.end``): the micro-batches' ``MetricStats``, merged as they come (``records`` holds at most one
-    entry, whatever the number of micro-batches before a flush)."""
+    """The micro-batches' ``MetricStats`` since the last flush, merged as they come (``records``: at most one)."""
 
     def __init__(self) -> None:
         self.records: list[MetricStats] = []  # the collector list of every hook call's engine
         self._seen: dict[tuple[int, ...], list[weakref.ref]] = {}
-        self.last: dict[str, float] = {}
         self.reducer: Any = None
         self.engine: StepEngine | None = None
 
@@ -59,16 +50,10 @@ class ExactMetricsCollector:
         """Drop what was recorded since the last flush, unreduced (a step that failed before its flush)."""
         self.__init__()
 
-    @property
-    def stats(self) -> MetricStats | None:
-        """The merged statistics recorded since the last flush (``None`` for none)."""
-        return merge_stats(self.records)
-
     def add(self, stats: MetricStats, tensors: Sequence[Tensor], reducer: Any, engine: StepEngine | None = None,
             ) -> None:
-        """Record one micro-batch's statistics (``engine.record``, an engine whose collector is :attr:`records`),
-        identified by its (live) input tensors: a call with the very same tensor objects (the loss replayed by
-        activation checkpointing) is ignored."""
+        """Record one micro-batch's statistics (``engine.record``, an engine whose collector is :attr:`records`), keyed
+        by its live input ``tensors``: a call with the very same tensor objects (a replayed loss) is ignored."""
         key = tuple(id(t) for t in tensors)
         refs = self._seen.get(key)
         if refs is not None and all(r() is t for r, t in zip(refs, tensors)):
@@ -86,12 +71,8 @@ class ExactMetricsCollector:
             self.records[:] = [merge_stats(self.records)]
 
     def flush(self, reducer: Any = None) -> dict[str, float]:
-        """The step's end (``StepEngine.end``: reduced over DP x CP, finalised), then reset. Every rank of the DP x CP
-        group must call it.
-
-        Ranks without statistics (pipeline stages other than the last) return ``{}`` and take part
-        in no collective; all ranks of a DP x CP group are on the same stage, so they agree.
-        """
+        """The step's end (``StepEngine.end``: reduced over DP x CP, finalised), then reset; every rank of the DP x CP
+        group calls it (ranks without statistics, pipeline stages other than the last, return ``{}``)."""
         engine, self.engine = self.engine, None
         reducer = reducer or self.reducer or LocalReducer()
         self.reducer = None
@@ -106,6 +87,4 @@ class ExactMetricsCollector:
                 metrics = engine.end()
         finally:
             self.records.clear()
-        values = {k: float(v) for k, v in metrics.items()}  # host-sync-ok (once per step, logging)
-        self.last = values
-        return values
+        return {k: float(v) for k, v in metrics.items()}  # host-sync-ok (once per step, logging)

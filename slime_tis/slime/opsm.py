@@ -1,11 +1,9 @@
-"""slime's ``--use-opsm`` as the TIS function sees it: which tokens OPSM has already taken out.
+"""slime's ``--use-opsm`` as the TIS function sees it: which tokens OPSM has already zeroed.
 
-slime multiplies OPSM's mask into ``pg_loss`` before calling the TIS function and passes neither the mask nor the
-advantages. OPSM zeroes token ``t`` where ``A_t < 0`` and the sample's mean ``lp_anchor - lp_theta`` exceeds
-``--opsm-delta``; with slime's PPO term and ``eps_clip < 1`` a valid token with ``A_t < 0`` has ``pg_loss_t > 0``
-unless OPSM zeroed it, so ``opsm_t = valid_t and A_t < 0 and pg_loss_t == 0`` (``A``: the advantages the
-rollout-data hook registered). Estimators whose loss is 0 wherever ``lp_theta = 0`` (CISPO, REINFORCE) do not allow
-this and are refused.
+slime multiplies OPSM's mask into ``pg_loss`` and passes neither the mask nor the advantages; with its PPO term
+and ``eps_clip < 1`` a valid token with ``A_t < 0`` has ``pg_loss_t > 0`` unless OPSM zeroed it, so
+``opsm_t = valid_t and A_t < 0 and pg_loss_t == 0`` (``A``: the advantages the rollout-data hook registered).
+Estimators whose loss is 0 wherever ``lp_theta = 0`` are refused.
 """
 
 from __future__ import annotations
@@ -42,9 +40,10 @@ def opsm_rejected(pg_loss: Tensor, advantages: Tensor, valid: Tensor) -> Tensor:
     return valid & (advantages.to(pg_loss.device) < 0) & (pg_loss.detach() == 0)
 
 
-def registered_advantages(registry: Any, loss_masks: Any, cat_local: Any) -> Tensor:
-    """The micro-batch's CP-local advantages registered by the rollout-data hook (raises naming the fix)."""
-    adv = registry.advantages(loss_masks)
-    if adv is None:
+def registered_advantages(registered: dict, loss_masks: Any, cat_local: Any) -> Tensor:
+    """The micro-batch's CP-local advantages registered by the rollout-data hook (``STATE.advantages``: id of a
+    loss-mask tensor -> ``(mask, advantages)``); raises naming the fix when one is missing."""
+    entries = [registered.get(id(m)) for m in loss_masks]
+    if any(e is None or e[0] is not m for e, m in zip(entries, loss_masks)):
         raise ValueError(NEEDS_ADVANTAGES)
-    return cat_local("advantages", adv) if adv else torch.zeros(0)
+    return cat_local("advantages", [e[1] for e in entries]) if entries else torch.zeros(0)

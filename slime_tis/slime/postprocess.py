@@ -1,42 +1,29 @@
 """slime ``--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data``.
 
-slime calls ``fn(args, rollout_id, rollout_data)`` in every training process after the old / ref log-probs and the
-advantages are computed and before the rollout's first training step; ``rollout_data`` holds this DP rank's
-samples as per-sample lists (log-probs CP-local, ``loss_masks`` full length). Modifying nothing, it computes what
-the per-micro-batch hooks cannot see, once per rollout, into :data:`~slime_tis.slime.state.STATE`:
-
-1. each sample's rollout (``rollout_ids``; and its advantages with ``--use-opsm``) and, with
-   ``tis_rejected_denominator: drop``, how each rollout's kept-token count reaches the loss
-   (:mod:`slime_tis.slime.kept`);
-2. algorithm 2's global batch-normalisation factor (``tis_batch_normalize``): ``sum kept units / sum of their
-   unnormalised weights`` over the rollout's samples of every DP rank (one all-reduce; DP x CP for token units),
-   from the same correction from pi_old as ``drop``'s counts (computed once for both);
-3. the log-prob dump (``tis_dump_dir``): this rank's full responses appended to
-   ``<tis_dump_dir>/logprobs_dp<rank>.jsonl`` (docs/dump_format.md), and the previous rollout's training log-probs
-   recorded by the custom loss (:func:`flush_recorded_train_log_probs`).
-
-2 and 3 need ``rollout_data['log_probs']`` (slime's pi_old recompute; ``--get-mismatch-metrics`` forces it).
-Pipeline stages other than the last hold no log-probs and only take part in the collectives.
+slime calls ``fn(args, rollout_id, rollout_data)`` on every training rank before the rollout's first step
+(``rollout_data``: this DP rank's samples, log-probs CP-local, ``loss_masks`` full length). Modifying nothing, it
+registers the advantages for ``--use-opsm``, checks ``drop``'s rollouts (:mod:`slime_tis.slime.kept`), computes
+algorithm 2's global batch-normalisation factor from pi_old (one all-reduce) and writes the log-prob dumps
+(docs/dump_format.md). Pipeline stages other than the last hold no log-probs and take part in the collectives.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from slime_tis.core.algorithms import algorithm_of
+from slime_tis.core.correction import TISResult
 from slime_tis.core.weights import normalisation_factor_over
 from slime_tis.engine.parallel import ParallelContext, parallel_context
+from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import step_batch_norm
-from slime_tis.slime.batch import SlimePacked, gather_full_responses, pack_slime_batch
+from slime_tis.slime.batch import SlimePacked, pack_slime_batch
 from slime_tis.slime.config import SlimeView, slime_view
-from slime_tis.slime.custom_options import check_custom_options
-from slime_tis.slime.kept import pi_old_correction, plan_rollout_drop
+from slime_tis.slime.kept import check_drop_config, check_one_sample_rollouts, drop_applies
 from slime_tis.slime.opsm import check_opsm
-from slime_tis.slime.rollouts import unit_keys
 from slime_tis.slime.state import STATE
 from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
@@ -62,28 +49,23 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     want_norm = step_batch_norm(cfg)
     flush_recorded_train_log_probs(args)  # the previous rollout's recorded training log-probs (algorithm 3)
     STATE.new_rollout()
-    if not row.ppo:  # the custom loss: its refusals before anything is counted
-        check_custom_options(view, cfg.rejected_denominator == "drop")
-    else:  # slime's own PPO loss (OPSM is applied there)
+    check_drop_config(view)
+    if row.ppo:  # slime's own PPO loss (OPSM is applied there)
         check_opsm(view)
         if want_norm and view.use_opsm:
             raise ValueError("tis_batch_normalize with --use-opsm: the global factor is fixed before training, but "
                              "OPSM's rejections depend on each step's parameters; use one of the two")
-    masks = rollout_data.get("loss_masks") or []
-    positions = rollout_data.get("partition")
-    units = unit_keys(rollout_data, range(len(masks)) if positions is None else positions)
-    STATE.rollouts.register(masks, units, rollout_data.get("advantages") if view.use_opsm and row.ppo else None)
+        if view.use_opsm and rollout_data.get("advantages") is not None:
+            STATE.advantages.update({id(m): (m, a) for m, a in zip(rollout_data["loss_masks"],
+                                                                    rollout_data["advantages"])})
     if view.recording:
         STATE.recorder.start_rollout(rollout_id, rollout_data)
     else:
         STATE.recorder.clear()
     ctx = parallel_context()
-    # the rollout's correction from pi_old, computed at most once for drop's counts and the batch normalisation
-    whole = functools.cache(lambda: pi_old_correction(view, rollout_data, rollout_data["log_probs"], ctx))
-    if cfg.rejected_denominator == "drop" and row.corrects and cfg.loss_agg == "seq-mean-token-mean":
-        STATE.drop_plan = plan_rollout_drop(view, rollout_data, ctx, STATE.rollouts, whole)
-        if STATE.drop_plan.hook_steps:
-            STATE.rollout_data = rollout_data  # for the step hook's forward passes (released after the last)
+    if drop_applies(cfg):
+        check_one_sample_rollouts(rollout_data, ctx.reducer)
+        STATE.drop_checked = True
     dump_dir = view.tis_dump_dir
     if not want_norm and not dump_dir:
         return
@@ -92,7 +74,7 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     if not _needs_log_probs(view, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
         return
     if want_norm:
-        packed, res = whole()
+        packed, res = _pi_old_correction(view, rollout_data, ctx)
         STATE.rollout_id, STATE.batch_norm_key = rollout_id, cfg
         STATE.batch_norm_factor = normalisation_factor_over(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
     else:
@@ -103,6 +85,19 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
               {"train_policy": "old", "algorithm": cfg.algorithm, "writer": "slime_tis.slime"})
 
 
+def _pi_old_correction(view: SlimeView, data: dict[str, Any], ctx: ParallelContext) -> tuple[SlimePacked, TISResult]:
+    """The rollout's correction from pi_old (``data['log_probs']``) against the rollout log-probs, without batch
+    normalisation (non-finite advantages reject their sequence, as in the loss): ``(packed samples, result)``."""
+    packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
+                              ctx.cp_rank, ctx.cp_size)
+    device = packed.full_mask.device
+    adv = data.get("advantages")
+    batch = packed.tis_batch(rollout_log_probs=packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(
+        device), old_log_probs=packed.cat_local("log_probs", data["log_probs"]).to(device),
+        advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
+    return packed, StepEngine(view.cfg.replace(batch_normalize=False), ctx.reducer).correct(batch, batch.old_log_probs)
+
+
 def _dump(packed: SlimePacked, data: dict[str, Any], rollout_id: Any, ctx: ParallelContext, path: Path,
           meta: dict[str, Any], train: list | None = None, samples: list[int] | None = None) -> int:
     """Append ``data``'s samples (``samples``: these only) to the dump at ``path``: the training log-probs
@@ -111,9 +106,9 @@ def _dump(packed: SlimePacked, data: dict[str, Any], rollout_id: Any, ctx: Paral
     device = packed.full_mask.device
     local = packed.cat_local("log_probs", data["log_probs"]) if train is None else packed.cat_local(
         "recorded log-probs", train)
-    train_full = gather_full_responses(packed, local.to(device), ctx.reducer)
+    train_full = packed.gather_full(local.to(device), ctx.reducer)
     rollout_local = packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(device)
-    rollout_full = gather_full_responses(packed, rollout_local, ctx.reducer)
+    rollout_full = packed.gather_full(rollout_local, ctx.reducer)
     keep = list(range(len(train_full))) if samples is None else samples
     if not keep or ctx.cp_rank != 0 or ctx.tp_rank != 0:
         return 0

@@ -1,10 +1,7 @@
-"""The training log-probs the algorithm-3 custom loss records (YAML key ``tis_record_train_log_probs``).
+"""The training log-probs the algorithm-3 custom loss records (``tis_record_train_log_probs``; docs/slime.md).
 
-With algorithm 3 slime runs no pi_old recompute, so no dump has training log-probs. :class:`TrainLogProbRecorder`
-(``STATE.recorder``) keeps, per sample, the detached CP-local ``log pi_theta`` of the first loss that saw it (a
-replay under ``--recompute-loss-function`` is ignored; no host synchronisation in the loss) and hands it to
-slime's ``--save-debug-train-data`` capture; the rollout-data hook of the next rollout writes this package's dump
-of it (:func:`slime_tis.slime.postprocess.flush_recorded_train_log_probs`).
+Per sample the detached CP-local ``log pi_theta`` of the first loss that saw it, handed to slime's
+``--save-debug-train-data`` capture and written by the next rollout's rollout-data hook.
 """
 
 from __future__ import annotations

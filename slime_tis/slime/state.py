@@ -1,9 +1,5 @@
-"""The slime hooks' one process-wide state (:data:`STATE`), with one :meth:`SlimeState.clear`.
-
-slime calls the hooks by path, one at a time, in one training process, and drops unknown keys from
-``rollout_data`` before the loss; what a later hook needs from an earlier one is kept here: the rollout's
-global scalars (algorithm 2's batch-normalisation factor, ``drop``'s plan and counts), each sample's rollout, the
-step's exact-metric records, the recorded training log-probs, the arguments read once and the warnings given.
+"""The slime hooks' one process-wide state (:data:`STATE`), with one :meth:`SlimeState.clear`: what a later hook
+needs from an earlier one (slime calls them by path and drops unknown ``rollout_data`` keys).
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ from slime_tis.engine.totals import StepTotals
 from slime_tis.slime.compat import slime_function_params, slime_source
 from slime_tis.slime.metrics import ExactMetricsCollector
 from slime_tis.slime.record import TrainLogProbRecorder
-from slime_tis.slime.rollouts import RolloutRegistry
 
 __all__ = ["SlimeState", "STATE"]
 
@@ -27,17 +22,16 @@ __all__ = ["SlimeState", "STATE"]
 @dataclass
 class SlimeState:
     """Per rollout (reset by :meth:`new_rollout`): ``rollout_id``, its ``batch_norm_factor`` (or None) and the
-    ``TISConfig`` it was computed for, the samples' ``rollouts``, the ``drop_plan`` (or None) and, for the step
-    hook's counting passes, the ``rollout_data``. Per process: the exact-metric ``collector``, the training
-    log-prob ``recorder``, the ``views`` read from slime's arguments (:func:`slime_tis.slime.config.slime_view`),
+    ``TISConfig`` it was computed for, ``drop_checked`` (:mod:`slime_tis.slime.kept`) and the ``advantages`` of
+    each loss-mask tensor (``id(mask) -> (mask, advantages)``). Per process: the exact-metric ``collector``, the
+    training log-prob ``recorder``, the ``views`` of slime's arguments (:func:`slime_tis.slime.config.slime_view`),
     the configurations ``described`` in the log and the ``warned`` keys."""
 
     rollout_id: object = None
     batch_norm_factor: Tensor | None = None
     batch_norm_key: object = None
-    rollouts: RolloutRegistry = field(default_factory=RolloutRegistry)
-    drop_plan: Any = None  # slime_tis.slime.kept.DropPlan
-    rollout_data: dict | None = None
+    drop_checked: bool = False
+    advantages: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     collector: ExactMetricsCollector = field(default_factory=ExactMetricsCollector)
     recorder: TrainLogProbRecorder = field(default_factory=TrainLogProbRecorder)
     views: dict[tuple, Any] = field(default_factory=dict)
@@ -45,10 +39,10 @@ class SlimeState:
     warned: set[str] = field(default_factory=set)
 
     def new_rollout(self) -> None:
-        """Forget the previous rollout's scalars, samples and data (the rollout-data hook, before each rollout)."""
+        """Forget the previous rollout's scalars and samples (the rollout-data hook, before each rollout)."""
         self.rollout_id = self.batch_norm_factor = self.batch_norm_key = None
-        self.rollouts.clear()
-        self.drop_plan = self.rollout_data = None
+        self.drop_checked = False
+        self.advantages.clear()
 
     def clear(self) -> None:
         """Forget everything: the rollout, unflushed records, recordings, views, warnings and slime probes."""
@@ -72,10 +66,8 @@ class SlimeState:
 
     def engine(self, cfg: Any, reducer: Any, device: torch.device, *, batch_norm_factor: Tensor | None = None,
                host_kl: bool = False) -> StepEngine:
-        """The step engine of one hook call. slime aggregates the loss itself (per-rollout means), so the totals
-        are the host's: denominator 1 (the custom loss folds slime's means into per-token coefficients on the
-        advantages and takes one token sum) and the rollout's batch-normalisation factor; its records go to
-        :attr:`collector`; ``host_kl``: the custom loss adds slime's KL term."""
+        """The step engine of one hook call: slime aggregates the loss itself, so the totals are denominator 1 and the
+        rollout's batch-normalisation factor; its records go to :attr:`collector`."""
         one = torch.ones((), device=device)  # a device tensor: a Python float would sync the host
         return StepEngine(cfg, reducer, totals=StepTotals(one, one, batch_norm_factor, 1),
                           collector=self.collector.records, host_kl=host_kl)

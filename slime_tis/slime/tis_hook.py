@@ -1,27 +1,13 @@
 """slime ``--custom-tis-function-path slime_tis.slime.compute_tis_for_slime``.
 
-slime calls it once per micro-batch inside ``policy_loss_function`` (with ``--use-tis`` or
-``--get-mismatch-metrics``)::
-
-    pg_loss, masks, metrics = fn(args, pg_loss=..., train_log_probs=..., rollout_log_probs=...,
-                                 loss_masks=..., total_lengths=..., response_lengths=...)
-
-``pg_loss``: ``[T_local]`` flat CP-local per-token PPO loss (already clipped); ``train_log_probs`` /
-``rollout_log_probs``: per-sample CP-local ``[T_i]`` (zigzag chunks; ``train`` = pi_old, or the detached current
-log-probs where slime skipped the recompute); ``loss_masks``: per-sample full-length ``[R_i]``. It returns the new
-flat ``pg_loss`` (``w * pg_loss`` for algorithm 2; 0 at rejected tokens, by selection), full-length masks with the
-rejected tokens zeroed (slime's reducer divides by the original counts) and flat CP-local token-shaped metrics
-(:func:`slime_tis.slime.metrics.token_metrics`). Algorithm 0 (``--get-mismatch-metrics`` only): metrics only;
-algorithm 1 (``--use-rollout-logprobs``): rejection only; algorithm 2 (``--use-tis``): weights and rejection.
-
-The numbers are the step engine's correction of the packed CP-local tokens (``StepEngine.correct``, the CP
-reducer: one CP all-reduce for the sums, one for the full-length masks, every CP rank for every sample). Tokens
-slime's ``--use-opsm`` zeroed are counted as rejected in the metrics and ``drop``'s counts, their loss stays 0, and
-the returned masks keep them unless a rule rejects them (slime's entropy / KL / reducer masks, as with slime's own
-OPSM; :mod:`slime_tis.slime.opsm`). ``drop`` scales each rollout's
-loss by ``N_g / K_g`` (:mod:`slime_tis.slime.kept`); algorithm 2's batch normalisation uses the rollout's factor
-(:mod:`slime_tis.slime.postprocess`). slime's loss computes the surrogate and the KL / entropy terms itself:
-``tis_loss_mode`` other than ``ppo_clip`` and the ``tis_kl_coef`` / ``tis_entropy_coef`` keys are refused.
+slime calls it per micro-batch inside ``policy_loss_function`` (``--use-tis`` or ``--get-mismatch-metrics``) as
+``fn(args, pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=, total_lengths=, response_lengths=)``:
+``pg_loss`` ``[T_local]`` flat CP-local (PPO-clipped), log-probs per-sample CP-local ``[T_i]`` (``train``: pi_old,
+or the detached current log-probs), ``loss_masks`` per-sample full-length ``[R_i]``. It returns ``(pg_loss, masks,
+metrics)``: ``w * pg_loss`` (algorithm 2; ``pg_loss`` for 1), 0 at rejected tokens, by selection; full-length masks
+with the rejected tokens zeroed (slime still divides by the original counts); token-shaped ``tis/`` metrics.
+Algorithm 0 returns its inputs and the metrics. Tokens slime's OPSM zeroed count as rejected but stay in the masks
+(:mod:`slime_tis.slime.opsm`); ``drop`` rescales each rollout by ``N_g / K_g`` (:mod:`slime_tis.slime.kept`).
 """
 
 from __future__ import annotations
@@ -36,13 +22,12 @@ from slime_tis.config import TISConfig
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.totals import step_batch_norm
-from slime_tis.slime.batch import SlimePacked, pack_slime_batch
+from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import slime_view
-from slime_tis.slime.kept import check_drop_config, drop_applies
+from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
 from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
-from slime_tis.slime.rollouts import NEEDS_HOOK, rollout_part_counts
 from slime_tis.slime.state import STATE
 
 __all__ = ["compute_tis_for_slime"]
@@ -58,23 +43,6 @@ def _batch_norm_factor(cfg: TISConfig) -> Tensor | None:
             "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"
         )
     return STATE.batch_norm_factor
-
-
-def _drop_scale(loss_masks: Sequence[Tensor], train_log_probs: Sequence[Tensor], packed: SlimePacked,
-                masks: list[Tensor]) -> Tensor:
-    """``[n]`` float32 ``N_g / K_g`` per sample (slime divides by ``N_g``), see :mod:`slime_tis.slime.kept`."""
-    plan = STATE.drop_plan
-    if plan is None:
-        raise ValueError(NEEDS_HOOK)
-    if plan.counted:
-        counted = STATE.rollouts.counted(loss_masks, train_log_probs if plan.from_pi_old else None)
-        if counted is None:
-            raise RuntimeError("tis_rejected_denominator = 'drop': the kept counts were taken from slime's pi_old "
-                               "before training, but the TIS function got other train_log_probs")
-        counts = counted[1]
-        return counts[:, 0] / counts[:, 1].clamp(min=1.0)
-    n_part, k_part = rollout_part_counts(packed, masks, STATE.rollouts.group_index(loss_masks))
-    return n_part / k_part.clamp(min=1.0)  # local: every rollout is one sample, whole in this micro-batch
 
 
 def compute_tis_for_slime(
@@ -100,6 +68,8 @@ def compute_tis_for_slime(
         )
     check_slime_terms(cfg, own_loss=True)
     check_drop_config(view)
+    if drop_applies(cfg) and not STATE.drop_checked:
+        raise ValueError(NEEDS_HOOK)
     check_opsm(view)
     ctx = parallel_context()
     packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)
@@ -113,7 +83,7 @@ def compute_tis_for_slime(
     factor = _batch_norm_factor(cfg)
     opsm = None
     if view.use_opsm:  # tokens slime's OPSM zeroed are not kept
-        adv = registered_advantages(STATE.rollouts, loss_masks, packed.cat_local)
+        adv = registered_advantages(STATE.advantages, loss_masks, packed.cat_local)
         opsm = opsm_rejected(pg_loss, adv.to(pg_loss.device), packed.local_mask)
     # pg_loss stands in for the advantages and lp_theta: a non-finite value at a valid token rejects its sequence
     batch = packed.tis_batch(advantages=pg_loss.detach(), rollout_log_probs=lp_rollout, old_log_probs=lp_train)
@@ -130,8 +100,8 @@ def compute_tis_for_slime(
     zero = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
     new_loss = pg_loss * res.weights.to(pg_loss.dtype) if row.weighted else pg_loss
     masks = packed.full_keep_masks(keep, ctx.reducer)
-    if drop_applies(cfg):
-        scale = _drop_scale(loss_masks, train_log_probs, packed, masks)
+    if drop_applies(cfg):  # slime divides by N_g = n_i (kept.py): rescale each sample by n_i / K_g
+        scale = packed.counts() / packed.counts(masks).clamp(min=1.0)
         new_loss = new_loss * scale[packed.local_sample_index()].to(pg_loss.dtype)
     new_loss = torch.where(keep, new_loss, zero)
     if opsm is not None:  # OPSM's tokens stay in slime's entropy, KL and reducer masks, as with slime's own OPSM

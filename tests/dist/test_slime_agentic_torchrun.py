@@ -1,10 +1,10 @@
 """Agentic rollouts under slime's packing in 2 real processes (torchrun, gloo, megatron parallel_state).
 
 The single-process harness of tests/test_slime_agentic.py (tests/_slime_sim.py: slime's ``build_dp_schedule``,
-pi_old recompute, rollout-data hook, before-train-step hook, micro-batch losses, an optimizer step between
+pi_old recompute, rollout-data hook, micro-batch losses, an optimizer step between
 steps) runs on each rank with its share of the work, for three layouts of the two processes:
 
-* DP = 2: each rank its partition of the rollout batch (multi-sample rollouts on both ranks), static
+* DP = 2: each rank its partition of the rollout batch (multi-sample rollouts on both ranks with ``keep``), static
   ``--micro-batch-size 1`` and dynamic batching, with and without ``raw_reward``;
 * CP = 2: every sample split in slime's zigzag chunks;
 * TP = 2 (custom loss): vocabulary-parallel logits.
@@ -26,7 +26,6 @@ from _launch import torchrun
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
-HOOK = "slime_tis.slime.before_train_step"
 
 
 @pytest.mark.dist
@@ -64,15 +63,11 @@ def _worker(out: Path) -> None:
     tok = dict(tis_mode="mask", tis_level="token", tis_upper_bound=1.3)
     seq = dict(tis_mode="truncate", tis_level="sequence", tis_upper_bound=1.5, tis_rs_level="sequence",
                tis_rs_upper_bound=3.0)
-    cases = {  # name: (args, steps, one-sample rollouts)
-        "a3_drop_geo_2steps": (custom_loss_args(tis_rejected_denominator="drop",
-                                                custom_megatron_before_train_step_hook_path=HOOK, **geo), 2, False),
-        "a3_drop_tok_1step": (custom_loss_args(tis_rejected_denominator="drop", get_mismatch_metrics=True, **tok),
-                              1, False),
+    cases = {  # name: (args, steps, one-sample rollouts); drop needs one-sample rollouts
+        "a3_drop_geo_2steps": (custom_loss_args(tis_rejected_denominator="drop", **geo), 2, True),
         "a3_keep_seq_2steps": (custom_loss_args(**seq), 2, False),
-        "a2_drop_geo_1step": (slime_args(use_tis=True, get_mismatch_metrics=True, tis_rejected_denominator="drop",
-                                         **geo), 1, False),
-        "a2_drop_tok_2steps": (slime_args(use_tis=True, tis_rejected_denominator="drop", **tok), 2, False),
+        "a2_keep_geo_1step": (slime_args(use_tis=True, get_mismatch_metrics=True, **geo), 1, False),
+        "a2_drop_tok_2steps": (slime_args(use_tis=True, tis_rejected_denominator="drop", **tok), 2, True),
         "a2_opsm_drop_1sample": (slime_args(use_tis=True, get_mismatch_metrics=True, use_opsm=True, opsm_delta=1e-3,
                                             tis_rejected_denominator="drop", **tok), 2, True),
     }

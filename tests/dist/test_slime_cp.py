@@ -11,13 +11,15 @@ put back together must equal the core on the unsplit batch (computed on every ra
   and a custom pg-loss reducer (CP-local, as slime hands it), and with ``--allgather-cp`` (slime's contiguous
   chunks of the concatenated micro-batch, padded to a multiple of CP);
 * rollout-data hook: the global batch-normalisation factor, and the dump (full responses);
-* then, re-initialised as DP = 2: ``drop`` with rollouts whose samples lie on different DP ranks (kept counts
-  summed over DP by the rollout-data hook), the DP-summed loss equals the rollout means.
+* then, re-initialised as DP = 2: ``keep`` with rollouts whose samples lie on different DP ranks and ``drop``
+  with one-sample rollouts, the DP-summed loss equals the rollout means; ``drop`` with a rollout of several
+  samples on one rank is refused on both ranks.
 
 The batch has a sample whose response lies entirely on CP rank 0 (rank 1 must still join every
 collective for it), one-token responses, tool tokens, NaN/inf traps and a catastrophic token; its six
-samples form four rollouts (two of them agentic, several samples each), so ``keep`` / ``drop`` are checked
-against slime's per-rollout reducer (``rollout_mask_sums``) and the rollout means of tests/_slime_oracle.py.
+samples form four rollouts (two of them agentic, several samples each; six one-sample rollouts for ``drop``), so
+``keep`` / ``drop`` are checked against slime's per-rollout reducer (``rollout_mask_sums``) and the rollout means
+of tests/_slime_oracle.py.
 
 Run directly: ``python -m torch.distributed.run --nproc-per-node 2 tests/dist/test_slime_cp.py --out DIR``.
 """
@@ -73,8 +75,13 @@ def _worker(out: Path) -> None:
     cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
     assert cp == 2
     b = make_batch(21, vocab=13)
-    b.rollout_ids = [0, 0, 1, 2, 2, 3]  # rollouts 0 and 2 have two samples; sample 1 lies on CP rank 0 only
+    agentic = [0, 0, 1, 2, 2, 3]  # rollouts 0 and 2 have two samples; sample 1 lies on CP rank 0 only
+    b.rollout_ids = agentic
     checks: dict[str, float] = {}
+
+    def use_rollouts(kw: dict) -> None:
+        """``drop`` needs one-sample rollouts."""
+        b.rollout_ids = None if kw.get("tis_rejected_denominator") == "drop" else agentic
 
     def err(a: torch.Tensor, e: torch.Tensor) -> float:
         a, e = a.double(), e.double()
@@ -109,9 +116,10 @@ def _worker(out: Path) -> None:
     }
     train_local = b.local("train", cp_rank, cp)  # pi_old, the same tensor objects for both hooks
     for name, kw in tis_cases.items():
+        use_rollouts(kw)
         args = args_ns(**kw)
         cfg = tis_config_from_slime_args(args)
-        postprocess_rollout_data(args, 0, b.rollout_data() | {  # registers each sample's rollout; drop: counts
+        postprocess_rollout_data(args, 0, b.rollout_data() | {
             "log_probs": train_local, "rollout_log_probs": b.local("rollout", cp_rank, cp)})
         pg_local = b.local_flat("pg_loss", cp_rank, cp)
         new, masks, metrics = compute_tis_for_slime(
@@ -124,11 +132,11 @@ def _worker(out: Path) -> None:
         else:
             w = ref.weights if cfg.applies_weights else torch.ones_like(ref.weights)
             exp_new = torch.where(ref.keep_mask, b.packed("pg_loss") * w, torch.zeros(()))
-            if cfg.rejected_denominator == "drop":  # per rollout: valid / kept tokens of all its samples
-                rid = torch.tensor(b.rollout_ids)[ref.ratios.seq_id]
-                valid_g = torch.zeros(4).index_add_(0, rid, (b.packed("masks") != 0).float())
-                kept_g = torch.zeros(4).index_add_(0, rid, ref.keep_mask.float())
-                exp_new = exp_new * (valid_g / kept_g.clamp(min=1))[rid]
+            if cfg.rejected_denominator == "drop":  # per sample: valid / kept tokens
+                sid = ref.ratios.seq_id
+                valid = torch.zeros(len(b.masks)).index_add_(0, sid, (b.packed("masks") != 0).float())
+                kept = torch.zeros(len(b.masks)).index_add_(0, sid, ref.keep_mask.float())
+                exp_new = exp_new * (valid / kept.clamp(min=1))[sid]
             exp_masks = b.packed("masks") * ref.keep_mask
         full_new = cp_sum(b.scatter_local(torch.nan_to_num(new, nan=0.0), cp_rank, cp))
         checks[f"{name}/pg_loss"] = err(full_new, torch.nan_to_num(exp_new, nan=0.0))
@@ -193,14 +201,17 @@ def _worker(out: Path) -> None:
     batch = {"unconcat_tokens": b.tokens, "total_lengths": b.total_lengths, "response_lengths": b.response_lengths,
              "loss_masks": b.masks, "advantages": b.local("advantages", cp_rank, cp),
              "rollout_log_probs": b3.local("rollout", cp_rank, cp), "rollout_mask_sums": b.rollout_mask_sums()}
-    # slime's pi_old (--get-mismatch-metrics): the policy's log-probs, from which drop counts before training
+    # slime's pi_old (--get-mismatch-metrics): the policy's log-probs
     pi_old = dataclasses.replace(b, train=[lp.detach() for lp in policy_log_probs(sample_logits)])
     data3 = b.rollout_data() | {"log_probs": pi_old.local("train", cp_rank, cp), "advantages": batch["advantages"],
                                 "rollout_log_probs": batch["rollout_log_probs"]}
     for name, kw in loss_cases.items():
+        use_rollouts(kw)
+        batch["rollout_mask_sums"] = b.rollout_mask_sums()
         args = args_ns(use_rollout_logprobs=True, get_mismatch_metrics=True, rollout_temperature=temp,
                        loss_type="custom_loss", custom_loss_function_path="slime_tis.slime.reinforce_is_loss", **kw)
-        postprocess_rollout_data(args, 0, data3)
+        postprocess_rollout_data(args, 0, data3 | {"rollout_ids": b.rollouts, "rollout_mask_sums": batch[
+            "rollout_mask_sums"]})
         for lg in sample_logits:
             lg.grad = None
         loss, _ = reinforce_is_loss(args, batch, allgather_logits if kw.get("allgather_cp") else local_logits,
@@ -223,6 +234,8 @@ def _worker(out: Path) -> None:
         if kw.get("tis_mode") == "mask":  # rejections beyond sample 2 (a NaN at a valid token rejects it whole)
             checks[f"{name}/some_rejected"] = 0.0 if sum(rejected) > rejected[2] else float("inf")
         COLLECTOR.flush()
+    b.rollout_ids = agentic
+    batch["rollout_mask_sums"] = b.rollout_mask_sums()
 
     # ------------------------------------ custom loss with slime's OPSM, unbiased KL and a custom pg-loss reducer
     import sys
@@ -300,14 +313,22 @@ def _worker(out: Path) -> None:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel()  # the same 2 processes as DP = 2, CP = 1
     dp_group = ps.get_data_parallel_group()
-    part = [0, 2, 4] if ps.get_data_parallel_rank() == 0 else [1, 3, 5]  # rollouts 0 and 2 span both ranks
-    mb = b.subset(part)
-    data = mb.rollout_data() | {"log_probs": mb.train, "partition": part, "raw_reward": [0.0] * len(b.masks)}
-    for denominator in ("keep", "drop"):
+    part = [0, 2, 4] if ps.get_data_parallel_rank() == 0 else [1, 3, 5]  # agentic rollouts 0 and 2 span both ranks
+    for denominator, rollout_ids in (("keep", agentic), ("drop", None), ("drop", [0, 1, 0, 2, 3, 4])):
+        b.rollout_ids = rollout_ids
+        mb = b.subset(part)
+        data = mb.rollout_data() | {"log_probs": mb.train, "partition": part, "raw_reward": [0.0] * len(b.masks)}
         args = args_ns(use_tis=True, get_mismatch_metrics=True, tis_mode="mask", tis_level="token", tis_upper_bound=1.3,
                        tis_rejected_denominator=denominator)
         cfg = tis_config_from_slime_args(args)
-        postprocess_rollout_data(args, 0, data)  # drop: counts each rollout's kept tokens over both DP ranks
+        if denominator == "drop" and rollout_ids:  # rollout 0 = samples 0 and 2, both on rank 0: both ranks refuse
+            try:
+                postprocess_rollout_data(args, 0, data)
+                checks["dp2_drop_multi/refused"] = float("inf")
+            except ValueError as e:
+                checks["dp2_drop_multi/refused"] = 0.0 if "rollouts of several samples" in str(e) else float("inf")
+            continue
+        postprocess_rollout_data(args, 0, data)
         new, masks, _ = compute_tis_for_slime(
             args, pg_loss=mb.packed("pg_loss"), train_log_probs=mb.train, rollout_log_probs=mb.rollout,
             loss_masks=mb.masks, total_lengths=mb.total_lengths, response_lengths=mb.response_lengths)
