@@ -193,7 +193,7 @@ def vocab_parallel_log_probs_and_entropy(
     lp = ent = None
     if support is not None:
         ids, offsets = check_support(support, flat_targets.numel())
-        support_kernels = dispatch.triton_module("logprobs", "slime_tis.kernels.logprobs_support", logits.device,
+        support_kernels = dispatch.triton_module("logprobs", "slime_tis.kernels.logprobs", logits.device,
                                                  kernels)
         if support_kernels is not None:
             try:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slime_tis.kernels.logprobs_torch import CHUNK_SIZE
+
 __all__ = ["CHUNK_SIZE", "LogProbSettings", "OUTPUT_LAYER_MODES", "SAMPLING_SUPPORT_MODES", "output_layer_of"]
 
 #: The model's output-layer modes: ``None`` (as built), ``"fp32"``, ``"fused"``.
@@ -33,9 +35,6 @@ def output_layer_of(fused_output_layer: bool = False, fp32_lm_head: bool = False
                          "the LM head with float32 accumulation; set one of them")
     return "fused" if fused_output_layer else "fp32" if fp32_lm_head else None
 
-
-#: rows per log-softmax chunk (``LogProbSettings.chunk_size``): the one default of every host's ``chunk_size``
-CHUNK_SIZE = 1024
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,6 @@
-"""The torch backward of token log-probs and entropies from vocab-parallel logits (no communication).
-
-Rank ``r`` of the tensor-parallel group holds the logit columns ``[vocab_start, vocab_start + Vp)``; with
-``x = z / tau``, the global ``logZ`` and entropy ``H`` saved by the forward, ``p_v = exp(x_v - logZ)``, target
-``y`` and upstream gradients ``g_lp``, ``g_H`` (all ``[T]``):
-
-    d lp / d x_v = [v = y] - p_v
-    d H  / d x_v = -p_v (x_v - logZ + H)
-    d L  / d z_v = (g_lp ([v = y] - p_v) - g_H p_v (log p_v + H)) / tau
-
-``log p`` is clamped at ``LOGP_MIN`` (``p`` is exactly 0 in float32 below about -104), so a -inf logit gives a
-zero gradient for any upstream gradient; rows whose upstream gradients are both 0 (masked, rejected tokens)
-or outside ``keep`` get exact zeros (selected, never ``0 * NaN``). Shared by the torch path
-(:mod:`slime_tis.engine.logprobs`) and the Triton kernel's fallback (:mod:`slime_tis.kernels.logprobs`);
-it takes tensors only, no process group.
+"""The torch backward of token log-probs and entropies from vocab-parallel logits (no communication): the torch
+path's (:mod:`slime_tis.engine.logprobs`) and the Triton kernels' fallback. Formula: docs/kernels.md, "What the
+kernels compute"; rows without upstream gradient or outside ``keep`` get exact zeros (selected, never ``0 * NaN``).
 """
 
 from __future__ import annotations
@@ -20,8 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["LOGP_MIN", "fp32_chunk", "grad_logits"]
+__all__ = ["CHUNK_SIZE", "LOGP_MIN", "fp32_chunk", "grad_logits"]
 
+#: rows per log-softmax chunk: the one default of every ``chunk_size`` of the log-prob path
+CHUNK_SIZE = 1024
 LOGP_MIN = -200.0  # log p clamp in the backward: exp(-200) == 0 in float32, and (log p + H) stays finite
 
 
@@ -38,13 +28,9 @@ def fp32_chunk(logits: Tensor, start: int, end: int, temperature: float) -> Tens
 def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tensor, entropy: Tensor,
                 keep: Tensor | None, grad_lp: Tensor | None, grad_h: Tensor | None, *, temperature: float,
                 chunk_size: int, with_entropy: bool) -> Tensor:
-    """``dL/dz [T, Vp]`` in the logits' dtype, ``chunk_size`` rows at a time (formula: module docstring).
-
-    ``safe_idx`` / ``in_shard [T]``: the target's column in this shard (0 when not in it) / whether it is;
-    ``logZ``, ``H [T]``: global, from the forward; ``keep [T]``: the row mask or ``None``. The torch backward of
-    :func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy` and the fallback of the Triton
-    kernel's backward (:mod:`slime_tis.kernels.logprobs`).
-    """
+    """``dL/dz [T, Vp]`` in the logits' dtype, ``chunk_size`` rows at a time. ``safe_idx`` / ``in_shard [T]``: the
+    target's column in this shard (0 when not in it) / whether it is; ``logZ``, ``H [T]``: global, from the forward;
+    ``keep [T]``: the row mask or ``None``."""
     n_tok = logits.shape[0]
     grad = torch.empty_like(logits)
     g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
