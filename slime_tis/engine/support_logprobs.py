@@ -79,7 +79,7 @@ class SupportLogProbEntropy(torch.autograd.Function):
         rows = support_rows(ids, offsets, targets, vocab_start, vp)
         x = logits.detach()[rows.row, rows.col].to(torch.float32).div_(temperature)   # [S] kept logits / tau
         lp, ent, log_z = support_forward(x, rows, n_tok, group, with_entropy, keep)
-        ctx.save_for_backward(rows.row, rows.col, rows.own, rows.is_target, x, log_z, ent, keep)
+        ctx.save_for_backward(*rows, x, log_z, ent, keep)
         ctx.set_materialize_grads(False)
         ctx.shape, ctx.dtype, ctx.temperature, ctx.with_entropy = (n_tok, vp), logits.dtype, temperature, with_entropy
         return lp, ent

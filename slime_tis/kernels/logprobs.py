@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slime_tis.kernels.dispatch import KernelLaunchError, fall_back, launching
+from slime_tis.kernels.dispatch import KernelLaunchError, fall_back, group_size, launching
 from slime_tis.kernels.logprobs_torch import CHUNK_SIZE, grad_logits
 from slime_tis.kernels.support_torch import support_grad, support_rows
 
@@ -351,7 +351,7 @@ def _apply(logits, targets, ids, offsets, temperature, group, vocab_start, with_
         mask = m.contiguous().view(torch.uint8) if m.dtype == torch.bool else (m != 0).view(torch.uint8)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    tp_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    tp_size = group_size(group)
     return _LogProbEntropy.apply(logits, targets.to(torch.int64).contiguous(), ids, offsets, mask, float(temperature),
                                  group, tp_size, int(vocab_start), bool(with_entropy), block, num_warps)
 

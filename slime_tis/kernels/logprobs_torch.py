@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["CHUNK_SIZE", "LOGP_MIN", "fp32_chunk", "grad_logits"]
+__all__ = ["CHUNK_SIZE", "LOGP_MIN", "fp32_chunk", "grad_logits", "upstream"]
 
 #: rows per log-softmax chunk: the one default of every ``chunk_size`` of the log-prob path
 CHUNK_SIZE = 1024
@@ -25,6 +25,16 @@ def fp32_chunk(logits: Tensor, start: int, end: int, temperature: float) -> Tens
     return x
 
 
+def upstream(log_z: Tensor, keep: Tensor | None, grad_lp: Tensor | None, grad_h: Tensor | None,
+             with_entropy: bool) -> tuple[Tensor, bool, Tensor]:
+    """``(g_lp [T], use_h, live [T])``: ``g_lp`` (zeros where ``None``), whether ``grad_h`` counts, and the rows with
+    an upstream gradient inside ``keep``; the others get exact zeros by selection (a NaN row adds no NaN)."""
+    g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
+    use_h = with_entropy and grad_h is not None
+    live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
+    return g_lp, use_h, live if keep is None else live & keep
+
+
 def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tensor, entropy: Tensor,
                 keep: Tensor | None, grad_lp: Tensor | None, grad_h: Tensor | None, *, temperature: float,
                 chunk_size: int, with_entropy: bool) -> Tensor:
@@ -33,13 +43,7 @@ def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tenso
     ``keep [T]``: the row mask or ``None``."""
     n_tok = logits.shape[0]
     grad = torch.empty_like(logits)
-    g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
-    use_h = with_entropy and grad_h is not None
-    # rows with an upstream gradient: the others (masked, rejected tokens) get exact zeros, selected rather
-    # than multiplied by 0, so that a non-finite row (a rejected NaN log-prob) puts no NaN into the gradient
-    live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
-    if keep is not None:
-        live &= keep
+    g_lp, use_h, live = upstream(log_z, keep, grad_lp, grad_h, with_entropy)
     for start in range(0, n_tok, chunk_size):
         end = min(start + chunk_size, n_tok)
         y = fp32_chunk(logits, start, end, temperature)

@@ -1,13 +1,5 @@
-"""Float32 products of bf16 / fp16 matrices for the torch paths: exact products, float32 sums and output.
-
-A product of two bf16 (or fp16) values is exact in float32, so ``a @ b`` with float32 accumulation and a
-float32 result is the product of the float32 values of the operands, without copying them to float32:
-
-* CUDA (torch with ``out_dtype`` on ``torch.mm``): one tensor-core GEMM of the operands as they are, float32
-  output (no float32 copy of either operand, no TF32);
-* elsewhere (CPU, older torch): the operands are upcast to float32 first (the same products).
-
-float32 operands use ``torch.mm`` as it is.
+"""Float32 products of bf16 / fp16 matrices: float32 accumulation and output, exact products. On CUDA one
+tensor-core GEMM with ``out_dtype=float32`` (no float32 copies, no TF32); elsewhere the operands are upcast first.
 """
 
 from __future__ import annotations

@@ -1,44 +1,8 @@
-"""Fused output layer: token log-probs and entropies straight from the hidden states, logits never stored.
-
-Tensor-parallel rank ``r`` of ``P`` holds the output-weight rows of vocabulary ids ``[r*Vp, (r+1)*Vp)``.
-For each token ``t`` with hidden state ``h_t [H]``, temperature ``tau`` and target id ``y_t``:
-
-    z_tv  = h_t . W_v                       (float32 accumulation, one [BT, BV] tile at a time)
-    x_tv  = z_tv / tau
-    logZ_t = M_t + log S_t,   M_t = max_v x_tv,   S_t = sum_v exp(x_tv - M_t)
-    lp_t  = x_ty - logZ_t
-    H_t   = logZ_t - sum_v p_tv x_tv = log S_t - (sum_v exp(x_tv - M_t)(x_tv - M_t)) / S_t
-
-Each shard walks its vocabulary with an online log-sum-exp (running max ``m``, ``s = sum exp(x - m)``,
-``t = sum exp(x - m)(x - m)``; on a new max ``m'``: ``s <- a s + ...``, ``t <- a (t + (m - m') s) + ...``,
-``a = exp(m - m')``), then the shards combine with one all-reduce MAX of ``m [T]`` and one all-reduce SUM
-of ``[T, 3]`` (``s``, ``t`` rescaled to the global max, ``x_y`` from the owning rank): the same two small
-collectives as :func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`.
-
-Backward, given ``g_lp = dL/dlp`` and ``g_H = dL/dH`` (``p = exp(x - logZ)``)::
-
-    dL/dz_tv = ( g_lp_t ([v = y_t] - p_tv) - g_H_t p_tv (log p_tv + H_t) ) / tau
-    dL/dh_t  = sum_v dL/dz_tv W_v            (partial per shard; summed over TP)
-    dL/dW_v  = sum_t dL/dz_tv h_t
-
-computed one vocabulary chunk ``[T, C]`` of ``dL/dz`` at a time (recomputed from ``h`` and ``W``, written
-in the input dtype), then ``dL/dh += dL/dz W_chunk`` summed in float32 (no rounding between chunks; the
-last chunk stores ``dL/dh`` in the input dtype) and ``dL/dW_chunk = dL/dz^T h`` (written once): no
-``[T, V]`` tensor exists in either pass. Four GEMMs in all (forward logits, their recompute, the two
-gradients), the fewest for a layer that never stores the logits: the normaliser ``logZ`` needs the whole
-vocabulary before any ``dL/dz`` exists. Extra memory: the forward keeps ``[T]`` vectors; the backward a
-``[T, C]`` chunk and the float32 ``[T, H]`` accumulator (docs/output_layer.md has the traffic).
-
-Rows outside ``loss_mask`` give ``lp = H = 0`` and zero gradients; on the Triton path they are ordered
-last (a stable sort, no host sync) and their row blocks skip the logit and ``dL/dh`` matmuls. Rows without
-an upstream gradient (masked, or a token the loss rejected: ``g_lp = g_H = 0``) get exact zeros by
-selection and are left out of ``dL/dW``, so a non-finite row (NaN log-prob, rejected) puts no NaN into the
-gradients; its log-prob and entropy are NaN on every backend (the core then rejects the sequence).
-
-Two implementations (``kernels``): ``"torch"`` (the default and the reference: the same chunked float32
-algorithm in torch) and ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), which falls back to the
-torch code with one warning where it cannot run, also in the middle of a backward
-(:mod:`slime_tis.kernels.dispatch`). This module imports triton only on the Triton path.
+"""Fused output layer: token log-probs and entropies straight from the hidden states and this TP rank's output
+weight shard, logits never stored (one ``[T, chunk]`` tile at a time, float32 accumulation, online log-sum-exp; the
+same two collectives as the log-probs from logits). The torch code here is the reference; ``kernels="triton"`` runs
+:mod:`slime_tis.kernels._output_layer_triton` with the torch code as fallback. Formulas, memory, masked and
+non-finite rows: docs/output_layer.md; the backward's traffic: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -61,12 +25,6 @@ def _check_group(tp_group):
     if tp_group is not None and not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
         raise ValueError(f"tp_group must be a torch.distributed process group or None, got {tp_group!r}")
     return tp_group
-
-
-def _group_size(group) -> int:
-    if group is None or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
 
 
 # ------------------------------------------------------------------------------------------------ torch backend
@@ -136,11 +94,11 @@ def _combine(local: Tensor, active: Tensor, group) -> tuple[Tensor, Tensor, Tens
     """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)`` with one MAX and one SUM all-reduce."""
     m, s, t, xy = local.unbind(1)
     big_m = m.clone()
-    if _group_size(group) > 1:
+    if dispatch.group_size(group) > 1:
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
     scale = torch.exp(m - big_m)
     sums = torch.stack([scale * s, scale * (t + (m - big_m) * s), xy], dim=1)
-    if _group_size(group) > 1:
+    if dispatch.group_size(group) > 1:
         dist.all_reduce(sums, group=group)
     ones = torch.ones_like(big_m)
     big_s = torch.where(active, sums[:, 0], ones)  # inactive rows: S = 1, M = 0 -> logZ = 0, no NaN
@@ -188,7 +146,7 @@ class _FusedOutputLayer(torch.autograd.Function):
         # Rows with a gradient: active and a nonzero upstream gradient (the loss gives a rejected token none).
         # The others get exact zeros by selection, so a non-finite row puts no NaN into either gradient.
         live = active & ((g_lp != 0) | (g_h != 0))
-        reduce = want_h and reduce_hidden_grad and _group_size(group) > 1
+        reduce = want_h and reduce_hidden_grad and dispatch.group_size(group) > 1
         # dL/dh: a float32 accumulator; the last chunk stores the result in hidden's dtype unless the float32
         # sum still has to be all-reduced over TP
         acc = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
@@ -240,27 +198,12 @@ def fused_log_probs_and_entropy(
     kernels: str = dispatch.DEFAULT_KERNELS,
     chunk_size: int = 8192,
 ) -> tuple[Tensor, Tensor]:
-    """Log-prob of ``targets`` and entropy of ``softmax(hidden @ weight^T / temperature)`` over the vocabulary.
-
-    Args:
-        hidden: ``[..., H]`` hidden states (float32 / bfloat16 / float16), the output layer's input.
-        weight: ``[V/TP, H]`` this rank's shard of the output weight (tied embeddings: pass the embedding
-            weight; its gradient accumulates with the embedding's own), same dtype as ``hidden``.
-        targets: ``[...]`` global vocabulary ids (int).
-        temperature: > 0; the logits are divided by it.
-        loss_mask: optional ``[...]``; rows where it is 0 return 0 and get zero gradients (and, on the
-            Triton path, cost no matmul).
-        tp_group: process group over which the vocabulary is split; ``None``: no TP (the caller passes
-            megatron's TP group: :mod:`slime_tis.megatron.output_layer`).
-        reduce_hidden_grad: all-reduce ``dL/dhidden`` over ``tp_group`` (True: the returned gradient is the
-            full one). False when the caller's own region does it (megatron's
-            ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather, see
-            :mod:`slime_tis.megatron.output_layer`).
-        kernels: ``"torch"`` (default) or ``"triton"`` (see module docstring; ``slime_tis.kernels.dispatch``).
-        chunk_size: vocabulary columns per chunk (torch forward; backward ``dL/dz`` buffer ``[T, chunk]``).
-
-    Returns:
-        ``(log_probs [...], entropy [...])`` float32, differentiable w.r.t. ``hidden`` and ``weight``.
+    """``(log_probs [...], entropy [...])`` float32 of ``softmax(hidden @ weight^T / temperature)``, differentiable
+    w.r.t. ``hidden [..., H]`` and ``weight [V/TP, H]`` (this TP rank's shard, same dtype: float32 / bf16 / fp16;
+    tied embeddings: the embedding weight). ``targets [...]``: global ids; ``loss_mask [...]``: rows where it is 0
+    give 0 and zero gradients (no matmul on the Triton path); ``tp_group``: the vocabulary split (``None``: no TP);
+    ``reduce_hidden_grad``: all-reduce ``dL/dhidden`` over it here (False where the caller's TP region does,
+    :mod:`slime_tis.megatron.output_layer`); ``chunk_size``: vocabulary columns per chunk.
     """
     if not isinstance(hidden, Tensor) or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
             or hidden.dim() < 1:
@@ -278,13 +221,10 @@ def fused_log_probs_and_entropy(
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without H {lead}")
     if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != lead):
         raise ValueError(f"loss_mask must be a tensor of shape {lead}, got {tuple(getattr(loss_mask, 'shape', ()))}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    temperature = dispatch.check_args(temperature, chunk_size)
     tk = dispatch.triton_module("output_layer", _TRITON, hidden.device, dispatch.check_kernels(kernels))
     group = _check_group(tp_group)
-    tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
+    tp_rank = dist.get_rank(group) if dispatch.group_size(group) > 1 else 0
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_y = targets.reshape(-1).to(torch.int64)
     active = (torch.ones_like(flat_y, dtype=torch.bool) if loss_mask is None

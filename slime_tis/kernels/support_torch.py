@@ -1,28 +1,22 @@
-"""The torch math of the sampling-support replay, shared by the log-probs from logits
-(:mod:`slime_tis.engine.support_logprobs`) and from hidden states (:mod:`slime_tis.kernels.output_layer_support`).
-
-Both gather the kept logits ``x [S]`` (``z / tau`` of each kept id owned by this vocabulary shard) their own way;
-from there, for position ``t`` with kept ids ``K_t`` and target ``y``:
-
-    m      = max_{v in K_t} x_v,   s = sum_{v in K_t} exp(x_v - m)           (MAX and SUM all-reduced over TP)
-    logZ_K = m + log s,   lp = x_y - logZ_K,   H = log s - sum_{v in K_t} exp(x_v - m)(x_v - m) / s
-    g_v    = (g_lp ([v = y] - q_v) - g_H q_v (log q_v + H)) / tau,   q_v = exp(x_v - logZ_K)   (dL/dz_v, v in K_t)
-
-The SUM all-reduce carries ``[T, 4]``: ``s``, ``x_y``, the entropy's sum and how many kept ids equal ``y`` (0: the
-target is outside its support, ``lp`` NaN). Positions outside ``keep`` get ``lp = H = 0`` and ``g = 0``; ``g`` is
-0 wherever the upstream gradients are both 0 (selected, never ``0 * NaN``).
+"""The torch math of the sampling-support replay (formulas: docs/sampling_support.md, "The training side"), shared
+by the log-probs from logits (:mod:`slime_tis.engine.support_logprobs`) and from hidden states
+(:mod:`slime_tis.kernels.output_layer_support`), which gather the kept logits ``x [S]`` their own way.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_tis.kernels.dispatch import group_size
+from slime_tis.kernels.logprobs_torch import LOGP_MIN, upstream
+
 __all__ = ["SupportRows", "check_support", "support_rows", "support_forward", "support_grad"]
 
 _FMIN = torch.finfo(torch.float32).min
-_LOGQ_MIN = -200.0  # log q clamp in the backward, as in the full path (q is exactly 0 in float32 below it)
 
 
 def check_support(support: object, n_rows: int) -> tuple[Tensor, Tensor]:
@@ -41,13 +35,14 @@ def check_support(support: object, n_rows: int) -> tuple[Tensor, Tensor]:
     return ids, offsets
 
 
-class SupportRows:
-    """Where each kept id lies on this shard: ``row [S]`` (its position), ``col [S]`` (its column in the shard, 0
-    when not owned), ``own [S]`` (owned by this shard), ``is_target [S]`` (owned and equal to the position's
-    target)."""
+class SupportRows(NamedTuple):
+    """Where each kept id lies on this shard, all ``[S]``: its position, its column (0 when not owned), owned by this
+    shard, owned and equal to the position's target."""
 
-    def __init__(self, row: Tensor, col: Tensor, own: Tensor, is_target: Tensor) -> None:
-        self.row, self.col, self.own, self.is_target = row, col, own, is_target
+    row: Tensor
+    col: Tensor
+    own: Tensor
+    is_target: Tensor
 
 
 def support_rows(ids: Tensor, offsets: Tensor, targets: Tensor, vocab_start: int, vp: int) -> SupportRows:
@@ -65,10 +60,6 @@ def support_rows(ids: Tensor, offsets: Tensor, targets: Tensor, vocab_start: int
     return SupportRows(row, col, own, own & (ids == targets.to(torch.int64)[row]))
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
-
-
 def support_forward(x: Tensor, rows: SupportRows, n_tok: int, group: dist.ProcessGroup | None, with_entropy: bool,
                     keep: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(lp [T], H [T], logZ_K [T])`` from the kept logits ``x [S]`` (float32, any value where not owned)."""
@@ -76,7 +67,7 @@ def support_forward(x: Tensor, rows: SupportRows, n_tok: int, group: dist.Proces
     x = torch.where(rows.own, x, torch.full_like(x, float("-inf")))
     row_max = torch.full((n_tok,), float("-inf"), dtype=torch.float32, device=dev)
     row_max.scatter_reduce_(0, rows.row, x, "amax", include_self=True)
-    if _group_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     m = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty / all -inf rows
     y = (x - m[rows.row]).clamp_(min=_FMIN)                                       # x - m, finite
@@ -87,7 +78,7 @@ def support_forward(x: Tensor, rows: SupportRows, n_tok: int, group: dist.Proces
     if with_entropy:
         sums[:, 2].index_add_(0, rows.row, e * y)
     sums[:, 3].index_add_(0, rows.row, rows.is_target.to(torch.float32))
-    if _group_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(sums, group=group)
     sum_exp = sums[:, 0]
     log_z = m + torch.log(sum_exp)
@@ -101,12 +92,8 @@ def support_forward(x: Tensor, rows: SupportRows, n_tok: int, group: dist.Proces
 def support_grad(x: Tensor, rows: SupportRows, log_z: Tensor, entropy: Tensor, keep: Tensor | None,
                  grad_lp: Tensor | None, grad_h: Tensor | None, temperature: float, with_entropy: bool) -> Tensor:
     """``g [S]`` float32: ``dL/dz`` of each kept logit (0 where not owned or without an upstream gradient)."""
-    g_lp = grad_lp if grad_lp is not None else torch.zeros_like(log_z)
-    use_h = with_entropy and grad_h is not None
-    live = (g_lp != 0) | (grad_h != 0) if use_h else g_lp != 0
-    if keep is not None:
-        live = live & keep
-    log_q = (x - log_z[rows.row]).clamp_(min=_LOGQ_MIN)
+    g_lp, use_h, live = upstream(log_z, keep, grad_lp, grad_h, with_entropy)
+    log_q = (x - log_z[rows.row]).clamp_(min=LOGP_MIN)
     q = torch.exp(log_q)
     g = g_lp[rows.row] * (rows.is_target.to(torch.float32) - q)
     if use_h:
