@@ -19,8 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from slime_tis.kernels.dispatch import KernelLaunchError, fall_back, group_size, launching
-from slime_tis.kernels.logprobs_torch import CHUNK_SIZE, grad_logits
-from slime_tis.kernels.support_torch import support_grad, support_rows
+from slime_tis.kernels.logprobs_torch import CHUNK_SIZE, combine_partials, grad_logits, support_grad, support_rows
 
 __all__ = ["fused_log_probs_and_entropy", "support_log_probs_and_entropy", "default_block_v"]
 
@@ -241,25 +240,6 @@ def _num_warps(block_v: int) -> int:
     return 8 if block_v >= 2048 else 4
 
 
-def _combine(parts: list[Tensor], group: dist.ProcessGroup, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's ``(m, s, t, e[, c]) [T]`` -> global ``(lp, H, logZ)``: one MAX of ``[T]``, one SUM of ``[T, 3]``
-    (``[T, 4]`` with the replay's count ``c``; ``lp`` NaN where it is 0)."""
-    m_r, s_r, t_r, e_r = parts[:4]
-    big_m = m_r.clone()
-    dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
-    d = m_r - big_m
-    alpha = torch.exp(d)
-    sums = torch.stack([alpha * s_r, t_r, alpha * (e_r + d * s_r), *parts[4:]], dim=1)
-    dist.all_reduce(sums, group=group)
-    s, x_t, e = sums.unbind(1)[:3]
-    log_s = torch.log(s)
-    log_z = big_m + log_s
-    lp = x_t - log_z
-    if len(parts) == 5:
-        lp = torch.where(sums[:, 3] > 0, lp, torch.full_like(log_z, float("nan")))
-    return lp, (log_s - e / s if with_entropy else torch.zeros_like(log_s)), log_z
-
-
 class _LogProbEntropy(torch.autograd.Function):
     """``(logits [T, Vp], targets [T][, ids [S], offsets [T + 1]]) -> (log_probs [T], entropy [T])`` float32."""
 
@@ -285,7 +265,8 @@ class _LogProbEntropy(torch.autograd.Function):
         if tp_size == 1:
             lp, ent, log_z = out
         else:
-            lp, ent, log_z = _combine(out, group, with_entropy)
+            m, s, x_y, e = out[:4]
+            lp, ent, log_z = combine_partials(m, s, x_y, e, group, with_entropy, *out[4:])
             if row_mask is not None:
                 keep = row_mask.view(torch.bool)
                 lp, ent = torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.kernels import dispatch
+from slime_tis.kernels.logprobs_torch import combine_partials
 from slime_tis.kernels.matmul import addmm_f32_, mm_f32
 
 __all__ = ["fused_log_probs_and_entropy"]
@@ -91,23 +92,10 @@ def _merge_splits(parts: Tensor) -> Tensor:
 
 
 def _combine(local: Tensor, active: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
-    """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)`` with one MAX and one SUM all-reduce."""
+    """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)``, zero on inactive rows (their statistics are zeros)."""
     m, s, t, xy = local.unbind(1)
-    big_m = m.clone()
-    if dispatch.group_size(group) > 1:
-        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
-    scale = torch.exp(m - big_m)
-    sums = torch.stack([scale * s, scale * (t + (m - big_m) * s), xy], dim=1)
-    if dispatch.group_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-    ones = torch.ones_like(big_m)
-    big_s = torch.where(active, sums[:, 0], ones)  # inactive rows: S = 1, M = 0 -> logZ = 0, no NaN
-    log_s = torch.log(big_s)
-    zero = torch.zeros_like(big_m)
-    log_z = torch.where(active, big_m + log_s, zero)
-    lp = torch.where(active, sums[:, 2] - log_z, zero)
-    ent = torch.where(active, log_s - sums[:, 1] / big_s, zero)
-    return lp, ent, log_z
+    out = combine_partials(m, s, xy, t, group)
+    return tuple(torch.where(active, v, torch.zeros_like(v)) for v in out)
 
 
 class _FusedOutputLayer(torch.autograd.Function):

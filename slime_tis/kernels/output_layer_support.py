@@ -1,5 +1,5 @@
 """The sampling-support replay from the hidden states (torch): only the kept logits ``x_v = h_t . W_v / tau`` are
-formed (``O(S H)``, no ``[T, V]`` logits), then the replay's formulas (:mod:`slime_tis.kernels.support_torch`);
+formed (``O(S H)``, no ``[T, V]`` logits), then the replay's formulas (:mod:`slime_tis.kernels.logprobs_torch`);
 backward ``dL/dh_t = sum_{v in K_t} g_v W_v``, ``dL/dW_v = sum_{t: v in K_t} g_v h_t``. docs/sampling_support.md.
 """
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.kernels.dispatch import check_args, group_size
-from slime_tis.kernels.support_torch import SupportRows, check_support, support_forward, support_grad, support_rows
+from slime_tis.kernels.logprobs_torch import SupportRows, check_support, support_forward, support_grad, support_rows
 
 __all__ = ["SupportFusedOutputLayer", "fused_support_log_probs_and_entropy"]
 
