@@ -38,12 +38,6 @@ def config_settings(cfg: TISConfig) -> dict[str, Any]:
             for f in dataclasses.fields(cfg)}
 
 
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if str(dist.get_backend(group)).lower() == "nccl":  # NCCL moves CUDA tensors only
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _all_gather(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -65,7 +59,8 @@ def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGrou
     key = (tuple(ranks), *summary)
     if key in _AGREED:
         return
-    device = _device(group)
+    nccl = str(dist.get_backend(group)).lower() == "nccl"  # NCCL moves CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     table = _all_gather(summary, group, device)
     if all(row == table[0] for row in table):
         _AGREED.add(key)
@@ -79,7 +74,7 @@ def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGrou
     problems = []
     for i, label in enumerate(labels):
         column = [row[i] for row in digests]
-        if any(d != column[0] for d in column):
+        if len(set(column)) > 1:
             holders = _ranks_by_value(column, ranks)
             problems.append(f"{label}: {settings[label]!r} on this rank (rank {me}); the ranks split into "
                             f"{len(holders)} groups by its value: {' / '.join(map(str, holders))}")

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from slime_tis.engine.parallel import megatron_parallel_state
+
 __all__ = ["TISBatch", "cp_slice_padded", "cu_seqlens_from_seq_ids"]
 
 
@@ -130,10 +132,5 @@ class TISBatch:
 
 
 def _cp_layout() -> tuple[int, int]:
-    try:
-        from megatron.core import parallel_state as ps
-    except ImportError:
-        return 1, 0
-    if not ps.model_parallel_is_initialized():
-        return 1, 0
-    return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    ps = megatron_parallel_state()
+    return (1, 0) if ps is None else (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_tis.engine.parallel import megatron_parallel_state
 from slime_tis.engine.settings import CHUNK_SIZE
 from slime_tis.engine.support_logprobs import SupportLogProbEntropy, check_support
 from slime_tis.kernels import dispatch
@@ -20,13 +21,8 @@ __all__ = ["vocab_parallel_log_probs_and_entropy", "default_tp_group"]
 
 def default_tp_group() -> dist.ProcessGroup | None:
     """megatron's tensor-parallel group when model parallel is initialised, else ``None`` (no TP)."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:  # megatron-core is optional for this function
-        return None
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state.get_tensor_model_parallel_group()
+    ps = megatron_parallel_state()
+    return None if ps is None else ps.get_tensor_model_parallel_group()
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):

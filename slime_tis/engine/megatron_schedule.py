@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.core.correction import as_valid_mask
+from slime_tis.engine.parallel import megatron_parallel_state
 
 __all__ = ["LossForm", "loss_form_for", "data_parallel_grad_average", "report_pair", "add_metrics_to_loss_dicts"]
 
@@ -65,10 +66,9 @@ def loss_form_for(model_chunks: list, num_microbatches: int, *, per_token: bool,
                   grad_average: float | None = None) -> LossForm:
     """The step's :class:`LossForm`: ``cp`` and ``R`` from ``parallel_state`` (1 where not initialised), ``g`` from
     the wrapper of ``model_chunks`` unless ``grad_average`` is given."""
-    from megatron.core import parallel_state as ps
-
+    ps = megatron_parallel_state()
     cp, dp_cp = 1, 1
-    if ps.model_parallel_is_initialized():
+    if ps is not None:
         cp = ps.get_context_parallel_world_size()
         dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
     g = data_parallel_grad_average(model_chunks, dp_cp_size=dp_cp, per_token=per_token, override=grad_average)

@@ -1,10 +1,5 @@
-"""Step metrics of the step engine: the core's step reduction plus the loss entry of a host's loss.
-
-``aggregate_metrics`` returns the core's ``tis/*`` and ``policy/*`` metrics (``core.step_metrics``: merged over
-micro-batches, checked to agree across DP x CP, reduced once with SUM / MIN / MAX; each defined once, in
-``core.metric_schema``) plus
-
-    loss            = sum_{micro-batches, DP x CP} local_sum / D      (the exact global loss)
+"""A step's metrics: the core's (``core.step_metrics``: merged, checked to agree across ranks, reduced once) plus
+``loss = sum_{micro-batches, DP x CP} local_sum / D`` where the host recorded ``"megatron.loss_sum"``.
 """
 
 from __future__ import annotations
