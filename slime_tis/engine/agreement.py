@@ -84,7 +84,4 @@ def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGrou
 
 def _ranks_by_value(column: list[int], ranks: list[int]) -> list[list[int]]:
     """Global ranks grouped by equal values, in order of first appearance."""
-    out: dict[int, list[int]] = {}
-    for value, rank in zip(column, ranks):
-        out.setdefault(value, []).append(rank)
-    return list(out.values())
+    return [[r for v, r in zip(column, ranks) if v == value] for value in dict.fromkeys(column)]

@@ -60,8 +60,7 @@ class TISBatch:
 
     def __post_init__(self) -> None:
         for name in ("labels", "loss_mask", "advantages", "rollout_log_probs", "old_log_probs", "ref_log_probs"):
-            t = getattr(self, name)
-            if t is None:
+            if (t := getattr(self, name)) is None:
                 continue
             if not isinstance(t, Tensor) or t.dim() != 1:
                 raise ValueError(f"TISBatch.{name} must be a packed 1-D tensor [T], got "
@@ -110,10 +109,9 @@ class TISBatch:
                 got = tuple(t.shape) if isinstance(t, Tensor) else t
                 raise ValueError(f"from_padded: {name} must be a [B, S] tensor shaped like labels "
                                  f"{tuple(labels.shape)}, got {got!r}")
-        n_rows = labels.shape[0]
         if seq_ids is None:
-            seq_ids = torch.arange(n_rows, device=labels.device)[:, None].expand(labels.shape)
-            n_seq = n_rows
+            n_seq = labels.shape[0]
+            seq_ids = torch.arange(n_seq, device=labels.device)[:, None].expand(labels.shape)
         else:
             flat = seq_ids.reshape(-1)
             bad = flat.numel() and (bool((flat[1:] < flat[:-1]).any()) or int(flat[0]) < 0)  # host-sync-ok

@@ -14,7 +14,7 @@ from slime_tis.engine.parallel import megatron_parallel_state
 from slime_tis.engine.settings import CHUNK_SIZE
 from slime_tis.engine.support_logprobs import SupportLogProbEntropy, check_support
 from slime_tis.kernels import dispatch
-from slime_tis.kernels.logprobs_torch import FMIN, fp32_chunk, grad_logits
+from slime_tis.kernels.logprobs_torch import FMIN, finish_rows, fp32_chunk, grad_logits, target_column
 
 __all__ = ["vocab_parallel_log_probs_and_entropy", "default_tp_group"]
 
@@ -38,9 +38,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             torch.zeros(0, dtype=torch.float32, device=logits.device)
         if tp > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        local_idx = targets - vocab_start
-        in_shard = (local_idx >= 0) & (local_idx < vp)
-        safe_idx = torch.where(in_shard, local_idx, torch.zeros_like(local_idx))
+        safe_idx, in_shard = target_column(targets, vocab_start, vp)
         # sums[:, 0] = sum exp(x - m), sums[:, 1] = x_y (owning rank only), sums[:, 2] = sum exp(x - m)(x - m)
         sums = torch.zeros(n_tok, 3, dtype=torch.float32, device=logits.device)
         for start in range(0, n_tok, chunk_size):
@@ -56,17 +54,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             del y, e
         if tp > 1:
             dist.all_reduce(sums, group=group)
-        sum_exp = sums[:, 0]
-        log_z = row_max + torch.log(sum_exp)
-        log_probs = sums[:, 1] - log_z
-        if with_entropy:
-            # H = logZ - Ex = log(s) - sum e (x - m) / s
-            entropy = torch.log(sum_exp) - sums[:, 2] / sum_exp
-        else:
-            entropy = torch.zeros_like(log_probs)
-        if keep is not None:  # rows outside the mask: 0 (whatever their logits hold), zero gradient rows
-            log_probs = torch.where(keep, log_probs, 0.0)
-            entropy = torch.where(keep, entropy, 0.0)
+        log_probs, entropy, log_z = finish_rows(row_max, sums, with_entropy, keep)
         ctx.save_for_backward(logits, safe_idx, in_shard, log_z, entropy, keep)
         ctx.set_materialize_grads(False)  # an unused output (entropy for metrics only) costs no backward work
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy

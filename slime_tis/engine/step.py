@@ -1,15 +1,8 @@
-"""``StepEngine``: one optimizer step on one rank, whatever the host (docs/hosts.md)::
-
-    engine = StepEngine(cfg, reducer)
-    totals = engine.begin(batches, pre_log_probs=..., pi_old_from_theta=...)   before the step's first loss
-    out    = engine.loss(batch, lp_theta, entropy=...)                          each micro-batch, any order
-    engine.record(out.stats)
-    metrics = engine.end(step=n)                                                after the step's last loss
-
-``begin`` computes the step's global scalars once (:func:`~slime_tis.engine.totals.step_totals`); each ``loss`` is the
-core's ``policy_loss`` of its micro-batch with them; ``end`` reduces the recorded statistics once. A host whose own
-schedule aggregates the loss passes ``totals=`` and may apply ``correct``'s correction itself. The collectives
-depend on the configuration and the number of micro-batches only.
+"""``StepEngine``: one optimizer step on one rank, whatever the host (docs/hosts.md): ``begin(batches)`` computes the
+step's global scalars once (:func:`~slime_tis.engine.totals.step_totals`), ``loss(batch, lp_theta)`` is the core's
+``policy_loss`` of each micro-batch with them, ``record(out.stats)`` keeps its statistics and ``end()`` reduces them
+once. A host whose own schedule aggregates the loss passes ``totals=`` and may apply ``correct``'s correction itself.
+The collectives depend on the configuration and the number of micro-batches only.
 """
 
 from __future__ import annotations
@@ -17,11 +10,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from slime_tis.config import TISConfig
-from slime_tis.core import MetricStats, PolicyLossOutput, Reducer, TISResult, compute_tis, policy_loss
-from slime_tis.core.algorithms import correction_inputs
+from slime_tis.core import MetricStats, PolicyLossOutput, Reducer, TISResult, policy_loss
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.metrics import aggregate_metrics
-from slime_tis.engine.totals import StepTotals, host_term_inputs, step_totals, term_inputs
+from slime_tis.engine.totals import StepTotals, correct_batch, host_term_inputs, step_totals
 
 __all__ = ["StepEngine"]
 
@@ -50,14 +42,10 @@ class StepEngine:
         """``compute_tis`` of one micro-batch for a host whose own loss applies it, with the step's batch-normalisation
         factor and searched values where ``totals`` are set; ``reject [T]``: the host's own rule."""
         t = self.totals
-        inputs = correction_inputs(self.cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs,
-                                   advantages=batch.advantages, lp_theta=lp_theta,
-                                   terms=term_inputs(self.cfg, batch, self.host_kl))
-        return compute_tis(self.cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens,
-                           reducer=self.reducer, batch_norm_factor=None if t is None else t.batch_norm_factor,
-                           extra_finite=inputs.extra_finite, reject=reject, loss_finite=inputs.loss_finite,
-                           searched=None if t is None else t.searched,
-                           staleness=batch.staleness)
+        return correct_batch(self.cfg, batch, lp_train, self.reducer, lp_rollout=batch.rollout_log_probs,
+                             advantages=batch.advantages, lp_theta=lp_theta, host_kl=self.host_kl, reject=reject,
+                             batch_norm_factor=None if t is None else t.batch_norm_factor,
+                             searched=None if t is None else t.searched)
 
     def loss(self, batch: TISBatch, lp_theta: Tensor, *, entropy: Tensor | None = None,
              lp_old: Tensor | None = None, correction: TISResult | None = None,

@@ -1,14 +1,13 @@
 """Step totals: the global scalars every micro-batch's loss needs, computed once before the first one, over this
-rank's ``M`` micro-batches and the DP (x CP) ranks (docs/semantics.md, "Loss aggregation")::
+rank's micro-batches and the DP (x CP) ranks (docs/semantics.md, "Loss aggregation")::
 
     D = sum loss_denominator      tokens over DP x CP; sequences over DP (completed over CP by the core); token-sum: 0
     N = sum #valid tokens         over DP x CP (the 3-tuple loss form)
     f = sum norm_count / sum norm_sum      algorithm 2's batch normalisation (units as D)
     s = core.search.search(...)            algorithm 2's global searches, before D and f
 
-so that micro-batch ``k``'s loss ``local_sum_k / D`` sums to the whole-batch loss. Keep masks (``drop``) and the
-batch-norm sums come from the correction ``policy_loss`` makes, on the same inputs; ``lp_theta`` (algorithms 1, 3)
-only where a forward-only pass at the step's parameters computed it (tests/test_engine_two_forwards.py).
+Keep masks (``drop``) and batch-norm sums come from the correction ``policy_loss`` makes, on the same inputs; for
+algorithms 1 and 3 at the ``lp_theta`` of a forward-only pass (tests/test_engine_two_forwards.py).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from slime_tis.core.weights import normalisation_factor_over
 from slime_tis.engine.batch import TISBatch
 
 __all__ = ["StepTotals", "step_totals", "step_batch_norm", "step_corrects", "step_searches", "needs_pre_pass",
-           "needs_pi_old_pass"]
+           "needs_pi_old_pass", "correct_batch"]
 
 
 @dataclass
@@ -82,19 +81,25 @@ def term_inputs(cfg: TISConfig, batch: TISBatch, host_kl: bool = False) -> tuple
     return core or host_term_inputs(batch, host_kl)
 
 
+def correct_batch(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer, *, lp_rollout: Tensor | None,
+                  advantages: Tensor, lp_theta: Tensor | None = None, host_kl: bool = False,
+                  batch_norm_factor: Tensor | float | None = None, searched: Searched | None = None,
+                  reject: Tensor | None = None) -> TISResult:
+    """``compute_tis`` of one micro-batch on the inputs of ``core.algorithms.correction_inputs``."""
+    inputs = correction_inputs(cfg, lp_train=lp_train, lp_rollout=lp_rollout, advantages=advantages, lp_theta=lp_theta,
+                               terms=term_inputs(cfg, batch, host_kl))
+    return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
+                       batch_norm_factor=batch_norm_factor, extra_finite=inputs.extra_finite, reject=reject,
+                       loss_finite=inputs.loss_finite, searched=searched, staleness=batch.staleness)
+
+
 def _step_correction(cfg: TISConfig, batch: TISBatch, lp_train: Tensor, reducer: Reducer,
                      lp_theta: Tensor | None, searched: Searched | None = None) -> TISResult:
-    """The correction ``policy_loss`` will compute for this micro-batch: its keep mask and batch-norm sums."""
-    row = algorithm_of(cfg)
-    inputs = correction_inputs(
-        cfg, lp_train=lp_train, lp_rollout=batch.rollout_log_probs if row.reads_rollout else None,
-        advantages=batch.advantages.float(), lp_theta=None if lp_theta is None else lp_theta.float(),
-        terms=term_inputs(cfg, batch))
-    # batch_norm_factor=1.0: neither the keep mask nor norm_sum/norm_count depend on it, and it avoids a
-    # per-call all-reduce
-    return compute_tis(cfg, inputs.lp_train, inputs.lp_rollout, batch.loss_mask, batch.cu_seqlens, reducer=reducer,
-                       batch_norm_factor=1.0, extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite,
-                       searched=searched, staleness=batch.staleness)
+    """The correction ``policy_loss`` will compute for this micro-batch: its keep mask and batch-norm sums (neither
+    depends on ``batch_norm_factor``: 1.0 spares an all-reduce)."""
+    return correct_batch(cfg, batch, lp_train, reducer, advantages=batch.advantages.float(), batch_norm_factor=1.0,
+                         lp_rollout=batch.rollout_log_probs if algorithm_of(cfg).reads_rollout else None,
+                         lp_theta=None if lp_theta is None else lp_theta.float(), searched=searched)
 
 
 def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
@@ -123,7 +128,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
             raise ValueError(f"micro-batch {k}: algorithm {row.number} needs rollout_log_probs in its TISBatch")
         lp_theta = pre_log_probs[k] if pre_log_probs else None
         res = lp_train = None
-        if drop or bn or search_step:
+        if step_corrects(cfg):
             lp_train = b.old_log_probs if row.needs_pi_old else lp_theta
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs

@@ -153,10 +153,6 @@ def _dhidden_kernel(d_ptr, w_ptr, acc_ptr, out_ptr, rows_ptr, n_active_ptr, T, s
         tl.store(out_ptrs, tl.zeros((BT, BH), dtype=out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _launch_options(hidden: torch.Tensor) -> dict:
-    return CUDA_LAUNCH if hidden.is_cuda else {}
-
-
 def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
     """Tile sizes ``(BT, BV, BH)`` and the dot precision: on CUDA bf16/fp16 tiles as they are, float32 tiles in IEEE
     float32 (never TF32); on the interpreter the smallest tiles, upcast to float32 (its bf16 ``tl.dot`` is wrong)."""
@@ -187,7 +183,7 @@ def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature
         _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
             hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
             hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh,
-            PRECISION=precision, **_launch_options(hidden))
+            PRECISION=precision, **(CUDA_LAUNCH if hidden.is_cuda else {}))
     return out
 
 
@@ -202,7 +198,8 @@ def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out,
         _dlogits_kernel[grid](
             hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
             temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
-            chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
+            chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision,
+            **(CUDA_LAUNCH if hidden.is_cuda else {}))
     return out
 
 
@@ -216,5 +213,5 @@ def dhidden(d, w_chunk, acc, out, rows, n_active, *, accumulate: bool) -> torch.
         _dhidden_kernel[grid](
             d, w_chunk, acc, out, rows, n_active, n_tok, d.stride(0), w_chunk.stride(0), acc.stride(0),
             out.stride(0), C=chunk_cols, H=h, ACCUMULATE=accumulate, STORE_INACTIVE=not accumulate or out is not acc,
-            BT=bt, BH=bh, BC=bc, PRECISION=precision, **_launch_options(d))
+            BT=bt, BH=bh, BC=bc, PRECISION=precision, **(CUDA_LAUNCH if d.is_cuda else {}))
     return out

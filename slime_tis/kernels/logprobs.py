@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from slime_tis.kernels import logprobs_torch as ref
 from slime_tis.kernels.dispatch import KernelLaunchError, fall_back, group_size, launching
-from slime_tis.kernels.logprobs_torch import CHUNK_SIZE, combine_partials, grad_logits, support_grad, support_rows
 
 __all__ = ["fused_log_probs_and_entropy", "support_log_probs_and_entropy", "default_block_v"]
 
@@ -266,10 +266,8 @@ class _LogProbEntropy(torch.autograd.Function):
             lp, ent, log_z = out
         else:
             m, s, x_y, e = out[:4]
-            lp, ent, log_z = combine_partials(m, s, x_y, e, group, with_entropy, *out[4:])
-            if row_mask is not None:
-                keep = row_mask.view(torch.bool)
-                lp, ent = torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
+            lp, ent, log_z = ref.combine_partials(m, s, x_y, e, group, with_entropy, *out[4:],
+                                              keep=None if row_mask is None else row_mask.view(torch.bool))
         ctx.save_for_backward(logits, targets, ids, offsets, row_mask, log_z, ent)  # [T] vectors besides logits
         ctx.set_materialize_grads(False)  # an unused output costs no backward work
         ctx.args = temperature, vocab_start, with_entropy, block, num_warps
@@ -304,16 +302,14 @@ class _LogProbEntropy(torch.autograd.Function):
         except KernelLaunchError as err:  # the torch code's gradient of the same forward (no communication)
             fall_back(err)
             if support:
-                rows = support_rows(ids, offsets, targets, vocab_start, vp)
+                rows = ref.support_rows(ids, offsets, targets, vocab_start, vp)
                 x = logits[rows.row, rows.col].to(torch.float32) / temperature
-                g = support_grad(x, rows, log_z, entropy, keep, grad_lp, grad_h, temperature, with_entropy)
+                g = ref.support_grad(x, rows, log_z, entropy, keep, grad_lp, grad_h, temperature, with_entropy)
                 grad.zero_().index_put_((rows.row, rows.col), g.to(grad.dtype), accumulate=True)
             else:
-                local = targets - vocab_start
-                in_shard = (local >= 0) & (local < vp)
-                grad = grad_logits(logits, torch.where(in_shard, local, torch.zeros_like(local)), in_shard, log_z,
-                                   entropy, keep, grad_lp, grad_h, temperature=temperature, chunk_size=CHUNK_SIZE,
-                                   with_entropy=with_entropy)
+                grad = ref.grad_logits(logits, *ref.target_column(targets, vocab_start, vp), log_z, entropy, keep,
+                                       grad_lp, grad_h, temperature=temperature, chunk_size=ref.CHUNK_SIZE,
+                                       with_entropy=with_entropy)
         return grad, *[None] * 11
 
 
@@ -324,17 +320,13 @@ def _apply(logits, targets, ids, offsets, temperature, group, vocab_start, with_
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [T, V/TP] and targets [T], got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
-    mask = None
-    if row_mask is not None:
-        m = row_mask.reshape(-1)
-        if m.shape[0] != logits.shape[0]:
-            raise ValueError(f"row_mask must have {logits.shape[0]} entries, got {tuple(row_mask.shape)}")
-        mask = m.contiguous().view(torch.uint8) if m.dtype == torch.bool else (m != 0).view(torch.uint8)
+    if row_mask is not None and row_mask.numel() != logits.shape[0]:
+        raise ValueError(f"row_mask must have {logits.shape[0]} entries, got {tuple(row_mask.shape)}")
+    mask = None if row_mask is None else (row_mask.reshape(-1) != 0).view(torch.uint8)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    tp_size = group_size(group)
     return _LogProbEntropy.apply(logits, targets.to(torch.int64).contiguous(), ids, offsets, mask, float(temperature),
-                                 group, tp_size, int(vocab_start), bool(with_entropy), block, num_warps)
+                                 group, group_size(group), int(vocab_start), bool(with_entropy), block, num_warps)
 
 
 def fused_log_probs_and_entropy(logits: Tensor, targets: Tensor, *, temperature: float = 1.0,

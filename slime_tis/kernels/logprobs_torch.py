@@ -14,13 +14,20 @@ from torch import Tensor
 
 from slime_tis.kernels.dispatch import group_size
 
-__all__ = ["CHUNK_SIZE", "FMIN", "LOGP_MIN", "fp32_chunk", "grad_logits", "upstream", "combine_partials", "SupportRows",
-           "check_support", "support_rows", "support_forward", "support_grad"]
+__all__ = ["CHUNK_SIZE", "FMIN", "LOGP_MIN", "fp32_chunk", "target_column", "grad_logits", "upstream", "finish_rows",
+           "combine_partials", "SupportRows", "check_support", "support_rows", "support_forward", "support_grad"]
 
 #: rows per log-softmax chunk: the one default of every ``chunk_size`` of the log-prob path
 CHUNK_SIZE = 1024
 LOGP_MIN = -200.0  # log p clamp in the backward: exp(-200) == 0 in float32, and (log p + H) stays finite
 FMIN = torch.finfo(torch.float32).min
+
+
+def target_column(targets: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
+    """``(col, hit) [T]``: each target's column in ``[start, start + width)`` (0 where outside) and whether it is in."""
+    local = targets - start
+    hit = (local >= 0) & (local < width)
+    return torch.where(hit, local, torch.zeros_like(local)), hit
 
 
 def fp32_chunk(logits: Tensor, start: int, end: int, temperature: float) -> Tensor:
@@ -76,11 +83,27 @@ def grad_logits(logits: Tensor, safe_idx: Tensor, in_shard: Tensor, log_z: Tenso
     return grad
 
 
+def finish_rows(m: Tensor, sums: Tensor, with_entropy: bool, keep: Tensor | None = None) -> tuple[Tensor, ...]:
+    """``(lp, H, logZ) [T]`` from the global max ``m`` and the summed ``[T, 3]`` ``(s = sum exp(x - m), x_y,
+    e = sum exp(x - m)(x - m))``, ``[T, 4]`` with the replay's count of kept targets (``lp`` NaN where it is 0):
+    ``logZ = m + log s``, ``lp = x_y - logZ``, ``H = log s - e / s``; ``lp = H = 0`` outside ``keep``."""
+    log_s = torch.log(sums[:, 0])
+    log_z = m + log_s
+    lp = sums[:, 1] - log_z
+    if sums.shape[1] == 4:
+        lp = torch.where(sums[:, 3] > 0, lp, torch.full_like(log_z, float("nan")))
+    ent = log_s - sums[:, 2] / sums[:, 0] if with_entropy else torch.zeros_like(lp)
+    if keep is not None:
+        lp, ent = torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
+    return lp, ent, log_z
+
+
 def combine_partials(m: Tensor, s: Tensor, x_y: Tensor, e: Tensor, group: dist.ProcessGroup | None,
-                     with_entropy: bool = True, count: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     with_entropy: bool = True, count: Tensor | None = None,
+                     keep: Tensor | None = None) -> tuple[Tensor, ...]:
     """Each rank's online log-sum-exp partials ``[T]`` (max ``m``, ``s = sum exp(x - m)``, the target's ``x_y`` or 0,
-    ``e = sum exp(x - m)(x - m)``) -> global ``(lp, H, logZ)``: one MAX of ``[T]``, one SUM of ``[T, 3]`` (``[T, 4]``
-    with the replay's ``count`` of kept targets; ``lp`` NaN where it is 0); none for a group of one rank."""
+    ``e = sum exp(x - m)(x - m)``[, ``count``]) -> :func:`finish_rows` of their combination: one MAX of ``[T]``, one
+    SUM of ``[T, 3]`` (``[T, 4]``); none for a group of one rank."""
     big_m = m.clone()
     if group_size(group) > 1:
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
@@ -89,12 +112,7 @@ def combine_partials(m: Tensor, s: Tensor, x_y: Tensor, e: Tensor, group: dist.P
     sums = torch.stack([alpha * s, x_y, alpha * (e + d * s), *([] if count is None else [count])], dim=1)
     if group_size(group) > 1:
         dist.all_reduce(sums, group=group)
-    log_s = torch.log(sums[:, 0])
-    log_z = big_m + log_s
-    lp = sums[:, 1] - log_z
-    if count is not None:
-        lp = torch.where(sums[:, 3] > 0, lp, torch.full_like(log_z, float("nan")))
-    return lp, (log_s - sums[:, 2] / sums[:, 0] if with_entropy else torch.zeros_like(log_s)), log_z
+    return finish_rows(big_m, sums, with_entropy, keep)
 
 
 def check_support(support: object, n_rows: int) -> tuple[Tensor, Tensor]:
@@ -158,13 +176,7 @@ def support_forward(x: Tensor, rows: SupportRows, n_tok: int, group: dist.Proces
     sums[:, 3].index_add_(0, rows.row, rows.is_target.to(torch.float32))
     if group_size(group) > 1:
         dist.all_reduce(sums, group=group)
-    sum_exp = sums[:, 0]
-    log_z = m + torch.log(sum_exp)
-    lp = torch.where(sums[:, 3] > 0, sums[:, 1] - log_z, torch.full_like(log_z, float("nan")))
-    ent = torch.log(sum_exp) - sums[:, 2] / sum_exp if with_entropy else torch.zeros_like(lp)
-    if keep is not None:
-        lp, ent = torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
-    return lp, ent, log_z
+    return finish_rows(m, sums, with_entropy, keep)
 
 
 def support_grad(x: Tensor, rows: SupportRows, log_z: Tensor, entropy: Tensor, keep: Tensor | None,

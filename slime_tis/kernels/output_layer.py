@@ -12,10 +12,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.kernels import dispatch
-from slime_tis.kernels.logprobs_torch import combine_partials
-from slime_tis.kernels.matmul import addmm_f32_, mm_f32
+from slime_tis.kernels.logprobs_torch import combine_partials, target_column
 
-__all__ = ["fused_log_probs_and_entropy"]
+__all__ = ["fused_log_probs_and_entropy", "check_inputs"]
 
 _NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
 _TRITON = "slime_tis.kernels._output_layer_triton"
@@ -29,6 +28,36 @@ def _check_group(tp_group):
 
 
 # ------------------------------------------------------------------------------------------------ torch backend
+_NO_OUT_DTYPE: set[str] = set()  # device types whose torch.mm has no float32 out_dtype for half inputs
+
+
+def _native(a: Tensor) -> bool:
+    """bf16 / fp16 on CUDA: one tensor-core GEMM with float32 output (exact products, no float32 copies, no TF32)."""
+    return a.dtype in (torch.bfloat16, torch.float16) and a.device.type == "cuda" and "cuda" not in _NO_OUT_DTYPE
+
+
+def mm_f32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``a [M, K] @ b [K, N]`` as float32 ``[M, N]`` (into ``out`` when given); ``a``, ``b`` of one dtype."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if _native(a):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        except (TypeError, NotImplementedError):  # torch without out_dtype (TypeError) or without the kernel
+            _NO_OUT_DTYPE.add(a.device.type)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
+def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b`` in float32 (``acc`` float32 ``[M, N]``; torch's ``addmm`` cannot add a half-precision product
+    to it); returns ``acc``."""
+    if _native(a):
+        return acc.add_(mm_f32(a, b))
+    if a.dtype != torch.float32:
+        a, b = a.float(), b.float()
+    return acc.addmm_(a, b)
+
+
 def _torch_logits(hidden: Tensor, weight: Tensor, c0: int, c1: int, temperature: float) -> Tensor:
     """``x = (h W[c0:c1]^T) / tau`` in float32, ``[T, c1 - c0]`` (exact products, float32 sums: ``mm_f32``)."""
     return mm_f32(hidden, weight[c0:c1].t()).div_(temperature)
@@ -41,7 +70,6 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
     s = torch.zeros(n_tok, dtype=torch.float32, device=hidden.device)
     t = torch.zeros_like(s)
     xy = torch.zeros_like(s)
-    local_y = targets - vocab_start
     for c0 in range(0, vp, chunk):
         c1 = min(c0 + chunk, vp)
         x = _torch_logits(hidden, weight, c0, c1, temperature)
@@ -52,8 +80,7 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
         t = alpha * (t + (m - m_new) * s) + (e * d).sum(dim=1)
         s = alpha * s + e.sum(dim=1)
         m = m_new
-        in_chunk = (local_y >= c0) & (local_y < c1)
-        idx = torch.where(in_chunk, local_y - c0, torch.zeros_like(local_y))
+        idx, in_chunk = target_column(targets, vocab_start + c0, c1 - c0)
         xy = xy + torch.where(in_chunk, x.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(xy))
     out = torch.stack([m, s, t, xy], dim=1)
     return torch.where(active[:, None], out, torch.zeros_like(out))
@@ -64,9 +91,7 @@ def _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, out, c0
     c1 = c0 + out.shape[1]
     log_p = _torch_logits(hidden, weight, c0, c1, temperature).sub_(log_z[:, None]).clamp_(max=0.0)
     g = -torch.exp(log_p) * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
-    local_y = targets - vocab_start
-    in_chunk = (local_y >= c0) & (local_y < c1)
-    idx = torch.where(in_chunk, local_y - c0, torch.zeros_like(local_y))
+    idx, in_chunk = target_column(targets, vocab_start + c0, c1 - c0)
     g.scatter_add_(1, idx[:, None], torch.where(in_chunk, g_lp, torch.zeros_like(g_lp))[:, None])
     g = torch.where(live[:, None], g / temperature, torch.zeros_like(g))
     out.copy_(g)
@@ -83,6 +108,28 @@ def _torch_dhidden(d: Tensor, w_chunk: Tensor, acc: Tensor, out: Tensor, *, accu
 
 
 # ------------------------------------------------------------------------------------------------ autograd
+def check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, loss_mask: Tensor | None, temperature: object,
+                 chunk_size: object) -> float:
+    """``float(temperature)``, or ``ValueError`` naming the argument of the output layer that is wrong."""
+    if not isinstance(hidden, Tensor) or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+            or hidden.dim() < 1:
+        raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor [..., H], got "
+                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V/TP, H={hidden.shape[-1]}], got {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
+                         f"{hidden.device})")
+    if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', targets)}")
+    lead = tuple(hidden.shape[:-1])
+    if tuple(targets.shape) != lead:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without H {lead}")
+    if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != lead):
+        raise ValueError(f"loss_mask must be a tensor of shape {lead}, got {tuple(getattr(loss_mask, 'shape', ()))}")
+    return dispatch.check_args(temperature, chunk_size)
+
+
 def _merge_splits(parts: Tensor) -> Tensor:
     """``[S, T, 4]`` statistics of disjoint vocabulary splits -> ``[T, 4]`` of their union (same rescaling)."""
     m, s, t, xy = parts.unbind(2)
@@ -193,23 +240,7 @@ def fused_log_probs_and_entropy(
     ``reduce_hidden_grad``: all-reduce ``dL/dhidden`` over it here (False where the caller's TP region does,
     :mod:`slime_tis.megatron.output_layer`); ``chunk_size``: vocabulary columns per chunk.
     """
-    if not isinstance(hidden, Tensor) or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
-            or hidden.dim() < 1:
-        raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor [..., H], got "
-                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V/TP, H={hidden.shape[-1]}], got {tuple(getattr(weight, 'shape', ()))}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
-                         f"{hidden.device})")
-    if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', targets)}")
-    lead = tuple(hidden.shape[:-1])
-    if tuple(targets.shape) != lead:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without H {lead}")
-    if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != lead):
-        raise ValueError(f"loss_mask must be a tensor of shape {lead}, got {tuple(getattr(loss_mask, 'shape', ()))}")
-    temperature = dispatch.check_args(temperature, chunk_size)
+    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size)
     tk = dispatch.triton_module("output_layer", _TRITON, hidden.device, dispatch.check_kernels(kernels))
     group = _check_group(tp_group)
     tp_rank = dist.get_rank(group) if dispatch.group_size(group) > 1 else 0
@@ -219,4 +250,4 @@ def fused_log_probs_and_entropy(
               else loss_mask.reshape(-1).to(flat_y.device) != 0)
     lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, float(temperature), group,
                                       tp_rank * weight.shape[0], tk, chunk_size, bool(reduce_hidden_grad))
-    return lp.view(lead), ent.view(lead)
+    return lp.view(targets.shape), ent.view(targets.shape)

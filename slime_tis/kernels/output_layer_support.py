@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_tis.kernels.dispatch import check_args, group_size
+from slime_tis.kernels.dispatch import group_size
 from slime_tis.kernels.logprobs_torch import SupportRows, check_support, support_forward, support_grad, support_rows
+from slime_tis.kernels.output_layer import check_inputs
 
 __all__ = ["SupportFusedOutputLayer", "fused_support_log_probs_and_entropy"]
 
@@ -65,15 +66,7 @@ def fused_support_log_probs_and_entropy(hidden: Tensor, weight: Tensor, targets:
     """:func:`slime_tis.kernels.output_layer.fused_log_probs_and_entropy` (same arguments; the torch code) restricted
     to each position's ``support`` ``(ids [S], offsets [N + 1])`` over the ``N`` flattened positions and renormalised
     there; ``chunk_size``: kept ids per dot-product chunk."""
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] \
-            or weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight must be [V/TP, H={hidden.shape[-1]}] with hidden's dtype and device, got "
-                         f"{tuple(getattr(weight, 'shape', ()))} {getattr(weight, 'dtype', None)}")
-    lead = tuple(hidden.shape[:-1])
-    if not isinstance(targets, Tensor) or tuple(targets.shape) != lead:
-        raise ValueError(f"targets shape {tuple(getattr(targets, 'shape', ()))} must equal hidden shape without H "
-                         f"{lead}")
-    temperature = check_args(temperature, chunk_size)
+    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size)
     flat_y = targets.reshape(-1).to(torch.int64)
     ids, offsets = check_support(support, flat_y.numel())
     keep = None if loss_mask is None else loss_mask.reshape(-1).to(flat_y.device) != 0
@@ -82,4 +75,4 @@ def fused_support_log_probs_and_entropy(hidden: Tensor, weight: Tensor, targets:
     lp, ent = SupportFusedOutputLayer.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_y, ids, offsets,
                                             temperature, tp_group if tp > 1 else None, vocab_start, keep,
                                             chunk_size, bool(reduce_hidden_grad))
-    return lp.view(lead), ent.view(lead)
+    return lp.view(targets.shape), ent.view(targets.shape)
