@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.engine.parallel import megatron_parallel_state
+from slime_tis.kernels.logprobs_torch import check_support
 
 __all__ = ["TISBatch", "cp_slice_padded", "cu_seqlens_from_seq_ids"]
 
@@ -76,8 +77,6 @@ class TISBatch:
         if (self.support_ids is None) != (self.support_offsets is None):
             raise ValueError("TISBatch.support_ids and support_offsets are given together (the CSR of the supports)")
         if self.support_ids is not None:
-            from slime_tis.engine.support_logprobs import check_support
-
             check_support((self.support_ids, self.support_offsets), self.labels.shape[0])
 
     @property

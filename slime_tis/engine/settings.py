@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slime_tis.kernels.dispatch import DEFAULT_KERNELS
+from slime_tis.kernels.dispatch import DEFAULT_KERNELS, check_args
 from slime_tis.kernels.logprobs_torch import CHUNK_SIZE
 
 __all__ = ["CHUNK_SIZE", "LogProbSettings", "OUTPUT_LAYER_MODES", "SAMPLING_SUPPORT_MODES", "output_layer_of"]
@@ -45,9 +45,7 @@ class LogProbSettings:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"temperature must be a number > 0 (the rollout sampling temperature), got {t!r}")
-        c = self.chunk_size
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {c!r}")
+        check_args(t, self.chunk_size)
         if self.output_layer not in OUTPUT_LAYER_MODES:
             raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {self.output_layer!r}")
         if self.sampling_support is not None and self.sampling_support not in SAMPLING_SUPPORT_MODES:

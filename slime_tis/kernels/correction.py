@@ -60,10 +60,7 @@ def _sequence_sums_kernel(lt_ptr, lr_ptr, valid_ptr, e0_ptr, e1_ptr, cu_ptr, l_p
 
 def sequence_sums(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, offsets: Tensor,
                   extra_finite: tuple[Tensor, ...] = (), block: int = 256) -> tuple[Tensor, Tensor]:
-    """``(l [T] float32, sums [n_seq, 3] float64)`` of the packed batch (see module docstring).
-
-    ``offsets``: int64 ``cu_seqlens`` on the data's device; at most :data:`MAX_EXTRA` extra tensors.
-    """
+    """``(l [T] float32, sums [n_seq, 3] float64)`` (module docstring); ``offsets``: int64 ``cu_seqlens``."""
     if len(extra_finite) > MAX_EXTRA:
         raise ValueError(f"sequence_sums: at most {MAX_EXTRA} extra_finite tensors, got {len(extra_finite)}")
     n_seq = offsets.numel() - 1

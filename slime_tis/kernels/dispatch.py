@@ -47,8 +47,7 @@ def check_kernels(kernels: object) -> str:
 
 
 def check_args(temperature: object, chunk_size: object) -> float:
-    """``float(temperature)``, or ``ValueError`` naming the argument unless ``temperature`` is a number > 0 and
-    ``chunk_size`` an int >= 1."""
+    """``float(temperature)``; ``ValueError`` unless it is a number > 0 and ``chunk_size`` an int >= 1."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

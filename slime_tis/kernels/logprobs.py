@@ -55,8 +55,7 @@ def _finish_row(o0_ptr, o1_ptr, o2_ptr, o3_ptr, row, m, s, e, t, WITH_ENTROPY: t
 
 @triton.jit
 def _store_masked_row(o0_ptr, o1_ptr, o2_ptr, o3_ptr, row, FINAL: tl.constexpr):
-    """A row outside ``row_mask``: ``lp = H = logZ = 0`` (FINAL), else the partials of a neutral row (``m = t = e
-    = 0``, ``s = 1``; its outputs are zeroed after the combination)."""
+    """A row outside ``row_mask``: ``lp = H = logZ = 0`` (FINAL), else a neutral row's partials (zeroed later)."""
     tl.store(o0_ptr + row, 0.0)
     if FINAL:
         tl.store(o1_ptr + row, 0.0)
@@ -67,12 +66,18 @@ def _store_masked_row(o0_ptr, o1_ptr, o2_ptr, o3_ptr, row, FINAL: tl.constexpr):
 
 
 @triton.jit
-def _upstream(row, mask_ptr, glp_ptr, gh_ptr, HAS_MASK: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr):
-    """``(live, g_lp, g_H)`` of a row: live when kept with a nonzero upstream gradient (else its gradient row is
-    zeros, never read: no ``0 * NaN``)."""
+def _kept(row, mask_ptr, HAS_MASK: tl.constexpr):
+    """Whether ``row_mask`` keeps ``row`` (every row without a mask)."""
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + row) != 0
+    return active
+
+
+@triton.jit
+def _upstream(row, mask_ptr, glp_ptr, gh_ptr, HAS_MASK: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr):
+    """``(live, g_lp, g_H)``: a row is live when kept with a nonzero upstream gradient (else zeros, never read)."""
+    active = _kept(row, mask_ptr, HAS_MASK)
     g_lp = 0.0
     if HAS_GLP:
         g_lp = tl.load(glp_ptr + row).to(tl.float32)
@@ -94,10 +99,7 @@ def _lp_fwd_kernel(z_ptr, z_stride, tgt_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o
                    n_cols: tl.constexpr, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr, FINAL: tl.constexpr,
                    BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    active = True
-    if HAS_MASK:
-        active = tl.load(mask_ptr + row) != 0
-    if active:
+    if _kept(row, mask_ptr, HAS_MASK):
         z_row = z_ptr + row * z_stride
         # one shared running max m; per-lane partial sums (one cross-lane reduction per step, for the max)
         m = _FMIN
@@ -156,10 +158,7 @@ def _support_fwd_kernel(z_ptr, z_stride, tgt_ptr, ids_ptr, off_ptr, mask_ptr, o0
                         FINAL: tl.constexpr, BLOCK_S: tl.constexpr):
     """As ``_lp_fwd_kernel`` over the row's kept ids; ``o4`` (TP > 1): how many kept owned ids equal the target."""
     row = tl.program_id(0).to(tl.int64)
-    active = True
-    if HAS_MASK:
-        active = tl.load(mask_ptr + row) != 0
-    if active:
+    if _kept(row, mask_ptr, HAS_MASK):
         z_row = z_ptr + row * z_stride
         y = tl.load(tgt_ptr + row)
         s0 = tl.load(off_ptr + row)
@@ -262,12 +261,8 @@ class _LogProbEntropy(torch.autograd.Function):
                     _lp_fwd_kernel[(n_tok,)](logits, logits.stride(0), targets, mask, *out[:3], out[-1], vocab_start,
                                              1.0 / temperature, n_cols=vp, BLOCK_V=block, num_warps=num_warps,
                                              **flags)
-        if tp_size == 1:
-            lp, ent, log_z = out
-        else:
-            m, s, x_y, e = out[:4]
-            lp, ent, log_z = ref.combine_partials(m, s, x_y, e, group, with_entropy, *out[4:],
-                                              keep=None if row_mask is None else row_mask.view(torch.bool))
+        lp, ent, log_z = out if tp_size == 1 else ref.combine_partials(
+            *out[:4], group, with_entropy, *out[4:], keep=None if row_mask is None else row_mask.view(torch.bool))
         ctx.save_for_backward(logits, targets, ids, offsets, row_mask, log_z, ent)  # [T] vectors besides logits
         ctx.set_materialize_grads(False)  # an unused output costs no backward work
         ctx.args = temperature, vocab_start, with_entropy, block, num_warps
@@ -333,12 +328,10 @@ def fused_log_probs_and_entropy(logits: Tensor, targets: Tensor, *, temperature:
                                 group: dist.ProcessGroup | None = None, vocab_start: int = 0, with_entropy: bool = True,
                                 row_mask: Tensor | None = None, block_v: int | None = None,
                                 num_warps: int | None = None) -> tuple[Tensor, Tensor]:
-    """``(log_probs [T], entropy [T])`` float32 of ``softmax(logits / temperature)``, differentiable w.r.t.
-    ``logits [T, Vp]`` (this shard, columns from ``vocab_start``; float32 / bf16 / fp16, on CUDA or under the
-    interpreter); ``targets [T]`` global ids; ``group``: the TP group (``None``: no communication); ``row_mask [T]``:
-    rows where it is 0 cost nothing, ``lp = H = 0``, zero gradient; ``with_entropy=False``: ``H`` zeros.
-    ``block_v`` (a power of two, default :func:`default_block_v`) and ``num_warps`` (default 8 for blocks of >= 2048
-    columns, else 4): the launch."""
+    """``(log_probs [T], entropy [T])`` float32 of ``softmax(logits / temperature)``, differentiable w.r.t. ``logits
+    [T, Vp]`` (this shard, from ``vocab_start``), as the torch path computes them (``group``: TP; ``row_mask [T]``:
+    rows where it is 0 cost nothing; ``with_entropy=False``: ``H`` zeros); ``block_v`` (a power of two) and
+    ``num_warps``: the launch (default :func:`default_block_v`, 8 warps for blocks of >= 2048 columns, else 4)."""
     if block_v is None:
         block_v = default_block_v(logits.shape[-1])
     elif block_v < 1 or block_v & (block_v - 1):

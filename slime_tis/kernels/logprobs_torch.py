@@ -32,12 +32,8 @@ def target_column(targets: Tensor, start: int, width: int) -> tuple[Tensor, Tens
 
 def fp32_chunk(logits: Tensor, start: int, end: int, temperature: float) -> Tensor:
     """A fresh float32 copy of ``logits[start:end] / temperature`` (never aliases the input)."""
-    chunk = logits[start:end]
-    x = torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device)
-    x.copy_(chunk)
-    if temperature != 1.0:
-        x.div_(temperature)
-    return x
+    x = torch.empty(logits[start:end].shape, dtype=torch.float32, device=logits.device).copy_(logits[start:end])
+    return x if temperature == 1.0 else x.div_(temperature)
 
 
 def upstream(log_z: Tensor, keep: Tensor | None, grad_lp: Tensor | None, grad_h: Tensor | None,

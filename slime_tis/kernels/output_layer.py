@@ -20,13 +20,6 @@ _NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
 _TRITON = "slime_tis.kernels._output_layer_triton"
 
 
-def _check_group(tp_group):
-    """``tp_group`` is a process group or ``None``: the kernels never look up megatron's groups themselves."""
-    if tp_group is not None and not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
-        raise ValueError(f"tp_group must be a torch.distributed process group or None, got {tp_group!r}")
-    return tp_group
-
-
 # ------------------------------------------------------------------------------------------------ torch backend
 _NO_OUT_DTYPE: set[str] = set()  # device types whose torch.mm has no float32 out_dtype for half inputs
 
@@ -109,7 +102,7 @@ def _torch_dhidden(d: Tensor, w_chunk: Tensor, acc: Tensor, out: Tensor, *, accu
 
 # ------------------------------------------------------------------------------------------------ autograd
 def check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, loss_mask: Tensor | None, temperature: object,
-                 chunk_size: object) -> float:
+                 chunk_size: object, tp_group: object) -> float:
     """``float(temperature)``, or ``ValueError`` naming the argument of the output layer that is wrong."""
     if not isinstance(hidden, Tensor) or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
             or hidden.dim() < 1:
@@ -127,6 +120,8 @@ def check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, loss_mask: Ten
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without H {lead}")
     if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != lead):
         raise ValueError(f"loss_mask must be a tensor of shape {lead}, got {tuple(getattr(loss_mask, 'shape', ()))}")
+    if tp_group is not None and not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
+        raise ValueError(f"tp_group must be a torch.distributed process group or None, got {tp_group!r}")
     return dispatch.check_args(temperature, chunk_size)
 
 
@@ -240,14 +235,13 @@ def fused_log_probs_and_entropy(
     ``reduce_hidden_grad``: all-reduce ``dL/dhidden`` over it here (False where the caller's TP region does,
     :mod:`slime_tis.megatron.output_layer`); ``chunk_size``: vocabulary columns per chunk.
     """
-    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size)
+    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size, tp_group)
     tk = dispatch.triton_module("output_layer", _TRITON, hidden.device, dispatch.check_kernels(kernels))
-    group = _check_group(tp_group)
-    tp_rank = dist.get_rank(group) if dispatch.group_size(group) > 1 else 0
+    tp_rank = dist.get_rank(tp_group) if dispatch.group_size(tp_group) > 1 else 0
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_y = targets.reshape(-1).to(torch.int64)
     active = (torch.ones_like(flat_y, dtype=torch.bool) if loss_mask is None
               else loss_mask.reshape(-1).to(flat_y.device) != 0)
-    lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, float(temperature), group,
+    lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, temperature, tp_group,
                                       tp_rank * weight.shape[0], tk, chunk_size, bool(reduce_hidden_grad))
     return lp.view(targets.shape), ent.view(targets.shape)

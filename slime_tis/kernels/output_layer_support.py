@@ -66,7 +66,7 @@ def fused_support_log_probs_and_entropy(hidden: Tensor, weight: Tensor, targets:
     """:func:`slime_tis.kernels.output_layer.fused_log_probs_and_entropy` (same arguments; the torch code) restricted
     to each position's ``support`` ``(ids [S], offsets [N + 1])`` over the ``N`` flattened positions and renormalised
     there; ``chunk_size``: kept ids per dot-product chunk."""
-    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size)
+    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size, tp_group)
     flat_y = targets.reshape(-1).to(torch.int64)
     ids, offsets = check_support(support, flat_y.numel())
     keep = None if loss_mask is None else loss_mask.reshape(-1).to(flat_y.device) != 0
