@@ -71,9 +71,7 @@ def _warn_once(kernel: str, reason: str) -> None:
 def triton_module(kernel: str, module: str, device: torch.device, kernels: str) -> ModuleType | None:
     """The Triton module ``module`` (e.g. ``"slime_tis.kernels.logprobs"``) when ``kernel`` should run on
     ``device`` with this ``kernels`` choice, else ``None`` (the caller runs the torch code; warned once)."""
-    if check_kernels(kernels) == "torch":
-        return None
-    if kernel in _disabled:
+    if check_kernels(kernels) == "torch" or kernel in _disabled:
         return None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         _warn_once(kernel, f"tensors on {device.type}: the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 "
