@@ -89,7 +89,7 @@ def _upstream(row, mask_ptr, glp_ptr, gh_ptr, HAS_MASK: tl.constexpr, HAS_GLP: t
 
 @triton.jit
 def _dlogit(x, log_z, h, g_lp, g_h, is_target):
-    """``dL/dx`` (times ``tau`` = ``dL/dz``): ``p (-g_lp - g_H (log p + H)) + g_lp [v = y]``, ``log p`` floored."""
+    """``dL/dx = p (-g_lp - g_H (log p + H)) + g_lp [v = y]`` (``log p`` floored; ``dL/dz = dL/dx / tau``)."""
     lq = _floor(x - log_z, _LOGP_MIN)
     return tl.exp(lq) * (-g_lp - g_h * (lq + h)) + tl.where(is_target, g_lp, 0.0)
 
