@@ -153,6 +153,16 @@ def _lp_bwd_kernel(z_ptr, z_stride, g_ptr, g_stride, tgt_ptr, mask_ptr, logz_ptr
 
 
 @triton.jit
+def _support_block(ids_ptr, start, s1, vocab_start, n_cols, BLOCK_S: tl.constexpr):
+    """A block of the row's kept ids from ``start``: ``(ids, col, own)``, ``own``: in the row and in this shard."""
+    k = start + tl.arange(0, BLOCK_S)
+    inside = k < s1
+    ids = tl.load(ids_ptr + k, mask=inside, other=-1).to(tl.int64)
+    col = ids - vocab_start
+    return ids, col, inside & (col >= 0) & (col < n_cols)
+
+
+@triton.jit
 def _support_fwd_kernel(z_ptr, z_stride, tgt_ptr, ids_ptr, off_ptr, mask_ptr, o0_ptr, o1_ptr, o2_ptr, o3_ptr,
                         o4_ptr, vocab_start, inv_tau, n_cols, HAS_MASK: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                         FINAL: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -169,11 +179,7 @@ def _support_fwd_kernel(z_ptr, z_stride, tgt_ptr, ids_ptr, off_ptr, mask_ptr, o0
         t_vec = tl.zeros([BLOCK_S], dtype=tl.float32)
         c_vec = tl.zeros([BLOCK_S], dtype=tl.float32)
         for start in range(s0, s1, BLOCK_S):
-            k = start + tl.arange(0, BLOCK_S)
-            inside = k < s1
-            ids = tl.load(ids_ptr + k, mask=inside, other=-1).to(tl.int64)
-            col = ids - vocab_start
-            own = inside & (col >= 0) & (col < n_cols)
+            ids, col, own = _support_block(ids_ptr, start, s1, vocab_start, n_cols, BLOCK_S)
             x = tl.load(z_row + tl.where(own, col, 0), mask=own, other=float("-inf")).to(tl.float32) * inv_tau
             x = tl.where(own, x, float("-inf"))
             m_new = tl.maximum(m, tl.max(x, 0))
@@ -219,11 +225,7 @@ def _support_bwd_kernel(z_ptr, z_stride, g_ptr, g_stride, tgt_ptr, ids_ptr, off_
         s0 = tl.load(off_ptr + row)
         s1 = tl.load(off_ptr + row + 1)
         for start in range(s0, s1, BLOCK_S):
-            k = start + tl.arange(0, BLOCK_S)
-            inside = k < s1
-            ids = tl.load(ids_ptr + k, mask=inside, other=-1).to(tl.int64)
-            col = ids - vocab_start
-            own = inside & (col >= 0) & (col < n_cols)
+            ids, col, own = _support_block(ids_ptr, start, s1, vocab_start, n_cols, BLOCK_S)
             safe = tl.where(own, col, 0)
             x = tl.load(z_row + safe, mask=own, other=0.0).to(tl.float32) * inv_tau
             g = _dlogit(x, log_z, h, g_lp, g_h, ids == y)
