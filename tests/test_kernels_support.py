@@ -1,4 +1,4 @@
-"""The Triton kernels of the sampling-support replay (``kernels.logprobs_support``) against the float64 masked
+"""The Triton kernels of the sampling-support replay (``kernels.logprobs``) against the float64 masked
 log-softmax and the torch replay: values and gradients, one-token and whole-vocabulary rows, masked rows holding
 NaN, bf16 logits, a target outside its support (NaN), a NaN logit inside a support (NaN).
 
@@ -93,7 +93,7 @@ def test_kernels_compile_for_h100():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from slime_tis.kernels import logprobs_support as k
+    from slime_tis.kernels import logprobs as k
 
     if not isinstance(k._support_fwd_kernel, triton.runtime.JITFunction):
         pytest.skip("the kernels module was imported under TRITON_INTERPRET=1 in this process")

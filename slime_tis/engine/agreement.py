@@ -1,28 +1,8 @@
-"""Settings every rank must share, compared across ranks once, before any data-dependent collective.
-
-Ranks started with different correction settings do not fail by themselves: with a different
-``--tis-loss-agg`` some ranks reduce the loss denominator over DP x CP and others over DP (a deadlock until
-the collective times out), with a different ``--tis-rejected-denominator`` the step finishes with a
-denominator mixed from two definitions. :func:`check_settings_agree` makes such a job fail at once, on
-every rank, naming the setting:
-
-1. each rank digests its settings ``{label: value}`` (BLAKE2b of ``label=repr(value)``, 63 bits) into
-   ``[digest of the labels, digest of all label=value pairs]`` and all-gathers that (one collective of
-   two int64 per rank, the same on every rank whatever the data);
-2. only when the gathered rows differ, which every rank sees in the same table and so decides alike: one
-   more all-gather of the per-label digests, and every rank raises ``ValueError`` naming each differing
-   setting, its own value and which ranks hold which value (different label sets, e.g. two package
-   versions, are named as such).
-
-Settings found equal are remembered per process (with the group's ranks): checking them again issues no
-collective, so a launcher that builds a new hook every step (Megatron-LM's ``train_step`` under
-``tis_patch``) compares once, and a rank that goes on after its step raised does not pair this check with
-another rank's step (the step check of ``metrics.check_schema_agrees`` then names the desynchronisation).
-Settings that change on every rank at once are compared again; settings that change on some ranks only
-after they agreed are outside what this check can see without a collective per call.
-
-Each host compares its own settings with it: the resolved ``TISConfig`` (:func:`config_settings`) and the
-host's arguments that decide collectives or numbers (``megatron.hook.hook_settings``, ``slime.config.slime_settings``).
+"""Settings every rank must share (the resolved ``TISConfig``, :func:`config_settings`, and the host's own), compared
+across ranks once, before any data-dependent collective: one all-gather of two 63-bit BLAKE2b digests per rank; only
+when they differ a second all-gather of the per-setting digests, and every rank raises ``ValueError`` naming each
+differing setting, its own value and which ranks hold which. Settings found equal on a group are remembered per
+process (checking them again issues no collective). docs/megatron.md, "What the wrapped forward_backward does".
 """
 
 from __future__ import annotations
@@ -58,12 +38,6 @@ def config_settings(cfg: TISConfig) -> dict[str, Any]:
             for f in dataclasses.fields(cfg)}
 
 
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if str(dist.get_backend(group)).lower() == "nccl":  # NCCL moves CUDA tensors only
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _all_gather(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -73,12 +47,9 @@ def _all_gather(values: list[int], group: dist.ProcessGroup | None, device: torc
 
 def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGroup | None = None,
                          what: str = "slime_tis") -> None:
-    """Raise ``ValueError`` on every rank of ``group`` (default: the whole job) unless all hold equal
-    ``settings`` (compared by ``repr``). A no-op without ``torch.distributed``, with one rank, or for settings
-    this process already found equal on the same ranks.
-
-    Every rank of ``group`` must call this at the same point (see the module docstring for the collectives).
-    """
+    """Raise ``ValueError`` on every rank of ``group`` (default: the whole job) unless all hold equal ``settings``
+    (compared by ``repr``); every rank of ``group`` calls it at the same point. A no-op without ``torch.distributed``,
+    with one rank, or for settings this process already found equal on the same ranks."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     labels = sorted(settings)
@@ -88,7 +59,8 @@ def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGrou
     key = (tuple(ranks), *summary)
     if key in _AGREED:
         return
-    device = _device(group)
+    nccl = str(dist.get_backend(group)).lower() == "nccl"  # NCCL moves CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     table = _all_gather(summary, group, device)
     if all(row == table[0] for row in table):
         _AGREED.add(key)
@@ -102,7 +74,7 @@ def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGrou
     problems = []
     for i, label in enumerate(labels):
         column = [row[i] for row in digests]
-        if any(d != column[0] for d in column):
+        if len(set(column)) > 1:
             holders = _ranks_by_value(column, ranks)
             problems.append(f"{label}: {settings[label]!r} on this rank (rank {me}); the ranks split into "
                             f"{len(holders)} groups by its value: {' / '.join(map(str, holders))}")
@@ -112,7 +84,4 @@ def check_settings_agree(settings: Mapping[str, Any], *, group: dist.ProcessGrou
 
 def _ranks_by_value(column: list[int], ranks: list[int]) -> list[list[int]]:
     """Global ranks grouped by equal values, in order of first appearance."""
-    out: dict[int, list[int]] = {}
-    for value, rank in zip(column, ranks):
-        out.setdefault(value, []).append(rank)
-    return list(out.values())
+    return [[r for v, r in zip(column, ranks) if v == value] for value in dict.fromkeys(column)]

@@ -1,16 +1,8 @@
-"""The megatron-core schedule contract both Megatron hosts follow (``slime_tis.megatron``'s hook and
-``slime_tis.megatron_rl``'s ``train_rl.py`` host); the derivation is in docs/megatron.md, "The schedule contract".
-
-A micro-batch's ``loss = local_sum / D`` (``StepEngine.loss``, ``D`` the step's global denominator) goes back to
-the schedule as
-
-    (loss * M * g / cp, report)              default (:meth:`LossForm.returns`)
-    (loss * N, n_local, report)              config.calculate_per_token_loss; n_local int32 valid tokens
-
-``M`` micro-batches, ``cp`` the context-parallel size, ``N`` the step's valid tokens over DP x CP, ``g`` the
-gradient divisor of the data-parallel wrapper (:func:`data_parallel_grad_average`, read from the wrapper, never
-guessed). ``report`` maps keys to ``[v, c]`` pairs: Megatron-LM's ``train_step`` sums them over the micro-batches
-and the ``R`` DP x CP ranks and logs ``sum v / sum c``; every micro-batch dict and every rank carry the same keys.
+"""The megatron-core schedule contract of both Megatron hosts (docs/megatron.md, "The schedule contract"): a
+micro-batch's ``loss = local_sum / D`` goes back as ``(loss * M * g / cp, report)``, or ``(loss * N, n_local,
+report)`` with ``calculate_per_token_loss``; ``M`` micro-batches, ``cp`` the CP size, ``N`` the step's valid tokens
+over DP x CP, ``g`` the data-parallel wrapper's gradient divisor (read from the wrapper, never guessed). ``report``
+maps keys to ``[v, c]`` pairs that ``train_step`` sums over micro-batches and the ``R`` DP x CP ranks.
 """
 
 from __future__ import annotations
@@ -22,14 +14,14 @@ import torch
 from torch import Tensor
 
 from slime_tis.core.correction import as_valid_mask
+from slime_tis.engine.parallel import megatron_parallel_state
 
 __all__ = ["LossForm", "loss_form_for", "data_parallel_grad_average", "report_pair", "add_metrics_to_loss_dicts"]
 
 
 @dataclass(frozen=True)
 class LossForm:
-    """The schedule's scaling of one step: ``per_token`` (3-tuple form), ``M``, ``cp``, ``g`` and the ``R`` DP x CP
-    ranks ``train_step`` reduces the report over."""
+    """One step's scaling: ``per_token`` (the 3-tuple form), ``M``, ``cp``, ``g`` and ``R``."""
 
     per_token: bool
     num_microbatches: int
@@ -42,8 +34,7 @@ class LossForm:
         return self.num_microbatches * self.grad_average / self.cp_size
 
     def returns(self, loss: Tensor, num_tokens: Tensor, loss_mask: Tensor, report: dict) -> tuple:
-        """What ``loss_func`` returns for ``loss`` (0-d, with gradient); ``num_tokens`` is ``N``, ``loss_mask``
-        the micro-batch's ``[T]`` mask (``n_local``)."""
+        """What ``loss_func`` returns for ``loss`` (0-d), ``N`` and the micro-batch's ``loss_mask [T]``."""
         if self.per_token:
             return loss * num_tokens, as_valid_mask(loss_mask).sum().to(torch.int), report
         return loss * self.two_tuple_scale, report
@@ -58,15 +49,13 @@ class LossForm:
 
 
 def report_pair(value: Tensor) -> Tensor:
-    """``[value, 1]`` as a 1-D tensor on ``value``'s device and dtype (detached): ``train_step`` logs ``value``
-    when it is the same in every micro-batch dict and on every rank."""
+    """``[value, 1]`` (detached, ``value``'s device and dtype): logged as ``value`` when equal in every dict."""
     v = value.detach().reshape(1)
     return torch.cat([v, torch.ones_like(v)])
 
 
 def add_metrics_to_loss_dicts(loss_dicts: list, metrics: dict[str, Tensor]) -> None:
-    """``[value, 1]`` of every finalized step metric (the same on every rank) into every micro-batch dict, in
-    place; ``loss`` is left alone."""
+    """``[value, 1]`` of every step metric but ``loss`` into every micro-batch dict, in place."""
     pairs = {k: report_pair(v) for k, v in sorted(metrics.items()) if k != "loss"}
     for d in loss_dicts:
         if isinstance(d, dict):
@@ -75,12 +64,11 @@ def add_metrics_to_loss_dicts(loss_dicts: list, metrics: dict[str, Tensor]) -> N
 
 def loss_form_for(model_chunks: list, num_microbatches: int, *, per_token: bool,
                   grad_average: float | None = None) -> LossForm:
-    """The step's :class:`LossForm`: ``cp`` and ``R`` from megatron-core's ``parallel_state`` (1 where it is not
-    initialised), ``g`` from the wrapper of ``model_chunks`` (``grad_average`` overrides it)."""
-    from megatron.core import parallel_state as ps
-
+    """The step's :class:`LossForm`: ``cp`` and ``R`` from ``parallel_state`` (1 where not initialised), ``g`` from
+    the wrapper of ``model_chunks`` unless ``grad_average`` is given."""
+    ps = megatron_parallel_state()
     cp, dp_cp = 1, 1
-    if ps.model_parallel_is_initialized():
+    if ps is not None:
         cp = ps.get_context_parallel_world_size()
         dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
     g = data_parallel_grad_average(model_chunks, dp_cp_size=dp_cp, per_token=per_token, override=grad_average)
@@ -89,8 +77,7 @@ def loss_form_for(model_chunks: list, num_microbatches: int, *, per_token: bool,
 
 
 def _megatron_fsdp_classes() -> tuple[type, ...]:
-    """megatron-core's FSDP wrapper classes: ``FullyShardedDataParallel`` (<= 0.19), ``...V1`` / ``...V2`` (0.20,
-    where the plain name is a factory function); ``isinstance`` never sees a function."""
+    """megatron-core's FSDP wrapper classes (0.20: ``...V1`` / ``...V2``, the plain name a factory function)."""
     try:
         from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
     except ImportError:  # pragma: no cover - megatron-core builds without FSDP
@@ -125,13 +112,9 @@ def _chunk_average(chunk: Any, dp_cp_size: int, per_token: bool) -> float | None
 
 def data_parallel_grad_average(model_chunks: list, *, dp_cp_size: int, per_token: bool,
                                override: float | None = None) -> float:
-    """``g``: the factor the data-parallel wrapper of every chunk divides the summed gradient by (the table in
-    docs/megatron.md); ``override`` (a number > 0) is used as given.
-
-    Raises:
-        ValueError: an unknown wrapper with ``dp_cp_size > 1`` and no ``override``; chunks that disagree;
-            a megatron DDP wrapper whose per-token setting differs from ``per_token``.
-    """
+    """``g``: what the data-parallel wrapper of every chunk divides the summed gradient by (docs/megatron.md), or
+    ``override`` (a number > 0). ``ValueError``: an unknown wrapper with ``dp_cp_size > 1`` and no ``override``,
+    chunks that disagree, a megatron DDP wrapper whose per-token setting differs from ``per_token``."""
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, (int, float)) or not override > 0:
             raise ValueError(f"grad_average must be a number > 0 (the factor the data-parallel wrapper divides "

@@ -1,10 +1,5 @@
-"""Step metrics of the step engine: the core's step reduction plus the loss entry of a host's loss.
-
-``aggregate_metrics`` returns the core's ``tis/*`` and ``policy/*`` metrics (``core.step_metrics``: merged over
-micro-batches, checked to agree across DP x CP, reduced once with SUM / MIN / MAX; each defined once, in
-``core.metric_schema``) plus
-
-    loss            = sum_{micro-batches, DP x CP} local_sum / D      (the exact global loss)
+"""A step's metrics: the core's (``core.step_metrics``: merged, checked to agree across ranks, reduced once) plus
+``loss = sum_{micro-batches, DP x CP} local_sum / D`` where the host recorded ``"megatron.loss_sum"``.
 """
 
 from __future__ import annotations
@@ -13,21 +8,17 @@ import torch
 from torch import Tensor
 
 from slime_tis.core import MetricStats, Reducer
-from slime_tis.core.step_metrics import check_schema_agrees, merge_stats, reduce_step_metrics
+from slime_tis.core.step_metrics import merge_stats, reduce_step_metrics
 
-__all__ = ["aggregate_metrics", "check_schema_agrees"]
+__all__ = ["aggregate_metrics"]
 
 
 def aggregate_metrics(stats: list[MetricStats], reducer: Reducer, *, step: int | None = None) -> dict[str, Tensor]:
-    """Merge micro-batches, reduce across ranks, finalize (scalar float64 tensors; ``{}`` if no stats).
-
-    ``step``: the caller's step (training-call) number, which must be equal on every rank (see the module doc).
-    """
+    """The step's metrics as scalar float64 tensors (``{}`` without stats); ``step``: equal on every rank."""
     merged = merge_stats(stats)
     if merged is None:
         return {}
     reduced, out = reduce_step_metrics(merged, reducer, step=step)
-    sums = reduced.token_sums
-    if "megatron.loss_sum" in sums:
-        out["loss"] = sums["megatron.loss_sum"].double()
+    if "megatron.loss_sum" in reduced.token_sums:
+        out["loss"] = reduced.token_sums["megatron.loss_sum"]
     return {k: v.to(torch.float64) for k, v in out.items()}

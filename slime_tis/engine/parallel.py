@@ -1,17 +1,14 @@
-"""The parallel context of a host call: CP / DP / TP ranks, the last pipeline stage and the core's reducer.
-
-Every host here runs on megatron-core's ``parallel_state`` (slime's ``mpu`` is it); when it is initialised the
-engine reduces over its groups with :class:`~slime_tis.engine.reduce.MegatronReducer` (CP for per-sequence
-sums, DP x CP / DP for batch statistics). Without it (single process, unit tests) everything is local.
-"""
+"""A host call's parallel context: CP / DP / TP ranks, the last pipeline stage and the core's reducer
+(:class:`~slime_tis.engine.reduce.MegatronReducer` on megatron-core's ``parallel_state``, else local)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from slime_tis.core import LocalReducer, Reducer
 
-__all__ = ["ParallelContext", "parallel_context"]
+__all__ = ["ParallelContext", "parallel_context", "megatron_parallel_state"]
 
 
 @dataclass(frozen=True)
@@ -25,13 +22,19 @@ class ParallelContext:
     last_pp_stage: bool = True
 
 
-def parallel_context() -> ParallelContext:
-    """Context from megatron's ``parallel_state`` if initialised, else a single-process context."""
+def megatron_parallel_state() -> Any:
+    """megatron-core's ``parallel_state`` when model parallel is initialised, else ``None``."""
     try:
         from megatron.core import parallel_state as ps
     except ImportError:  # megatron-core is optional for single-process use
-        return ParallelContext(0, 1, LocalReducer())
-    if not ps.model_parallel_is_initialized():
+        return None
+    return ps if ps.model_parallel_is_initialized() else None
+
+
+def parallel_context() -> ParallelContext:
+    """Context from megatron's ``parallel_state`` if initialised, else a single-process context."""
+    ps = megatron_parallel_state()
+    if ps is None:
         return ParallelContext(0, 1, LocalReducer())
     from slime_tis.engine.reduce import MegatronReducer
 

@@ -1,17 +1,14 @@
-"""``LogProbSettings``: how a host turns the model's output into token log-probs, one frozen value.
-
-The same four settings decide every log-prob a step reads (the loss's ``lp_theta``, a pi_old pass, a
-pre-pass): the sampling ``temperature`` (logits are divided by it), ``chunk_size`` (rows per log-softmax
-chunk), ``output_layer`` (``None``: the model's logits; ``"fp32"``: the output matmul in float32;
-``"fused"``: log-probs straight from the hidden states and the output weight) and ``kernels``
-(``TISConfig.kernels``: ``"torch"`` or ``"triton"``), and ``sampling_support`` (``TISConfig.sampling_support``:
-``"full"``, ``"replay"``, or ``None`` = replay where the micro-batch carries a support). A host builds it once,
-at its boundary, and passes it whole.
+"""``LogProbSettings``: how a host turns the model's output into token log-probs (``temperature``, ``chunk_size``,
+``output_layer``: ``None`` / ``"fp32"`` / ``"fused"``, ``kernels``, ``sampling_support``: ``"full"`` / ``"replay"`` /
+``None`` = replay where the micro-batch carries a support), built once at the host's boundary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from slime_tis.kernels.dispatch import DEFAULT_KERNELS, check_args
+from slime_tis.kernels.logprobs_torch import CHUNK_SIZE
 
 __all__ = ["CHUNK_SIZE", "LogProbSettings", "OUTPUT_LAYER_MODES", "SAMPLING_SUPPORT_MODES", "output_layer_of"]
 
@@ -34,28 +31,21 @@ def output_layer_of(fused_output_layer: bool = False, fp32_lm_head: bool = False
     return "fused" if fused_output_layer else "fp32" if fp32_lm_head else None
 
 
-#: rows per log-softmax chunk (``LogProbSettings.chunk_size``): the one default of every host's ``chunk_size``
-CHUNK_SIZE = 1024
-
-
 @dataclass(frozen=True)
 class LogProbSettings:
-    """Temperature, chunk size, output-layer mode, kernels and sampling-support mode of every log-prob of a step
-    (module docstring)."""
+    """The log-prob settings of every pass of a step (module docstring)."""
 
     temperature: float = 1.0
     chunk_size: int = CHUNK_SIZE
     output_layer: str | None = None
-    kernels: str = "torch"
+    kernels: str = DEFAULT_KERNELS
     sampling_support: str | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"temperature must be a number > 0 (the rollout sampling temperature), got {t!r}")
-        c = self.chunk_size
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {c!r}")
+        check_args(t, self.chunk_size)
         if self.output_layer not in OUTPUT_LAYER_MODES:
             raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {self.output_layer!r}")
         if self.sampling_support is not None and self.sampling_support not in SAMPLING_SUPPORT_MODES:

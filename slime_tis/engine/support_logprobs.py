@@ -1,29 +1,7 @@
-"""Token log-probs and entropies of ``softmax(logits / T)`` restricted to each position's sampling support.
-
-The replay of the support a token was sampled from (top-k / top-p): for position ``t`` with kept ids ``K_t``
-(global vocabulary ids, CSR: ``ids[offsets[t]:offsets[t + 1]]``), logits ``z``, temperature ``tau`` and
-target ``y`` in ``K_t``:
-
-    x_v    = z_v / tau                                         (float32, v in K_t only)
-    logZ_K = m + log(sum_{v in K_t} exp(x_v - m)),  m = max_{v in K_t} x_v      (max and sums all-reduced)
-    lp     = x_y - logZ_K                                      log q(y), q = softmax(x) on K_t, 0 elsewhere
-    H      = logZ_K - sum_{v in K_t} q_v x_v                   entropy of q
-
-Backward, for ``v`` in ``K_t`` only (every other logit gets an exact zero: gradients flow through the kept
-logits alone), ``g_lp``, ``g_H`` the upstream gradients:
-
-    d L / d z_v = (g_lp ([v = y] - q_v) - g_H q_v (log q_v + H)) / tau
-
-Tensor parallelism: rank ``r`` owns the columns ``[r Vp, (r + 1) Vp)``; each rank gathers the logits of the
-kept ids in its shard (``[S]`` values, never a ``[T, V]`` mask), then the same two all-reduces as the full
-log-softmax (:mod:`slime_tis.engine.logprobs`): MAX of ``m [T]`` and SUM of ``[T, 4]`` (sum of exponentials,
-``x_y``, ``sum e (x - m)``, how many kept ids equal ``y``). The collectives depend on the layout only. Memory:
-``O(S)`` float32 besides the logit gradient, ``S`` the number of kept ids.
-
-Bad rows give NaN (the core rejects the sequence, ``tis/nonfinite_seq_fraction``): a kept row whose target is
-not among its ids (on any rank) or whose support is empty. Ids outside ``[0, V)`` belong to no shard and are
-not counted (the rollout side rejects them first: :func:`slime_tis.sglang.validate_support`). Rows outside
-``keep`` get log-prob and entropy 0 and a zero gradient.
+"""Token log-probs and entropies of ``softmax(logits / T)`` restricted to each position's sampling support (the
+CSR ``ids[offsets[t]:offsets[t + 1]]`` of global ids) and renormalised there: the torch replay (the same two TP
+all-reduces as the full pass, memory ``O(S)``, gradients through the kept logits only) and the CP slicing of the
+supports. Formulas and bad rows (NaN): docs/sampling_support.md, "The training side".
 """
 
 from __future__ import annotations
@@ -32,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_tis.kernels.support_torch import SupportRows, check_support, support_forward, support_grad, support_rows
+from slime_tis.kernels.logprobs_torch import SupportRows, check_support, support_forward, support_grad, support_rows
 
 __all__ = ["check_support", "padded_support", "select_rows", "SupportLogProbEntropy"]
 
@@ -51,10 +29,8 @@ def select_rows(ids: Tensor, offsets: Tensor, rows: Tensor) -> tuple[Tensor, Ten
 
 def padded_support(ids: Tensor, offsets: Tensor, shape: tuple[int, int], *, cp_slice: bool = True,
                    cp_size: int | None = None, cp_rank: int | None = None) -> tuple[Tensor, Tensor]:
-    """The supports of a ``[B, S]`` padded micro-batch (CSR over its ``B * S`` positions, row-major, as
-    ``TISBatch.from_padded`` lays out the other fields) on this context-parallel rank: megatron's load-balanced CP
-    slice of the positions (``engine.batch.cp_slice_padded``) with their rows; unchanged at CP = 1 or without
-    ``cp_slice``. ``cp_size``, ``cp_rank``: default from ``parallel_state``."""
+    """The CSR of a ``[B, S]`` padded micro-batch's supports (over its ``B * S`` positions, row-major) on this CP rank,
+    sliced as ``TISBatch.from_padded`` slices the other fields (``cp_size``, ``cp_rank``: from ``parallel_state``)."""
     from slime_tis.engine.batch import _cp_layout, cp_slice_padded
 
     b, s = shape
@@ -69,8 +45,7 @@ def padded_support(ids: Tensor, offsets: Tensor, shape: tuple[int, int], *, cp_s
 
 
 class SupportLogProbEntropy(torch.autograd.Function):
-    """``(logits [T, Vp], targets [T], ids [S], offsets [T + 1]) -> (log_probs [T], entropy [T])``, float32
-    (the math: :mod:`slime_tis.kernels.support_torch`)."""
+    """``(logits [T, Vp], targets [T], ids [S], offsets [T + 1]) -> (log_probs [T], entropy [T])``, float32."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ids: Tensor, offsets: Tensor, temperature: float,
@@ -79,7 +54,7 @@ class SupportLogProbEntropy(torch.autograd.Function):
         rows = support_rows(ids, offsets, targets, vocab_start, vp)
         x = logits.detach()[rows.row, rows.col].to(torch.float32).div_(temperature)   # [S] kept logits / tau
         lp, ent, log_z = support_forward(x, rows, n_tok, group, with_entropy, keep)
-        ctx.save_for_backward(rows.row, rows.col, rows.own, rows.is_target, x, log_z, ent, keep)
+        ctx.save_for_backward(*rows, x, log_z, ent, keep)
         ctx.set_materialize_grads(False)
         ctx.shape, ctx.dtype, ctx.temperature, ctx.with_entropy = (n_tok, vp), logits.dtype, temperature, with_entropy
         return lp, ent

@@ -1,33 +1,9 @@
-"""Triton kernels of the fused output layer (see :mod:`slime_tis.kernels.output_layer` for the formulas).
-
-Imported lazily (only on the Triton path). Two kernels, both walking logit tiles ``[BT, BV]`` that are
-computed from ``hidden [T, H]`` and ``weight [Vp, H]`` with float32 accumulation and never stored:
-
-* ``_stats_kernel``: one program per (block of ``BT`` rows, vocabulary split); online over the split's
-  vocabulary tiles it keeps, per row, ``m`` (running max of ``x = z / tau``), ``s = sum exp(x - m)``,
-  ``t = sum exp(x - m)(x - m)`` and ``x_y`` (the target's ``x`` when the target is in the split, else 0);
-  writes ``[splits, T, 4]`` float32 (merged by the caller). Splits keep the GPU busy when ``T`` is small.
-* ``_dlogits_kernel``: one program per ``[BT, BV]`` tile of a vocabulary chunk; recomputes ``x`` and writes
-  ``d lp-and-entropy / d z`` for the tile into the chunk buffer. Rows without an upstream gradient (masked, or
-  a rejected token: ``g_lp = g_H = 0``) are written as exact zeros by selection (no ``0 * NaN``).
-* ``_dhidden_kernel``: one program per ``[BT, BH]`` tile of ``dL/dh``: ``out = acc + d_chunk @ W_chunk`` with
-  the float32 accumulator tile loaded once, the chunk's products summed in float32 on the tensor cores and the
-  tile stored once (no ``[T, H]`` temporary, no rounding between chunks; the last chunk may store straight in
-  the hidden dtype). The weight gradient's GEMM is torch's (``dL/dz^T h``, each chunk's rows written once).
-
-NaN: the online max ``m`` may skip a NaN (PTX ``max.f32`` returns the other operand), but ``exp(x - m)`` of a
-NaN ``x`` is NaN, so ``s`` (and with it ``logZ``, the log-prob and the entropy) of a row with a NaN logit is
-NaN on every backend; the backward's clamp ``log p <= 0`` is a selection, which keeps NaN too.
-
-Rows are visited in the order ``rows[i]`` (active rows first); blocks whose first index is at or past
-``n_active`` (device scalar, read in the kernel: no host sync) skip the matmul: masked rows cost nothing.
-
-Every launch runs inside ``dispatch.launching``: a compile or launch error becomes ``KernelLaunchError``,
-on which the caller (:mod:`slime_tis.kernels.output_layer`) continues with the torch code.
-
-Loop bounds (``Vp``, ``H``, the chunk width) are compile-time constants: fixed by the model, so one
-compilation per model (two with a ragged last chunk); data-dependent work is skipped with ``if``, never a
-runtime loop bound (the Triton 3.6 interpreter cannot take one with numpy >= 2.4).
+"""Triton kernels of the fused output layer (:mod:`slime_tis.kernels.output_layer`; docs/output_layer.md), imported
+on the Triton path only: ``_stats_kernel`` (per row block and vocabulary split: online ``(m, s, t, x_y)``),
+``_dlogits_kernel`` (``dL/dz`` of one vocabulary chunk) and ``_dhidden_kernel`` (``dL/dh += dL/dz W_chunk`` in
+float32). Rows are visited active-first (``rows``); blocks past ``n_active`` (read on the device) skip their
+matmuls. Loop bounds are compile-time constants (one compilation per model; the Triton 3.6 interpreter cannot take a
+runtime bound with numpy >= 2.4).
 """
 
 from __future__ import annotations
@@ -65,25 +41,32 @@ def _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H:
 
 
 @triton.jit
+def _row_block(rows_ptr, n_active_ptr, T, BT: tl.constexpr):
+    """This program's block of rows ``rows[i]``: ``(rows, in_range, active, busy)``; ``busy``: the block holds an
+    active row (rows are ordered active-first; ``n_active`` is read on the device)."""
+    first = tl.program_id(0) * BT
+    idx = first + tl.arange(0, BT)
+    in_range = idx < T
+    n_active = tl.load(n_active_ptr)
+    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
+    return rows, in_range, in_range & (idx < n_active), first < n_active
+
+
+@triton.jit
 def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, out_ptr,
                   T, vocab_start, temperature, stride_h, stride_w, tiles_per_split,
                   Vp: tl.constexpr, H: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
     split = tl.program_id(1)
     lo = split * tiles_per_split * BV
     hi = lo + tiles_per_split * BV
-    idx = pid * BT + tl.arange(0, BT)
-    in_range = idx < T
-    n_active = tl.load(n_active_ptr)
-    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
-    active = in_range & (idx < n_active)
+    rows, in_range, active, busy = _row_block(rows_ptr, n_active_ptr, T, BT)
     target = tl.load(y_ptr + rows, mask=active, other=-1) - vocab_start
     m = tl.full((BT,), _NEG, dtype=tl.float32)
     s = tl.zeros((BT,), dtype=tl.float32)
     t = tl.zeros((BT,), dtype=tl.float32)
     xy = tl.zeros((BT,), dtype=tl.float32)
-    if pid * BT < n_active:  # a block of masked rows does no work
+    if busy:  # a block of masked rows does no work
         for v0 in range(0, Vp, BV):  # compile-time bound; tiles outside this split are skipped
             if (v0 >= lo) & (v0 < hi):
                 cols = v0 + tl.arange(0, BV)
@@ -112,18 +95,13 @@ def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, n_active_ptr, log_z_ptr, ent_
                     T, col_start, vocab_start, temperature, stride_h, stride_w, stride_d,
                     Vp: tl.constexpr, H: tl.constexpr, chunk_cols: tl.constexpr,
                     BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
-    pid_t = tl.program_id(0)
     pid_v = tl.program_id(1)
-    idx = pid_t * BT + tl.arange(0, BT)
-    in_range = idx < T
-    n_active = tl.load(n_active_ptr)
-    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
-    active = in_range & (idx < n_active)
+    rows, in_range, active, busy = _row_block(rows_ptr, n_active_ptr, T, BT)
     local = pid_v * BV + tl.arange(0, BV)          # column inside the chunk
     cols = col_start + local                         # column of this shard
     col_ok = (local < chunk_cols) & (cols < Vp)
     z = tl.zeros((BT, BV), dtype=tl.float32)
-    if pid_t * BT < n_active:  # a block of masked rows does no matmul (and writes zeros)
+    if busy:  # a block of masked rows does no matmul (and writes zeros)
         z = _logit_tile(h_ptr, w_ptr, rows, active, cols, col_ok, stride_h, stride_w, H, BT, BV, BH, PRECISION)
     log_z = tl.load(log_z_ptr + rows, mask=active, other=0.0)
     ent = tl.load(ent_ptr + rows, mask=active, other=0.0)
@@ -146,23 +124,15 @@ def _dhidden_kernel(d_ptr, w_ptr, acc_ptr, out_ptr, rows_ptr, n_active_ptr, T, s
                     stride_out, C: tl.constexpr, H: tl.constexpr, ACCUMULATE: tl.constexpr,
                     STORE_INACTIVE: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """``out[r, k] = (acc[r, k] if ACCUMULATE else 0) + sum_c d[r, c] W[c, k]`` over one chunk, float32 sums.
-
-    Rows ``r = rows[i]`` (active first); blocks past ``n_active`` do no work and store zeros only when
-    ``STORE_INACTIVE`` (the first chunk, or ``out`` is not the accumulator).
-    """
-    pid_t = tl.program_id(0)
+    """``out[r, k] = (acc[r, k] if ACCUMULATE else 0) + sum_c d[r, c] W[c, k]`` over one chunk, float32 sums; blocks
+    past ``n_active`` store zeros only when ``STORE_INACTIVE``."""
     pid_h = tl.program_id(1)
-    idx = pid_t * BT + tl.arange(0, BT)
-    in_range = idx < T
-    n_active = tl.load(n_active_ptr)
-    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
-    active = in_range & (idx < n_active)
+    rows, in_range, active, busy = _row_block(rows_ptr, n_active_ptr, T, BT)
     ks = pid_h * BH + tl.arange(0, BH)
     k_ok = ks < H
     out_ptrs = out_ptr + rows[:, None] * stride_out + ks[None, :]
     out_mask = in_range[:, None] & k_ok[None, :]
-    if pid_t * BT < n_active:
+    if busy:
         acc = tl.zeros((BT, BH), dtype=tl.float32)
         if ACCUMULATE:
             acc = tl.load(acc_ptr + rows[:, None] * stride_acc + ks[None, :], mask=active[:, None] & k_ok[None, :],
@@ -183,18 +153,9 @@ def _dhidden_kernel(d_ptr, w_ptr, acc_ptr, out_ptr, rows_ptr, n_active_ptr, T, s
         tl.store(out_ptrs, tl.zeros((BT, BH), dtype=out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _launch_options(hidden: torch.Tensor) -> dict:
-    return CUDA_LAUNCH if hidden.is_cuda else {}
-
-
 def _blocks(hidden: torch.Tensor) -> tuple[int, int, int, str]:
-    """Tile sizes ``(BT, BV, BH)`` and the dot precision.
-
-    CUDA: bf16/fp16 tiles go to the tensor cores as they are (products exact, float32 accumulation); float32
-    tiles use IEEE float32, never TF32. Interpreter (CPU): tiles are upcast to float32 first (the same
-    products and accumulation; triton 3.6's interpreter computes bf16 ``tl.dot`` wrongly) and are the
-    smallest ``tl.dot`` shape, the fastest to interpret.
-    """
+    """Tile sizes ``(BT, BV, BH)`` and the dot precision: on CUDA bf16/fp16 tiles as they are, float32 tiles in IEEE
+    float32 (never TF32); on the interpreter the smallest tiles, upcast to float32 (its bf16 ``tl.dot`` is wrong)."""
     if hidden.is_cuda:
         return (*CUDA_BLOCKS, "ieee" if hidden.dtype == torch.float32 else "tf32")
     return 16, 16, 16, "ieee"
@@ -209,7 +170,7 @@ def _num_splits(hidden: torch.Tensor, n_row_blocks: int, n_tiles: int) -> int:
 
 
 def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature: float) -> torch.Tensor:
-    """``[splits, T, 4]`` float32: per split and row ``(m, s, t, x_y)`` of this shard (module docstring)."""
+    """``[splits, T, 4]`` float32: per split and row ``(m, s, t, x_y)`` of this shard."""
     n_tok, h = hidden.shape
     vp = weight.shape[0]
     bt, bv, bh, precision = _blocks(hidden)
@@ -222,7 +183,7 @@ def stats(hidden, weight, targets, rows, n_active, vocab_start: int, temperature
         _stats_kernel[(triton.cdiv(n_tok, bt), splits)](
             hidden, weight, targets, rows, n_active, out, n_tok, vocab_start, temperature,
             hidden.stride(0), weight.stride(0), tiles_per_split, Vp=vp, H=h, BT=bt, BV=bv, BH=bh,
-            PRECISION=precision, **_launch_options(hidden))
+            PRECISION=precision, **(CUDA_LAUNCH if hidden.is_cuda else {}))
     return out
 
 
@@ -237,14 +198,13 @@ def dlogits(hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out,
         _dlogits_kernel[grid](
             hidden, weight, targets, rows, n_active, log_z, ent, g_lp, g_h, out, n_tok, col_start, vocab_start,
             temperature, hidden.stride(0), weight.stride(0), out.stride(0), Vp=weight.shape[0], H=h,
-            chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision, **_launch_options(hidden))
+            chunk_cols=chunk_cols, BT=bt, BV=bv, BH=bh, PRECISION=precision,
+            **(CUDA_LAUNCH if hidden.is_cuda else {}))
     return out
 
 
 def dhidden(d, w_chunk, acc, out, rows, n_active, *, accumulate: bool) -> torch.Tensor:
-    """``out [T, H] = (acc if accumulate else 0) + d [T, C] @ w_chunk [C, H]`` in float32 (``out`` may be
-    ``acc``); returns ``out``. Rows past the active count: zeros written only on the first chunk or when
-    ``out`` is not ``acc`` (otherwise they already hold them)."""
+    """``out [T, H] = (acc if accumulate else 0) + d [T, C] @ w_chunk [C, H]`` in float32 (``out`` may be ``acc``)."""
     n_tok, chunk_cols = d.shape
     h = w_chunk.shape[1]
     bt, bh, bc, precision = _blocks(d)  # output tile [BT, BH] and reduction step BC: the logit tile's shape
@@ -253,5 +213,5 @@ def dhidden(d, w_chunk, acc, out, rows, n_active, *, accumulate: bool) -> torch.
         _dhidden_kernel[grid](
             d, w_chunk, acc, out, rows, n_active, n_tok, d.stride(0), w_chunk.stride(0), acc.stride(0),
             out.stride(0), C=chunk_cols, H=h, ACCUMULATE=accumulate, STORE_INACTIVE=not accumulate or out is not acc,
-            BT=bt, BH=bh, BC=bc, PRECISION=precision, **_launch_options(d))
+            BT=bt, BH=bh, BC=bc, PRECISION=precision, **(CUDA_LAUNCH if d.is_cuda else {}))
     return out

@@ -1,17 +1,10 @@
-"""Triton kernel of the correction core's token pass and per-sequence sums (CUDA; the torch code in
-``slime_tis.core.ratios.packed_ratios`` is the reference and the semantics).
+"""Triton kernel of the correction core's token pass and per-sequence sums; the torch code in
+``slime_tis.core.ratios.packed_ratios`` is the reference. One program per sequence ``i`` (``v`` = valid)::
 
-One program per sequence ``i`` walks its tokens ``cu[i]:cu[i+1]`` in blocks and writes, as the torch
-reference (``v`` = valid; the reference's ``+ 0 x`` turns a non-finite extra value ``x`` into NaN)::
+    l_t        = v ? (extra values finite ? lp_train - lp_rollout : NaN) : 0     [T] float32
+    sums[i, :] = (sum l, sum_{valid} lp_rollout, n_valid)                       [n_seq, 3] float64
 
-    l_t        = v ? (x0, x1 finite ? lp_train - lp_rollout : NaN) : 0     [T] float32
-    sums[i, :] = (sum l, sum_{valid} lp_rollout, n_valid)                   [n_seq, 3] float64
-
-NaN and inf reach the sums by selection and IEEE arithmetic only (no max/min, which PTX computes dropping
-NaN), so a sequence with a non-finite valid value has a non-finite ``sum l`` on every backend.
-
-No atomics (each program owns its row: deterministic), no host sync (loop bounds are read on the device).
-Tested on the CPU with ``TRITON_INTERPRET=1`` against the torch reference.
+NaN reaches the sums by selection only (docs/kernels.md, "Non-finite values"); no atomics, no host sync.
 """
 
 from __future__ import annotations
@@ -67,10 +60,7 @@ def _sequence_sums_kernel(lt_ptr, lr_ptr, valid_ptr, e0_ptr, e1_ptr, cu_ptr, l_p
 
 def sequence_sums(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, offsets: Tensor,
                   extra_finite: tuple[Tensor, ...] = (), block: int = 256) -> tuple[Tensor, Tensor]:
-    """``(l [T] float32, sums [n_seq, 3] float64)`` of the packed batch (see module docstring).
-
-    ``offsets``: int64 ``cu_seqlens`` on the data's device; at most :data:`MAX_EXTRA` extra tensors.
-    """
+    """``(l [T] float32, sums [n_seq, 3] float64)`` (module docstring); ``offsets``: int64 ``cu_seqlens``."""
     if len(extra_finite) > MAX_EXTRA:
         raise ValueError(f"sequence_sums: at most {MAX_EXTRA} extra_finite tensors, got {len(extra_finite)}")
     n_seq = offsets.numel() - 1

@@ -1,26 +1,7 @@
-"""Which code computes a kernel's function (``kernels="torch"`` or ``"triton"``), and the fallback to torch.
-
-One choice for every function that has a Triton kernel (the log-probs from logits, the fused output layer,
-the correction core's token pass): the ``kernels`` keyword of those functions, set for the whole plugin by
-``TISConfig.kernels`` / ``--tis-kernels``.
-
-* ``"torch"`` (the default): the torch code, the reference. triton is never imported.
-* ``"triton"``: the Triton kernels, for CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``, the
-  tests). Where they cannot run the call computes the same function with the torch code instead, and one
-  :class:`KernelFallbackWarning` per kernel and process names the reason:
-
-  - triton does not import, or the tensors are not on CUDA (and no interpreter): the torch code for that call;
-  - a kernel fails to compile or launch: that kernel (``"logprobs"``, ``"output_layer"``, ``"correction"``)
-    stays on the torch code for the rest of the process (no retry, no second warning). A failure in a
-    backward pass falls back inside that backward: training goes on.
-
-Collectives are the same on both paths (the Triton functions issue the torch code's all-reduces), so ranks
-that fell back and ranks that did not still match.
-
-The default is ``"torch"`` until the Triton kernels have passed the GPU acceptance run (docs/kernels.md):
-they are checked on the CPU under triton's interpreter and compiled for sm_90, never timed on a GPU. Tests
-and benchmarks that must run the kernels turn the warning into an error
-(``warnings.simplefilter("error", KernelFallbackWarning)``).
+"""Which code computes a kernel's function (``kernels="torch"`` or ``"triton"``, ``--tis-kernels``), and the
+fallback to torch: where the Triton code cannot run (no triton, no CUDA tensors without ``TRITON_INTERPRET=1``) the
+torch code runs with one :class:`KernelFallbackWarning` per kernel and reason; a failed compile or launch keeps that
+kernel on torch for the process. Both paths issue the same collectives. docs/kernels.md, "Choosing the code".
 """
 
 from __future__ import annotations
@@ -33,9 +14,11 @@ from collections.abc import Iterator
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["KERNELS", "DEFAULT_KERNELS", "KernelFallbackWarning", "KernelLaunchError", "check_kernels",
-           "triton_module", "launching", "fall_back", "torch_only", "reset"]
+           "triton_module", "launching", "fall_back", "torch_only", "reset",
+           "check_args", "group_size"]
 
 KERNELS = ("torch", "triton")
 DEFAULT_KERNELS = "torch"  # until the Triton kernels pass on a GPU (docs/kernels.md)
@@ -56,11 +39,25 @@ class KernelLaunchError(RuntimeError):
         self.kernel, self.error = kernel, error
 
 
-def check_kernels(kernels: object, name: str = "kernels") -> str:
+def check_kernels(kernels: object) -> str:
     """``kernels`` if it is one of :data:`KERNELS`, else ``ValueError`` naming the argument and the value."""
     if kernels not in KERNELS:
-        raise ValueError(f"{name} must be one of {', '.join(repr(k) for k in KERNELS)}, got {kernels!r}")
+        raise ValueError(f"kernels must be one of {', '.join(repr(k) for k in KERNELS)}, got {kernels!r}")
     return kernels  # type: ignore[return-value]
+
+
+def check_args(temperature: object, chunk_size: object) -> float:
+    """``float(temperature)``; ``ValueError`` unless it is a number > 0 and ``chunk_size`` an int >= 1."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    return float(temperature)
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks of ``group`` (1 for ``None`` or without ``torch.distributed``)."""
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
 
 def _warn_once(kernel: str, reason: str) -> None:
@@ -74,9 +71,7 @@ def _warn_once(kernel: str, reason: str) -> None:
 def triton_module(kernel: str, module: str, device: torch.device, kernels: str) -> ModuleType | None:
     """The Triton module ``module`` (e.g. ``"slime_tis.kernels.logprobs"``) when ``kernel`` should run on
     ``device`` with this ``kernels`` choice, else ``None`` (the caller runs the torch code; warned once)."""
-    if check_kernels(kernels) == "torch":
-        return None
-    if kernel in _disabled:
+    if check_kernels(kernels) == "torch" or kernel in _disabled:
         return None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         _warn_once(kernel, f"tensors on {device.type}: the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 "

@@ -1,44 +1,8 @@
-"""Fused output layer: token log-probs and entropies straight from the hidden states, logits never stored.
-
-Tensor-parallel rank ``r`` of ``P`` holds the output-weight rows of vocabulary ids ``[r*Vp, (r+1)*Vp)``.
-For each token ``t`` with hidden state ``h_t [H]``, temperature ``tau`` and target id ``y_t``:
-
-    z_tv  = h_t . W_v                       (float32 accumulation, one [BT, BV] tile at a time)
-    x_tv  = z_tv / tau
-    logZ_t = M_t + log S_t,   M_t = max_v x_tv,   S_t = sum_v exp(x_tv - M_t)
-    lp_t  = x_ty - logZ_t
-    H_t   = logZ_t - sum_v p_tv x_tv = log S_t - (sum_v exp(x_tv - M_t)(x_tv - M_t)) / S_t
-
-Each shard walks its vocabulary with an online log-sum-exp (running max ``m``, ``s = sum exp(x - m)``,
-``t = sum exp(x - m)(x - m)``; on a new max ``m'``: ``s <- a s + ...``, ``t <- a (t + (m - m') s) + ...``,
-``a = exp(m - m')``), then the shards combine with one all-reduce MAX of ``m [T]`` and one all-reduce SUM
-of ``[T, 3]`` (``s``, ``t`` rescaled to the global max, ``x_y`` from the owning rank): the same two small
-collectives as :func:`slime_tis.engine.logprobs.vocab_parallel_log_probs_and_entropy`.
-
-Backward, given ``g_lp = dL/dlp`` and ``g_H = dL/dH`` (``p = exp(x - logZ)``)::
-
-    dL/dz_tv = ( g_lp_t ([v = y_t] - p_tv) - g_H_t p_tv (log p_tv + H_t) ) / tau
-    dL/dh_t  = sum_v dL/dz_tv W_v            (partial per shard; summed over TP)
-    dL/dW_v  = sum_t dL/dz_tv h_t
-
-computed one vocabulary chunk ``[T, C]`` of ``dL/dz`` at a time (recomputed from ``h`` and ``W``, written
-in the input dtype), then ``dL/dh += dL/dz W_chunk`` summed in float32 (no rounding between chunks; the
-last chunk stores ``dL/dh`` in the input dtype) and ``dL/dW_chunk = dL/dz^T h`` (written once): no
-``[T, V]`` tensor exists in either pass. Four GEMMs in all (forward logits, their recompute, the two
-gradients), the fewest for a layer that never stores the logits: the normaliser ``logZ`` needs the whole
-vocabulary before any ``dL/dz`` exists. Extra memory: the forward keeps ``[T]`` vectors; the backward a
-``[T, C]`` chunk and the float32 ``[T, H]`` accumulator (docs/output_layer.md has the traffic).
-
-Rows outside ``loss_mask`` give ``lp = H = 0`` and zero gradients; on the Triton path they are ordered
-last (a stable sort, no host sync) and their row blocks skip the logit and ``dL/dh`` matmuls. Rows without
-an upstream gradient (masked, or a token the loss rejected: ``g_lp = g_H = 0``) get exact zeros by
-selection and are left out of ``dL/dW``, so a non-finite row (NaN log-prob, rejected) puts no NaN into the
-gradients; its log-prob and entropy are NaN on every backend (the core then rejects the sequence).
-
-Two implementations (``kernels``): ``"torch"`` (the default and the reference: the same chunked float32
-algorithm in torch) and ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), which falls back to the
-torch code with one warning where it cannot run, also in the middle of a backward
-(:mod:`slime_tis.kernels.dispatch`). This module imports triton only on the Triton path.
+"""Fused output layer: token log-probs and entropies straight from the hidden states and this TP rank's output
+weight shard, logits never stored (one ``[T, chunk]`` tile at a time, float32 accumulation, online log-sum-exp; the
+same two collectives as the log-probs from logits). The torch code here is the reference; ``kernels="triton"`` runs
+:mod:`slime_tis.kernels._output_layer_triton` with the torch code as fallback. Formulas, memory, masked and
+non-finite rows: docs/output_layer.md; the backward's traffic: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -48,28 +12,45 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.kernels import dispatch
-from slime_tis.kernels.matmul import addmm_f32_, mm_f32
+from slime_tis.kernels.logprobs_torch import combine_partials, target_column
 
-__all__ = ["fused_log_probs_and_entropy"]
+__all__ = ["fused_log_probs_and_entropy", "check_inputs"]
 
 _NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
 _TRITON = "slime_tis.kernels._output_layer_triton"
 
 
-def _check_group(tp_group):
-    """``tp_group`` is a process group or ``None``: the kernels never look up megatron's groups themselves."""
-    if tp_group is not None and not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
-        raise ValueError(f"tp_group must be a torch.distributed process group or None, got {tp_group!r}")
-    return tp_group
-
-
-def _group_size(group) -> int:
-    if group is None or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
 # ------------------------------------------------------------------------------------------------ torch backend
+_NO_OUT_DTYPE: set[str] = set()  # device types whose torch.mm has no float32 out_dtype for half inputs
+
+
+def _native(a: Tensor) -> bool:
+    """bf16 / fp16 on CUDA: one tensor-core GEMM with float32 output (exact products, no float32 copies, no TF32)."""
+    return a.dtype in (torch.bfloat16, torch.float16) and a.device.type == "cuda" and "cuda" not in _NO_OUT_DTYPE
+
+
+def mm_f32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``a [M, K] @ b [K, N]`` as float32 ``[M, N]`` (into ``out`` when given); ``a``, ``b`` of one dtype."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if _native(a):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        except (TypeError, NotImplementedError):  # torch without out_dtype (TypeError) or without the kernel
+            _NO_OUT_DTYPE.add(a.device.type)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
+def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b`` in float32 (``acc`` float32 ``[M, N]``; torch's ``addmm`` cannot add a half-precision product
+    to it); returns ``acc``."""
+    if _native(a):
+        return acc.add_(mm_f32(a, b))
+    if a.dtype != torch.float32:
+        a, b = a.float(), b.float()
+    return acc.addmm_(a, b)
+
+
 def _torch_logits(hidden: Tensor, weight: Tensor, c0: int, c1: int, temperature: float) -> Tensor:
     """``x = (h W[c0:c1]^T) / tau`` in float32, ``[T, c1 - c0]`` (exact products, float32 sums: ``mm_f32``)."""
     return mm_f32(hidden, weight[c0:c1].t()).div_(temperature)
@@ -82,7 +63,6 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
     s = torch.zeros(n_tok, dtype=torch.float32, device=hidden.device)
     t = torch.zeros_like(s)
     xy = torch.zeros_like(s)
-    local_y = targets - vocab_start
     for c0 in range(0, vp, chunk):
         c1 = min(c0 + chunk, vp)
         x = _torch_logits(hidden, weight, c0, c1, temperature)
@@ -93,8 +73,7 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
         t = alpha * (t + (m - m_new) * s) + (e * d).sum(dim=1)
         s = alpha * s + e.sum(dim=1)
         m = m_new
-        in_chunk = (local_y >= c0) & (local_y < c1)
-        idx = torch.where(in_chunk, local_y - c0, torch.zeros_like(local_y))
+        idx, in_chunk = target_column(targets, vocab_start + c0, c1 - c0)
         xy = xy + torch.where(in_chunk, x.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(xy))
     out = torch.stack([m, s, t, xy], dim=1)
     return torch.where(active[:, None], out, torch.zeros_like(out))
@@ -105,9 +84,7 @@ def _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, out, c0
     c1 = c0 + out.shape[1]
     log_p = _torch_logits(hidden, weight, c0, c1, temperature).sub_(log_z[:, None]).clamp_(max=0.0)
     g = -torch.exp(log_p) * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
-    local_y = targets - vocab_start
-    in_chunk = (local_y >= c0) & (local_y < c1)
-    idx = torch.where(in_chunk, local_y - c0, torch.zeros_like(local_y))
+    idx, in_chunk = target_column(targets, vocab_start + c0, c1 - c0)
     g.scatter_add_(1, idx[:, None], torch.where(in_chunk, g_lp, torch.zeros_like(g_lp))[:, None])
     g = torch.where(live[:, None], g / temperature, torch.zeros_like(g))
     out.copy_(g)
@@ -124,6 +101,30 @@ def _torch_dhidden(d: Tensor, w_chunk: Tensor, acc: Tensor, out: Tensor, *, accu
 
 
 # ------------------------------------------------------------------------------------------------ autograd
+def check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, loss_mask: Tensor | None, temperature: object,
+                 chunk_size: object, tp_group: object) -> float:
+    """``float(temperature)``, or ``ValueError`` naming the argument of the output layer that is wrong."""
+    if not isinstance(hidden, Tensor) or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+            or hidden.dim() < 1:
+        raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor [..., H], got "
+                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V/TP, H={hidden.shape[-1]}], got {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
+                         f"{hidden.device})")
+    if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', targets)}")
+    lead = tuple(hidden.shape[:-1])
+    if tuple(targets.shape) != lead:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without H {lead}")
+    if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != lead):
+        raise ValueError(f"loss_mask must be a tensor of shape {lead}, got {tuple(getattr(loss_mask, 'shape', ()))}")
+    if tp_group is not None and not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
+        raise ValueError(f"tp_group must be a torch.distributed process group or None, got {tp_group!r}")
+    return dispatch.check_args(temperature, chunk_size)
+
+
 def _merge_splits(parts: Tensor) -> Tensor:
     """``[S, T, 4]`` statistics of disjoint vocabulary splits -> ``[T, 4]`` of their union (same rescaling)."""
     m, s, t, xy = parts.unbind(2)
@@ -133,23 +134,10 @@ def _merge_splits(parts: Tensor) -> Tensor:
 
 
 def _combine(local: Tensor, active: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
-    """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)`` with one MAX and one SUM all-reduce."""
+    """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)``, zero on inactive rows (their statistics are zeros)."""
     m, s, t, xy = local.unbind(1)
-    big_m = m.clone()
-    if _group_size(group) > 1:
-        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
-    scale = torch.exp(m - big_m)
-    sums = torch.stack([scale * s, scale * (t + (m - big_m) * s), xy], dim=1)
-    if _group_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-    ones = torch.ones_like(big_m)
-    big_s = torch.where(active, sums[:, 0], ones)  # inactive rows: S = 1, M = 0 -> logZ = 0, no NaN
-    log_s = torch.log(big_s)
-    zero = torch.zeros_like(big_m)
-    log_z = torch.where(active, big_m + log_s, zero)
-    lp = torch.where(active, sums[:, 2] - log_z, zero)
-    ent = torch.where(active, log_s - sums[:, 1] / big_s, zero)
-    return lp, ent, log_z
+    out = combine_partials(m, s, xy, t, group)
+    return tuple(torch.where(active, v, torch.zeros_like(v)) for v in out)
 
 
 class _FusedOutputLayer(torch.autograd.Function):
@@ -188,7 +176,7 @@ class _FusedOutputLayer(torch.autograd.Function):
         # Rows with a gradient: active and a nonzero upstream gradient (the loss gives a rejected token none).
         # The others get exact zeros by selection, so a non-finite row puts no NaN into either gradient.
         live = active & ((g_lp != 0) | (g_h != 0))
-        reduce = want_h and reduce_hidden_grad and _group_size(group) > 1
+        reduce = want_h and reduce_hidden_grad and dispatch.group_size(group) > 1
         # dL/dh: a float32 accumulator; the last chunk stores the result in hidden's dtype unless the float32
         # sum still has to be all-reduced over TP
         acc = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
@@ -240,55 +228,20 @@ def fused_log_probs_and_entropy(
     kernels: str = dispatch.DEFAULT_KERNELS,
     chunk_size: int = 8192,
 ) -> tuple[Tensor, Tensor]:
-    """Log-prob of ``targets`` and entropy of ``softmax(hidden @ weight^T / temperature)`` over the vocabulary.
-
-    Args:
-        hidden: ``[..., H]`` hidden states (float32 / bfloat16 / float16), the output layer's input.
-        weight: ``[V/TP, H]`` this rank's shard of the output weight (tied embeddings: pass the embedding
-            weight; its gradient accumulates with the embedding's own), same dtype as ``hidden``.
-        targets: ``[...]`` global vocabulary ids (int).
-        temperature: > 0; the logits are divided by it.
-        loss_mask: optional ``[...]``; rows where it is 0 return 0 and get zero gradients (and, on the
-            Triton path, cost no matmul).
-        tp_group: process group over which the vocabulary is split; ``None``: no TP (the caller passes
-            megatron's TP group: :mod:`slime_tis.megatron.output_layer`).
-        reduce_hidden_grad: all-reduce ``dL/dhidden`` over ``tp_group`` (True: the returned gradient is the
-            full one). False when the caller's own region does it (megatron's
-            ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather, see
-            :mod:`slime_tis.megatron.output_layer`).
-        kernels: ``"torch"`` (default) or ``"triton"`` (see module docstring; ``slime_tis.kernels.dispatch``).
-        chunk_size: vocabulary columns per chunk (torch forward; backward ``dL/dz`` buffer ``[T, chunk]``).
-
-    Returns:
-        ``(log_probs [...], entropy [...])`` float32, differentiable w.r.t. ``hidden`` and ``weight``.
+    """``(log_probs [...], entropy [...])`` float32 of ``softmax(hidden @ weight^T / temperature)``, differentiable
+    w.r.t. ``hidden [..., H]`` and ``weight [V/TP, H]`` (this TP rank's shard, same dtype: float32 / bf16 / fp16;
+    tied embeddings: the embedding weight). ``targets [...]``: global ids; ``loss_mask [...]``: rows where it is 0
+    give 0 and zero gradients (no matmul on the Triton path); ``tp_group``: the vocabulary split (``None``: no TP);
+    ``reduce_hidden_grad``: all-reduce ``dL/dhidden`` over it here (False where the caller's TP region does,
+    :mod:`slime_tis.megatron.output_layer`); ``chunk_size``: vocabulary columns per chunk.
     """
-    if not isinstance(hidden, Tensor) or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
-            or hidden.dim() < 1:
-        raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor [..., H], got "
-                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V/TP, H={hidden.shape[-1]}], got {tuple(getattr(weight, 'shape', ()))}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
-                         f"{hidden.device})")
-    if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', targets)}")
-    lead = tuple(hidden.shape[:-1])
-    if tuple(targets.shape) != lead:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without H {lead}")
-    if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != lead):
-        raise ValueError(f"loss_mask must be a tensor of shape {lead}, got {tuple(getattr(loss_mask, 'shape', ()))}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size, tp_group)
     tk = dispatch.triton_module("output_layer", _TRITON, hidden.device, dispatch.check_kernels(kernels))
-    group = _check_group(tp_group)
-    tp_rank = dist.get_rank(group) if _group_size(group) > 1 else 0
+    tp_rank = dist.get_rank(tp_group) if dispatch.group_size(tp_group) > 1 else 0
     flat_h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_y = targets.reshape(-1).to(torch.int64)
     active = (torch.ones_like(flat_y, dtype=torch.bool) if loss_mask is None
               else loss_mask.reshape(-1).to(flat_y.device) != 0)
-    lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, float(temperature), group,
+    lp, ent = _FusedOutputLayer.apply(flat_h, weight.contiguous(), flat_y, active, temperature, tp_group,
                                       tp_rank * weight.shape[0], tk, chunk_size, bool(reduce_hidden_grad))
-    return lp.view(lead), ent.view(lead)
+    return lp.view(targets.shape), ent.view(targets.shape)

@@ -1,20 +1,6 @@
-"""The sampling-support replay straight from the hidden states: the fused output layer's function over each
-position's kept ids only (torch).
-
-For position ``t`` with hidden state ``h_t [H]``, kept ids ``K_t`` and the output weight ``W [Vp, H]`` of this
-vocabulary shard, only the kept logits are formed, one dot product each (float32 products and sums):
-
-    x_v = (h_t . W_v) / tau        for v in K_t owned by this shard          ([S] values, no [T, V] logits)
-
-then the replay's formulas (:mod:`slime_tis.kernels.support_torch`, the same two all-reduces), and backward, with
-``g_v = dL/dz_v`` of each kept logit:
-
-    dL/dh_t = sum_{v in K_t} g_v W_v        (partial per shard; summed over TP by the caller or here)
-    dL/dW_v = sum_{t : v in K_t} g_v h_t
-
-Cost: ``O(S H)`` multiply-adds in each direction instead of the full layer's ``O(T V H)``; memory: ``chunk``
-entries of ``[chunk, H]`` float32 at a time, and in the backward float32 accumulators for ``dL/dh [T, H]`` and
-``dL/dW [Vp, H]`` (returned in the input dtype). Rows outside ``loss_mask`` give ``lp = H = 0`` and zero gradients.
+"""The sampling-support replay from the hidden states (torch): only the kept logits ``x_v = h_t . W_v / tau`` are
+formed (``O(S H)``, no ``[T, V]`` logits), then the replay's formulas (:mod:`slime_tis.kernels.logprobs_torch`);
+backward ``dL/dh_t = sum_{v in K_t} g_v W_v``, ``dL/dW_v = sum_{t: v in K_t} g_v h_t``. docs/sampling_support.md.
 """
 
 from __future__ import annotations
@@ -23,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_tis.kernels.support_torch import SupportRows, check_support, support_forward, support_grad, support_rows
+from slime_tis.kernels.dispatch import group_size
+from slime_tis.kernels.logprobs_torch import SupportRows, check_support, support_forward, support_grad, support_rows
+from slime_tis.kernels.output_layer import check_inputs
 
 __all__ = ["SupportFusedOutputLayer", "fused_support_log_probs_and_entropy"]
 
@@ -46,7 +34,7 @@ class SupportFusedOutputLayer(torch.autograd.Function):
         rows = support_rows(ids, offsets, targets, vocab_start, weight.shape[0])
         x = _kept_logits(hidden.detach(), weight.detach(), rows, temperature, chunk)
         lp, ent, log_z = support_forward(x, rows, hidden.shape[0], group, True, keep)
-        ctx.save_for_backward(hidden, weight, rows.row, rows.col, rows.own, rows.is_target, x, log_z, ent, keep)
+        ctx.save_for_backward(hidden, weight, *rows, x, log_z, ent, keep)
         ctx.set_materialize_grads(False)
         ctx.temperature, ctx.group, ctx.chunk, ctx.reduce = temperature, group, chunk, reduce_hidden_grad
         return lp, ent
@@ -64,7 +52,7 @@ class SupportFusedOutputLayer(torch.autograd.Function):
             d_hidden.index_add_(0, r, torch.where(live, gc * weight[k].to(torch.float32), 0.0))
             d_weight.index_add_(0, k, torch.where(live, gc * hidden[r].to(torch.float32), 0.0))
         group = ctx.group
-        if ctx.reduce and group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if ctx.reduce and group_size(group) > 1:
             dist.all_reduce(d_hidden, group=group)
         return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None, None, None, None, None,
                 None)
@@ -75,33 +63,16 @@ def fused_support_log_probs_and_entropy(hidden: Tensor, weight: Tensor, targets:
                                         loss_mask: Tensor | None = None, tp_group=None,
                                         reduce_hidden_grad: bool = True, chunk_size: int = 65536,
                                         ) -> tuple[Tensor, Tensor]:
-    """Log-prob of ``targets`` and entropy of ``softmax(hidden @ weight^T / temperature)`` restricted to each
-    position's ``support`` and renormalised there (module docstring).
-
-    ``hidden [..., H]``, ``weight [V/TP, H]`` (same dtype and device), ``targets [...]`` global ids, ``support``
-    ``(ids [S], offsets [N + 1])`` over the ``N`` flattened positions, ``loss_mask`` as in
-    :func:`slime_tis.kernels.output_layer.fused_log_probs_and_entropy`; ``tp_group``: the vocabulary split
-    (``None``: no TP); ``reduce_hidden_grad``: all-reduce ``dL/dhidden`` over it here; ``chunk_size``: kept ids per
-    dot-product chunk. Returns float32 ``(log_probs, entropy)`` shaped like ``targets``.
-    """
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] \
-            or weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight must be [V/TP, H={hidden.shape[-1]}] with hidden's dtype and device, got "
-                         f"{tuple(getattr(weight, 'shape', ()))} {getattr(weight, 'dtype', None)}")
-    lead = tuple(hidden.shape[:-1])
-    if not isinstance(targets, Tensor) or tuple(targets.shape) != lead:
-        raise ValueError(f"targets shape {tuple(getattr(targets, 'shape', ()))} must equal hidden shape without H "
-                         f"{lead}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    """:func:`slime_tis.kernels.output_layer.fused_log_probs_and_entropy` (same arguments; the torch code) restricted
+    to each position's ``support`` ``(ids [S], offsets [N + 1])`` over the ``N`` flattened positions and renormalised
+    there; ``chunk_size``: kept ids per dot-product chunk."""
+    temperature = check_inputs(hidden, weight, targets, loss_mask, temperature, chunk_size, tp_group)
     flat_y = targets.reshape(-1).to(torch.int64)
     ids, offsets = check_support(support, flat_y.numel())
     keep = None if loss_mask is None else loss_mask.reshape(-1).to(flat_y.device) != 0
-    tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    tp = group_size(tp_group)
     vocab_start = (dist.get_rank(tp_group) if tp > 1 else 0) * weight.shape[0]
     lp, ent = SupportFusedOutputLayer.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_y, ids, offsets,
-                                            float(temperature), tp_group if tp > 1 else None, vocab_start, keep,
+                                            temperature, tp_group if tp > 1 else None, vocab_start, keep,
                                             chunk_size, bool(reduce_hidden_grad))
-    return lp.view(lead), ent.view(lead)
+    return lp.view(targets.shape), ent.view(targets.shape)

@@ -1,13 +1,5 @@
-"""``token_pass_for``: the correction core's token pass for a ``kernels`` choice (``--tis-kernels``).
-
-The core (``slime_tis.core.ratios.packed_ratios``) computes the base columns of its token pass with torch unless
-the configuration hands it another implementation (``Plan.token_pass``, a ``core.ratios.TokenPass``); the core
-imports no kernel. ``TISConfig`` resolves its ``kernels`` here, once:
-
-* ``"torch"``: ``None``, the torch code (the reference);
-* ``"triton"``: :func:`triton_token_pass`, the Triton kernel of :mod:`slime_tis.kernels.correction` where it can run,
-  else ``None`` for that call (the torch code, one warning; a failed compile or launch keeps the kernel on torch for
-  the process: :mod:`slime_tis.kernels.dispatch`).
+"""``token_pass_for``: the correction core's token pass for a ``kernels`` choice (``--tis-kernels``), resolved once
+by ``TISConfig``: ``None`` (the core's torch code) for ``"torch"``, :func:`triton_token_pass` for ``"triton"``.
 """
 
 from __future__ import annotations
