@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-import slime_tis.megatron.model_dtype_output as mdo
+import slime_tis.megatron.output_layer as mdo
 from slime_tis.megatron import vocab_parallel_log_probs_and_entropy as lp_and_entropy
 
 

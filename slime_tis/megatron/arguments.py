@@ -1,36 +1,7 @@
-"""``add_megatron_tis_arguments``: the plugin's flags plus the Megatron hook's own, for Megatron-LM.
-
-It is Megatron-LM's ``extra_args_provider`` (takes and returns the parser). Where it goes depends on the
-Megatron-LM version:
-
-* megatron-core <= 0.17: ``pretrain(provider, model_provider, model_type, forward_step,
-  extra_args_provider=add_megatron_tis_arguments)`` (``pretrain`` parses the command line itself);
-* megatron-core >= 0.18 (``pretrain`` takes a config container first and has no ``extra_args_provider``: the old
-  call raises ``TypeError``): ``args = parse_and_validate_args(extra_args_provider=add_megatron_tis_arguments)``,
-  then ``pretrain(pretrain_cfg_container_from_args(args, ...), provider, model_provider=...,
-  model_type=..., forward_step_func=...)``.
-
-It adds every flag of ``slime_tis.arguments.add_tis_arguments`` and, unless the host parser already defines an
-option of that name (slime defines ``--rollout-temperature``; the host's is then used):
-
-* ``--rollout-temperature T`` (float > 0): the rollout engine's sampling temperature; the hook divides the training
-  logits by it. Default 1.0; on a parser with Megatron-LM's ``--rl-default-temperature`` (the temperature
-  Megatron-LM's RL loop samples with) the default is that flag's value;
-* ``--tis-fused-output-layer``: log-probs and entropy straight from the hidden states and the (tied) output
-  weight (``slime_tis.megatron.output_layer``), no logits tensor, float32 accumulation;
-* ``--tis-fp32-lm-head``: float32 logits from the output matmul (bf16 operands, float32 accumulation and
-  output; float32 logits into the log-softmax).
-
-* ``--tis-routing-replay``: mixture-of-experts rollout routing replay: every forward of the hook routes each
-  MoE layer's tokens to the experts the rollout engine chose (SGLang's ``routed_experts``, carried in each
-  micro-batch item as a ``routing_replay.RoutingBatch``), and counts ``moe/routing_mismatch`` /
-  ``moe/router_disagreement``.
-
-The two output-layer flags are mutually exclusive (argparse names both). ``megatron_hook_kwargs(args)`` turns the parsed
-namespace into the hook's keyword arguments (read the temperature through it, not as ``args.rollout_temperature``:
-a parser without this provider has no such attribute)::
-
-    tis_forward_backward_func(get_forward_backward_func(), TISConfig.from_args(args), **megatron_hook_kwargs(args))
+"""``add_megatron_tis_arguments``: Megatron-LM's ``extra_args_provider`` adding ``add_tis_arguments``' flags and the
+hook's (``--rollout-temperature``, ``--tis-fused-output-layer`` | ``--tis-fp32-lm-head``, ``--tis-routing-replay``),
+each unless the parser defines it already; ``megatron_hook_kwargs(args)``: the parsed flags as the hook's keywords
+(docs/megatron.md, "The two-line change to a launcher").
 """
 
 from __future__ import annotations
@@ -49,7 +20,7 @@ def _has(parser: argparse.ArgumentParser, option: str) -> bool:
 
 
 def add_megatron_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``add_tis_arguments(parser)`` + the hook's flags (module docstring); returns ``parser``."""
+    """``add_tis_arguments(parser)`` + the hook's flags; returns ``parser``."""
     add_tis_arguments(parser)
     group = parser.add_argument_group("slime_tis megatron")
     if not _has(parser, "--rollout-temperature"):
@@ -88,9 +59,8 @@ def rollout_temperature(args: Any) -> float:
 
 
 def megatron_hook_kwargs(args: Any) -> dict[str, Any]:
-    """``temperature`` (:func:`rollout_temperature`), ``fused_output_layer``, ``fp32_lm_head``, ``routing_replay``
-    for ``tis_forward_backward_func`` from parsed args (absent flags: False); both output-layer flags set is an
-    error naming them."""
+    """The hook's ``temperature``, ``fused_output_layer``, ``fp32_lm_head``, ``routing_replay`` from parsed args
+    (absent flags: False); both output-layer flags set is an error naming them."""
     fused = bool(getattr(args, "tis_fused_output_layer", False))
     fp32 = bool(getattr(args, "tis_fp32_lm_head", False))
     output_layer_of(fused, fp32)

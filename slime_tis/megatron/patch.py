@@ -1,38 +1,8 @@
-"""Patch an existing megatron training script so that its schedule uses the rollout correction.
-
-For launchers that call ``get_forward_backward_func()`` themselves. Megatron-LM (``pretrain`` -> ``train``,
-which obtains the schedule once and hands it to every ``train_step``), megatron-core >= 0.18 (``pretrain`` takes
-the config container first and no ``extra_args_provider``)::
-
-    import megatron.training.training as mt
-    from megatron.training import pretrain
-    from megatron.training.arguments import parse_and_validate_args
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from slime_tis.megatron import add_megatron_tis_arguments, tis_patch
-
-    args = parse_and_validate_args(extra_args_provider=add_megatron_tis_arguments)
-    with tis_patch(modules=[mt]):          # cfg and temperature from Megatron-LM's parsed args
-        pretrain(pretrain_cfg_container_from_args(args, model_cfg), train_valid_test_datasets_provider,
-                 model_provider=model_provider, model_type=model_type, forward_step_func=forward_step)
-
-(``model_cfg``: ``gpt_config_from_args(args)`` from 0.19, as Megatron-LM's ``pretrain_gpt.py`` does; 0.18 takes
-``pretrain_cfg_container_from_args(args)``). megatron-core <= 0.17: ``with tis_patch(modules=[mt]):
-pretrain(train_valid_test_datasets_provider, model_provider, model_type, forward_step,
-extra_args_provider=add_megatron_tis_arguments)``.
-
-Inside the ``with`` block ``get_forward_backward_func`` returns ``tis_forward_backward_func(<megatron's>,
-cfg, ...)`` in ``megatron.core.pipeline_parallel``, ``megatron.core.pipeline_parallel.schedules`` and
-every module in ``modules`` that imported the name (``from ... import get_forward_backward_func`` binds a
-copy, so those modules must be listed). Everything is restored on exit.
-
-``cfg=None`` (default) builds ``TISConfig.from_args(megatron.training.get_args())`` when the schedule is
-first requested, i.e. after the command line was parsed (``add_megatron_tis_arguments`` adds the flags), and
-``temperature=None`` then reads ``--rollout-temperature`` (else ``--rl-default-temperature``, else 1.0),
-``fused_output_layer=None`` / ``fp32_lm_head=None`` / ``routing_replay=None`` read ``--tis-fused-output-layer`` /
-``--tis-fp32-lm-head`` / ``--tis-routing-replay`` (``megatron_hook_kwargs``). With an explicit ``cfg``, ``None``
-means 1.0 / False / False / False.
-The micro-batch items must carry ``item["tis"] = TISBatch(...)`` or ``get_tis_batch=`` must build it
-(docs/megatron.md, "Data contract"); other keywords go to ``tis_forward_backward_func``.
+"""``tis_patch``: inside the block, ``get_forward_backward_func()`` returns the hooked schedule, in megatron-core's
+``pipeline_parallel`` (and ``.schedules``) and in every module of ``modules`` (``from ... import`` binds a copy);
+restored on exit. ``cfg=None`` reads the configuration and the hook keywords from Megatron-LM's parsed arguments
+when the schedule is first requested; with a ``cfg`` a ``None`` keyword means its default. Recipes for every
+megatron-core version: docs/megatron.md, "Megatron-LM's training loop".
 """
 
 from __future__ import annotations
@@ -52,9 +22,8 @@ _ATTR = "get_forward_backward_func"
 
 
 def _from_megatron_lm_args(cfg: TISConfig | None, given: dict[str, Any]) -> tuple[TISConfig, dict[str, Any]]:
-    """The config and the hook keywords (``temperature``, ``fused_output_layer``, ``fp32_lm_head``,
-    ``routing_replay``): the given ones, the others from Megatron-LM's parsed args (``cfg=None``) or the
-    defaults."""
+    """The config and the hook keywords: the given ones, the others from Megatron-LM's parsed args (``cfg=None``)
+    or the defaults."""
     if cfg is not None:
         defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False, "routing_replay": False}
         return cfg, {k: defaults[k] if v is None else v for k, v in given.items()}

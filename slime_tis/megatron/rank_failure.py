@@ -1,22 +1,8 @@
-"""Say which rank failed, and where, when a collective breaks because another rank's training call raised.
-
-When one rank's training call raises (its data, a bug, out of memory) and its process ends, the other ranks'
-next collective fails with the backend's error (gloo: "Connection closed / reset by peer"), which names
-neither the rank nor the cause. The hook therefore, while an error propagates out of one of its calls:
-
-* an error of its own (anything but a broken connection): one line, ``rank R failed in <phase> of
-  training call N: <Type>: <message>``, goes under one key of the job's rendezvous store
-  (torch.distributed's default store; the first record wins), and the error is re-raised unchanged --
-  also where every rank raises alike (a configuration check);
-* a broken connection (the backend's error once the failed rank's process is gone, which happens after it
-  wrote its record; waited for up to :data:`WAIT_S`): :class:`RankFailedError` (a ``RuntimeError``)
-  whose message starts with the other rank's record, followed by where this rank stopped and its own
-  error (chained).
-
-A healthy step touches nothing (no store operation, no collective). A process that wrote a record withdraws
-it at the start of its next training call (its launcher went on; the record no longer explains anything).
-Under torchrun the store lives in the launcher's agent and outlives the failed worker; where it does not
-(rank 0 hosts it and is the one that failed) or there is no process group, errors pass unchanged.
+"""Which rank failed, and where, when a collective breaks because another rank's training call raised
+(docs/megatron.md, "A rank that failed is named"). An error of its own leaving a hook call is recorded as one
+line under :data:`KEY` of the job's rendezvous store (first record wins) and re-raised unchanged; a broken
+connection on another rank becomes :class:`RankFailedError` starting with that record. A healthy call touches
+nothing; a record is withdrawn at the process's next call. No store (no process group): errors pass unchanged.
 """
 
 from __future__ import annotations
@@ -92,10 +78,8 @@ def withdraw() -> None:
 
 
 def explain(e: BaseException, where: str) -> RankFailedError | None:
-    """While ``e`` propagates out of ``where`` on this rank: when ``e`` is a broken connection and another
-    rank recorded its failure, the error naming that rank; otherwise None (``e`` stands), after recording
-    ``e`` as this rank's failure unless a record is there already. An error every rank raises alike (a
-    configuration check) thus stays as it is on every rank."""
+    """While ``e`` leaves ``where``: a broken connection after another rank's record -> the error naming that
+    rank; otherwise ``None`` (``e`` stands), ``e`` recorded as this rank's failure unless a record is there."""
     found = _store()
     if found is None:
         return None
@@ -122,8 +106,7 @@ def explain(e: BaseException, where: str) -> RankFailedError | None:
 
 @contextlib.contextmanager
 def reporting(phase: Phase) -> Iterator[Phase]:
-    """Run a training call; an error leaving it is recorded, or replaced by the first failed rank's
-    (:func:`explain`). Withdraws this process's earlier record first."""
+    """Run a hook call; an error leaving it is recorded, or replaced by the first failed rank's (:func:`explain`)."""
     withdraw()
     try:
         yield phase
