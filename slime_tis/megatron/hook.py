@@ -5,6 +5,11 @@ pi_old where the configuration needs a forward-only pass (``recompute``), ``Step
 with our loss function (``loss``), ``StepEngine.end`` into ``last_metrics`` and the loss dicts. The output mode
 (``output_layer``) and MoE routing replay (``routing_replay``) wrap the passes; an error is named on every rank
 (``rank_failure``). ``forward_only=True`` calls go straight to megatron.
+
+``tis_patch``: inside the block ``get_forward_backward_func()`` returns the hooked schedule, in megatron-core's
+``pipeline_parallel`` (and ``.schedules``) and every module of ``modules`` (``from ... import`` binds a copy);
+restored on exit. ``cfg=None``: the configuration and keywords from Megatron-LM's parsed arguments when the schedule
+is first requested (docs/megatron.md, "Megatron-LM's training loop").
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import contextlib
 import dataclasses
 import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -27,14 +32,15 @@ from slime_tis.engine.megatron_schedule import add_metrics_to_loss_dicts
 from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings, output_layer_of
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import StepTotals, needs_pi_old_pass, needs_pre_pass
+from slime_tis.megatron.arguments import megatron_hook_kwargs
 from slime_tis.megatron.loss import forward_step_with_tis_loss, loss_form_for
 from slime_tis.megatron.output_layer import model_output_mode
 from slime_tis.megatron.rank_failure import Phase, reporting
-from slime_tis.megatron.recompute import forward_only_log_probs, rollout_old_log_probs
+from slime_tis.megatron.recompute import compute_old_log_probs, forward_only_log_probs
 from slime_tis.megatron.routing_replay import RoutingReplay, default_get_routing
 from slime_tis.megatron.schedule import default_get_tis_batch, materialise, replay, step_batches
 
-__all__ = ["TISForwardBackward", "tis_forward_backward_func", "default_get_tis_batch", "PI_OLD_MODES"]
+__all__ = ["TISForwardBackward", "tis_forward_backward_func", "tis_patch", "default_get_tis_batch", "PI_OLD_MODES"]
 
 #: Training calls begun in this process over every hook, compared across ranks with the step metrics.
 _TRAINING_CALLS = itertools.count(1)
@@ -123,10 +129,13 @@ class TISForwardBackward:
             phase.name = "the settings check"
             self._check_settings_agree()
             phase.name = "the forward-only schedule"
+            lp = self.logprobs
             with self._routed(forward_step_func, training=False) as step_func:
-                items = rollout_old_log_probs(
+                items = compute_old_log_probs(
                     self.forward_backward_func, step_func, data_iterator, model, num_microbatches=num_microbatches,
-                    num_steps=num_steps, settings=self.logprobs, get_tis_batch=self.get_tis_batch,
+                    num_steps=num_steps, temperature=lp.temperature, chunk_size=lp.chunk_size,
+                    fused_output_layer=lp.output_layer == "fused", fp32_lm_head=lp.output_layer == "fp32",
+                    kernels=lp.kernels, sampling_support=lp.sampling_support, get_tis_batch=self.get_tis_batch,
                     broadcast_over_tp=self.broadcast_over_tp, run_pass=algorithm_of(self.cfg).needs_pi_old,
                     **schedule_kwargs)
         self.pi_old = "rollout"
@@ -225,3 +234,57 @@ class TISForwardBackward:
 def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, **options: Any) -> TISForwardBackward:
     """``TISForwardBackward(forward_backward_func, cfg, **options)``: megatron's schedule with the correction."""
     return TISForwardBackward(forward_backward_func, cfg, **options)
+
+
+_ATTR = "get_forward_backward_func"
+
+
+def _from_megatron_lm_args(cfg: TISConfig | None, given: dict[str, Any]) -> tuple[TISConfig, dict[str, Any]]:
+    """The config and the hook keywords: the given ones, the others from Megatron-LM's parsed args (``cfg=None``)
+    or the defaults."""
+    if cfg is not None:
+        defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False, "routing_replay": False}
+        return cfg, {k: defaults[k] if v is None else v for k, v in given.items()}
+    try:
+        from megatron.training import get_args
+    except ImportError as err:
+        raise ValueError("tis_patch(cfg=None) reads Megatron-LM's arguments (megatron.training.get_args), which "
+                         "is not importable here; pass cfg=TISConfig(...) and temperature=...") from err
+    args = get_args()
+    from_args = megatron_hook_kwargs(args)
+    return TISConfig.from_args(args), {k: from_args[k] if v is None else v for k, v in given.items()}
+
+
+@contextlib.contextmanager
+def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
+              fused_output_layer: bool | None = None, fp32_lm_head: bool | None = None,
+              routing_replay: bool | None = None, chunk_size: int = CHUNK_SIZE, modules: Sequence[Any] = (),
+              **hook_kwargs: Any) -> Iterator[None]:
+    """Make ``get_forward_backward_func()`` return the hooked schedule while the block runs."""
+    import megatron.core.pipeline_parallel as pp_pkg
+    from megatron.core.pipeline_parallel import schedules
+
+    if cfg is not None and not isinstance(cfg, TISConfig):
+        raise ValueError(f"tis_patch: cfg must be a slime_tis.TISConfig or None, got {type(cfg).__name__}")
+    original = schedules.get_forward_backward_func
+
+    def hooked_get_forward_backward_func(*args: Any, **kwargs: Any):
+        the_cfg, resolved = _from_megatron_lm_args(cfg, {"temperature": temperature,
+                                                         "fused_output_layer": fused_output_layer,
+                                                         "fp32_lm_head": fp32_lm_head,
+                                                         "routing_replay": routing_replay})
+        return tis_forward_backward_func(original(*args, **kwargs), the_cfg, chunk_size=chunk_size, **resolved,
+                                         **hook_kwargs)
+
+    targets = [schedules, pp_pkg, *modules]
+    for mod in targets:  # validate everything before changing anything
+        if not hasattr(mod, _ATTR):
+            raise ValueError(f"tis_patch: module {getattr(mod, '__name__', mod)!r} has no {_ATTR} to patch")
+    saved = [(mod, getattr(mod, _ATTR)) for mod in targets]
+    for mod in targets:
+        setattr(mod, _ATTR, hooked_get_forward_backward_func)
+    try:
+        yield
+    finally:
+        for mod, value in reversed(saved):
+            setattr(mod, _ATTR, value)

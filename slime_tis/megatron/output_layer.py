@@ -23,7 +23,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.engine.settings import OUTPUT_LAYER_MODES
+from slime_tis.kernels import dispatch
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
+from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy
 from slime_tis.megatron.fp32_logits import _HALF, fp32_logits
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
@@ -209,18 +211,14 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
         hidden = hidden.reshape(-1, hidden.shape[-1])
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
-    if support is not None:
-        from slime_tis.kernels import dispatch
-        from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy
-
-        dispatch.torch_only("output_layer", kernels, "the sampling-support replay has no Triton kernel yet")
-        with torch.autocast(hidden.device.type, enabled=False):
-            return fused_support_log_probs_and_entropy(hidden, weight, labels, support, temperature=temperature,
-                                                       loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
     with torch.autocast(hidden.device.type, enabled=False):
-        return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
-                                           tp_group=group, reduce_hidden_grad=False, kernels=kernels,
-                                           chunk_size=chunk_size)
+        if support is None:
+            return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
+                                               tp_group=group, reduce_hidden_grad=False, kernels=kernels,
+                                               chunk_size=chunk_size)
+        dispatch.torch_only("output_layer", kernels, "the sampling-support replay has no Triton kernel yet")
+        return fused_support_log_probs_and_entropy(hidden, weight, labels, support, temperature=temperature,
+                                                   loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
 
 
 def float16_modules(model) -> list[torch.nn.Module]:

@@ -32,7 +32,7 @@ from slime_tis.megatron.schedule import (
 )
 
 __all__ = ["logits_to_log_probs", "output_to_log_probs", "forward_only_log_probs", "recompute_log_probs",
-           "compute_old_log_probs", "rollout_old_log_probs", "rollout_step_iterator"]
+           "compute_old_log_probs", "rollout_step_iterator"]
 
 
 def replayed_support(batch: TISBatch, settings: LogProbSettings) -> tuple[Tensor, Tensor] | None:
@@ -142,25 +142,15 @@ def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Ca
                           chunk_size: int = CHUNK_SIZE,
                           get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
                           broadcast_over_tp: bool = True, fused_output_layer: bool = False,
-                          fp32_lm_head: bool = False, kernels: str = "torch", run_pass: bool = True,
-                          **schedule_kwargs: Any) -> Any:
+                          fp32_lm_head: bool = False, kernels: str = "torch", sampling_support: str | None = None,
+                          run_pass: bool = True, **schedule_kwargs: Any) -> Any:
     """pi_old of a whole rollout at the current parameters: reads ``num_steps * num_microbatches`` items, runs one
     forward-only pass per optimizer step with the training steps' ``schedule_kwargs`` and stores ``lp [T]``
     float32 in each item's ``TISBatch.old_log_probs`` (last stage; overwritten if present). Collective: every rank
     calls it. ``run_pass=False`` only materialises the items (algorithms 1 and 3 never read pi_old). Returns the
     items (a list, a list per model chunk, or ``None``) for :func:`rollout_step_iterator`."""
-    settings = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head), kernels)
-    return rollout_old_log_probs(forward_backward_func, forward_step_func, data_iterator, model,
-                                 num_microbatches=num_microbatches, num_steps=num_steps, settings=settings,
-                                 get_tis_batch=get_tis_batch, broadcast_over_tp=broadcast_over_tp, run_pass=run_pass,
-                                 **schedule_kwargs)
-
-
-def rollout_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, data_iterator: Any,
-                          model: Any, *, num_microbatches: int, num_steps: int, settings: LogProbSettings,
-                          get_tis_batch: Callable[[Any], TISBatch], broadcast_over_tp: bool, run_pass: bool,
-                          **schedule_kwargs: Any) -> Any:
-    """:func:`compute_old_log_probs` with the log-prob settings passed whole (the hook's)."""
+    settings = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head), kernels,
+                               sampling_support)
     for name, value in (("num_microbatches", num_microbatches), ("num_steps", num_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")

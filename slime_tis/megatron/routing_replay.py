@@ -76,19 +76,15 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _BeginOnNext:
+def _begin_on_next(inner: Any, begin: Callable[[Any], None]) -> Iterator[Any]:
     """The launcher's data iterator; each item it hands out first sets its routing on the chunk's MoE layers."""
-
-    def __init__(self, inner: Any, begin: Callable[[Any], None]) -> None:
-        self._inner, self._begin = inner, begin
-
-    def __iter__(self) -> _BeginOnNext:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self._inner)
-        self._begin(item)
-        return item
+    while True:
+        try:
+            item = next(inner)
+        except StopIteration:
+            return
+        begin(item)
+        yield item
 
 
 class RoutingReplay:
@@ -171,7 +167,7 @@ class RoutingReplay:
         def forward_step(data_iterator: Any, model_chunk: Any, *args: Any, **kwargs: Any) -> Any:
             slots = self._slots(model_chunk)
             if slots and data_iterator is not None:
-                data_iterator = _BeginOnNext(data_iterator, lambda item: self._begin(slots, item))
+                data_iterator = _begin_on_next(data_iterator, lambda item: self._begin(slots, item))
             return forward_step_func(data_iterator, model_chunk, *args, **kwargs)
 
         return forward_step
