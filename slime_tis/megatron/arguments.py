@@ -32,20 +32,14 @@ def add_megatron_tis_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     if not (_has(parser, "--tis-fused-output-layer") or _has(parser, "--tis-fp32-lm-head")):
         exclusive = group.add_mutually_exclusive_group()
         exclusive.add_argument("--tis-fused-output-layer", action="store_true",
-                               help="Megatron hook: compute log-probs and entropy straight from the last hidden "
-                                    "states and the (tied) output weight with the fused output-layer kernel (no "
-                                    "logits tensor, float32 accumulation), in the loss and the pi_old pass. "
-                                    "Excludes --tis-fp32-lm-head.")
+                               help="Megatron hook: log-probs and entropy from the hidden states and the (tied) "
+                                    "output weight, no logits tensor, float32 accumulation (every pass).")
         exclusive.add_argument("--tis-fp32-lm-head", action="store_true",
-                               help="Megatron hook: compute the output-layer matmul in float32 (float32 logits "
-                                    "into the log-softmax), in the loss and the pi_old pass. Excludes "
-                                    "--tis-fused-output-layer.")
+                               help="Megatron hook: the output-layer matmul with float32 output (every pass).")
     if not _has(parser, "--tis-routing-replay"):
         group.add_argument("--tis-routing-replay", action="store_true",
-                           help="Megatron hook, mixture-of-experts models: route every MoE layer's tokens to the "
-                                "experts the rollout engine chose (SGLang's routed_experts, item['routing']) in the "
-                                "pi_old pass and every training forward, through megatron-core's RouterReplay "
-                                "(routers built with --moe-enable-routing-replay); counts moe/routing_mismatch.")
+                           help="Megatron hook, MoE: every forward routes to the rollout engine's experts "
+                                "(item['routing']) through megatron-core's RouterReplay (--moe-enable-routing-replay).")
     return parser
 
 

@@ -154,11 +154,10 @@ class TISForwardBackward:
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, forward_only=True, **kwargs)
         with reporting(Phase("a training call")) as phase:
-            return self._train(phase, forward_step_func=forward_step_func, data_iterator=data_iterator,
-                               model=model, num_microbatches=num_microbatches, **kwargs)
+            return self._train(phase, forward_step_func, data_iterator, model, num_microbatches, kwargs)
 
-    def _train(self, phase: Phase, *, forward_step_func: Callable, data_iterator: Any, model: Any,
-               num_microbatches: int, **kwargs: Any) -> list:
+    def _train(self, phase: Phase, forward_step_func: Callable, data_iterator: Any, model: Any,
+               num_microbatches: int, kwargs: dict[str, Any]) -> list:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 

@@ -152,14 +152,14 @@ def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
     in ``mode`` stays so on exit; one in the other mode is an error."""
     if mode not in OUTPUT_LAYER_MODES:
         raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {mode!r}")
-    if mode is None or output_layer_mode(model) == mode:
-        yield
-        return
-    (use_fused_output_layer if mode == "fused" else use_fp32_lm_head)(model)
+    switch = mode is not None and output_layer_mode(model) != mode
+    if switch:
+        (use_fused_output_layer if mode == "fused" else use_fp32_lm_head)(model)
     try:
         yield
     finally:
-        restore_output_layer(model)
+        if switch:
+            restore_output_layer(model)
 
 
 @contextlib.contextmanager

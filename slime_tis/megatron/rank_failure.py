@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -26,12 +27,12 @@ class RankFailedError(RuntimeError):
     """This rank stopped because another rank's training call raised (message: that rank, where, its error)."""
 
 
+@dataclass
 class Phase:
     """Where a training call is (set by the hook as it goes; read when an error propagates)."""
 
-    def __init__(self, call: str) -> None:
-        self.call = call
-        self.name = "its start"
+    call: str
+    name: str = "its start"
 
     def where(self) -> str:
         return f"{self.name} of {self.call}"

@@ -7,6 +7,7 @@ replayed to each pass, micro-batch ``k``'s loss function handed to its ``forward
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,15 +57,9 @@ def materialise(data_iterator: Any, num_microbatches: int, vpp: bool) -> Any:
     def take(it):
         if it is None:
             return None
-        if isinstance(it, list):
-            it = iter(it)
-        items = []
-        for k in range(num_microbatches):
-            try:
-                items.append(next(it))
-            except StopIteration:
-                raise ValueError(f"data_iterator ran out after {k} of "
-                                 f"num_microbatches={num_microbatches} items") from None
+        items = list(itertools.islice(iter(it) if isinstance(it, list) else it, num_microbatches))
+        if len(items) < num_microbatches:
+            raise ValueError(f"data_iterator ran out after {len(items)} of num_microbatches={num_microbatches} items")
         return items
 
     if data_iterator is None:

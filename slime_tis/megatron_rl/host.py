@@ -309,15 +309,12 @@ class RLHost:
         return vocab_parallel_log_probs_and_entropy(logits, labels, temperature=self.temperature,
                                                     with_entropy=with_entropy)
 
-    def entropy_of(self, lp: Tensor, h: Tensor | None) -> Tensor | None:
-        """The entropy term's per-token entropy: Megatron-LM's sampled-token ``-exp(lp) lp`` or ``h``."""
-        return -torch.exp(lp) * lp if self.sampled_entropy else h
-
     def _loss_func(self, batch: TISBatch, last: bool) -> Callable:
         def loss_func(output: Tensor, *args, **kwargs):
             lp, h = self.log_probs(output, batch.labels, with_entropy=not self.sampled_entropy,
                                    local=self.ctx.cp_size > 1 and not self.packed)
-            out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
+            entropy = -torch.exp(lp) * lp if self.sampled_entropy else h  # Megatron-LM's sampled-token estimate
+            out = self.engine.loss(batch, lp, entropy=entropy)
             self.engine.record(out.stats)
             d = {"lm loss": self.form.loss_pair(out.loss.float())}
             self.dicts.append(d)
