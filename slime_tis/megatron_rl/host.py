@@ -85,9 +85,8 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, i
     """``(TISBatch, tokens, position_ids, bin or None)`` of one item; unpacked rows under context parallelism
     (``cp = (size, rank)``): this rank's ``cp_slice_padded`` part."""
     if packed:
-        if len(item) == 11:
-            tokens, adv, old, mask, pos, ref, inf, starts, lengths, indices, psp = item
-            item = (PackedBin(tokens, pos, mask, starts, lengths, indices, psp), adv, old, ref, inf)
+        if len(item) == 11:  # load_packed_data_by_index's parts
+            item = (PackedBin.of(item), item[1], item[2], item[5], item[6])
         b, adv, old, ref, inf = item
         tokens, pos, mask = b.tokens, b.position_ids, b.loss_mask.reshape(-1)
         t = mask.shape[0]
@@ -160,6 +159,11 @@ class PackedBin:
     seq_lengths: Any
     seq_indices: Any = None
     packed_seq_params: Any = None
+
+    @classmethod
+    def of(cls, parts: tuple) -> PackedBin:
+        """The bin of ``load_packed_data_by_index``'s 11 parts."""
+        return cls(parts[0], parts[4], parts[3], *parts[7:11])
 
 
 def block_causal_mask(b) -> Tensor:

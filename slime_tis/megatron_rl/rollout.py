@@ -154,9 +154,8 @@ class RolloutHooks:
         model.eval()
         if packing_context is not None:
             index = int(next(data_iterator)[0].item())  # host-sync-ok: the loader's bin index, before the forward
-            parts = self.rl_utils.load_packed_data_by_index(index, packing_context, is_correction)
-            tokens, pos = parts[0], parts[4]
-            b = PackedBin(tokens, pos, parts[3], parts[7], parts[8], parts[9], parts[10])
+            b = PackedBin.of(self.rl_utils.load_packed_data_by_index(index, packing_context, is_correction))
+            tokens, pos = b.tokens, b.position_ids
         else:
             tokens, pos = next(data_iterator)
             b = None
