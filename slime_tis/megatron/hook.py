@@ -1,15 +1,7 @@
 """``tis_forward_backward_func``: megatron's ``forward_backward_func`` with the rollout correction in every training
-call. One call, in order (docs/megatron.md, "What the wrapped forward_backward does per optimizer step"): settings
-agreed across ranks (first call), the step's items read once (``schedule``), the last stage's ``TISBatch`` list,
-pi_old where the configuration needs a forward-only pass (``recompute``), ``StepEngine.begin``, megatron's schedule
-with our loss function (``loss``), ``StepEngine.end`` into ``last_metrics`` and the loss dicts. The output mode
-(``output_layer``) and MoE routing replay (``routing_replay``) wrap the passes; an error is named on every rank
-(``rank_failure``). ``forward_only=True`` calls go straight to megatron.
-
-``tis_patch``: inside the block ``get_forward_backward_func()`` returns the hooked schedule, in megatron-core's
-``pipeline_parallel`` (and ``.schedules``) and every module of ``modules`` (``from ... import`` binds a copy);
-restored on exit. ``cfg=None``: the configuration and keywords from Megatron-LM's parsed arguments when the schedule
-is first requested (docs/megatron.md, "Megatron-LM's training loop").
+call, in the order of docs/megatron.md, "What the wrapped forward_backward does per optimizer step"
+(``forward_only=True`` calls go straight to megatron); ``tis_patch``: ``get_forward_backward_func()`` returning it
+inside a block (docs/megatron.md, "Megatron-LM's training loop").
 """
 
 from __future__ import annotations
@@ -238,28 +230,15 @@ def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, *
 _ATTR = "get_forward_backward_func"
 
 
-def _from_megatron_lm_args(cfg: TISConfig | None, given: dict[str, Any]) -> tuple[TISConfig, dict[str, Any]]:
-    """The config and the hook keywords: the given ones, the others from Megatron-LM's parsed args (``cfg=None``)
-    or the defaults."""
-    if cfg is not None:
-        defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False, "routing_replay": False}
-        return cfg, {k: defaults[k] if v is None else v for k, v in given.items()}
-    try:
-        from megatron.training import get_args
-    except ImportError as err:
-        raise ValueError("tis_patch(cfg=None) reads Megatron-LM's arguments (megatron.training.get_args), which "
-                         "is not importable here; pass cfg=TISConfig(...) and temperature=...") from err
-    args = get_args()
-    from_args = megatron_hook_kwargs(args)
-    return TISConfig.from_args(args), {k: from_args[k] if v is None else v for k, v in given.items()}
-
-
 @contextlib.contextmanager
 def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
               fused_output_layer: bool | None = None, fp32_lm_head: bool | None = None,
               routing_replay: bool | None = None, chunk_size: int = CHUNK_SIZE, modules: Sequence[Any] = (),
               **hook_kwargs: Any) -> Iterator[None]:
-    """Make ``get_forward_backward_func()`` return the hooked schedule while the block runs."""
+    """Inside the block ``get_forward_backward_func()`` returns the hooked schedule in megatron-core's
+    ``pipeline_parallel`` (and ``.schedules``) and every module of ``modules`` (``from ... import`` binds a copy).
+    ``cfg=None``: the configuration and the ``None`` keywords from Megatron-LM's parsed arguments when the schedule
+    is first requested; with a ``cfg`` a ``None`` keyword is its default."""
     import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core.pipeline_parallel import schedules
 
@@ -268,10 +247,18 @@ def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
     original = schedules.get_forward_backward_func
 
     def hooked_get_forward_backward_func(*args: Any, **kwargs: Any):
-        the_cfg, resolved = _from_megatron_lm_args(cfg, {"temperature": temperature,
-                                                         "fused_output_layer": fused_output_layer,
-                                                         "fp32_lm_head": fp32_lm_head,
-                                                         "routing_replay": routing_replay})
+        the_cfg = cfg
+        defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False, "routing_replay": False}
+        if cfg is None:
+            try:
+                from megatron.training import get_args
+            except ImportError as err:
+                raise ValueError("tis_patch(cfg=None) reads Megatron-LM's arguments (megatron.training.get_args), "
+                                 "which is not importable here; pass cfg=TISConfig(...) and temperature=...") from err
+            the_cfg, defaults = TISConfig.from_args(get_args()), megatron_hook_kwargs(get_args())
+        given = {"temperature": temperature, "fused_output_layer": fused_output_layer, "fp32_lm_head": fp32_lm_head,
+                 "routing_replay": routing_replay}
+        resolved = {k: defaults[k] if v is None else v for k, v in given.items()}
         return tis_forward_backward_func(original(*args, **kwargs), the_cfg, chunk_size=chunk_size, **resolved,
                                          **hook_kwargs)
 

@@ -1,13 +1,7 @@
-"""The model's output mode during the hook's passes (docs/output_layer.md, docs/megatron.md "bf16 training").
-
-* ``use_fused_output_layer(model)``: the last-stage output layer returns its input after megatron's TP input
-  region, so the model returns hidden states ``[B, S, H]``; :func:`fused_log_probs` takes ``(lp, H)`` from them
-  and :func:`output_weight` without a logits tensor.
-* ``use_fp32_lm_head(model)``: the output matmul with float32 output (``fp32_logits``).
-* ``restore_output_layer(model)`` undoes either; :func:`model_output_mode` enters a mode for one pass, with every
-  ``Float16Module`` returning the model's dtype (no float32 copy of bf16 logits; :func:`warn_if_upcast_logits`).
-
-Importing this module does not import megatron-core.
+"""The model's output mode in the hook's passes (docs/output_layer.md): ``use_fused_output_layer`` (the last stage
+returns hidden states, :func:`fused_log_probs` takes ``(lp, H)`` from them), ``use_fp32_lm_head`` (float32 logits,
+``fp32_logits``), ``restore_output_layer``; :func:`model_output_mode` also makes every ``Float16Module`` return the
+model's dtype (docs/megatron.md, "bf16 training"). Importing this module does not import megatron-core.
 """
 
 from __future__ import annotations

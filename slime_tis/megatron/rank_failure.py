@@ -1,8 +1,6 @@
 """Which rank failed, and where, when a collective breaks because another rank's training call raised
-(docs/megatron.md, "A rank that failed is named"). An error of its own leaving a hook call is recorded as one
-line under :data:`KEY` of the job's rendezvous store (first record wins) and re-raised unchanged; a broken
-connection on another rank becomes :class:`RankFailedError` starting with that record. A healthy call touches
-nothing; a record is withdrawn at the process's next call. No store (no process group): errors pass unchanged.
+(docs/megatron.md, "A rank that failed is named"): an error leaving a hook call is recorded under :data:`KEY` of the
+job's rendezvous store (first record wins), a broken connection on another rank becomes :class:`RankFailedError`.
 """
 
 from __future__ import annotations

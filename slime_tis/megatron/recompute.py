@@ -1,8 +1,6 @@
 """Log-probs ``log pi(labels)`` of the model's output (the loss and every pass take them here) and the forward-only
-passes that record them: per training call (:func:`forward_only_log_probs`) and pi_old once per rollout
-(:func:`compute_old_log_probs`; docs/megatron.md, "pi_old: once per rollout"). A pass runs megatron's own schedule
-with ``forward_only=True`` under ``torch.no_grad()`` in the training step's output mode; the log-probs (float32,
-logits / temperature) exist on the last pipeline stage only.
+passes recording them, per training call and pi_old once per rollout (docs/megatron.md, "pi_old: once per rollout"):
+megatron's schedule with ``forward_only=True`` under ``torch.no_grad()``, float32, last pipeline stage only.
 """
 
 from __future__ import annotations

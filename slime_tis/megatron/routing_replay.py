@@ -1,11 +1,7 @@
 """Rollout routing replay on megatron-core's ``RouterReplay`` and the ``moe/*`` routing metrics
-(``--tis-routing-replay``; data, token order, metrics and refusals: docs/megatron.md, "Mixture of experts").
-
-Per micro-batch item a :class:`RoutingBatch` ``experts [B, S, L_moe, k]`` (``-1``: not routed by the engine) over
-the launcher's full tokens. When ``forward_step`` reads the item, every MoE layer of the chunk gets its targets cut
-as megatron cuts the tokens (CP slice, ``[S, B]`` s-major, this TP rank's sequence-parallel share); a router
-forward inside the backward (activation recompute) takes megatron's ``REPLAY_BACKWARD`` queue. The counts are
-summed over every rank with one all-reduce after the step (divided by TP where TP ranks route the same tokens).
+(``--tis-routing-replay``; data layout, token order, metrics and refusals: docs/megatron.md, "Mixture of experts").
+A router forward inside the backward (activation recompute) takes megatron's ``REPLAY_BACKWARD`` queue; the counts
+are summed over every rank by one all-reduce after the step (divided by TP where TP ranks route the same tokens).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def step_items(items: Any, step: int, num_microbatches: int) -> Any:
     return items[lo:hi]
 
 
-def _move(batch: TISBatch, device: torch.device) -> TISBatch:
+def _move(batch: TISBatch, device: torch.device) -> TISBatch:  # blocking, unlike TISBatch.to
     return dataclasses.replace(batch, **{
         f.name: (getattr(batch, f.name).to(device) if getattr(batch, f.name) is not None else None)
         for f in dataclasses.fields(batch)})

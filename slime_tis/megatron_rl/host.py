@@ -1,12 +1,8 @@
-"""The ``train_rl.py`` host: Megatron-LM's RL micro-batches -> ``TISBatch``, its ``forward_step`` -> the step engine.
-
-An unpacked 7-tuple or a packed bin (docs/megatron_rl.md, "What Megatron-LM hands the loss") becomes one packed
-``TISBatch`` of ``T = B (S-1)`` (``L-1``) positions: ``labels = tokens[:, 1:]``, the loss mask shifted by one (in a
-bin restricted to the positions each sequence owns), one advantage per sequence, the log-probs float32. Per rollout
-collection :meth:`RLHost.begin_rollout` translates the micro-batches once (algorithm 2's batch-normalisation factor
-over the collection); per optimizer step :meth:`RLHost.forward_step` calls ``engine.begin`` on its first micro-batch
-and returns the schedule contract's form (``slime_tis.engine.megatron_schedule``): ``lm loss`` and, after the last
-micro-batch, every step metric and :data:`APPENDED_METRIC` as ``[value, 1]`` pairs.
+"""The ``train_rl.py`` host: Megatron-LM's RL micro-batches (docs/megatron_rl.md, "What Megatron-LM hands the
+loss") -> one packed ``TISBatch`` of ``T = B (S-1)`` (``L-1``) positions (``labels = tokens[:, 1:]``, the loss mask
+shifted by one and in a bin restricted to each sequence's positions, one advantage per sequence, float32
+log-probs), its ``forward_step`` -> the step engine and the schedule contract's form
+(``slime_tis.engine.megatron_schedule``: ``lm loss``, then every step metric as ``[value, 1]``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Where Megatron-LM prepares the update (``rl_utils.prepare_data_for_update``): :func:`install_rollout` wraps it
-and ``compute_logprobs_batch`` (docs/megatron_rl.md, "Launch"). The inference log-probs stay in the data where the
-algorithm reads them and are checked per row (:func:`check_inference_log_probs`); the pi_old / pi_ref passes run
-through :meth:`RLHost.log_probs` or are skipped (zeros) where the configuration needs none; the training loader is
-read once and handed to :meth:`RLHost.begin_rollout`, and a cycling iterator over its ``RolloutIndex`` elements
-returned. ``forwards`` / ``skipped`` count the passes per role (``old``, ``ref``), ``rejected`` the checked rows
-per reason, ``appended`` the appended tokens left out of the loss.
+"""Where Megatron-LM prepares the update (``rl_utils.prepare_data_for_update``; docs/megatron_rl.md, "Launch"):
+the inference log-probs kept and checked per row (:func:`check_inference_log_probs`), the pi_old / pi_ref passes
+through :meth:`RLHost.log_probs` or skipped, the training loader handed once to :meth:`RLHost.begin_rollout`.
 """
 
 from __future__ import annotations
@@ -40,7 +36,8 @@ def _swapped(module: Any, name: str, value: Any):
 class RolloutHooks:
     """The wrapped ``prepare_data_for_update`` / ``compute_logprobs_batch`` of ``rl_utils`` (Megatron-LM's or a
     stand-in); ``host()`` returns the :class:`RLHost`, ``read_item`` turns a loader element into the item,
-    ``args()`` returns Megatron-LM's arguments."""
+    ``args()`` returns Megatron-LM's arguments. ``forwards`` / ``skipped`` count the passes per role (``old``,
+    ``ref``)."""
 
     def __init__(self, rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
                  args: Callable[[], Any]) -> None:
