@@ -31,7 +31,7 @@ def test_patch_hooks_every_binding_and_restores_them():
             fb = getter(pp_size=1, vp_size=None)
             assert isinstance(fb, TISForwardBackward)
             assert fb.forward_backward_func is schedules.__dict__["forward_backward_no_pipelining"]
-            assert fb.cfg is cfg and fb.temperature == 0.7 and fb.chunk_size == 64
+            assert fb.cfg is cfg and fb.logprobs.temperature == 0.7 and fb.logprobs.chunk_size == 64
         fb2 = launcher.get_forward_backward_func(pp_size=2, vp_size=None)
         assert fb2.forward_backward_func is schedules.forward_backward_pipelining_without_interleaving
     assert schedules.get_forward_backward_func is original
@@ -98,7 +98,7 @@ def test_megatron_lm_recipe_reads_the_parsed_arguments_when_the_schedule_is_requ
         parsed["args"] = parser.parse_args(["--use-tis", "--tis-mode", "clip", "--rollout-temperature", "0.7"])
         fb = launcher.get_forward_backward_func(pp_size=1, vp_size=None)
     assert isinstance(fb, TISForwardBackward)
-    assert fb.cfg == TISConfig(use_tis=True, mode="clip") and fb.temperature == 0.7 and fb.chunk_size == 32
+    assert fb.cfg == TISConfig(use_tis=True, mode="clip") and fb.logprobs.temperature == 0.7 and fb.logprobs.chunk_size == 32
     args = add_megatron_tis_arguments(argparse.ArgumentParser()).parse_args([])
     assert args.rollout_temperature == 1.0
     host = argparse.ArgumentParser()

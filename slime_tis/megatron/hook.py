@@ -44,7 +44,7 @@ PI_OLD_MODES = ("auto", "rollout")
 def hook_settings(hook: Any) -> dict[str, Any]:
     """The settings of a ``TISForwardBackward`` that decide its collectives and its numbers."""
     own = {
-        "temperature": hook.temperature, "chunk_size": hook.chunk_size, "pi_old": hook.pi_old,
+        "temperature": hook.logprobs.temperature, "chunk_size": hook.logprobs.chunk_size, "pi_old": hook.pi_old,
         "broadcast_over_tp": hook.broadcast_over_tp, "grad_average": hook.grad_average,
         "metrics_in_loss_dicts": hook.metrics_in_loss_dicts, "output_layer": hook.logprobs.output_layer,
         "reducer": None if hook.reducer is None else type(hook.reducer).__qualname__,
@@ -80,38 +80,23 @@ class TISForwardBackward:
             data_parallel_grad_average([], dp_cp_size=1, per_token=False, override=grad_average)  # validates
         self.logprobs = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head),
                                         cfg.kernels, cfg.sampling_support)
-        self.forward_backward_func = forward_backward_func
-        self.cfg = cfg
         cfg.warn_inert()
-        self.get_tis_batch = get_tis_batch
-        self.reducer = reducer
-        self.pi_old = pi_old
-        self.broadcast_over_tp = bool(broadcast_over_tp)
-        self.grad_average = grad_average
-        self.metrics_in_loss_dicts = bool(metrics_in_loss_dicts)
+        self.forward_backward_func, self.cfg, self.get_tis_batch = forward_backward_func, cfg, get_tis_batch
+        self.reducer, self.pi_old, self.grad_average = reducer, pi_old, grad_average
+        self.broadcast_over_tp, self.metrics_in_loss_dicts = bool(broadcast_over_tp), bool(metrics_in_loss_dicts)
         count = routing_replay if routing_metrics is None else routing_metrics
         self.routing = None if not (routing_replay or count) else RoutingReplay(
             replay=routing_replay, count=count, get_routing=get_routing or default_get_routing)
         self.last_metrics: dict[str, Tensor] = {}
         self.last_totals: StepTotals | None = None
-        self.last_recomputed = False
+        self.last_recomputed = self._settings_agreed = self._warned_supplied = False
         self.train_call = 0  # process-wide number of this hook's last training call
-        self._settings_agreed = False
-        self._warned_supplied = False
 
     def _check_settings_agree(self) -> None:
         """Once, before this hook's first collective: the same configuration and settings on every rank."""
         if not self._settings_agreed:
             check_settings_agree(hook_settings(self), what="tis_forward_backward_func")
             self._settings_agreed = True
-
-    @property
-    def temperature(self) -> float:
-        return self.logprobs.temperature
-
-    @property
-    def chunk_size(self) -> int:
-        return self.logprobs.chunk_size
 
     def compute_old_log_probs(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
                               num_microbatches: int, num_steps: int = 1, **schedule_kwargs: Any) -> Any:

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
 KEY = "slime_tis/failed_rank"
 #: how long a rank whose connection broke waits for the failed rank's record
 WAIT_S = 2.0
@@ -44,9 +47,6 @@ def _one_line(e: BaseException) -> str:
 def _store() -> tuple[Any, int] | None:
     """The default store and this rank, or None (no process group, one process, or no store)."""
     try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return None
         return distributed_c10d._get_default_store(), dist.get_rank()  # noqa: SLF001 - the job's rendezvous store
@@ -55,8 +55,6 @@ def _store() -> tuple[Any, int] | None:
 
 
 def _broken_connection(e: BaseException) -> bool:
-    import torch.distributed as dist
-
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _BROKEN)
@@ -64,10 +62,8 @@ def _broken_connection(e: BaseException) -> bool:
 
 def withdraw() -> None:
     """At the start of a training call: remove this process's record, if it wrote one (nothing otherwise)."""
-    if not _recorded:
-        return
-    mine = _recorded.pop()
-    found = _store()
+    found = _store() if _recorded else None
+    mine = _recorded.pop() if _recorded else None
     if found is None:
         return
     store, _ = found

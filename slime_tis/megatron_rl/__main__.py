@@ -20,12 +20,17 @@ from slime_tis.megatron_rl.host import RLHost, add_megatron_rl_tis_arguments
 from slime_tis.megatron_rl.rollout import install_rollout
 
 
-def _with_tis_args(provider):
-    def extra(parser):
-        parser = provider(parser) if provider is not None else parser
-        return add_megatron_rl_tis_arguments(parser)
+def _with_tis_args(call: Callable) -> Callable:
+    """``call`` whose ``extra_args_provider`` adds the plugin's flags after the caller's own."""
 
-    return extra
+    @functools.wraps(call)
+    def with_tis_args(*args, **kwargs):
+        provider = kwargs.get("extra_args_provider")
+        kwargs["extra_args_provider"] = lambda parser: add_megatron_rl_tis_arguments(
+            provider(parser) if provider is not None else parser)
+        return call(*args, **kwargs)
+
+    return with_tis_args
 
 
 def megatron_rl_reader(args, rl_utils=None):
@@ -85,13 +90,14 @@ def install(training_module, session: Session | None = None) -> None:
     """Wrap ``training_module.pretrain`` (its ``forward_step_func``; its ``extra_args_provider`` where its signature
     takes one, megatron-core <= 0.17) and ``parse_and_validate_args`` (there and in its ``arguments`` module) in
     place."""
-    pretrain = training_module.pretrain
+    original = pretrain = training_module.pretrain
     try:
-        parses = "extra_args_provider" in inspect.signature(pretrain).parameters
+        if "extra_args_provider" in inspect.signature(pretrain).parameters:
+            pretrain = _with_tis_args(pretrain)
     except (TypeError, ValueError):  # no signature to read (a C function)
-        parses = False
+        pass
 
-    @functools.wraps(pretrain)
+    @functools.wraps(original)
     def pretrain_with_tis(*args, **kwargs):
         args = list(args)
         if "forward_step_func" in kwargs:
@@ -100,24 +106,13 @@ def install(training_module, session: Session | None = None) -> None:
             args[3] = lazy_forward_step(session)
         else:
             raise ValueError("slime_tis.megatron_rl: pretrain(...) call without a forward_step_func to replace")
-        if parses:
-            kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
         return pretrain(*args, **kwargs)
 
     training_module.pretrain = pretrain_with_tis
     for module in (training_module, getattr(training_module, "arguments", None)):
         parse = getattr(module, "parse_and_validate_args", None)
         if parse is not None:
-            module.parse_and_validate_args = _parse_with_tis(parse)
-
-
-def _parse_with_tis(parse):
-    @functools.wraps(parse)
-    def parse_with_tis(*args, **kwargs):
-        kwargs["extra_args_provider"] = _with_tis_args(kwargs.get("extra_args_provider"))
-        return parse(*args, **kwargs)
-
-    return parse_with_tis
+            module.parse_and_validate_args = _with_tis_args(parse)
 
 
 def install_all() -> Session:

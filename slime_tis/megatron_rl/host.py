@@ -261,23 +261,20 @@ class RLHost:
             self.rollout_factor = totals.batch_norm_factor
         return [RolloutIndex(k) for k in range(len(self._rollout))]
 
-    def _next_item(self, data_iterator) -> tuple[TISBatch, Tensor, Tensor, Any, int]:
-        element = next(data_iterator)
-        if isinstance(element, RolloutIndex):
-            if self._rollout is None:
-                raise RuntimeError("RLHost: a RolloutIndex before begin_rollout")
-            item = self._rollout[element.k]
-        else:
-            item = self._translate(self.read_item(element))
-        self.on_sequences(item[4])
-        return item
-
-    def _begin_step(self, data_iterator) -> None:
-        m = self._m()
+    def _begin_step(self, data_iterator, chunk) -> None:
+        """The step's ``M`` items (translated, or the collection's) and ``engine.begin`` on the last stage."""
         ctx = parallel_context()
         refuse_context_parallel(ctx.cp_size, packed=self.packed)
-        self.ctx, self.m, self.dicts = ctx, m, []
-        items = [self._next_item(data_iterator) for _ in range(m)]
+        self.ctx, self.dicts, items = ctx, [], []
+        for _ in range(self._m()):
+            element = next(data_iterator)
+            if isinstance(element, RolloutIndex) and self._rollout is None:
+                raise RuntimeError("RLHost: a RolloutIndex before begin_rollout")
+            item = (self._rollout[element.k] if isinstance(element, RolloutIndex)
+                    else self._translate(self.read_item(element)))
+            self.on_sequences(item[4])
+            items.append(item)
+        self.form = loss_form_for([chunk], len(items), per_token=self.per_token)
         self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
         if self.engine is not None:
             self.engine.begin([it[0] for it in items])
@@ -292,8 +289,7 @@ class RLHost:
                              "interleaved pipeline schedules")
         chunk = model[0] if isinstance(model, list) else model
         if not self._queue:
-            self._begin_step(data_iterator)
-            self.form = loss_form_for([chunk], self.m, per_token=self.per_token)
+            self._begin_step(data_iterator, chunk)
         batch, tokens, pos, b, _ = self._queue.pop(0)
         output = self.model_forward(chunk, tokens, pos, b)
         if self.engine is None:
