@@ -134,15 +134,11 @@ def resolve_megatron_rl_flags(args: Any) -> MegatronRLFlags:
         if getattr(args, theirs, None) is None:  # not a Megatron-LM namespace: the plugin's flags alone
             continue
         value = float(getattr(args, theirs))
-        if t.ours(ours) and t.theirs(theirs):
-            if float(f[ours]) != value:
+        if t.ours(ours):
+            if t.theirs(theirs) and float(f[ours]) != value:
                 raise _conflict(t.name_theirs(theirs), t.name_ours(ours))
-        elif t.ours(ours):
-            continue
-        elif ours == "eps_clip_high" and t.ours("eps_clip") and not t.theirs(theirs):
-            continue  # --eps-clip alone: the plugin's symmetric range
-        else:
-            f[ours] = value
+        elif not (ours == "eps_clip_high" and t.ours("eps_clip") and not t.theirs(theirs)):
+            f[ours] = value  # (--eps-clip alone keeps the plugin's symmetric range)
     if t.theirs("grpo_kl_beta") and f.get("kl_coef") and f.get("kl_estimator", "k3") != "k3":
         raise _conflict(f"{t.name_theirs('grpo_kl_beta')} (the k3 estimator)", t.name_ours("kl_estimator"))
     if f.get("sampling_support") == "replay":

@@ -44,19 +44,18 @@ def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.A
     return record_typed_flags(parser)
 
 
-#: Megatron-LM's flags that select an interleaved (virtual) pipeline schedule, the attribute they set
-_VIRTUAL_PIPELINE_FLAGS = (("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
-                           ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
-                           ("virtual_pipeline_model_parallel_size", "--virtual-pipeline-model-parallel-size"))
+#: Megatron-LM's arguments that select an interleaved (virtual) pipeline schedule
+_VIRTUAL_PIPELINE_ARGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                          "virtual_pipeline_model_parallel_size")
 
 
 def refuse_interleaved_pipeline(args: Any) -> None:
     """One-line ``ValueError`` naming the flag and value where the arguments select an interleaved pipeline."""
-    for attr, flag in _VIRTUAL_PIPELINE_FLAGS:
+    for attr in _VIRTUAL_PIPELINE_ARGS:
         value = getattr(args, attr, None)
         if value is not None and not (attr == "virtual_pipeline_model_parallel_size" and int(value) <= 1):
-            raise ValueError(f"{flag} {value}: slime_tis.megatron_rl does not run interleaved (virtual) pipeline "
-                             "schedules; drop the flag (plain pipeline parallelism is supported)")
+            raise ValueError(f"--{attr.replace('_', '-')} {value}: slime_tis.megatron_rl does not run interleaved "
+                             "(virtual) pipeline schedules; drop the flag (plain pipeline parallelism is supported)")
 
 
 def refuse_context_parallel(cp: Any, *, packed: bool) -> None:
