@@ -98,7 +98,8 @@ def test_megatron_lm_recipe_reads_the_parsed_arguments_when_the_schedule_is_requ
         parsed["args"] = parser.parse_args(["--use-tis", "--tis-mode", "clip", "--rollout-temperature", "0.7"])
         fb = launcher.get_forward_backward_func(pp_size=1, vp_size=None)
     assert isinstance(fb, TISForwardBackward)
-    assert fb.cfg == TISConfig(use_tis=True, mode="clip") and fb.logprobs.temperature == 0.7 and fb.logprobs.chunk_size == 32
+    assert fb.cfg == TISConfig(use_tis=True, mode="clip")
+    assert fb.logprobs.temperature == 0.7 and fb.logprobs.chunk_size == 32
     args = add_megatron_tis_arguments(argparse.ArgumentParser()).parse_args([])
     assert args.rollout_temperature == 1.0
     host = argparse.ArgumentParser()
@@ -124,7 +125,8 @@ def test_micro_batch_index_counts_per_model_chunk_through_wrappers():
     inner, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     wrapper = torch.nn.Module()
     wrapper.module = inner
-    forward_step = with_loss_funcs(lambda it, m: (None, "own"), lambda k, m: (lambda out: k) if m is not other else None)
+    forward_step = with_loss_funcs(lambda it, m: (None, "own"),
+                                   lambda k, m: (lambda out: k) if m is not other else None)
     got = [forward_step(None, m) for m in (wrapper, inner, other, wrapper, other)]
     assert [loss(None) for _, loss in (got[0], got[1], got[3])] == [0, 1, 2]  # one count through the wrapper
     assert got[2][1] == got[4][1] == "own"  # None: the launcher's own loss function
