@@ -12,7 +12,7 @@ from typing import Any
 from slime_tis.arguments import add_tis_arguments
 from slime_tis.engine.settings import output_layer_of
 
-__all__ = ["add_megatron_tis_arguments", "megatron_hook_kwargs", "rollout_temperature"]
+__all__ = ["add_megatron_tis_arguments", "megatron_hook_kwargs"]
 
 
 def _has(parser: argparse.ArgumentParser, option: str) -> bool:
@@ -43,20 +43,15 @@ def add_megatron_tis_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     return parser
 
 
-def rollout_temperature(args: Any) -> float:
-    """The sampling temperature from parsed args: ``--rollout-temperature`` when set, else Megatron-LM's
-    ``--rl-default-temperature`` when the parser has it, else 1.0."""
-    value = getattr(args, "rollout_temperature", None)
-    if value is None:
-        value = getattr(args, "rl_default_temperature", None)
-    return 1.0 if value is None else float(value)
-
-
 def megatron_hook_kwargs(args: Any) -> dict[str, Any]:
-    """The hook's ``temperature``, ``fused_output_layer``, ``fp32_lm_head``, ``routing_replay`` from parsed args
-    (absent flags: False); both output-layer flags set is an error naming them."""
+    """The hook's ``temperature`` (``--rollout-temperature``, else ``--rl-default-temperature``, else 1.0),
+    ``fused_output_layer``, ``fp32_lm_head``, ``routing_replay`` from parsed args (absent flags: False); both
+    output-layer flags set is an error naming them."""
     fused = bool(getattr(args, "tis_fused_output_layer", False))
     fp32 = bool(getattr(args, "tis_fp32_lm_head", False))
     output_layer_of(fused, fp32)
-    return {"temperature": rollout_temperature(args), "fused_output_layer": fused, "fp32_lm_head": fp32,
-            "routing_replay": bool(getattr(args, "tis_routing_replay", False))}
+    temperature = getattr(args, "rollout_temperature", None)
+    if temperature is None:
+        temperature = getattr(args, "rl_default_temperature", None)
+    return {"temperature": 1.0 if temperature is None else float(temperature), "fused_output_layer": fused,
+            "fp32_lm_head": fp32, "routing_replay": bool(getattr(args, "tis_routing_replay", False))}
