@@ -82,7 +82,7 @@ def megatron_lm(monkeypatch):
 
 def _assert_hooked(fb, temperature):
     assert isinstance(fb, TISForwardBackward)
-    assert fb.cfg == TISConfig(use_tis=True, mode="clip", upper=3.0) and fb.temperature == temperature
+    assert fb.cfg == TISConfig(use_tis=True, mode="clip", upper=3.0) and fb.logprobs.temperature == temperature
 
 
 def test_flow_up_to_0_17_pretrain_takes_the_provider(megatron_lm):

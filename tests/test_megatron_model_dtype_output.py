@@ -1,8 +1,8 @@
 """The loss path reads bf16 logits as they are: the same results as their float32 upcast, checked against float64.
 
 megatron-core's ``Float16Module`` upcasts a bf16 model's logits to float32 unless called with
-``fp32_output=False`` (the hook arranges that in its own passes: tests/dist/test_megatron_forward_passes.py runs
-it on a real bf16 GPT). The upcast is exact and the log-prob path computes in float32 from any input dtype, so
+``fp32_output=False`` (the hook arranges that in its own passes, ``output_layer.model_dtype_output_during``,
+checked below). The upcast is exact and the log-prob path computes in float32 from any input dtype, so
 reading the bf16 logits must give bit-identical log-probs and entropies, and a bf16 logit gradient equal to the
 float32 gradient rounded to bf16 (what the upcast's backward returns). Accuracy against float64 log_softmax of
 the same (bf16) logits is measured and asserted at 1e-5 absolute: ``lp = x_y - logZ`` and ``H`` are differences
@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-import slime_tis.megatron.model_dtype_output as mdo
+import slime_tis.megatron.output_layer as output_layer
 from slime_tis.megatron import vocab_parallel_log_probs_and_entropy as lp_and_entropy
 
 
@@ -57,7 +57,7 @@ def test_bf16_logits_give_the_upcast_results_bit_for_bit_and_float64_accuracy():
 
 @pytest.fixture
 def fresh_warning(monkeypatch):
-    monkeypatch.setattr(mdo, "_warned", False)
+    monkeypatch.setattr(output_layer, "_warned", False)
 
 
 def test_float32_logits_from_a_bf16_model_warn_once_naming_the_fix(fresh_warning):
@@ -65,12 +65,12 @@ def test_float32_logits_from_a_bf16_model_warn_once_naming_the_fix(fresh_warning
     fp32_model = torch.nn.Linear(4, 8)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        mdo.warn_if_upcast_logits(torch.zeros(2, 8, dtype=torch.bfloat16), bf16_model)  # model dtype: fine
-        mdo.warn_if_upcast_logits(torch.zeros(2, 8), fp32_model)  # float32 model: fine
-        mdo.warn_if_upcast_logits(torch.zeros(2, 8), None)  # unknown model: nothing to compare
+        output_layer.warn_if_upcast_logits(torch.zeros(2, 8, dtype=torch.bfloat16), bf16_model)  # model dtype: fine
+        output_layer.warn_if_upcast_logits(torch.zeros(2, 8), fp32_model)  # float32 model: fine
+        output_layer.warn_if_upcast_logits(torch.zeros(2, 8), None)  # unknown model: nothing to compare
         assert not seen
-        mdo.warn_if_upcast_logits(torch.zeros(2, 8), bf16_model)
-        mdo.warn_if_upcast_logits(torch.zeros(3, 8), bf16_model)
+        output_layer.warn_if_upcast_logits(torch.zeros(2, 8), bf16_model)
+        output_layer.warn_if_upcast_logits(torch.zeros(3, 8), bf16_model)
     assert len(seen) == 1
     text = str(seen[0].message)
     assert "fp32_output=False" in text and "torch.bfloat16" in text and "--tis-fp32-lm-head" in text
@@ -78,6 +78,6 @@ def test_float32_logits_from_a_bf16_model_warn_once_naming_the_fix(fresh_warning
 
 def test_model_dtype_output_during_leaves_models_without_float16module_alone():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    assert mdo.float16_modules([model]) == []
-    with mdo.model_dtype_output_during([model]):
+    assert output_layer.float16_modules([model]) == []
+    with output_layer.model_dtype_output_during([model]):
         assert "forward" not in model.__dict__

@@ -31,7 +31,7 @@ def test_patch_hooks_every_binding_and_restores_them():
             fb = getter(pp_size=1, vp_size=None)
             assert isinstance(fb, TISForwardBackward)
             assert fb.forward_backward_func is schedules.__dict__["forward_backward_no_pipelining"]
-            assert fb.cfg is cfg and fb.temperature == 0.7 and fb.chunk_size == 64
+            assert fb.cfg is cfg and fb.logprobs.temperature == 0.7 and fb.logprobs.chunk_size == 64
         fb2 = launcher.get_forward_backward_func(pp_size=2, vp_size=None)
         assert fb2.forward_backward_func is schedules.forward_backward_pipelining_without_interleaving
     assert schedules.get_forward_backward_func is original
@@ -98,7 +98,8 @@ def test_megatron_lm_recipe_reads_the_parsed_arguments_when_the_schedule_is_requ
         parsed["args"] = parser.parse_args(["--use-tis", "--tis-mode", "clip", "--rollout-temperature", "0.7"])
         fb = launcher.get_forward_backward_func(pp_size=1, vp_size=None)
     assert isinstance(fb, TISForwardBackward)
-    assert fb.cfg == TISConfig(use_tis=True, mode="clip") and fb.temperature == 0.7 and fb.chunk_size == 32
+    assert fb.cfg == TISConfig(use_tis=True, mode="clip")
+    assert fb.logprobs.temperature == 0.7 and fb.logprobs.chunk_size == 32
     args = add_megatron_tis_arguments(argparse.ArgumentParser()).parse_args([])
     assert args.rollout_temperature == 1.0
     host = argparse.ArgumentParser()
@@ -119,13 +120,16 @@ def test_micro_batch_index_counts_per_model_chunk_through_wrappers():
     schedule passes the unwrapped GPTModel where the other schedules pass the DDP wrapper: one count."""
     import torch
 
-    from slime_tis.megatron.schedule import MicroBatchCounter
+    from slime_tis.megatron.schedule import with_loss_funcs
 
     inner, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     wrapper = torch.nn.Module()
     wrapper.module = inner
-    counter = MicroBatchCounter()
-    assert [counter.next_index(m) for m in (wrapper, inner, other, wrapper, other)] == [0, 1, 0, 2, 1]
+    forward_step = with_loss_funcs(lambda it, m: (None, "own"),
+                                   lambda k, m: (lambda out: k) if m is not other else None)
+    got = [forward_step(None, m) for m in (wrapper, inner, other, wrapper, other)]
+    assert [loss(None) for _, loss in (got[0], got[1], got[3])] == [0, 1, 2]  # one count through the wrapper
+    assert got[2][1] == got[4][1] == "own"  # None: the launcher's own loss function
 
 
 def test_output_layer_flags_parse_and_exclude_each_other(capsys):
@@ -165,9 +169,9 @@ def test_hook_output_layer_mode_from_keywords_and_from_megatron_lm_args(monkeypa
     import argparse
 
     base = schedules.forward_backward_no_pipelining
-    assert tis_forward_backward_func(base, TISConfig()).output_layer is None
-    assert tis_forward_backward_func(base, TISConfig(), fused_output_layer=True).output_layer == "fused"
-    assert tis_forward_backward_func(base, TISConfig(), fp32_lm_head=True).output_layer == "fp32"
+    assert tis_forward_backward_func(base, TISConfig()).logprobs.output_layer is None
+    assert tis_forward_backward_func(base, TISConfig(), fused_output_layer=True).logprobs.output_layer == "fused"
+    assert tis_forward_backward_func(base, TISConfig(), fp32_lm_head=True).logprobs.output_layer == "fp32"
     parsed = {}
     training = types.ModuleType("megatron.training")
     training.get_args = lambda: parsed["args"]
@@ -176,12 +180,12 @@ def test_hook_output_layer_mode_from_keywords_and_from_megatron_lm_args(monkeypa
     parser = add_megatron_tis_arguments(argparse.ArgumentParser())
     with tis_patch(modules=[launcher]):
         parsed["args"] = parser.parse_args(["--tis-fused-output-layer"])
-        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer == "fused"
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).logprobs.output_layer == "fused"
         parsed["args"] = parser.parse_args(["--tis-fp32-lm-head"])
-        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer == "fp32"
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).logprobs.output_layer == "fp32"
     with tis_patch(modules=[launcher], fp32_lm_head=False):  # a keyword wins over the parsed flag
-        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer is None
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).logprobs.output_layer is None
     with tis_patch(TISConfig(), fused_output_layer=True, modules=[launcher]):
-        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer == "fused"
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).logprobs.output_layer == "fused"
     with tis_patch(TISConfig(), modules=[launcher]):
-        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).output_layer is None
+        assert launcher.get_forward_backward_func(pp_size=1, vp_size=None).logprobs.output_layer is None

@@ -1,30 +1,7 @@
-"""Float32 logits of a half-precision LM head without a float32 copy of the weight (``--tis-fp32-lm-head``).
-
-For ``x [..., H]`` and ``W [V, H]`` in bf16 (or fp16):
-
-    z = x W^T          float32 output, float32 accumulation                          [..., V]
-
-Every product of two bf16 numbers is exact in float32 (8 + 8 significant bits < 24), so ``z`` equals the
-float32 GEMM of the upcast operands, ``F.linear(x.float(), W.float())``, up to the order of the float32
-summation over ``H``: the same values, from the tensor-core GEMM with float32 output
-(``torch.mm(a, b, out_dtype=torch.float32)``, CUDA) and without the ``[V, H]`` float32 weight copy.
-
-Backward, with the float32 upstream gradient ``g = dL/dz [T, V]``: ``g`` is split exactly into three bf16
-parts ``g = g1 + g2 + g3`` (``g1 = bf16(g)``, ``g2 = bf16(g - g1)``, ``g3 = g - g1 - g2``: 3 x 8 significant
-bits cover float32's 24, each difference is exact in float32), so every product ``g_k * W`` is again exact
-and
-
-    dL/dx = sum_k g_k W          float32 accumulation, returned in x's dtype          [..., H]
-    dL/dW = sum_k g_k^T x        float32 accumulation, returned in W's dtype          [V, H]
-
-equal today's float32 GEMMs of the upcast operands up to float32 summation order (three bf16 tensor-core
-GEMMs instead of one float32 GEMM, which without TF32 runs on the CUDA cores at about 1/15 of the rate).
-The backward walks the vocabulary in chunks of ``chunk_size`` rows of ``W``: the split parts of one chunk
-(``6 * T * chunk_size`` bytes) are its only temporaries besides the float32 ``dL/dx`` accumulator.
-
-Where ``torch.mm(..., out_dtype=torch.float32)`` has no kernel (CPU in torch 2.13: only CUDA and meta
-have one) the same code multiplies float32 upcasts of the operands chunk by chunk (exact upcasts, so the
-same values; the weight is upcast ``chunk_size`` rows at a time, never whole).
+"""``fp32_logits(x, W)``: ``z = x W^T`` [..., V] float32, float32 accumulation, from bf16 / fp16 operands without a
+float32 copy of ``W`` (``--tis-fp32-lm-head``). Equal to ``F.linear(x.float(), W.float())`` up to float32
+summation order; the backward splits ``dL/dz`` exactly into three half-precision parts so that every GEMM product
+is exact (derivation: docs/output_layer.md, "Float32 LM head for the unfused path").
 """
 
 from __future__ import annotations
@@ -49,22 +26,21 @@ def _has_mm_out_dtype(device_type: str) -> bool:
         return False
 
 
-def mm_float32(a: Tensor, b: Tensor) -> Tensor:
-    """``a [M, K] @ b [K, N]`` with float32 accumulation and a float32 result.
+def _native(a: Tensor, b: Tensor) -> bool:
+    return a.dtype == b.dtype and a.dtype in _HALF and _has_mm_out_dtype(a.device.type)
 
-    Same half dtype on both sides and a device with the kernel: one ``torch.mm(..., out_dtype=float32)``
-    (no operand copy). Otherwise the float32 GEMM of the (exactly) upcast operands."""
-    if a.dtype == b.dtype and a.dtype in _HALF and _has_mm_out_dtype(a.device.type):
+
+def mm_float32(a: Tensor, b: Tensor) -> Tensor:
+    """``a [M, K] @ b [K, N]`` float32: one half-precision GEMM with float32 output where the device has it, else
+    the float32 GEMM of the (exactly) upcast operands."""
+    if _native(a, b):
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 
 
 def split_bf16(g: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """``g`` (float32) as half-precision parts whose float32 sum is ``g`` exactly (three for bf16, whose
-    8 significant bits x 3 cover float32's 24); ``[g]`` when ``g`` already has ``dtype``.
-
-    fp16 (11 significant bits, narrower exponent range) uses the same three-way split: 33 bits >= 24, but a
-    part may underflow or overflow fp16's range, so fp16 is exact only for gradients within it."""
+    """``g`` (float32) as three ``dtype`` parts whose float32 sum is ``g`` (exact for bf16; for fp16 only within
+    its range); ``[g]`` when ``g`` already has ``dtype``."""
     if g.dtype == dtype:
         return [g]
     parts = []
@@ -78,13 +54,14 @@ def split_bf16(g: Tensor, dtype: torch.dtype) -> list[Tensor]:
 
 
 class _Fp32Logits(torch.autograd.Function):
-    """``(x [T, H], W [V, H]) -> z = x W^T [T, V]`` float32 (module docstring)."""
+    """``(x [T, H], W [V, H]) -> x W^T [T, V]`` float32; the backward walks ``W`` in chunks of ``chunk_size``
+    rows."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, chunk_size: int) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.chunk_size = chunk_size
-        if x.dtype == weight.dtype and x.dtype in _HALF and _has_mm_out_dtype(x.device.type):
+        if _native(x, weight):
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         xf = x.float()
@@ -116,18 +93,8 @@ class _Fp32Logits(torch.autograd.Function):
 
 
 def fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, chunk_size: int = 4096) -> Tensor:
-    """``F.linear(x, weight, bias)`` with float32 output and float32 accumulation (module docstring).
-
-    Args:
-        x: ``[..., H]`` (bf16 under bf16 training).
-        weight: ``[V, H]`` (the output layer's vocabulary shard).
-        bias: optional ``[V]``, added in float32.
-        chunk_size: rows of ``weight`` per backward step (and per forward step without the float32-output
-            GEMM); bounds the temporaries.
-
-    Returns:
-        ``[..., V]`` float32, differentiable in ``x``, ``weight`` and ``bias`` (gradients in their dtypes).
-    """
+    """``F.linear(x, weight, bias)`` as float32: ``x [..., H]``, ``weight [V, H]``, ``bias [V]`` (added in float32)
+    -> ``[..., V]`` float32, gradients in the inputs' dtypes. ``chunk_size``: rows of ``weight`` per step."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:

@@ -1,7 +1,6 @@
-"""The ``loss_func`` megatron-core's schedules call on the last pipeline stage: megatron's output -> ``lp_theta``
-(``recompute.output_to_log_probs``) -> ``engine.loss`` -> the schedule contract's return form and ``"loss"`` report
-(``slime_tis.engine.megatron_schedule``; docs/megatron.md, "The schedule contract"). The micro-batch's
-``MetricStats`` go to the engine (``record``) for one reduction after the schedule.
+"""The ``loss_func`` megatron-core's schedules call on the last pipeline stage: the model's output -> ``lp_theta``
+(``recompute.output_to_log_probs``) -> ``StepEngine.loss`` -> the return form and ``"loss"`` report of the schedule
+contract (``slime_tis.engine.megatron_schedule``); the micro-batch's statistics go to the engine.
 """
 
 from __future__ import annotations
@@ -19,15 +18,15 @@ from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import StepTotals
 from slime_tis.megatron.recompute import output_to_log_probs
-from slime_tis.megatron.schedule import MicroBatchCounter
+from slime_tis.megatron.schedule import with_loss_funcs
 
 __all__ = ["LossForm", "loss_form_for", "make_loss_func", "loss_func_for", "forward_step_with_tis_loss"]
 
 
 def loss_form_for(model_config, model_chunks: list, num_microbatches: int, *,
                   grad_average: float | None = None) -> LossForm:
-    """The hook's :class:`LossForm`: ``calculate_per_token_loss`` from the model config (which then needs
-    ``finalize_model_grads_func``), the rest from ``megatron_schedule.loss_form_for``."""
+    """The contract's :class:`LossForm` with ``per_token`` = ``model_config.calculate_per_token_loss`` (which needs
+    ``finalize_model_grads_func``)."""
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
     if per_token and getattr(model_config, "finalize_model_grads_func", None) is None:
         raise ValueError("config.calculate_per_token_loss=True needs config.finalize_model_grads_func "
@@ -39,16 +38,7 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: Lo
                    collector: list[MetricStats], temperature: float = 1.0, chunk_size: int = CHUNK_SIZE,
                    model_chunk=None, output_layer: str | None = None,
                    pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
-    """Build megatron's ``loss_func(output_tensor)`` for one micro-batch (see module docstring).
-
-    ``pi_old_from_theta``: a batch without ``old_log_probs`` takes ``lp_old = sg(lp_theta)`` from this very
-    forward (one optimizer step per rollout: the step starts at the rollout's parameters, so that *is* pi_old).
-
-    ``model_chunk`` (the chunk the schedule ran; its output weight) and ``temperature``, ``chunk_size``,
-    ``output_layer`` (``None``, ``"fp32"``, ``"fused"``; with ``cfg.kernels`` the step's
-    :class:`~slime_tis.engine.settings.LogProbSettings`) select how log-probs are taken from ``output_tensor``
-    (:func:`output_to_log_probs`). The micro-batch's statistics go to ``collector``.
-    """
+    """:func:`loss_func_for` on a fresh engine holding ``totals``; the statistics go to ``collector``."""
     engine = StepEngine(cfg, reducer, totals=totals, collector=collector)
     settings = LogProbSettings(temperature, chunk_size, output_layer, cfg.kernels, cfg.sampling_support)
     return loss_func_for(engine, batch, form, settings=settings, model_chunk=model_chunk,
@@ -57,8 +47,8 @@ def make_loss_func(cfg: TISConfig, batch: TISBatch, totals: StepTotals, form: Lo
 
 def loss_func_for(engine: StepEngine, batch: TISBatch, form: LossForm, *, settings: LogProbSettings,
                   model_chunk=None, pi_old_from_theta: bool = False) -> Callable[[Tensor], tuple]:
-    """:func:`make_loss_func` on the step's engine (its totals, reducer and statistics), the log-prob settings
-    passed whole: megatron's output -> ``lp_theta`` -> ``engine.loss`` -> the schedule's return form."""
+    """Megatron's ``loss_func(output_tensor)`` for ``batch``. ``pi_old_from_theta``: a batch without
+    ``old_log_probs`` takes ``lp_old = sg(lp_theta)`` of this forward (one optimizer step per rollout)."""
 
     def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
         lp, entropy = output_to_log_probs(output_tensor, batch, settings, model_chunk=model_chunk,
@@ -74,18 +64,13 @@ def loss_func_for(engine: StepEngine, batch: TISBatch, form: LossForm, *, settin
 def forward_step_with_tis_loss(forward_step_func: Callable, engine: StepEngine | None,
                                batches: list[TISBatch] | None, form: LossForm, *, settings: LogProbSettings,
                                pi_old_from_theta: bool = False) -> Callable:
-    """The launcher's ``forward_step_func`` with this step's loss function: micro-batch ``k`` (counted per model
-    chunk, :class:`~slime_tis.megatron.schedule.MicroBatchCounter`) gets the loss function of ``batches[k]``.
-    Off the last pipeline stage (``engine`` / ``batches`` ``None``) the launcher's own loss function is returned:
-    megatron never calls it there."""
-    counter = MicroBatchCounter()
+    """The launcher's ``forward_step`` with micro-batch ``k``'s loss function for ``batches[k]``; off the last
+    stage (``batches`` ``None``) the launcher's own, which megatron never calls there."""
 
-    def forward_step(data_iterator, model_chunk, *args, **kwargs):
-        index = counter.next_index(model_chunk)
-        output, user_loss_func = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
+    def loss_func_of(index: int, model_chunk) -> Callable | None:
         if batches is None or engine is None:
-            return output, user_loss_func
-        return output, loss_func_for(engine, batches[index], form, settings=settings, model_chunk=model_chunk,
-                                     pi_old_from_theta=pi_old_from_theta)
+            return None
+        return loss_func_for(engine, batches[index], form, settings=settings, model_chunk=model_chunk,
+                             pi_old_from_theta=pi_old_from_theta)
 
-    return forward_step
+    return with_loss_funcs(forward_step_func, loss_func_of)

@@ -1,46 +1,34 @@
-"""megatron-core 0.16 glue: the fused output layer and the float32 LM head (see docs/output_layer.md).
-
-Two modes for a ``GPTModel``'s output layer (a vocab-parallel ``ColumnParallelLinear``), switched on the
-model instance once after it is built (only chunks holding the pipeline's last stage have one):
-
-* ``use_fused_output_layer(model)``: the output layer returns its *input* (after the same tensor-parallel
-  input region megatron applies: sequence-parallel all-gather, or identity with a gradient all-reduce),
-  so ``model(tokens, position_ids, None)`` returns the hidden states ``[B, S, H]`` instead of the logits.
-  :func:`fused_log_probs` then computes ``(log_probs, entropy)`` from them and :func:`output_weight`
-  (the embedding weight when tied) with :func:`slime_tis.kernels.output_layer.fused_log_probs_and_entropy`:
-  no logits tensor, float32 accumulation.
-* ``use_fp32_lm_head(model)``: the unfused path with float32 logits: the output matmul multiplies the bf16
-  hidden states and weight with float32 accumulation and float32 output (:func:`slime_tis.megatron.fp32_logits.
-  fp32_logits`: the values of the float32 GEMM of the upcast operands, on tensor cores, no float32 copy of the
-  weight), and the log-prob path keeps them float32. Costs float32 logits (2x the bf16 logits).
-
-``restore_output_layer(model)`` undoes either. The hook switches the mode only around its own passes
-(:func:`model_output_mode`, the one place a pass enters the model's output mode: this output-layer mode and
-``model_dtype_output``'s model-dtype logits; ``engine.settings.output_layer_of`` turns the two flags into the
-mode).
-Importing this module does not import megatron-core.
+"""The model's output mode in the hook's passes (docs/output_layer.md): ``use_fused_output_layer`` (the last stage
+returns hidden states, :func:`fused_log_probs` takes ``(lp, H)`` from them), ``use_fp32_lm_head`` (float32 logits,
+``fp32_logits``), ``restore_output_layer``; :func:`model_output_mode` also makes every ``Float16Module`` return the
+model's dtype (docs/megatron.md, "bf16 training"). Importing this module does not import megatron-core.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.engine.settings import OUTPUT_LAYER_MODES
+from slime_tis.kernels import dispatch
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
-from slime_tis.megatron.fp32_logits import fp32_logits
-from slime_tis.megatron.model_dtype_output import model_dtype_output_during
+from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy
+from slime_tis.megatron.fp32_logits import _HALF, fp32_logits
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
            "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "output_layer_mode_during",
-           "model_output_mode", "returns_hidden_states"]
+           "model_output_mode", "returns_hidden_states", "float16_modules", "model_dtype_output_during",
+           "warn_if_upcast_logits"]
 
 _MODE_ATTR = "_tis_output_mode"
+_warned = False
 
 
 def _unwrap(model):
@@ -72,12 +60,8 @@ def _tp_size(layer) -> int:
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity; backward makes the incoming gradient contiguous.
-
-    megatron's ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` in place and
-    returns ``grad``: for a non-contiguous gradient (ours arrives through ``GPTModel``'s ``transpose(0, 1)``)
-    the sum lands in a temporary and is lost. The stock linear always hands it a contiguous gradient.
-    """
+    """Identity whose backward makes the gradient contiguous: megatron's ``copy_to_tensor_model_parallel_region``
+    all-reduces ``grad.contiguous()`` in place, which loses the sum of a non-contiguous gradient."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -135,11 +119,8 @@ def _set_mode(model, mode: str | None, forward) -> int:
 
 
 def use_fused_output_layer(model) -> int:
-    """Make the model return hidden states ``[B, S, H]`` (last stage); returns how many chunks changed.
-
-    ``model``: a ``GPTModel``, a wrapped one, or the list of model chunks. Chunks without the last stage
-    are left alone. Do not pass ``labels`` to such a model (its own loss would see hidden states).
-    """
+    """Last-stage chunks of ``model`` (a ``GPTModel``, wrapped, or a list of chunks) return hidden states
+    ``[B, S, H]``; returns how many changed. Do not pass ``labels`` to such a model."""
     return _set_mode(model, "fused", _hidden_passthrough)
 
 
@@ -161,34 +142,30 @@ def output_layer_mode(model) -> str | None:
 
 @contextlib.contextmanager
 def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
-    """The last-stage output layer(s) of ``model`` in ``mode`` inside the block, as before afterwards.
-
-    ``None`` leaves the model alone. A model already in ``mode`` (the launcher switched it itself) stays so
-    on exit; a model in the other mode is an error (``use_*`` refuses to switch blindly)."""
+    """The last-stage output layers of ``model`` in ``mode`` inside the block (``None``: untouched). A model already
+    in ``mode`` stays so on exit; one in the other mode is an error."""
     if mode not in OUTPUT_LAYER_MODES:
         raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {mode!r}")
-    if mode is None or output_layer_mode(model) == mode:
-        yield
-        return
-    (use_fused_output_layer if mode == "fused" else use_fp32_lm_head)(model)
+    switch = mode is not None and output_layer_mode(model) != mode
+    if switch:
+        (use_fused_output_layer if mode == "fused" else use_fp32_lm_head)(model)
     try:
         yield
     finally:
-        restore_output_layer(model)
+        if switch:
+            restore_output_layer(model)
 
 
 @contextlib.contextmanager
 def model_output_mode(model, output_layer: str | None) -> Iterator[None]:
-    """The model's output mode for a pass of the step (the loss's forward, a pi_old pass): its last-stage output
-    layer in ``output_layer`` (:func:`output_layer_mode_during`) and its ``Float16Module`` wrappers returning
-    the model's dtype (``model_dtype_output``). Every pass enters the mode here, once."""
+    """The mode of one pass of the hook: the output layer in ``output_layer`` and ``Float16Module`` wrappers
+    returning the model's dtype."""
     with output_layer_mode_during(model, output_layer), model_dtype_output_during(model):
         yield
 
 
 def returns_hidden_states(model) -> bool:
-    """Whether a chunk of ``model`` has its output layer in fused mode (reads the marker only; never raises,
-    also for models this glue refuses, e.g. with multi-token prediction)."""
+    """Whether a chunk of ``model`` has its output layer in fused mode (reads the marker only; never raises)."""
     for chunk in _chunks(model):
         layer = getattr(_unwrap(chunk), "output_layer", None)
         if layer is not None and getattr(layer, _MODE_ATTR, None) == "fused":
@@ -207,17 +184,10 @@ def output_weight(model) -> Tensor:
 def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float = 1.0,
                     loss_mask: Tensor | None = None, kernels: str = "torch",
                     chunk_size: int = 8192, support: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """``(log_probs, entropy)`` float32, shaped like ``labels``, from the hidden states a fused-mode model returned.
-
-    ``hidden [B, S, H]`` (CP-local, like the logits it replaces); ``labels`` global token ids, ``[B, S]`` or
-    flat ``[B*S]`` (a ``TISBatch``'s ``labels``; ``loss_mask`` shaped alike). The vocabulary is split over the
-    output layer's TP group (one MAX and one SUM all-reduce of ``[B*S]`` / ``[B*S, 3]``); the hidden-state
-    gradient is summed over TP by the input region of the model's forward. ``hidden`` is cast to the weight's
-    dtype first (megatron's ``Float16Module`` hands the last stage's output back as float32). ``kernels``:
-    ``"torch"`` or ``"triton"`` (``TISConfig.kernels``, ``slime_tis.kernels.dispatch``). ``support``: the
-    sampling-support replay over the flattened positions (``slime_tis.kernels.output_layer_support``, torch code;
-    ``kernels="triton"`` warns once and runs it).
-    """
+    """``(log_probs, entropy)`` float32 shaped like ``labels`` (``[B, S]`` or flat ``[B*S]``) from the hidden states
+    ``[B, S, H]`` (CP-local) of a fused-mode model: the vocabulary split over the output layer's TP group, the
+    hidden gradient's TP sum left to the model's input region; ``hidden`` cast to the weight's dtype. ``support``:
+    the sampling-support replay (torch code only)."""
     gpt = _unwrap(model)
     if getattr(gpt.output_layer, _MODE_ATTR, None) != "fused":
         raise ValueError("fused_log_probs needs a model switched with use_fused_output_layer(model) "
@@ -235,15 +205,64 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
         hidden = hidden.reshape(-1, hidden.shape[-1])
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
-    if support is not None:
-        from slime_tis.kernels import dispatch
-        from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy
-
-        dispatch.torch_only("output_layer", kernels, "the sampling-support replay has no Triton kernel yet")
-        with torch.autocast(hidden.device.type, enabled=False):
-            return fused_support_log_probs_and_entropy(hidden, weight, labels, support, temperature=temperature,
-                                                       loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
     with torch.autocast(hidden.device.type, enabled=False):
-        return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
-                                           tp_group=group, reduce_hidden_grad=False, kernels=kernels,
-                                           chunk_size=chunk_size)
+        if support is None:
+            return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
+                                               tp_group=group, reduce_hidden_grad=False, kernels=kernels,
+                                               chunk_size=chunk_size)
+        dispatch.torch_only("output_layer", kernels, "the sampling-support replay has no Triton kernel yet")
+        return fused_support_log_probs_and_entropy(hidden, weight, labels, support, temperature=temperature,
+                                                   loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
+
+
+def float16_modules(model) -> list[torch.nn.Module]:
+    """megatron-core ``Float16Module`` instances in the ``.module`` wrapper chains of ``model``'s chunks."""
+    try:
+        from megatron.core.transformer.module import Float16Module
+    except ImportError:
+        return []
+    found = []
+    for chunk in _chunks(model):
+        inner = chunk
+        while isinstance(inner, torch.nn.Module):
+            if isinstance(inner, Float16Module):
+                found.append(inner)
+            inner = getattr(inner, "module", None)
+    return found
+
+
+def _forward_in_model_dtype(self, *inputs: Any, fp32_output: bool = False, **kwargs: Any):
+    return type(self).forward(self, *inputs, fp32_output=fp32_output, **kwargs)
+
+
+@contextlib.contextmanager
+def model_dtype_output_during(model) -> Iterator[None]:
+    """Inside the block, ``Float16Module`` wrappers of ``model`` default to ``fp32_output=False`` (an explicit
+    ``fp32_output`` is obeyed)."""
+    switched = [m for m in float16_modules(model) if "forward" not in m.__dict__]
+    for m in switched:
+        m.forward = types.MethodType(_forward_in_model_dtype, m)
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.__dict__.pop("forward", None)
+
+
+def warn_if_upcast_logits(logits: Tensor, model_chunk) -> None:
+    """Warn once per process when float32 logits come from a bf16 / fp16 model (dtype metadata only)."""
+    global _warned
+    if _warned or model_chunk is None or logits.dtype != torch.float32:
+        return
+    dtype = next((p.dtype for p in model_chunk.parameters()), None)
+    if dtype not in _HALF:
+        return
+    _warned = True
+    warnings.warn(
+        f"the loss reads float32 logits {tuple(logits.shape)} from a {dtype} model: an upcast copy (twice the "
+        "bytes of the model's logits, written, held for the backward and read by the log-prob kernel). The "
+        "log-prob path computes in float32 from any input dtype and the upcast is exact, so return the logits in "
+        "the model's dtype: megatron-core's Float16Module upcasts unless called with fp32_output=False (the hook "
+        "sets that default in its own passes; do not pass fp32_output=True in forward_step), and forward_step "
+        "should not call .float() on them. For float32 logits from a float32-accumulated LM head use "
+        "--tis-fp32-lm-head (fp32_lm_head=True) instead.", stacklevel=3)

@@ -1,30 +1,18 @@
-"""Say which rank failed, and where, when a collective breaks because another rank's training call raised.
-
-When one rank's training call raises (its data, a bug, out of memory) and its process ends, the other ranks'
-next collective fails with the backend's error (gloo: "Connection closed / reset by peer"), which names
-neither the rank nor the cause. The hook therefore, while an error propagates out of one of its calls:
-
-* an error of its own (anything but a broken connection): one line, ``rank R failed in <phase> of
-  training call N: <Type>: <message>``, goes under one key of the job's rendezvous store
-  (torch.distributed's default store; the first record wins), and the error is re-raised unchanged --
-  also where every rank raises alike (a configuration check);
-* a broken connection (the backend's error once the failed rank's process is gone, which happens after it
-  wrote its record; waited for up to :data:`WAIT_S`): :class:`RankFailedError` (a ``RuntimeError``)
-  whose message starts with the other rank's record, followed by where this rank stopped and its own
-  error (chained).
-
-A healthy step touches nothing (no store operation, no collective). A process that wrote a record withdraws
-it at the start of its next training call (its launcher went on; the record no longer explains anything).
-Under torchrun the store lives in the launcher's agent and outlives the failed worker; where it does not
-(rank 0 hosts it and is the one that failed) or there is no process group, errors pass unchanged.
+"""Which rank failed, and where, when a collective breaks because another rank's training call raised
+(docs/megatron.md, "A rank that failed is named"): an error leaving a hook call is recorded under :data:`KEY` of the
+job's rendezvous store (first record wins), a broken connection on another rank becomes :class:`RankFailedError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 KEY = "slime_tis/failed_rank"
 #: how long a rank whose connection broke waits for the failed rank's record
@@ -40,12 +28,12 @@ class RankFailedError(RuntimeError):
     """This rank stopped because another rank's training call raised (message: that rank, where, its error)."""
 
 
+@dataclass
 class Phase:
     """Where a training call is (set by the hook as it goes; read when an error propagates)."""
 
-    def __init__(self, call: str) -> None:
-        self.call = call
-        self.name = "its start"
+    call: str
+    name: str = "its start"
 
     def where(self) -> str:
         return f"{self.name} of {self.call}"
@@ -59,9 +47,6 @@ def _one_line(e: BaseException) -> str:
 def _store() -> tuple[Any, int] | None:
     """The default store and this rank, or None (no process group, one process, or no store)."""
     try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return None
         return distributed_c10d._get_default_store(), dist.get_rank()  # noqa: SLF001 - the job's rendezvous store
@@ -70,8 +55,6 @@ def _store() -> tuple[Any, int] | None:
 
 
 def _broken_connection(e: BaseException) -> bool:
-    import torch.distributed as dist
-
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _BROKEN)
@@ -79,10 +62,8 @@ def _broken_connection(e: BaseException) -> bool:
 
 def withdraw() -> None:
     """At the start of a training call: remove this process's record, if it wrote one (nothing otherwise)."""
-    if not _recorded:
-        return
-    mine = _recorded.pop()
-    found = _store()
+    found = _store() if _recorded else None
+    mine = _recorded.pop() if _recorded else None
     if found is None:
         return
     store, _ = found
@@ -92,10 +73,8 @@ def withdraw() -> None:
 
 
 def explain(e: BaseException, where: str) -> RankFailedError | None:
-    """While ``e`` propagates out of ``where`` on this rank: when ``e`` is a broken connection and another
-    rank recorded its failure, the error naming that rank; otherwise None (``e`` stands), after recording
-    ``e`` as this rank's failure unless a record is there already. An error every rank raises alike (a
-    configuration check) thus stays as it is on every rank."""
+    """While ``e`` leaves ``where``: a broken connection after another rank's record -> the error naming that
+    rank; otherwise ``None`` (``e`` stands), ``e`` recorded as this rank's failure unless a record is there."""
     found = _store()
     if found is None:
         return None
@@ -122,8 +101,7 @@ def explain(e: BaseException, where: str) -> RankFailedError | None:
 
 @contextlib.contextmanager
 def reporting(phase: Phase) -> Iterator[Phase]:
-    """Run a training call; an error leaving it is recorded, or replaced by the first failed rank's
-    (:func:`explain`). Withdraws this process's earlier record first."""
+    """Run a hook call; an error leaving it is recorded, or replaced by the first failed rank's (:func:`explain`)."""
     withdraw()
     try:
         yield phase

@@ -1,16 +1,6 @@
-"""Log-probs: ``log pi(labels)`` from the model's output (the loss and every pass take them here), and the
-forward-only pass over a step's micro-batches that records them at the current parameters.
-
-Used for the old-log-prob recompute of algorithms 0 and 2 (``lp_old``, the "proximal" policy at the
-start of the step) and skipped for algorithms 1 and 3, which use the rollout log-probs instead (unless
-``--tis-rejected-denominator drop`` needs the step's kept-token count before the first backward, see
-``step_totals.needs_pre_pass``). It runs megatron's own schedule with ``forward_only=True`` under
-``torch.no_grad()``, so pipeline stages exchange activations exactly as in training; the log-probs
-(float32, logits divided by the rollout temperature) exist on the last stage only. With an output-layer
-mode (``"fused"``, ``"fp32"``) the pass runs with the model in that mode and takes the log-probs exactly as
-the training loss does (:func:`output_to_log_probs`), so pi_old and pi_theta come from the same kernel.
-megatron's ``Float16Module`` returns the last stage's output in the model's dtype during the pass
-(``model_dtype_output.model_dtype_output_during``), as in the training step.
+"""Log-probs ``log pi(labels)`` of the model's output (the loss and every pass take them here) and the forward-only
+passes recording them, per training call and pi_old once per rollout (docs/megatron.md, "pi_old: once per rollout"):
+megatron's schedule with ``forward_only=True`` under ``torch.no_grad()``, float32, last pipeline stage only.
 """
 
 from __future__ import annotations
@@ -23,23 +13,43 @@ from torch import Tensor
 
 from slime_tis.engine.batch import TISBatch
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
-from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings
-from slime_tis.megatron.output_layer import model_output_mode
-from slime_tis.megatron.schedule import MicroBatchCounter, replay
+from slime_tis.engine.settings import CHUNK_SIZE, LogProbSettings, output_layer_of
+from slime_tis.megatron.output_layer import (
+    fused_log_probs,
+    model_output_mode,
+    returns_hidden_states,
+    warn_if_upcast_logits,
+)
+from slime_tis.megatron.schedule import (
+    default_get_tis_batch,
+    materialise,
+    replay,
+    step_batches,
+    step_items,
+    with_loss_funcs,
+)
 
 __all__ = ["logits_to_log_probs", "output_to_log_probs", "forward_only_log_probs", "recompute_log_probs",
-           "replayed_support"]
+           "compute_old_log_probs", "rollout_step_iterator"]
+
+
+def replayed_support(batch: TISBatch, settings: LogProbSettings) -> tuple[Tensor, Tensor] | None:
+    """The micro-batch's sampling support where the log-probs replay it (``settings.sampling_support``
+    ``"replay"``, or ``None`` and the batch carries one), else ``None``; ``"replay"`` without one is refused."""
+    if settings.sampling_support == "full" or (batch.support_ids is None and settings.sampling_support is None):
+        return None
+    if batch.support_ids is None:
+        raise ValueError("--tis-sampling-support replay (sampling_support='replay') but the micro-batch's TISBatch "
+                         "carries no support (support_ids / support_offsets): parse the rollouts with "
+                         "sampling_support=True, or use --tis-sampling-support full")
+    return batch.support_ids, batch.support_offsets
 
 
 def logits_to_log_probs(logits: Tensor, batch: TISBatch, settings: LogProbSettings, *,
                         with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """``[..., V/TP]`` logits of this micro-batch -> ``lp [T]`` (and entropy) aligned with ``batch``.
-
-    Positions outside ``batch.loss_mask`` (prompts, padding) are skipped: their log-prob and entropy are 0 and
-    their logit gradient is zero (the Triton kernels, ``kernels="triton"``, do no work for them; docs/kernels.md).
-    """
-    vp = logits.shape[-1]
-    flat = logits.reshape(-1, vp)
+    """``[..., V/TP]`` logits -> ``(lp [T], entropy [T] | None)`` aligned with ``batch``; 0 (and no gradient)
+    outside ``batch.loss_mask``."""
+    flat = logits.reshape(-1, logits.shape[-1])
     if flat.shape[0] != batch.num_tokens:
         raise ValueError(
             f"logits have {flat.shape[0]} positions ({tuple(logits.shape)}) but the micro-batch's TISBatch "
@@ -51,38 +61,12 @@ def logits_to_log_probs(logits: Tensor, batch: TISBatch, settings: LogProbSettin
                                                 support=replayed_support(batch, settings))
 
 
-def replayed_support(batch: TISBatch, settings: LogProbSettings) -> tuple[Tensor, Tensor] | None:
-    """The micro-batch's sampling support when the log-probs replay it (``settings.sampling_support``: ``"replay"``,
-    or ``None`` and the batch carries one), else ``None`` (full vocabulary). ``"replay"`` without a support in the
-    batch is an error naming the flag."""
-    if settings.sampling_support == "full" or (batch.support_ids is None and settings.sampling_support is None):
-        return None
-    if batch.support_ids is None:
-        raise ValueError("--tis-sampling-support replay (sampling_support='replay') but the micro-batch's TISBatch "
-                         "carries no support (support_ids / support_offsets): parse the rollouts with "
-                         "sampling_support=True, or use --tis-sampling-support full")
-    return batch.support_ids, batch.support_offsets
-
-
 def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, settings: LogProbSettings, *, model_chunk=None,
                         with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """The model's output for one micro-batch -> ``lp [T]`` (and entropy), per output-layer mode
-    (``settings.output_layer``):
-
-    * ``None`` / ``"fp32"``: ``output_tensor`` are the logits ``[..., V/TP]`` (float32 in ``"fp32"`` mode):
-      :func:`logits_to_log_probs`;
-    * ``"fused"``: ``output_tensor`` are the hidden states ``[B, S, H]`` the fused-mode model returned:
-      ``fused_log_probs(model_chunk, hidden, labels, temperature, loss_mask)`` with the chunk's (tied) output
-      weight (``slime_tis.megatron.output_layer``); no logits tensor, float32 accumulation.
-
-    ``settings.kernels`` (``TISConfig.kernels``): ``"torch"`` or ``"triton"`` for either function. Masked positions get
-    ``lp = H = 0`` either way. A chunk switched to fused mode behind the hook's back
-    (``output_layer`` not ``"fused"``) is an error: its hidden states would be read as logits. Float32 logits
-    from a bf16 / fp16 model in mode ``None`` warn once (``model_dtype_output.warn_if_upcast_logits``).
-    """
-    from slime_tis.megatron.model_dtype_output import warn_if_upcast_logits
-    from slime_tis.megatron.output_layer import fused_log_probs, returns_hidden_states
-
+    """The model's output for one micro-batch -> ``(lp [T], entropy | None)`` per ``settings.output_layer``:
+    logits (``None``, ``"fp32"``) or hidden states ``[B, S, H]`` with ``model_chunk``'s output weight
+    (``"fused"``). A chunk in fused mode while the hook is not is refused (its hidden states would be read as
+    logits)."""
     if settings.output_layer == "fused":
         if model_chunk is None:
             raise ValueError("output_layer='fused' needs the model chunk (its output weight) in the loss function")
@@ -98,23 +82,13 @@ def output_to_log_probs(output_tensor: Tensor, batch: TISBatch, settings: LogPro
     return logits_to_log_probs(output_tensor, batch, settings, with_entropy=with_entropy)
 
 
-def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any,
-                        model: Any, *,
+def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any, model: Any, *,
                         batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
                         temperature: float = 1.0, chunk_size: int = CHUNK_SIZE, output_layer: str | None = None,
                         kernels: str = "torch", **schedule_kwargs: Any) -> list[Tensor] | None:
-    """``[lp_k [T_k] for each micro-batch k]`` on the last pipeline stage, ``None`` elsewhere: one forward-only
-    pass (:func:`forward_only_log_probs`) with the model in its output mode (``output_layer.model_output_mode``).
-
-    Args:
-        forward_backward_func: megatron's schedule (``get_forward_backward_func()``).
-        forward_step_func: the launcher's ``forward_step(data_iterator, model)`` returning ``(logits, _)``.
-        items: the step's materialised micro-batch items (list, or list of lists for virtual stages).
-        batches: this rank's ``TISBatch`` per micro-batch (last stage), else ``None``.
-        temperature, chunk_size, output_layer, kernels: the :class:`~slime_tis.engine.settings.LogProbSettings`
-            of the pass (``output_layer``: ``None``, ``"fp32"`` or ``"fused"``; ``kernels``: ``TISConfig.kernels``).
-        schedule_kwargs: forwarded to the schedule (``seq_length``, ``micro_batch_size``, ...).
-    """
+    """:func:`forward_only_log_probs` with the model in the output mode ``output_layer``: ``[lp_k [T_k]]`` on the
+    last stage (``batches``: its ``TISBatch`` per micro-batch), ``None`` elsewhere. ``items``: the materialised
+    micro-batch items; ``schedule_kwargs`` go to the schedule."""
     settings = LogProbSettings(temperature, chunk_size, output_layer, kernels)
     with model_output_mode(model, settings.output_layer):
         return forward_only_log_probs(forward_backward_func, forward_step_func, items, model, batches=batches,
@@ -125,30 +99,77 @@ def recompute_log_probs(forward_backward_func: Callable, forward_step_func: Call
 def forward_only_log_probs(forward_backward_func: Callable, forward_step_func: Callable, items: Any, model: Any, *,
                            batches: list[TISBatch] | None, num_microbatches: int, vpp: bool,
                            settings: LogProbSettings, **schedule_kwargs: Any) -> list[Tensor] | None:
-    """:func:`recompute_log_probs` inside the caller's ``model_output_mode`` (the hook's step, a rollout pass)."""
+    """:func:`recompute_log_probs` inside the caller's ``model_output_mode``."""
     results: list[Tensor | None] = [None] * num_microbatches
-    counter = MicroBatchCounter()
 
-    def forward_step(data_iterator, model_chunk, *args, **kwargs):
-        index = counter.next_index(model_chunk)
-        output, _ = forward_step_func(data_iterator, model_chunk, *args, **kwargs)
-
+    def loss_func_of(index: int, model_chunk: Any) -> Callable:
         def loss_func(output_tensor: Tensor, non_loss_data: bool = False):
             if batches is None:
-                raise RuntimeError("recompute: loss on a rank without TISBatch micro-batches "
-                                   "(not the last stage?)")
+                raise RuntimeError("recompute: loss on a rank without TISBatch micro-batches (not the last stage?)")
             lp, _ = output_to_log_probs(output_tensor, batches[index], settings, model_chunk=model_chunk,
                                         with_entropy=False)
             results[index] = lp.detach()
             return torch.zeros((), dtype=torch.float32, device=lp.device), {}
 
-        return output, loss_func
+        return loss_func
 
     with torch.no_grad():
-        forward_backward_func(forward_step_func=forward_step, data_iterator=replay(items, vpp), model=model,
-                              num_microbatches=num_microbatches, forward_only=True, **schedule_kwargs)
+        forward_backward_func(forward_step_func=with_loss_funcs(forward_step_func, loss_func_of),
+                              data_iterator=replay(items, vpp), model=model, num_microbatches=num_microbatches,
+                              forward_only=True, **schedule_kwargs)
     if batches is None:
         return None
     if any(r is None for r in results):
         raise RuntimeError("recompute: the schedule did not compute the loss of every micro-batch")
     return results  # type: ignore[return-value]
+
+
+def rollout_step_iterator(items: Any, step: int, num_microbatches: int) -> Any:
+    """An iterator over optimizer step ``step``'s items of a rollout's items (from :func:`compute_old_log_probs`;
+    one per virtual stage for a list of lists; ``None`` stays ``None``)."""
+    chunk = step_items(items, step, num_microbatches)
+    if chunk is None:
+        return None
+    if chunk and isinstance(items[0], list):
+        return [iter(c) if c is not None else None for c in chunk]
+    return iter(chunk)
+
+
+def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, data_iterator: Any,
+                          model: Any, *, num_microbatches: int, num_steps: int = 1, temperature: float = 1.0,
+                          chunk_size: int = CHUNK_SIZE,
+                          get_tis_batch: Callable[[Any], TISBatch] = default_get_tis_batch,
+                          broadcast_over_tp: bool = True, fused_output_layer: bool = False,
+                          fp32_lm_head: bool = False, kernels: str = "torch", sampling_support: str | None = None,
+                          run_pass: bool = True, **schedule_kwargs: Any) -> Any:
+    """pi_old of a whole rollout at the current parameters: reads ``num_steps * num_microbatches`` items, runs one
+    forward-only pass per optimizer step with the training steps' ``schedule_kwargs`` and stores ``lp [T]``
+    float32 in each item's ``TISBatch.old_log_probs`` (last stage; overwritten if present). Collective: every rank
+    calls it. ``run_pass=False`` only materialises the items (algorithms 1 and 3 never read pi_old). Returns the
+    items (a list, a list per model chunk, or ``None``) for :func:`rollout_step_iterator`."""
+    settings = LogProbSettings(temperature, chunk_size, output_layer_of(fused_output_layer, fp32_lm_head), kernels,
+                               sampling_support)
+    for name, value in (("num_microbatches", num_microbatches), ("num_steps", num_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    from megatron.core import parallel_state as ps
+
+    vpp = isinstance(model, list) and len(model) > 1
+    items = materialise(data_iterator, num_steps * num_microbatches, vpp)
+    if not run_pass:
+        return items
+    is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    with model_output_mode(model, settings.output_layer):
+        for step in range(num_steps):
+            items_k = step_items(items, step, num_microbatches)
+            local = batches = None
+            if is_last:
+                local, batches = step_batches(items_k, vpp=vpp, get_tis_batch=get_tis_batch,
+                                              broadcast=broadcast_over_tp)
+            lps = forward_only_log_probs(forward_backward_func, forward_step_func, items_k, model, batches=batches,
+                                         num_microbatches=num_microbatches, vpp=vpp, settings=settings,
+                                         **schedule_kwargs)
+            for target in (batches, local) if lps is not None else ():
+                for b, lp in zip(target or [], lps):
+                    b.old_log_probs = lp
+    return items

@@ -1,47 +1,7 @@
-"""Rollout routing replay on megatron-core's own ``RouterReplay``, and the routing mismatch metrics.
-
-Input, per micro-batch item (the launcher's, read with ``get_routing(item)``; default ``item["routing"]``): a
-:class:`RoutingBatch` ``(experts [B, S, L_moe, k] int, loss_mask [B, S] bool)`` in the launcher's full token
-layout (before context-parallel slicing): ``experts[b, s, m]`` = the experts the engine routed input token
-``s`` of row ``b`` to in the model's ``m``-th MoE layer (global order over all pipeline stages), ``-1`` where
-the engine did not run the token (the last response token, padding); ``loss_mask[b, s]``: the output at
-``s`` enters the loss. ``slime_tis.sglang.parse_routed_experts`` builds a row of ``experts`` from SGLang's
-``routed_experts``.
-
-:class:`RoutingReplay` (``tis_forward_backward_func(..., routing_replay=True)``, ``--tis-routing-replay``) wraps
-the launcher's ``forward_step``: when it reads its item from the data iterator, before the model runs, every MoE
-layer of that model chunk gets its micro-batch's targets, in the token order its router sees:
-
-* tokens: the item's ``[B, S]`` cut as megatron cuts the tokens: megatron's load-balanced context-parallel slice
-  (``cp_slice_padded``; packed rows (``packed=True``) need CP = 1), then ``[S_cp, B]`` flattened s-major, then,
-  under sequence parallelism with TP > 1, this TP rank's contiguous ``1/TP`` of it; expert parallelism splits
-  experts, not router tokens;
-* layers: a layer's index among the MoE layers is counted over megatron's global pattern
-  (``config.moe_layer_freq`` over ``config.num_layers``) at its global ``layer_number`` (pipeline and virtual
-  pipeline offsets included; dense layers have no router and take no data);
-* the router (``RouterReplay.set_target_indices``, action ``REPLAY_FORWARD``) uses exactly those experts; their
-  weights are the training router's own scores at them (megatron's ``get_replay_topk``: ``softmax`` over the
-  replayed logits), so gradients still reach the router. Positions without engine routing get experts
-  ``0..k-1``: per-token routing and causal attention keep them out of every loss position;
-* recompute of activations: a router forward inside the backward pass (``CheckpointFunction`` recomputing)
-  takes megatron's ``REPLAY_BACKWARD`` queue, the targets in the order they were set: per router, backward
-  passes run in forward order under every megatron schedule.
-
-Metrics (with ``routing_metrics``; counted in the training schedule's forwards, not in pi_old passes nor in a
-recompute inside the backward pass; declared
-in ``core.metric_schema.ROUTING_ROWS``), over the routing decisions ``(token, MoE layer)`` at loss positions
-that the engine routed: ``moe/routing_mismatch`` = fraction whose expert set used by training differs from the
-engine's (0 under replay), ``moe/router_disagreement`` = fraction where the training router's own top-k (its
-logits) differs from the engine's, ``moe/routing_decisions`` = their number. Counts stay tensors during the
-step and are summed over every rank once after it (one all-reduce of 3 numbers on the world group, issued on
-every rank whenever the hook has routing configured): ranks hold disjoint tokens (DP, CP, sequence-parallel
-TP) and disjoint layers (PP), so the sum is the exact count (TP without sequence parallelism: each TP rank
-routes every token; the sums are divided by TP).
-
-Refused with one line: replay without the data (``get_routing(item)`` is ``None``), a layer count or ``k``
-other than the model's, experts covering other tokens than the router sees, routers built without
-``moe_enable_routing_replay``, and a MoE layer that ran without its micro-batch's targets (a launcher whose
-``forward_step`` does not read its item from the data iterator on a rank holding MoE layers).
+"""Rollout routing replay on megatron-core's ``RouterReplay`` and the ``moe/*`` routing metrics
+(``--tis-routing-replay``; data layout, token order, metrics and refusals: docs/megatron.md, "Mixture of experts").
+A router forward inside the backward (activation recompute) takes megatron's ``REPLAY_BACKWARD`` queue; the counts
+are summed over every rank by one all-reduce after the step (divided by TP where TP ranks route the same tokens).
 """
 
 from __future__ import annotations
@@ -55,13 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slime_tis.engine.batch import cp_slice_padded
+from slime_tis.megatron.schedule import innermost
+
 __all__ = ["RoutingBatch", "RoutingReplay", "default_get_routing", "moe_layer_pattern"]
 
 
 @dataclass
 class RoutingBatch:
-    """The engine's routing of one micro-batch (module docstring): ``experts [B, S, L_moe, k]`` int (``-1``: not
-    routed by the engine), ``loss_mask [B, S]``, ``packed``: rows are packed sequences (``[1, T]``)."""
+    """``experts [B, S, L_moe, k]`` int (``-1``: not routed by the engine), ``loss_mask [B, S]``, ``packed``: rows
+    are packed sequences (``[1, T]``, CP = 1 only)."""
 
     experts: Tensor
     loss_mask: Tensor
@@ -109,35 +72,20 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _unwrap(model: Any) -> Any:
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
-class _BeginOnNext:
+def _begin_on_next(inner: Any, begin: Callable[[Any], None]) -> Iterator[Any]:
     """The launcher's data iterator; each item it hands out first sets its routing on the chunk's MoE layers."""
-
-    def __init__(self, inner: Any, begin: Callable[[Any], None]) -> None:
-        self._inner, self._begin = inner, begin
-
-    def __iter__(self) -> _BeginOnNext:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self._inner)
-        self._begin(item)
-        return item
+    while True:
+        try:
+            item = next(inner)
+        except StopIteration:
+            return
+        begin(item)
+        yield item
 
 
 class RoutingReplay:
-    """Routing replay and counting on the MoE routers of this rank's model chunks (module docstring).
-
-    Args:
-        replay: override every router's top-k with the engine's experts.
-        count: count the routing metrics in training forwards.
-        get_routing: item -> :class:`RoutingBatch` (or ``None``).
-    """
+    """On this rank's MoE routers: ``replay`` the engine's experts, ``count`` the routing metrics in training
+    forwards; ``get_routing``: item -> :class:`RoutingBatch` (or ``None``)."""
 
     def __init__(self, *, replay: bool, count: bool,
                  get_routing: Callable[[Any], RoutingBatch | None] = default_get_routing) -> None:
@@ -149,9 +97,8 @@ class RoutingReplay:
         self._tp_duplicates = 1
         self._active = self._counting = False
 
-    # ------------------------------------------------------------------ model
     def _slots(self, model_chunk: Any) -> list[_Slot]:
-        inner = _unwrap(model_chunk)
+        inner = innermost(model_chunk)
         key = id(inner)
         if key not in self._chunks:
             self._chunks[key] = self._attach(inner)
@@ -191,13 +138,10 @@ class RoutingReplay:
             self._tp_duplicates = tp if tp > 1 and not getattr(cfg, "sequence_parallel", False) else 1
         return slots
 
-    # ------------------------------------------------------------------ per micro-batch
     @contextmanager
     def active(self, forward_step_func: Callable, *, training: bool) -> Iterator[Callable]:
-        """For one schedule pass: the launcher's ``forward_step`` with each micro-batch's routing set on its
-        chunk's MoE layers when it reads its item; ``training``: the pass counts the routing metrics (the
-        training schedule, not a pi_old pass). Outside (evaluation, ``forward_only`` calls the hook passes
-        through) the routers route on their own: every target and replay action is cleared on entry and exit."""
+        """For one schedule pass: the launcher's ``forward_step`` setting each item's routing on its chunk's MoE
+        layers (``training``: the pass counts the metrics). Targets and actions are cleared on entry and exit."""
         self._clear_all()
         self._active, self._counting = True, training and self.count
         try:
@@ -207,31 +151,25 @@ class RoutingReplay:
             self._clear_all()
 
     def _clear_all(self) -> None:
-        for slots in self._chunks.values():
-            for slot in slots:
-                self._clear(slot)
+        for slot in (slot for slots in self._chunks.values() for slot in slots):
+            slot.engine = slot.valid = None
+            slot.fresh = False
+            if slot.router.router_replay is not None:
+                slot.router.router_replay.clear_indices()
+                slot.router.router_replay.clear_router_replay_action()
 
     def _wrap(self, forward_step_func: Callable) -> Callable:
 
         def forward_step(data_iterator: Any, model_chunk: Any, *args: Any, **kwargs: Any) -> Any:
             slots = self._slots(model_chunk)
             if slots and data_iterator is not None:
-                data_iterator = _BeginOnNext(data_iterator, lambda item: self._begin(slots, item))
+                data_iterator = _begin_on_next(data_iterator, lambda item: self._begin(slots, item))
             return forward_step_func(data_iterator, model_chunk, *args, **kwargs)
 
         return forward_step
 
-    def _clear(self, slot: _Slot) -> None:
-        slot.engine = slot.valid = None
-        slot.fresh = False
-        if slot.router.router_replay is not None:
-            slot.router.router_replay.clear_indices()
-            slot.router.router_replay.clear_router_replay_action()
-
     def _begin(self, slots: list[_Slot], item: Any) -> None:
         from megatron.core import parallel_state as ps
-
-        from slime_tis.engine.batch import cp_slice_padded
 
         rb = self.get_routing(item)
         if rb is None:
@@ -272,7 +210,6 @@ class RoutingReplay:
                 rr = slot.router.router_replay
                 rr.set_target_indices(torch.where(engine >= 0, engine, fill).long())
 
-    # ------------------------------------------------------------------ router hooks
     def _pre_hook(self, slot: _Slot) -> Callable:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -315,10 +252,8 @@ class RoutingReplay:
 
         return hook
 
-    # ------------------------------------------------------------------ step
     def step_metrics(self) -> dict[str, Tensor]:
-        """This step's routing metrics (float64 0-d, identical on every rank; ``core.metric_schema.ROUTING_ROWS``)
-        and reset the counts. Collective (world) when the job has more than one process; call on every rank."""
+        """This step's routing metrics (float64 0-d, the same on every rank), counts reset. Collective (world)."""
         from slime_tis.core.metric_schema import finalize
 
         dev = self._device or torch.device("cpu")

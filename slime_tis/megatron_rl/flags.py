@@ -1,20 +1,7 @@
-"""Megatron-LM's RL flags and the plugin's: one ``TISConfig``, each mapped pair honoured or refused in one line.
-
-A mapped pair is a Megatron-LM flag and the plugin flag of the same quantity (docs/megatron_rl.md, flag
-mapping). What decides is whether the user typed each flag, never whether its value equals a default:
-
-* only one of the two typed: its value;
-* both typed: the value where they agree, else a one-line ``ValueError`` naming both as typed;
-* neither typed: Megatron-LM's default, the value ``train_rl.py`` itself trains with (``--grpo-kl-beta`` 0.001,
-  ``--grpo-clamp-eps-lower``/``-upper`` 0.01, ``--grpo-entropy-term-weight`` 0), except that the upper clip
-  follows ``--eps-clip`` where that is typed (the plugin's ``--eps-clip`` alone is a symmetric range).
-
-A plugin flag is typed when the plugin's parser holds a value for it (its flags default to ``None``; a value
-a ``--tis-preset`` expands counts as typed, named as the preset). A Megatron-LM flag is typed when
-:func:`record_typed_flags` saw argparse run its action: the launcher's parser records the typed mapped flags in
-``args.tis_megatron_typed`` (a tuple of dests). A namespace without that record (built elsewhere) counts every
-Megatron-LM number it holds as typed, so a disagreement is refused rather than decided silently (a switch there
-counts as not typed: its default cannot be told apart).
+"""Megatron-LM's RL flags and the plugin's into one ``TISConfig``: each mapped pair decided by which of its two
+flags the user typed, a disagreement refused in one line naming both (docs/megatron_rl.md, "Flag mapping").
+The launcher's parser records the typed Megatron-LM flags in ``args.tis_megatron_typed``; a namespace without the
+record counts every Megatron-LM number it holds as typed.
 """
 
 from __future__ import annotations
@@ -41,8 +28,8 @@ RECORDED = (*(theirs for theirs, _ in MAPPED), "rl_inference_logprobs_is_correct
 
 
 def record_typed_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make ``parser`` (Megatron-LM's, with its flags defined) record which of :data:`RECORDED` the user typed,
-    in ``args.tis_megatron_typed``; returns it. argparse runs a flag's action only when the flag is typed."""
+    """Make ``parser`` record which of :data:`RECORDED` the user typed in ``args.tis_megatron_typed`` (argparse runs
+    a flag's action only when it is typed); returns it."""
     actions = [a for a in parser._actions if a.dest in RECORDED]  # argparse has no public list of them
     if actions:  # a parser without Megatron-LM's flags records nothing (its namespace gets them elsewhere)
         parser.set_defaults(**{TYPED_DEST: ()})
@@ -69,11 +56,10 @@ def _show(value: Any) -> str:
 
 @dataclass(frozen=True)
 class MegatronRLFlags:
-    """The resolved flags: the plugin's configuration and Megatron-LM's entropy estimate choice."""
+    """The configuration, and whether the entropy term is Megatron-LM's sampled-token estimate ``-exp(lp) lp`` (its
+    coefficient came from ``--grpo-entropy-term-weight`` alone) instead of the distribution's entropy."""
 
     cfg: TISConfig
-    #: the entropy term uses Megatron-LM's sampled-token estimate ``-exp(lp) lp`` (its coefficient came from
-    #: ``--grpo-entropy-term-weight`` alone), else the policy distribution's entropy
     sampled_entropy: bool
 
 
@@ -121,13 +107,8 @@ def _conflict(a: str, b: str) -> ValueError:
 
 
 def resolve_megatron_rl_flags(args: Any) -> MegatronRLFlags:
-    """The plugin's configuration from a namespace holding Megatron-LM's RL flags and the plugin's (module
-    docstring; one-line ``ValueError`` refusals naming what was typed).
-
-    ``--rl-inference-logprobs-is-correction`` -> ``use_tis``; ``--rl-importance-sampling-truncation-coef C`` ->
-    ``upper = C`` in truncate mode; ``--grpo-clamp-eps-lower/-upper`` -> ``eps_clip``/``eps_clip_high``;
-    ``--grpo-kl-beta`` -> ``kl_coef`` (k3); ``--grpo-entropy-term-weight`` -> ``entropy_coef``.
-    """
+    """The configuration from a namespace holding Megatron-LM's RL flags and the plugin's (the mapping table and
+    the refusals: docs/megatron_rl.md, "Flag mapping")."""
     t = _Flags(args)
     f = dict(t.fields)
     correction = getattr(args, "rl_inference_logprobs_is_correction", None)
@@ -153,15 +134,11 @@ def resolve_megatron_rl_flags(args: Any) -> MegatronRLFlags:
         if getattr(args, theirs, None) is None:  # not a Megatron-LM namespace: the plugin's flags alone
             continue
         value = float(getattr(args, theirs))
-        if t.ours(ours) and t.theirs(theirs):
-            if float(f[ours]) != value:
+        if t.ours(ours):
+            if t.theirs(theirs) and float(f[ours]) != value:
                 raise _conflict(t.name_theirs(theirs), t.name_ours(ours))
-        elif t.ours(ours):
-            continue
-        elif ours == "eps_clip_high" and t.ours("eps_clip") and not t.theirs(theirs):
-            continue  # --eps-clip alone: the plugin's symmetric range
-        else:
-            f[ours] = value
+        elif not (ours == "eps_clip_high" and t.ours("eps_clip") and not t.theirs(theirs)):
+            f[ours] = value  # (--eps-clip alone keeps the plugin's symmetric range)
     if t.theirs("grpo_kl_beta") and f.get("kl_coef") and f.get("kl_estimator", "k3") != "k3":
         raise _conflict(f"{t.name_theirs('grpo_kl_beta')} (the k3 estimator)", t.name_ours("kl_estimator"))
     if f.get("sampling_support") == "replay":
@@ -179,9 +156,8 @@ def resolve_megatron_rl_flags(args: Any) -> MegatronRLFlags:
 
 
 def _warn_truncated_sampling(args: Any) -> None:
-    """Megatron-LM samples with ``--rl-default-top-p`` / ``--rl-default-top-k`` (top-p in (0, 1) or top-k > 0
-    truncate) and its inference log-probs are of the truncated distribution, while the trainer's are over the
-    whole vocabulary: every ratio then carries the log of the kept mass (docs/sampling_support.md)."""
+    """Warn where Megatron-LM samples from a truncated distribution (top-p in (0, 1) or top-k > 0): every ratio then
+    carries the log of the kept mass (docs/sampling_support.md)."""
     top_p, top_k = getattr(args, "rl_default_top_p", 0) or 0, getattr(args, "rl_default_top_k", -1) or -1
     if 0 < top_p < 1 or top_k > 0:
         warnings.warn(f"--rl-default-top-p {top_p:g} / --rl-default-top-k {top_k}: the engine samples from a "

@@ -1,37 +1,8 @@
-"""The host for Megatron-LM's ``train_rl.py``: its flags -> ``TISConfig``, its micro-batches -> ``TISBatch``, its
-``forward_step`` -> the step engine (``slime_tis.engine``).
-
-Megatron-LM's RL micro-batch (``train_rl.forward_step`` at NVIDIA/Megatron-LM d98e8a64dd) comes in two layouts:
-
-* unpacked: ``(tokens [B, S], advantages [B], old [B, S-1], loss_mask [B, S], position_ids [B, S], ref [B, S-1],
-  inference [B, S-1])``; row ``b`` is sequence ``b``; log-prob position ``t`` predicts ``tokens[:, t + 1]``;
-* packed: what ``rl_utils.load_packed_data_by_index`` returns for the bin index the iterator yields, ``(tokens
-  [1, L], advantages [n], old [1, L-1], loss_mask [1, L-1], position_ids [1, L], ref, inference, seq_starts
-  (n + 1), seq_lengths (n), seq_indices, packed_seq_params)``, or the same parts as ``(bin, advantages, old, ref,
-  inference)`` with a bin object (``tests/_megatron_rl.py``); sequence ``i`` owns log-prob positions
-  ``start_i .. start_i + length_i - 2``; a padding bin (no sequences) trains nothing.
-
-Both become one packed ``TISBatch`` of ``T = B (S-1)`` (``L-1``) positions: ``labels = tokens[:, 1:]``, the loss
-mask shifted by one (packed: restricted to owned positions, so the position that predicts the next sequence's
-first token never trains), one advantage per sequence spread over its positions, pi_old / inference / reference
-log-probs held in float32 (pi_old only for algorithms 0 and 2: algorithms 1 and 3 anchor on the inference
-log-probs). ``lp_theta`` is the log-prob of ``softmax(logits / T)`` with ``T = --rl-default-temperature`` (the
-engine's vocab-parallel log-softmax, float32: :meth:`RLHost.log_probs`, also the launcher's pi_old / pi_ref path).
-
-Per rollout collection, :meth:`RLHost.begin_rollout` (the launcher calls it where Megatron-LM prepares the update,
-``rollout.py``) translates the collection's micro-batches once and takes algorithm 2's batch-normalisation factor
-over the whole collection, reduced over DP (x CP); the training iterator then yields :class:`RolloutIndex` elements.
-
-Per optimizer step (``M`` micro-batches), :meth:`RLHost.forward_step` reads the step's ``M`` items on its first
-call (a :class:`RolloutIndex`, or an item it translates) and calls ``engine.begin`` (the step's global
-denominator; the collection's batch-normalisation factor where ``begin_rollout`` took one, else the step's,
-reduced over DP x CP); each call returns the model output and a ``loss_func`` that runs ``engine.loss`` and
-returns the megatron-core schedule contract's form (``slime_tis.engine.megatron_schedule``, the one the megatron-core
-hook returns; ``g`` read from the model's data-parallel wrapper). ``dict`` holds ``lm loss`` (the step loss as
-``train_step`` logs it) and, once the last micro-batch has run, every ``engine.end()`` metric as ``[value, 1]``
-(``train_step`` logs them next to Megatron-LM's own keys, in TensorBoard / W&B) and, where the launcher checked the
-collection's inference log-probs (algorithms 1-3), :data:`APPENDED_METRIC`: the collection's appended tokens left
-out of the loss, over all ranks.
+"""The ``train_rl.py`` host: Megatron-LM's RL micro-batches (docs/megatron_rl.md, "What Megatron-LM hands the
+loss") -> one packed ``TISBatch`` of ``T = B (S-1)`` (``L-1``) positions (``labels = tokens[:, 1:]``, the loss mask
+shifted by one and in a bin restricted to each sequence's positions, one advantage per sequence, float32
+log-probs), its ``forward_step`` -> the step engine and the schedule contract's form
+(``slime_tis.engine.megatron_schedule``: ``lm loss``, then every step metric as ``[value, 1]``).
 """
 
 from __future__ import annotations
@@ -58,16 +29,14 @@ __all__ = ["APPENDED_METRIC", "RLHost", "RolloutIndex", "add_megatron_rl_tis_arg
            "config_from_megatron_rl_args", "item_to_batch", "refuse_context_parallel", "refuse_interleaved_pipeline"]
 
 
-#: logged with every step's metrics where the launcher checked the collection's inference log-probs
-#: (algorithms 1-3): the collection's tokens, over all DP ranks, that the training side appended after the sampled
-#: ones (the end-of-document token) without an inference log-prob, left out of the loss
+#: the collection's tokens (all DP ranks) appended by the training side without an inference log-prob, left out
+#: of the loss; logged where the launcher checked the inference log-probs (algorithms 1-3)
 APPENDED_METRIC = "tis/appended_tokens"
 
 
 def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The plugin's flags (``slime_tis.arguments.add_tis_arguments``) on Megatron-LM's parser, which also records
-    the mapped Megatron-LM flags the user typed (``flags.record_typed_flags``); returns it. ``--tis-routing-replay``
-    is declared so that it is refused with its reason (``flags.resolve_megatron_rl_flags``), not as unknown."""
+    """The plugin's flags on Megatron-LM's parser, recording the mapped flags typed (``flags.record_typed_flags``);
+    ``--tis-routing-replay`` is declared so that it is refused with its reason, not as unknown. Returns it."""
     parser = add_tis_arguments(parser)
     if not any("--tis-routing-replay" in a.option_strings for a in parser._actions):
         parser.add_argument("--tis-routing-replay", action="store_true",
@@ -75,26 +44,22 @@ def add_megatron_rl_tis_arguments(parser: argparse.ArgumentParser) -> argparse.A
     return record_typed_flags(parser)
 
 
-#: Megatron-LM's flags that select an interleaved (virtual) pipeline schedule, the attribute they set
-_VIRTUAL_PIPELINE_FLAGS = (("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
-                           ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
-                           ("virtual_pipeline_model_parallel_size", "--virtual-pipeline-model-parallel-size"))
+#: Megatron-LM's arguments that select an interleaved (virtual) pipeline schedule
+_VIRTUAL_PIPELINE_ARGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                          "virtual_pipeline_model_parallel_size")
 
 
 def refuse_interleaved_pipeline(args: Any) -> None:
-    """One-line ``ValueError`` naming the flag and value where Megatron-LM's arguments select an interleaved
-    pipeline schedule: its model is a list of virtual stages fed by one data iterator each, while the host reads
-    one item per micro-batch from one iterator."""
-    for attr, flag in _VIRTUAL_PIPELINE_FLAGS:
+    """One-line ``ValueError`` naming the flag and value where the arguments select an interleaved pipeline."""
+    for attr in _VIRTUAL_PIPELINE_ARGS:
         value = getattr(args, attr, None)
         if value is not None and not (attr == "virtual_pipeline_model_parallel_size" and int(value) <= 1):
-            raise ValueError(f"{flag} {value}: slime_tis.megatron_rl does not run interleaved (virtual) pipeline "
-                             "schedules; drop the flag (plain pipeline parallelism is supported)")
+            raise ValueError(f"--{attr.replace('_', '-')} {value}: slime_tis.megatron_rl does not run interleaved "
+                             "(virtual) pipeline schedules; drop the flag (plain pipeline parallelism is supported)")
 
 
 def refuse_context_parallel(cp: Any, *, packed: bool) -> None:
-    """One-line ``ValueError`` naming ``--context-parallel-size`` and its value where it is above 1 with
-    sequence-packed bins: the host splits unpacked rows across context-parallel ranks, not bins."""
+    """One-line ``ValueError`` for ``--context-parallel-size`` above 1 with sequence-packed bins."""
     if packed and cp is not None and int(cp) > 1:
         raise ValueError(f"--context-parallel-size {cp} with --rl-use-sequence-packing: slime_tis.megatron_rl "
                          "splits unpacked rows across context-parallel ranks, not packed bins; use "
@@ -112,13 +77,11 @@ def row_grid(x: Tensor) -> Tensor:
 
 def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, int] = (1, 0)
                   ) -> tuple[TISBatch, Tensor, Tensor, Any]:
-    """``(TISBatch, tokens, position_ids, bin or None)`` of one Megatron-LM RL item (module docstring); unpacked
-    rows under context parallelism (``cp = (size, rank)``, size > 1): this CP rank's part of them
-    (megatron-core's load-balanced layout, ``engine.batch.cp_slice_padded``, as the megatron-core hook's batches)."""
+    """``(TISBatch, tokens, position_ids, bin or None)`` of one item; unpacked rows under context parallelism
+    (``cp = (size, rank)``): this rank's ``cp_slice_padded`` part."""
     if packed:
-        if len(item) == 11:
-            tokens, adv, old, mask, pos, ref, inf, starts, lengths, indices, psp = item
-            item = (PackedBin(tokens, pos, mask, starts, lengths, indices, psp), adv, old, ref, inf)
+        if len(item) == 11:  # load_packed_data_by_index's parts
+            item = (PackedBin.of(item), item[1], item[2], item[5], item[6])
         b, adv, old, ref, inf = item
         tokens, pos, mask = b.tokens, b.position_ids, b.loss_mask.reshape(-1)
         t = mask.shape[0]
@@ -151,9 +114,8 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, i
 
 def _cp_rows_to_batch(item: tuple, cfg: TISConfig, cp_size: int, cp_rank: int
                       ) -> tuple[TISBatch, Tensor, Tensor, None]:
-    """Unpacked rows ``[B, S]`` -> this CP rank's ``[B, S / cp]`` part (``cp_slice_padded``): tokens, position ids
-    and the ``TISBatch`` of the row-aligned grids (position ``t`` predicts ``tokens[:, t + 1]``; the last one
-    masked)."""
+    """Unpacked rows ``[B, S]`` -> this CP rank's ``[B, S / cp]`` part of the tokens, position ids and row-aligned
+    ``TISBatch`` (position ``t`` predicts ``tokens[:, t + 1]``; the last one masked)."""
     tokens, adv, old, mask, pos, ref, inf = item
     rows = tokens.shape[0]
     def part(x: Tensor) -> Tensor:
@@ -175,8 +137,7 @@ def _cp_rows_to_batch(item: tuple, cfg: TISConfig, cp_size: int, cp_rank: int
 
 @dataclass(frozen=True)
 class RolloutIndex:
-    """An element of the training iterator the launcher hands Megatron-LM's loop (``rollout.py``): micro-batch
-    ``k`` of the rollout collection the host translated in :meth:`RLHost.begin_rollout`."""
+    """A training iterator element: micro-batch ``k`` of the collection :meth:`RLHost.begin_rollout` translated."""
 
     k: int
 
@@ -184,7 +145,7 @@ class RolloutIndex:
 @dataclass
 class PackedBin:
     """One bin's parts (``load_packed_data_by_index``): ``tokens``, ``position_ids`` ``[1, L]``, ``loss_mask``
-    ``[1, L-1]``, ``seq_starts``, ``seq_lengths``, ``seq_indices``, ``packed_seq_params`` (THD attention)."""
+    ``[1, L-1]``, sequence starts / lengths / indices, ``packed_seq_params`` (THD attention)."""
 
     tokens: Tensor
     position_ids: Tensor
@@ -193,6 +154,11 @@ class PackedBin:
     seq_lengths: Any
     seq_indices: Any = None
     packed_seq_params: Any = None
+
+    @classmethod
+    def of(cls, parts: tuple) -> PackedBin:
+        """The bin of ``load_packed_data_by_index``'s 11 parts."""
+        return cls(parts[0], parts[4], parts[3], *parts[7:11])
 
 
 def block_causal_mask(b) -> Tensor:
@@ -207,9 +173,8 @@ def block_causal_mask(b) -> Tensor:
 
 
 def unpacked_seq_params(tokens: Tensor):
-    """The ``packed_seq_params`` ``train_rl.forward_step`` passes for unpacked rows ``[B, S]``: THD, one sequence
-    spanning the row (``cu_seqlens = [0, S]``), without ``total_tokens`` (Megatron-LM leaves it out so that no
-    sequence-packing kernel is chosen)."""
+    """``train_rl.forward_step``'s ``packed_seq_params`` for unpacked rows: THD, ``cu_seqlens = [0, S]``, no
+    ``total_tokens``."""
     from dataclasses import fields
 
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -222,15 +187,9 @@ def unpacked_seq_params(tokens: Tensor):
 
 
 def default_model_forward(model, tokens: Tensor, pos: Tensor, b) -> Tensor:
-    """``model(tokens, position_ids, attention_mask[, packed_seq_params=...])`` as Megatron-LM's ``get_logprobs``
-    calls it: unpacked rows with no mask (causal), a micro-batch of one row with :func:`unpacked_seq_params` as
-    ``train_rl.forward_step`` passes them; a packed bin with Megatron-LM's ``packed_seq_params`` attends per
-    sequence through them (THD), one without them (the CPU local attention) through a block-causal mask.
-
-    Micro-batches of several unpacked rows get no ``packed_seq_params``: with THD parameters Megatron-LM's
-    attention layer takes the batch dimension for a dummy one (it reshapes the core attention's output to
-    ``[t, 1, heads * d]``), so the call ``train_rl.forward_step`` makes fails for two rows (measured on d98e8a64dd's
-    GPT on CPU: ``RuntimeError: mat1 and mat2 shapes cannot be multiplied`` in ``linear_proj``)."""
+    """The model call of ``train_rl.forward_step``: one unpacked row with :func:`unpacked_seq_params` (several rows
+    get none: Megatron-LM's THD attention takes the batch dimension for a dummy one), a bin with its
+    ``packed_seq_params`` or, without them (CPU local attention), a block-causal mask."""
     if b is None:
         if tokens.shape[0] == 1 and parallel_context().cp_size == 1:
             return model(tokens, pos, None, packed_seq_params=unpacked_seq_params(tokens))
@@ -242,23 +201,12 @@ def default_model_forward(model, tokens: Tensor, pos: Tensor, b) -> Tensor:
 
 
 class RLHost:
-    """``train_rl.forward_step`` on the step engine (module docstring).
-
-    Args:
-        cfg: the plugin's configuration (:func:`config_from_megatron_rl_args`).
-        num_microbatches: ``M`` per optimizer step, or a callable returning it (Megatron-LM's
-            ``get_num_microbatches``).
-        packed: ``--rl-use-sequence-packing``.
-        temperature: ``--rl-default-temperature``.
-        per_token: ``--calculate-per-token-loss``.
-        sampled_entropy: Megatron-LM's entropy estimate ``-exp(lp) lp`` (``--grpo-entropy-term-weight``) instead
-            of the distribution's entropy.
-        model_forward: ``(model, tokens, position_ids, bin) -> logits [B, S, V/TP]``.
-        read_item: the iterator's element -> the item (the launcher: a bin index -> the bin's parts).
-        on_sequences: called with each micro-batch's sequence count as a step reads it (the launcher:
-            Megatron-LM's ``increment_sequences``).
-        device: where the host keeps translated micro-batches (the model's device; ``None``: where they come).
-    """
+    """``train_rl.forward_step`` on the step engine. ``num_microbatches``: ``M`` or a callable (Megatron-LM's
+    ``get_num_microbatches``); ``packed``, ``temperature``, ``per_token``: ``--rl-use-sequence-packing``,
+    ``--rl-default-temperature``, ``--calculate-per-token-loss``; ``sampled_entropy``: the entropy term is
+    ``-exp(lp) lp``; ``model_forward(model, tokens, position_ids, bin) -> logits``; ``read_item``: iterator element
+    -> item; ``on_sequences``: called with each micro-batch's sequence count; ``device``: where translated
+    micro-batches are kept."""
 
     def __init__(self, cfg: TISConfig, num_microbatches: int | Callable[[], int], *, packed: bool = False,
                  temperature: float = 1.0, per_token: bool = False, sampled_entropy: bool = False,
@@ -272,12 +220,8 @@ class RLHost:
         self._m = num_microbatches if callable(num_microbatches) else (lambda: num_microbatches)
         self.steps, self.metrics = 0, {}
         self._queue: list = []
-        #: the rollout collection (:meth:`begin_rollout`): its translated micro-batches and algorithm 2's
-        #: batch-normalisation factor over it; ``None`` outside one
         self._rollout: list | None = None
         self.rollout_factor: Tensor | None = None
-        #: this rank's count of the collection's appended tokens left out of the loss (``rollout.py``); ``None``
-        #: where the collection's inference log-probs were not checked (algorithm 0, or no launcher)
         self.appended: int | None = None
 
     @classmethod
@@ -303,16 +247,10 @@ class RLHost:
         return batch.to(self.device), tokens.to(self.device), pos.to(self.device), b, n_seq
 
     def begin_rollout(self, items: list, appended: int | None = None) -> list[RolloutIndex]:
-        """A new rollout collection: this rank's micro-batch items, in the order Megatron-LM's training iterator
-        yields them. Each is translated once and kept for every optimizer step on the collection; algorithm 2's
-        batch-normalisation factor is taken over the whole collection of all DP (x CP) ranks, here, where
-        Megatron-LM prepares the update. Returns the training
-        iterator's elements (one :class:`RolloutIndex` per micro-batch). ``appended``: this rank's count of the
-        collection's tokens the training side appended without an inference log-prob and left out of the loss
-        (``rollout.check_inference_log_probs``), logged with every step's metrics as :data:`APPENDED_METRIC`.
-
-        Collectives (last pipeline stage, algorithm 2 with batch normalisation): those of one
-        ``engine.begin`` over the collection (per micro-batch the CP sums, then one DP x CP sum per domain)."""
+        """A new rollout collection (this rank's items in the training iterator's order): each translated once for
+        every optimizer step on it, algorithm 2's batch-normalisation factor over all of it (one ``engine.begin``
+        on the last stage). ``appended``: this rank's count for :data:`APPENDED_METRIC` (``None``: unchecked).
+        Returns the training iterator's elements."""
         ctx = parallel_context()
         refuse_context_parallel(ctx.cp_size, packed=self.packed)
         self._rollout = [self._translate(item) for item in items]
@@ -322,23 +260,20 @@ class RLHost:
             self.rollout_factor = totals.batch_norm_factor
         return [RolloutIndex(k) for k in range(len(self._rollout))]
 
-    def _next_item(self, data_iterator) -> tuple[TISBatch, Tensor, Tensor, Any, int]:
-        element = next(data_iterator)
-        if isinstance(element, RolloutIndex):
-            if self._rollout is None:
-                raise RuntimeError("RLHost: a RolloutIndex before begin_rollout")
-            item = self._rollout[element.k]
-        else:
-            item = self._translate(self.read_item(element))
-        self.on_sequences(item[4])
-        return item
-
-    def _begin_step(self, data_iterator) -> None:
-        m = self._m()
+    def _begin_step(self, data_iterator, chunk) -> None:
+        """The step's ``M`` items (translated, or the collection's) and ``engine.begin`` on the last stage."""
         ctx = parallel_context()
         refuse_context_parallel(ctx.cp_size, packed=self.packed)
-        self.ctx, self.m, self.dicts = ctx, m, []
-        items = [self._next_item(data_iterator) for _ in range(m)]
+        self.ctx, self.dicts, items = ctx, [], []
+        for _ in range(self._m()):
+            element = next(data_iterator)
+            if isinstance(element, RolloutIndex) and self._rollout is None:
+                raise RuntimeError("RLHost: a RolloutIndex before begin_rollout")
+            item = (self._rollout[element.k] if isinstance(element, RolloutIndex)
+                    else self._translate(self.read_item(element)))
+            self.on_sequences(item[4])
+            items.append(item)
+        self.form = loss_form_for([chunk], len(items), per_token=self.per_token)
         self.engine = StepEngine(self.cfg, ctx.reducer) if ctx.last_pp_stage else None
         if self.engine is not None:
             self.engine.begin([it[0] for it in items])
@@ -353,8 +288,7 @@ class RLHost:
                              "interleaved pipeline schedules")
         chunk = model[0] if isinstance(model, list) else model
         if not self._queue:
-            self._begin_step(data_iterator)
-            self.form = loss_form_for([chunk], self.m, per_token=self.per_token)
+            self._begin_step(data_iterator, chunk)
         batch, tokens, pos, b, _ = self._queue.pop(0)
         output = self.model_forward(chunk, tokens, pos, b)
         if self.engine is None:
@@ -363,24 +297,19 @@ class RLHost:
 
     def log_probs(self, output: Tensor, labels: Tensor, *, with_entropy: bool = False, local: bool = False
                   ) -> tuple[Tensor, Tensor | None]:
-        """``(lp [B (S-1)], entropy or None)``: float32 log-probs of ``labels`` (``[B (S-1)]``, ``tokens[:, 1:]``)
-        under ``softmax(output[:, :-1] / T)`` (the engine's vocab-parallel log-softmax); ``local``: a CP rank's
-        part of the rows, every position's label given (``[B S/cp]``, ``cp_slice_padded``), under
-        ``softmax(output / T)``. The training loss and the launcher's pi_old / pi_ref passes take their log-probs
-        here."""
+        """``(lp, entropy | None)`` float32 of ``labels`` (``tokens[:, 1:]`` flat) under
+        ``softmax(output[:, :-1] / T)``; ``local``: a CP rank's part, one label per position, under
+        ``softmax(output / T)``. The loss and the pi_old / pi_ref passes take their log-probs here."""
         logits = (output if local else output[:, :-1]).reshape(-1, output.shape[-1])
         return vocab_parallel_log_probs_and_entropy(logits, labels, temperature=self.temperature,
                                                     with_entropy=with_entropy)
-
-    def entropy_of(self, lp: Tensor, h: Tensor | None) -> Tensor | None:
-        """The entropy term's per-token entropy: Megatron-LM's sampled-token ``-exp(lp) lp`` or ``h``."""
-        return -torch.exp(lp) * lp if self.sampled_entropy else h
 
     def _loss_func(self, batch: TISBatch, last: bool) -> Callable:
         def loss_func(output: Tensor, *args, **kwargs):
             lp, h = self.log_probs(output, batch.labels, with_entropy=not self.sampled_entropy,
                                    local=self.ctx.cp_size > 1 and not self.packed)
-            out = self.engine.loss(batch, lp, entropy=self.entropy_of(lp, h))
+            entropy = -torch.exp(lp) * lp if self.sampled_entropy else h  # Megatron-LM's sampled-token estimate
+            out = self.engine.loss(batch, lp, entropy=entropy)
             self.engine.record(out.stats)
             d = {"lm loss": self.form.loss_pair(out.loss.float())}
             self.dicts.append(d)
@@ -391,9 +320,7 @@ class RLHost:
         return loss_func
 
     def _end_step(self) -> None:
-        """The step's metrics, once after its last loss, into the micro-batches' dicts (module docstring); with
-        the collection's appended-token count (:meth:`begin_rollout`), :data:`APPENDED_METRIC` as the count summed
-        over the DP x CP ranks."""
+        """The step's metrics and :data:`APPENDED_METRIC` (summed over ranks) into the micro-batches' dicts."""
         self.metrics = self.engine.end(step=self.steps)
         self.steps += 1
         add_metrics_to_loss_dicts(self.dicts, self.metrics)

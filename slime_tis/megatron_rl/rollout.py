@@ -1,37 +1,6 @@
-"""Where Megatron-LM prepares the update (``megatron/rl/rl_utils.py`` ``prepare_data_for_update``): the host's
-pi_old and pi_ref, and the rollout collection.
-
-``prepare_data_for_update`` computes pi_old, then pi_ref (after loading the reference weights), each with one
-call of ``compute_logprobs_batch`` (a forward-only pass over the collection), and returns a cycling iterator over
-the collection's training micro-batches. :func:`install_rollout` wraps both functions in the module:
-
-* the inference log-probs: where the algorithm reads them (1, 2, 3), Megatron-LM is told to keep them in the
-  data (``is_correction`` and ``args.rl_inference_logprobs_is_correction`` set: Megatron-LM's own loss, their
-  other reader, does not run under the host);
-* the rows' inference log-probs (algorithms 1-3): ``rl_utils.prepare_trajectories``, which returns them per row
-  before Megatron-LM pads and places them, is wrapped for the call; :func:`check_inference_log_probs` compares
-  each row's count with its generated tokens: a row one short at its last generated token (a token the training
-  side appended, e.g. the end-of-document token, that the inference engine did not sample) has that token cleared
-  from the generation mask the call returns, from which Megatron-LM builds the loss mask and aligns the log-probs,
-  so it leaves the loss and the rest of the row trains; a row that carries none, or any other number, gets
-  ``-inf`` on every generated token (the core then rejects the sequence as non-finite and counts it); a collection
-  in which no row carries any is refused;
-* pi_old (the first call): algorithms 1 and 3 (``--use-rollout-log-probs``) anchor on the inference log-probs
-  and need none, so the pass is skipped and zeros stand in (Megatron-LM's own train/inference comparison, which it
-  logs from pi_old, then compares zeros); algorithms 0 and 2 take it through the host's log-prob path
-  (:meth:`RLHost.log_probs`: float32, the sampling temperature applied), kept in float32;
-* pi_ref (the second call): the same path where the KL term is on (``--tis-kl-coef`` /
-  ``--grpo-kl-beta``), skipped (zeros) where it is 0;
-* the collection: the training ``DataLoader`` the function builds (the last one made through the module's
-  ``DataLoader``, or ``get_microbatch_dataloader`` for packed bins) is read once, the host translates every
-  micro-batch (:meth:`RLHost.begin_rollout`: the collection's batch-normalisation
-  factor, reduced over DP) and the function returns a cycling iterator of the same type over the host's
-  :class:`~slime_tis.megatron_rl.host.RolloutIndex` elements, in the loader's order.
-
-``forwards`` counts the passes per role (``old``, ``ref``), ``skipped`` the skipped ones, ``rejected`` the rows
-marked by :func:`check_inference_log_probs` (``missing``, ``length``) and ``appended`` the appended tokens it left
-out of the loss; each collection's appended-token count goes to the host (:meth:`RLHost.begin_rollout`), which
-logs it with the step's metrics (``tis/appended_tokens``).
+"""Where Megatron-LM prepares the update (``rl_utils.prepare_data_for_update``; docs/megatron_rl.md, "Launch"):
+the inference log-probs kept and checked per row (:func:`check_inference_log_probs`), the pi_old / pi_ref passes
+through :meth:`RLHost.log_probs` or skipped, the training loader handed once to :meth:`RLHost.begin_rollout`.
 """
 
 from __future__ import annotations
@@ -65,13 +34,10 @@ def _swapped(module: Any, name: str, value: Any):
 
 
 class RolloutHooks:
-    """The wrapped ``prepare_data_for_update`` / ``compute_logprobs_batch`` of one ``rl_utils`` module.
-
-    Args:
-        rl_utils: the module (``megatron.rl.rl_utils``; the tests' stand-in).
-        host: returns the :class:`RLHost` (built from Megatron-LM's arguments on first use).
-        read_item: a training loader element -> the item (a packed bin index -> the bin's parts).
-    """
+    """The wrapped ``prepare_data_for_update`` / ``compute_logprobs_batch`` of ``rl_utils`` (Megatron-LM's or a
+    stand-in); ``host()`` returns the :class:`RLHost`, ``read_item`` turns a loader element into the item,
+    ``args()`` returns Megatron-LM's arguments. ``forwards`` / ``skipped`` count the passes per role (``old``,
+    ``ref``)."""
 
     def __init__(self, rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
                  args: Callable[[], Any]) -> None:
@@ -133,8 +99,8 @@ class RolloutHooks:
         return prepare_data_for_update
 
     def _checked_trajectories(self, prepare_trajectories: Callable) -> Callable:
-        """``prepare_trajectories`` with each row's inference log-probs checked against its generated tokens
-        (``check_inference_log_probs``); returns the checked generation masks and log-probs."""
+        """``prepare_trajectories`` returning the generation masks and log-probs :func:`check_inference_log_probs`
+        checked."""
         signature = inspect.signature(prepare_trajectories)
 
         @functools.wraps(prepare_trajectories)
@@ -179,15 +145,14 @@ class RolloutHooks:
         return compute_logprobs_batch
 
     def _logprobs_forward_step(self, data_iterator, model, is_correction, packing_context=None):
-        """Megatron-LM's ``logprobs_forward_step`` through the host: ``([B, S-1] float32 log-probs at the
-        sampling temperature, None)`` on the last pipeline stage, the model output elsewhere."""
+        """Megatron-LM's ``logprobs_forward_step`` through the host: ``([B, S-1] float32 log-probs, None)`` on the
+        last pipeline stage, the model output elsewhere."""
         host = self.host()
         model.eval()
         if packing_context is not None:
             index = int(next(data_iterator)[0].item())  # host-sync-ok: the loader's bin index, before the forward
-            parts = self.rl_utils.load_packed_data_by_index(index, packing_context, is_correction)
-            tokens, pos = parts[0], parts[4]
-            b = PackedBin(tokens, pos, parts[3], parts[7], parts[8], parts[9], parts[10])
+            b = PackedBin.of(self.rl_utils.load_packed_data_by_index(index, packing_context, is_correction))
+            tokens, pos = b.tokens, b.position_ids
         else:
             tokens, pos = next(data_iterator)
             b = None
@@ -226,10 +191,8 @@ def _gather_rows(local: Tensor, cp_size: int, group) -> Tensor:
 
 
 def final_turns(rows: Any, n: int) -> list[bool] | None:
-    """Per row of ``prepare_trajectories``' output, whether its last generated token ends its rollout's final
-    turn, where its ``rows`` argument shows turns: Megatron-LM trains the turns of a multi-turn rollout whose turns
-    are no prefix chain one row each, as ``(rollout, turn index)``; ``None`` where ``rows`` is not one entry per
-    output row (every row is then taken as ending its rollout)."""
+    """Per output row of ``prepare_trajectories``, whether its last generated token ends its rollout's final turn
+    (``rows`` entries ``(rollout, turn index)``); ``None`` where ``rows`` is not one entry per row (all do)."""
     if not isinstance(rows, (list, tuple)) or len(rows) != n:
         return None
     return [not (isinstance(r, tuple) and len(r) == 2 and hasattr(r[0], "trajectory"))
@@ -238,31 +201,12 @@ def final_turns(rows: Any, n: int) -> list[bool] | None:
 
 def check_inference_log_probs(generation_masks: Tensor, inference: list, cfg: Any,
                               final_turn: list[bool] | None = None) -> tuple[Tensor, list, Counter]:
-    """Each row's inference log-probs against its generated tokens, before Megatron-LM pads and places them.
-
-    ``generation_masks``: ``[N, S]`` bool; ``inference``: one 1-D tensor per row (the log-probs of the row's
-    generated tokens, in order: the ``k``-th goes to the ``k``-th generated token) or ``None``; ``final_turn``: per
-    row, whether its last generated token ends its rollout's final turn (:func:`final_turns`; ``None``: all do).
-    Row ``i`` with ``g_i = sum(generation_masks[i]) > 0`` generated tokens and ``n_i`` log-probs (0 for ``None``):
-
-    * ``n_i == g_i``: kept as it is;
-    * ``n_i == g_i - 1 > 0`` in a row whose last generated token ends the final turn (``"appended"``): that token
-      was appended on the training side (Megatron-LM's end-of-document token) and not sampled by the inference
-      engine, so there is no rollout log-prob to correct it against; it is cleared from the row's generation mask,
-      which Megatron-LM turns into the loss mask (unpacked rows and packed bins) and by which it places the
-      log-probs, so that token leaves the loss and the row's other tokens train with their log-probs;
-    * otherwise (``"missing"``: none; ``"length"``: any other count) its log-probs become ``g_i`` values of
-      ``-inf``, which Megatron-LM places on every generated slot of the row (within ``|exp(lp_old) - exp(lp_inf)|
-      <= 1``, the check its unpacked alignment asserts), so the core rejects the sequence as a whole as
-      non-finite: excluded from the loss, the batch normalisation and the diagnostics, and counted in
-      ``tis/nonfinite_seq_fraction``.
-
-    Returns ``(generation masks [N, S] bool, the rows, count per reason)``; the masks are a new tensor where a
-    token was cleared, the argument otherwise.
-
-    A ``ValueError`` (one line) where rows have generated tokens and none of them carries a log-prob: the
-    algorithm (``cfg.algorithm`` 1-3) reads the inference log-probs and the rollouts bring none.
-    """
+    """Each row's inference log-probs (one 1-D tensor or ``None`` per row, in generated-token order) against its
+    ``g`` generated tokens (``generation_masks [N, S]`` bool), before Megatron-LM places them: ``g`` log-probs are
+    kept; ``g - 1`` where the last generated token ends the final turn (``final_turn``; ``None``: all do) clears
+    that appended token from the mask (``"appended"``); any other count (``"missing"``, ``"length"``) becomes
+    ``g`` values of ``-inf``, so the core rejects the sequence as non-finite. Returns ``(masks, rows, counts)``;
+    one-line ``ValueError`` where no row with generated tokens carries any (docs/megatron_rl.md, "Launch")."""
     counts: Counter = Counter()
     masks = generation_masks.reshape(len(inference), -1)
     generated = [int(g) for g in masks.sum(1)]  # host-sync-ok: rollout prep
@@ -292,7 +236,7 @@ def check_inference_log_probs(generation_masks: Tensor, inference: list, cfg: An
 
 def install_rollout(rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
                     args: Callable[[], Any]) -> RolloutHooks:
-    """Wrap ``rl_utils``' ``prepare_data_for_update`` and ``compute_logprobs_batch`` (module docstring)."""
+    """Wrap ``rl_utils``' ``prepare_data_for_update`` and ``compute_logprobs_batch``; returns the hooks."""
     hooks = RolloutHooks(rl_utils, host, read_item, args)
     hooks.install()
     return hooks

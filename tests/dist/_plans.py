@@ -104,7 +104,7 @@ def plan_checks(plan: str) -> list[dict]:
         checks.append(dict(layout="dp2", case="a3_tok_trunc_bn", M=2, tag="masked_mb", masked=(2, 3)))
         checks.append(dict(layout="dp2", case="a2_seq_mask_bn", M=2, tag="masked_rank", masked=(2, 3, 6, 7)))
         checks.append(dict(layout="cp2", case="a1_geo_mask_veto", M=2, tag="masked_mb", masked=(0, 1, 2, 3)))
-        # the user-facing patch (slime_tis/megatron/patch.py) under PP=2
+        # the user-facing patch (tis_patch, slime_tis/megatron/hook.py) under PP=2
         checks.append(dict(layout="pp2", case="a2_tok_trunc", M=2, tag="patch", patch=True))
         # Megatron-LM's data layout: only TP rank 0 has a data iterator (the hook broadcasts the TISBatch items)
         checks.append(dict(layout="tp2", case="a2_seq_mask_bn", M=2, tag="tp0_data", tp0_data=True))
