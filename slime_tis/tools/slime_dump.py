@@ -1,29 +1,7 @@
-"""slime's own debug dumps -> per-sequence log-prob records for ``slime-tis diagnose``.
+"""slime's own debug dumps (``--save-debug-train-data``, THUDM/slime at 624b824) -> per-sequence log-prob records.
 
-What slime writes (THUDM/slime, read at 624b824, ``slime/observability/``):
-
-* ``--save-debug-train-data PATH`` (``train_data_utils.save_debug_train_data``, slime >= 681b3ad):
-  one ``torch.save`` file per rollout, written by one rank after the data-parallel shards were
-  gathered and the context-parallel chunks restored to full responses::
-
-      {"format_version": 2, "rollout_id": int, "rank": int (the writer),
-       "samples": [{"data_parallel_rank", "sample_index", "rollout_position",
-                    "tokens": int64 [prompt + response], "total_lengths": int, "response_lengths": R,
-                    "loss_masks": int [R], "rollout_log_probs": float32 [R] (SGLang),
-                    "log_probs": float32 [R] (trainer), "rewards", "advantages", ...}, ...],
-       "dp_shards": [...layout...], "raw_reward": [...]}
-
-  Before 681b3ad every rank wrote its own file (``{"rollout_id", "rank", "rollout_data": {...}}``,
-  per-sample lists, context-parallel chunks *not* restored); those are read too when context
-  parallelism was off (the lengths tell), tensor-parallel / duplicate copies merged.
-* ``--save-debug-rollout-data PATH`` (``rollout_data_utils.save_debug_rollout_data``): ``{"rollout_id",
-  "samples": [Sample.to_dict(), ...]}`` -- SGLang's log-probs only (``rollout_log_probs``), no
-  training log-probs. Such a file is refused with what is missing and how to get it.
-
-Several files of one rollout are merged: samples are identified by (rollout, ``sample_index`` or
-``rollout_position``); identical duplicates are dropped, conflicting ones are an error. Per record:
-``train_log_probs = log_probs``, ``rollout_log_probs``, ``loss_mask = loss_masks``, ``step = rollout_id``,
-``sample_index``, ``token_ids`` = the last R ``tokens``, ``reward = rewards`` (when a number).
+The layouts read, the mapping to dump records, the merge of several files and what is refused (a
+``--save-debug-rollout-data`` file, a dump without training log-probs): docs/dump_format.md, "slime's own dumps".
 """
 
 from __future__ import annotations
@@ -93,18 +71,11 @@ def _as_values(x: Any, where: str, name: str, *, integer: bool = False) -> list[
         x = x.detach()
         return (x.reshape(-1) if integer else x.float().reshape(-1)).tolist()  # host-sync-ok (offline reader)
     if isinstance(x, (list, tuple)):
-        values = list(x)
-        if integer:
-            bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
-            kind = "integers"
-        else:
-            bad = next(
-                (v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))), None
-            )
-            kind = "numbers"
-        if bad is not None:
-            raise ValueError(f"{where}: field '{name}' must hold {kind}, found {type(bad).__name__} {str(bad)[:40]}")
-        return values
+        types, kind = ((int,), "integers") if integer else ((int, float, type(None)), "numbers")
+        for v in x:
+            if isinstance(v, bool) or not isinstance(v, types):
+                raise ValueError(f"{where}: field '{name}' must hold {kind}, found {type(v).__name__} {str(v)[:40]}")
+        return list(x)
     raise ValueError(f"{where}: field '{name}' must be a list or a 1-D tensor, got {type(x).__name__}")
 
 
