@@ -1,47 +1,9 @@
-"""Parse one SGLang ``/generate`` response into aligned rollout log-probs and token ids.
+"""One SGLang ``/generate`` response -> aligned rollout log-probs and token ids (:class:`RolloutTokens`).
 
-SGLang's native ``/generate`` with ``"return_logprob": true`` answers (per request)::
-
-    {"text": "...", "output_ids": [id_0, ..., id_{R-1}],
-     "meta_info": {"output_token_logprobs": [[lp_0, id_0, text_or_null], ..., [lp_{R-1}, id_{R-1}, ...]],
-                   "output_token_logprobs_length": R, "completion_tokens": R, "prompt_tokens": P,
-                   "input_token_logprobs": [...], "finish_reason": {...}, "id": "..."}}
-
-Entry ``t`` of ``output_token_logprobs`` is the log-prob of generated token ``t`` (after
-temperature scaling, ignoring top-p/top-k), and its id. Training uses **these** ids (never
-re-tokenised text) and these log-probs, token for token: ``rollout_log_probs[t] = lp_t``.
-
-Checks (each failure rejects the sequence and records a reason; ``on_error="raise"`` raises
-:class:`SGLangLogprobError` with the same message instead):
-
-* alignment (the classic off-by-one): ``len(output_token_logprobs)`` must equal
-  ``output_token_logprobs_length``, ``completion_tokens`` and ``len(output_ids)`` when those are
-  present, and the ids must equal ``output_ids`` element-wise; a one-position shift is named as
-  such. A misaligned sequence gets ``loss_mask = 0`` everywhere and NaN log-probs.
-* values: a ``None``, NaN, +-inf or positive (> ``logprob_tolerance``) log-prob at a generated token
-  is replaced by NaN and the sequence is marked rejected; the NaN makes the core reject it (and count
-  it in ``tis/nonfinite_seq_fraction``), while the loss mask and the denominator stay as they were.
-
-* finish: ``meta_info.finish_reason`` must say the request finished normally. Rejected (whole
-  sequence masked, NaN log-probs, like a misalignment): ``null`` (the request had not finished: a
-  stream cut off before its finishing chunk, or a request of a batched stream that sent no chunk), a value
-  that is no finish reason (``false``, ``0``, ``{}``, ``""``: counted as unfinished), ``{"type": "abort",
-  "message": ...}`` (SGLang aborted
-  it; the message is kept in the reason) and ``{"type": "stop", "matched": "NaN happened"}`` (SGLang's
-  stop when the sampler produced a token id outside the vocabulary, i.e. NaN/inf logits; the last
-  token was replaced by the stop token). A response without the key is not checked.
-
-pi_rollout: by default SGLang's ``output_token_logprobs`` (full temperature-scaled distribution).
-With ``rollout_logprobs="sampling"`` the log-probs of the distribution the token was actually
-drawn from (after top-p / top-k / min-p, renormalised over the kept support) are used instead:
-``meta_info.output_token_sampling_logprobs``, returned by SGLang >= 0.5.23 when the request sets
-``"return_sampling_mask": true`` (one float per token in its default ``sampling_logprobs_mode``
-``"selected"``; in ``"support"`` mode one list per token over ``output_token_sampling_mask[t]``,
-from which the sampled token's entry is taken).
-
-A response without ``meta_info.output_token_logprobs`` (request sent without ``return_logprob``)
-or with entries that are not ``[logprob, token_id, ...]`` is a usage error and always raises, as
-does ``rollout_logprobs="sampling"`` on a response without ``output_token_sampling_logprobs``.
+Training uses the ids and log-probs of ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` per
+generated token), token for token, never re-tokenised text. The checks, what a failure does to the sequence and the
+wire fields read: docs/sglang.md. A response without ``output_token_logprobs`` (or whose entries are not
+``[logprob, token_id, ...]``) is a usage error and always raises :class:`SGLangLogprobError`.
 """
 
 from __future__ import annotations
@@ -89,27 +51,12 @@ class SGLangLogprobError(ValueError):
 
 @dataclass
 class RolloutTokens:
-    """One response (one turn, or a whole multi-turn trajectory) aligned for training.
-
-    Attributes:
-        token_ids: ``[R]`` int64 response token ids (from ``output_token_logprobs``; tool tokens
-            as given).
-        rollout_log_probs: ``[R]`` float32; NaN where SGLang gave no usable value; 0.0 at
-            tool/environment tokens (mask 0, ignored).
-        loss_mask: ``[R]`` float32 0/1; 1 = generated token to train on.
-        rejected: the sequence failed a check (see ``reasons``).
-        misaligned: rejected for a length/alignment error (mask zeroed).
-        nonfinite: rejected for a None/NaN/inf/positive log-prob (NaN placed, mask kept).
-        finish_error: ``None``, or why the request did not finish normally (a key of
-            :data:`FINISH_ERROR_METRICS`: ``"unfinished"``, ``"aborted"``, ``"nan_stop"``; mask zeroed).
-        reasons: human-readable reasons, one per failed check.
-        support: the kept ids of every token (:class:`~slime_tis.sglang.support.SamplingSupport`, ``R`` rows),
-            parsed with ``sampling_support=True``; ``None`` otherwise.
-        support_invalid: rejected for an invalid support row (row emptied, NaN at its log-prob, mask kept).
-        rollout_log_mass: ``[R]`` float32 with ``rollout_logprobs="sampling"``: the log of the probability mass the
-            sampler kept at each token, ``output_token_logprobs - output_token_sampling_logprobs`` (0 untruncated,
-            NaN where either is unusable; ``slime-tis diagnose`` reads it from a dump); ``None`` otherwise.
-    """
+    """One response (a turn, or a whole trajectory): ``token_ids [R]`` int64, ``rollout_log_probs [R]`` float32 (NaN
+    where unusable, 0 at tool tokens), ``loss_mask [R]`` float32 0/1. ``rejected``: a check failed (``reasons``, one
+    per check): ``misaligned`` (mask zeroed), ``nonfinite`` (NaN placed, mask kept), ``finish_error`` (a key of
+    :data:`FINISH_ERROR_METRICS`, mask zeroed), ``support_invalid`` (row emptied, NaN placed). ``support``: the kept
+    ids of each token (``sampling_support=True``); ``rollout_log_mass [R]``: ``output_token_logprobs -
+    output_token_sampling_logprobs``, the log of the kept mass (``rollout_logprobs="sampling"``)."""
 
     token_ids: Tensor
     rollout_log_probs: Tensor
@@ -188,41 +135,34 @@ def _alignment_errors(meta: Mapping[str, Any], response: Mapping[str, Any], ids:
     return errors
 
 
-class _Unusable:
-    """A placeholder value that names why a token has no usable log-prob."""
+class _Unusable(str):
+    """A placeholder log-prob that names why the token has none."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+
+def _unusable(v: Any, tolerance: float) -> str | None:
+    """Why ``v`` is no usable log-prob, or ``None``."""
+    if isinstance(v, _Unusable):
+        return str(v)
+    if v is None:
+        return "None"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "non-numeric"
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "infinite"
+    return "positive" if v > tolerance else None
 
 
 def _value_errors(values: list[Any], tolerance: float) -> tuple[list[float], list[str]]:
+    """The values as floats (NaN where unusable) and one reason per kind of unusable value."""
     out: list[float] = []
     bad: dict[str, list[int]] = {}
     for t, v in enumerate(values):
-        if isinstance(v, _Unusable):
-            bad.setdefault(v.kind, []).append(t)
-            out.append(math.nan)
-            continue
-        if v is None:
-            bad.setdefault("None", []).append(t)
-            out.append(math.nan)
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            bad.setdefault("non-numeric", []).append(t)
-            out.append(math.nan)
-            continue
-        v = float(v)
-        if math.isnan(v):
-            bad.setdefault("NaN", []).append(t)
-            out.append(math.nan)
-        elif math.isinf(v):
-            bad.setdefault("infinite", []).append(t)
-            out.append(math.nan)
-        elif v > tolerance:
-            bad.setdefault("positive", []).append(t)
-            out.append(math.nan)
-        else:
-            out.append(v)
+        kind = _unusable(v, tolerance)
+        if kind is not None:
+            bad.setdefault(kind, []).append(t)
+        out.append(math.nan if kind is not None else float(v))
     reasons = []
     for kind, where in bad.items():
         shown = ", ".join(map(str, where[:5])) + (", ..." if len(where) > 5 else "")
@@ -231,22 +171,15 @@ def _value_errors(values: list[Any], tolerance: float) -> tuple[list[float], lis
 
 
 def is_finish_reason(value: Any) -> bool:
-    """Whether ``value`` says a request finished: SGLang's ``{"type": "stop" | "length" | "abort", ...}``
-    (a non-empty string ``type``), or a non-empty string (``"stop"``, as OpenAI-style servers send).
-    ``null`` means running; ``false``, ``0``, ``{}``, ``""`` and other values are not finish reasons."""
+    """Whether ``value`` says a request finished: ``{"type": non-empty str, ...}`` (SGLang) or a non-empty str."""
     if isinstance(value, Mapping):
         value = value.get("type")
     return isinstance(value, str) and value != ""
 
 
 def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) -> tuple[str, str] | None:
-    """``(kind, reason)`` when ``meta_info.finish_reason`` says the request did not finish normally.
-
-    SGLang's values (``schedule_batch.py``, ``BaseFinishReason.to_json``): ``{"type": "stop",
-    "matched": id | str}``, ``{"type": "length", "length": n}``, ``{"type": "abort", "message": str,
-    "status_code": int | None, "err_type": str | None}``; ``null`` while the request runs (every
-    streamed chunk but the last).
-    """
+    """``(kind, reason)`` when ``meta_info.finish_reason`` (SGLang's ``BaseFinishReason.to_json``; null while the
+    request runs) says the request did not finish normally."""
     if "finish_reason" not in meta:
         return None
     fr = meta["finish_reason"]
@@ -293,10 +226,8 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
 
 
 def _sampling_logprobs(meta: Mapping[str, Any], ids: list[int]) -> tuple[list[Any], list[str]]:
-    """Per-token log-probs of the truncated sampling distribution, from ``output_token_sampling_logprobs``.
-
-    Returns the values (aligned with ``ids``) and alignment errors.
-    """
+    """``output_token_sampling_logprobs`` (one value per token, or per id of ``output_token_sampling_mask[t]`` in
+    SGLang's "support" mode) aligned with ``ids``, and alignment errors."""
     if "output_token_sampling_logprobs" not in meta:
         raise SGLangLogprobError(
             "rollout_logprobs='sampling' needs meta_info['output_token_sampling_logprobs']: send the /generate "
@@ -339,27 +270,14 @@ def parse_generate_response(
     sampling_support: bool = False,
     vocab_size: int | None = None,
 ) -> RolloutTokens:
-    """Turn one ``/generate`` response (a dict, as returned by ``requests.post(...).json()``) into
-    :class:`RolloutTokens` (all tokens trainable, ``loss_mask = 1``).
+    """One ``/generate`` response dict (one request) -> :class:`RolloutTokens` (``loss_mask = 1``).
 
-    Args:
-        response: the response dict of one request (for a batched request, parse each element).
-        on_error: ``"reject"`` (default) marks the sequence rejected and logs the reason;
-            ``"raise"`` raises :class:`SGLangLogprobError`.
-        sampling_params: the request's sampling params; when given they are checked for top-p /
-            top-k / min-p bias (:func:`check_sampling_params`, warns once).
-        renormalized_logprobs: forwarded to :func:`check_sampling_params`.
-        logprob_tolerance: log-probs above this value are invalid (a log-prob is <= 0).
-        rollout_logprobs: ``"full"`` (default): pi_rollout = ``output_token_logprobs`` (truncation
-            ignored); ``"sampling"``: pi_rollout = ``output_token_sampling_logprobs``, the log-prob under
-            the truncated, renormalised distribution the token was drawn from (request sent with
-            ``"return_sampling_mask": true``). With ``"sampling"`` the top-p/top-k check does not warn.
-        sampling_support: also read each token's sampling support (SGLang's ``output_token_sampling_mask``
-            or slime's ``top_p_token_ids`` / ``top_p_token_offsets``; :mod:`slime_tis.sglang.support`) into
-            ``RolloutTokens.support``, validated against ``vocab_size`` (required then). A response without a
-            support raises :class:`SGLangLogprobError` (the request lacked ``return_sampling_mask``); a bad row
-            rejects the sequence (``support_invalid``).
-        vocab_size: the model's vocabulary size (ids must lie in ``[0, vocab_size)``).
+    ``on_error="reject"`` marks a failed check's sequence rejected (and logs why), ``"raise"`` raises
+    :class:`SGLangLogprobError`. ``sampling_params`` given: checked for the top-p / top-k / min-p bias
+    (:func:`check_sampling_params`, with ``renormalized_logprobs``). A log-prob above ``logprob_tolerance`` is
+    invalid. ``rollout_logprobs="sampling"``: pi_rollout is ``output_token_sampling_logprobs`` (the truncated
+    distribution's; no top-p warning then). ``sampling_support=True``: each token's kept ids, validated against
+    ``vocab_size`` (:mod:`slime_tis.sglang.support`); a response without them raises.
     """
     if on_error not in ("reject", "raise"):
         raise ValueError(f"on_error must be 'reject' or 'raise', got {on_error!r}")
