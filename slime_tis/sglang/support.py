@@ -1,27 +1,7 @@
-"""Per-token sampling support from an SGLang response -> a packed, validated CSR (the replay's input).
+"""Per-token sampling supports of SGLang responses -> a packed, validated CSR (the input of the support replay).
 
-A token drawn with top-k / top-p was drawn from ``softmax(logits / T)`` restricted to the kept ids and
-renormalised there. Replaying that support in training (``--tis-sampling-support replay``) gives both
-log-probs over the same truncated distribution. Two wire shapes carry it:
-
-* SGLang (>= 0.5.23, ``"return_sampling_mask": true``): ``meta_info.output_token_sampling_mask``, one list of
-  kept token ids per output token (sglang ``python/sglang/srt/sampling/sampling_mask.py`` at 3e796ca8b2,
-  ``SamplingMaskChunk.to_lists``: int32 ``lengths`` + ``token_ids`` row after row, serialised as lists).
-* slime's patched SGLang (``custom_params["return_top_p_token_ids"]``): ``meta_info.top_p_token_ids`` (or
-  ``top_p_kept_token_ids``) and ``top_p_token_offsets`` (or ``top_p_kept_token_offsets``), each base64 of
-  little-endian int32 or a list; token ``t``'s ids are ``ids[offsets[t]:offsets[t + 1]]``, ``offsets[0] = 0``,
-  ``len(offsets) = tokens + 1`` (slime ``slime/utils/types.py`` ``_extract_rollout_top_p_token_data`` and
-  ``slime/utils/misc.py`` ``decode_int32_meta_array`` at 624b824a89).
-
-Packed form, for ``R`` tokens and ``S`` kept ids in all (CSR): ``ids [S]`` int32, ``offsets [R + 1]`` int64
-(int64: a batch of full-vocabulary rows passes 2**31 ids). A bitmask (``V / 8`` bytes a row) is smaller only
-when rows keep more than ``V / 32`` ids on average, which top-p / top-k supports do not; only the CSR is used.
-
-Validation per generated token (:func:`validate_support`): the row is non-empty, at most ``vocab_size`` ids,
-every id in ``[0, vocab_size)``, no id twice, and the sampled token among them. A failing row rejects its
-sequence (a reason naming the rule, the count and the first positions); the parser then stores the row empty
-and puts NaN at that token's rollout log-prob, so the core rejects the sequence (``tis/nonfinite_seq_fraction``)
-while ``sglang/support_invalid_seq_fraction`` counts it here. Nothing falls back to the full vocabulary.
+Wire shapes (SGLang's ``output_token_sampling_mask``, slime's ``top_p_token_ids`` / ``top_p_token_offsets``), the
+packed form (``ids [S]`` int32, ``offsets [R + 1]`` int64) and the validation rules: docs/sampling_support.md.
 """
 
 from __future__ import annotations
@@ -102,13 +82,8 @@ def _first(meta: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, Any] | 
 
 
 def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSupport | None, list[str]]:
-    """The support SGLang returned for ``n_tokens`` output tokens, and alignment errors (a list of reasons).
-
-    Returns ``(None, [])`` when the response carries none. A support whose row count differs from
-    ``n_tokens`` (or slime offsets that do not start at 0, decrease, or end past the ids) is an alignment
-    error: the caller rejects and masks the sequence, and the support returned is ``n_tokens`` empty rows.
-    A wire value of the wrong type raises ``ValueError`` naming the key.
-    """
+    """The support of ``n_tokens`` output tokens in ``meta`` (``None`` if none) and alignment errors (then
+    ``n_tokens`` empty rows). A wire value of the wrong type raises ``ValueError`` naming the key."""
     if meta.get(_MASK_KEY) is not None:
         rows = meta[_MASK_KEY]
         if not isinstance(rows, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in rows):
@@ -142,11 +117,8 @@ def _positions(where: Tensor) -> str:
 
 def validate_support(support: SamplingSupport, token_ids: Tensor, vocab_size: int,
                      generated: Tensor | None = None) -> tuple[SamplingSupport, Tensor, list[str]]:
-    """Check each generated token's row (module docstring); returns ``(support, bad [R] bool, reasons)``.
-
-    ``generated [R]`` (bool, default all): the rows to check (tool tokens are not). Bad rows are emptied in the
-    returned support; ``reasons`` has one entry per failed rule with its count and first positions.
-    """
+    """Check the rows of ``generated [R]`` (default all) against the rules of docs/sampling_support.md: returns the
+    support with bad rows emptied, ``bad [R]`` bool, and one reason per failed rule (count, first positions)."""
     n = support.num_rows
     gen = torch.ones(n, dtype=torch.bool) if generated is None else generated.to(torch.bool)
     lengths = support.offsets[1:] - support.offsets[:-1]
