@@ -31,41 +31,17 @@ from .support import SUPPORT_INVALID_METRIC, SamplingSupport, read_support, vali
 from .trajectory import PackedRollouts, TrajectoryBuilder, collate
 
 __all__ = [
-    "ENV_RENORMALIZED",
-    "REPLAY_PARAM",
-    "FINISH_ERROR_METRICS",
-    "NAN_STOP",
-    "PackedRollouts",
-    "RolloutTokens",
-    "SGLangLogprobError",
-    "SamplingCheck",
-    "SamplingSupport",
-    "SUPPORT_INVALID_METRIC",
-    "TOKEN_LISTS",
-    "TOP_K_ALL",
-    "TrajectoryBuilder",
-    "TruncatedSamplingWarning",
-    "check_sampling_params",
-    "collate",
-    "generate_request",
-    "merge_stream_batch",
-    "merge_stream_chunks",
-    "parse_generate_response",
-    "parse_routed_experts",
-    "read_support",
-    "reset_sampling_warnings",
-    "validate_support",
+    "ENV_RENORMALIZED", "REPLAY_PARAM", "FINISH_ERROR_METRICS", "NAN_STOP", "PackedRollouts", "RolloutTokens",
+    "SGLangLogprobError", "SamplingCheck", "SamplingSupport", "SUPPORT_INVALID_METRIC", "TOKEN_LISTS", "TOP_K_ALL",
+    "TrajectoryBuilder", "TruncatedSamplingWarning", "check_sampling_params", "collate", "generate_request",
+    "merge_stream_batch", "merge_stream_chunks", "parse_generate_response", "parse_routed_experts", "read_support",
+    "reset_sampling_warnings", "validate_support"
 ]
 
 
-def generate_request(
-    input_ids: Sequence[int],
-    sampling_params: Mapping[str, Any] | None = None,
-    *,
-    stream: bool = False,
-    renormalized_logprobs: bool | None = None,
-    sampling_logprobs: bool = False,
-) -> dict[str, Any]:
+def generate_request(input_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None, *,
+                     stream: bool = False, renormalized_logprobs: bool | None = None,
+                     sampling_logprobs: bool = False) -> dict[str, Any]:
     """The JSON body of a ``/generate`` request returning output-token log-probs (``return_logprob``,
     ``logprob_start_len = -1``), its sampling params checked (:func:`check_sampling_params`).
     ``sampling_logprobs=True`` adds ``return_sampling_mask`` (SGLang >= 0.5.23: the truncated distribution's
@@ -75,13 +51,6 @@ def generate_request(
         raise ValueError("input_ids must contain at least one prompt token, got an empty list")
     params = dict(sampling_params or {})
     check_sampling_params(params, renormalized_logprobs=True if sampling_logprobs else renormalized_logprobs)
-    body: dict[str, Any] = {
-        "input_ids": ids,
-        "sampling_params": params,
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "stream": bool(stream),
-    }
-    if sampling_logprobs:
-        body["return_sampling_mask"] = True
-    return body
+    body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1,
+            "stream": bool(stream)}
+    return {**body, "return_sampling_mask": True} if sampling_logprobs else body

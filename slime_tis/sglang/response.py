@@ -20,14 +20,8 @@ from torch import Tensor
 from .sampling import check_sampling_params
 from .support import SamplingSupport, read_support, validate_support
 
-__all__ = [
-    "FINISH_ERROR_METRICS",
-    "NAN_STOP",
-    "RolloutTokens",
-    "SGLangLogprobError",
-    "is_finish_reason",
-    "parse_generate_response",
-]
+__all__ = ["FINISH_ERROR_METRICS", "NAN_STOP", "RolloutTokens", "SGLangLogprobError", "is_finish_reason",
+           "parse_generate_response"]
 
 logger = logging.getLogger("slime_tis.sglang")
 
@@ -38,11 +32,8 @@ RolloutLogprobs = Literal["full", "sampling"]
 NAN_STOP = "NaN happened"
 
 #: Finish errors -> the metric that counts them (``collate``); one place for the names.
-FINISH_ERROR_METRICS = {
-    "unfinished": "sglang/unfinished_seq_fraction",
-    "aborted": "sglang/aborted_seq_fraction",
-    "nan_stop": "sglang/nan_stop_seq_fraction",
-}
+FINISH_ERROR_METRICS = {"unfinished": "sglang/unfinished_seq_fraction", "aborted": "sglang/aborted_seq_fraction",
+                        "nan_stop": "sglang/nan_stop_seq_fraction"}
 
 
 class SGLangLogprobError(ValueError):
@@ -77,21 +68,15 @@ class RolloutTokens:
 
 def _entries(meta: Mapping[str, Any]) -> list[Sequence[Any]]:
     if "output_token_logprobs" not in meta:
-        raise SGLangLogprobError(
-            "response meta_info has no 'output_token_logprobs': send the /generate request with "
-            "\"return_logprob\": true (keys present: " + ", ".join(sorted(map(str, meta))) + ")"
-        )
+        raise SGLangLogprobError("response meta_info has no 'output_token_logprobs': send the /generate request with "
+                                 f"\"return_logprob\": true (keys present: {', '.join(sorted(map(str, meta)))})")
     entries = meta["output_token_logprobs"]
     if not isinstance(entries, (list, tuple)):
-        raise SGLangLogprobError(
-            f"meta_info['output_token_logprobs'] must be a list of [logprob, token_id, text], "
-            f"got {type(entries).__name__}"
-        )
+        raise SGLangLogprobError("meta_info['output_token_logprobs'] must be a list of [logprob, token_id, text], "
+                                 f"got {type(entries).__name__}")
     for t, e in enumerate(entries):
         if not isinstance(e, (list, tuple)) or len(e) < 2:
-            raise SGLangLogprobError(
-                f"output_token_logprobs[{t}] must be [logprob, token_id, text_or_null], got {e!r}"
-            )
+            raise SGLangLogprobError(f"output_token_logprobs[{t}] must be [logprob, token_id, text_or_null], got {e!r}")
         if isinstance(e[1], bool) or not isinstance(e[1], int):
             raise SGLangLogprobError(f"output_token_logprobs[{t}] has a non-integer token id {e[1]!r}")
     return list(entries)
@@ -122,16 +107,12 @@ def _alignment_errors(meta: Mapping[str, Any], response: Mapping[str, Any], ids:
     if isinstance(output_ids, (list, tuple)):
         output_ids = list(output_ids)
         if len(output_ids) != n:
-            errors.append(
-                f"len(output_token_logprobs) = {n} but len(output_ids) = {len(output_ids)}"
-                + _shift_hint(ids, output_ids)
-            )
+            errors.append(f"len(output_token_logprobs) = {n} but len(output_ids) = {len(output_ids)}"
+                          + _shift_hint(ids, output_ids))
         elif output_ids != ids:
             first = next(t for t in range(n) if output_ids[t] != ids[t])
-            errors.append(
-                f"token ids of output_token_logprobs differ from output_ids at position {first} "
-                f"({ids[first]} vs {output_ids[first]})" + _shift_hint(ids, output_ids)
-            )
+            errors.append(f"token ids of output_token_logprobs differ from output_ids at position {first} "
+                          f"({ids[first]} vs {output_ids[first]})" + _shift_hint(ids, output_ids))
     return errors
 
 
@@ -193,11 +174,8 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
                 said = f"finish_reason null in the last of {n_chunks} stream chunk(s)"
             else:
                 said = f"no finish_reason in any of {n_chunks} stream chunk(s)"
-            where = (
-                f"{said}, "
-                + ("then [DONE]" if stream.get("done") else "no [DONE] line")
-                + ": the stream was cut off before its finishing chunk"
-            )
+            done = "then [DONE]" if stream.get("done") else "no [DONE] line"
+            where = f"{said}, {done}: the stream was cut off before its finishing chunk"
         else:
             where = "finish_reason null: the response is not the request's final output"
         return "unfinished", f"the request had not finished ({where}); its {n} received token(s) are not used"
@@ -231,13 +209,11 @@ def _sampling_logprobs(meta: Mapping[str, Any], ids: list[int]) -> tuple[list[An
     if "output_token_sampling_logprobs" not in meta:
         raise SGLangLogprobError(
             "rollout_logprobs='sampling' needs meta_info['output_token_sampling_logprobs']: send the /generate "
-            "request with \"return_sampling_mask\": true (SGLang >= 0.5.23), or parse with rollout_logprobs='full'"
-        )
+            "request with \"return_sampling_mask\": true (SGLang >= 0.5.23), or parse with rollout_logprobs='full'")
     vals = meta["output_token_sampling_logprobs"]
     if not isinstance(vals, (list, tuple)):
-        raise SGLangLogprobError(
-            f"meta_info['output_token_sampling_logprobs'] must be a list, got {type(vals).__name__}"
-        )
+        raise SGLangLogprobError("meta_info['output_token_sampling_logprobs'] must be a list, "
+                                 f"got {type(vals).__name__}")
     n = len(ids)
     if len(vals) != n:
         reason = f"len(output_token_sampling_logprobs) = {len(vals)} but len(output_token_logprobs) = {n}"
@@ -251,25 +227,17 @@ def _sampling_logprobs(meta: Mapping[str, Any], ids: list[int]) -> tuple[list[An
         # sampling_logprobs_mode "support": one value per token id of output_token_sampling_mask[t]
         row = support[t] if isinstance(support, (list, tuple)) and t < len(support) else None
         if not isinstance(row, (list, tuple)) or len(row) != len(v):
-            raise SGLangLogprobError(
-                f"output_token_sampling_logprobs[{t}] is a list (support mode) but output_token_sampling_mask[{t}] "
-                "does not list the same number of token ids"
-            )
+            raise SGLangLogprobError(f"output_token_sampling_logprobs[{t}] is a list (support mode) but "
+                                     f"output_token_sampling_mask[{t}] does not list the same number of token ids")
         out.append(v[list(row).index(ids[t])] if ids[t] in row else _Unusable("sampled-token-outside-support"))
     return out, []
 
 
-def parse_generate_response(
-    response: Mapping[str, Any],
-    *,
-    on_error: OnError = "reject",
-    sampling_params: Mapping[str, Any] | None = None,
-    renormalized_logprobs: bool | None = None,
-    logprob_tolerance: float = 1e-4,
-    rollout_logprobs: RolloutLogprobs = "full",
-    sampling_support: bool = False,
-    vocab_size: int | None = None,
-) -> RolloutTokens:
+def parse_generate_response(response: Mapping[str, Any], *, on_error: OnError = "reject",
+                            sampling_params: Mapping[str, Any] | None = None,
+                            renormalized_logprobs: bool | None = None, logprob_tolerance: float = 1e-4,
+                            rollout_logprobs: RolloutLogprobs = "full", sampling_support: bool = False,
+                            vocab_size: int | None = None) -> RolloutTokens:
     """One ``/generate`` response dict (one request) -> :class:`RolloutTokens` (``loss_mask = 1``).
 
     ``on_error="reject"`` marks a failed check's sequence rejected (and logs why), ``"raise"`` raises
@@ -289,10 +257,8 @@ def parse_generate_response(
         raise TypeError(f"response must be a dict (one /generate result), got {type(response).__name__}")
     meta = response.get("meta_info")
     if not isinstance(meta, Mapping):
-        raise SGLangLogprobError(
-            f"response has no 'meta_info' dict (keys: {sorted(map(str, response))}); "
-            "is this an SGLang /generate response?"
-        )
+        raise SGLangLogprobError(f"response has no 'meta_info' dict (keys: {sorted(map(str, response))}); "
+                                 "is this an SGLang /generate response?")
     if sampling_params is not None:
         declared = True if rollout_logprobs == "sampling" else renormalized_logprobs
         check_sampling_params(sampling_params, renormalized_logprobs=declared)
@@ -315,8 +281,7 @@ def parse_generate_response(
     if support_reasons:  # a token whose support is invalid has no usable log-prob: NaN, the core rejects
         values = [math.nan if bad else v for v, bad in zip(values, support_bad.tolist())]  # host-sync-ok: parsing
     finish = _finish_error(meta, response, len(ids))
-    finish_reasons = [finish[1]] if finish else []
-    reasons = finish_reasons + align_reasons + value_reasons + support_reasons
+    reasons = ([finish[1]] if finish else []) + align_reasons + value_reasons + support_reasons
     rid = meta.get("id")
     if reasons and on_error == "raise":
         raise SGLangLogprobError(f"request {rid!r}: " + "; ".join(reasons))
@@ -329,25 +294,12 @@ def parse_generate_response(
         log_probs.fill_(math.nan)
     if reasons:
         logger.warning("rejecting SGLang response %r: %s", rid, "; ".join(reasons))
-    return RolloutTokens(
-        token_ids=token_ids,
-        rollout_log_probs=log_probs,
-        loss_mask=mask,
-        rejected=bool(reasons),
-        misaligned=bool(align_reasons),
-        nonfinite=bool(value_reasons),
-        finish_error=finish[0] if finish else None,
-        reasons=reasons,
-        support=support,
-        support_invalid=bool(support_reasons),
-        rollout_log_mass=_log_mass(full_raw, log_probs, logprob_tolerance) if rollout_logprobs == "sampling" else None,
-    )
-
-
-def _log_mass(full_raw: list[Any], sampling: Tensor, tolerance: float) -> Tensor:
-    """``log p_full(y) - log q(y)`` per token (NaN where either log-prob is unusable)."""
-    full, _ = _value_errors(full_raw, tolerance)
-    return torch.tensor(full, dtype=torch.float32) - sampling
+    log_mass = None  # log p_full(y) - log q(y): NaN where either log-prob is unusable
+    if rollout_logprobs == "sampling":
+        log_mass = torch.tensor(_value_errors(full_raw, logprob_tolerance)[0], dtype=torch.float32) - log_probs
+    return RolloutTokens(token_ids, log_probs, mask, rejected=bool(reasons), misaligned=bool(align_reasons),
+                         nonfinite=bool(value_reasons), finish_error=finish[0] if finish else None, reasons=reasons,
+                         support=support, support_invalid=bool(support_reasons), rollout_log_mass=log_mass)
 
 
 def _read_support(meta: Mapping[str, Any], n: int) -> tuple[SamplingSupport, list[str]]:

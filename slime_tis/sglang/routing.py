@@ -17,12 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["parse_routed_experts", "routed_experts_dtype"]
-
-
-def routed_experts_dtype(num_experts: int) -> torch.dtype:
-    """int16 where every id in ``[-1, num_experts)`` fits, else int32."""
-    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+__all__ = ["parse_routed_experts"]
 
 
 def _as_tensor(data: Any, moe_layers: int, topk: int) -> Tensor:
@@ -73,6 +68,7 @@ def parse_routed_experts(data: Any, *, num_tokens: int, moe_layers: int, topk: i
         if lo_id < 0 or hi_id >= num_experts:
             bad = lo_id if lo_id < 0 else hi_id
             raise ValueError(f"routed_experts has expert id {bad} outside [0, num_experts={num_experts})")
-    out = torch.full((num_tokens, moe_layers, topk), -1, dtype=routed_experts_dtype(num_experts))
+    dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+    out = torch.full((num_tokens, moe_layers, topk), -1, dtype=dtype)
     out[start_len:] = x.to(out.dtype)
     return out

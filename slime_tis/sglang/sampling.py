@@ -16,13 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "ENV_RENORMALIZED",
-    "REPLAY_PARAM",
-    "TOP_K_ALL",
-    "SamplingCheck",
-    "TruncatedSamplingWarning",
-    "check_sampling_params",
-    "reset_sampling_warnings",
+    "ENV_RENORMALIZED", "REPLAY_PARAM", "TOP_K_ALL", "SamplingCheck", "TruncatedSamplingWarning",
+    "check_sampling_params", "reset_sampling_warnings"
 ]
 
 logger = logging.getLogger("slime_tis.sglang")

@@ -130,15 +130,6 @@ class PackedRollouts:
     support_offsets: Tensor | None = None
     rollout_log_mass: Tensor | None = None
 
-    def per_sample(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-        """slime-style per-sample lists ``(token_ids, rollout_log_probs, loss_masks)``."""
-        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()  # host-sync-ok (CPU, data prep)
-        return (
-            list(self.token_ids.split(lengths)),
-            list(self.rollout_log_probs.split(lengths)),
-            list(self.loss_mask.split(lengths)),
-        )
-
 
 def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
     """Pack parsed responses into ``[T]`` tensors + ``cu_seqlens`` and count the rejections."""

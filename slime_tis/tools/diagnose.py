@@ -25,14 +25,7 @@ from slime_tis.core.levels import GEOMETRIC, LEVELS
 from slime_tis.tools.causes import format_causes, mismatch_by_cause
 from slime_tis.tools.dump import LogprobDump
 
-__all__ = [
-    "PERCENTILES",
-    "Diagnosis",
-    "Recommendation",
-    "diagnose",
-    "format_report",
-    "write_histogram",
-]
+__all__ = ["PERCENTILES", "Diagnosis", "Recommendation", "diagnose", "format_report", "write_histogram"]
 
 PERCENTILES = (0.0, 1.0, 5.0, 25.0, 50.0, 75.0, 95.0, 99.0, 100.0)
 #: The bounds a level's units are tested against: its rejecting default ``[1 / upper, upper]`` (``core.levels``).

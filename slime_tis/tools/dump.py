@@ -22,16 +22,8 @@ from slime_tis.tools.jsonl import JSONLError, read_jsonl
 from slime_tis.tools.slime_dump import is_slime_dump, slime_records
 
 __all__ = [
-    "DumpFormatError",
-    "FIELDS",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "LogprobDump",
-    "read_logprob_dump",
-    "records_from_packed",
-    "records_from_samples",
-    "write_logprob_dump",
-    "dump_files",
+    "DumpFormatError", "FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "LogprobDump", "read_logprob_dump",
+    "records_from_packed", "records_from_samples", "write_logprob_dump", "dump_files"
 ]
 
 
