@@ -15,10 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "ENV_RENORMALIZED", "REPLAY_PARAM", "TOP_K_ALL", "SamplingCheck", "TruncatedSamplingWarning",
-    "check_sampling_params", "reset_sampling_warnings"
-]
+__all__ = ["ENV_RENORMALIZED", "REPLAY_PARAM", "TOP_K_ALL", "SamplingCheck", "TruncatedSamplingWarning",
+           "check_sampling_params", "reset_sampling_warnings"]
 
 logger = logging.getLogger("slime_tis.sglang")
 
@@ -28,6 +26,13 @@ REPLAY_PARAM = "return_top_p_token_ids"
 #: SGLang's "whole vocabulary" top-k (``sampling_params.py``: ``TOP_K_ALL = 1 << 30``), the value
 #: ``-1`` is turned into and the default its request schema shows.
 TOP_K_ALL = 1 << 30
+#: SGLang's sampling parameters: (default, type, whether SGLang accepts a value, what it accepts)
+_PARAMS = {
+    "temperature": (1.0, float, lambda v: v >= 0.0, ">= 0"),
+    "top_p": (1.0, float, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": (-1, int, lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1"),
+    "min_p": (0.0, float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+}
 _WARNED: set[tuple[float, int, float]] = set()
 
 
@@ -51,53 +56,29 @@ class SamplingCheck:
     replayed: bool = False
 
 
-def _env_declares_renormalized() -> bool:
-    return os.environ.get(ENV_RENORMALIZED, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _replayed(params: Mapping[str, Any], top_p: float) -> bool:
-    """slime's replay of the kept ids (only with ``--rollout-top-p < 1``)."""
-    custom = params.get("custom_params")
-    return top_p < 1.0 and isinstance(custom, Mapping) and custom.get(REPLAY_PARAM) is True
-
-
-def _number(params: Mapping[str, Any], key: str, default: float, kind: type) -> Any:
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"sampling_params[{key!r}] must be a number, got {value!r}")
-    return kind(value)
-
-
-def check_sampling_params(
-    sampling_params: Mapping[str, Any] | None,
-    *,
-    renormalized_logprobs: bool | None = None,
-) -> SamplingCheck:
+def check_sampling_params(sampling_params: Mapping[str, Any] | None, *,
+                          renormalized_logprobs: bool | None = None) -> SamplingCheck:
     """Check SGLang ``sampling_params`` (SGLang's defaults where absent) and warn, once per setting, when the
     log-probs will be biased. ``renormalized_logprobs``: the engine returns log-probs renormalised over the kept
     support and the trainer masks alike (``None``: read :data:`ENV_RENORMALIZED`). Values SGLang refuses
     (``top_p`` outside (0, 1], ``top_k`` 0 or < -1, ``min_p`` outside [0, 1], ``temperature`` < 0) raise."""
     params = dict(sampling_params or {})
-    temperature = _number(params, "temperature", 1.0, float)
-    top_p = _number(params, "top_p", 1.0, float)
-    top_k = _number(params, "top_k", -1, int)
-    min_p = _number(params, "min_p", 0.0, float)
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"sampling_params['top_p'] must be in (0, 1], got {top_p}")
-    if top_k == 0 or top_k < -1:
-        raise ValueError(f"sampling_params['top_k'] must be -1 (disabled) or >= 1, got {top_k}")
-    if not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"sampling_params['min_p'] must be in [0, 1], got {min_p}")
-    if temperature < 0.0:
-        raise ValueError(f"sampling_params['temperature'] must be >= 0, got {temperature}")
-
+    values = {}
+    for key, (default, kind, accepted, what) in _PARAMS.items():
+        value = default if params.get(key) is None else params[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"sampling_params[{key!r}] must be a number, got {value!r}")
+        values[key] = kind(value)
+        if not accepted(values[key]):
+            raise ValueError(f"sampling_params[{key!r}] must be {what}, got {values[key]}")
+    top_p, top_k, min_p = values["top_p"], values["top_k"], values["min_p"]
     top_k_on = 0 < top_k < TOP_K_ALL
     truncated = top_p < 1.0 or top_k_on or min_p > 0.0
-    declared = _env_declares_renormalized() if renormalized_logprobs is None else bool(renormalized_logprobs)
-    replayed = _replayed(params, top_p)
-    biased = truncated and not declared and not replayed
+    if renormalized_logprobs is None:
+        renormalized_logprobs = os.environ.get(ENV_RENORMALIZED, "").strip().lower() in ("1", "true", "yes", "on")
+    custom = params.get("custom_params")  # slime's replay of the kept ids (only with --rollout-top-p < 1)
+    replayed = top_p < 1.0 and isinstance(custom, Mapping) and custom.get(REPLAY_PARAM) is True
+    biased = truncated and not renormalized_logprobs and not replayed
     warned = False
     key = (top_p, top_k, min_p)
     if biased and key not in _WARNED:
@@ -121,16 +102,7 @@ def check_sampling_params(
         )
         logger.warning(msg)
         warnings.warn(msg, TruncatedSamplingWarning, stacklevel=2)
-    return SamplingCheck(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        truncated=truncated,
-        biased=biased,
-        warned=warned,
-        replayed=replayed,
-    )
+    return SamplingCheck(**values, truncated=truncated, biased=biased, warned=warned, replayed=replayed)
 
 
 def reset_sampling_warnings() -> None:
