@@ -21,10 +21,8 @@ from torch import Tensor
 from slime_tis.tools.jsonl import JSONLError, read_jsonl
 from slime_tis.tools.slime_dump import is_slime_dump, slime_records
 
-__all__ = [
-    "DumpFormatError", "FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "LogprobDump", "read_logprob_dump",
-    "records_from_packed", "records_from_samples", "write_logprob_dump", "dump_files"
-]
+__all__ = ["DumpFormatError", "FIELDS", "FORMAT_NAME", "FORMAT_VERSION", "LogprobDump", "read_logprob_dump",
+           "records_from_packed", "records_from_samples", "write_logprob_dump", "dump_files"]
 
 
 class DumpFormatError(ValueError):
@@ -111,29 +109,15 @@ def _cu(lengths: Tensor) -> Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths.to(torch.int64), 0)])
 
 
-# ----------------------------------------------------------------------------------------------
-# records -> dumps
-# ----------------------------------------------------------------------------------------------
-def records_from_packed(
-    train_log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    step: int | Sequence[int] | Tensor | None = None,
-    sample_index: Sequence[int] | Tensor | None = None,
-    token_ids: Tensor | None = None,
-    reward: Sequence[float] | Tensor | None = None,
-    rollout_log_mass: Tensor | None = None,
-    routing_differs: Tensor | None = None,
-    staleness: Sequence[float] | Tensor | None = None,
-) -> list[dict[str, Any]]:
+def records_from_packed(train_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, cu_seqlens: Tensor,
+                        **fields: Any) -> list[dict[str, Any]]:
     """Packed ``[T]`` tensors (core layout, ``cu_seqlens [n + 1]``) -> per-sequence records for
-    :func:`write_logprob_dump`. A per-sequence value is one number for all, a list or a tensor; a NaN one is left
-    out. Host-side (copies to the CPU)."""
+    :func:`write_logprob_dump`. ``fields``: others of :data:`FIELDS` (``step=``, ``token_ids=``...), a ``[T]`` tensor
+    per token, one number, a list or a tensor per sequence (a NaN value is left out). Copies to the CPU."""
+    if set(fields) - set(FIELDS):
+        raise TypeError(f"records_from_packed: unknown field(s) {sorted(set(fields) - set(FIELDS))}")
     given = {"train_log_probs": train_log_probs, "rollout_log_probs": rollout_log_probs, "loss_mask": loss_mask,
-             "step": step, "sample_index": sample_index, "token_ids": token_ids, "reward": reward,
-             "rollout_log_mass": rollout_log_mass, "routing_differs": routing_differs, "staleness": staleness}
+             **fields}
     cu = cu_seqlens.detach().to("cpu", torch.int64).tolist()  # host-sync-ok (writing a dump)
     n = len(cu) - 1
     cols: dict[str, list] = {}
@@ -151,14 +135,9 @@ def records_from_packed(
             for i in range(n)]
 
 
-def records_from_samples(
-    train_log_probs: Sequence[Tensor],
-    rollout_log_probs: Sequence[Tensor],
-    loss_masks: Sequence[Tensor] | None = None,
-    *,
-    step: int | Sequence[int] | None = None,
-    sample_index: Sequence[int] | None = None,
-) -> list[dict[str, Any]]:
+def records_from_samples(train_log_probs: Sequence[Tensor], rollout_log_probs: Sequence[Tensor],
+                         loss_masks: Sequence[Tensor] | None = None, *, step: int | Sequence[int] | None = None,
+                         sample_index: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Per-sample ``[R_i]`` tensors or lists (slime's layout, CP chunks gathered) -> records for
     :func:`write_logprob_dump`; a non-zero loss-mask entry is 1."""
     n = len(train_log_probs)
@@ -305,16 +284,8 @@ def _suffix(path: Path) -> str:
     return suffix
 
 
-# ----------------------------------------------------------------------------------------------
-# write / read
-# ----------------------------------------------------------------------------------------------
-def write_logprob_dump(
-    path: str | os.PathLike,
-    records: Iterable[Mapping[str, Any]] | LogprobDump,
-    *,
-    append: bool = False,
-    meta: Mapping[str, Any] | None = None,
-) -> int:
+def write_logprob_dump(path: str | os.PathLike, records: Iterable[Mapping[str, Any]] | LogprobDump, *,
+                       append: bool = False, meta: Mapping[str, Any] | None = None) -> int:
     """Write (or append) per-sequence records (docs/dump_format.md's ``.jsonl`` keys; lists or 1-D tensors), or a
     :class:`LogprobDump`, to ``path`` (``.jsonl`` or ``.pt``; parent directories created). ``meta`` goes into the
     header. Returns the number of records written."""
@@ -392,8 +363,7 @@ def _load_pt(path: Path) -> Any:
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError / RuntimeError / EOFError ...
         raise DumpFormatError(
             f"{path}: cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {str(e)[:200]}); "
-            "dumps are read as plain tensors and containers only (no arbitrary pickled objects)"
-        ) from None
+            "dumps are read as plain tensors and containers only (no arbitrary pickled objects)") from None
     stack, seen = [(obj, "")], 0
     while stack:
         x, where = stack.pop()
@@ -405,8 +375,7 @@ def _load_pt(path: Path) -> Any:
             if need > have:
                 raise DumpFormatError(
                     f"{path}: tensor {where or '(top level)'} claims {x.numel()} elements ({need} bytes) but the "
-                    f"file stores {have} bytes for it (an expanded or overlapping view): not a dump"
-                )
+                    f"file stores {have} bytes for it (an expanded or overlapping view): not a dump")
         elif isinstance(x, Mapping):
             stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in x.items())
         elif isinstance(x, (list, tuple)):
@@ -459,10 +428,8 @@ def _pt_field(obj: Mapping[str, Any], key: str, path: Path, cu: Tensor) -> Tenso
 def _read_pt(path: Path, obj: Any) -> LogprobDump:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         keys = sorted(map(str, obj))[:12] if isinstance(obj, dict) else type(obj).__name__
-        raise DumpFormatError(
-            f"{path}: not a {FORMAT_NAME} file (missing or wrong 'format' key) nor a slime debug dump "
-            f"(--save-debug-train-data, format_version 2); found {keys}"
-        )
+        raise DumpFormatError(f"{path}: not a {FORMAT_NAME} file (missing or wrong 'format' key) nor a slime debug "
+                              f"dump (--save-debug-train-data, format_version 2); found {keys}")
     _header({"format": obj["format"], "version": obj.get("version", 1)}, str(path))
     cu = _pt_tensor(obj, "cu_seqlens", path, "int", None).to(torch.int64)
     if cu.numel() < 1:
@@ -472,8 +439,7 @@ def _read_pt(path: Path, obj: Any) -> LogprobDump:
     if int(cu[0]) != 0 or int(cu[-1]) != t or decreases:
         raise DumpFormatError(
             f"{path}: field 'cu_seqlens' must rise from 0 to the {t} tokens of train_log_probs "
-            f"(starts at {int(cu[0])}, ends at {int(cu[-1])}{', decreases somewhere' if decreases else ''})"
-        )
+            f"(starts at {int(cu[0])}, ends at {int(cu[-1])}{', decreases somewhere' if decreases else ''})")
     meta = obj.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise DumpFormatError(f"{path}: field 'meta' must be a dict, got {type(meta).__name__} {_short(meta)}")
@@ -526,9 +492,8 @@ def dump_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[P
                 break
         else:
             looked = " or ".join(f"{pattern} ({who})" for pattern, who in DIR_DUMPS)
-            raise IsADirectoryError(
-                f"dump path {str(p)!r} is a directory holding no log-prob dump: looked for {looked}"
-            )
+            raise IsADirectoryError(f"dump path {str(p)!r} is a directory holding no log-prob dump: "
+                                    f"looked for {looked}")
     return out
 
 
