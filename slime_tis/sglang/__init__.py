@@ -24,7 +24,6 @@ from .sampling import (
     SamplingCheck,
     TruncatedSamplingWarning,
     check_sampling_params,
-    reset_sampling_warnings,
 )
 from .stream import TOKEN_LISTS, merge_stream_batch, merge_stream_chunks
 from .support import SUPPORT_INVALID_METRIC, SamplingSupport, read_support, validate_support
@@ -35,7 +34,7 @@ __all__ = [
     "SGLangLogprobError", "SamplingCheck", "SamplingSupport", "SUPPORT_INVALID_METRIC", "TOKEN_LISTS", "TOP_K_ALL",
     "TrajectoryBuilder", "TruncatedSamplingWarning", "check_sampling_params", "collate", "generate_request",
     "merge_stream_batch", "merge_stream_chunks", "parse_generate_response", "parse_routed_experts", "read_support",
-    "reset_sampling_warnings", "validate_support"
+    "validate_support"
 ]
 
 

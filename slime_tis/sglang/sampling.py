@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ENV_RENORMALIZED", "REPLAY_PARAM", "TOP_K_ALL", "SamplingCheck", "TruncatedSamplingWarning",
-           "check_sampling_params", "reset_sampling_warnings"]
+           "check_sampling_params"]
 
 logger = logging.getLogger("slime_tis.sglang")
 
@@ -33,7 +33,7 @@ _PARAMS = {
     "top_k": (-1, int, lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1"),
     "min_p": (0.0, float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
 }
-_WARNED: set[tuple[float, int, float]] = set()
+_WARNED: set[tuple[float, int, float]] = set()  # the settings warned about
 
 
 class TruncatedSamplingWarning(UserWarning):
@@ -104,7 +104,3 @@ def check_sampling_params(sampling_params: Mapping[str, Any] | None, *,
         warnings.warn(msg, TruncatedSamplingWarning, stacklevel=2)
     return SamplingCheck(**values, truncated=truncated, biased=biased, warned=warned, replayed=replayed)
 
-
-def reset_sampling_warnings() -> None:
-    """Forget which settings were warned about (tests; a new run in the same process)."""
-    _WARNED.clear()

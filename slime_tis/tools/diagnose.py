@@ -12,7 +12,7 @@ by default); the recommendation and its reasons (the rules: docs/troubleshooting
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -88,15 +88,10 @@ class Diagnosis:
     causes: dict[str, Any] | None = None  # the mismatch by cause (:func:`slime_tis.tools.causes.mismatch_by_cause`)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "n_seq": self.n_seq, "n_tokens": self.n_tokens, "usable_tokens": self.usable_tokens,
-            "config": self.config, "overall": self.overall,
-            "percentiles": {"q": list(PERCENTILES), **self.percentiles}, "buckets": self.buckets,
-            "recommendation": {"fields": self.recommendation.fields, "flags": self.recommendation.flags,
-                               "reasons": self.recommendation.reasons, "metrics": self.recommendation.metrics},
-            **({"support": self.support} if self.support is not None else {}),
-            **({"causes": self.causes} if self.causes is not None else {}),
-        }
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        out["percentiles"] = {"q": list(PERCENTILES), **self.percentiles}
+        out["recommendation"]["flags"] = self.recommendation.flags
+        return out
 
 
 def _run(cfg: TISConfig, dump: LogprobDump) -> TISResult:
