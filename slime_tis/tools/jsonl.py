@@ -94,7 +94,10 @@ def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
             start = lo
         f.seek(start)
         raw = f.read(size - start)
-    lineno = _count_lines(path, start) + 1
+        f.seek(0)
+        lineno = 1
+        while f.tell() < start:  # the last line's number
+            lineno += f.read(min(1 << 20, start - f.tell())).count(b"\n")
     if not raw.strip():
         return start, f"{os.fspath(path)}:{lineno}: trailing blank bytes without a newline"
     try:
@@ -103,15 +106,3 @@ def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
         return start, _torn_message(path, lineno, raw, str(e))
     return size, f"{os.fspath(path)}:{lineno}: the last line lacks its newline"
 
-
-def _count_lines(path: str | os.PathLike, end: int) -> int:
-    n = 0
-    with open(path, "rb") as f:
-        remaining = end
-        while remaining > 0:
-            chunk = f.read(min(remaining, 1 << 20))
-            if not chunk:
-                break
-            n += chunk.count(b"\n")
-            remaining -= len(chunk)
-    return n
