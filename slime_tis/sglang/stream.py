@@ -125,18 +125,13 @@ class _Accumulator:
         return f"stream chunk {self.n_chunks}" + (f" of index {self.index}" if self.index else "")
 
     def _is_incremental(self, lps: list[Any], meta: Mapping[str, Any]) -> bool:
-        if self.forced is not None:
-            return self.forced
+        """As forced; else by the length field; else inferred once (a first chunk reads either way)."""
         total = _length_field(meta)
-        if total is not None:
+        if self.forced is None and total is not None:
             return len(lps) < total
-        if self.mode is not None:
-            return self.mode
-        n = len(self.entries)
-        if n == 0:
-            return False  # first chunk: both readings agree
-        self.mode = not _extends(lps, self.entries)
-        return self.mode
+        if self.mode is None and self.entries:
+            self.mode = not _extends(lps, self.entries)
+        return bool(self.mode)
 
     def add(self, chunk: Mapping[str, Any]) -> None:
         meta = chunk.get("meta_info")
@@ -155,8 +150,11 @@ class _Accumulator:
         lists = {k: list(meta[k]) for k in TOKEN_LISTS if isinstance(meta.get(k), (list, tuple))}
         ids = chunk.get("output_ids")
         finishing = is_finish_reason(meta.get("finish_reason"))
-        if finishing and self._is_state_dump(lps, lists, ids, total):
-            self._take_state_dump(lists, lps, chunk.get("text"))
+        if finishing and self._is_state_dump(lps, lists, ids, total):  # it replaces what was received
+            self.lists.update(lists)
+            self.output_ids = [e[1] for e in lps]
+            if isinstance(chunk.get("text"), str):
+                self.text_parts, self.last_text = [], chunk["text"]
         elif _is_abort(meta.get("finish_reason")):
             try:
                 self._merge(lps, lists, ids, total, meta, chunk.get("text"))
@@ -185,12 +183,6 @@ class _Accumulator:
         if list(ids) != [e[1] for e in lps[-1:]]:
             return False
         return all(_extends(values, self.lists.get(key, [])) for key, values in lists.items())
-
-    def _take_state_dump(self, lists: dict[str, list[Any]], lps: list[Any], text: Any) -> None:
-        self.lists.update(lists)
-        self.output_ids = [e[1] for e in lps]
-        if isinstance(text, str):
-            self.text_parts, self.last_text = [], text
 
     def _merge(
         self, lps: list[Any], lists: dict[str, list[Any]], ids: Any, total: int | None, meta: Mapping[str, Any],
