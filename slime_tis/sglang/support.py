@@ -36,17 +36,19 @@ class SamplingSupport:
         return int(self.offsets.numel()) - 1
 
     @classmethod
+    def from_lengths(cls, ids: Tensor, lengths: Tensor) -> SamplingSupport:
+        """Rows of ``lengths [R]`` ids each, taken from ``ids`` in order."""
+        return cls(ids, torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths.to(torch.int64), 0)]))
+
+    @classmethod
     def empty_rows(cls, n: int) -> SamplingSupport:
         """``n`` rows without ids (tool / environment tokens, not trained on)."""
-        return cls(torch.zeros(0, dtype=torch.int32), torch.zeros(n + 1, dtype=torch.int64))
+        return cls.from_lengths(torch.zeros(0, dtype=torch.int32), torch.zeros(n, dtype=torch.int64))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[int]]) -> SamplingSupport:
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(lengths, 0)
-        flat = [int(t) for r in rows for t in r]
-        return cls(_int32(flat, "output_token_sampling_mask"), offsets)
+        ids = _int32([t for r in rows for t in r], "output_token_sampling_mask")
+        return cls.from_lengths(ids, torch.tensor([len(r) for r in rows], dtype=torch.int64))
 
 
 def _int32(values: Sequence[int], name: str) -> Tensor:
@@ -74,13 +76,6 @@ def _decode_int32(value: Any, name: str) -> Tensor:
     raise ValueError(f"meta_info[{name!r}] must be base64, bytes or a list of ints, got {type(value).__name__}")
 
 
-def _first(meta: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, Any] | None:
-    for k in keys:
-        if meta.get(k) is not None:
-            return k, meta[k]
-    return None
-
-
 def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSupport | None, list[str]]:
     """The support of ``n_tokens`` output tokens in ``meta`` (``None`` if none) and alignment errors (then
     ``n_tokens`` empty rows). A wire value of the wrong type raises ``ValueError`` naming the key."""
@@ -92,7 +87,8 @@ def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSuppor
             return SamplingSupport.empty_rows(n_tokens), [
                 f"len({_MASK_KEY}) = {len(rows)} but len(output_token_logprobs) = {n_tokens}"]
         return SamplingSupport.from_rows(rows), []
-    ids_entry, off_entry = _first(meta, _SLIME_IDS), _first(meta, _SLIME_OFFSETS)
+    ids_entry = next(((k, meta[k]) for k in _SLIME_IDS if meta.get(k) is not None), None)
+    off_entry = next(((k, meta[k]) for k in _SLIME_OFFSETS if meta.get(k) is not None), None)
     if ids_entry is None and off_entry is None:
         return None, []
     if ids_entry is None or off_entry is None:
@@ -151,19 +147,10 @@ def validate_support(support: SamplingSupport, token_ids: Tensor, vocab_size: in
             bad |= failed
     if not reasons:
         return support, bad, reasons
-    keep_ids = ~bad[row]
-    new_lengths = torch.where(bad, torch.zeros_like(lengths), lengths)
-    offsets = torch.zeros_like(support.offsets)
-    offsets[1:] = torch.cumsum(new_lengths, 0)
-    return SamplingSupport(support.ids[keep_ids], offsets), bad, reasons
+    emptied = SamplingSupport.from_lengths(support.ids[~bad[row]], torch.where(bad, torch.zeros_like(lengths), lengths))
+    return emptied, bad, reasons
 
 
 def concat_supports(parts: Sequence[SamplingSupport]) -> SamplingSupport:
-    """Rows of ``parts`` one after the other (offsets shifted)."""
-    ids = torch.cat([p.ids for p in parts]) if parts else torch.zeros(0, dtype=torch.int32)
-    offsets = [torch.zeros(1, dtype=torch.int64)]
-    base = 0
-    for p in parts:
-        offsets.append(p.offsets[1:] + base)
-        base += int(p.offsets[-1])
-    return SamplingSupport(ids, torch.cat(offsets))
+    """The rows of ``parts`` (at least one) one after the other."""
+    return SamplingSupport.from_lengths(torch.cat([p.ids for p in parts]), torch.cat([p.offsets.diff() for p in parts]))

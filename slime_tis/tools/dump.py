@@ -284,19 +284,15 @@ def _suffix(path: Path) -> str:
     return suffix
 
 
-def write_logprob_dump(path: str | os.PathLike, records: Iterable[Mapping[str, Any]] | LogprobDump, *,
-                       append: bool = False, meta: Mapping[str, Any] | None = None) -> int:
-    """Write (or append) per-sequence records (docs/dump_format.md's ``.jsonl`` keys; lists or 1-D tensors), or a
-    :class:`LogprobDump`, to ``path`` (``.jsonl`` or ``.pt``; parent directories created). ``meta`` goes into the
-    header. Returns the number of records written."""
+def write_logprob_dump(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], *, append: bool = False,
+                       meta: Mapping[str, Any] | None = None) -> int:
+    """Write (or append) per-sequence records (docs/dump_format.md's ``.jsonl`` keys; lists or 1-D tensors) to
+    ``path`` (``.jsonl`` or ``.pt``; parent directories created); ``meta`` goes into the header. Returns the number
+    of records written."""
     path = Path(path)
     suffix = _suffix(path)
     meta = dict(meta or {})
-    if isinstance(records, LogprobDump):
-        meta = {**records.meta, **meta}
-        recs = _records_of(records)
-    else:
-        recs = [_normalise(r, i) for i, r in enumerate(records)]
+    recs = [_normalise(r, i) for i, r in enumerate(records)]
     written = len(recs)
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".jsonl":
@@ -502,8 +498,7 @@ def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) ->
     :class:`LogprobDump`. A torn last ``.jsonl`` line is dropped and noted in ``notes``. Raises
     :class:`DumpFormatError`, ``FileNotFoundError`` or ``IsADirectoryError``."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    recs: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {}
+    parts: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []  # (records, meta) of each file
     notes: list[str] = []
     slime_items: list[tuple[Path, Any]] = []
     for p in map(Path, paths):
@@ -513,25 +508,23 @@ def read_logprob_dump(paths: str | os.PathLike | Sequence[str | os.PathLike]) ->
         if not p.is_file():
             raise IsADirectoryError(f"dump path {str(p)!r} is a directory, not a file")
         if suffix == ".jsonl":
-            r, m, torn = _read_jsonl(p)
+            recs, meta, torn = _read_jsonl(p)
+            parts.append((recs, meta))
             notes.extend(torn)
-        else:
-            obj = _load_pt(p)
-            if is_slime_dump(obj):
-                slime_items.append((p, obj))  # merged below: several files may hold one rollout
-                continue
-            d = _read_pt(p, obj)
-            if len(paths) == 1:
-                return d
-            r, m = _records_of(d), d.meta
-        recs.extend(r)
-        for k, v in m.items():
-            meta.setdefault(k, v)
+            continue
+        obj = _load_pt(p)
+        if is_slime_dump(obj):
+            slime_items.append((p, obj))  # merged below: several files may hold one rollout
+            continue
+        d = _read_pt(p, obj)
+        if len(paths) == 1:
+            return d
+        parts.append((_records_of(d), d.meta))
     if slime_items:
-        r, m = _read_slime(slime_items)
-        recs.extend(r)
-        for k, v in m.items():
-            meta.setdefault(k, v)
-    dump = _pack(recs, meta)
+        parts.append(_read_slime(slime_items))
+    meta = {}
+    for _, m in reversed(parts):  # the first value of each key wins
+        meta.update(m)
+    dump = _pack([r for recs, _ in parts for r in recs], meta)
     dump.notes = notes
     return dump
