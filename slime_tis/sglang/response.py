@@ -186,14 +186,10 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
         )
     kind = fr.get("type") if isinstance(fr, Mapping) else fr
     if kind == "abort":
+        detail = "no message"
         if isinstance(fr, Mapping):
-            detail = f"message {fr.get('message')!r}"
-            if fr.get("status_code") is not None:
-                detail += f", status_code {fr['status_code']}"
-            if fr.get("err_type") is not None:
-                detail += f", err_type {fr['err_type']!r}"
-        else:
-            detail = "no message"
+            extra = [f", {k} {fr[k]!r}" for k in ("status_code", "err_type") if fr.get(k) is not None]
+            detail = f"message {fr.get('message')!r}" + "".join(extra)
         return "aborted", f"SGLang aborted the request (finish_reason abort: {detail})"
     if isinstance(fr, Mapping) and fr.get("matched") == NAN_STOP:
         return "nan_stop", (

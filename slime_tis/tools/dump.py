@@ -84,14 +84,12 @@ class LogprobDump:
     @property
     def lengths(self) -> Tensor:
         """``[n]`` int64 response lengths (all tokens, masked or not)."""
-        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        return self.cu_seqlens.diff()
 
     @property
     def valid_lengths(self) -> Tensor:
         """``[n]`` int64 number of tokens with ``loss_mask = 1`` per sequence."""
-        seq_id = torch.repeat_interleave(torch.arange(self.n_seq), self.lengths)
-        out = torch.zeros(self.n_seq, dtype=torch.int64)
-        return out.index_add_(0, seq_id, self.loss_mask.to(torch.int64))
+        return _cu(self.loss_mask)[self.cu_seqlens].diff()
 
     def select(self, seq_keep: Tensor) -> LogprobDump:
         """The sub-dump of the sequences where ``seq_keep [n]`` (bool) is true."""
