@@ -22,14 +22,27 @@ import torch
 
 from slime_tis.tools.dump import LogprobDump
 
-__all__ = ["CAUSES", "mismatch_by_cause"]
+__all__ = ["CAUSES", "k3", "log_ratios", "mismatch_by_cause"]
 
 #: the causes, in report order
 CAUSES = ("truncated sampling", "MoE routing", "staleness", "routing and staleness", "remainder")
 
 
-def _k3(x: torch.Tensor) -> torch.Tensor:
+def k3(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x) - 1 - x`` (``>= 0``)."""
     return torch.expm1(x) - x
+
+
+def log_ratios(dump: LogprobDump) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ok [T]`` (valid tokens with finite values) and, over those tokens, float64 ``l_t`` with the train log-probs
+    over the full vocabulary (``+ log S_t`` when the dump's meta ``sampling_support`` is ``"replay"``) and
+    ``log S_t`` (0 without ``rollout_log_mass``)."""
+    log_r = dump.train_log_probs.double() - dump.rollout_log_probs.double()
+    mass = torch.zeros_like(log_r) if dump.rollout_log_mass is None else dump.rollout_log_mass.double()
+    if dump.meta.get("sampling_support") == "replay":
+        log_r = log_r + mass
+    ok = dump.loss_mask & torch.isfinite(log_r) & torch.isfinite(mass)
+    return ok, log_r[ok], mass[ok]
 
 
 def mismatch_by_cause(dump: LogprobDump) -> dict[str, Any] | None:
@@ -37,27 +50,21 @@ def mismatch_by_cause(dump: LogprobDump) -> dict[str, Any] | None:
     dump records none of the causes or holds no usable token."""
     if dump.rollout_log_mass is None and dump.routing_differs is None and dump.staleness is None:
         return None
-    seq = torch.repeat_interleave(torch.arange(dump.n_seq), dump.lengths)
-    log_r = dump.train_log_probs.double() - dump.rollout_log_probs.double()
-    mass = torch.zeros_like(log_r) if dump.rollout_log_mass is None else dump.rollout_log_mass.double()
-    if dump.meta.get("sampling_support") == "replay":  # train log-probs over the support: back to full vocabulary
-        log_r = log_r + mass
-    ok = dump.loss_mask & torch.isfinite(log_r) & torch.isfinite(mass)
+    ok, full, mass = log_ratios(dump)
     if not bool(ok.any()):
         return None
-    full, rest = log_r[ok], (log_r - mass)[ok]
-    total = float(_k3(full).sum())
+    total = float(k3(full).sum())
     shares: dict[str, float | None] = dict.fromkeys(CAUSES)
     counts = dict.fromkeys(CAUSES, 0)
     if total <= 0:
         return {"k3_kl": 0.0, "tokens": int(ok.sum()), "shares": shares, "tokens_of": counts}
-    k3_rest = _k3(rest)
+    k3_rest = k3(full - mass)
     if dump.rollout_log_mass is not None:
         shares["truncated sampling"] = (total - float(k3_rest.sum())) / total
-        counts["truncated sampling"] = int((mass[ok] < 0).sum())
+        counts["truncated sampling"] = int((mass < 0).sum())
     routed = torch.zeros_like(ok) if dump.routing_differs is None else dump.routing_differs
     stale_seq = torch.zeros(dump.n_seq, dtype=torch.bool) if dump.staleness is None else dump.staleness > 0
-    routed, stale = routed[ok], stale_seq[seq][ok]
+    routed, stale = routed[ok], torch.repeat_interleave(stale_seq, dump.lengths)[ok]
     clean = ~routed & ~stale
     groups = {"MoE routing": routed & ~stale, "staleness": stale & ~routed, "routing and staleness": routed & stale}
     recorded = {"MoE routing": dump.routing_differs is not None, "staleness": dump.staleness is not None,

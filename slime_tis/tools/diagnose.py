@@ -22,7 +22,7 @@ from slime_tis.config import FLAG_OF, TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.correction import TISResult
 from slime_tis.core.levels import GEOMETRIC, LEVELS
-from slime_tis.tools.causes import format_causes, mismatch_by_cause
+from slime_tis.tools.causes import format_causes, k3, log_ratios, mismatch_by_cause
 from slime_tis.tools.dump import LogprobDump
 
 __all__ = ["PERCENTILES", "Diagnosis", "Recommendation", "diagnose", "format_report", "write_histogram"]
@@ -255,18 +255,14 @@ def support_explained(dump: LogprobDump) -> dict[str, float] | None:
     finite values; ``None`` when the dump carries no ``rollout_log_mass``."""
     if dump.rollout_log_mass is None:
         return None
-    mass = dump.rollout_log_mass.double()
-    log_r = dump.train_log_probs.double() - dump.rollout_log_probs.double()
-    ok = dump.loss_mask & torch.isfinite(log_r) & torch.isfinite(mass)
-    log_r, mass = log_r[ok], mass[ok]
+    _, full, mass = log_ratios(dump)
     replayed = dump.meta.get("sampling_support") == "replay"
-    out: dict[str, float] = {"tokens": float(log_r.numel()), "train_log_probs_over_support": float(replayed),
+    out: dict[str, float] = {"tokens": float(full.numel()), "train_log_probs_over_support": float(replayed),
                              "kept_mass_mean": float(mass.exp().mean())}  # means of no token: NaN
-    full = log_r + mass if replayed else log_r
     for mode, lr in (("full", full), ("replay", full - mass)):
         r = lr.exp()
         out[f"{mode}_ratio_mean"] = float(r.mean())
-        out[f"{mode}_k3"] = float((r - 1 - lr).mean())
+        out[f"{mode}_k3"] = float(k3(lr).mean())
         out[f"{mode}_outside_10pct"] = float(((r < 0.9) | (r > 1.1)).double().mean())
     k3_full = out["full_k3"]
     out["explained"] = 1.0 - out["replay_k3"] / k3_full if k3_full > 0 else math.nan
