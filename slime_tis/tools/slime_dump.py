@@ -102,21 +102,17 @@ def _record(path: Path, rollout_id: int, i: int, s: Mapping[str, Any]) -> dict[s
         return None
     where = f"{path}: rollout {rollout_id}, sample {i}"
     if s.get("rollout_log_probs") is None:
-        raise ValueError(
-            f"{where} has no 'rollout_log_probs': the rollout did not keep SGLang's log-probs (slime's SGLang "
-            "rollout requests them; a custom generate function must fill Sample.rollout_log_probs)"
-        )
+        raise ValueError(f"{where} has no 'rollout_log_probs': the rollout did not keep SGLang's log-probs (slime's "
+                         "SGLang rollout requests them; a custom generate function must fill Sample.rollout_log_probs)")
     train = _as_values(s["log_probs"], where, "log_probs")
     rollout = _as_values(s["rollout_log_probs"], where, "rollout_log_probs")
-    length = s.get("response_lengths", len(train))
-    length = _number(length)
+    length = _number(s.get("response_lengths", len(train)))
     length = int(length) if length is not None and math.isfinite(length) else len(train)
     if len(train) != length or len(rollout) != length:
         raise ValueError(
             f"{where}: log_probs has {len(train)} and rollout_log_probs {len(rollout)} entries for a response of "
             f"{length} tokens (context-parallel chunks that were not restored: a per-rank dump written with "
-            f"context parallelism by slime before 681b3ad; dump again with {_TRAIN_FLAG} of slime >= 681b3ad)"
-        )
+            f"context parallelism by slime before 681b3ad; dump again with {_TRAIN_FLAG} of slime >= 681b3ad)")
     rec: dict[str, Any] = {"train_log_probs": train, "rollout_log_probs": rollout, "step": rollout_id,
                            "_where": where}
     if s.get("loss_masks") is not None:
@@ -126,12 +122,9 @@ def _record(path: Path, rollout_id: int, i: int, s: Mapping[str, Any]) -> dict[s
         ids = _as_values(tokens, where, "tokens", integer=True)
         if len(ids) >= length:
             rec["token_ids"] = ids[len(ids) - length :]
-    index = s.get("sample_index")
-    name = "sample_index"
-    if index is None:
-        index, name = s.get("rollout_position"), "rollout_position"
-    if index is not None:
-        rec["sample_index"] = _int_field(index, where, name)
+    name = "sample_index" if s.get("sample_index") is not None else "rollout_position"
+    if s.get(name) is not None:
+        rec["sample_index"] = _int_field(s[name], where, name)
     reward = _number(s.get("rewards"))
     if reward is not None:
         rec["reward"] = reward
@@ -155,10 +148,8 @@ def _samples(kind: str, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _same(a: list[float], b: list[float]) -> bool:
-    def same(x: Any, y: Any) -> bool:
-        return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
-
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    """Equal lists of numbers, NaN equal to NaN."""
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
 
 
 def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -168,7 +159,6 @@ def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list
     log-probs, unrestored context-parallel chunks, or two different samples under one identity.
     """
     merged: dict[tuple[Any, ...], tuple[Path, dict[str, Any]]] = {}
-    order: list[tuple[Any, ...]] = []
     seen_rollouts: dict[int, Path] = {}
     with_train: set[int] = set()
     for path, obj in items:
@@ -190,16 +180,12 @@ def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list
                 first, old = merged[key]
                 if not (_same(old["train_log_probs"], rec["train_log_probs"])
                         and _same(old["rollout_log_probs"], rec["rollout_log_probs"])):
-                    raise ValueError(
-                        f"{path}: rollout {rollout_id} sample {key[1:]} differs from the same sample in {first} "
-                        "(files of different runs?)"
-                    )
+                    raise ValueError(f"{path}: rollout {rollout_id} sample {key[1:]} differs from the same sample in "
+                                     f"{first} (files of different runs?)")
                 continue
             merged[key] = (path, rec)
-            order.append(key)
     for rollout_id, path in seen_rollouts.items():
         if rollout_id not in with_train:
             raise _no_train_logprobs_error(path, rollout_id)
-    order.sort(key=lambda k: (k[0], k[1] if isinstance(k[1], int) else math.inf))
-    meta = {"writer": SLIME_WRITER, "rollouts": sorted(seen_rollouts)}
-    return [merged[k][1] for k in order], meta
+    order = sorted(merged, key=lambda k: (k[0], k[1] if isinstance(k[1], int) else math.inf))
+    return [merged[k][1] for k in order], {"writer": SLIME_WRITER, "rollouts": sorted(seen_rollouts)}
