@@ -98,8 +98,9 @@ def _run(cfg: TISConfig, dump: LogprobDump) -> TISResult:
     return compute_tis(cfg, dump.train_log_probs, dump.rollout_log_probs, dump.loss_mask, dump.cu_seqlens)
 
 
-def _metrics(res: TISResult) -> dict[str, float]:
-    return {k: float(v) for k, v in res.stats.finalize().items()}  # host-sync-ok (offline tool)
+def _metrics(cfg: TISConfig, dump: LogprobDump) -> dict[str, float]:
+    """The core's ``tis/`` metrics of ``dump`` under ``cfg``."""
+    return {k: float(v) for k, v in _run(cfg, dump).stats.finalize().items()}  # host-sync-ok (offline tool)
 
 
 def quantiles(x: Tensor, qs: list[float] | tuple[float, ...]) -> list[float]:
@@ -124,8 +125,7 @@ def quantiles(x: Tensor, qs: list[float] | tuple[float, ...]) -> list[float]:
 
 def _outside_fraction(dump: LogprobDump, level: str) -> float:
     lower, upper = LEVEL_BOUNDS[level]
-    res = _run(TISConfig(use_tis=True, mode="clip", level=level, lower=lower, upper=upper), dump)
-    m = _metrics(res)
+    m = _metrics(TISConfig(use_tis=True, mode="clip", level=level, lower=lower, upper=upper), dump)
     return m.get("tis/clip_fraction_low", 0.0) + m.get("tis/clip_fraction_high", 0.0)
 
 
@@ -161,7 +161,7 @@ def _buckets(dump: LogprobDump, edges: list[int] | None) -> list[dict[str, float
         if not bool(sel.any()):
             continue
         sub = dump.select(sel)
-        m = _metrics(_run(TISConfig(use_tis=True), sub))
+        m = _metrics(TISConfig(use_tis=True), sub)
         out.append({
             "len_lo": lo, "len_hi": hi - 1, "n_seq": int(sel.sum()), "mean_len": float(vl[sel].double().mean()),
             "kl": m["tis/kl"], "k3_kl": m["tis/k3_kl"], "chi2_seq": m["tis/chi2_seq"],
@@ -218,12 +218,12 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
         reasons.append(f"{100 * overall['tis/nonfinite_seq_fraction']:.2f}% of sequences have non-finite "
                        "log-probs at valid tokens (rejected in training); check the SGLang parser's warnings")
     cfg = TISConfig(use_tis=True, **fields)
-    rec = _metrics(_run(cfg, dump))
+    rec = _metrics(cfg, dump)
     w_mean = rec.get("tis/weight_mean", 1.0)
     if not cfg.plan.mode.masks and abs(w_mean - 1.0) > 0.05:
         fields["batch_normalize"] = True
         reasons.append(f"the recommended weights average {w_mean:.3f} (off 1 by more than 5%): batch-normalise them")
-        rec = _metrics(_run(TISConfig(use_tis=True, **fields), dump))
+        rec = _metrics(TISConfig(use_tis=True, **fields), dump)
     keys = ("tis/rejected_token_fraction", "tis/rejected_seq_fraction", "tis/ess", "tis/weight_mean",
             "tis/truncate_fraction", "tis/mask_fraction_low", "tis/mask_fraction_high", "tis/veto_seq_fraction")
     return Recommendation(fields, reasons, {k: rec[k] for k in keys if k in rec})
@@ -236,7 +236,7 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     if dump.n_seq == 0:
         raise ValueError("the dump holds no sequence")
     cfg = cfg or TISConfig(use_tis=True)
-    overall = _metrics(_run(cfg, dump))
+    overall = _metrics(cfg, dump)
     dists = _distributions(dump)
     buckets = _buckets(dump, bucket_edges)
     usable = int(dists["token log-ratio"].numel())
