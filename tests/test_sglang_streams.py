@@ -335,3 +335,15 @@ def test_real_sglang_sampling_logprobs_stream():
     assert not s.rejected and s.token_ids.tolist() == [11, 12, 14]
     assert s.rollout_log_probs.tolist() == pytest.approx([-0.3, 0.0, -0.9], abs=1e-7)
     assert parse_generate_response(m).rollout_log_probs.tolist() == [-0.5, -0.5, -0.75]
+
+
+def test_chunks_without_output_ids_are_not_misaligned():
+    """A server whose chunks carry no ``output_ids``: the merged response has none either, so the parser has
+    nothing to compare the log-prob ids with and accepts the request."""
+    chunks = [{"text": "a", "meta_info": {"output_token_logprobs": [[-0.1, 5, None]], "finish_reason": None}},
+              {"text": "ab", "meta_info": {"output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+                                           "finish_reason": {"type": "stop"}}}]
+    merged = merge_stream_chunks(chunks)
+    assert "output_ids" not in merged and merged["text"] == "ab"
+    s = parse_generate_response(merged)
+    assert not s.rejected and s.token_ids.tolist() == [5, 6]

@@ -139,91 +139,76 @@ class _Accumulator:
             raise SGLangLogprobError(f"{self._where()} has no 'meta_info' dict")
         if self.finished:
             raise SGLangLogprobError(f"{self._where()} arrives after the request's finishing chunk")
-        lps = meta.get(_PRIMARY)
-        if lps is None:
-            raise SGLangLogprobError(
-                f"{self._where()} has no meta_info['output_token_logprobs']: "
-                "send the request with \"return_logprob\": true"
-            )
-        lps = list(lps)
-        total = _length_field(meta)
+        if not isinstance(meta.get(_PRIMARY), (list, tuple)):
+            raise SGLangLogprobError(f"{self._where()} has no meta_info['output_token_logprobs']: "
+                                     "send the request with \"return_logprob\": true")
         lists = {k: list(meta[k]) for k in TOKEN_LISTS if isinstance(meta.get(k), (list, tuple))}
-        ids = chunk.get("output_ids")
+        ids = list(chunk["output_ids"]) if isinstance(chunk.get("output_ids"), (list, tuple)) else None
+        text = chunk.get("text") if isinstance(chunk.get("text"), str) else None
         finishing = is_finish_reason(meta.get("finish_reason"))
-        if finishing and self._is_state_dump(lps, lists, ids, total):  # it replaces what was received
+        if finishing and self._is_state_dump(lists, ids, _length_field(meta)):  # it replaces what was received
             self.lists.update(lists)
-            self.output_ids = [e[1] for e in lps]
-            if isinstance(chunk.get("text"), str):
-                self.text_parts, self.last_text = [], chunk["text"]
+            self.output_ids = [e[1] for e in lists[_PRIMARY]]
+            if text is not None:
+                self.text_parts, self.last_text = [], text
         elif _is_abort(meta.get("finish_reason")):
             try:
-                self._merge(lps, lists, ids, total, meta, chunk.get("text"))
+                self._merge(lists, ids, text, meta)
             except SGLangLogprobError as e:
                 # the request ends aborted (rejected and counted as such whatever its tokens); a chunk whose
                 # token lists do not fit what was received does not take the other requests down with it
                 self.abort_note = str(e)
         else:
-            self._merge(lps, lists, ids, total, meta, chunk.get("text"))
+            self._merge(lists, ids, text, meta)
         self.saw_finish_key = self.saw_finish_key or "finish_reason" in meta
         self.meta = dict(meta)
         self.n_chunks += 1
         self.finished = finishing
 
-    def _is_state_dump(self, lps: list[Any], lists: dict[str, list[Any]], ids: Any, total: int | None) -> bool:
-        """A finishing chunk built from the request's whole state, as SGLang's abort of a queued request
-        (``TokenizerManager._handle_abort_req``) sends it in both streaming modes: the full per-token lists
-        (never sliced to a delta; the length field counts them all), the full text, and ``output_ids``
-        holding only the last id (``[]`` without tokens)."""
-        if total is None or len(lps) != total:
-            return False
-        if not isinstance(ids, (list, tuple)) or len(ids) > 1:
-            return False
-        if not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in lps):
-            return False
-        if list(ids) != [e[1] for e in lps[-1:]]:
-            return False
-        return all(_extends(values, self.lists.get(key, [])) for key, values in lists.items())
+    def _is_state_dump(self, lists: dict[str, list[Any]], ids: list[Any] | None, total: int | None) -> bool:
+        """A finishing chunk of the request's whole state, as SGLang's abort of a queued request sends it in both
+        modes (``TokenizerManager._handle_abort_req``): full per-token lists (the length field counts them all),
+        full text, ``output_ids`` holding only the last id (``[]`` without tokens)."""
+        lps = lists[_PRIMARY]
+        return (total is not None and len(lps) == total and ids is not None and len(ids) <= 1
+                and all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in lps)
+                and ids == [e[1] for e in lps[-1:]]
+                and all(_extends(values, self.lists.get(key, [])) for key, values in lists.items()))
 
-    def _merge(
-        self, lps: list[Any], lists: dict[str, list[Any]], ids: Any, total: int | None, meta: Mapping[str, Any],
-        text: Any,
-    ) -> None:
+    def _merge(self, lists: dict[str, list[Any]], ids: list[Any] | None, text: str | None,
+               meta: Mapping[str, Any]) -> None:
         """Merge one chunk's tokens (an incremental delta, or a cumulative chunk extending what was received)."""
+        lps, total = lists[_PRIMARY], _length_field(meta)
         if self._is_incremental(lps, meta):
             if total is not None and len(self.entries) + len(lps) != total:
                 raise SGLangLogprobError(
                     f"{self._where()}: {len(lps)} log-prob entries with {len(self.entries)} "
-                    f"received so far do not add up to output_token_logprobs_length = {total}"
-                )
+                    f"received so far do not add up to output_token_logprobs_length = {total}")
             for key, values in lists.items():
                 self.lists.setdefault(key, []).extend(values)
-            if isinstance(ids, (list, tuple)):
-                if self.output_ids is None:
-                    self.output_ids = []
+            if ids is not None:
+                self.output_ids = self.output_ids or []
                 self.output_ids.extend(ids)  # in place: a long stream of deltas merges in linear time
-            if isinstance(text, str):
+            if text is not None:
                 self.text_parts.append(text)
-        else:
-            for key, values in lists.items():
-                old = self.lists.get(key, [])
-                if not _extends(values, old):
-                    raise SGLangLogprobError(
-                        f"{self._where()} is cumulative but its {key} does not extend the {len(old)} entries "
-                        "received so far (chunks out of order, or mixed streaming modes?)"
-                    )
-                self.lists[key] = values
-            if total is not None and len(lps) > total:
-                self.ahead += 1  # serialised after its (referenced) lists grew: later tokens, already here
-            if isinstance(ids, (list, tuple)):
-                ids = list(ids)
-                if self.output_ids is not None and not _extends(ids, self.output_ids):
-                    raise SGLangLogprobError(
-                        f"{self._where()} is cumulative but its output_ids do not extend the "
-                        f"{len(self.output_ids)} ids received so far (an earlier token was rewritten)"
-                    )
-                self.output_ids = ids
-            if isinstance(text, str):
-                self.last_text = text
+            return
+        for key, values in lists.items():
+            old = self.lists.get(key, [])
+            if not _extends(values, old):
+                raise SGLangLogprobError(
+                    f"{self._where()} is cumulative but its {key} does not extend the {len(old)} entries "
+                    "received so far (chunks out of order, or mixed streaming modes?)")
+            self.lists[key] = values
+        if total is not None and len(lps) > total:
+            self.ahead += 1  # serialised after its (referenced) lists grew: later tokens, already here
+        if ids is not None:
+            if self.output_ids is not None and not _extends(ids, self.output_ids):
+                raise SGLangLogprobError(
+                    f"{self._where()} is cumulative but its output_ids do not extend the "
+                    f"{len(self.output_ids)} ids received so far (an earlier token was rewritten)")
+            self.output_ids = ids
+        if text is not None:
+            self.last_text = text
 
     def result(self, done: bool) -> dict[str, Any]:
         """The merged response; a request without a finishing chunk (or without any chunk) gets ``finish_reason``
@@ -238,8 +223,8 @@ class _Accumulator:
         if self.abort_note is not None:
             stream["abort_note"] = self.abort_note
         text = "".join(self.text_parts) if self.text_parts else self.last_text
-        return {"text": text, "meta_info": meta, "output_ids": self.output_ids or [], "stream": stream,
-                "index": self.index}
+        ids = {} if self.output_ids is None else {"output_ids": self.output_ids}  # none: not checked by the parser
+        return {"text": text, "meta_info": meta, **ids, "stream": stream, "index": self.index}
 
 
 def _merge(chunks: Iterable[str | bytes | Mapping[str, Any]], incremental: bool | None, num_requests: int | None,
