@@ -2,7 +2,7 @@
 
 Training uses the ids and log-probs of ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` per
 generated token), token for token, never re-tokenised text. The checks, what a failure does to the sequence and the
-wire fields read: docs/sglang.md. A response without ``output_token_logprobs`` (or whose entries are not
+wire fields read: docs/sglang.md, "Checks". A response without ``output_token_logprobs`` (or whose entries are not
 ``[logprob, token_id, ...]``) is a usage error and always raises :class:`SGLangLogprobError`.
 """
 

@@ -3,7 +3,7 @@
 SGLang's ``output_token_logprobs`` are log-probs of the full temperature-scaled distribution, while the tokens were
 drawn from the truncated one, ``q(y) = p(y) / S`` on the kept support: every token log-ratio is off by ``log S``.
 :func:`check_sampling_params` warns (once per setting, ``warnings`` and the logger) when the parameters truncate and
-the request is neither slime's replay of the support nor declared renormalised. The ways out: docs/sglang.md.
+the request is neither slime's replay of the support nor declared renormalised (docs/sglang.md, "Top-p / top-k").
 """
 
 from __future__ import annotations

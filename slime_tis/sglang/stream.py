@@ -1,14 +1,8 @@
-"""SGLang streaming ``/generate`` output (server-sent ``data: {json}`` lines, ``data: [DONE]``) -> response dicts.
+"""SGLang streaming ``/generate`` output (``data: {json}`` lines, ``data: [DONE]``) -> non-streaming response dicts.
 
-Both streaming modes are merged: cumulative (each chunk holds every token so far, possibly more than its
-``output_token_logprobs_length`` says: SGLang serialises its growing lists by reference) and incremental (each chunk
-a delta; the deltas add up to the length field). Without the field, a chunk whose lists start with what was received
-is cumulative. A cumulative chunk must extend what was received; SGLang's abort of a queued request (one chunk of the
-whole state, ``output_ids`` = the last id) replaces it; an abort chunk that fits nothing ends its request aborted.
-The merged dict is a non-streaming response plus ``"index"`` and ``"stream": {"chunks", "done", "ahead",
-"finish_reason_seen"[, "abort_note"]}``; a request without a finishing chunk gets ``finish_reason`` null (unless no
-chunk carried the key and ``[DONE]`` closed the stream), which the parser rejects as unfinished. Linear time in the
-bytes received. The rules in prose: docs/sglang.md.
+Cumulative and incremental chunks, batched streams, SGLang's abort of a queued request, and when a request counts
+as unfinished: docs/sglang.md, "Streams". A merged dict is a non-streaming response plus ``"index"`` and
+``"stream": {"chunks", "done", "ahead", "finish_reason_seen"[, "abort_note"]}``. Linear time in the bytes received.
 """
 
 from __future__ import annotations
