@@ -1,13 +1,6 @@
 """SGLang ``/generate`` responses -> aligned rollout log-prob tensors, with the top-p / top-k guard.
 
-One request per sample, ``return_logprob`` on::
-
-    req = generate_request(prompt_ids, {"temperature": 1.0, "max_new_tokens": 256})  # checks top-p
-    sample = parse_generate_response(resp)          # RolloutTokens: token_ids, rollout_log_probs, loss_mask
-    batch = collate([sample, ...])                  # packed [T] tensors + cu_seqlens + sglang/* metrics
-
-Streams: :func:`merge_stream_chunks` first; multi-turn: :class:`TrajectoryBuilder`; MoE: :func:`parse_routed_experts`.
-A leaf of the package (imports torch only). docs/sglang.md, docs/sampling_support.md.
+A leaf of the package (imports torch only). Use, checks and streams: docs/sglang.md; supports: docs/sampling_support.md.
 """
 
 from __future__ import annotations

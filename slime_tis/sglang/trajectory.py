@@ -31,17 +31,9 @@ READER_METRICS = ("sglang/rejected_seq_fraction", "sglang/misaligned_seq_fractio
 
 
 class TrajectoryBuilder:
-    """One multi-turn response, turn by turn::
-
-        traj = TrajectoryBuilder()
-        traj.add_response(resp_turn_1)             # generated: mask 1, SGLang log-probs
-        traj.add_tokens(tool_output_ids)           # environment: mask 0
-        traj.add_response(resp_turn_2)
-        sample = traj.build()                      # RolloutTokens over the whole response
-
-    The keyword arguments go to :func:`parse_generate_response` for every turn. A rejected turn rejects the
-    trajectory (reasons prefixed with the turn number); a misaligned or unfinished / aborted turn masks all of it.
-    """
+    """One multi-turn response, turn by turn (docs/sglang.md); the keyword arguments go to
+    :func:`parse_generate_response` for every turn. A rejected turn rejects the trajectory (reasons prefixed with
+    the turn number); a misaligned or unfinished / aborted turn masks all of it."""
 
     def __init__(
         self,
