@@ -180,10 +180,9 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
             where = "finish_reason null: the response is not the request's final output"
         return "unfinished", f"the request had not finished ({where}); its {n} received token(s) are not used"
     if not is_finish_reason(fr):
-        return "unfinished", (
-            f"finish_reason {fr!r} is not a finish reason (null while the request runs, "
-            f"{{'type': 'stop' | 'length' | 'abort', ...}} when it ends); its {n} received token(s) are not used"
-        )
+        return "unfinished", (f"finish_reason {fr!r} is not a finish reason (null while the request runs, "
+                              f"{{'type': 'stop' | 'length' | 'abort', ...}} when it ends); its {n} received token(s) "
+                              "are not used")
     kind = fr.get("type") if isinstance(fr, Mapping) else fr
     if kind == "abort":
         detail = "no message"
@@ -192,10 +191,8 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
             detail = f"message {fr.get('message')!r}" + "".join(extra)
         return "aborted", f"SGLang aborted the request (finish_reason abort: {detail})"
     if isinstance(fr, Mapping) and fr.get("matched") == NAN_STOP:
-        return "nan_stop", (
-            f"SGLang stopped the request with {NAN_STOP!r}: the sampler produced a token id outside the "
-            "vocabulary (NaN/inf logits) and the last token was replaced by the stop token"
-        )
+        return "nan_stop", (f"SGLang stopped the request with {NAN_STOP!r}: the sampler produced a token id outside "
+                            "the vocabulary (NaN/inf logits) and the last token was replaced by the stop token")
     return None
 
 

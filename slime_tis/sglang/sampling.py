@@ -98,8 +98,7 @@ def check_sampling_params(sampling_params: Mapping[str, Any] | None, *,
             "--rollout-top-p < 1 so that slime replays the truncated support (its request carries "
             f"custom_params {{\"{REPLAY_PARAM}\": true}}; slime does not replay top-k or min-p alone); or, "
             "with another engine that returns renormalised log-probs while the trainer masks its logits to the "
-            f"same support, declare it with renormalized_logprobs=True or {ENV_RENORMALIZED}=1."
-        )
+            f"same support, declare it with renormalized_logprobs=True or {ENV_RENORMALIZED}=1.")
         logger.warning(msg)
         warnings.warn(msg, TruncatedSamplingWarning, stacklevel=2)
     return SamplingCheck(**values, truncated=truncated, biased=biased, warned=warned, replayed=replayed)

@@ -231,15 +231,12 @@ def _merge(chunks: Iterable[str | bytes | Mapping[str, Any]], incremental: bool 
         if isinstance(index, bool) or not isinstance(index, int):
             raise SGLangLogprobError(f"stream chunk has a non-integer 'index' {index!r}")
         if "index" in chunk and not batch and index != 0:
-            raise SGLangLogprobError(
-                f"stream chunk has 'index' {index}: the stream holds several requests; use merge_stream_batch "
-                "with num_requests"
-            )
+            raise SGLangLogprobError(f"stream chunk has 'index' {index}: the stream holds several requests; use "
+                                     "merge_stream_batch with num_requests")
         if "index" in chunk and batch and num_requests is None:
             raise SGLangLogprobError(
                 f"stream chunk has 'index' {index}: a batched stream needs num_requests (len(input_ids) x n), "
-                "so that a request that sends no chunk is returned, rejected and counted instead of lost"
-            )
+                "so that a request that sends no chunk is returned, rejected and counted instead of lost")
         if num_requests is not None and not 0 <= index < num_requests:
             raise SGLangLogprobError(f"stream chunk has 'index' {index}, expected [0, {num_requests})")
         if index not in accs:

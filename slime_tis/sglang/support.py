@@ -111,26 +111,23 @@ def _positions(where: Tensor) -> str:
     return ", ".join(map(str, idx[:5])) + (", ..." if len(idx) > 5 else "")
 
 
-def validate_support(support: SamplingSupport, token_ids: Tensor, vocab_size: int,
-                     generated: Tensor | None = None) -> tuple[SamplingSupport, Tensor, list[str]]:
-    """Check the rows of ``generated [R]`` (default all) against the rules of docs/sampling_support.md: returns the
-    support with bad rows emptied, ``bad [R]`` bool, and one reason per failed rule (count, first positions)."""
+def validate_support(support: SamplingSupport, token_ids: Tensor,
+                     vocab_size: int) -> tuple[SamplingSupport, Tensor, list[str]]:
+    """Check every row of the generated tokens ``token_ids [R]`` against the rules of docs/sampling_support.md:
+    returns the support with bad rows emptied, ``bad [R]`` bool, and one reason per failed rule (count, first
+    positions)."""
     n = support.num_rows
-    gen = torch.ones(n, dtype=torch.bool) if generated is None else generated.to(torch.bool)
-    lengths = support.offsets[1:] - support.offsets[:-1]
+    lengths = support.offsets.diff()
     row = torch.repeat_interleave(torch.arange(n), lengths)
     ids = support.ids.to(torch.int64)
-    n_out = torch.zeros(n, dtype=torch.int64)
-    n_out.index_add_(0, row, ((ids < 0) | (ids >= vocab_size)).to(torch.int64))
-    out_of_range = n_out > 0
     in_range = (ids >= 0) & (ids < vocab_size)
+    out_of_range = torch.zeros(n, dtype=torch.int64).index_add_(0, row, (~in_range).to(torch.int64)) > 0
     key = row * vocab_size + ids.clamp(0, vocab_size - 1)
     ordered = key[in_range].sort().values
     duplicate = torch.zeros(n, dtype=torch.bool)
     dup_keys = ordered[1:][ordered[1:] == ordered[:-1]]
     duplicate[torch.div(dup_keys, vocab_size, rounding_mode="floor")] = True
-    has_token = torch.zeros(n, dtype=torch.int64)
-    has_token.index_add_(0, row, (ids == token_ids.to(torch.int64)[row]).to(torch.int64))
+    has_token = torch.zeros(n, dtype=torch.int64).index_add_(0, row, (ids == token_ids.to(torch.int64)[row]).long())
     rules = (
         ("empty sampling support", lengths == 0),
         (f"sampling support longer than the vocabulary ({vocab_size})", lengths > vocab_size),
@@ -141,7 +138,6 @@ def validate_support(support: SamplingSupport, token_ids: Tensor, vocab_size: in
     bad = torch.zeros(n, dtype=torch.bool)
     reasons = []
     for name, failed in rules:
-        failed = failed & gen
         if bool(failed.any()):
             reasons.append(f"{int(failed.sum())} token(s) with {name} at generated token(s) {_positions(failed)}")
             bad |= failed

@@ -135,9 +135,8 @@ def _distributions(dump: LogprobDump) -> dict[str, Tensor]:
     tok = rt.log_ratio[rt.token_ok]
     seq_sum = rt.seq_log_ratio_sum[rt.seq_ok]
     seq_geo = GEOMETRIC.of(rt)[rt.seq_ok]
-    big = torch.full_like(rt.log_ratio, float("inf"))
-    seq_min = torch.full((rt.seq_ok.numel(),), float("inf")).scatter_reduce(
-        0, rt.seq_id, torch.where(rt.token_ok, rt.log_ratio, big), reduce="amin")[rt.seq_ok]
+    seq_min = torch.full((rt.seq_ok.numel(),), math.inf).scatter_reduce(
+        0, rt.seq_id, torch.where(rt.token_ok, rt.log_ratio, math.inf), reduce="amin")[rt.seq_ok]
     return {"token log-ratio": tok, "token ratio": torch.exp(tok.double()), "sequence log-ratio": seq_sum,
             "geometric log-ratio": seq_geo, "min token log-ratio": seq_min}
 
@@ -245,8 +244,7 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     return Diagnosis(
         n_seq=dump.n_seq, n_tokens=n_valid, config=cfg.describe(), overall=overall,
         percentiles={k: quantiles(v, [q / 100 for q in PERCENTILES]) for k, v in dists.items()}, buckets=buckets,
-        recommendation=rec, usable_tokens=usable, support=support_explained(dump), causes=mismatch_by_cause(dump),
-    )
+        recommendation=rec, usable_tokens=usable, support=support_explained(dump), causes=mismatch_by_cause(dump))
 
 
 def support_explained(dump: LogprobDump) -> dict[str, float] | None:

@@ -44,10 +44,8 @@ def _decode(raw: bytes) -> Any:
 
 
 def _torn_message(path: str | os.PathLike, lineno: int, raw: bytes, why: str) -> str:
-    return (
-        f"{os.fspath(path)}:{lineno}: the last line is incomplete ({len(raw)} bytes, no newline, {why}) and was "
-        "ignored: a write cut short, e.g. by a crash"
-    )
+    return (f"{os.fspath(path)}:{lineno}: the last line is incomplete ({len(raw)} bytes, no newline, {why}) and was "
+            "ignored: a write cut short, e.g. by a crash")
 
 
 def read_jsonl(path: str | os.PathLike) -> JSONLRead:

@@ -44,8 +44,7 @@ def _rollout_only_error(path: Path, obj: Mapping[str, Any]) -> ValueError:
         f"{_TRAIN_FLAG} DIR/train_{{rollout_id}}.pt (slime >= 681b3ad writes format_version 2 with per-sample "
         "log_probs and rollout_log_probs), or replay this very rollout through the trainer: "
         f"--load-debug-rollout-data <this file's path, with {{rollout_id}}> {_TRAIN_FLAG} DIR/train_{{rollout_id}}.pt "
-        "(slime then trains without SGLang); then run slime-tis diagnose on DIR/train_*.pt"
-    )
+        "(slime then trains without SGLang); then run slime-tis diagnose on DIR/train_*.pt")
 
 
 def _no_train_logprobs_error(path: Path, rollout_id: Any) -> ValueError:
@@ -55,8 +54,7 @@ def _no_train_logprobs_error(path: Path, rollout_id: Any) -> ValueError:
         "(--use-rollout-logprobs, or a reusable training forward), when its own policy loss snapshots them "
         "from the training forward; a custom loss (--loss-type custom_loss, e.g. slime_tis algorithm 3 without a "
         "recompute) records them only if it does so itself. Re-run with the recompute (e.g. "
-        "--get-mismatch-metrics) or with a loss that records them (docs/slime.md)"
-    )
+        "--get-mismatch-metrics) or with a loss that records them (docs/slime.md)")
 
 
 def _as_values(x: Any, where: str, name: str, *, integer: bool = False) -> list[Any]:
