@@ -265,7 +265,10 @@ def parse_generate_response(response: Mapping[str, Any], *, on_error: OnError = 
         align_reasons += sampling_align
     support, support_bad, support_reasons = None, None, []
     if sampling_support:
-        support, support_align = _read_support(meta, len(ids))
+        try:
+            support, support_align = read_support(meta, len(ids))
+        except ValueError as err:
+            raise SGLangLogprobError(str(err)) from err
         align_reasons += support_align
         if not support_align:
             support, support_bad, support_reasons = validate_support(
@@ -294,16 +297,3 @@ def parse_generate_response(response: Mapping[str, Any], *, on_error: OnError = 
                          nonfinite=bool(value_reasons), finish_error=finish[0] if finish else None, reasons=reasons,
                          support=support, support_invalid=bool(support_reasons), rollout_log_mass=log_mass)
 
-
-def _read_support(meta: Mapping[str, Any], n: int) -> tuple[SamplingSupport, list[str]]:
-    try:
-        support, errors = read_support(meta, n)
-    except ValueError as err:
-        raise SGLangLogprobError(str(err)) from err
-    if support is None:
-        raise SGLangLogprobError(
-            "sampling_support=True needs the per-token support: send the /generate request with "
-            "\"return_sampling_mask\": true (SGLang >= 0.5.23: meta_info['output_token_sampling_mask']) or slime's "
-            "custom_params {\"return_top_p_token_ids\": true} (meta_info['top_p_token_ids'] / "
-            "['top_p_token_offsets']), or parse with sampling_support=False")
-    return support, errors

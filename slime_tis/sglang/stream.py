@@ -255,13 +255,9 @@ def merge_stream_batch(
     incremental: bool | None = None,
     num_requests: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The chunks of a streaming request -> one response dict per request, result ``i`` = request ``i``.
-
-    ``num_requests`` (``len(input_ids)`` x ``n``) is required when the chunks carry ``index`` (a batched stream): a
-    request that sent no chunk then gets an empty result (``finish_reason`` null, ``stream["chunks"] = 0``) that the
-    parser rejects and ``collate`` counts as unfinished, in its own place. A chunk index outside
-    ``[0, num_requests)`` is an error. A request cut off before its finishing chunk does not affect the others.
-    """
+    """The chunks of a streaming request -> one response dict per request, result ``i`` = request ``i``;
+    ``num_requests`` (``len(input_ids)`` x ``n``) is required when the chunks carry ``index``: a request that sent no
+    chunk is an empty, unfinished result in its place (docs/sglang.md, "Streams")."""
     if num_requests is not None and (
         isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
     ):

@@ -76,9 +76,9 @@ def _decode_int32(value: Any, name: str) -> Tensor:
     raise ValueError(f"meta_info[{name!r}] must be base64, bytes or a list of ints, got {type(value).__name__}")
 
 
-def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSupport | None, list[str]]:
-    """The support of ``n_tokens`` output tokens in ``meta`` (``None`` if none) and alignment errors (then
-    ``n_tokens`` empty rows). A wire value of the wrong type raises ``ValueError`` naming the key."""
+def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSupport, list[str]]:
+    """The support of ``n_tokens`` output tokens in ``meta`` and alignment errors (then ``n_tokens`` empty rows). A
+    response without one, or a wire value of the wrong type, raises ``ValueError`` naming the key."""
     if meta.get(_MASK_KEY) is not None:
         rows = meta[_MASK_KEY]
         if not isinstance(rows, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in rows):
@@ -90,7 +90,11 @@ def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSuppor
     ids_entry = next(((k, meta[k]) for k in _SLIME_IDS if meta.get(k) is not None), None)
     off_entry = next(((k, meta[k]) for k in _SLIME_OFFSETS if meta.get(k) is not None), None)
     if ids_entry is None and off_entry is None:
-        return None, []
+        raise ValueError(
+            "sampling_support=True needs the per-token support: send the /generate request with "
+            "\"return_sampling_mask\": true (SGLang >= 0.5.23: meta_info['output_token_sampling_mask']) or slime's "
+            "custom_params {\"return_top_p_token_ids\": true} (meta_info['top_p_token_ids'] / "
+            "['top_p_token_offsets']), or parse with sampling_support=False")
     if ids_entry is None or off_entry is None:
         raise ValueError("meta_info carries only one of slime's top-p token ids / offsets "
                          f"({_SLIME_IDS[0]!r}, {_SLIME_OFFSETS[0]!r}); both are needed")

@@ -151,11 +151,8 @@ def _same(a: list[float], b: list[float]) -> bool:
 
 
 def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Records and header meta of slime dump files (``(path, loaded object)`` pairs), merged.
-
-    Raises ``ValueError`` naming the file for a rollout-only dump, a rollout without training
-    log-probs, unrestored context-parallel chunks, or two different samples under one identity.
-    """
+    """Records and header meta of slime dump files (``(path, loaded object)`` pairs), merged; what is refused, with
+    a ``ValueError`` naming the file: docs/dump_format.md, "slime's own dumps"."""
     merged: dict[tuple[Any, ...], tuple[Path, dict[str, Any]]] = {}
     seen_rollouts: dict[int, Path] = {}
     with_train: set[int] = set()
