@@ -89,18 +89,12 @@ def _concat(parts: Sequence[RolloutTokens]) -> RolloutTokens:
 
     supports = [p.support for p in parts]
     return RolloutTokens(
-        token_ids=cat("token_ids"),
-        rollout_log_probs=cat("rollout_log_probs"),
-        loss_mask=cat("loss_mask"),
-        rejected=any(p.rejected for p in parts),
-        misaligned=any(p.misaligned for p in parts),
-        nonfinite=any(p.nonfinite for p in parts),
+        cat("token_ids"), cat("rollout_log_probs"), cat("loss_mask"), rejected=any(p.rejected for p in parts),
+        misaligned=any(p.misaligned for p in parts), nonfinite=any(p.nonfinite for p in parts),
         finish_error=next((p.finish_error for p in parts if p.finish_error), None),
-        reasons=[r for p in parts for r in p.reasons],
+        reasons=[r for p in parts for r in p.reasons], support_invalid=any(p.support_invalid for p in parts),
         support=None if any(x is None for x in supports) else concat_supports(supports),
-        support_invalid=any(p.support_invalid for p in parts),
-        rollout_log_mass=cat("rollout_log_mass"),
-    )
+        rollout_log_mass=cat("rollout_log_mass"))
 
 
 @dataclass
@@ -143,15 +137,10 @@ def collate(samples: Sequence[RolloutTokens]) -> PackedRollouts:
     if whole.support is not None:
         metrics[SUPPORT_INVALID_METRIC] = fraction([s.support_invalid for s in samples])
     lengths = torch.tensor([s.length for s in samples], dtype=torch.int64)
+    support_ids, support_offsets = (None, None) if whole.support is None else (whole.support.ids, whole.support.offsets)
     return PackedRollouts(
-        token_ids=whole.token_ids,
-        rollout_log_probs=whole.rollout_log_probs,
-        loss_mask=whole.loss_mask,
+        whole.token_ids, whole.rollout_log_probs, whole.loss_mask,
         cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]),
         rejected=torch.tensor([s.rejected for s in samples], dtype=torch.bool),
-        reasons=[list(s.reasons) for s in samples],
-        metrics=metrics,
-        support_ids=None if whole.support is None else whole.support.ids,
-        support_offsets=None if whole.support is None else whole.support.offsets,
-        rollout_log_mass=whole.rollout_log_mass,
-    )
+        reasons=[list(s.reasons) for s in samples], metrics=metrics, support_ids=support_ids,
+        support_offsets=support_offsets, rollout_log_mass=whole.rollout_log_mass)
