@@ -231,15 +231,11 @@ def parse_generate_response(response: Mapping[str, Any], *, on_error: OnError = 
                             renormalized_logprobs: bool | None = None, logprob_tolerance: float = 1e-4,
                             rollout_logprobs: RolloutLogprobs = "full", sampling_support: bool = False,
                             vocab_size: int | None = None) -> RolloutTokens:
-    """One ``/generate`` response dict (one request) -> :class:`RolloutTokens` (``loss_mask = 1``).
-
-    ``on_error="reject"`` marks a failed check's sequence rejected (and logs why), ``"raise"`` raises
-    :class:`SGLangLogprobError`. ``sampling_params`` given: checked for the top-p / top-k / min-p bias
-    (:func:`check_sampling_params`, with ``renormalized_logprobs``). A log-prob above ``logprob_tolerance`` is
-    invalid. ``rollout_logprobs="sampling"``: pi_rollout is ``output_token_sampling_logprobs`` (the truncated
-    distribution's; no top-p warning then). ``sampling_support=True``: each token's kept ids, validated against
-    ``vocab_size`` (:mod:`slime_tis.sglang.support`); a response without them raises.
-    """
+    """One ``/generate`` response dict (one request) -> :class:`RolloutTokens` (``loss_mask = 1``), checked as
+    docs/sglang.md, "Checks" says: ``on_error="reject"`` marks a failed check's sequence rejected, ``"raise"``
+    raises. ``sampling_params`` given: checked by :func:`check_sampling_params` (with ``renormalized_logprobs``).
+    ``rollout_logprobs="sampling"``: pi_rollout is ``output_token_sampling_logprobs``. ``sampling_support=True``:
+    each token's kept ids, validated against ``vocab_size`` (:mod:`slime_tis.sglang.support`)."""
     if on_error not in ("reject", "raise"):
         raise ValueError(f"on_error must be 'reject' or 'raise', got {on_error!r}")
     if rollout_logprobs not in ("full", "sampling"):

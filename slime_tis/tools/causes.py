@@ -86,8 +86,6 @@ def format_causes(c: dict[str, Any]) -> list[str]:
              "slime_tis/tools/causes.py says how each is measured):"]
     for cause in CAUSES:
         share = c["shares"][cause]
-        if share is None:
-            lines.append(f"  {cause:<24} not recorded in the dump")
-        else:
-            lines.append(f"  {cause:<24} {100 * share:>7.1f}%   ({c['tokens_of'][cause]} tokens)")
+        lines.append(f"  {cause:<24} not recorded in the dump" if share is None
+                     else f"  {cause:<24} {100 * share:>7.1f}%   ({c['tokens_of'][cause]} tokens)")
     return lines

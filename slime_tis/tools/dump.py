@@ -31,7 +31,6 @@ class DumpFormatError(ValueError):
 
 FORMAT_NAME = "slime_tis.logprob_dump"
 FORMAT_VERSION = 1
-_SUFFIXES = (".jsonl", ".pt")
 
 #: every field of a dump: (one value per "token" or per "seq"uence, kind "float", "int" or "mask" (0 / 1))
 FIELDS = {
@@ -52,7 +51,6 @@ _DEFAULT = {"loss_mask": 1, "step": -1, "sample_index": -1}
 _ALWAYS = (*_REQUIRED, *_DEFAULT)
 _DTYPE = {"float": torch.float32, "int": torch.int64, "mask": torch.bool}
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-_INT64_MAX = (1 << 63) - 1
 _MAX_OBJECTS = 50_000_000
 
 
@@ -198,7 +196,7 @@ def _integer(v: Any, i: int, name: str, pos: int | None = None, *, lo: int = 0) 
     if isinstance(v, float) and not (math.isfinite(v) and v == int(v)):
         raise DumpFormatError(f"record {i}: {name}{at} must be an integer, got {v!r}")
     v = int(v)
-    if not lo <= v <= _INT64_MAX:
+    if not lo <= v < 1 << 63:
         raise DumpFormatError(f"record {i}: {name}{at} = {v} is outside [{lo}, 2**63)")
     return v
 
@@ -277,7 +275,7 @@ def _records_of(dump: LogprobDump) -> list[dict[str, Any]]:
 
 def _suffix(path: Path) -> str:
     suffix = path.suffix.lower()
-    if suffix not in _SUFFIXES:
+    if suffix not in (".jsonl", ".pt"):
         raise DumpFormatError(f"dump path must end in .jsonl or .pt, got {str(path)!r}")
     return suffix
 
