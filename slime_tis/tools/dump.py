@@ -237,7 +237,7 @@ def _normalise(rec: Mapping[str, Any], i: int) -> dict[str, Any]:
             out[key] = None
         elif per == "token":
             out[key] = _token_values(v, i, key, kind)
-        else:  # -1: unknown
+        else:  # per sequence: an integer >= -1 (-1: unknown) or a number
             out[key] = _integer(v, i, key, lo=-1) if kind == "int" else _number(v, i, key)
     n = len(out["train_log_probs"])
     for key, (per, _) in FIELDS.items():
