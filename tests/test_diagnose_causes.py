@@ -93,8 +93,8 @@ def test_a_cause_the_dump_does_not_record_is_said_so(tmp_path, capsys):
 
 def test_malformed_cause_fields_are_one_line_errors(tmp_path, capsys):
     rec = {"train_log_probs": [-1.0, -2.0], "rollout_log_probs": [-1.1, -2.0]}
-    for bad, words in (({"routing_differs": [0, 2]}, "routing_differs must hold 2 entries of 0 / 1"),
-                       ({"routing_differs": [1]}, "routing_differs must hold 2 entries"),
+    for bad, words in (({"routing_differs": [0, 2]}, "routing_differs[1] must be 0 or 1"),
+                       ({"routing_differs": [1]}, "routing_differs has 1 entries but train_log_probs has 2"),
                        ({"staleness": -1}, "staleness = -1.0")):
         path = tmp_path / "bad.jsonl"
         path.write_text('{"format": "slime_tis.logprob_dump", "version": 1}\n'

@@ -36,7 +36,7 @@ def test_the_field_round_trips(tmp_path, suffix):
     assert dump.rollout_log_mass.tolist() == pytest.approx([v for r in recs for v in r["rollout_log_mass"]])
     assert dump.select(torch.tensor([False, True, False])).rollout_log_mass.numel() == 6
     bad = [dict(recs[0], rollout_log_mass=recs[0]["rollout_log_mass"][:-1])]
-    with pytest.raises(ValueError, match="record 0: rollout_log_mass has 5 entries but the log-probs have 6"):
+    with pytest.raises(ValueError, match="record 0: rollout_log_mass has 5 entries but train_log_probs has 6"):
         write_logprob_dump(tmp_path / "bad.jsonl", bad)
 
 

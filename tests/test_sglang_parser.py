@@ -24,7 +24,7 @@ from slime_tis.sglang import (
     merge_stream_batch,
     merge_stream_chunks,
     parse_generate_response,
-    reset_sampling_warnings,
+    sampling,
 )
 
 
@@ -319,8 +319,6 @@ def test_collate_packs_and_counts_rejections():
     assert b.metrics["sglang/rejected_seq_fraction"].item() == 0.5
     assert b.metrics["sglang/misaligned_seq_fraction"].item() == 0.25
     assert b.metrics["sglang/nonfinite_seq_fraction"].item() == 0.25
-    ids, lps, masks = b.per_sample()
-    assert [t.tolist() for t in ids] == [[1, 2], [3], [4, 5], [6, 60, 61]]
     with pytest.raises(ValueError, match="at least one sample"):
         collate([])
 
@@ -329,9 +327,7 @@ def test_collate_packs_and_counts_rejections():
 @pytest.fixture(autouse=True)
 def _fresh_guard(monkeypatch):
     monkeypatch.delenv("SLIME_TIS_RENORMALIZED_LOGPROBS", raising=False)
-    reset_sampling_warnings()
-    yield
-    reset_sampling_warnings()
+    monkeypatch.setattr(sampling, "_WARNED", set())  # each test sees the first warning of its settings
 
 
 def test_top_p_warns_once_loudly(caplog):
@@ -389,7 +385,7 @@ def test_invalid_sampling_params(params, msg):
 def test_parse_with_sampling_params_and_generate_request_warn():
     with pytest.warns(TruncatedSamplingWarning):
         parse_generate_response(response([-0.1], [1]), sampling_params={"top_p": 0.95})
-    reset_sampling_warnings()
+    sampling._WARNED.clear()
     with pytest.warns(TruncatedSamplingWarning):
         req = generate_request([1, 2, 3], {"top_k": 40, "max_new_tokens": 8})
     assert req == {

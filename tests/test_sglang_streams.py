@@ -24,7 +24,7 @@ from slime_tis.sglang import (
     merge_stream_batch,
     merge_stream_chunks,
     parse_generate_response,
-    reset_sampling_warnings,
+    sampling,
 )
 
 LPS = [-0.25, -1.5, -0.125, -3.0, -0.5, -2.25]
@@ -34,9 +34,7 @@ IDS = [17, 4, 4, 99, 31, 2]
 @pytest.fixture(autouse=True)
 def _fresh_guard(monkeypatch):
     monkeypatch.delenv("SLIME_TIS_RENORMALIZED_LOGPROBS", raising=False)
-    reset_sampling_warnings()
-    yield
-    reset_sampling_warnings()
+    monkeypatch.setattr(sampling, "_WARNED", set())  # each test sees the first warning of its settings
 
 
 def stream_lines(steps, *, incremental=False, done=True, finish=STOP, rid="r"):
@@ -289,7 +287,7 @@ def test_sampling_logprobs_errors():
 def test_top_p_warning_offers_sampling_logprobs_and_option_silences_it():
     with pytest.warns(TruncatedSamplingWarning, match=r'return_sampling_mask.*rollout_logprobs="sampling"'):
         check_sampling_params({"top_p": 0.9})
-    reset_sampling_warnings()
+    sampling._WARNED.clear()
     _, outs, *_ = sampled([1, 2])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -337,3 +335,15 @@ def test_real_sglang_sampling_logprobs_stream():
     assert not s.rejected and s.token_ids.tolist() == [11, 12, 14]
     assert s.rollout_log_probs.tolist() == pytest.approx([-0.3, 0.0, -0.9], abs=1e-7)
     assert parse_generate_response(m).rollout_log_probs.tolist() == [-0.5, -0.5, -0.75]
+
+
+def test_chunks_without_output_ids_are_not_misaligned():
+    """A server whose chunks carry no ``output_ids``: the merged response has none either, so the parser has
+    nothing to compare the log-prob ids with and accepts the request."""
+    chunks = [{"text": "a", "meta_info": {"output_token_logprobs": [[-0.1, 5, None]], "finish_reason": None}},
+              {"text": "ab", "meta_info": {"output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+                                           "finish_reason": {"type": "stop"}}}]
+    merged = merge_stream_chunks(chunks)
+    assert "output_ids" not in merged and merged["text"] == "ab"
+    s = parse_generate_response(merged)
+    assert not s.rejected and s.token_ids.tolist() == [5, 6]

@@ -1,52 +1,15 @@
-"""Reassemble SGLang streaming ``/generate`` output (``"stream": true``) into one response dict.
+"""SGLang streaming ``/generate`` output (``data: {json}`` lines, ``data: [DONE]``) -> non-streaming response dicts.
 
-The stream is server-sent events: lines ``data: {json}`` and a final ``data: [DONE]``. Each JSON
-chunk has ``text``, ``output_ids`` and ``meta_info`` (with ``output_token_logprobs`` when
-``return_logprob`` is set, ``finish_reason`` ``null`` on every chunk but the request's last).
-SGLang has two streaming modes:
-
-* default (cumulative): every chunk carries *all* tokens so far in ``output_token_logprobs``;
-* ``--incremental-streaming-output``: every chunk carries only the *new* tokens (``output_ids``,
-  ``output_token_logprobs`` and the other per-token lists are sliced to the delta).
-
-Both carry ``meta_info.output_token_logprobs_length``, the total *when the chunk was built*. A
-cumulative chunk holds at least that many entries: SGLang's intermediate chunks reference the
-request's growing lists instead of copying them (``tokenizer_manager.py``, "pass reference (no
-copy)"), so a chunk serialised late -- typical of batched and ``n > 1`` streams, whose chunks wait
-for their turn -- already holds later tokens. An incremental chunk holds fewer (the delta) after the
-first. Hence: ``len(list) < length`` means incremental (and the deltas must add up to the length);
-otherwise the chunk is cumulative and must extend what was received, entry for entry (a chunk that
-rewrites an earlier token is an error; the length field is only a cross-check; a chunk ahead of it is
-counted in ``stream["ahead"]``). Without the field (other
-servers, hand-built chunks) the mode is inferred: a chunk whose list starts with everything received
-so far is cumulative. Pass ``incremental=True/False`` to force it. A batched streaming request tags
-chunks with ``"index"``; :func:`merge_stream_batch` splits them and needs ``num_requests`` for it: a
-request that sent no chunk is then returned empty, rejected and counted, in its own place. Merging costs
-time linear in the bytes received.
-
-SGLang's abort of a request waiting in its queue (``TokenizerManager._handle_abort_req``) sends, in both
-modes, one finishing chunk built from the request's whole state: the full per-token lists (never sliced,
-the length field counting them all), the full text and ``output_ids`` holding only the last id. That
-chunk replaces what was received (it extends it); any other abort chunk that does not fit what was
-received ends the request as aborted too (the mismatch is kept in ``stream["abort_note"]``) instead of
-failing the stream: the request is rejected and counted as aborted, the others are unaffected.
-
-The merged dict has the shape of a non-streaming response plus ``"index"`` and ``"stream": {"chunks",
-"done", "ahead", "finish_reason_seen"}`` (chunks merged, whether ``[DONE]`` was seen, chunks whose lists
-were ahead of their length field, whether any chunk carried ``finish_reason``). Only a non-empty
-``finish_reason`` (SGLang's ``{"type": ...}`` or a string) ends a request; ``false``, ``0``, ``{}`` or
-``""`` do not. A request without a finishing chunk gets ``finish_reason`` null -- also when no chunk
-carried the key at all, unless ``[DONE]`` closed the stream (a server that never sends the key). It goes
-to :func:`slime_tis.sglang.parse_generate_response`, which performs the alignment checks and rejects,
-with the reason, a request whose last chunk is not its finishing one (``finish_reason`` null: a stream
-cut off early).
+Cumulative and incremental chunks, batched streams, SGLang's abort of a queued request, and when a request counts
+as unfinished: docs/sglang.md, "Streams". A merged dict is a non-streaming response plus ``"index"`` and
+``"stream": {"chunks", "done", "ahead", "finish_reason_seen"[, "abort_note"]}``. Linear time in the bytes received.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .response import SGLangLogprobError, is_finish_reason
@@ -156,18 +119,13 @@ class _Accumulator:
         return f"stream chunk {self.n_chunks}" + (f" of index {self.index}" if self.index else "")
 
     def _is_incremental(self, lps: list[Any], meta: Mapping[str, Any]) -> bool:
-        if self.forced is not None:
-            return self.forced
+        """As forced; else by the length field; else inferred once (a first chunk reads either way)."""
         total = _length_field(meta)
-        if total is not None:
+        if self.forced is None and total is not None:
             return len(lps) < total
-        if self.mode is not None:
-            return self.mode
-        n = len(self.entries)
-        if n == 0:
-            return False  # first chunk: both readings agree
-        self.mode = not _extends(lps, self.entries)
-        return self.mode
+        if self.mode is None and self.entries:
+            self.mode = not _extends(lps, self.entries)
+        return bool(self.mode)
 
     def add(self, chunk: Mapping[str, Any]) -> None:
         meta = chunk.get("meta_info")
@@ -175,151 +133,120 @@ class _Accumulator:
             raise SGLangLogprobError(f"{self._where()} has no 'meta_info' dict")
         if self.finished:
             raise SGLangLogprobError(f"{self._where()} arrives after the request's finishing chunk")
-        lps = meta.get(_PRIMARY)
-        if lps is None:
-            raise SGLangLogprobError(
-                f"{self._where()} has no meta_info['output_token_logprobs']: "
-                "send the request with \"return_logprob\": true"
-            )
-        lps = list(lps)
-        total = _length_field(meta)
+        if not isinstance(meta.get(_PRIMARY), (list, tuple)):
+            raise SGLangLogprobError(f"{self._where()} has no meta_info['output_token_logprobs']: "
+                                     "send the request with \"return_logprob\": true")
         lists = {k: list(meta[k]) for k in TOKEN_LISTS if isinstance(meta.get(k), (list, tuple))}
-        ids = chunk.get("output_ids")
+        ids = list(chunk["output_ids"]) if isinstance(chunk.get("output_ids"), (list, tuple)) else None
+        text = chunk.get("text") if isinstance(chunk.get("text"), str) else None
         finishing = is_finish_reason(meta.get("finish_reason"))
-        if finishing and self._is_state_dump(lps, lists, ids, total):
-            self._take_state_dump(lists, lps, chunk.get("text"))
+        if finishing and self._is_state_dump(lists, ids, _length_field(meta)):  # it replaces what was received
+            self.lists.update(lists)
+            self.output_ids = [e[1] for e in lists[_PRIMARY]]
+            if text is not None:
+                self.text_parts, self.last_text = [], text
         elif _is_abort(meta.get("finish_reason")):
             try:
-                self._merge(lps, lists, ids, total, meta, chunk.get("text"))
+                self._merge(lists, ids, text, meta)
             except SGLangLogprobError as e:
                 # the request ends aborted (rejected and counted as such whatever its tokens); a chunk whose
                 # token lists do not fit what was received does not take the other requests down with it
                 self.abort_note = str(e)
         else:
-            self._merge(lps, lists, ids, total, meta, chunk.get("text"))
+            self._merge(lists, ids, text, meta)
         self.saw_finish_key = self.saw_finish_key or "finish_reason" in meta
         self.meta = dict(meta)
         self.n_chunks += 1
         self.finished = finishing
 
-    def _is_state_dump(self, lps: list[Any], lists: dict[str, list[Any]], ids: Any, total: int | None) -> bool:
-        """A finishing chunk built from the request's whole state, as SGLang's abort of a queued request
-        (``TokenizerManager._handle_abort_req``) sends it in both streaming modes: the full per-token lists
-        (never sliced to a delta; the length field counts them all), the full text, and ``output_ids``
-        holding only the last id (``[]`` without tokens)."""
-        if total is None or len(lps) != total:
-            return False
-        if not isinstance(ids, (list, tuple)) or len(ids) > 1:
-            return False
-        if not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in lps):
-            return False
-        if list(ids) != [e[1] for e in lps[-1:]]:
-            return False
-        return all(_extends(values, self.lists.get(key, [])) for key, values in lists.items())
+    def _is_state_dump(self, lists: dict[str, list[Any]], ids: list[Any] | None, total: int | None) -> bool:
+        """A finishing chunk of the request's whole state, as SGLang's abort of a queued request sends it in both
+        modes (``TokenizerManager._handle_abort_req``): full per-token lists (the length field counts them all),
+        full text, ``output_ids`` holding only the last id (``[]`` without tokens)."""
+        lps = lists[_PRIMARY]
+        return (total is not None and len(lps) == total and ids is not None and len(ids) <= 1
+                and all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in lps)
+                and ids == [e[1] for e in lps[-1:]]
+                and all(_extends(values, self.lists.get(key, [])) for key, values in lists.items()))
 
-    def _take_state_dump(self, lists: dict[str, list[Any]], lps: list[Any], text: Any) -> None:
-        self.lists.update(lists)
-        self.output_ids = [e[1] for e in lps]
-        if isinstance(text, str):
-            self.text_parts, self.last_text = [], text
-
-    def _merge(
-        self, lps: list[Any], lists: dict[str, list[Any]], ids: Any, total: int | None, meta: Mapping[str, Any],
-        text: Any,
-    ) -> None:
+    def _merge(self, lists: dict[str, list[Any]], ids: list[Any] | None, text: str | None,
+               meta: Mapping[str, Any]) -> None:
         """Merge one chunk's tokens (an incremental delta, or a cumulative chunk extending what was received)."""
+        lps, total = lists[_PRIMARY], _length_field(meta)
         if self._is_incremental(lps, meta):
             if total is not None and len(self.entries) + len(lps) != total:
                 raise SGLangLogprobError(
                     f"{self._where()}: {len(lps)} log-prob entries with {len(self.entries)} "
-                    f"received so far do not add up to output_token_logprobs_length = {total}"
-                )
+                    f"received so far do not add up to output_token_logprobs_length = {total}")
             for key, values in lists.items():
                 self.lists.setdefault(key, []).extend(values)
-            if isinstance(ids, (list, tuple)):
-                if self.output_ids is None:
-                    self.output_ids = []
+            if ids is not None:
+                self.output_ids = self.output_ids or []
                 self.output_ids.extend(ids)  # in place: a long stream of deltas merges in linear time
-            if isinstance(text, str):
+            if text is not None:
                 self.text_parts.append(text)
-        else:
-            for key, values in lists.items():
-                old = self.lists.get(key, [])
-                if not _extends(values, old):
-                    raise SGLangLogprobError(
-                        f"{self._where()} is cumulative but its {key} does not extend the {len(old)} entries "
-                        "received so far (chunks out of order, or mixed streaming modes?)"
-                    )
-                self.lists[key] = values
-            if total is not None and len(lps) > total:
-                self.ahead += 1  # serialised after its (referenced) lists grew: later tokens, already here
-            if isinstance(ids, (list, tuple)):
-                ids = list(ids)
-                if self.output_ids is not None and not _extends(ids, self.output_ids):
-                    raise SGLangLogprobError(
-                        f"{self._where()} is cumulative but its output_ids do not extend the "
-                        f"{len(self.output_ids)} ids received so far (an earlier token was rewritten)"
-                    )
-                self.output_ids = ids
-            if isinstance(text, str):
-                self.last_text = text
+            return
+        for key, values in lists.items():
+            old = self.lists.get(key, [])
+            if not _extends(values, old):
+                raise SGLangLogprobError(
+                    f"{self._where()} is cumulative but its {key} does not extend the {len(old)} entries "
+                    "received so far (chunks out of order, or mixed streaming modes?)")
+            self.lists[key] = values
+        if total is not None and len(lps) > total:
+            self.ahead += 1  # serialised after its (referenced) lists grew: later tokens, already here
+        if ids is not None:
+            if self.output_ids is not None and not _extends(ids, self.output_ids):
+                raise SGLangLogprobError(
+                    f"{self._where()} is cumulative but its output_ids do not extend the "
+                    f"{len(self.output_ids)} ids received so far (an earlier token was rewritten)")
+            self.output_ids = ids
+        if text is not None:
+            self.last_text = text
 
     def result(self, done: bool) -> dict[str, Any]:
-        if self.n_chunks == 0:
-            raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
-        meta = dict(self.meta)
-        if not self.finished and (self.saw_finish_key or not done):
-            # no finishing chunk: a stream cut short (even one whose chunks never carry the key) is unfinished
+        """The merged response; a request without a finishing chunk (or without any chunk) gets ``finish_reason``
+        null, unless no chunk carried the key and ``[DONE]`` closed the stream."""
+        meta = {**self.meta, **self.lists, _PRIMARY: self.entries, "output_token_logprobs_length": len(self.entries)}
+        if not self.finished and (self.saw_finish_key or not done or self.n_chunks == 0):
             meta["finish_reason"] = None
-        meta.update(self.lists)
-        meta["output_token_logprobs_length"] = len(self.entries)
         if "output_token_sampling_mask" in self.lists:
             meta["output_token_sampling_mask_length"] = len(self.lists["output_token_sampling_mask"])
-        text = "".join(self.text_parts) if self.text_parts else self.last_text
-        out: dict[str, Any] = {"text": text, "meta_info": meta}
-        if self.output_ids is not None:
-            out["output_ids"] = self.output_ids
-        out["stream"] = {"chunks": self.n_chunks, "done": done, "ahead": self.ahead,
-                         "finish_reason_seen": self.saw_finish_key}
+        stream = {"chunks": self.n_chunks, "done": done, "ahead": self.ahead,
+                  "finish_reason_seen": self.saw_finish_key}
         if self.abort_note is not None:
-            out["stream"]["abort_note"] = self.abort_note
-        out["index"] = self.index
-        return out
+            stream["abort_note"] = self.abort_note
+        text = "".join(self.text_parts) if self.text_parts else self.last_text
+        ids = {} if self.output_ids is None else {"output_ids": self.output_ids}  # none: not checked by the parser
+        return {"text": text, "meta_info": meta, **ids, "stream": stream, "index": self.index}
 
 
-def _missing(index: int, done: bool) -> dict[str, Any]:
-    """The result of a request of the batch that sent no chunk: no tokens, ``finish_reason`` null, so
-    :func:`slime_tis.sglang.parse_generate_response` rejects it as unfinished (and ``collate`` counts it)."""
-    meta = {"output_token_logprobs": [], "output_token_logprobs_length": 0, "finish_reason": None}
-    return {
-        "text": None,
-        "output_ids": [],
-        "meta_info": meta,
-        "stream": {"chunks": 0, "done": done, "ahead": 0, "finish_reason_seen": False},
-        "index": index,
-    }
-
-
-def _by_index(
-    chunks: Iterable[str | bytes | Mapping[str, Any]],
-    incremental: bool | None,
-    check_index: Callable[[int], None],
-) -> tuple[dict[int, _Accumulator], bool]:
-    """Merge every chunk into the accumulator of its ``index`` (0 without one); ``check_index(index)`` of
-    every chunk carrying the key raises when that index cannot be accepted. Returns the accumulators and
-    whether ``[DONE]`` was seen."""
+def _merge(chunks: Iterable[str | bytes | Mapping[str, Any]], incremental: bool | None, num_requests: int | None,
+           batch: bool) -> list[dict[str, Any]]:
+    """Every chunk merged into the request of its ``index`` (0 without one); one result per request."""
     lines = _Lines(chunks)
     accs: dict[int, _Accumulator] = {}
     for chunk in lines:
         index = chunk.get("index", 0)
         if isinstance(index, bool) or not isinstance(index, int):
             raise SGLangLogprobError(f"stream chunk has a non-integer 'index' {index!r}")
-        if "index" in chunk:
-            check_index(index)
+        if "index" in chunk and not batch and index != 0:
+            raise SGLangLogprobError(f"stream chunk has 'index' {index}: the stream holds several requests; use "
+                                     "merge_stream_batch with num_requests")
+        if "index" in chunk and batch and num_requests is None:
+            raise SGLangLogprobError(
+                f"stream chunk has 'index' {index}: a batched stream needs num_requests (len(input_ids) x n), "
+                "so that a request that sends no chunk is returned, rejected and counted instead of lost")
+        if num_requests is not None and not 0 <= index < num_requests:
+            raise SGLangLogprobError(f"stream chunk has 'index' {index}, expected [0, {num_requests})")
         if index not in accs:
             accs[index] = _Accumulator(incremental, index)
         accs[index].add(chunk)
-    return accs, lines.done
+    if num_requests is None:
+        if not accs:
+            raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
+        return [accs[0].result(lines.done)]
+    return [accs.get(i, _Accumulator(incremental, i)).result(lines.done) for i in range(num_requests)]
 
 
 def merge_stream_batch(
@@ -328,62 +255,19 @@ def merge_stream_batch(
     incremental: bool | None = None,
     num_requests: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Merge the chunks of a (possibly batched) streaming request; one response dict per request,
-    ordered by ``index`` and carrying it (``result["index"]``).
-
-    ``num_requests``: how many requests the batch holds (``len(input_ids)`` of a batched request,
-    times ``n`` for parallel sampling); required when the chunks carry ``index`` (a batched stream), since
-    only then can a request that sent no chunk be told apart from one that does not exist. Result ``i``
-    is always request ``i``: a request that sent no chunk at all gets an empty result with
-    ``finish_reason`` null and ``stream["chunks"] = 0``, which
-    :func:`slime_tis.sglang.parse_generate_response` rejects as unfinished and ``collate`` counts in
-    ``sglang/unfinished_seq_fraction``; the next request's tokens never take its place. A chunk with an
-    index outside ``[0, num_requests)`` is an error. Without ``num_requests`` the stream must be one
-    request (chunks without ``index``).
-
-    A request whose stream stops before its finishing chunk is still returned (``finish_reason``
-    null, ``stream["done"]`` false when ``[DONE]`` is missing) and is rejected, counted, by
-    :func:`slime_tis.sglang.parse_generate_response`; the other requests of the batch are unaffected.
-    """
+    """The chunks of a streaming request -> one response dict per request, result ``i`` = request ``i``;
+    ``num_requests`` (``len(input_ids)`` x ``n``) is required when the chunks carry ``index``: a request that sent no
+    chunk is an empty, unfinished result in its place (docs/sglang.md, "Streams")."""
     if num_requests is not None and (
         isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
     ):
         raise ValueError(f"num_requests must be a positive int, got {num_requests!r}")
-
-    def check_index(index: int) -> None:
-        if num_requests is None:
-            raise SGLangLogprobError(
-                f"stream chunk has 'index' {index}: a batched stream needs num_requests (len(input_ids) x n), "
-                "so that a request that sends no chunk is returned, rejected and counted instead of lost"
-            )
-        if not 0 <= index < num_requests:
-            raise SGLangLogprobError(f"stream chunk has 'index' {index}, expected [0, {num_requests})")
-
-    accs, done = _by_index(chunks, incremental, check_index)
-    if num_requests is None:
-        if not accs:
-            raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
-        return [accs[0].result(done)]
-    return [accs[i].result(done) if i in accs else _missing(i, done) for i in range(num_requests)]
+    return _merge(chunks, incremental, num_requests, batch=True)
 
 
 def merge_stream_chunks(
     chunks: Iterable[str | bytes | Mapping[str, Any]], *, incremental: bool | None = None
 ) -> dict[str, Any]:
-    """Merge the chunks of one streaming request into one non-streaming-shaped response dict.
-
-    Raises :class:`SGLangLogprobError` if the chunks belong to several requests (use
-    :func:`merge_stream_batch`), are inconsistent, or carry no log-probs.
-    """
-
-    def check_index(index: int) -> None:
-        if index != 0:
-            raise SGLangLogprobError(
-                f"stream chunk has 'index' {index}: the stream holds several requests; use merge_stream_batch "
-                "with num_requests"
-            )
-
-    accs, done = _by_index(chunks, incremental, check_index)
-    if not accs:
-        raise SGLangLogprobError("empty stream: no chunk with meta_info was received")
-    return accs[0].result(done)
+    """The chunks of one streaming request -> one non-streaming-shaped response dict (several requests: use
+    :func:`merge_stream_batch`)."""
+    return _merge(chunks, incremental, None, batch=False)[0]

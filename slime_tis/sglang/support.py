@@ -1,27 +1,7 @@
-"""Per-token sampling support from an SGLang response -> a packed, validated CSR (the replay's input).
+"""Per-token sampling supports of SGLang responses -> a packed, validated CSR (the input of the support replay).
 
-A token drawn with top-k / top-p was drawn from ``softmax(logits / T)`` restricted to the kept ids and
-renormalised there. Replaying that support in training (``--tis-sampling-support replay``) gives both
-log-probs over the same truncated distribution. Two wire shapes carry it:
-
-* SGLang (>= 0.5.23, ``"return_sampling_mask": true``): ``meta_info.output_token_sampling_mask``, one list of
-  kept token ids per output token (sglang ``python/sglang/srt/sampling/sampling_mask.py`` at 3e796ca8b2,
-  ``SamplingMaskChunk.to_lists``: int32 ``lengths`` + ``token_ids`` row after row, serialised as lists).
-* slime's patched SGLang (``custom_params["return_top_p_token_ids"]``): ``meta_info.top_p_token_ids`` (or
-  ``top_p_kept_token_ids``) and ``top_p_token_offsets`` (or ``top_p_kept_token_offsets``), each base64 of
-  little-endian int32 or a list; token ``t``'s ids are ``ids[offsets[t]:offsets[t + 1]]``, ``offsets[0] = 0``,
-  ``len(offsets) = tokens + 1`` (slime ``slime/utils/types.py`` ``_extract_rollout_top_p_token_data`` and
-  ``slime/utils/misc.py`` ``decode_int32_meta_array`` at 624b824a89).
-
-Packed form, for ``R`` tokens and ``S`` kept ids in all (CSR): ``ids [S]`` int32, ``offsets [R + 1]`` int64
-(int64: a batch of full-vocabulary rows passes 2**31 ids). A bitmask (``V / 8`` bytes a row) is smaller only
-when rows keep more than ``V / 32`` ids on average, which top-p / top-k supports do not; only the CSR is used.
-
-Validation per generated token (:func:`validate_support`): the row is non-empty, at most ``vocab_size`` ids,
-every id in ``[0, vocab_size)``, no id twice, and the sampled token among them. A failing row rejects its
-sequence (a reason naming the rule, the count and the first positions); the parser then stores the row empty
-and puts NaN at that token's rollout log-prob, so the core rejects the sequence (``tis/nonfinite_seq_fraction``)
-while ``sglang/support_invalid_seq_fraction`` counts it here. Nothing falls back to the full vocabulary.
+Wire shapes (SGLang's ``output_token_sampling_mask``, slime's ``top_p_token_ids`` / ``top_p_token_offsets``), the
+packed form (``ids [S]`` int32, ``offsets [R + 1]`` int64) and the validation rules: docs/sampling_support.md.
 """
 
 from __future__ import annotations
@@ -56,17 +36,19 @@ class SamplingSupport:
         return int(self.offsets.numel()) - 1
 
     @classmethod
+    def from_lengths(cls, ids: Tensor, lengths: Tensor) -> SamplingSupport:
+        """Rows of ``lengths [R]`` ids each, taken from ``ids`` in order."""
+        return cls(ids, torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths.to(torch.int64), 0)]))
+
+    @classmethod
     def empty_rows(cls, n: int) -> SamplingSupport:
         """``n`` rows without ids (tool / environment tokens, not trained on)."""
-        return cls(torch.zeros(0, dtype=torch.int32), torch.zeros(n + 1, dtype=torch.int64))
+        return cls.from_lengths(torch.zeros(0, dtype=torch.int32), torch.zeros(n, dtype=torch.int64))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[int]]) -> SamplingSupport:
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(lengths, 0)
-        flat = [int(t) for r in rows for t in r]
-        return cls(_int32(flat, "output_token_sampling_mask"), offsets)
+        ids = _int32([t for r in rows for t in r], "output_token_sampling_mask")
+        return cls.from_lengths(ids, torch.tensor([len(r) for r in rows], dtype=torch.int64))
 
 
 def _int32(values: Sequence[int], name: str) -> Tensor:
@@ -94,21 +76,9 @@ def _decode_int32(value: Any, name: str) -> Tensor:
     raise ValueError(f"meta_info[{name!r}] must be base64, bytes or a list of ints, got {type(value).__name__}")
 
 
-def _first(meta: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, Any] | None:
-    for k in keys:
-        if meta.get(k) is not None:
-            return k, meta[k]
-    return None
-
-
-def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSupport | None, list[str]]:
-    """The support SGLang returned for ``n_tokens`` output tokens, and alignment errors (a list of reasons).
-
-    Returns ``(None, [])`` when the response carries none. A support whose row count differs from
-    ``n_tokens`` (or slime offsets that do not start at 0, decrease, or end past the ids) is an alignment
-    error: the caller rejects and masks the sequence, and the support returned is ``n_tokens`` empty rows.
-    A wire value of the wrong type raises ``ValueError`` naming the key.
-    """
+def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSupport, list[str]]:
+    """The support of ``n_tokens`` output tokens in ``meta`` and alignment errors (then ``n_tokens`` empty rows). A
+    response without one, or a wire value of the wrong type, raises ``ValueError`` naming the key."""
     if meta.get(_MASK_KEY) is not None:
         rows = meta[_MASK_KEY]
         if not isinstance(rows, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in rows):
@@ -117,9 +87,14 @@ def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSuppor
             return SamplingSupport.empty_rows(n_tokens), [
                 f"len({_MASK_KEY}) = {len(rows)} but len(output_token_logprobs) = {n_tokens}"]
         return SamplingSupport.from_rows(rows), []
-    ids_entry, off_entry = _first(meta, _SLIME_IDS), _first(meta, _SLIME_OFFSETS)
+    ids_entry = next(((k, meta[k]) for k in _SLIME_IDS if meta.get(k) is not None), None)
+    off_entry = next(((k, meta[k]) for k in _SLIME_OFFSETS if meta.get(k) is not None), None)
     if ids_entry is None and off_entry is None:
-        return None, []
+        raise ValueError(
+            "sampling_support=True needs the per-token support: send the /generate request with "
+            "\"return_sampling_mask\": true (SGLang >= 0.5.23: meta_info['output_token_sampling_mask']) or slime's "
+            "custom_params {\"return_top_p_token_ids\": true} (meta_info['top_p_token_ids'] / "
+            "['top_p_token_offsets']), or parse with sampling_support=False")
     if ids_entry is None or off_entry is None:
         raise ValueError("meta_info carries only one of slime's top-p token ids / offsets "
                          f"({_SLIME_IDS[0]!r}, {_SLIME_OFFSETS[0]!r}); both are needed")
@@ -140,29 +115,23 @@ def _positions(where: Tensor) -> str:
     return ", ".join(map(str, idx[:5])) + (", ..." if len(idx) > 5 else "")
 
 
-def validate_support(support: SamplingSupport, token_ids: Tensor, vocab_size: int,
-                     generated: Tensor | None = None) -> tuple[SamplingSupport, Tensor, list[str]]:
-    """Check each generated token's row (module docstring); returns ``(support, bad [R] bool, reasons)``.
-
-    ``generated [R]`` (bool, default all): the rows to check (tool tokens are not). Bad rows are emptied in the
-    returned support; ``reasons`` has one entry per failed rule with its count and first positions.
-    """
+def validate_support(support: SamplingSupport, token_ids: Tensor,
+                     vocab_size: int) -> tuple[SamplingSupport, Tensor, list[str]]:
+    """Check every row of the generated tokens ``token_ids [R]`` against the rules of docs/sampling_support.md:
+    returns the support with bad rows emptied, ``bad [R]`` bool, and one reason per failed rule (count, first
+    positions)."""
     n = support.num_rows
-    gen = torch.ones(n, dtype=torch.bool) if generated is None else generated.to(torch.bool)
-    lengths = support.offsets[1:] - support.offsets[:-1]
+    lengths = support.offsets.diff()
     row = torch.repeat_interleave(torch.arange(n), lengths)
     ids = support.ids.to(torch.int64)
-    n_out = torch.zeros(n, dtype=torch.int64)
-    n_out.index_add_(0, row, ((ids < 0) | (ids >= vocab_size)).to(torch.int64))
-    out_of_range = n_out > 0
     in_range = (ids >= 0) & (ids < vocab_size)
+    out_of_range = torch.zeros(n, dtype=torch.int64).index_add_(0, row, (~in_range).to(torch.int64)) > 0
     key = row * vocab_size + ids.clamp(0, vocab_size - 1)
     ordered = key[in_range].sort().values
     duplicate = torch.zeros(n, dtype=torch.bool)
     dup_keys = ordered[1:][ordered[1:] == ordered[:-1]]
     duplicate[torch.div(dup_keys, vocab_size, rounding_mode="floor")] = True
-    has_token = torch.zeros(n, dtype=torch.int64)
-    has_token.index_add_(0, row, (ids == token_ids.to(torch.int64)[row]).to(torch.int64))
+    has_token = torch.zeros(n, dtype=torch.int64).index_add_(0, row, (ids == token_ids.to(torch.int64)[row]).long())
     rules = (
         ("empty sampling support", lengths == 0),
         (f"sampling support longer than the vocabulary ({vocab_size})", lengths > vocab_size),
@@ -173,25 +142,15 @@ def validate_support(support: SamplingSupport, token_ids: Tensor, vocab_size: in
     bad = torch.zeros(n, dtype=torch.bool)
     reasons = []
     for name, failed in rules:
-        failed = failed & gen
         if bool(failed.any()):
             reasons.append(f"{int(failed.sum())} token(s) with {name} at generated token(s) {_positions(failed)}")
             bad |= failed
     if not reasons:
         return support, bad, reasons
-    keep_ids = ~bad[row]
-    new_lengths = torch.where(bad, torch.zeros_like(lengths), lengths)
-    offsets = torch.zeros_like(support.offsets)
-    offsets[1:] = torch.cumsum(new_lengths, 0)
-    return SamplingSupport(support.ids[keep_ids], offsets), bad, reasons
+    emptied = SamplingSupport.from_lengths(support.ids[~bad[row]], torch.where(bad, torch.zeros_like(lengths), lengths))
+    return emptied, bad, reasons
 
 
 def concat_supports(parts: Sequence[SamplingSupport]) -> SamplingSupport:
-    """Rows of ``parts`` one after the other (offsets shifted)."""
-    ids = torch.cat([p.ids for p in parts]) if parts else torch.zeros(0, dtype=torch.int32)
-    offsets = [torch.zeros(1, dtype=torch.int64)]
-    base = 0
-    for p in parts:
-        offsets.append(p.offsets[1:] + base)
-        base += int(p.offsets[-1])
-    return SamplingSupport(ids, torch.cat(offsets))
+    """The rows of ``parts`` (at least one) one after the other."""
+    return SamplingSupport.from_lengths(torch.cat([p.ids for p in parts]), torch.cat([p.offsets.diff() for p in parts]))

@@ -1,24 +1,16 @@
-"""The training/rollout mismatch of a dump by cause: the share of ``tis/k3_kl`` explained by truncated sampling,
-by MoE routing and by staleness, and the remainder.
+"""The training/rollout mismatch of a dump by cause: the shares of ``tis/k3_kl`` explained by truncated sampling,
+MoE routing and staleness, and the remainder.
 
-Per valid token with finite values, ``l_t = lp_train - lp_rollout`` over the full vocabulary and
-``k3_t = exp(l_t) - 1 - l_t``; ``K = sum_t k3_t`` (``N K`` with ``N`` tokens is ``tis/k3_kl``). Each cause is read
-from what the dump records:
+Over valid tokens with finite values: ``l_t = lp_train - lp_rollout`` (full vocabulary), ``k3(l) = exp(l) - 1 - l``,
+``K = sum_t k3(l_t)``, ``l'_t = l_t - log S_t`` (``S_t`` the kept mass, ``rollout_log_mass``; 1 without it).
 
-* **truncated sampling** (``rollout_log_mass``, the log of the mass ``S_t`` top-p / top-k kept): exactly, by
-  removing it, ``l'_t = l_t - log S_t`` (the ratio over the sampled support, docs/sampling_support.md);
-  ``share = (K - sum_t k3(l'_t)) / K``;
-* **MoE routing** (``routing_differs``, tokens whose training router chose other experts than the engine) and
-  **staleness** (``staleness``, policy versions behind per sequence; > 0 = stale): by excess over the clean
-  tokens, those neither re-routed nor stale, whose mean ``b = mean_{t clean} k3(l'_t)`` is what every token would
-  show without these two causes: ``share_c = sum_{t in c} (k3(l'_t) - b) / K`` over the tokens of cause ``c``
-  only; tokens with both go to ``routing and staleness``;
-* **remainder** = ``1 -`` the shares: the mismatch of the clean tokens (numerics: dtype, kernels, batch
-  invariance) and what the recorded causes do not explain.
+* truncated sampling, exactly: ``(K - sum_t k3(l'_t)) / K``;
+* MoE routing (``routing_differs``), staleness (``staleness > 0``), both: the excess over the clean tokens (neither),
+  ``sum_{t in c} (k3(l'_t) - b) / K`` with ``b = mean_{t clean} k3(l'_t)`` (it assumes the clean tokens show what
+  the others would without their cause; negative when a cause's tokens show less than the clean ones);
+* remainder: ``1 -`` the other shares (numerics, and what the dump does not record).
 
-The excess attribution assumes the clean tokens' mismatch is what the others would have without their cause
-(tokens of the same kind); a share is ``None`` when the dump does not record its cause. A cause's share can be
-negative when its tokens show less mismatch than the clean ones (noise on few tokens).
+A share is ``None`` when the dump does not record its cause.
 """
 
 from __future__ import annotations
@@ -30,43 +22,49 @@ import torch
 
 from slime_tis.tools.dump import LogprobDump
 
-__all__ = ["CAUSES", "mismatch_by_cause"]
+__all__ = ["CAUSES", "k3", "log_ratios", "mismatch_by_cause"]
 
 #: the causes, in report order
 CAUSES = ("truncated sampling", "MoE routing", "staleness", "routing and staleness", "remainder")
 
 
-def _k3(x: torch.Tensor) -> torch.Tensor:
+def k3(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x) - 1 - x`` (``>= 0``)."""
     return torch.expm1(x) - x
 
 
-def mismatch_by_cause(dump: LogprobDump) -> dict[str, Any] | None:
-    """``{"k3_kl", "tokens", "shares": {cause: share or None}, "tokens_of": {cause: count}}`` (module docstring),
-    or ``None`` when the dump records none of the causes or holds no usable token."""
-    if dump.rollout_log_mass is None and dump.routing_differs is None and dump.staleness is None:
-        return None
-    lengths = dump.cu_seqlens[1:] - dump.cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+def log_ratios(dump: LogprobDump) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ok [T]`` (valid tokens with finite values) and, over those tokens, float64 ``l_t`` with the train log-probs
+    over the full vocabulary (``+ log S_t`` when the dump's meta ``sampling_support`` is ``"replay"``) and
+    ``log S_t`` (0 without ``rollout_log_mass``)."""
     log_r = dump.train_log_probs.double() - dump.rollout_log_probs.double()
     mass = torch.zeros_like(log_r) if dump.rollout_log_mass is None else dump.rollout_log_mass.double()
-    if dump.meta.get("sampling_support") == "replay":  # train log-probs over the support: back to full vocabulary
+    if dump.meta.get("sampling_support") == "replay":
         log_r = log_r + mass
     ok = dump.loss_mask & torch.isfinite(log_r) & torch.isfinite(mass)
+    return ok, log_r[ok], mass[ok]
+
+
+def mismatch_by_cause(dump: LogprobDump) -> dict[str, Any] | None:
+    """``{"k3_kl", "tokens", "shares": {cause: share or None}, "tokens_of": {cause: count}}``, or ``None`` when the
+    dump records none of the causes or holds no usable token."""
+    if dump.rollout_log_mass is None and dump.routing_differs is None and dump.staleness is None:
+        return None
+    ok, full, mass = log_ratios(dump)
     if not bool(ok.any()):
         return None
-    full, rest = log_r[ok], (log_r - mass)[ok]
-    total = float(_k3(full).sum())
+    total = float(k3(full).sum())
     shares: dict[str, float | None] = dict.fromkeys(CAUSES)
     counts = dict.fromkeys(CAUSES, 0)
     if total <= 0:
         return {"k3_kl": 0.0, "tokens": int(ok.sum()), "shares": shares, "tokens_of": counts}
-    k3_rest = _k3(rest)
+    k3_rest = k3(full - mass)
     if dump.rollout_log_mass is not None:
         shares["truncated sampling"] = (total - float(k3_rest.sum())) / total
-        counts["truncated sampling"] = int((mass[ok] < 0).sum())
+        counts["truncated sampling"] = int((mass < 0).sum())
     routed = torch.zeros_like(ok) if dump.routing_differs is None else dump.routing_differs
-    stale_seq = torch.zeros(lengths.numel(), dtype=torch.bool) if dump.staleness is None else dump.staleness > 0
-    routed, stale = routed[ok], stale_seq[seq][ok]
+    stale_seq = torch.zeros(dump.n_seq, dtype=torch.bool) if dump.staleness is None else dump.staleness > 0
+    routed, stale = routed[ok], torch.repeat_interleave(stale_seq, dump.lengths)[ok]
     clean = ~routed & ~stale
     groups = {"MoE routing": routed & ~stale, "staleness": stale & ~routed, "routing and staleness": routed & stale}
     recorded = {"MoE routing": dump.routing_differs is not None, "staleness": dump.staleness is not None,
@@ -88,8 +86,6 @@ def format_causes(c: dict[str, Any]) -> list[str]:
              "slime_tis/tools/causes.py says how each is measured):"]
     for cause in CAUSES:
         share = c["shares"][cause]
-        if share is None:
-            lines.append(f"  {cause:<24} not recorded in the dump")
-        else:
-            lines.append(f"  {cause:<24} {100 * share:>7.1f}%   ({c['tokens_of'][cause]} tokens)")
+        lines.append(f"  {cause:<24} not recorded in the dump" if share is None
+                     else f"  {cause:<24} {100 * share:>7.1f}%   ({c['tokens_of'][cause]} tokens)")
     return lines

@@ -1,50 +1,18 @@
-"""``slime-tis diagnose``: off-policy diagnostics of a log-prob dump, and a configuration recommendation.
+"""``slime-tis diagnose``: off-policy diagnostics of a log-prob dump (docs/dump_format.md) and a recommendation.
 
-Input: a dump (``docs/dump_format.md``) of rollout (SGLang) and training log-probs per response token.
-Every number comes from the core: :func:`slime_tis.compute_tis` on the packed dump (its ``tis/``
-metrics, and its per-token / per-sequence log-ratios for the percentiles).
-
-Report:
-
-1. **Overall** ``tis/`` metrics under the user's configuration (algorithm 2 if none is given).
-2. **Percentiles** (min, 1, 5, 25, 50, 75, 95, 99, max) of: the per-token log-ratio
-   ``l_t = lp_train - lp_rollout`` and ratio ``r_t``; the sequence log-ratio ``L = sum_t l_t``; the
-   geometric log-ratio ``L / n``; the per-sequence minimum token log-ratio (what the veto tests).
-3. **Response-length buckets** (valid tokens per sequence; default: quartile edges): sequences,
-   ``tis/kl``, ``tis/k3_kl``, ``tis/chi2_seq``, and the fraction of units outside the default bounds
-   at each level: token and sequence ``[0.5, 2]``, geometric ``[1/1.001, 1.001]``.
-4. **Recommendation** (mode / level / bounds / veto) with its reasoning, and the core's metrics
-   under it (rejected fractions, ess, weight mean).
-5. **Sampling support** (when the dump carries ``rollout_log_mass``, the log of the mass the rollout's top-p /
-   top-k kept at each token): the token log-ratio with the trainer's log-probs over the full vocabulary and over
-   the sampled support (``l_full = l_replay + log S``; the dump's meta ``sampling_support`` says which one its
-   train log-probs are, ``full`` when absent), their means, ``k3`` and fraction of tokens outside [0.9, 1.1], and
-   the share of the full-vocabulary ``k3`` the support explains, ``1 - k3(l_replay) / k3(l_full)``
-   (docs/sampling_support.md).
-6. **Mismatch by cause** (when the dump records the sampling support, the tokens re-routed by MoE training or the
-   sequences' staleness): the share of ``tis/k3_kl`` explained by truncated sampling, MoE routing, staleness and
-   the remainder (:mod:`slime_tis.tools.causes`).
-
-The rules of the recommendation (thresholds are stated in the reasons it prints):
-
-* no usable token (every valid token masked, or in a sequence with non-finite log-probs): said so, and no
-  recommendation;
-* negligible mismatch (``k3_kl < 1e-4`` and < 0.1% of tokens outside ``[0.5, 2]``): token-level
-  truncation at 2 is harmless; the correction barely acts;
-* sequence-level weights saturate (more than 20% of all sequences, or more than 50% of the longest
-  bucket, outside ``[0.5, 2]``: ``exp(sum_t l_t)`` explodes or vanishes with length, the "length
-  trap"): geometric-level masking, bound = 90th percentile of ``exp(|L / n|)`` (at least 1.001) so
-  that about 10% of sequences are rejected;
-* otherwise sequence-level truncation at 2 if at most 5% of sequences exceed it, else token-level
-  truncation at the 99th percentile of ``r_t`` (clamped to ``[1.5, 5]``);
-* a veto at 1e-4 when some sequence has a token with ``r_t < 1e-4`` (a catastrophic token);
-* batch normalisation when the recommended weights' mean is off 1 by more than 5%.
+Every number comes from the core (:func:`slime_tis.compute_tis` on the packed dump). The report: the ``tis/``
+metrics under the configuration given (algorithm 2 by default) and what it would do to the dump; percentiles of the
+token, sequence, geometric and per-sequence minimum log-ratios; metrics per response-length bucket (quartile edges
+by default); the recommendation and its reasons (the rules: docs/troubleshooting.md, "Symptom, cause, fix"); with
+``rollout_log_mass``, the share of ``k3`` the sampling support explains, ``1 - k3(l_replay) / k3(l_full)`` with
+``l_full = l_replay + log S`` (docs/sampling_support.md); with a recorded cause, the mismatch by cause
+(:mod:`slime_tis.tools.causes`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -54,17 +22,10 @@ from slime_tis.config import FLAG_OF, TISConfig
 from slime_tis.core import compute_tis
 from slime_tis.core.correction import TISResult
 from slime_tis.core.levels import GEOMETRIC, LEVELS
-from slime_tis.tools.causes import format_causes, mismatch_by_cause
+from slime_tis.tools.causes import format_causes, k3, log_ratios, mismatch_by_cause
 from slime_tis.tools.dump import LogprobDump
 
-__all__ = [
-    "PERCENTILES",
-    "Diagnosis",
-    "Recommendation",
-    "diagnose",
-    "format_report",
-    "write_histogram",
-]
+__all__ = ["PERCENTILES", "Diagnosis", "Recommendation", "diagnose", "format_report", "write_histogram"]
 
 PERCENTILES = (0.0, 1.0, 5.0, 25.0, 50.0, 75.0, 95.0, 99.0, 100.0)
 #: The bounds a level's units are tested against: its rejecting default ``[1 / upper, upper]`` (``core.levels``).
@@ -74,41 +35,41 @@ CATASTROPHIC = 1e-4
 
 @dataclass
 class Recommendation:
-    """A configuration and why. ``fields`` are ``TISConfig`` fields; ``flags`` the command line."""
+    """A configuration (``TISConfig`` fields) and why, with the core's metrics under it."""
 
     fields: dict[str, Any]
     reasons: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def _settings(self) -> list[tuple[str, str | None]]:
+        """``(flag, value)`` of every field set, in flag order; value ``None`` for a switch."""
+        out = []
+        for key in ("mode", "level", "upper", "lower", "veto_threshold", "batch_normalize"):
+            value = self.fields.get(key)
+            if value is True:
+                out.append((FLAG_OF[key], None))
+            elif value is not None and value is not False:
+                out.append((FLAG_OF[key], f"{value:g}" if isinstance(value, float) else f"{value}"))
+        return out
+
     @property
     def yaml(self) -> str:
-        """The same configuration as slime takes it: its ``--use-tis`` flag, then the keys of the
-        ``--custom-config-path`` file (each flag's argparse dest)."""
+        """As slime takes it: its ``--use-tis`` flag, then the keys of the ``--custom-config-path`` file (each
+        flag's argparse dest)."""
         if not self.fields:
-            return "(none: nothing to base a recommendation on)"
-        lines = ["slime flag: --use-tis", "slime --custom-config-path YAML:"]
-        for key in ("mode", "level", "upper", "lower", "veto_threshold"):
-            value = self.fields.get(key)
-            if value is not None:
-                lines.append(f"    {FLAG_OF[key].lstrip('-').replace('-', '_')}: "
-                             + (f"{value:g}" if isinstance(value, float) else f"{value}"))
-        if self.fields.get("batch_normalize"):
-            lines.append(f"    {FLAG_OF['batch_normalize'].lstrip('-').replace('-', '_')}: true")
-        return "\n  ".join(lines)
+            return _NOTHING
+        keys = [f"    {flag.lstrip('-').replace('-', '_')}: {value or 'true'}" for flag, value in self._settings()]
+        return "\n  ".join(["slime flag: --use-tis", "slime --custom-config-path YAML:", *keys])
 
     @property
     def flags(self) -> str:
         if not self.fields:
-            return "(none: nothing to base a recommendation on)"
-        parts = ["--use-tis"]
-        for key in ("mode", "level", "upper", "lower", "veto_threshold"):
-            flag = FLAG_OF[key]
-            if self.fields.get(key) is not None:
-                parts.append(f"{flag} {self.fields[key]:g}" if isinstance(self.fields[key], float)
-                             else f"{flag} {self.fields[key]}")
-        if self.fields.get("batch_normalize"):
-            parts.append("--tis-batch-normalize")
-        return " ".join(parts)
+            return _NOTHING
+        parts = [flag if value is None else f"{flag} {value}" for flag, value in self._settings()]
+        return " ".join(["--use-tis", *parts])
+
+
+_NOTHING = "(none: nothing to base a recommendation on)"
 
 
 @dataclass
@@ -123,34 +84,29 @@ class Diagnosis:
     buckets: list[dict[str, float]]
     recommendation: Recommendation
     usable_tokens: int = -1  # valid tokens of finite sequences (the diagnostic domain); 0 = nothing to diagnose
-    support: dict[str, float] | None = None  # the sampling-support section (module docstring, 5.), when dumped
-    causes: dict[str, Any] | None = None  # the mismatch by cause (module docstring, 6.), when the dump records one
+    support: dict[str, float] | None = None  # the sampling-support section (:func:`support_explained`)
+    causes: dict[str, Any] | None = None  # the mismatch by cause (:func:`slime_tis.tools.causes.mismatch_by_cause`)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "n_seq": self.n_seq, "n_tokens": self.n_tokens, "usable_tokens": self.usable_tokens,
-            "config": self.config, "overall": self.overall,
-            "percentiles": {"q": list(PERCENTILES), **self.percentiles}, "buckets": self.buckets,
-            "recommendation": {"fields": self.recommendation.fields, "flags": self.recommendation.flags,
-                               "reasons": self.recommendation.reasons, "metrics": self.recommendation.metrics},
-            **({"support": self.support} if self.support is not None else {}),
-            **({"causes": self.causes} if self.causes is not None else {}),
-        }
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        out["percentiles"] = {"q": list(PERCENTILES), **self.percentiles}
+        out["recommendation"]["flags"] = self.recommendation.flags
+        return out
 
 
 def _run(cfg: TISConfig, dump: LogprobDump) -> TISResult:
     return compute_tis(cfg, dump.train_log_probs, dump.rollout_log_probs, dump.loss_mask, dump.cu_seqlens)
 
 
-def _metrics(res: TISResult) -> dict[str, float]:
-    return {k: float(v) for k, v in res.stats.finalize().items()}  # host-sync-ok (offline tool)
+def _metrics(cfg: TISConfig, dump: LogprobDump) -> dict[str, float]:
+    """The core's ``tis/`` metrics of ``dump`` under ``cfg``."""
+    return {k: float(v) for k, v in _run(cfg, dump).stats.finalize().items()}  # host-sync-ok (offline tool)
 
 
 def quantiles(x: Tensor, qs: list[float] | tuple[float, ...]) -> list[float]:
-    """Quantiles ``qs`` (in [0, 1]) of the values of ``x``, linear interpolation between order statistics
-    (``torch.quantile``'s and numpy's default): ``v = s[floor(h)] + (h - floor(h)) (s[ceil(h)] - s[floor(h)])``
-    with ``s`` sorted and ``h = q (n - 1)``. One sort, float64, any size (``torch.quantile`` refuses
-    more than 2**24 values). NaN for an empty input or one holding a NaN."""
+    """Quantiles ``qs`` (in [0, 1]) of ``x`` as ``torch.quantile`` (linear): ``s[lo] + (h - lo) (s[lo + 1] - s[lo])``,
+    ``s`` sorted, ``h = q (n - 1)``, ``lo = floor(h)``; one float64 sort, any size (``torch.quantile`` stops at
+    2**24). NaN for an empty input or one holding a NaN."""
     n = x.numel()
     if n == 0:
         return [math.nan] * len(qs)
@@ -167,14 +123,9 @@ def quantiles(x: Tensor, qs: list[float] | tuple[float, ...]) -> list[float]:
     return out
 
 
-def _quantiles(x: Tensor) -> list[float]:
-    return quantiles(x, [q / 100.0 for q in PERCENTILES])
-
-
 def _outside_fraction(dump: LogprobDump, level: str) -> float:
     lower, upper = LEVEL_BOUNDS[level]
-    res = _run(TISConfig(use_tis=True, mode="clip", level=level, lower=lower, upper=upper), dump)
-    m = _metrics(res)
+    m = _metrics(TISConfig(use_tis=True, mode="clip", level=level, lower=lower, upper=upper), dump)
     return m.get("tis/clip_fraction_low", 0.0) + m.get("tis/clip_fraction_high", 0.0)
 
 
@@ -184,9 +135,8 @@ def _distributions(dump: LogprobDump) -> dict[str, Tensor]:
     tok = rt.log_ratio[rt.token_ok]
     seq_sum = rt.seq_log_ratio_sum[rt.seq_ok]
     seq_geo = GEOMETRIC.of(rt)[rt.seq_ok]
-    big = torch.full_like(rt.log_ratio, float("inf"))
-    seq_min = torch.full((rt.seq_ok.numel(),), float("inf")).scatter_reduce(
-        0, rt.seq_id, torch.where(rt.token_ok, rt.log_ratio, big), reduce="amin")[rt.seq_ok]
+    seq_min = torch.full((rt.seq_ok.numel(),), math.inf).scatter_reduce(
+        0, rt.seq_id, torch.where(rt.token_ok, rt.log_ratio, math.inf), reduce="amin")[rt.seq_ok]
     return {"token log-ratio": tok, "token ratio": torch.exp(tok.double()), "sequence log-ratio": seq_sum,
             "geometric log-ratio": seq_geo, "min token log-ratio": seq_min}
 
@@ -210,7 +160,7 @@ def _buckets(dump: LogprobDump, edges: list[int] | None) -> list[dict[str, float
         if not bool(sel.any()):
             continue
         sub = dump.select(sel)
-        m = _metrics(_run(TISConfig(use_tis=True), sub))
+        m = _metrics(TISConfig(use_tis=True), sub)
         out.append({
             "len_lo": lo, "len_hi": hi - 1, "n_seq": int(sel.sum()), "mean_len": float(vl[sel].double().mean()),
             "kl": m["tis/kl"], "k3_kl": m["tis/k3_kl"], "chi2_seq": m["tis/chi2_seq"],
@@ -267,12 +217,12 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
         reasons.append(f"{100 * overall['tis/nonfinite_seq_fraction']:.2f}% of sequences have non-finite "
                        "log-probs at valid tokens (rejected in training); check the SGLang parser's warnings")
     cfg = TISConfig(use_tis=True, **fields)
-    rec = _metrics(_run(cfg, dump))
+    rec = _metrics(cfg, dump)
     w_mean = rec.get("tis/weight_mean", 1.0)
     if not cfg.plan.mode.masks and abs(w_mean - 1.0) > 0.05:
         fields["batch_normalize"] = True
         reasons.append(f"the recommended weights average {w_mean:.3f} (off 1 by more than 5%): batch-normalise them")
-        rec = _metrics(_run(TISConfig(use_tis=True, **fields), dump))
+        rec = _metrics(TISConfig(use_tis=True, **fields), dump)
     keys = ("tis/rejected_token_fraction", "tis/rejected_seq_fraction", "tis/ess", "tis/weight_mean",
             "tis/truncate_fraction", "tis/mask_fraction_low", "tis/mask_fraction_high", "tis/veto_seq_fraction")
     return Recommendation(fields, reasons, {k: rec[k] for k in keys if k in rec})
@@ -285,7 +235,7 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     if dump.n_seq == 0:
         raise ValueError("the dump holds no sequence")
     cfg = cfg or TISConfig(use_tis=True)
-    overall = _metrics(_run(cfg, dump))
+    overall = _metrics(cfg, dump)
     dists = _distributions(dump)
     buckets = _buckets(dump, bucket_edges)
     usable = int(dists["token log-ratio"].numel())
@@ -293,29 +243,25 @@ def diagnose(dump: LogprobDump, cfg: TISConfig | None = None, *, bucket_edges: l
     rec = _recommend(dump, overall, dists, buckets) if usable else _no_domain(dump, n_valid, overall)
     return Diagnosis(
         n_seq=dump.n_seq, n_tokens=n_valid, config=cfg.describe(), overall=overall,
-        percentiles={k: _quantiles(v) for k, v in dists.items()}, buckets=buckets,
-        recommendation=rec, usable_tokens=usable, support=support_explained(dump), causes=mismatch_by_cause(dump),
-    )
+        percentiles={k: quantiles(v, [q / 100 for q in PERCENTILES]) for k, v in dists.items()}, buckets=buckets,
+        recommendation=rec, usable_tokens=usable, support=support_explained(dump), causes=mismatch_by_cause(dump))
 
 
 def support_explained(dump: LogprobDump) -> dict[str, float] | None:
-    """The sampling-support section (module docstring, 5.) over valid tokens with finite values, or ``None``
-    when the dump carries no ``rollout_log_mass``."""
+    """Mean ratio, ``k3`` and fraction outside [0.9, 1.1] with the train log-probs over the full vocabulary and over
+    the sampled support, and the share of ``k3`` the support explains (module docstring), over valid tokens with
+    finite values; ``None`` when the dump carries no ``rollout_log_mass``."""
     if dump.rollout_log_mass is None:
         return None
-    mass = dump.rollout_log_mass.double()
-    log_r = dump.train_log_probs.double() - dump.rollout_log_probs.double()
-    ok = dump.loss_mask & torch.isfinite(log_r) & torch.isfinite(mass)
-    log_r, mass = log_r[ok], mass[ok]
+    _, full, mass = log_ratios(dump)
     replayed = dump.meta.get("sampling_support") == "replay"
-    out: dict[str, float] = {"tokens": float(log_r.numel()), "train_log_probs_over_support": float(replayed),
-                             "kept_mass_mean": float(mass.exp().mean()) if log_r.numel() else math.nan}
-    for mode, lr in (("full", log_r if not replayed else log_r + mass), ("replay", log_r - mass if not replayed
-                                                                          else log_r)):
+    out: dict[str, float] = {"tokens": float(full.numel()), "train_log_probs_over_support": float(replayed),
+                             "kept_mass_mean": float(mass.exp().mean())}  # means of no token: NaN
+    for mode, lr in (("full", full), ("replay", full - mass)):
         r = lr.exp()
-        out[f"{mode}_ratio_mean"] = float(r.mean()) if lr.numel() else math.nan
-        out[f"{mode}_k3"] = float((r - 1 - lr).mean()) if lr.numel() else math.nan
-        out[f"{mode}_outside_10pct"] = float(((r < 0.9) | (r > 1.1)).double().mean()) if lr.numel() else math.nan
+        out[f"{mode}_ratio_mean"] = float(r.mean())
+        out[f"{mode}_k3"] = float(k3(lr).mean())
+        out[f"{mode}_outside_10pct"] = float(((r < 0.9) | (r > 1.1)).double().mean())
     k3_full = out["full_k3"]
     out["explained"] = 1.0 - out["replay_k3"] / k3_full if k3_full > 0 else math.nan
     return out

@@ -1,11 +1,8 @@
-"""Reading line-per-record JSON files (``metrics.jsonl``, log-prob dumps) that a crash may have cut short.
+"""Line-per-record JSON files (``metrics.jsonl``, log-prob dumps) that a crash may have cut short.
 
-Writers append one ``json.dumps(obj) + "\\n"`` per record; a process killed during a write leaves a
-*torn* final line: no trailing newline and not valid JSON. :func:`read_jsonl` drops such a line and
-reports it (``JSONLRead.torn``); any other malformed line -- in the middle of the file, or a final line
-that ends with a newline -- is an error naming the file and the line (:class:`JSONLError`).
-:func:`torn_tail` tells a writer where the complete part of a file ends, so that it can cut the torn
-line off before appending.
+A *torn* final line (no trailing newline, not valid JSON: a write cut short) is dropped and reported by
+:func:`read_jsonl`; any other malformed line is a :class:`JSONLError` naming the file and the line.
+:func:`torn_tail` tells a writer where the complete part ends, so that it can cut the torn line off before appending.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ class JSONLError(ValueError):
 
 @dataclass
 class JSONLRead:
-    """``rows``: ``(line number, decoded value)`` of every non-blank line, in file order; ``torn``: a
-    sentence describing the torn final line that was dropped, or ``None``."""
+    """``rows``: ``(line number, value)`` of every non-blank line; ``torn``: what was dropped, or ``None``."""
 
     rows: list[tuple[int, Any]] = field(default_factory=list)
     torn: str | None = None
@@ -48,18 +44,12 @@ def _decode(raw: bytes) -> Any:
 
 
 def _torn_message(path: str | os.PathLike, lineno: int, raw: bytes, why: str) -> str:
-    return (
-        f"{os.fspath(path)}:{lineno}: the last line is incomplete ({len(raw)} bytes, no newline, {why}) and was "
-        "ignored: a write cut short, e.g. by a crash"
-    )
+    return (f"{os.fspath(path)}:{lineno}: the last line is incomplete ({len(raw)} bytes, no newline, {why}) and was "
+            "ignored: a write cut short, e.g. by a crash")
 
 
 def read_jsonl(path: str | os.PathLike) -> JSONLRead:
-    """Every JSON value of ``path`` (one per non-blank line), tolerating a torn final line.
-
-    Raises :class:`JSONLError` naming ``path`` and the line for a malformed line that is not the torn
-    last one, ``FileNotFoundError`` / ``IsADirectoryError`` (``OSError``) for a path that is not a file.
-    """
+    """Every JSON value of ``path`` (one per non-blank line), a torn final line dropped (module docstring)."""
     out = JSONLRead()
     with open(path, "rb") as f:
         lineno = 0
@@ -80,10 +70,9 @@ def read_jsonl(path: str | os.PathLike) -> JSONLRead:
 
 
 def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
-    """Where the complete part of ``path`` ends, when its last line lacks the newline: ``(size to keep,
-    description)``. A final line that is valid JSON but lacks its newline is kept and completed by the
-    caller (size = the file size); a torn one is cut (size = where it starts). ``None``: the file ends
-    with a newline (or is empty). Reads only the file's last line."""
+    """``(size to keep, description)`` when the last line of ``path`` lacks its newline: the file size when that
+    line is valid JSON (the caller completes it), else where the line starts; ``None`` when the file ends with a
+    newline or is empty. Reads only the last line."""
     size = os.path.getsize(path)
     if size == 0:
         return None
@@ -103,7 +92,10 @@ def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
             start = lo
         f.seek(start)
         raw = f.read(size - start)
-    lineno = _count_lines(path, start) + 1
+        f.seek(0)
+        lineno = 1
+        while f.tell() < start:  # the last line's number
+            lineno += f.read(min(1 << 20, start - f.tell())).count(b"\n")
     if not raw.strip():
         return start, f"{os.fspath(path)}:{lineno}: trailing blank bytes without a newline"
     try:
@@ -112,15 +104,3 @@ def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
         return start, _torn_message(path, lineno, raw, str(e))
     return size, f"{os.fspath(path)}:{lineno}: the last line lacks its newline"
 
-
-def _count_lines(path: str | os.PathLike, end: int) -> int:
-    n = 0
-    with open(path, "rb") as f:
-        remaining = end
-        while remaining > 0:
-            chunk = f.read(min(remaining, 1 << 20))
-            if not chunk:
-                break
-            n += chunk.count(b"\n")
-            remaining -= len(chunk)
-    return n

@@ -1,29 +1,7 @@
-"""slime's own debug dumps -> per-sequence log-prob records for ``slime-tis diagnose``.
+"""slime's own debug dumps (``--save-debug-train-data``, THUDM/slime at 624b824) -> per-sequence log-prob records.
 
-What slime writes (THUDM/slime, read at 624b824, ``slime/observability/``):
-
-* ``--save-debug-train-data PATH`` (``train_data_utils.save_debug_train_data``, slime >= 681b3ad):
-  one ``torch.save`` file per rollout, written by one rank after the data-parallel shards were
-  gathered and the context-parallel chunks restored to full responses::
-
-      {"format_version": 2, "rollout_id": int, "rank": int (the writer),
-       "samples": [{"data_parallel_rank", "sample_index", "rollout_position",
-                    "tokens": int64 [prompt + response], "total_lengths": int, "response_lengths": R,
-                    "loss_masks": int [R], "rollout_log_probs": float32 [R] (SGLang),
-                    "log_probs": float32 [R] (trainer), "rewards", "advantages", ...}, ...],
-       "dp_shards": [...layout...], "raw_reward": [...]}
-
-  Before 681b3ad every rank wrote its own file (``{"rollout_id", "rank", "rollout_data": {...}}``,
-  per-sample lists, context-parallel chunks *not* restored); those are read too when context
-  parallelism was off (the lengths tell), tensor-parallel / duplicate copies merged.
-* ``--save-debug-rollout-data PATH`` (``rollout_data_utils.save_debug_rollout_data``): ``{"rollout_id",
-  "samples": [Sample.to_dict(), ...]}`` -- SGLang's log-probs only (``rollout_log_probs``), no
-  training log-probs. Such a file is refused with what is missing and how to get it.
-
-Several files of one rollout are merged: samples are identified by (rollout, ``sample_index`` or
-``rollout_position``); identical duplicates are dropped, conflicting ones are an error. Per record:
-``train_log_probs = log_probs``, ``rollout_log_probs``, ``loss_mask = loss_masks``, ``step = rollout_id``,
-``sample_index``, ``token_ids`` = the last R ``tokens``, ``reward = rewards`` (when a number).
+The layouts read, the mapping to dump records, the merge of several files and what is refused (a
+``--save-debug-rollout-data`` file, a dump without training log-probs): docs/dump_format.md, "slime's own dumps".
 """
 
 from __future__ import annotations
@@ -66,8 +44,7 @@ def _rollout_only_error(path: Path, obj: Mapping[str, Any]) -> ValueError:
         f"{_TRAIN_FLAG} DIR/train_{{rollout_id}}.pt (slime >= 681b3ad writes format_version 2 with per-sample "
         "log_probs and rollout_log_probs), or replay this very rollout through the trainer: "
         f"--load-debug-rollout-data <this file's path, with {{rollout_id}}> {_TRAIN_FLAG} DIR/train_{{rollout_id}}.pt "
-        "(slime then trains without SGLang); then run slime-tis diagnose on DIR/train_*.pt"
-    )
+        "(slime then trains without SGLang); then run slime-tis diagnose on DIR/train_*.pt")
 
 
 def _no_train_logprobs_error(path: Path, rollout_id: Any) -> ValueError:
@@ -77,8 +54,7 @@ def _no_train_logprobs_error(path: Path, rollout_id: Any) -> ValueError:
         "(--use-rollout-logprobs, or a reusable training forward), when its own policy loss snapshots them "
         "from the training forward; a custom loss (--loss-type custom_loss, e.g. slime_tis algorithm 3 without a "
         "recompute) records them only if it does so itself. Re-run with the recompute (e.g. "
-        "--get-mismatch-metrics) or with a loss that records them (docs/slime.md)"
-    )
+        "--get-mismatch-metrics) or with a loss that records them (docs/slime.md)")
 
 
 def _as_values(x: Any, where: str, name: str, *, integer: bool = False) -> list[Any]:
@@ -93,18 +69,11 @@ def _as_values(x: Any, where: str, name: str, *, integer: bool = False) -> list[
         x = x.detach()
         return (x.reshape(-1) if integer else x.float().reshape(-1)).tolist()  # host-sync-ok (offline reader)
     if isinstance(x, (list, tuple)):
-        values = list(x)
-        if integer:
-            bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
-            kind = "integers"
-        else:
-            bad = next(
-                (v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))), None
-            )
-            kind = "numbers"
-        if bad is not None:
-            raise ValueError(f"{where}: field '{name}' must hold {kind}, found {type(bad).__name__} {str(bad)[:40]}")
-        return values
+        types, kind = ((int,), "integers") if integer else ((int, float, type(None)), "numbers")
+        for v in x:
+            if isinstance(v, bool) or not isinstance(v, types):
+                raise ValueError(f"{where}: field '{name}' must hold {kind}, found {type(v).__name__} {str(v)[:40]}")
+        return list(x)
     raise ValueError(f"{where}: field '{name}' must be a list or a 1-D tensor, got {type(x).__name__}")
 
 
@@ -131,21 +100,17 @@ def _record(path: Path, rollout_id: int, i: int, s: Mapping[str, Any]) -> dict[s
         return None
     where = f"{path}: rollout {rollout_id}, sample {i}"
     if s.get("rollout_log_probs") is None:
-        raise ValueError(
-            f"{where} has no 'rollout_log_probs': the rollout did not keep SGLang's log-probs (slime's SGLang "
-            "rollout requests them; a custom generate function must fill Sample.rollout_log_probs)"
-        )
+        raise ValueError(f"{where} has no 'rollout_log_probs': the rollout did not keep SGLang's log-probs (slime's "
+                         "SGLang rollout requests them; a custom generate function must fill Sample.rollout_log_probs)")
     train = _as_values(s["log_probs"], where, "log_probs")
     rollout = _as_values(s["rollout_log_probs"], where, "rollout_log_probs")
-    length = s.get("response_lengths", len(train))
-    length = _number(length)
+    length = _number(s.get("response_lengths", len(train)))
     length = int(length) if length is not None and math.isfinite(length) else len(train)
     if len(train) != length or len(rollout) != length:
         raise ValueError(
             f"{where}: log_probs has {len(train)} and rollout_log_probs {len(rollout)} entries for a response of "
             f"{length} tokens (context-parallel chunks that were not restored: a per-rank dump written with "
-            f"context parallelism by slime before 681b3ad; dump again with {_TRAIN_FLAG} of slime >= 681b3ad)"
-        )
+            f"context parallelism by slime before 681b3ad; dump again with {_TRAIN_FLAG} of slime >= 681b3ad)")
     rec: dict[str, Any] = {"train_log_probs": train, "rollout_log_probs": rollout, "step": rollout_id,
                            "_where": where}
     if s.get("loss_masks") is not None:
@@ -155,12 +120,9 @@ def _record(path: Path, rollout_id: int, i: int, s: Mapping[str, Any]) -> dict[s
         ids = _as_values(tokens, where, "tokens", integer=True)
         if len(ids) >= length:
             rec["token_ids"] = ids[len(ids) - length :]
-    index = s.get("sample_index")
-    name = "sample_index"
-    if index is None:
-        index, name = s.get("rollout_position"), "rollout_position"
-    if index is not None:
-        rec["sample_index"] = _int_field(index, where, name)
+    name = "sample_index" if s.get("sample_index") is not None else "rollout_position"
+    if s.get(name) is not None:
+        rec["sample_index"] = _int_field(s[name], where, name)
     reward = _number(s.get("rewards"))
     if reward is not None:
         rec["reward"] = reward
@@ -184,20 +146,14 @@ def _samples(kind: str, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _same(a: list[float], b: list[float]) -> bool:
-    def same(x: Any, y: Any) -> bool:
-        return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
-
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    """Equal lists of numbers, NaN equal to NaN."""
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
 
 
 def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Records and header meta of slime dump files (``(path, loaded object)`` pairs), merged.
-
-    Raises ``ValueError`` naming the file for a rollout-only dump, a rollout without training
-    log-probs, unrestored context-parallel chunks, or two different samples under one identity.
-    """
+    """Records and header meta of slime dump files (``(path, loaded object)`` pairs), merged; what is refused, with
+    a ``ValueError`` naming the file: docs/dump_format.md, "slime's own dumps"."""
     merged: dict[tuple[Any, ...], tuple[Path, dict[str, Any]]] = {}
-    order: list[tuple[Any, ...]] = []
     seen_rollouts: dict[int, Path] = {}
     with_train: set[int] = set()
     for path, obj in items:
@@ -219,16 +175,12 @@ def slime_records(items: Sequence[tuple[Path, Mapping[str, Any]]]) -> tuple[list
                 first, old = merged[key]
                 if not (_same(old["train_log_probs"], rec["train_log_probs"])
                         and _same(old["rollout_log_probs"], rec["rollout_log_probs"])):
-                    raise ValueError(
-                        f"{path}: rollout {rollout_id} sample {key[1:]} differs from the same sample in {first} "
-                        "(files of different runs?)"
-                    )
+                    raise ValueError(f"{path}: rollout {rollout_id} sample {key[1:]} differs from the same sample in "
+                                     f"{first} (files of different runs?)")
                 continue
             merged[key] = (path, rec)
-            order.append(key)
     for rollout_id, path in seen_rollouts.items():
         if rollout_id not in with_train:
             raise _no_train_logprobs_error(path, rollout_id)
-    order.sort(key=lambda k: (k[0], k[1] if isinstance(k[1], int) else math.inf))
-    meta = {"writer": SLIME_WRITER, "rollouts": sorted(seen_rollouts)}
-    return [merged[k][1] for k in order], meta
+    order = sorted(merged, key=lambda k: (k[0], k[1] if isinstance(k[1], int) else math.inf))
+    return [merged[k][1] for k in order], {"writer": SLIME_WRITER, "rollouts": sorted(seen_rollouts)}
