@@ -71,13 +71,6 @@ DENOMINATORS = ("keep", "drop")
 logger = logging.getLogger("slime_tis")
 _WARNED: set = set()  # configurations whose inert options were logged
 
-ALGORITHM_NAMES = {
-    0: "standard PPO (old = Megatron recompute)",
-    1: "bypass PPO (old = rollout log-probs)",
-    2: "decoupled PPO (w = pi_old / pi_rollout)",
-    3: "REINFORCE + IS (w = sg(pi_theta) / pi_rollout)",
-}
-
 
 def _bad(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{FLAG_OF.get(field, field)} ({field}) = {value!r}: {why}")
@@ -472,7 +465,7 @@ class TISConfig:
 
     @property
     def algorithm_name(self) -> str:
-        return ALGORITHM_NAMES[self.algorithm]
+        return algorithm_of(self.algorithm).name
 
     @property
     def needs_old_log_probs(self) -> bool:

@@ -1,17 +1,8 @@
-"""``compute_tis``: importance weights, keep mask and diagnostics for one packed micro-batch.
+"""``compute_tis``: importance weights, keep mask and ``tis.*`` statistics of one packed micro-batch.
 
-The pipeline (all detached; each step one formula, in its own module)::
-
-    l_t  = lp_train_t - lp_rollout_t            per valid token, sums per sequence  -- core.ratios
-    L_u  = l_t | sum_t l_t | mean_t l_t         token / sequence / geometric level   -- core.ratios
-    w_u  = truncate / clip / mask of exp(clamp(L_u, -B, B))                           -- core.weights
-    keep = valid and no rejection rule hits the token or its sequence                -- core.rules
-    w_u *= N_kept / sum_{kept u} w_u            (batch normalisation, if on)         -- core.weights
-    w_t  = w_{u(t)} on valid tokens of finite sequences, 0 elsewhere
-    stats: tis.* sums / minima / maxima                                              -- core.diagnostics
-
-One token pass, one ``reducer.sequence_sum`` per call (plus one ``batch_sum`` for batch
-normalisation computed in the call); no host sync.
+Pipeline (all detached): ``core.ratios`` (``l_t``, ``L_u``) -> ``core.rules`` (keep) -> ``core.weights`` (``w_u``,
+batch normalisation) -> ``core.diagnostics``. One token pass, one ``reducer.sequence_sum`` per call (plus one
+``batch_sum`` for a batch normalisation computed in the call); no host sync. Semantics: docs/semantics.md.
 """
 
 from __future__ import annotations
@@ -44,25 +35,14 @@ __all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "s
 
 @dataclass
 class TISResult:
-    """Output of :func:`compute_tis` (shapes ``[T]`` unless noted).
+    """Output of :func:`compute_tis` (``[T]`` unless noted; docs/CORE_API.md).
 
-    Attributes:
-        weights: float32 applied importance weights, detached; 0 at invalid tokens and at tokens of
-            non-finite sequences; unchanged by rejection.
-        keep_mask: bool, valid tokens that survived every rejection rule.
-        stats: ``tis.*`` statistics (see ``slime_tis.core.metrics``).
-        norm_sum, norm_count: 0-d float32, this call's (local) sum of unnormalised weights over kept
-            units and number of kept units; summed over micro-batches and ranks they give the global
-            batch-normalisation factor ``norm_count / norm_sum`` (sequence units: over DP only).
-        ratios: the per-token / per-sequence log-ratios (:class:`slime_tis.core.ratios.Ratios`).
-        verdict: what each rule of ``slime_tis.core.rules.RULES`` hit (:class:`~slime_tis.core.rules.Verdict`).
-        loss_keep: bool, the tokens the loss keeps: ``keep_mask``, or with ``loss_finite`` (a correction that only
-            diagnoses) the ``loss_ok`` tokens not in ``reject``.
-        loss_ok: bool, valid tokens of the sequences that count in the loss (finite inputs, ``core.algorithms``);
-            ``ratios.token_ok`` unless ``loss_finite`` was given.
-        seq_loss_nonfinite: ``[n_seq]`` bool, sequences with valid tokens that do not count for a non-finite
-            input (``ratios.seq_nonfinite`` unless ``loss_finite`` was given).
-        searched: the values of the plan's global searches this result applied (``core.search``), or ``None``.
+    ``weights`` float32, 0 at invalid tokens and tokens of non-finite sequences, unchanged by rejection;
+    ``keep_mask`` bool; ``norm_sum``, ``norm_count`` 0-d float32: this call's sum of unnormalised kept weights and
+    kept units (the batch-normalisation factor is ``sum count / sum sum`` over micro-batches and ranks);
+    ``loss_keep`` / ``loss_ok`` bool, ``seq_loss_nonfinite`` ``[n_seq]``: the loss's keep mask, its domain and the
+    sequences out of it (``keep_mask`` / ``token_ok`` / ``seq_nonfinite`` unless ``loss_finite`` was given);
+    ``searched``: the global searches' values applied, or ``None``.
     """
 
     weights: Tensor
@@ -111,36 +91,17 @@ def compute_tis(
     searched: Searched | None = None,
     chunks: Chunks | None = None,
 ) -> TISResult:
-    """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
+    """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics (docs/CORE_API.md).
 
-    Args:
-        config: a ``TISConfig`` (or its resolved ``Plan``).
-        lp_train: ``[T]`` training-side log-probs (pi_old in algorithms 0 and 2, sg(pi_theta) in 1
-            and 3); any float dtype, computed in float32, detached.
-        lp_rollout: ``[T]`` rollout-engine (SGLang) log-probs.
-        loss_mask: ``[T]`` bool or 0/1 mask of trainable tokens.
-        cu_seqlens: ``[n_seq + 1]`` integer offsets (on any device; see ``core.packing.offsets_on``).
-        reducer: distributed reductions (default: single process).
-        batch_norm_factor: a precomputed global factor (algorithm 2: once per step from
-            ``norm_count / norm_sum``); ``None`` with batch normalisation on normalises over this
-            call's data reduced over ``reducer`` (algorithm 3: per micro-batch over DP x CP).
-        extra_finite: more ``[T]`` tensors whose non-finite valid entries reject their sequence.
-        reject: optional ``[T]`` bool, tokens the host has already rejected (e.g. slime's OPSM, which zeroes
-            their loss before the correction): not kept, counted as rejected tokens, left out of the kept-unit
-            statistics like a token-level rule's rejections; the diagnostics still see them.
-        loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
-            whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
-            (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
-        staleness: ``[n_seq]`` per-sequence staleness (policy versions behind the trainer), read by the metrics split
-            by staleness and the bounds tightened with it (``core.staleness``); required while either is on.
-        searched: the values of the plan's global searches (M2PO's cut, the auto bound: ``core.search.search`` over
-            the step's micro-batches, algorithm 2); ``None`` with a search on searches over this call's data reduced
-            over ``reducer`` (algorithms 1, 3: per micro-batch over DP x CP).
-        chunks: under context parallelism with a prefix level (``--tis-level prefix`` / ``prefix_min``):
-            ``(chunk [T] int, K)``, each token's chunk of its sequence in positional order (``core.prefix``).
-
-    Raises:
-        ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
+    ``lp_train``, ``lp_rollout``: ``[T]`` float (computed in float32, detached); ``loss_mask`` ``[T]`` bool or 0/1;
+    ``cu_seqlens`` ``[n_seq + 1]`` integer, any device. ``batch_norm_factor`` / ``searched``: the step's values
+    (algorithm 2), ``None``: computed over this call reduced over ``reducer``. ``extra_finite``: ``[T]`` tensors
+    whose non-finite valid entries reject their sequence. ``reject``: ``[T]`` bool tokens the host already
+    rejected (not kept, counted as rejected; the diagnostics still see them). ``loss_finite`` (a correction that
+    only diagnoses): ``[T]`` loss inputs whose non-finite valid entries take their sequence out of ``loss_keep``
+    only. ``staleness``: ``[n_seq]``, required by the staleness options. ``chunks``: ``(chunk [T], K)`` for a prefix
+    level under CP (``core.prefix``). Raises ``ValueError`` naming the tensor on a shape, device, dtype or offset
+    error.
     """
     n_tokens = check_packed(
         {"lp_train": lp_train, "lp_rollout": lp_rollout, "loss_mask": loss_mask,
@@ -221,10 +182,7 @@ def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
 def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, *,
             batch_norm_factor: Tensor | float | None, reject: Tensor | None,
             searched: Searched | None = None) -> TISResult:
-    """The decision from the ratios: rules, weights, batch normalisation, statistics (no token pass over the
-    log-probs; one ``batch_sum`` where batch normalisation has no precomputed factor; with a global search
-    (``core.search``) its values, searched over this call's data where not given, and M2PO's sequences completed over
-    CP by one ``sequence_sum``)."""
+    """Rules, weights, batch normalisation and statistics from the ratios (no token pass over the log-probs)."""
     loss_finite = LOSS_NONFINITE in ratios.columns
     with torch.no_grad():
         if searches(plan):
@@ -273,9 +231,8 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
 
 def _with_late_sequences(ratios: Ratios, verdict: Verdict, hits: list[Tensor], layout: Layout,
                          reducer: Reducer) -> Verdict:
-    """``verdict`` with the sequences holding a token rejected by a late row (``core.rules.late``: a searched cut, a
-    prefix level; no column in the token pass) in ``seq_masked``: their count per sequence completed over CP by one
-    ``sequence_sum``."""
+    """``verdict`` with the sequences holding a token a late row (``core.rules.late``) rejected in ``seq_masked``
+    (one ``sequence_sum``)."""
     hit = hits[0]
     for h in hits[1:]:
         hit = hit | h

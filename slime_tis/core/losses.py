@@ -1,16 +1,10 @@
-"""The policy loss of one packed micro-batch: correction, surrogate, terms, aggregation.
+"""The policy loss of one packed micro-batch (docs/semantics.md)::
 
-Per kept token ``t`` (``A`` advantage, ``w`` the detached importance weight of the algorithm, ``f`` the
-surrogate of ``core.surrogates`` against the algorithm's anchor, ``core.algorithms``)::
+    loss_t = [w] f_t + beta [w] k(lp_theta_t - lp_ref_t) - h H_t,   loss = sum (aggregated) / max(D, 1)
 
-    loss_t = [w] * f_t  +  beta * [w] * k(lp_theta_t - lp_ref_t)  -  h * H_t        (terms: ``core.terms``;
-                                                                                 the KL's gradient: --tis-kl-gradient)
-
-``[w]``: algorithms 2 and 3 (the KL term's only with ``kl_importance_weighted``). Rejected tokens contribute zero
-loss and zero gradient (every input is selected with ``torch.where`` first, so a NaN at a rejected or masked
-position cannot reach loss or gradient). Aggregation: ``core.aggregation`` (``loss = numerator / max(D, 1)``; the
-denominator is global when supplied), counting valid tokens (``rejected_denominator="keep"``) or kept ones
-(``"drop"``).
+``[w]``: algorithms 2, 3 (the KL term's only with ``kl_importance_weighted``); ``f``: ``core.surrogates``; terms:
+``core.terms``; aggregation: ``core.aggregation``. Inputs are selected with ``torch.where`` first: a token not kept
+has zero loss and zero gradient.
 """
 
 from __future__ import annotations
@@ -43,12 +37,8 @@ F64 = torch.float64
 
 @dataclass
 class PolicyLossOutput:
-    """Result of :func:`policy_loss`.
-
-    ``loss``: 0-d (differentiable w.r.t. ``lp_theta``); ``stats``: ``policy.*`` and ``tis.*``
-    statistics; ``keep_mask`` ``[T]`` bool; ``weights`` ``[T]`` applied importance weights (ones for
-    algorithms 0 and 1); ``tis``: the :class:`TISResult` when rollout log-probs were given.
-    """
+    """Result of :func:`policy_loss`: ``loss`` 0-d (differentiable w.r.t. ``lp_theta``), ``policy.*`` and ``tis.*``
+    ``stats``, ``keep_mask`` ``[T]`` bool, ``weights`` ``[T]`` (ones in algorithms 0, 1), ``tis`` the correction."""
 
     loss: Tensor
     stats: MetricStats
@@ -70,13 +60,8 @@ def loss_denominator(
     keep_mask: Tensor | None = None,
     reducer: Reducer | None = None,
 ) -> Tensor:
-    """This micro-batch's contribution to the loss denominator (0-d float32, this rank).
-
-    ``token-mean``: valid (``drop``: kept) tokens on this rank; sum over micro-batches and DP x CP.
-    ``seq-mean-*``: sequences with at least one valid (``drop``: kept) token, completed over CP with
-    ``reducer.sequence_sum``; sum over micro-batches and DP only. ``token-sum``: 0 (the loss divides by 1).
-    ``drop`` needs ``keep_mask``. The formulas are ``core.aggregation.aggregate``'s, shared with the loss.
-    """
+    """This micro-batch's share of the loss denominator (0-d float32, this rank; ``core.aggregation``), counting
+    the valid tokens, or with ``drop`` the ``keep_mask`` tokens; sum it over micro-batches and ranks."""
     plan = plan_of(config)
     if plan.drop_rejected and keep_mask is None:
         raise ValueError("rejected_denominator='drop' (--tis-rejected-denominator drop) needs keep_mask")
@@ -109,49 +94,25 @@ def policy_loss(
     chunks: Chunks | None = None,
     staleness: Tensor | None = None,
 ) -> PolicyLossOutput:
-    """Aggregated policy loss of the configured algorithm on one packed micro-batch.
+    """Aggregated policy loss of the configured algorithm on one packed micro-batch (docs/CORE_API.md).
 
-    Args:
-        config: a ``TISConfig`` (or its resolved ``Plan``).
-        lp_theta: ``[T]`` current log-probs (differentiable; float32 or bfloat16, not float16: its gradient
-            has its dtype and reaches |A| exp(B) / D per token).
-        lp_old: ``[T]`` pi_old (required by algorithms 0 and 2, ignored by 1 and 3).
-        lp_rollout: ``[T]`` rollout log-probs (required by 1, 2, 3; optional in 0 = diagnostics; without
-            them algorithm 0 reports the same ``tis.*`` keys, zero-filled).
-        advantages: ``[T]`` per-token advantages.
-        loss_mask, cu_seqlens: packed layout (see ``slime_tis.core.packing``).
-        reducer: distributed reductions (default: single process).
-        denominator: the global denominator (see :func:`loss_denominator`), or ``None`` for this
-            call's own count reduced over ``reducer``.
-        batch_norm_factor: precomputed global factor (algorithm 2), see ``compute_tis``.
-        keep_override: optional ``[T]`` bool, rejection decided elsewhere (a host that counted the kept
-            tokens before the step, at the step's parameters): the loss keeps exactly these tokens of
-            finite sequences instead of the rules' keep mask; the statistics still report the rules.
-        lp_ref: ``[T]`` reference-policy log-probs (needed when ``kl_coef != 0``; ``core.terms``).
-        entropy: ``[T]`` entropy of the current policy at each token, differentiable (needed when
-            ``entropy_coef != 0``).
-        correction: the :class:`TISResult` of this very correction, already decided by the caller (a host
-            that needed its keep mask first): used as given instead of correcting again. It must come from
-            ``compute_tis`` on the inputs this function would pass (``core.algorithms.correction_inputs`` of
-            the same tensors, the same reducer and ``batch_norm_factor``).
-        host_inputs: ``[T]`` inputs of terms the host adds to this loss itself (slime's KL against its reference
-            log-probs): checked like the advantages, so a non-finite valid entry takes its sequence out of the loss
-            (counted in ``tis/nonfinite_seq_fraction``) instead of into a gradient.
-        searched: the step's searched values (``core.search``: M2PO's cut, the auto bound), see ``compute_tis``.
-        chunks: each token's context-parallel chunk for a prefix level (``core.prefix``), see ``compute_tis``.
-        staleness: ``[n_seq]`` per-sequence staleness (``core.staleness``), see ``compute_tis``.
-
-    Returns:
-        :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
+    ``lp_theta`` ``[T]`` float32 or bfloat16 (not float16: its gradient reaches ``|A| exp(B) / D``); ``lp_old``:
+    algorithms 0, 2; ``lp_rollout``: 1-3 (optional in 0: diagnostics, zero-filled without); ``lp_ref`` / ``entropy``
+    (differentiable): while ``kl_coef`` / ``entropy_coef`` are nonzero. ``denominator``: the global one
+    (:func:`loss_denominator`), ``None``: this call's reduced over ``reducer``. ``keep_override``: ``[T]`` bool, the
+    tokens to keep (of finite sequences) instead of the rules' keep mask. ``correction``: this very correction,
+    already computed by the caller. ``host_inputs``: ``[T]`` inputs of terms the host adds itself, checked like the
+    advantages. ``batch_norm_factor``, ``searched``, ``chunks``, ``staleness``: as in ``compute_tis``. The loss is
+    ``numerator / max(denominator, 1)``.
     """
     plan = plan_of(config)
     reducer = reducer or LocalReducer()
     row = algorithm_of(plan)
     sur = surrogate_of(plan.surrogate)
     if row.needs_pi_old and lp_old is None:
-        raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_old (the Megatron recompute)")
+        raise ValueError(f"algorithm {row.number} ({row.name}) needs lp_old (the Megatron recompute)")
     if row.reads_rollout and lp_rollout is None:
-        raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_rollout (rollout log-probs)")
+        raise ValueError(f"algorithm {row.number} ({row.name}) needs lp_rollout (rollout log-probs)")
     if plan.kl_coef != 0.0 and lp_ref is None:
         raise ValueError(f"kl_coef = {plan.kl_coef:g} (--tis-kl-coef) needs lp_ref (reference-policy log-probs)")
     if plan.entropy_coef != 0.0 and entropy is None:
@@ -226,8 +187,7 @@ def policy_loss(
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """What the ``policy.*`` rows of ``core.metric_schema.METRICS`` read: one micro-batch's loss inputs (``[T]``;
-    ``*_k`` selected on the kept tokens, 0 elsewhere), its correction, and the terms that are on (``None`` off)."""
+    """What the ``policy.*`` rows of the metric schema read (``[T]``; ``*_k``: 0 off the kept tokens; ``None``: off)."""
 
     plan: Plan
     valid: Tensor
@@ -243,12 +203,12 @@ class PolicyContext:
 
     @property
     def clips(self) -> bool:
-        """The surrogate clips (its clip mask is False at tokens not kept: all inputs 0 there)."""
+        """The surrogate clips (``clip_active`` is False at tokens not kept)."""
         return surrogate_of(self.plan.surrogate).clips
 
     @property
     def selects(self) -> bool:
-        """The surrogate selects tokens by covariance (``selected`` is then a ``[T]`` bool, False where not kept)."""
+        """The surrogate selects tokens by covariance (``selected``: ``[T]`` bool)."""
         return surrogate_of(self.plan.surrogate).selects
 
     @property
@@ -257,7 +217,7 @@ class PolicyContext:
 
 
 def _policy_stats(batch: PolicyContext) -> MetricStats:
-    """``policy.*`` statistics (keys depend on the plan only): the ``policy.`` rows of the metric schema."""
+    """``policy.*`` statistics: the ``policy.`` rows of the metric schema."""
     return MetricStats(**statistics("policy.", batch, batch.plan))
 
 
@@ -268,7 +228,3 @@ def _empty(stats: MetricStats) -> MetricStats:
 
     return MetricStats(fill(stats.token_sums, 0.0), fill(stats.seq_sums, 0.0), fill(stats.mins, math.inf),
                        fill(stats.maxs, -math.inf))
-
-
-def _name(config: Any) -> str:
-    return getattr(config, "algorithm_name", "see TISConfig")

@@ -1,20 +1,6 @@
-"""Diagnostics as reducible statistics, and the formulas that turn them into metrics.
-
-A metric such as ``tis/kl = mean_t (lp_rollout - lp_train)`` is a ratio of two sums. Averaging
-per-micro-batch or per-rank means would be wrong (unequal token counts), and a mean of per-rank
-minima is not a minimum. So the core returns :class:`MetricStats`: raw sums, minima and maxima,
-which are merged across micro-batches (``merge``), reduced across ranks with the right operator
-(``reduce``: SUM / MIN / MAX, one collective per operator) and only then turned into metrics
-(``finalize``). Everything stays a tensor until the logger reads it: no host sync.
-
-Two kinds of sums: ``token_sums`` (token-domain, summed over data x context parallel ranks) and
-``seq_sums`` (one value per sequence, replicated on every context-parallel rank, summed over data
-parallel ranks only).
-
-Every metric, its statistics, its reduction and its formula are declared once in the metric schema
-(``core.metric_schema.METRICS``; docs/reference.md's metric table is generated from it):
-``finalize`` applies the schema's reductions to the statistics present.
-Empty domains give 0 (never NaN).
+""":class:`MetricStats`: raw sums, minima and maxima, merged over micro-batches, reduced over ranks with their own
+operator (SUM / MIN / MAX), then finalized by the metric schema (``core.metric_schema``). Tensors throughout: no
+host sync. Empty domains give 0, never NaN.
 """
 
 from __future__ import annotations
@@ -25,27 +11,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from slime_tis.core.metric_schema import finalize, safe_ratio
+from slime_tis.core.metric_schema import finalize
 from slime_tis.core.reducer import Reducer
 
-__all__ = ["MetricStats", "safe_ratio", "column_sums"]
-
-
-def column_sums(columns: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``{name: column.sum()}`` as float64 scalars, each column summed on its own (no ``[T, k]`` copy).
-
-    Bool columns are counted exactly; float columns are accumulated in float64, which keeps
-    differences of large sums exact to ~1e-12 relative (the columns themselves stay float32).
-    """
-    out = {}
-    for name, c in columns.items():
-        out[name] = torch.count_nonzero(c).to(torch.float64) if c.dtype == torch.bool else c.sum(dtype=torch.float64)
-    return out
+__all__ = ["MetricStats"]
 
 
 @dataclass
 class MetricStats:
-    """Reducible statistics (see module docstring). All values are scalar tensors."""
+    """Reducible statistics, 0-d tensors by key: ``token_sums`` (summed over DP x CP), ``seq_sums`` (over DP only:
+    replicated over CP), ``mins``, ``maxs``."""
 
     token_sums: dict[str, Tensor] = field(default_factory=dict)
     seq_sums: dict[str, Tensor] = field(default_factory=dict)
@@ -69,11 +44,8 @@ class MetricStats:
         )
 
     def reduce(self, reducer: Reducer) -> MetricStats:
-        """Reduce across ranks: one collective per non-empty group, keys sorted.
-
-        The keys are a function of the configuration only (the core zero-fills what a micro-batch
-        lacks), so every rank issues the same collectives (number, order, op, shape) whatever its data.
-        """
+        """Reduce across ranks: one collective per non-empty group, keys sorted (the keys follow the configuration
+        only, so every rank issues the same collectives)."""
 
         def apply(d: dict[str, Tensor], fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
             if not d:
@@ -98,8 +70,7 @@ class MetricStats:
         return MetricStats(det(self.token_sums), det(self.seq_sums), det(self.mins), det(self.maxs))
 
     def finalize(self) -> dict[str, Tensor]:
-        """Metric values (float64 scalar tensors) from the statistics present: the reductions of the metric
-        schema (``core.metric_schema.METRICS``; a few vector ops)."""
+        """Metric values (float64 0-d) from the statistics present (``core.metric_schema.finalize``)."""
         return finalize({
             k: t if t.dtype == torch.float64 else t.double()
             for d in (self.token_sums, self.seq_sums, self.mins, self.maxs) for k, t in d.items()

@@ -1,24 +1,5 @@
-"""Token selections of the surrogates: DPPO's trust-region masks and the covariance selections of Clip-Cov / KL-Cov.
-
-All inputs are ``[T]`` (0 at tokens not kept), detached; every selection is False at tokens not kept.
-
-DPPO (arXiv 2602.04879) masks a token whose probability ``p = exp(lp)`` left the trust region around the anchor's
-``q = exp(a)`` on the side its advantage makes harmful (``A > 0`` pushes ``p`` up, ``A < 0`` down)::
-
-    dppo_tv:  A > 0 and p - q > delta_high,               A < 0 and q - p > delta_low
-    dppo_kl:  A > 0 and p > q and KL_B(q, p) > delta_high,  A < 0 and p < q and KL_B(q, p) > delta_low
-    KL_B(q, p) = q log(q / p) + (1 - q) log((1 - q + e) / (1 - p + e)),  e = 1e-8 (the Bernoulli KL of the token)
-
-Clip-Cov / KL-Cov (arXiv 2505.22617) select tokens by their centred covariance over the tokens the rank holds of
-the micro-batch (``N`` kept tokens, means over them)::
-
-    cov_t = (A_t - mean A) (lp_t - mean lp),   k = max(floor(ratio * N), 1)
-
-Clip-Cov takes ``k`` tokens at random among the candidates (``lb < cov_t < ub``, not clipped by PPO); KL-Cov the ``k``
-tokens of largest ``cov_t``. Both are ranks of a stable sort (:func:`first_k`), with no host synchronisation.
-Clip-Cov's draw is a hash of each token's position and current log-prob (:func:`hash_keys`), not a random generator:
-the same on tensor-parallel ranks (which hold the same log-probs) by construction, the same after a resume, and no
-generator's state is consumed.
+"""Token selections of the surrogates (docs/semantics.md): DPPO's trust-region masks and Clip-Cov / KL-Cov's
+covariance selections. Inputs ``[T]``, detached, 0 at tokens not kept; every selection is False there. No host sync.
 """
 
 from __future__ import annotations
@@ -38,8 +19,7 @@ def _binary_tv(p: Tensor, q: Tensor) -> Tensor:
 
 
 def bernoulli_kl(p: Tensor, q: Tensor, eps: float) -> Tensor:
-    """``D(p||q) = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q))`` of the Bernoulli distributions (the
-    token, any other token), ``p`` and ``q`` clamped to ``[eps, 1 - eps]``; elementwise, any shape."""
+    """``D(p||q) = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q))``, ``p``, ``q`` in ``[eps, 1 - eps]``."""
     p, q = p.clamp(eps, 1.0 - eps), q.clamp(eps, 1.0 - eps)
     return p * (p.log() - q.log()) + (1.0 - p) * (torch.log1p(-p) - torch.log1p(-q))
 
@@ -54,8 +34,7 @@ DIVERGENCES = {"dppo_tv": _binary_tv, "dppo_kl": _dppo_kl}
 
 def dppo_masked(lp: Tensor, anchor: Tensor, adv: Tensor, keep: Tensor, delta_low: float, delta_high: float,
                 divergence: str) -> Tensor:
-    """``[T]`` bool: kept tokens outside the trust region on their harmful side (module formulas), float64; a
-    log-prob rounded above 0 counts as probability 1 (the Bernoulli KL's ``log(1 - p)`` stays defined)."""
+    """``[T]`` bool: kept tokens outside the trust region on their harmful side (float64; ``p = exp(min(lp, 0))``)."""
     p, q = torch.exp(lp.to(F64).clamp(max=0.0)), torch.exp(anchor.to(F64).clamp(max=0.0))
     div = DIVERGENCES[divergence](p, q)
     up, down = (adv > 0) & (p > q) & (div > delta_high), (adv < 0) & (p < q) & (div > delta_low)
@@ -87,8 +66,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def hash_keys(lp: Tensor) -> Tensor:
-    """``[T]`` int64 in ``[0, 2^32)``: a 32-bit integer hash (xor-shift-multiply rounds) of each token's float32
-    log-prob bits and its position: uniform-looking, a function of the data only."""
+    """``[T]`` int64 in ``[0, 2^32)``: a 32-bit hash of each token's float32 log-prob bits and position."""
     x = lp.float().view(torch.int32).to(torch.int64) & _MASK32
     x = x ^ ((torch.arange(x.numel(), device=x.device) * 0x9E3779B1) & _MASK32)
     for _ in range(2):
