@@ -36,6 +36,11 @@ class Algorithm:
         return self.lp_train == "lp_old"
 
     @property
+    def ppo(self) -> bool:
+        """Algorithms 0-2 (a ratio anchor: the PPO family), not REINFORCE."""
+        return self.anchor is not None
+
+    @property
     def step_batch_norm(self) -> bool:
         """Algorithm 2: batch normalisation is fixed once per step (weights from pi_old); 3: per micro-batch."""
         return self.weighted and self.needs_pi_old
