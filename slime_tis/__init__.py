@@ -1,24 +1,8 @@
 """slime_tis: importance sampling against the rollout policy for Megatron RL with SGLang rollouts.
 
-Public API::
-
-    TISConfig                      validated configuration (algorithm 0-3, mode, level, bounds, ...)
-    add_tis_arguments(parser)      argparse flags (usable as Megatron's extra_args_provider)
-    compute_tis(...)               weights, keep mask and tis/ diagnostics on packed sequences
-    policy_loss(...)               aggregated loss of algorithms 0-3 with policy/ and tis/ statistics
-    loss_denominator(...)          per-micro-batch contribution to the global loss denominator
-    MetricStats                    reducible statistics -> merge / reduce / finalize
-    LocalReducer, Reducer          the distributed-reduction interface (identity by default)
-
-Hosts (each a thin translator over one step engine, ``slime_tis.engine``) and the rollout side::
-
-    slime_tis.megatron             megatron-core: tis_forward_backward_func, tis_patch (Megatron-LM pretrain)
-    slime_tis.megatron_rl          Megatron-LM's train_rl.py: python -m slime_tis.megatron_rl train_rl.py ...
-    slime_tis.slime                slime's hooks (compute_tis_for_slime, postprocess_rollout_data, ...)
-    slime_tis.sglang               SGLang /generate responses -> aligned rollout log-probs
-
-Tools: ``slime-tis diagnose DUMP`` (``slime_tis.cli``). Documentation: README.md, docs/getting_started.md
-(the first configuration per host), docs/troubleshooting.md (what each metric's values mean), docs/reference.md.
+Public API: ``TISConfig``, ``add_tis_arguments``, ``compute_tis``, ``policy_loss``, ``loss_denominator``,
+``MetricStats``, ``LocalReducer`` / ``Reducer`` (docs/CORE_API.md). Hosts: ``slime_tis.megatron``,
+``slime_tis.megatron_rl``, ``slime_tis.slime``; rollouts: ``slime_tis.sglang``; tools: ``slime-tis diagnose``.
 """
 
 from slime_tis.arguments import add_tis_arguments

@@ -1,12 +1,7 @@
-"""The ``slime-tis`` console script.
+"""The ``slime-tis`` console script: ``slime-tis diagnose FILE [FILE ...]`` (``slime_tis.tools.diagnose``).
 
-``slime-tis diagnose FILE [FILE ...]``: off-policy diagnostics of log-prob dumps
-(``docs/dump_format.md``; slime's own ``--save-debug-train-data`` files too, merged): a table per
-percentile and per response-length bucket, a recommended configuration with its reasoning, and a
-histogram PNG of the per-token log-ratios. (The example job's training curves: ``python -m examples.plot``.)
-
-Malformed input ends in one line naming the file, record and field, and exit status 2 (no traceback);
-``diagnose`` exits 1 when the dump holds no usable token (it says so instead of recommending).
+Malformed input ends in one line naming the file, record and field and exit status 2 (no traceback); ``diagnose``
+exits 1 when the dump holds no usable token.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""``TISConfig``: every knob of the correction, validated once at construction.
+"""``TISConfig``: every knob of the correction, validated once at construction; ``TISConfig.plan`` resolves it.
 
-The algorithm is ``use_rollout_log_probs + 2 * use_tis`` (its row: ``core.algorithms.ALGORITHMS``; the table:
-docs/semantics.md).
-
-Bounds are on ``r = pi_train / pi_rollout`` (never its inverse). Unset bounds take the
-defaults: ``upper = 2.0`` except mask mode at geometric level (and geometric rejection sampling),
-where ``upper = 1.001``; ``lower = 1 / upper``. The resolved values are the ``*_bound`` properties;
-``describe()`` prints them at start-up.
-
-``loss_mode`` picks another surrogate (``core.surrogates``); an option that cannot act in the chosen combination is
-named once at start-up (:meth:`TISConfig.inert_options`). Every invalid value or combination raises
-``ValueError`` naming the field, its command-line flag and the value.
-
-Every field is declared once, at the field, with :func:`~slime_tis.config_fields.option` (flag, host aliases,
-kind, choices or valid range, help) or, for a rejection rule's threshold,
-:func:`~slime_tis.config_fields.threshold` (plus its start-up line). From those declarations (:data:`OPTIONS`)
-come the flags (``slime_tis.arguments``), the ``from_args`` dests, each field's validation and error message,
-the thresholds' ``describe()`` lines and ``Plan`` values, and the flag table of docs/reference.md; the rules between
-fields (bounds, algorithm combinations) are written out in ``__post_init__``.
+Each field is declared once with its flag, range and help (``slime_tis.config_fields``); from :data:`OPTIONS` come
+the flags, the ``from_args`` dests, the per-field validation and docs/reference.md's flag table. Bounds are on
+``r = pi_train / pi_rollout``; an invalid value or combination raises ``ValueError`` naming the flag, the field and
+the value; an option that cannot act is named once at start-up (:meth:`TISConfig.inert_options`).
 """
 
 from __future__ import annotations
@@ -36,6 +22,7 @@ from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
     declared_options,
     declared_surrogate_options,
     declared_thresholds,
+    divergence_threshold,
     fields_from_args,
     option,
     parse_switch,
@@ -76,14 +63,14 @@ def _bad(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{FLAG_OF.get(field, field)} ({field}) = {value!r}: {why}")
 
 
-def _check_upper(field: str, upper: float) -> None:
-    """The upper bound alone (before ``1 / upper``, the default lower bound, is formed)."""
+def _check_bounds(config: TISConfig, prefix: str) -> None:
+    """``upper >= 1`` (checked before ``1 / upper`` is formed), ``0 < lower < upper``, ``lower <= 1`` of the resolved
+    bounds ``<prefix>lower_bound`` / ``<prefix>upper_bound`` (``prefix``: ``""`` or ``"rs_"``)."""
+    lower_field, upper_field = prefix + "lower", prefix + "upper"
+    upper = getattr(config, upper_field + "_bound")
     if upper < 1:
-        raise _bad(field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
-
-
-def _check_bounds(lower_field: str, lower: float, upper_field: str, upper: float) -> None:
-    """``0 < lower < upper`` and ``lower <= 1`` (``upper`` already passed :func:`_check_upper`)."""
+        raise _bad(upper_field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
+    lower = getattr(config, lower_field + "_bound")
     if lower <= 0:
         raise _bad(lower_field, lower, "ratio bounds must be > 0")
     if lower >= upper:
@@ -94,40 +81,8 @@ def _check_bounds(lower_field: str, lower: float, upper_field: str, upper: float
 
 @dataclass(frozen=True)
 class TISConfig:
-    """Rollout-correction configuration (validated in ``__post_init__``).
-
-    Attributes:
-        use_rollout_log_probs: use SGLang log-probs in the loss instead of a recompute (alg 1, 3).
-        use_tis: apply importance weights (alg 2, 3).
-        mode: ``truncate`` (w = min(r, upper)), ``clip`` (w = clamp(r, lower, upper)) or ``mask``
-            (w = r, units with r outside [lower, upper] rejected).
-        level: ``token`` (L_t = l_t), ``sequence`` (L = sum_t l_t) or ``geometric`` (L = mean_t l_t).
-        upper, lower: bounds on r for the mode; ``None`` = the default.
-        rs_level: optional rejection-sampling level (independent of the mode); ``None`` = off.
-        rs_upper, rs_lower: rejection-sampling bounds on r at ``rs_level``; ``None`` = the default.
-        veto_threshold, seq_mean_k3_threshold, seq_max_k3_threshold: rejection thresholds (``None`` = off),
-            each declared with its flag, valid range and meaning at the field (rule rows: ``core.rules``).
-        batch_normalize: rescale applied weights to mean 1 over the kept units of the global batch.
-        rejected_denominator: ``keep`` (rejected tokens stay in the loss denominator) or ``drop``.
-        loss_agg: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or ``token-sum``
-            (``core.aggregation``).
-        eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``
-            (``eps_clip_high=None`` means symmetric).
-        dual_clip_c: dual-clip constant ``c > 1`` for negative advantages; ``None`` = off.
-        loss_mode: the policy-loss surrogate (``core.surrogates.SURROGATES``); ``None`` = the algorithm's own.
-        kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the reference-KL and entropy terms
-            (``core.terms``).
-        sapo_tau_pos, sapo_tau_neg: options of one surrogate (declared with ``surrogate_option``; they reach the
-            plan only while it is chosen).
-        safety_bound: ``B``; log-quantities are clamped to ``[-B, B]`` before ``exp``.
-        kernels: ``"torch"`` (default) or ``"triton"``: which code computes the log-probs (from logits or, fused,
-            from the hidden states) and the correction's token pass (``Plan.token_pass``, resolved by
-            ``slime_tis.kernels.token_pass``); the one switch for every Triton kernel (``slime_tis.kernels.dispatch``:
-            where a kernel cannot run, the torch code with one warning).
-        sampling_support: ``"full"``, ``"replay"`` or ``None`` (replay where the micro-batch carries a support): the
-            trainer's log-probs over the full vocabulary or over each token's sampling support
-            (``engine.support_logprobs``).
-    """
+    """Rollout-correction configuration, validated at construction: every field's flag, range and meaning are its
+    declaration (the help text); the rules between fields are in ``__post_init__``."""
 
     use_rollout_log_probs: bool = option(
         False, flag="--use-rollout-log-probs", aliases=("--use-rollout-logprobs",), kind="switch",
@@ -166,46 +121,15 @@ class TISConfig:
         help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1), with or without "
              "rejection sampling. Default: off.",
         describe="veto: reject sequences with any token ratio < {value:g}")
-    seq_mean_k3_threshold: float | None = threshold(
-        flag="--tis-seq-mean-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a sequence whose mean over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's seq_mean_k3. Default: off.",
-        describe="k3 rejection: reject sequences whose mean of k3 = r - 1 - log r > {value:g}")
-    seq_max_k3_threshold: float | None = threshold(
-        flag="--tis-seq-max-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a sequence whose max over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's seq_max_k3. Default: off.",
-        describe="k3 rejection: reject sequences whose max of k3 = r - 1 - log r > {value:g}")
-    token_k2_threshold: float | None = threshold(
-        flag="--tis-token-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a token whose k2 = (log r)^2 / 2 exceeds this (> 0), i.e. r outside "
-             "[exp(-sqrt(2 t)), exp(sqrt(2 t))], as verl's token_k2. Default: off.",
-        describe="k2 rejection: reject tokens whose k2 = (log r)^2 / 2 > {value:g}")
-    token_k3_threshold: float | None = threshold(
-        flag="--tis-token-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a token whose k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's token_k3. Default: off.",
-        describe="k3 rejection: reject tokens whose k3 = r - 1 - log r > {value:g}")
-    seq_sum_k2_threshold: float | None = threshold(
-        flag="--tis-seq-sum-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a sequence whose sum over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
-             "as verl's seq_sum_k2. Default: off.",
-        describe="k2 rejection: reject sequences whose sum of k2 = (log r)^2 / 2 > {value:g}")
-    seq_sum_k3_threshold: float | None = threshold(
-        flag="--tis-seq-sum-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a sequence whose sum over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's seq_sum_k3. Default: off.",
-        describe="k3 rejection: reject sequences whose sum of k3 = r - 1 - log r > {value:g}")
-    seq_mean_k2_threshold: float | None = threshold(
-        flag="--tis-seq-mean-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a sequence whose mean over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
-             "as verl's seq_mean_k2. Default: off.",
-        describe="k2 rejection: reject sequences whose mean of k2 = (log r)^2 / 2 > {value:g}")
-    seq_max_k2_threshold: float | None = threshold(
-        flag="--tis-seq-max-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a sequence whose max over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
-             "as verl's seq_max_k2. Default: off.",
-        describe="k2 rejection: reject sequences whose max of k2 = (log r)^2 / 2 > {value:g}")
+    # verl's divergence rejection options <statistic>_<k2|k3> (core.rules._divergence)
+    seq_mean_k3_threshold: float | None = divergence_threshold("seq_mean_k3")
+    seq_max_k3_threshold: float | None = divergence_threshold("seq_max_k3")
+    token_k2_threshold: float | None = divergence_threshold("token_k2")
+    token_k3_threshold: float | None = divergence_threshold("token_k3")
+    seq_sum_k2_threshold: float | None = divergence_threshold("seq_sum_k2")
+    seq_sum_k3_threshold: float | None = divergence_threshold("seq_sum_k3")
+    seq_mean_k2_threshold: float | None = divergence_threshold("seq_mean_k2")
+    seq_max_k2_threshold: float | None = divergence_threshold("seq_max_k2")
     # the upper veto (SkyRL), the binary KL (KPop) and the sequence log-prob error (NeMo-RL)
     veto_upper_threshold: float | None = threshold(
         flag="--tis-veto-upper-threshold", valid="> 1", why="the upper side of the veto, r > V",
@@ -338,8 +262,7 @@ class TISConfig:
             if (problem := declared.problem(value, allow_none=DEFAULTS[field] is None)) is not None:
                 raise _bad(field, value, problem)
         # rules between fields
-        _check_upper("upper", self.upper_bound)
-        _check_bounds("lower", self.lower_bound, "upper", self.upper_bound)
+        _check_bounds(self, "")
         if self.rs_level is None and (self.rs_upper is not None or self.rs_lower is not None):
             raise _bad("rs_upper" if self.rs_upper is not None else "rs_lower",
                        self.rs_upper if self.rs_upper is not None else self.rs_lower,
@@ -348,8 +271,7 @@ class TISConfig:
             raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric level; "
                        "a prefix level is a weight level (--tis-level)")
         if self.rs_level is not None:
-            _check_upper("rs_upper", self.rs_upper_bound)
-            _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)
+            _check_bounds(self, "rs_")
         self._check_algorithm_combinations()
         self._check_auto_upper()
 
@@ -412,7 +334,7 @@ class TISConfig:
     # ------------------------------------------------------------------ derived values
     @property
     def algorithm(self) -> int:
-        """0..3 from (use_rollout_log_probs, use_tis), see the module table."""
+        """``use_rollout_log_probs + 2 use_tis`` (``core.algorithms``)."""
         return int(self.use_rollout_log_probs) + 2 * int(self.use_tis)
 
     @property
@@ -469,21 +391,19 @@ class TISConfig:
 
     @property
     def needs_old_log_probs(self) -> bool:
-        """Algorithms 0 and 2 need the Megatron recompute of pi_old; 1 and 3 skip it (``core.algorithms``)."""
+        """Algorithms 0 and 2 need the recompute of pi_old (``Algorithm.needs_pi_old``)."""
         return algorithm_of(self.algorithm).needs_pi_old
 
     @property
     def applies_weights(self) -> bool:
-        """Importance weights multiply the loss (algorithms 2 and 3; ``core.algorithms``)."""
+        """Algorithms 2 and 3 (``Algorithm.weighted``)."""
         return algorithm_of(self.algorithm).weighted
 
     @property
     def rejects(self) -> bool:
         """Whether any configured rule can reject tokens or sequences (besides non-finite data)."""
-        return algorithm_of(self.algorithm).corrects and (
-            mode_of(self.mode).masks or self.rs_level is not None
-            or any(getattr(self, field) is not None for field in THRESHOLDS)
-        )
+        plan = self.plan
+        return plan.mask or plan.rs_level is not None or bool(plan.thresholds)
 
     @property
     def plan(self) -> Plan:
@@ -573,12 +493,12 @@ class TISConfig:
         return "\n".join(lines)
 
 
-#: ``{field: Option}``: every field's declaration, in field order (the source of flags, dests, validation).
+#: ``{field: Option}``: every field's declaration, in field order.
 OPTIONS: dict[str, Option] = declared_options(TISConfig)
 #: ``{field: Option}``: the rejection thresholds (each drives the row of ``core.rules.RULES`` naming it).
 THRESHOLDS: dict[str, Option] = declared_thresholds(TISConfig)
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TISConfig)}
-#: Options that are not fields: the preset, expanded before the fields' flags.
+#: The option that is not a field: the preset, expanded before the fields' flags.
 PRESET_OPTION = Option(
     flag="--tis-preset", kind="choice", choices=tuple(PRESETS), metavar="NAME",
     help="Expand a named preset; explicit flags override it. Presets: "
@@ -586,9 +506,7 @@ PRESET_OPTION = Option(
     readme="Expand a named preset (table below); explicit flags override it. Default: none.")
 #: Every flag of ``slime_tis.arguments.add_tis_arguments``, in order (the flag table of docs/reference.md).
 ALL_OPTIONS: list[Option] = [*OPTIONS.values(), PRESET_OPTION]
-#: Command-line flag of every field (used in error messages).
 FLAG_OF: dict[str, str] = {field: declared.flag for field, declared in OPTIONS.items()}
-#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
 DESTS_OF: dict[str, tuple[str, ...]] = {field: declared.dests for field, declared in OPTIONS.items()}
 #: ``{field: surrogate}``: the options of one surrogate each (``Plan.surrogate_params`` while it is chosen).
 SURROGATE_OPTIONS: dict[str, str] = declared_surrogate_options(TISConfig)
@@ -597,7 +515,7 @@ SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind =
 
 @lru_cache(maxsize=64)
 def _resolve(config: TISConfig) -> Plan:
-    """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (hashable, frozen; cached)."""
+    """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (cached)."""
     rejecting = algorithm_of(config.algorithm).corrects
     rs_level = level_of(config.rs_level) if rejecting and config.rs_level is not None else None
     mode = mode_of(config.mode)

@@ -1,9 +1,5 @@
-"""Named presets: the eight of verl's rollout-correction math doc, plus a few useful extras.
-
-Each preset is a dict of ``TISConfig`` fields; explicit fields (or command-line flags) override it.
-Differences from verl are deliberate and documented in docs/reference.md: verl's pure-rejection presets
-(``decoupled_geo_rs``, ``pg_rs``) apply no weight, ours use mask mode at geometric level, whose
-in-bounds weight lies in ``[0.999, 1.001]`` (so the loss differs by at most 0.1%).
+"""Named presets: dicts of ``TISConfig`` fields (the eight of verl's rollout-correction math doc, plus extras;
+differences from verl: docs/reference.md); explicit fields or flags override them.
 """
 
 from __future__ import annotations
