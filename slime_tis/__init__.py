@@ -8,33 +8,21 @@ Public API: ``TISConfig``, ``add_tis_arguments``, ``compute_tis``, ``policy_loss
 from slime_tis.arguments import add_tis_arguments
 from slime_tis.config import TISConfig
 from slime_tis.core import (
-    LocalReducer,
-    MetricStats,
-    PolicyLossOutput,
-    Reducer,
-    TISResult,
-    compute_tis,
-    loss_denominator,
-    normalisation_factor,
-    padded_to_packed,
-    policy_loss,
+                            LocalReducer,
+                            MetricStats,
+                            PolicyLossOutput,
+                            Reducer,
+                            TISResult,
+                            compute_tis,
+                            loss_denominator,
+                            normalisation_factor,
+                            padded_to_packed,
+                            policy_loss,
 )
 from slime_tis.presets import PRESETS
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "TISConfig",
-    "PRESETS",
-    "add_tis_arguments",
-    "compute_tis",
-    "policy_loss",
-    "loss_denominator",
-    "normalisation_factor",
-    "MetricStats",
-    "LocalReducer",
-    "Reducer",
-    "TISResult",
-    "PolicyLossOutput",
-    "padded_to_packed",
-]
+__all__ = ["TISConfig", "PRESETS", "add_tis_arguments", "compute_tis", "policy_loss", "loss_denominator",
+           "normalisation_factor", "MetricStats", "LocalReducer", "Reducer", "TISResult", "PolicyLossOutput",
+           "padded_to_packed"]

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
+from slime_tis.config_fields import (
     MAX_SAFETY_BOUND,
-    SWITCH_WORDS,
     Option,
     declared_options,
     declared_surrogate_options,
@@ -31,12 +30,7 @@ from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
 )
 from slime_tis.core.aggregation import AGGREGATIONS
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.core.levels import (  # noqa: F401  (DEFAULT_GEOMETRIC_UPPER re-exported)
-    DEFAULT_GEOMETRIC_UPPER,
-    DEFAULT_UPPER,
-    level_of,
-    mode_of,
-)
+from slime_tis.core.levels import DEFAULT_UPPER, level_of, mode_of
 from slime_tis.core.levels import LEVELS as LEVEL_TABLE
 from slime_tis.core.levels import MODES as MODE_TABLE
 from slime_tis.core.plan import Plan

@@ -11,17 +11,5 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.weights import normalisation_factor
 
-__all__ = [
-    "TISResult",
-    "compute_tis",
-    "normalisation_factor",
-    "Plan",
-    "PolicyLossOutput",
-    "policy_loss",
-    "ppo_clip_term",
-    "loss_denominator",
-    "MetricStats",
-    "LocalReducer",
-    "Reducer",
-    "padded_to_packed",
-]
+__all__ = ["TISResult", "compute_tis", "normalisation_factor", "Plan", "PolicyLossOutput", "policy_loss",
+           "ppo_clip_term", "loss_denominator", "MetricStats", "LocalReducer", "Reducer", "padded_to_packed"]

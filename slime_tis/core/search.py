@@ -16,7 +16,7 @@ from torch import Tensor
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import Reducer
 
-__all__ = ["SEARCH_STEPS", "Searched", "bisect_log", "m2po_cut", "auto_upper", "precision", "m2po_values",
+__all__ = ["SEARCH_STEPS", "Searched", "bisect_log", "m2po_cut", "auto_upper", "m2po_values",
            "ess_values", "searches", "M2PO_FIELD", "PENDING", "search", "kept_units", "cut_hits"]
 
 #: Bisection iterations per search (one all-reduce each): the bracket shrinks by ``2^30``.
@@ -52,15 +52,11 @@ def searches(plan: Plan) -> bool:
     return plan.target_ess is not None or plan.threshold(M2PO_FIELD) is not None
 
 
-def precision(lo: float, hi: float) -> float:
-    """``p``: a search on ``[lo, hi]`` answers within ``[x exp(-p), x]`` of the boundary ``x``."""
-    return (math.log(hi) - math.log(lo)) / 2 ** SEARCH_STEPS
-
-
 def bisect_log(lo: float, hi: float, sums: Callable[[Tensor], Tensor], accept: Callable[[Tensor], Tensor],
                reducer: Reducer, *, per_sequence: bool, device: torch.device) -> Tensor:
-    """0-d float64: the largest ``x`` in ``[lo, hi]`` (to :func:`precision`) with ``accept(batch_sum(sums(x)))``;
-    ``accept`` holds below the boundary and fails above it (``lo`` where it fails everywhere)."""
+    """0-d float64: the largest ``x`` in ``[lo, hi]`` with ``accept(batch_sum(sums(x)))``, to a relative
+    ``(log hi - log lo) / 2^SEARCH_STEPS``; ``accept`` holds below the boundary and fails above it (``lo`` where it
+    fails everywhere)."""
     a = torch.full((), math.log(lo), dtype=F64, device=device)
     b = torch.full((), math.log(hi), dtype=F64, device=device)
     for _ in range(SEARCH_STEPS):
@@ -70,10 +66,13 @@ def bisect_log(lo: float, hi: float, sums: Callable[[Tensor], Tensor], accept: C
     return a.exp()
 
 
+def _squared(plan: Plan, log_ratio: Tensor) -> Tensor:
+    return log_ratio.to(F64).clamp(-plan.bound, plan.bound).square()
+
+
 def m2po_values(plan: Plan, log_ratio: Tensor, token_ok: Tensor) -> Tensor:
     """``[T]`` float64 ``q_t = clamp(l_t, -B, B)^2`` on the token domain, ``+inf`` off it."""
-    q = log_ratio.to(F64).clamp(-plan.bound, plan.bound).square()
-    return torch.where(token_ok, q, math.inf)
+    return torch.where(token_ok, _squared(plan, log_ratio), math.inf)
 
 
 def m2po_cut(plan: Plan, q: Tensor, reducer: Reducer) -> Tensor:
@@ -116,7 +115,7 @@ def auto_upper(plan: Plan, r: Tensor, n_kept: Tensor, reducer: Reducer) -> Tenso
 
 def cut_hits(plan: Plan, log_ratio: Tensor) -> Tensor:
     """``[T]`` bool, tokens M2PO rejects: ``clamp(l, -B, B)^2 > cut`` in float64 (as :func:`m2po_values`)."""
-    return log_ratio.to(F64).clamp(-plan.bound, plan.bound).square() > plan.sq_cut
+    return _squared(plan, log_ratio) > plan.sq_cut
 
 
 def kept_units(plan: Plan, ratios, verdict) -> Tensor:
