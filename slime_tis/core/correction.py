@@ -116,9 +116,7 @@ def compute_tis(
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
                    reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite,
-                   staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1,
-                                                                              lp_train.device),
-                   searched=searched, chunks=chunks)
+                   staleness=staleness, searched=searched, chunks=chunks)
 
 
 def correct(
@@ -141,6 +139,8 @@ def correct(
     if (plan.staleness_buckets or plan.staleness_decay is not None) and staleness is None:
         raise ValueError("staleness: --tis-staleness-buckets / --tis-staleness-bound-decay is set but the host gave no "
                          "per-sequence staleness (compute_tis(..., staleness=[n_seq] tensor))")
+    if staleness is not None:
+        staleness = check_staleness(staleness, layout.n_seq, valid.device)
     with torch.no_grad():
         scale = None  # the mode's bounds tightened with staleness: factors per token and per sequence
         if plan.staleness_decay is not None:
@@ -160,31 +160,7 @@ def correct(
             ratios = dataclasses.replace(ratios, staleness=staleness.detach(), bound_scale=scale)
         if plan.level.prefix is not None:
             ratios = _with_prefix(plan, ratios, layout, reducer, chunks)
-    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject,
-                   searched=searched)
-
-
-def _with_prefix(plan: Plan, ratios: Ratios, layout: Layout, reducer: Reducer, chunks: Chunks | None) -> Ratios:
-    """``ratios`` with the plan's prefix level's ``L_t`` (``core.prefix``; a carry over CP from ``chunks``)."""
-    if chunks is None and getattr(reducer, "cp_size", 1) > 1:
-        raise ValueError(f"--tis-level {plan.level.name} under context parallelism (CP = {reducer.cp_size}) needs each "
-                         "token's chunk index (chunks=(chunk [T], K)) for the prefix's carry across CP ranks; this "
-                         "host passes none: use CP = 1 or another level")
-    values = prefix_log_ratios(plan.level.prefix, ratios.log_ratio, ratios.token_ok, layout, reducer, chunks)
-    return dataclasses.replace(ratios, **{plan.level.log_ratio: values})
-
-
-def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
-    verdict = evaluate(plan, ratios)
-    return verdict if reject is None else verdict.with_rejected_tokens(reject & ratios.valid)
-
-
-def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, *,
-            batch_norm_factor: Tensor | float | None, reject: Tensor | None,
-            searched: Searched | None = None) -> TISResult:
-    """Rules, weights, batch normalisation and statistics from the ratios (no token pass over the log-probs)."""
-    loss_finite = LOSS_NONFINITE in ratios.columns
-    with torch.no_grad():
+        # the decision from the ratios: rules, weights, batch normalisation, statistics (no token pass)
         if searches(plan):
             if searched is None:
                 searched = search(plan, [(ratios, _verdict(plan, ratios, reject))], reducer)
@@ -196,8 +172,8 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
             verdict = _with_late_sequences(ratios, verdict, late_hits, layout, reducer)
         moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
         clamped = moments[0] if plan.level.log_ratio == "log_ratio" else None  # the token level's lc
-        scale = None if ratios.bound_scale is None else ratios.bound_scale[1 if plan.per_sequence else 0]
-        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped, scale)  # [T] or [n_seq]
+        unit_scale = None if scale is None else scale[1 if plan.per_sequence else 0]
+        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped, unit_scale)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
         # weights are finite (clamped exponent, finite factor): a product with a mask is the selection
         kept_weights = weights * kept_units
@@ -227,6 +203,21 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
             loss_keep = loss_ok if reject is None else loss_ok & ~reject
     return TISResult(token_weights, verdict.keep, stats, norm_sum, norm_count, ratios, verdict, loss_keep, loss_ok,
                      seq_loss_nonfinite, searched)
+
+
+def _with_prefix(plan: Plan, ratios: Ratios, layout: Layout, reducer: Reducer, chunks: Chunks | None) -> Ratios:
+    """``ratios`` with the plan's prefix level's ``L_t`` (``core.prefix``; a carry over CP from ``chunks``)."""
+    if chunks is None and getattr(reducer, "cp_size", 1) > 1:
+        raise ValueError(f"--tis-level {plan.level.name} under context parallelism (CP = {reducer.cp_size}) needs each "
+                         "token's chunk index (chunks=(chunk [T], K)) for the prefix's carry across CP ranks; this "
+                         "host passes none: use CP = 1 or another level")
+    values = prefix_log_ratios(plan.level.prefix, ratios.log_ratio, ratios.token_ok, layout, reducer, chunks)
+    return dataclasses.replace(ratios, **{plan.level.log_ratio: values})
+
+
+def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
+    verdict = evaluate(plan, ratios)
+    return verdict if reject is None else verdict.with_rejected_tokens(reject & ratios.valid)
 
 
 def _with_late_sequences(ratios: Ratios, verdict: Verdict, hits: list[Tensor], layout: Layout,

@@ -26,7 +26,6 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.prefix import Chunks
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.search import Searched
-from slime_tis.core.staleness import check_staleness
 from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
 from slime_tis.core.terms import kl_estimate, term_loss
 
@@ -145,7 +144,7 @@ def policy_loss(
     tis = correction if correction is not None else correct(
         plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer, batch_norm_factor=batch_norm_factor,
         extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite, searched=searched, chunks=chunks,
-        staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1, theta.device))
+        staleness=staleness)
     keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)

@@ -27,51 +27,34 @@ class MetricStats:
     mins: dict[str, Tensor] = field(default_factory=dict)
     maxs: dict[str, Tensor] = field(default_factory=dict)
 
+    def groups(self) -> tuple[dict[str, Tensor], ...]:
+        return self.token_sums, self.seq_sums, self.mins, self.maxs
+
     def merge(self, other: MetricStats) -> MetricStats:
         """Combine two micro-batches (or two sources): sums add, minima min, maxima max."""
-
-        def combine(a: dict[str, Tensor], b: dict[str, Tensor], op: Callable[[Tensor, Tensor], Tensor]):
-            out = dict(a)
-            for k, v in b.items():
-                out[k] = op(out[k], v) if k in out else v
-            return out
-
-        return MetricStats(
-            combine(self.token_sums, other.token_sums, torch.add),
-            combine(self.seq_sums, other.seq_sums, torch.add),
-            combine(self.mins, other.mins, torch.minimum),
-            combine(self.maxs, other.maxs, torch.maximum),
-        )
+        ops = (torch.add, torch.add, torch.minimum, torch.maximum)
+        return MetricStats(*({**a, **{k: op(a[k], v) if k in a else v for k, v in b.items()}}
+                             for a, b, op in zip(self.groups(), other.groups(), ops)))
 
     def reduce(self, reducer: Reducer) -> MetricStats:
         """Reduce across ranks: one collective per non-empty group, keys sorted (the keys follow the configuration
         only, so every rank issues the same collectives)."""
-
-        def apply(d: dict[str, Tensor], fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
-            if not d:
-                return {}
-            keys = sorted(d)
-            stacked = fn(torch.stack([d[k].detach().double() for k in keys]))
-            return dict(zip(keys, stacked.unbind(0)))
-
-        return MetricStats(
-            apply(self.token_sums, lambda x: reducer.batch_sum(x, per_sequence=False)),
-            apply(self.seq_sums, lambda x: reducer.batch_sum(x, per_sequence=True)),
-            apply(self.mins, reducer.batch_min),
-            apply(self.maxs, reducer.batch_max),
-        )
+        ops = (lambda x: reducer.batch_sum(x, per_sequence=False), lambda x: reducer.batch_sum(x, per_sequence=True),
+               reducer.batch_min, reducer.batch_max)
+        return MetricStats(*(_reduced(d, op) for d, op in zip(self.groups(), ops)))
 
     def detach(self) -> MetricStats:
         """A copy whose tensors are detached clones (safe from in-place scaling by a schedule)."""
-
-        def det(d: dict[str, Tensor]) -> dict[str, Tensor]:
-            return {k: v.detach().clone() for k, v in d.items()}
-
-        return MetricStats(det(self.token_sums), det(self.seq_sums), det(self.mins), det(self.maxs))
+        return MetricStats(*({k: v.detach().clone() for k, v in d.items()} for d in self.groups()))
 
     def finalize(self) -> dict[str, Tensor]:
         """Metric values (float64 0-d) from the statistics present (``core.metric_schema.finalize``)."""
-        return finalize({
-            k: t if t.dtype == torch.float64 else t.double()
-            for d in (self.token_sums, self.seq_sums, self.mins, self.maxs) for k, t in d.items()
-        })
+        return finalize({k: t if t.dtype == torch.float64 else t.double() for d in self.groups() for k, t in d.items()})
+
+
+def _reduced(d: dict[str, Tensor], fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    """``d``'s values stacked in key order, reduced by one ``fn`` call."""
+    if not d:
+        return {}
+    keys = sorted(d)
+    return dict(zip(keys, fn(torch.stack([d[k].detach().double() for k in keys])).unbind(0)))

@@ -102,14 +102,6 @@ class Ratios:
         """Unclamped ``L_u`` of ``level`` (or its name): ``[T]`` or ``[n_seq]`` float32, 0 off the domain."""
         return level_of(level).of(self)
 
-    def unit_ok(self, level: Level | str) -> Tensor:
-        """The diagnostic domain of ``level``'s units: ``token_ok`` or ``seq_ok``."""
-        return level_of(level).domain(self)
-
-    @property
-    def n_seq(self) -> int:
-        return self.seq_ok.shape[0]
-
 
 def packed_ratios(
     lp_train: Tensor,

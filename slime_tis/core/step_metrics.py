@@ -17,14 +17,10 @@ from slime_tis.core.reducer import Reducer
 __all__ = ["check_schema_agrees", "merge_stats", "reduce_step_metrics"]
 
 
-def _kinds(stats: MetricStats) -> dict[str, dict[str, Tensor]]:
-    return {"token_sums": stats.token_sums, "seq_sums": stats.seq_sums, "mins": stats.mins, "maxs": stats.maxs}
-
-
 def check_schema_agrees(stats: MetricStats, reducer: Reducer, *, step: int | None = None) -> None:
     """Raise ``ValueError`` if the statistic names differ across DP x CP, ``RuntimeError`` if the ``step`` numbers do
     (``None``: -1)."""
-    kinds = _kinds(stats)
+    kinds = dict(zip(("token_sums", "seq_sums", "mins", "maxs"), stats.groups()))
     device = next((t.device for d in kinds.values() for t in d.values()), torch.device("cpu"))
     sig = torch.tensor([float(zlib.crc32(",".join(sorted(d)).encode())) for d in kinds.values()]
                        + [float(-1 if step is None else step)], dtype=torch.float64, device=device)
