@@ -63,18 +63,6 @@ class Level(_Named):
         return ratios.seq_ok if self.per_sequence else ratios.token_ok
 
 
-def _truncate(r: Tensor, lower: float, upper: float) -> Tensor:
-    return r.clamp_(max=upper)  # in place: r is the caller's own tensor
-
-
-def _clip(r: Tensor, lower: float, upper: float) -> Tensor:
-    return r.clamp_(min=lower, max=upper)
-
-
-def _mask(r: Tensor, lower: float, upper: float) -> Tensor:
-    return r
-
-
 @dataclass(frozen=True, eq=False)
 class Mode(_Named):
     """One weight mode: ``weight(r, lower, upper) -> w`` (may write ``r`` in place), ``masks`` (units outside
@@ -101,9 +89,12 @@ PREFIX_MIN = Level("prefix_min", "token", "prefix_min_log_ratio", DEFAULT_UPPER,
 LEVELS: dict[str, Level] = {level.name: level for level in (TOKEN, SEQUENCE, GEOMETRIC, PREFIX, PREFIX_MIN)}
 #: Every mode by name, in the order of the flag's choices.
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode("truncate", _truncate, masks=False, has_lower=False, formula="w = min(r, upper)"),
-    Mode("clip", _clip, masks=False, has_lower=True, formula="w = clamp(r, lower, upper)"),
-    Mode("mask", _mask, masks=True, has_lower=True, formula="w = r; units outside [lower, upper] rejected"),
+    # the weight writes r in place: r is the caller's own tensor
+    Mode("truncate", lambda r, lo, hi: r.clamp_(max=hi), masks=False, has_lower=False, formula="w = min(r, upper)"),
+    Mode("clip", lambda r, lo, hi: r.clamp_(min=lo, max=hi), masks=False, has_lower=True,
+         formula="w = clamp(r, lower, upper)"),
+    Mode("mask", lambda r, lo, hi: r, masks=True, has_lower=True,
+         formula="w = r; units outside [lower, upper] rejected"),
 )}
 
 

@@ -58,15 +58,6 @@ class Metric:
     token_name: str | None = None
 
 
-def _exp_extreme(x: Tensor, _den: Tensor | None, _extra: Tensor | None) -> Tensor:
-    # ratio extremes unclamped up to e^+-700, where float64 stays finite; empty domains (+-inf) give 0
-    return torch.where(torch.isfinite(x), x.clamp(-700, 700).exp(), 0.0)
-
-
-def _extreme(x: Tensor, _den: Tensor | None, _extra: Tensor | None) -> Tensor:
-    return torch.where(torch.isfinite(x), x, 0.0)  # an empty domain (+-inf) gives 0
-
-
 def _std(squares: Tensor, count: Tensor, total: Tensor) -> Tensor:
     mean = safe_ratio(total, count)
     return (safe_ratio(squares, count) - mean * mean).clamp(min=0).sqrt()
@@ -79,8 +70,9 @@ REDUCTIONS: dict[str, Callable[[Tensor, Tensor | None, Tensor | None], Tensor]] 
     "mean_minus_one": lambda num, den, _extra: safe_ratio(num - den, den),
     "std": _std,  # numerator: sum of squares, extra: sum; sqrt(max(squares/n - (sum/n)^2, 0))
     "ess": lambda num, den, extra: safe_ratio(num ** 2, den * extra),  # (sum w)^2 / (n sum w^2)
-    "exp": _exp_extreme,
-    "extreme": _extreme,
+    # extremes: an empty domain (+-inf) gives 0; ratio extremes unclamped up to e^+-700 (float64 stays finite)
+    "exp": lambda x, _den, _extra: torch.where(torch.isfinite(x), x.clamp(-700, 700).exp(), 0.0),
+    "extreme": lambda x, _den, _extra: torch.where(torch.isfinite(x), x, 0.0),
     "value": lambda num, _den, _extra: num,
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -19,7 +20,7 @@ from slime_tis.core.levels import MODES, SEQUENCE, TOKEN, Level
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, TokenColumn, ratio_moments
 from slime_tis.core.search import M2PO_FIELD, cut_hits
-from slime_tis.core.token_select import bernoulli_kl
+from slime_tis.core.surrogates import bernoulli_kl
 
 __all__ = ["Rule", "RULES", "NONFINITE", "Verdict", "evaluate", "rule_columns", "binary_kl"]
 
@@ -205,14 +206,6 @@ def late(rule: Rule, level: Level) -> bool:
 TOKEN_REJECTIONS = "tis.token_rejections"
 
 
-class _TokenLogRatios:
-    """What a token-level row's test reads in the token pass, before the per-sequence sums exist."""
-
-    def __init__(self, log_ratio: Tensor, lp_rollout: Tensor | None, bound_scale) -> None:
-        self.log_ratio = log_ratio  # what ``TOKEN.of`` reads
-        self.lp_rollout, self.bound_scale = lp_rollout, bound_scale
-
-
 def rule_columns(plan: Plan, lp_rollout: Tensor | None = None,
                  bound_scale: tuple[Tensor, Tensor] | None = None) -> dict[str, TokenColumn]:
     """Token columns the active rules need summed per sequence (by ``column_key``), plus :data:`TOKEN_REJECTIONS`
@@ -222,7 +215,7 @@ def rule_columns(plan: Plan, lp_rollout: Tensor | None = None,
     token_rows = [rule for rule, level in rows if rule.rejects and not level.per_sequence and not late(rule, level)]
     if token_rows:
         def token_rejections(log_r: Tensor) -> Tensor:
-            view = _TokenLogRatios(log_r, lp_rollout, bound_scale)
+            view = SimpleNamespace(log_ratio=log_r, lp_rollout=lp_rollout, bound_scale=bound_scale)  # a row's inputs
             hit = torch.zeros_like(log_r, dtype=torch.bool)
             for rule in token_rows:
                 hit = hit | rule.test(plan, view, TOKEN)

@@ -6,6 +6,7 @@ one MIN and one MAX: differing names raise ``ValueError``, differing steps ``Run
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -40,12 +41,7 @@ def check_schema_agrees(stats: MetricStats, reducer: Reducer, *, step: int | Non
 
 def merge_stats(stats: list[MetricStats]) -> MetricStats | None:
     """The micro-batches' statistics merged (sums add, extrema combine); ``None`` for none."""
-    if not stats:
-        return None
-    merged = stats[0]
-    for s in stats[1:]:
-        merged = merged.merge(s)
-    return merged
+    return functools.reduce(MetricStats.merge, stats) if stats else None
 
 
 def reduce_step_metrics(stats: MetricStats, reducer: Reducer, *, step: int | None = None
