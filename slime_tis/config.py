@@ -80,21 +80,20 @@ class TISConfig:
 
     use_rollout_log_probs: bool = option(
         False, flag="--use-rollout-log-probs", aliases=("--use-rollout-logprobs",), kind="switch",
-        help="Use the rollout engine's (SGLang) log-probs as pi_old and skip the Megatron recompute "
-             "(algorithm 1; with --use-tis algorithm 3). Default: off.")
+        help="Use the rollout engine's log-probs as pi_old and skip the recompute (algorithm 1; with --use-tis 3). "
+             "Default: off.")
     use_tis: bool = option(
         False, flag="--use-tis", kind="switch",
-        help="Apply importance weights against the rollout policy (algorithm 2; with "
-             "--use-rollout-log-probs algorithm 3). Default: off.")
+        help="Apply importance weights against the rollout policy (algorithm 2; with --use-rollout-log-probs 3). "
+             "Default: off.")
     mode: str = option(
         "truncate", flag="--tis-mode", kind="choice", choices=MODES,
         help="How the ratio r becomes a weight: truncate w=min(r,upper); clip w=clamp(r,lower,upper); "
              "mask w=r and reject units outside [lower,upper]. Default: truncate.")
     level: str = option(
         "token", flag="--tis-level", kind="choice", choices=LEVELS,
-        help="Ratio level: token (per token), sequence (product over the sequence), geometric "
-             "(geometric mean over the sequence), prefix (CTPO: product over the token's prefix), prefix_min "
-             "(MinPRO: the prefix's smallest token ratio). Default: token.")
+        help="Ratio level: token, sequence (product over the sequence), geometric (its geometric mean), prefix (CTPO: "
+             "product over the token's prefix), prefix_min (MinPRO: the prefix's smallest ratio). Default: token.")
     upper: float | str | None = option(
         None, flag="--tis-upper-bound", words=("auto",),
         help="Upper bound on r=pi_train/pi_rollout, or auto (truncate mode, with --tis-target-ess: searched each "
@@ -112,8 +111,7 @@ class TISConfig:
     # rejection thresholds: one declaration each (rule: the row naming the field in core.rules.RULES)
     veto_threshold: float | None = threshold(
         flag="--tis-veto-threshold", valid="in (0, 1)",
-        help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1), with or without "
-             "rejection sampling. Default: off.",
+        help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1). Default: off.",
         describe="veto: reject sequences with any token ratio < {value:g}")
     # verl's divergence rejection options <statistic>_<k2|k3> (core.rules._divergence)
     seq_mean_k3_threshold: float | None = divergence_threshold("seq_mean_k3")
@@ -142,12 +140,11 @@ class TISConfig:
         describe="log-prob error rejection: reject sequences whose mean of exp(abs(l)) > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
-        help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
-             "per step; algorithm 3: per micro-batch over DPxCP). Default: off.")
+        help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once per step; 3: per "
+             "micro-batch over DPxCP). Default: off.")
     rejected_denominator: str = option(
         "keep", flag="--tis-rejected-denominator", kind="choice", choices=DENOMINATORS,
-        help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). "
-             "Default: keep.")
+        help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). Default: keep.")
     loss_agg: str = option(
         "token-mean", flag="--tis-loss-agg", kind="choice", choices=LOSS_AGGS,
         help="Loss aggregation over the global batch (token-sum: the sum over the global batch's counted tokens, "
@@ -162,14 +159,11 @@ class TISConfig:
         help="Dual-clip constant c > 1 for negative advantages. Default: off.")
     loss_mode: str | None = option(
         None, flag="--tis-loss-mode", kind="choice", choices=tuple(SURROGATES),
-        help="Policy-loss surrogate (verl's loss_mode names; ppo_clip is verl's vanilla): reinforce and on_policy "
-             "(ratio pi_theta/sg(pi_theta)) fit every algorithm, the others need a ratio anchor (algorithms 0-2); "
-             "dppo_tv / dppo_kl read --eps-clip / --eps-clip-high as the trust region delta on probabilities, "
-             "geo_mean as its clip of the log-ratio. Default: ppo_clip for algorithms 0-2, reinforce for algorithm 3.")
+        help="Policy-loss surrogate (verl's loss_mode names; docs/semantics.md): reinforce and on_policy fit every "
+             "algorithm, the others need a ratio anchor (algorithms 0-2). Default: ppo_clip; reinforce in algorithm 3.")
     kl_coef: float = option(
         0.0, flag="--tis-kl-coef", valid=">= 0",
-        help="Coefficient of the reference-KL term added to the loss per kept token (needs reference "
-             "log-probs). Default: 0 (off).")
+        help="Coefficient of the reference-KL term added per kept token (needs reference log-probs). Default: 0.")
     kl_estimator: str = option(
         "k3", flag="--tis-kl-estimator", kind="choice", choices=KL_ESTIMATORS,
         help="Reference-KL estimator of d = log pi_theta - log pi_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d, "
@@ -180,9 +174,7 @@ class TISConfig:
     kl_gradient: str = option(
         "direct", flag="--tis-kl-gradient", kind="choice", choices=KL_GRADIENTS,
         help="Gradient of the KL term: direct = the estimator's own gradient beta [w] k'(d) (verl, slime); with_score "
-             "adds the score-function term beta [w] k(d) grad log pi_theta of a KL estimated on tokens sampled from "
-             "the policy (NeMo-RL); k1 and k3 with_score are unbiased gradients of KL(pi_theta || pi_ref). "
-             "Default: direct.")
+             "adds the score-function term beta [w] k(d) grad log pi_theta (NeMo-RL). Default: direct.")
     entropy_coef: float = option(
         0.0, flag="--tis-entropy-coef", valid=">= 0",
         help="Entropy bonus: subtract this times the policy's entropy per kept token. Default: 0 (off).")
@@ -203,8 +195,8 @@ class TISConfig:
              "Default: off.")
     clip_cov_ratio: float = surrogate_option(
         "clip_cov", 2e-4, flag="--tis-clip-cov-ratio", valid="in (0, 1)",
-        help="Clip-Cov: the fraction of the micro-batch's kept tokens (at least 1) taken out of the loss, at random "
-             "among those whose covariance lies in (lb, ub) (--tis-loss-mode clip_cov). Default: 0.0002.")
+        help="Clip-Cov: the fraction of the kept tokens (at least 1) taken out of the loss, at random among those "
+             "whose covariance lies in (lb, ub). Default: 0.0002.")
     clip_cov_lb: float = surrogate_option(
         "clip_cov", 1.0, flag="--tis-clip-cov-lb",
         help="Clip-Cov: lower bound of the candidates' covariance (A - mean A)(lp - mean lp). Default: 1.0.")
@@ -213,23 +205,19 @@ class TISConfig:
         help="Clip-Cov: upper bound of the candidates' covariance (> --tis-clip-cov-lb). Default: 5.0.")
     kl_cov_ratio: float = surrogate_option(
         "kl_cov", 2e-4, flag="--tis-kl-cov-ratio", valid="in (0, 1)",
-        help="KL-Cov: the fraction of the micro-batch's kept tokens (at least 1), those of largest covariance, given "
-             "the penalty coef abs(log rho) (--tis-loss-mode kl_cov). Default: 0.0002.")
+        help="KL-Cov: the fraction of the kept tokens (at least 1), those of largest covariance, given the penalty "
+             "coef abs(log rho). Default: 0.0002.")
     kl_cov_coef: float = surrogate_option(
         "kl_cov", 1.0, flag="--tis-kl-cov-coef", valid=">= 0",
         help="KL-Cov: the coefficient of abs(log rho) at the selected tokens (verl's ppo_kl_coef). Default: 1.0.")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
-        error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
-              f"(exp(88.7)) so that clamped ratios, their products and sums stay finite",
-        help="Log-quantities are clamped to [-B, B] before exp; 0 < B <= 60 (float32 exp overflows at "
-             "88.7). Default: 20.")
+        why="exp(B) stays far below float32's largest value, exp(88.7)",
+        help="Log-quantities are clamped to [-B, B] before exp (0 < B <= 60). Default: 20.")
     kernels: str = option(
         DEFAULT_KERNELS, flag="--tis-kernels", kind="choice", choices=KERNELS,
-        help="Code for the log-probs (from logits, or fused from the hidden states) and the correction's "
-             "token pass: torch, or the Triton kernels (CUDA; where one cannot run, e.g. a compile "
-             "error, the torch code with one warning). Default: torch (the Triton kernels are opt-in "
-             "until measured on a GPU, docs/kernels.md).")
+        help="Code for the log-probs and the correction's token pass: torch, or the Triton kernels (CUDA; where one "
+             "cannot run, the torch code with one warning; docs/kernels.md). Default: torch.")
     # global searches (core.search): each a fixed-iteration bisection over the global batch
     target_ess: float | None = option(
         None, flag="--tis-target-ess", valid="in (0, 1)",
@@ -244,10 +232,9 @@ class TISConfig:
         describe="M2PO: reject the largest (log r)^2 until their global mean over kept tokens <= {value:g}")
     sampling_support: str | None = option(
         None, flag="--tis-sampling-support", kind="choice", choices=SAMPLING_SUPPORT_MODES,
-        help="The trainer's log-probs (pi_old and pi_theta) over the full vocabulary (full) or over the support "
-             "each token was sampled from with top-p / top-k, renormalised there (replay; the batch carries "
-             "the supports: TISBatch.support_ids / support_offsets, from SGLang's return_sampling_mask). "
-             "Default: replay when the batch carries a support, full otherwise.")
+        help="The trainer's log-probs over the full vocabulary (full) or renormalised over each token's top-p / top-k "
+             "sampling support (replay; docs/sampling_support.md). Default: replay when the batch carries a support, "
+             "full otherwise.")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -281,16 +268,12 @@ class TISConfig:
         if not alg.weighted:
             raise _bad("upper", self.upper, f"algorithm {alg.number} applies no importance weights: there is no "
                        "weight to truncate; use --use-tis")
-        if self.mode != "truncate":
-            why = {"clip": "clip's lower bound moves the weights below 1 too, so the ESS of clipped weights need not "
-                           "fall as the upper bound rises (the search needs it monotone)",
-                   "mask": "mask mode rejects the units beyond the bound, so the bound changes the units the ESS "
-                           "counts (the search needs a fixed set of units)"}[self.mode]
-            raise _bad("upper", self.upper, f"auto needs --tis-mode truncate: {why}")
+        if self.mode != "truncate":  # the search needs an ESS monotone in the bound over a fixed set of units
+            raise _bad("upper", self.upper, f"auto needs --tis-mode truncate ({self.mode}: docs/semantics.md, "
+                       "\"Global searches\")")
         if self.staleness_decay is not None:
             raise _bad("staleness_decay", self.staleness_decay, "--tis-upper-bound auto searches one bound for the "
-                       "batch's ESS; tightening it per sequence with staleness would change the weights it was "
-                       "searched on: use one of the two")
+                       "batch's ESS, which tightening it per sequence would change: use one of the two")
 
     def _check_algorithm_combinations(self) -> None:
         alg = algorithm_of(self.algorithm)
