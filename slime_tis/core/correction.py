@@ -107,11 +107,7 @@ def compute_tis(
         {"lp_train": lp_train, "lp_rollout": lp_rollout, "loss_mask": loss_mask,
          **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)},
          **{f"loss_finite[{i}]": t for i, t in enumerate(loss_finite)}, "reject": reject},
-        cu_seqlens,
-    )
-    for name, t in (("lp_train", lp_train), ("lp_rollout", lp_rollout)):
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point tensor of log-probs, got {t.dtype}")
+        cu_seqlens, floats=("lp_train", "lp_rollout"))
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,

@@ -120,11 +120,8 @@ def policy_loss(
     tensors = {"lp_theta": lp_theta, "lp_old": lp_old if row.needs_pi_old else None, "lp_rollout": lp_rollout,
                "advantages": advantages, "loss_mask": loss_mask, "lp_ref": terms[0], "entropy": terms[1],
                **{f"host_inputs[{i}]": t for i, t in enumerate(host_inputs)}}
-    n_tokens = check_packed(tensors, cu_seqlens)
-    for name in ("lp_theta", "lp_old", "lp_rollout", "advantages", "lp_ref", "entropy"):
-        t = tensors[name]
-        if t is not None and not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    n_tokens = check_packed(tensors, cu_seqlens, floats=("lp_theta", "lp_old", "lp_rollout", "advantages", "lp_ref",
+                                                         "entropy"))
     if lp_theta.dtype == torch.float16:  # its gradient has its dtype: up to |A| exp(B) / D per token
         raise ValueError(f"lp_theta is float16: the gradient of the loss with respect to it reaches |A| * "
                          f"exp({plan.bound:g}) / D per token (the ratio's safety bound), beyond float16's largest "
@@ -179,14 +176,15 @@ def policy_loss(
     # the KL estimate per kept token for policy/kl (d = 0 where not kept: every estimator is 0 there)
     kl = None if terms[0] is None else kl_estimate(theta_k.detach(), torch.where(keep, terms[0].detach().float(), 0.0),
                                                    plan.kl_estimator)
-    batch = PolicyContext(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1],
-                        out.selected)
+    batch = PolicyContext(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active,
+                          out.dual_active if plan.dual_clip_c is not None else None, kl, terms[1], out.selected)
     return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(batch)), keep, weights, tis)
 
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """What the ``policy.*`` rows of the metric schema read (``[T]``; ``*_k``: 0 off the kept tokens; ``None``: off)."""
+    """What the ``policy.*`` rows of the metric schema read (``[T]``; ``*_k``: 0 off the kept tokens; ``None``: off,
+    as the surrogate's clip / dual-clip / covariance-selection masks where it has none)."""
 
     plan: Plan
     valid: Tensor
@@ -198,21 +196,7 @@ class PolicyContext:
     dual_active: Tensor | None
     kl: Tensor | None = None  # the KL estimator k(lp_theta - lp_ref) per kept token (0 elsewhere), detached
     entropy: Tensor | None = None
-    selected: Tensor | None = None  # the tokens a covariance-selecting surrogate chose (``core.token_select``)
-
-    @property
-    def clips(self) -> bool:
-        """The surrogate clips (``clip_active`` is False at tokens not kept)."""
-        return surrogate_of(self.plan.surrogate).clips
-
-    @property
-    def selects(self) -> bool:
-        """The surrogate selects tokens by covariance (``selected``: ``[T]`` bool)."""
-        return surrogate_of(self.plan.surrogate).selects
-
-    @property
-    def dual_clips(self) -> bool:
-        return self.clips and self.plan.dual_clip_c is not None and surrogate_of(self.plan.surrogate).dual_clip
+    selected: Tensor | None = None
 
 
 def _policy_stats(batch: PolicyContext) -> MetricStats:

@@ -14,9 +14,10 @@ from torch import Tensor
 __all__ = ["check_packed", "Layout", "packed_layout", "check_offsets", "offsets_on", "padded_to_packed"]
 
 
-def check_packed(tensors: Mapping[str, Tensor | None], cu_seqlens: Tensor) -> int:
+def check_packed(tensors: Mapping[str, Tensor | None], cu_seqlens: Tensor, floats: tuple[str, ...] = ()) -> int:
     """The token count ``T`` of packed ``[T]`` tensors (same length and device) and integer ``cu_seqlens``;
-    ``ValueError`` naming the tensor otherwise. Contents of ``cu_seqlens``: :func:`check_offsets`."""
+    ``ValueError`` naming the tensor otherwise (also for a ``floats`` tensor of another dtype). Contents of
+    ``cu_seqlens``: :func:`check_offsets`."""
     present = {name: t for name, t in tensors.items() if t is not None}
     if not present:
         raise ValueError("no per-token tensors given")
@@ -36,6 +37,8 @@ def check_packed(tensors: Mapping[str, Tensor | None], cu_seqlens: Tensor) -> in
             raise ValueError(f"length mismatch: {name} has {t.shape[0]} tokens, {first_name} has {n_tokens} ({shapes})")
         if t.device != first.device:
             raise ValueError(f"device mismatch: {name} is on {t.device}, {first_name} is on {first.device}")
+        if name in floats and not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         shape = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__
         raise ValueError(f"cu_seqlens must be a 1-D tensor of length n_seq + 1, got {shape}")

@@ -35,18 +35,23 @@ def check_staleness(staleness: Any, n_seq: int, device: torch.device) -> Tensor:
     return staleness
 
 
-def bound_scale(plan: Any, staleness: Tensor) -> Tensor:
-    """``[n_seq]`` float32 ``gamma^s`` of each sequence (0 for an invalid staleness: negative or not finite)."""
+def _valid(staleness: Tensor) -> tuple[Tensor, Tensor]:
+    """``(ok, s)``: the valid staleness (finite, ``>= 0``) and the float64 values, 0 where not valid."""
     s = staleness.to(F64)
     ok = torch.isfinite(s) & (s >= 0)
-    return torch.where(ok, torch.pow(plan.staleness_decay, s.nan_to_num(0.0, 0.0, 0.0).clamp(min=0.0)), 0.0).float()
+    return ok, torch.where(ok, s, 0.0)
+
+
+def bound_scale(plan: Any, staleness: Tensor) -> Tensor:
+    """``[n_seq]`` float32 ``gamma^s`` of each sequence (0 for an invalid staleness)."""
+    ok, s = _valid(staleness)
+    return torch.where(ok, torch.pow(plan.staleness_decay, s), 0.0).float()
 
 
 def _buckets(staleness: Tensor, n: int) -> Tensor:
-    """``[n_seq]`` int64 bucket of each sequence, ``n + 1`` for an invalid staleness (negative or not finite)."""
-    s = staleness.to(F64)
-    ok = torch.isfinite(s) & (s >= 0)
-    return torch.where(ok, s.nan_to_num(0.0, 0.0, 0.0).clamp(0.0, float(n)).floor(), float(n + 1)).long()
+    """``[n_seq]`` int64 bucket ``min(floor(s), n)`` of each sequence, ``n + 1`` for an invalid staleness."""
+    ok, s = _valid(staleness)
+    return torch.where(ok, s.clamp(max=float(n)).floor(), float(n + 1)).long()
 
 
 def staleness_statistics(batch: Any, groups: dict[str, dict[str, Tensor]]) -> None:
