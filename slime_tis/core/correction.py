@@ -75,22 +75,11 @@ def scalar_tensor(value: Tensor | float, device: torch.device) -> Tensor:
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
-def compute_tis(
-    config: Any,
-    lp_train: Tensor,
-    lp_rollout: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    reducer: Reducer | None = None,
-    batch_norm_factor: Tensor | float | None = None,
-    extra_finite: tuple[Tensor, ...] = (),
-    reject: Tensor | None = None,
-    loss_finite: tuple[Tensor, ...] = (),
-    staleness: Tensor | None = None,
-    searched: Searched | None = None,
-    chunks: Chunks | None = None,
-) -> TISResult:
+def compute_tis(config: Any, lp_train: Tensor, lp_rollout: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
+                reducer: Reducer | None = None, batch_norm_factor: Tensor | float | None = None,
+                extra_finite: tuple[Tensor, ...] = (), reject: Tensor | None = None,
+                loss_finite: tuple[Tensor, ...] = (), staleness: Tensor | None = None,
+                searched: Searched | None = None, chunks: Chunks | None = None) -> TISResult:
     """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics (docs/CORE_API.md).
 
     ``lp_train``, ``lp_rollout``: ``[T]`` float (computed in float32, detached); ``loss_mask`` ``[T]`` bool or 0/1;
@@ -115,22 +104,10 @@ def compute_tis(
                    staleness=staleness, searched=searched, chunks=chunks)
 
 
-def correct(
-    plan: Plan,
-    lp_train: Tensor,
-    lp_rollout: Tensor,
-    valid: Tensor,
-    layout: Layout,
-    reducer: Reducer,
-    *,
-    batch_norm_factor: Tensor | float | None = None,
-    extra_finite: tuple[Tensor, ...] = (),
-    reject: Tensor | None = None,
-    loss_finite: tuple[Tensor, ...] = (),
-    staleness: Tensor | None = None,
-    searched: Searched | None = None,
-    chunks: Chunks | None = None,
-) -> TISResult:
+def correct(plan: Plan, lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, layout: Layout, reducer: Reducer, *,
+            batch_norm_factor: Tensor | float | None = None, extra_finite: tuple[Tensor, ...] = (),
+            reject: Tensor | None = None, loss_finite: tuple[Tensor, ...] = (), staleness: Tensor | None = None,
+            searched: Searched | None = None, chunks: Chunks | None = None) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     if (plan.staleness_buckets or plan.staleness_decay is not None) and staleness is None:
         raise ValueError("staleness: --tis-staleness-buckets / --tis-staleness-bound-decay is set but the host gave no "

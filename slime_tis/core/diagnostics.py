@@ -113,18 +113,9 @@ class TisContext:
                                       torch.cat([torch.where(seq_ok, self.mean_diff, -inf), -inf]).max())
 
 
-def tis_statistics(
-    plan: Plan,
-    ratios: Ratios,
-    verdict: Verdict,
-    weights: Tensor,
-    kept_units: Tensor,
-    kept_weights: Tensor,
-    n_kept_units: Tensor,
-    batch_norm_factor: Tensor | None,
-    *,
-    moments: tuple[Tensor, Tensor, Tensor] | None = None,
-) -> MetricStats:
+def tis_statistics(plan: Plan, ratios: Ratios, verdict: Verdict, weights: Tensor, kept_units: Tensor,
+                   kept_weights: Tensor, n_kept_units: Tensor, batch_norm_factor: Tensor | None, *,
+                   moments: tuple[Tensor, Tensor, Tensor] | None = None) -> MetricStats:
     """The ``tis.*`` statistics: the schema's ``tis.`` rows plus each active rule's count. ``weights``,
     ``kept_units``, ``kept_weights``: per unit (``[T]`` or ``[n_seq]``), after bounds and batch normalisation;
     ``n_kept_units``: 0-d integer; ``moments``: ``ratio_moments(ratios.log_ratio, plan.bound)`` if computed."""

@@ -51,14 +51,8 @@ def sequence_counts(mask: Tensor, layout: Layout, reducer: Reducer) -> Tensor:
     return reducer.sequence_sum(layout.sums(mask.to(F64)[:, None]))[:, 0]
 
 
-def loss_denominator(
-    config: Any,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    keep_mask: Tensor | None = None,
-    reducer: Reducer | None = None,
-) -> Tensor:
+def loss_denominator(config: Any, loss_mask: Tensor, cu_seqlens: Tensor, *, keep_mask: Tensor | None = None,
+                     reducer: Reducer | None = None) -> Tensor:
     """This micro-batch's share of the loss denominator (0-d float32, this rank; ``core.aggregation``), counting
     the valid tokens, or with ``drop`` the ``keep_mask`` tokens; sum it over micro-batches and ranks."""
     plan = plan_of(config)
@@ -72,27 +66,13 @@ def loss_denominator(
     return aggregate(plan.loss_agg, None, mask, layout, counts)[1]
 
 
-def policy_loss(
-    config: Any,
-    lp_theta: Tensor,
-    lp_old: Tensor | None,
-    lp_rollout: Tensor | None,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    reducer: Reducer | None = None,
-    denominator: Tensor | float | None = None,
-    batch_norm_factor: Tensor | float | None = None,
-    keep_override: Tensor | None = None,
-    lp_ref: Tensor | None = None,
-    entropy: Tensor | None = None,
-    correction: TISResult | None = None,
-    host_inputs: tuple[Tensor, ...] = (),
-    searched: Searched | None = None,
-    chunks: Chunks | None = None,
-    staleness: Tensor | None = None,
-) -> PolicyLossOutput:
+def policy_loss(config: Any, lp_theta: Tensor, lp_old: Tensor | None, lp_rollout: Tensor | None, advantages: Tensor,
+                loss_mask: Tensor, cu_seqlens: Tensor, *, reducer: Reducer | None = None,
+                denominator: Tensor | float | None = None, batch_norm_factor: Tensor | float | None = None,
+                keep_override: Tensor | None = None, lp_ref: Tensor | None = None, entropy: Tensor | None = None,
+                correction: TISResult | None = None, host_inputs: tuple[Tensor, ...] = (),
+                searched: Searched | None = None, chunks: Chunks | None = None,
+                staleness: Tensor | None = None) -> PolicyLossOutput:
     """Aggregated policy loss of the configured algorithm on one packed micro-batch (docs/CORE_API.md).
 
     ``lp_theta`` ``[T]`` float32 or bfloat16 (not float16: its gradient reaches ``|A| exp(B) / D``); ``lp_old``:

@@ -103,17 +103,9 @@ class Ratios:
         return level_of(level).of(self)
 
 
-def packed_ratios(
-    lp_train: Tensor,
-    lp_rollout: Tensor,
-    valid: Tensor,
-    layout: Layout,
-    reducer: Reducer,
-    *,
-    extra_finite: tuple[Tensor, ...] = (),
-    rule_columns: Mapping[str, TokenColumn] | None = None,
-    token_pass: TokenPass | None = None,
-) -> Ratios:
+def packed_ratios(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, layout: Layout, reducer: Reducer, *,
+                  extra_finite: tuple[Tensor, ...] = (), rule_columns: Mapping[str, TokenColumn] | None = None,
+                  token_pass: TokenPass | None = None) -> Ratios:
     """:class:`Ratios` of detached ``[T]`` log-probs (computed in float32); ``rule_columns``: token columns summed per
     sequence (``core.rules``); ``token_pass``: the base columns from another implementation (:data:`TokenPass`)."""
     rules = rule_columns or {}
