@@ -18,9 +18,7 @@ from typing import Any
 from slime_tis.config_fields import (
     MAX_SAFETY_BOUND,
     Option,
-    declared_options,
-    declared_surrogate_options,
-    declared_thresholds,
+    declared_fields,
     divergence_threshold,
     fields_from_args,
     option,
@@ -150,12 +148,12 @@ class TISConfig:
         help="Loss aggregation over the global batch (token-sum: the sum over the global batch's counted tokens, "
              "whatever the DP size). Default: token-mean.")
     eps_clip: float = option(
-        0.2, flag="--eps-clip", valid="in [0, 1)", error="must lie in [0, 1) so that 1 - eps_clip > 0",
+        0.2, flag="--eps-clip", valid="in [0, 1)", why="so that 1 - eps_clip > 0",
         help="PPO clip epsilon (low side). Default: 0.2.")
     eps_clip_high: float | None = option(
         None, flag="--eps-clip-high", valid=">= 0", help="PPO clip epsilon, high side. Default: = --eps-clip.")
     dual_clip_c: float | None = option(
-        None, flag="--eps-clip-c", valid="> 1", error="dual-clip constant must be > 1",
+        None, flag="--eps-clip-c", valid="> 1", why="the dual-clip constant",
         help="Dual-clip constant c > 1 for negative advantages. Default: off.")
     loss_mode: str | None = option(
         None, flag="--tis-loss-mode", kind="choice", choices=tuple(SURROGATES),
@@ -471,9 +469,9 @@ class TISConfig:
 
 
 #: ``{field: Option}``: every field's declaration, in field order.
-OPTIONS: dict[str, Option] = declared_options(TISConfig)
+OPTIONS: dict[str, Option] = declared_fields(TISConfig, "option")
 #: ``{field: Option}``: the rejection thresholds (each drives the row of ``core.rules.RULES`` naming it).
-THRESHOLDS: dict[str, Option] = declared_thresholds(TISConfig)
+THRESHOLDS: dict[str, Option] = declared_fields(TISConfig, "threshold")
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TISConfig)}
 #: The option that is not a field: the preset, expanded before the fields' flags.
 PRESET_OPTION = Option(
@@ -486,7 +484,7 @@ ALL_OPTIONS: list[Option] = [*OPTIONS.values(), PRESET_OPTION]
 FLAG_OF: dict[str, str] = {field: declared.flag for field, declared in OPTIONS.items()}
 DESTS_OF: dict[str, tuple[str, ...]] = {field: declared.dests for field, declared in OPTIONS.items()}
 #: ``{field: surrogate}``: the options of one surrogate each (``Plan.surrogate_params`` while it is chosen).
-SURROGATE_OPTIONS: dict[str, str] = declared_surrogate_options(TISConfig)
+SURROGATE_OPTIONS: dict[str, str] = declared_fields(TISConfig, "surrogate")
 SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind == "switch")
 
 

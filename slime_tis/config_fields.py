@@ -13,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Option", "option", "threshold", "divergence_threshold", "surrogate_option", "declared_options",
-           "declared_surrogate_options", "RANGES", "SWITCH_WORDS", "parse_switch", "add_options", "fields_from_args",
-           "flag_table"]
+__all__ = ["Option", "option", "threshold", "divergence_threshold", "surrogate_option", "declared_fields", "RANGES",
+           "SWITCH_WORDS", "parse_switch", "add_options", "fields_from_args", "flag_table"]
 
 #: Spellings of a switch's value (case-insensitive strings; YAML quotes keep ``"false"`` a string).
 SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
@@ -43,7 +42,7 @@ KINDS = ("switch", "choice", "number")
 class Option:
     """One command-line option: ``flag`` (dest: without ``--``, ``-`` -> ``_``) and host ``aliases``; ``help`` ending
     with the effective default; ``kind`` ``switch`` / ``choice`` (``choices``) / ``number`` (``valid``: a key of
-    :data:`RANGES`, ``why`` appended to its words, or ``error`` the whole text; ``words``: strings it also takes);
+    :data:`RANGES`, ``why`` appended to its words; ``words``: strings it also takes);
     ``describe``: the ``describe()`` line while set (``{value:g}``); ``readme`` / ``metavar``: the reference table's."""
 
     flag: str
@@ -52,7 +51,6 @@ class Option:
     choices: tuple[str, ...] | None = None
     valid: str | None = None
     why: str = ""
-    error: str = ""
     describe: str = ""
     aliases: tuple[str, ...] = ()
     readme: str = ""
@@ -95,7 +93,7 @@ class Option:
         ok, words = RANGES[self.valid]
         if ok(value):
             return None
-        return self.error or words + (f" ({self.why})" if self.why else "")
+        return words + (f" ({self.why})" if self.why else "")
 
     def argparse_kwargs(self) -> dict[str, Any]:
         """``add_argument`` keyword arguments (default None: not given)."""
@@ -126,7 +124,8 @@ def option(default: Any, **declaration: Any) -> Any:
 
 def threshold(**declaration: Any) -> Any:
     """A rejection rule's threshold: a number field, ``None`` (the rule off) by default."""
-    return dataclasses.field(default=None, metadata={"option": Option(**declaration), "threshold": True})
+    declared = Option(**declaration)
+    return dataclasses.field(default=None, metadata={"option": declared, "threshold": declared})
 
 
 #: The per-token divergences of verl's rejection options (``core.rules.DIVERGENCES``), in words.
@@ -151,19 +150,11 @@ def surrogate_option(surrogate: str, default: float, **declaration: Any) -> Any:
     return dataclasses.field(default=default, metadata={"option": Option(**declaration), "surrogate": surrogate})
 
 
-def declared_surrogate_options(config: Any) -> dict[str, str]:
-    """``{field name: surrogate}`` of the surrogates' options, in field order."""
-    return {f.name: f.metadata["surrogate"] for f in dataclasses.fields(config) if "surrogate" in f.metadata}
-
-
-def declared_options(config: Any) -> dict[str, Option]:
-    """``{field name: Option}`` of a ``TISConfig`` class or instance, in field order."""
-    return {f.name: f.metadata["option"] for f in dataclasses.fields(config)}
-
-
-def declared_thresholds(config: Any) -> dict[str, Option]:
-    """The threshold fields' options, in field order."""
-    return {f.name: f.metadata["option"] for f in dataclasses.fields(config) if f.metadata.get("threshold")}
+def declared_fields(config: Any, key: str) -> dict[str, Any]:
+    """``{field name: metadata[key]}`` of the fields of a ``TISConfig`` class declaring ``key``, in field order:
+    ``"option"`` (every field's :class:`Option`), ``"threshold"`` (the thresholds'), ``"surrogate"`` (the name of
+    the surrogate an option belongs to)."""
+    return {f.name: f.metadata[key] for f in dataclasses.fields(config) if key in f.metadata}
 
 
 def parse_switch(name: str, value: Any) -> bool:
