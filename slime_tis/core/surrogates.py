@@ -26,29 +26,18 @@ F64 = torch.float64
 BERNOULLI_EPS = 1e-8
 
 
-def _binary_tv(p: Tensor, q: Tensor) -> Tensor:
-    return (p - q).abs()
-
-
 def bernoulli_kl(p: Tensor, q: Tensor, eps: float) -> Tensor:
     """``D(p||q) = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q))``, ``p``, ``q`` in ``[eps, 1 - eps]``."""
     p, q = p.clamp(eps, 1.0 - eps), q.clamp(eps, 1.0 - eps)
     return p * (p.log() - q.log()) + (1.0 - p) * (torch.log1p(-p) - torch.log1p(-q))
 
 
-def _dppo_kl(p: Tensor, q: Tensor) -> Tensor:
-    return bernoulli_kl(q, p, BERNOULLI_EPS)
-
-
-#: ``--tis-loss-mode`` name -> the divergence between the token's Bernoulli distributions ``(p, q)``
-DPPO_DIVERGENCES = {"dppo_tv": _binary_tv, "dppo_kl": _dppo_kl}
-
-
 def dppo_masked(lp: Tensor, anchor: Tensor, adv: Tensor, keep: Tensor, delta_low: float, delta_high: float,
                 divergence: str) -> Tensor:
-    """``[T]`` bool: kept tokens outside the trust region on their harmful side (float64; ``p = exp(min(lp, 0))``)."""
+    """``[T]`` bool: kept tokens outside the trust region on their harmful side (float64; ``p = exp(min(lp, 0))``):
+    ``dppo_tv`` ``|p - q|``, ``dppo_kl`` ``KL_B(q, p)``."""
     p, q = torch.exp(lp.to(F64).clamp(max=0.0)), torch.exp(anchor.to(F64).clamp(max=0.0))
-    div = DPPO_DIVERGENCES[divergence](p, q)
+    div = (p - q).abs() if divergence == "dppo_tv" else bernoulli_kl(q, p, BERNOULLI_EPS)
     up, down = (adv > 0) & (p > q) & (div > delta_high), (adv < 0) & (p < q) & (div > delta_low)
     return keep & (up | down)
 
@@ -112,20 +101,15 @@ class SurrogateTerms:
 
 @dataclass(frozen=True)
 class Surrogate:
-    """One row of :data:`SURROGATES`: ``ratio`` ``"token"`` / ``"sequence"`` pi_theta / pi_anchor (``None``: no
-    anchor); ``clips`` reads ``--eps-clip(-high)`` (``policy/clipfrac``); ``dual_clip`` reads ``--eps-clip-c``;
-    ``selects`` by covariance (``policy/cov_selected_fraction``); ``fn`` the per-token loss."""
+    """One row of :data:`SURROGATES`: ``anchored`` reads a ratio pi_theta / pi_anchor (per token or per sequence);
+    ``clips`` reads ``--eps-clip(-high)`` (``policy/clipfrac``); ``dual_clip`` reads ``--eps-clip-c``; ``fn`` the
+    per-token loss."""
 
     name: str
-    ratio: str | None
+    anchored: bool
     clips: bool
     dual_clip: bool
     fn: Callable[[SurrogateInputs, Plan], SurrogateTerms]
-    selects: bool = False
-
-    @property
-    def anchored(self) -> bool:
-        return self.ratio is not None
 
 
 def ppo_clip_term(
@@ -233,17 +217,17 @@ def kl_cov(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
 
 
 SURROGATES: dict[str, Surrogate] = {
-    "ppo_clip": Surrogate("ppo_clip", ratio="token", clips=True, dual_clip=True, fn=ppo_clip),
-    "reinforce": Surrogate("reinforce", ratio=None, clips=False, dual_clip=False, fn=reinforce),
-    "gspo": Surrogate("gspo", ratio="sequence", clips=True, dual_clip=False, fn=gspo),
-    "cispo": Surrogate("cispo", ratio="token", clips=True, dual_clip=False, fn=cispo),
-    "on_policy": Surrogate("on_policy", ratio=None, clips=False, dual_clip=False, fn=on_policy),
-    "sapo": Surrogate("sapo", ratio="token", clips=False, dual_clip=False, fn=sapo),
-    "dppo_tv": Surrogate("dppo_tv", ratio="token", clips=True, dual_clip=False, fn=_dppo("dppo_tv")),
-    "dppo_kl": Surrogate("dppo_kl", ratio="token", clips=True, dual_clip=False, fn=_dppo("dppo_kl")),
-    "geo_mean": Surrogate("geo_mean", ratio="sequence", clips=True, dual_clip=False, fn=geo_mean),
-    "clip_cov": Surrogate("clip_cov", ratio="token", clips=True, dual_clip=False, fn=clip_cov, selects=True),
-    "kl_cov": Surrogate("kl_cov", ratio="token", clips=False, dual_clip=False, fn=kl_cov, selects=True),
+    "ppo_clip": Surrogate("ppo_clip", anchored=True, clips=True, dual_clip=True, fn=ppo_clip),
+    "reinforce": Surrogate("reinforce", anchored=False, clips=False, dual_clip=False, fn=reinforce),
+    "gspo": Surrogate("gspo", anchored=True, clips=True, dual_clip=False, fn=gspo),
+    "cispo": Surrogate("cispo", anchored=True, clips=True, dual_clip=False, fn=cispo),
+    "on_policy": Surrogate("on_policy", anchored=False, clips=False, dual_clip=False, fn=on_policy),
+    "sapo": Surrogate("sapo", anchored=True, clips=False, dual_clip=False, fn=sapo),
+    "dppo_tv": Surrogate("dppo_tv", anchored=True, clips=True, dual_clip=False, fn=_dppo("dppo_tv")),
+    "dppo_kl": Surrogate("dppo_kl", anchored=True, clips=True, dual_clip=False, fn=_dppo("dppo_kl")),
+    "geo_mean": Surrogate("geo_mean", anchored=True, clips=True, dual_clip=False, fn=geo_mean),
+    "clip_cov": Surrogate("clip_cov", anchored=True, clips=True, dual_clip=False, fn=clip_cov),
+    "kl_cov": Surrogate("kl_cov", anchored=True, clips=False, dual_clip=False, fn=kl_cov),
 }
 
 
