@@ -73,24 +73,13 @@ _token = lambda p: TOKEN  # noqa: E731
 _mask = lambda p: p.level if p.mask else None  # noqa: E731
 _truncate = _counted_in("truncate")
 _clip = _counted_in("clip")
-
-def _k2(plan: Plan, log_ratio: Tensor) -> Tensor:
-    """``k2 = lc^2 / 2``, ``lc = clamp(l, -B, B)``."""
-    return 0.5 * log_ratio.clamp(-plan.bound, plan.bound).square()
-
-
-def _k3(plan: Plan, log_ratio: Tensor) -> Tensor:
-    """``k3 = r - 1 - log r = expm1(lc) - lc``."""
-    return ratio_moments(log_ratio, plan.bound)[2]
-
-
 #: The binary KL's probabilities are clamped to ``[eps, 1 - eps]`` (docs/semantics.md, "Binary KL").
 BINARY_KL_EPS = 1e-6
 
 
 def binary_kl(lp_train: Tensor, lp_rollout: Tensor) -> Tensor:
     """``[T]`` float64 ``max(D(p||q), D(q||p))`` of the Bernoulli distributions, ``p = exp(lp_train)``,
-    ``q = exp(lp_rollout)`` (``token_select.bernoulli_kl``)."""
+    ``q = exp(lp_rollout)`` (``surrogates.bernoulli_kl``)."""
     p, q = lp_train.double().exp(), lp_rollout.double().exp()
     return torch.maximum(bernoulli_kl(p, q, BINARY_KL_EPS), bernoulli_kl(q, p, BINARY_KL_EPS))
 
@@ -101,8 +90,12 @@ def _binary_kl_hit(p: Plan, r: Ratios, lvl: Level) -> Tensor:
     return binary_kl(lp_rollout + r.log_ratio, lp_rollout) > p.threshold("binary_kl_threshold")
 
 
-#: Per-token divergences of verl's rejection options, by suffix (``k1`` is ``--tis-rs-level``).
-DIVERGENCES: dict[str, Callable[[Plan, Tensor], Tensor]] = {"k2": _k2, "k3": _k3}
+#: Per-token divergences of verl's rejection options, by suffix (``k1`` is ``--tis-rs-level``), of
+#: ``lc = clamp(l, -B, B)``: ``k2 = lc^2 / 2``, ``k3 = r - 1 - log r = expm1(lc) - lc``.
+DIVERGENCES: dict[str, Callable[[Plan, Tensor], Tensor]] = {
+    "k2": lambda plan, log_ratio: 0.5 * log_ratio.clamp(-plan.bound, plan.bound).square(),
+    "k3": lambda plan, log_ratio: ratio_moments(log_ratio, plan.bound)[2],
+}
 
 
 def _divergence(option: str) -> Rule:
