@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import textwrap
@@ -52,10 +53,10 @@ def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
     add_options(p, ALL_OPTIONS, "correction configuration to evaluate", CONFIG_DESCRIPTION)
 
 
-def _parse_steps(spec: str) -> tuple[int | None, int | None]:
+def _parse_steps(spec: str) -> tuple[float, float]:
     try:
         a, b = spec.split(":")
-        return (int(a) if a else None, int(b) if b else None)
+        return (int(a) if a else -math.inf, int(b) if b else math.inf)
     except ValueError:
         raise ValueError(f"--steps = {spec!r}: expected A:B with integers (either may be empty)") from None
 
@@ -72,7 +73,6 @@ def _given_config(ns: argparse.Namespace):
 
 
 def _diagnose(ns: argparse.Namespace) -> int:
-    import torch
 
     from slime_tis.tools.diagnose import diagnose, format_report, write_histogram
     from slime_tis.tools.dump import dump_files, read_logprob_dump
@@ -83,12 +83,7 @@ def _diagnose(ns: argparse.Namespace) -> int:
         print(f"slime-tis diagnose: note: {note}", file=sys.stderr)
     if ns.steps:
         lo, hi = _parse_steps(ns.steps)
-        keep = torch.ones(dump.n_seq, dtype=torch.bool)
-        if lo is not None:
-            keep &= dump.step >= lo
-        if hi is not None:
-            keep &= dump.step < hi
-        dump = dump.select(keep)
+        dump = dump.select((dump.step >= lo) & (dump.step < hi))
         if dump.n_seq == 0:
             raise ValueError(f"--steps = {ns.steps!r} selects no sequence")
     edges = None

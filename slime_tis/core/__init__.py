@@ -4,7 +4,7 @@ No Megatron, slime, SGLang or kernel import below this package; ``reducer`` is t
 """
 
 from slime_tis.core.correction import TISResult, compute_tis
-from slime_tis.core.losses import PolicyLossOutput, loss_denominator, policy_loss, ppo_clip_term
+from slime_tis.core.losses import PolicyLossOutput, loss_denominator, policy_loss
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.packing import padded_to_packed
 from slime_tis.core.plan import Plan
@@ -12,4 +12,4 @@ from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.weights import normalisation_factor
 
 __all__ = ["TISResult", "compute_tis", "normalisation_factor", "Plan", "PolicyLossOutput", "policy_loss",
-           "ppo_clip_term", "loss_denominator", "MetricStats", "LocalReducer", "Reducer", "padded_to_packed"]
+           "loss_denominator", "MetricStats", "LocalReducer", "Reducer", "padded_to_packed"]

@@ -24,13 +24,12 @@ from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, late, rule_columns
 from slime_tis.core.search import Searched, search, searches
 from slime_tis.core.staleness import bound_scale, check_staleness
-from slime_tis.core.weights import normalisation_factor, normalisation_factor_over, unit_weights
+from slime_tis.core.weights import normalisation_factor_over, unit_weights
 
 #: The per-sequence column of ``loss_finite`` (``correct``).
 LOSS_NONFINITE = "loss_nonfinite"
 
-__all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "scalar_tensor",
-           "normalisation_factor"]
+__all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "scalar_tensor"]
 
 
 @dataclass

@@ -26,10 +26,10 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.prefix import Chunks
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.search import Searched
-from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
+from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
 from slime_tis.core.terms import kl_estimate, term_loss
 
-__all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
+__all__ = ["PolicyLossOutput", "policy_loss", "loss_denominator"]
 
 F64 = torch.float64
 
