@@ -435,7 +435,7 @@ class TISConfig:
     def describe(self) -> str:
         """One block of text with the algorithm and every resolved bound, printed at start-up."""
         lines = [f"slime_tis: algorithm {self.algorithm}: {self.algorithm_name}"]
-        if self.algorithm != 0 or self.use_tis:
+        if self.algorithm != 0:
             bounds = (f"lower={self.lower_bound:g} upper={self.upper_bound:g}" if mode_of(self.mode).has_lower
                       else f"upper={self.upper_bound:g} ({self.mode}: no lower bound)")
             if self.auto_upper:
@@ -462,9 +462,7 @@ class TISConfig:
             lines.append(f"  kl_coef={self.kl_coef:g} kl_estimator={self.kl_estimator} "
                          f"kl_importance_weighted={self.kl_importance_weighted} kl_gradient={self.kl_gradient} "
                          f"entropy_coef={self.entropy_coef:g}")
-        lines.append(f"  kernels={self.kernels}" + (" (Triton: not yet measured on a GPU; torch code where it "
-                                                     "cannot run, with a warning)" if self.kernels == "triton" else ""))
-        lines += [f"  warning: {line}" for line in self.inert_options()]
+        lines += [f"  kernels={self.kernels}", *(f"  warning: {line}" for line in self.inert_options())]
         return "\n".join(lines)
 
 

@@ -186,8 +186,5 @@ def _policy_stats(batch: PolicyContext) -> MetricStats:
 
 def _empty(stats: MetricStats) -> MetricStats:
     """The same keys on no token: sums 0, extremes of an empty domain (+inf minima, -inf maxima)."""
-    def fill(d: dict[str, Tensor], value: float) -> dict[str, Tensor]:
-        return {k: torch.full_like(v, value) for k, v in d.items()}
-
-    return MetricStats(fill(stats.token_sums, 0.0), fill(stats.seq_sums, 0.0), fill(stats.mins, math.inf),
-                       fill(stats.maxs, -math.inf))
+    fills = (0.0, 0.0, math.inf, -math.inf)
+    return MetricStats(*({k: torch.full_like(v, fill) for k, v in d.items()} for d, fill in zip(stats.groups(), fills)))

@@ -301,11 +301,8 @@ def statistics(prefix: str, context: Any, plan: Plan) -> dict[str, dict[str, Ten
 
 def token_values(context: Any) -> dict[str, Tensor]:
     """``{name: [T] tensor}`` of every row with a per-token formula present for ``context`` (``TisTokens``)."""
-    out = {}
-    for m in METRICS:
-        if m.token is not None and (value := m.token(context)) is not None:
-            out[m.token_name or m.name] = value
-    return out
+    return {m.token_name or m.name: value for m in METRICS
+            if m.token is not None and (value := m.token(context)) is not None}
 
 
 def finalize(values: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -16,8 +16,8 @@ from torch import Tensor
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import Reducer
 
-__all__ = ["SEARCH_STEPS", "Searched", "bisect_log", "m2po_cut", "auto_upper", "m2po_values",
-           "ess_values", "searches", "M2PO_FIELD", "PENDING", "search", "kept_units", "cut_hits"]
+__all__ = ["SEARCH_STEPS", "Searched", "bisect_log", "m2po_cut", "auto_upper", "searches", "M2PO_FIELD", "PENDING",
+           "search", "kept_units", "cut_hits"]
 
 #: Bisection iterations per search (one all-reduce each): the bracket shrinks by ``2^30``.
 SEARCH_STEPS = 30
@@ -70,14 +70,9 @@ def _squared(plan: Plan, log_ratio: Tensor) -> Tensor:
     return log_ratio.to(F64).clamp(-plan.bound, plan.bound).square()
 
 
-def m2po_values(plan: Plan, log_ratio: Tensor, token_ok: Tensor) -> Tensor:
-    """``[T]`` float64 ``q_t = clamp(l_t, -B, B)^2`` on the token domain, ``+inf`` off it."""
-    return torch.where(token_ok, _squared(plan, log_ratio), math.inf)
-
-
 def m2po_cut(plan: Plan, q: Tensor, reducer: Reducer) -> Tensor:
     """0-d float64: the largest ``s`` in ``[tau, 2 B^2]`` with ``sum_{q <= s} q <= tau n_{q <= s}`` over every rank
-    (``q``: :func:`m2po_values` of the covered micro-batches, concatenated)."""
+    (``q``: ``[T]`` float64 ``clamp(l_t, -B, B)^2`` of the covered micro-batches' token domain, ``+inf`` off it)."""
     tau = plan.threshold(M2PO_FIELD)
 
     def sums(s: Tensor) -> Tensor:
@@ -90,15 +85,9 @@ def m2po_cut(plan: Plan, q: Tensor, reducer: Reducer) -> Tensor:
     return bisect_log(tau, 2.0 * plan.bound ** 2, sums, accept, reducer, per_sequence=False, device=q.device)
 
 
-def ess_values(plan: Plan, level_log_ratio: Tensor, kept_units: Tensor) -> Tensor:
-    """``[U]`` float64 ``r_u = exp(clamp(L_u, -B, B))`` of the kept units, 0 elsewhere."""
-    r = level_log_ratio.to(F64).clamp(-plan.bound, plan.bound).exp()
-    return torch.where(kept_units, r, 0.0)
-
-
 def auto_upper(plan: Plan, r: Tensor, n_kept: Tensor, reducer: Reducer) -> Tensor:
     """0-d float32: the largest ``c`` in ``[1, 2 e^B]`` with ``(sum min(r, c))^2 >= E N sum min(r, c)^2`` over every
-    rank (``r``: :func:`ess_values` of the covered micro-batches; ``n_kept``: this rank's kept units ``N``)."""
+    rank (``r``: float64 ``exp(clamp(L_u, -B, B))`` of the covered kept units, 0 elsewhere; ``n_kept``: ``N``)."""
     target = plan.target_ess
     count = n_kept.to(F64).reshape(())
 
@@ -114,7 +103,7 @@ def auto_upper(plan: Plan, r: Tensor, n_kept: Tensor, reducer: Reducer) -> Tenso
 
 
 def cut_hits(plan: Plan, log_ratio: Tensor) -> Tensor:
-    """``[T]`` bool, tokens M2PO rejects: ``clamp(l, -B, B)^2 > cut`` in float64 (as :func:`m2po_values`)."""
+    """``[T]`` bool, tokens M2PO rejects: ``clamp(l, -B, B)^2 > cut`` in float64 (as the search)."""
     return _squared(plan, log_ratio) > plan.sq_cut
 
 
@@ -132,13 +121,14 @@ def search(plan: Plan, items, reducer: Reducer) -> Searched:
     device = items[0][0].log_ratio.device
     cut = None
     if plan.threshold(M2PO_FIELD) is not None:
-        q = torch.cat([m2po_values(plan, r.log_ratio, r.token_ok) for r, _ in items])
+        q = torch.cat([torch.where(r.token_ok, _squared(plan, r.log_ratio), math.inf) for r, _ in items])
         cut = m2po_cut(plan, q, reducer)
     upper = None
     if plan.target_ess is not None:
         p = Searched(cut=cut).apply(plan)
         units = [(plan.level.of(r), kept_units(p, r, v)) for r, v in items]
-        r64 = torch.cat([ess_values(plan, log_u, kept) for log_u, kept in units])
+        r64 = torch.cat([torch.where(kept, log_u.to(F64).clamp(-plan.bound, plan.bound).exp(), 0.0)
+                         for log_u, kept in units])
         n_kept = sum((torch.count_nonzero(kept) for _, kept in units), torch.zeros((), dtype=torch.int64,
                                                                                   device=device))
         upper = auto_upper(plan, r64, n_kept, reducer)
