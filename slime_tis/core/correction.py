@@ -34,15 +34,8 @@ __all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "s
 
 @dataclass
 class TISResult:
-    """Output of :func:`compute_tis` (``[T]`` unless noted; docs/CORE_API.md).
-
-    ``weights`` float32, 0 at invalid tokens and tokens of non-finite sequences, unchanged by rejection;
-    ``keep_mask`` bool; ``norm_sum``, ``norm_count`` 0-d float32: this call's sum of unnormalised kept weights and
-    kept units (the batch-normalisation factor is ``sum count / sum sum`` over micro-batches and ranks);
-    ``loss_keep`` / ``loss_ok`` bool, ``seq_loss_nonfinite`` ``[n_seq]``: the loss's keep mask, its domain and the
-    sequences out of it (``keep_mask`` / ``token_ok`` / ``seq_nonfinite`` unless ``loss_finite`` was given);
-    ``searched``: the global searches' values applied, or ``None``.
-    """
+    """Output of :func:`compute_tis`: ``[T]`` float32 ``weights`` and bool masks, ``[n_seq]`` ``seq_loss_nonfinite``,
+    0-d ``norm_sum`` / ``norm_count`` (each field: docs/CORE_API.md)."""
 
     weights: Tensor
     keep_mask: Tensor
@@ -79,18 +72,11 @@ def compute_tis(config: Any, lp_train: Tensor, lp_rollout: Tensor, loss_mask: Te
                 extra_finite: tuple[Tensor, ...] = (), reject: Tensor | None = None,
                 loss_finite: tuple[Tensor, ...] = (), staleness: Tensor | None = None,
                 searched: Searched | None = None, chunks: Chunks | None = None) -> TISResult:
-    """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics (docs/CORE_API.md).
+    """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics (arguments: docs/CORE_API.md).
 
-    ``lp_train``, ``lp_rollout``: ``[T]`` float (computed in float32, detached); ``loss_mask`` ``[T]`` bool or 0/1;
-    ``cu_seqlens`` ``[n_seq + 1]`` integer, any device. ``batch_norm_factor`` / ``searched``: the step's values
-    (algorithm 2), ``None``: computed over this call reduced over ``reducer``. ``extra_finite``: ``[T]`` tensors
-    whose non-finite valid entries reject their sequence. ``reject``: ``[T]`` bool tokens the host already
-    rejected (not kept, counted as rejected; the diagnostics still see them). ``loss_finite`` (a correction that
-    only diagnoses): ``[T]`` loss inputs whose non-finite valid entries take their sequence out of ``loss_keep``
-    only. ``staleness``: ``[n_seq]``, required by the staleness options. ``chunks``: ``(chunk [T], K)`` for a prefix
-    level under CP (``core.prefix``). Raises ``ValueError`` naming the tensor on a shape, device, dtype or offset
-    error.
-    """
+    ``lp_train``, ``lp_rollout`` ``[T]`` float (computed in float32, detached), ``loss_mask`` ``[T]`` bool or 0/1,
+    ``cu_seqlens`` ``[n_seq + 1]`` integer on any device; ``ValueError`` naming the tensor on a shape, device, dtype
+    or offset error."""
     n_tokens = check_packed(
         {"lp_train": lp_train, "lp_rollout": lp_rollout, "loss_mask": loss_mask,
          **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)},

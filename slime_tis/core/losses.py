@@ -73,17 +73,9 @@ def policy_loss(config: Any, lp_theta: Tensor, lp_old: Tensor | None, lp_rollout
                 correction: TISResult | None = None, host_inputs: tuple[Tensor, ...] = (),
                 searched: Searched | None = None, chunks: Chunks | None = None,
                 staleness: Tensor | None = None) -> PolicyLossOutput:
-    """Aggregated policy loss of the configured algorithm on one packed micro-batch (docs/CORE_API.md).
-
-    ``lp_theta`` ``[T]`` float32 or bfloat16 (not float16: its gradient reaches ``|A| exp(B) / D``); ``lp_old``:
-    algorithms 0, 2; ``lp_rollout``: 1-3 (optional in 0: diagnostics, zero-filled without); ``lp_ref`` / ``entropy``
-    (differentiable): while ``kl_coef`` / ``entropy_coef`` are nonzero. ``denominator``: the global one
-    (:func:`loss_denominator`), ``None``: this call's reduced over ``reducer``. ``keep_override``: ``[T]`` bool, the
-    tokens to keep (of finite sequences) instead of the rules' keep mask. ``correction``: this very correction,
-    already computed by the caller. ``host_inputs``: ``[T]`` inputs of terms the host adds itself, checked like the
-    advantages. ``batch_norm_factor``, ``searched``, ``chunks``, ``staleness``: as in ``compute_tis``. The loss is
-    ``numerator / max(denominator, 1)``.
-    """
+    """Aggregated policy loss ``numerator / max(denominator, 1)`` of the configured algorithm on one packed
+    micro-batch (arguments: docs/CORE_API.md). ``[T]`` inputs; ``lp_theta`` float32 or bfloat16 (not float16: its
+    gradient reaches ``|A| exp(B) / D``)."""
     plan = plan_of(config)
     reducer = reducer or LocalReducer()
     row = algorithm_of(plan)
