@@ -1,8 +1,5 @@
-"""slime_tis: importance sampling against the rollout policy for Megatron RL with SGLang rollouts.
-
-Public API: ``TISConfig``, ``add_tis_arguments``, ``compute_tis``, ``policy_loss``, ``loss_denominator``,
-``MetricStats``, ``LocalReducer`` / ``Reducer`` (docs/CORE_API.md). Hosts: ``slime_tis.megatron``,
-``slime_tis.megatron_rl``, ``slime_tis.slime``; rollouts: ``slime_tis.sglang``; tools: ``slime-tis diagnose``.
+"""slime_tis: importance sampling against the rollout policy for Megatron RL with SGLang rollouts (docs/CORE_API.md;
+hosts: ``slime_tis.megatron``, ``slime_tis.megatron_rl``, ``slime_tis.slime``; rollouts: ``slime_tis.sglang``).
 """
 
 from slime_tis.arguments import add_tis_arguments

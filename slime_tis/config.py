@@ -1,9 +1,6 @@
-"""``TISConfig``: every knob of the correction, validated once at construction; ``TISConfig.plan`` resolves it.
-
-Each field is declared once with its flag, range and help (``slime_tis.config_fields``); from :data:`OPTIONS` come
-the flags, the ``from_args`` dests, the per-field validation and docs/reference.md's flag table. Bounds are on
-``r = pi_train / pi_rollout``; an invalid value or combination raises ``ValueError`` naming the flag, the field and
-the value; an option that cannot act is named once at start-up (:meth:`TISConfig.inert_options`).
+"""``TISConfig``: every knob of the correction, validated once at construction (``ValueError`` naming the flag, field
+and value); ``TISConfig.plan`` resolves it. Each field is declared once with its flag, range and help
+(``slime_tis.config_fields``): the flags, dests, per-field checks and docs/reference.md's flag table follow.
 """
 
 from __future__ import annotations
@@ -287,13 +284,10 @@ class TISConfig:
                 raise _bad("mode", self.mode, why)
         sur = surrogate_of(self.surrogate)
         if sur.anchored and alg.anchor is None:
-            why = (f"{sur.name} reads a ratio against an anchor, and algorithm 3 has none: its weight "
-                   "w = sg(pi_theta) / pi_rollout is that ratio already")
-            if sur.name == "cispo":
-                why = ("CISPO anchored at the rollout policy clips the ratio pi_theta / pi_rollout that algorithm 3 "
-                       "already applies as its weight: the weight would count twice")
-            raise _bad("loss_mode", self.loss_mode, why + "; use algorithm 1 (--use-rollout-log-probs, anchor "
-                       "pi_rollout, no weight) or 2 (--use-tis, anchor pi_old, weight pi_old / pi_rollout)")
+            raise _bad("loss_mode", self.loss_mode, f"{sur.name} reads a ratio against an anchor; algorithm 3's weight "
+                       "w = sg(pi_theta) / pi_rollout is that ratio already: the weight would count twice; use "
+                       "algorithm 1 (--use-rollout-log-probs, anchor pi_rollout, no weight) or 2 (--use-tis, anchor "
+                       "pi_old, weight pi_old / pi_rollout)")
         if self.staleness_decay is not None and not alg.weighted and not (alg.corrects and mode_of(self.mode).masks):
             raise _bad("staleness_decay", self.staleness_decay, f"algorithm {alg.number} applies no weights and "
                        "--tis-mode is not mask: no bound acts to be tightened; use --use-tis or --tis-mode mask")

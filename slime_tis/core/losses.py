@@ -2,9 +2,8 @@
 
     loss_t = [w] f_t + beta [w] k(lp_theta_t - lp_ref_t) - h H_t,   loss = sum (aggregated) / max(D, 1)
 
-``[w]``: algorithms 2, 3 (the KL term's only with ``kl_importance_weighted``); ``f``: ``core.surrogates``; terms:
-``core.terms``; aggregation: ``core.aggregation``. Inputs are selected with ``torch.where`` first: a token not kept
-has zero loss and zero gradient.
+``[w]``: algorithms 2, 3 (the KL's only with ``kl_importance_weighted``); ``f``: ``core.surrogates``; terms:
+``core.terms``. Inputs are selected first: a token not kept has zero loss and zero gradient.
 """
 
 from __future__ import annotations

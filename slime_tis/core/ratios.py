@@ -1,9 +1,8 @@
-"""Log-ratios per token and per sequence: one token pass, one per-sequence sum, one CP reduction.
+"""Log-ratios per token and per sequence: ``l_t = lp_train_t - lp_rollout_t``; ``L_i = sum_t l_t`` / ``mean_t l_t``.
 
-Per valid token ``l_t = lp_train_t - lp_rollout_t``; levels ``L_t = l_t``, ``L_i = sum_t l_t``, ``L_i = mean_t l_t``.
-The per-sequence sums ``[n_seq, k]`` float64 of :data:`COLUMNS` plus the active rules' columns are completed over
-CP by one ``reducer.sequence_sum``. A non-finite value at a valid token (of the log-probs or of an
-``extra_finite`` tensor) makes its sequence's sum of ``l`` non-finite: the sequence leaves the domain (``seq_ok``).
+One token pass; the per-sequence float64 sums of :data:`COLUMNS` and the rules' columns completed over CP by one
+``reducer.sequence_sum``. A non-finite valid value (of the log-probs or an ``extra_finite`` tensor) makes its
+sequence's sum of ``l`` non-finite: the sequence leaves the domain (``seq_ok``).
 """
 
 from __future__ import annotations

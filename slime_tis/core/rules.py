@@ -1,9 +1,7 @@
-"""Rejection rules and bound counters, one row each in :data:`RULES` (docs/semantics.md, "Rejection").
-
-A row: metric, count key, the level of its units (a function of the plan; ``None`` = off), its test per unit,
-whether it rejects (or only counts), its denominator, an optional token column summed per sequence, and for a
-threshold rule the ``TISConfig`` field of its threshold (off while unset). Every test is False outside its
-diagnostic domain. Rejection never changes a weight, only the keep mask.
+"""Rejection rules and bound counters, one row each in :data:`RULES` (docs/semantics.md, "Rejection"): metric, count
+key, level of its units (``None``: off), test per unit (False outside its diagnostic domain), whether it rejects or
+only counts, denominator, optional token column summed per sequence, threshold field (off while unset). Rejection
+never changes a weight, only the keep mask.
 """
 
 from __future__ import annotations

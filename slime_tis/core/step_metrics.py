@@ -1,7 +1,5 @@
-"""A step's metrics from its micro-batches' statistics: merge, check the ranks agree, reduce once, finalize.
-
-Before reducing, a CRC32 of the statistic names per kind and the caller's step number are compared over DP x CP by
-one MIN and one MAX: differing names raise ``ValueError``, differing steps ``RuntimeError`` (never a hang).
+"""A step's metrics: merge the micro-batches' statistics, check the DP x CP ranks agree (a CRC32 of the names per kind
+and the step number, one MIN and one MAX: ``ValueError`` / ``RuntimeError``, never a hang), reduce once, finalize.
 """
 
 from __future__ import annotations
