@@ -284,8 +284,8 @@ class TISConfig:
                 raise _bad("mode", self.mode, why)
         sur = surrogate_of(self.surrogate)
         if sur.anchored and alg.anchor is None:
-            raise _bad("loss_mode", self.loss_mode, f"{sur.name} reads a ratio against an anchor; algorithm 3's weight "
-                       "w = sg(pi_theta) / pi_rollout is that ratio already: the weight would count twice; use "
+            raise _bad("loss_mode", self.loss_mode, f"{sur.name} reads a ratio against an anchor, algorithm 3 has "
+                       "none: its weight sg(pi_theta) / pi_rollout is that ratio (the weight would count twice); use "
                        "algorithm 1 (--use-rollout-log-probs, anchor pi_rollout, no weight) or 2 (--use-tis, anchor "
                        "pi_old, weight pi_old / pi_rollout)")
         if self.staleness_decay is not None and not alg.weighted and not (alg.corrects and mode_of(self.mode).masks):
