@@ -1,9 +1,7 @@
-"""The four algorithms, one row each (``algorithm = use_rollout_log_probs + 2 * use_tis``; docs/semantics.md, "The
-four algorithms"): anchor, weight, the numerator of ``r``, default surrogate, name.
-
-A sequence counts in the loss only if every input its loss reads (lp_theta, the advantages, lp_old where the row
-needs pi_old, lp_rollout where it reads them) is finite at all its valid tokens; :func:`correction_inputs` lays
-those inputs out for the one correction call that decides it.
+"""The four algorithms (``use_rollout_log_probs + 2 * use_tis``; docs/semantics.md), one row each. A sequence counts in
+the loss only if every input its loss reads (lp_theta, the advantages, lp_old where the row needs pi_old, lp_rollout
+where it reads them) is finite at all its valid tokens: :func:`correction_inputs` lays them out for the one
+correction call that decides it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""``compute_tis``: importance weights, keep mask and ``tis.*`` statistics of one packed micro-batch.
-
-Pipeline (all detached): ``core.ratios`` (``l_t``, ``L_u``) -> ``core.rules`` (keep) -> ``core.weights`` (``w_u``,
-batch normalisation) -> ``core.diagnostics``. One token pass, one ``reducer.sequence_sum`` per call (plus one
-``batch_sum`` for a batch normalisation computed in the call); no host sync. Semantics: docs/semantics.md.
+"""``compute_tis``: importance weights, keep mask and ``tis.*`` statistics of one packed micro-batch, all detached:
+``core.ratios`` -> ``core.rules`` -> ``core.weights`` -> ``core.diagnostics`` (docs/semantics.md). One token pass,
+one ``reducer.sequence_sum`` per call (plus a ``batch_sum`` for a batch normalisation in the call); no host sync.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The ``tis.*`` statistics of one micro-batch and its per-token values, generated from ``core.metric_schema``.
-
-:class:`TisContext` / :class:`TisTokens` compute each quantity the schema's formulas read once. Keys depend only on
-the plan. Token sums are over ``D`` (valid tokens of finite sequences; summed over DP x CP), sequence sums over the
-finite sequences (summed over DP only).
+"""The ``tis.*`` statistics of one micro-batch and its per-token values, from ``core.metric_schema``; keys follow the
+plan only. :class:`TisContext` / :class:`TisTokens` compute each quantity once; token sums are over ``D`` (valid
+tokens of finite sequences), sequence sums over the finite sequences.
 """
 
 from __future__ import annotations

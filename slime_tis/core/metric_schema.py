@@ -1,9 +1,7 @@
-"""Every metric declared once in :data:`METRICS`: name, numerator, denominator, reduction, per-token formula, doc.
-
-From the table come the statistics of a micro-batch (:func:`statistics`), the per-token values (:func:`token_values`),
-the finalisation (:func:`finalize`) and docs/reference.md's metric table (:func:`metric_table`). Rejection rules'
-rows come from ``core.rules.RULES``. Groups: ``token`` (summed over DP x CP), ``seq`` (over DP only), ``units`` /
-``rs_units`` (``seq`` where the plan's / RS level is per sequence, else ``token``), ``min``, ``max``.
+"""Every metric declared once in :data:`METRICS` (the rules' rows from ``core.rules.RULES``): from the table come the
+statistics (:func:`statistics`), per-token values (:func:`token_values`), :func:`finalize` and docs/reference.md's
+metric table. Groups: ``token`` (summed over DP x CP), ``seq`` (over DP only), ``units`` / ``rs_units`` (``seq``
+where the plan's / RS level is per sequence, else ``token``), ``min``, ``max``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""``Plan``: a ``TISConfig`` resolved once into plain bounds and switches (what the hot path reads).
-
-Bounds are stored linearly and in log space; algorithm 0's rejection switches are resolved off. A rejection rule's
-threshold reaches the core as ``(field, value)`` in ``Plan.thresholds``.
+"""``Plan``: a ``TISConfig`` resolved once into plain bounds (linear and log) and switches, what the hot path reads;
+algorithm 0's rejection switches resolved off; thresholds as ``(field, value)``.
 """
 
 from __future__ import annotations

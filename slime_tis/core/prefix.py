@@ -1,9 +1,7 @@
 """Prefix levels (docs/semantics.md, "Prefix levels"): ``prefix`` ``L_t = sum_{s <= t} l_s``, ``prefix_min``
-``L_t = min_{s <= t} l_s`` over the valid tokens of the sequence.
-
-Under CP, ``chunks = (c [T], K)`` gives each token's chunk in positional order; the carry into chunk ``k`` comes
-from one ``reducer.sequence_sum`` of a ``[n_seq, 3K]`` block (per chunk: sum, minimum, count; one nonzero
-contributor per entry: exact). ``prefix_min`` is exact: a ``cummin`` of an int64 key ordered as the floats.
+``L_t = min_{s <= t} l_s`` over the sequence's valid tokens. Under CP, ``chunks = (c [T], K)`` gives each token's
+chunk in positional order; one ``reducer.sequence_sum`` of a ``[n_seq, 3K]`` block (per chunk: sum, minimum, count;
+one nonzero contributor per entry) carries the earlier chunks. ``prefix_min`` is exact (a ``cummin`` of int64 keys).
 """
 
 from __future__ import annotations

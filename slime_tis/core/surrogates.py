@@ -1,9 +1,7 @@
-"""Policy-loss surrogates (``--tis-loss-mode``), one function and one row each in :data:`SURROGATES`.
-
-Formulas: docs/semantics.md, "Surrogate" and "Trust-region, geometric-mean and covariance surrogates". A surrogate
-is ``f(x: SurrogateInputs, plan) -> SurrogateTerms``; its options are ``TISConfig`` fields read with
-``plan.param(name)``. Inputs are 0 at tokens not kept, so those get zero loss and zero gradient; the token selections
-(DPPO's trust-region masks, Clip-Cov / KL-Cov's covariance picks) read detached inputs and are False there.
+"""Policy-loss surrogates (``--tis-loss-mode``; formulas: docs/semantics.md), one function
+``f(x: SurrogateInputs, plan) -> SurrogateTerms`` and one row of :data:`SURROGATES` each, options read with
+``plan.param(name)``; the token selections (DPPO's trust region, Clip-Cov / KL-Cov's covariance picks). Inputs are
+0 at tokens not kept: zero loss and zero gradient there, no selection.
 """
 
 from __future__ import annotations
