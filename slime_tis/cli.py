@@ -1,18 +1,14 @@
-"""The ``slime-tis`` console script.
+"""The ``slime-tis`` console script: ``slime-tis diagnose FILE [FILE ...]`` (``slime_tis.tools.diagnose``).
 
-``slime-tis diagnose FILE [FILE ...]``: off-policy diagnostics of log-prob dumps
-(``docs/dump_format.md``; slime's own ``--save-debug-train-data`` files too, merged): a table per
-percentile and per response-length bucket, a recommended configuration with its reasoning, and a
-histogram PNG of the per-token log-ratios. (The example job's training curves: ``python -m examples.plot``.)
-
-Malformed input ends in one line naming the file, record and field, and exit status 2 (no traceback);
-``diagnose`` exits 1 when the dump holds no usable token (it says so instead of recommending).
+Malformed input ends in one line naming the file, record and field and exit status 2 (no traceback); ``diagnose``
+exits 1 when the dump holds no usable token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import textwrap
@@ -22,22 +18,16 @@ from typing import Any
 
 __all__ = ["main"]
 
-# What ``slime-tis diagnose --help`` prints (plain text: argparse shows it as written).
-DIAGNOSE_DESCRIPTION = """\
-Off-policy diagnostics of log-prob dumps (format: docs/dump_format.md; slime's own --save-debug-train-data
-files too, several merged): a table per percentile and per response-length bucket, a recommended
-configuration with its reasoning, and a histogram PNG of the per-token log-ratios.
-
-Malformed input ends in one line naming the file, record and field, and exit status 2; exit status 1 means
-the dump holds no usable token."""
-
-CONFIG_GROUP = "correction configuration to evaluate"
+DIAGNOSE_DESCRIPTION = textwrap.fill(
+    "Off-policy diagnostics of log-prob dumps (docs/dump_format.md, or slime's --save-debug-train-data files, "
+    "merged): tables per percentile and response-length bucket, a recommended configuration with its reasoning, a "
+    "histogram PNG of the per-token log-ratios. Exit status 2: malformed input (one line naming the file, record and "
+    "field); 1: no usable token.", width=100)
 CONFIG_DESCRIPTION = textwrap.fill(
-    "These flags do not describe the run that wrote the dump: they describe a hypothetical correction "
-    "configuration, whose weights, rejections and tis/ metrics are computed on the dump's log-probs, read as a "
-    "host reads them (algorithm 0 and --tis-preset disabled included: no weights; options that configuration "
-    "ignores are named in the report). Without them the configuration evaluated is algorithm 2 with "
-    "token-level truncation at 2, whatever algorithm wrote the dump (an algorithm-0 dump included).", width=100)
+    "A hypothetical correction configuration (not the dump's run) whose weights, rejections and tis/ metrics are "
+    "computed on the dump's log-probs as a host would (options it ignores are named in the report). Default: "
+    "algorithm 2 with token-level truncation at 2, whatever algorithm wrote the dump (an algorithm-0 dump included).",
+    width=100)
 
 
 def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,21 +50,20 @@ def _diagnose_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("flags", "yaml"), default="flags",
                    help="the recommendation as command-line flags (Megatron-LM, train_rl.py, megatron-core) or as "
                    "the YAML keys of slime's --custom-config-path file (default: flags)")
-    add_options(p, ALL_OPTIONS, CONFIG_GROUP, CONFIG_DESCRIPTION)  # what the report evaluates (not the dump's run)
+    add_options(p, ALL_OPTIONS, "correction configuration to evaluate", CONFIG_DESCRIPTION)
 
 
-def _parse_steps(spec: str) -> tuple[int | None, int | None]:
+def _parse_steps(spec: str) -> tuple[float, float]:
     try:
         a, b = spec.split(":")
-        return (int(a) if a else None, int(b) if b else None)
+        return (int(a) if a else -math.inf, int(b) if b else math.inf)
     except ValueError:
         raise ValueError(f"--steps = {spec!r}: expected A:B with integers (either may be empty)") from None
 
 
 def _given_config(ns: argparse.Namespace):
-    """The configuration to evaluate: ``TISConfig.from_args`` of the options given, exactly as a host would build it
-    (algorithm 0 and ``--tis-preset disabled`` included; options it would ignore are named in the report's
-    warnings, as a host logs them), or algorithm 2 with token truncation at 2 when no option is given."""
+    """``TISConfig.from_args`` of the options given, as a host builds it, or algorithm 2 with token truncation at 2
+    when none is given."""
     from slime_tis.config import DESTS_OF, TISConfig
 
     given = any(getattr(ns, d, None) not in (None, False) for dests in DESTS_OF.values() for d in dests)
@@ -84,7 +73,6 @@ def _given_config(ns: argparse.Namespace):
 
 
 def _diagnose(ns: argparse.Namespace) -> int:
-    import torch
 
     from slime_tis.tools.diagnose import diagnose, format_report, write_histogram
     from slime_tis.tools.dump import dump_files, read_logprob_dump
@@ -95,12 +83,7 @@ def _diagnose(ns: argparse.Namespace) -> int:
         print(f"slime-tis diagnose: note: {note}", file=sys.stderr)
     if ns.steps:
         lo, hi = _parse_steps(ns.steps)
-        keep = torch.ones(dump.n_seq, dtype=torch.bool)
-        if lo is not None:
-            keep &= dump.step >= lo
-        if hi is not None:
-            keep &= dump.step < hi
-        dump = dump.select(keep)
+        dump = dump.select((dump.step >= lo) & (dump.step < hi))
         if dump.n_seq == 0:
             raise ValueError(f"--steps = {ns.steps!r} selects no sequence")
     edges = None
@@ -134,9 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_reporting_errors(prog: str, fn: Callable[..., int], *args: Any) -> int:
-    """``fn(*args)``; bad input (``ValueError``, ``OSError``, ``MemoryError``) becomes one line on stderr
-    and exit status 2, without a traceback. Anything else is a bug: one line too, unless
-    ``SLIME_TIS_TRACEBACK=1`` asks for the traceback."""
+    """``fn(*args)``; bad input (``ValueError``, ``OSError``, ``MemoryError``): one line on stderr, exit status 2;
+    anything else (a bug): one line and exit status 3, or the traceback with ``SLIME_TIS_TRACEBACK=1``."""
     try:
         return fn(*args)
     except (ValueError, OSError, MemoryError) as e:

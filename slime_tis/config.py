@@ -1,23 +1,6 @@
-"""``TISConfig``: every knob of the correction, validated once at construction.
-
-The algorithm is ``use_rollout_log_probs + 2 * use_tis`` (its row: ``core.algorithms.ALGORITHMS``; the table:
-docs/semantics.md).
-
-Bounds are on ``r = pi_train / pi_rollout`` (never its inverse). Unset bounds take the
-defaults: ``upper = 2.0`` except mask mode at geometric level (and geometric rejection sampling),
-where ``upper = 1.001``; ``lower = 1 / upper``. The resolved values are the ``*_bound`` properties;
-``describe()`` prints them at start-up.
-
-``loss_mode`` picks another surrogate (``core.surrogates``); an option that cannot act in the chosen combination is
-named once at start-up (:meth:`TISConfig.inert_options`). Every invalid value or combination raises
-``ValueError`` naming the field, its command-line flag and the value.
-
-Every field is declared once, at the field, with :func:`~slime_tis.config_fields.option` (flag, host aliases,
-kind, choices or valid range, help) or, for a rejection rule's threshold,
-:func:`~slime_tis.config_fields.threshold` (plus its start-up line). From those declarations (:data:`OPTIONS`)
-come the flags (``slime_tis.arguments``), the ``from_args`` dests, each field's validation and error message,
-the thresholds' ``describe()`` lines and ``Plan`` values, and the flag table of docs/reference.md; the rules between
-fields (bounds, algorithm combinations) are written out in ``__post_init__``.
+"""``TISConfig``: every knob of the correction, validated once at construction (``ValueError`` naming the flag, field
+and value); ``TISConfig.plan`` resolves it. Each field is declared once with its flag, range and help
+(``slime_tis.config_fields``): the flags, dests, per-field checks and docs/reference.md's flag table follow.
 """
 
 from __future__ import annotations
@@ -29,13 +12,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
+from slime_tis.config_fields import (
     MAX_SAFETY_BOUND,
-    SWITCH_WORDS,
     Option,
-    declared_options,
-    declared_surrogate_options,
-    declared_thresholds,
+    declared_fields,
+    divergence_threshold,
     fields_from_args,
     option,
     parse_switch,
@@ -44,12 +25,7 @@ from slime_tis.config_fields import (  # noqa: F401  (SWITCH_WORDS re-exported)
 )
 from slime_tis.core.aggregation import AGGREGATIONS
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.core.levels import (  # noqa: F401  (DEFAULT_GEOMETRIC_UPPER re-exported)
-    DEFAULT_GEOMETRIC_UPPER,
-    DEFAULT_UPPER,
-    level_of,
-    mode_of,
-)
+from slime_tis.core.levels import DEFAULT_UPPER, level_of, mode_of
 from slime_tis.core.levels import LEVELS as LEVEL_TABLE
 from slime_tis.core.levels import MODES as MODE_TABLE
 from slime_tis.core.plan import Plan
@@ -71,26 +47,19 @@ DENOMINATORS = ("keep", "drop")
 logger = logging.getLogger("slime_tis")
 _WARNED: set = set()  # configurations whose inert options were logged
 
-ALGORITHM_NAMES = {
-    0: "standard PPO (old = Megatron recompute)",
-    1: "bypass PPO (old = rollout log-probs)",
-    2: "decoupled PPO (w = pi_old / pi_rollout)",
-    3: "REINFORCE + IS (w = sg(pi_theta) / pi_rollout)",
-}
-
 
 def _bad(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{FLAG_OF.get(field, field)} ({field}) = {value!r}: {why}")
 
 
-def _check_upper(field: str, upper: float) -> None:
-    """The upper bound alone (before ``1 / upper``, the default lower bound, is formed)."""
+def _check_bounds(config: TISConfig, prefix: str) -> None:
+    """``upper >= 1`` (checked before ``1 / upper`` is formed), ``0 < lower < upper``, ``lower <= 1`` of the resolved
+    bounds ``<prefix>lower_bound`` / ``<prefix>upper_bound`` (``prefix``: ``""`` or ``"rs_"``)."""
+    lower_field, upper_field = prefix + "lower", prefix + "upper"
+    upper = getattr(config, upper_field + "_bound")
     if upper < 1:
-        raise _bad(field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
-
-
-def _check_bounds(lower_field: str, lower: float, upper_field: str, upper: float) -> None:
-    """``0 < lower < upper`` and ``lower <= 1`` (``upper`` already passed :func:`_check_upper`)."""
+        raise _bad(upper_field, upper, "bounds must include 1 (upper >= 1); bounds are on r = pi_train/pi_rollout")
+    lower = getattr(config, lower_field + "_bound")
     if lower <= 0:
         raise _bad(lower_field, lower, "ratio bounds must be > 0")
     if lower >= upper:
@@ -101,58 +70,25 @@ def _check_bounds(lower_field: str, lower: float, upper_field: str, upper: float
 
 @dataclass(frozen=True)
 class TISConfig:
-    """Rollout-correction configuration (validated in ``__post_init__``).
-
-    Attributes:
-        use_rollout_log_probs: use SGLang log-probs in the loss instead of a recompute (alg 1, 3).
-        use_tis: apply importance weights (alg 2, 3).
-        mode: ``truncate`` (w = min(r, upper)), ``clip`` (w = clamp(r, lower, upper)) or ``mask``
-            (w = r, units with r outside [lower, upper] rejected).
-        level: ``token`` (L_t = l_t), ``sequence`` (L = sum_t l_t) or ``geometric`` (L = mean_t l_t).
-        upper, lower: bounds on r for the mode; ``None`` = the default.
-        rs_level: optional rejection-sampling level (independent of the mode); ``None`` = off.
-        rs_upper, rs_lower: rejection-sampling bounds on r at ``rs_level``; ``None`` = the default.
-        veto_threshold, seq_mean_k3_threshold, seq_max_k3_threshold: rejection thresholds (``None`` = off),
-            each declared with its flag, valid range and meaning at the field (rule rows: ``core.rules``).
-        batch_normalize: rescale applied weights to mean 1 over the kept units of the global batch.
-        rejected_denominator: ``keep`` (rejected tokens stay in the loss denominator) or ``drop``.
-        loss_agg: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum`` or ``token-sum``
-            (``core.aggregation``).
-        eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``
-            (``eps_clip_high=None`` means symmetric).
-        dual_clip_c: dual-clip constant ``c > 1`` for negative advantages; ``None`` = off.
-        loss_mode: the policy-loss surrogate (``core.surrogates.SURROGATES``); ``None`` = the algorithm's own.
-        kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the reference-KL and entropy terms
-            (``core.terms``).
-        sapo_tau_pos, sapo_tau_neg: options of one surrogate (declared with ``surrogate_option``; they reach the
-            plan only while it is chosen).
-        safety_bound: ``B``; log-quantities are clamped to ``[-B, B]`` before ``exp``.
-        kernels: ``"torch"`` (default) or ``"triton"``: which code computes the log-probs (from logits or, fused,
-            from the hidden states) and the correction's token pass (``Plan.token_pass``, resolved by
-            ``slime_tis.kernels.token_pass``); the one switch for every Triton kernel (``slime_tis.kernels.dispatch``:
-            where a kernel cannot run, the torch code with one warning).
-        sampling_support: ``"full"``, ``"replay"`` or ``None`` (replay where the micro-batch carries a support): the
-            trainer's log-probs over the full vocabulary or over each token's sampling support
-            (``engine.support_logprobs``).
-    """
+    """Rollout-correction configuration, validated at construction: every field's flag, range and meaning are its
+    declaration (the help text); the rules between fields are in ``__post_init__``."""
 
     use_rollout_log_probs: bool = option(
         False, flag="--use-rollout-log-probs", aliases=("--use-rollout-logprobs",), kind="switch",
-        help="Use the rollout engine's (SGLang) log-probs as pi_old and skip the Megatron recompute "
-             "(algorithm 1; with --use-tis algorithm 3). Default: off.")
+        help="Use the rollout engine's log-probs as pi_old and skip the recompute (algorithm 1; with --use-tis 3). "
+             "Default: off.")
     use_tis: bool = option(
         False, flag="--use-tis", kind="switch",
-        help="Apply importance weights against the rollout policy (algorithm 2; with "
-             "--use-rollout-log-probs algorithm 3). Default: off.")
+        help="Apply importance weights against the rollout policy (algorithm 2; with --use-rollout-log-probs 3). "
+             "Default: off.")
     mode: str = option(
         "truncate", flag="--tis-mode", kind="choice", choices=MODES,
         help="How the ratio r becomes a weight: truncate w=min(r,upper); clip w=clamp(r,lower,upper); "
              "mask w=r and reject units outside [lower,upper]. Default: truncate.")
     level: str = option(
         "token", flag="--tis-level", kind="choice", choices=LEVELS,
-        help="Ratio level: token (per token), sequence (product over the sequence), geometric "
-             "(geometric mean over the sequence), prefix (CTPO: product over the token's prefix), prefix_min "
-             "(MinPRO: the prefix's smallest token ratio). Default: token.")
+        help="Ratio level: token, sequence (product over the sequence), geometric (its geometric mean), prefix (CTPO: "
+             "product over the token's prefix), prefix_min (MinPRO: the prefix's smallest ratio). Default: token.")
     upper: float | str | None = option(
         None, flag="--tis-upper-bound", words=("auto",),
         help="Upper bound on r=pi_train/pi_rollout, or auto (truncate mode, with --tis-target-ess: searched each "
@@ -170,49 +106,17 @@ class TISConfig:
     # rejection thresholds: one declaration each (rule: the row naming the field in core.rules.RULES)
     veto_threshold: float | None = threshold(
         flag="--tis-veto-threshold", valid="in (0, 1)",
-        help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1), with or without "
-             "rejection sampling. Default: off.",
+        help="Reject a whole sequence if any valid token has raw ratio < v (0<v<1). Default: off.",
         describe="veto: reject sequences with any token ratio < {value:g}")
-    seq_mean_k3_threshold: float | None = threshold(
-        flag="--tis-seq-mean-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a sequence whose mean over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's seq_mean_k3. Default: off.",
-        describe="k3 rejection: reject sequences whose mean of k3 = r - 1 - log r > {value:g}")
-    seq_max_k3_threshold: float | None = threshold(
-        flag="--tis-seq-max-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a sequence whose max over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's seq_max_k3. Default: off.",
-        describe="k3 rejection: reject sequences whose max of k3 = r - 1 - log r > {value:g}")
-    token_k2_threshold: float | None = threshold(
-        flag="--tis-token-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a token whose k2 = (log r)^2 / 2 exceeds this (> 0), i.e. r outside "
-             "[exp(-sqrt(2 t)), exp(sqrt(2 t))], as verl's token_k2. Default: off.",
-        describe="k2 rejection: reject tokens whose k2 = (log r)^2 / 2 > {value:g}")
-    token_k3_threshold: float | None = threshold(
-        flag="--tis-token-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a token whose k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's token_k3. Default: off.",
-        describe="k3 rejection: reject tokens whose k3 = r - 1 - log r > {value:g}")
-    seq_sum_k2_threshold: float | None = threshold(
-        flag="--tis-seq-sum-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a sequence whose sum over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
-             "as verl's seq_sum_k2. Default: off.",
-        describe="k2 rejection: reject sequences whose sum of k2 = (log r)^2 / 2 > {value:g}")
-    seq_sum_k3_threshold: float | None = threshold(
-        flag="--tis-seq-sum-k3-threshold", valid="> 0", why="k3 = r - 1 - log r >= 0",
-        help="Reject a sequence whose sum over valid tokens of k3 = r - 1 - log r exceeds this (> 0), "
-             "as verl's seq_sum_k3. Default: off.",
-        describe="k3 rejection: reject sequences whose sum of k3 = r - 1 - log r > {value:g}")
-    seq_mean_k2_threshold: float | None = threshold(
-        flag="--tis-seq-mean-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a sequence whose mean over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
-             "as verl's seq_mean_k2. Default: off.",
-        describe="k2 rejection: reject sequences whose mean of k2 = (log r)^2 / 2 > {value:g}")
-    seq_max_k2_threshold: float | None = threshold(
-        flag="--tis-seq-max-k2-threshold", valid="> 0", why="k2 = (log r)^2 / 2 >= 0",
-        help="Reject a sequence whose max over valid tokens of k2 = (log r)^2 / 2 exceeds this (> 0), "
-             "as verl's seq_max_k2. Default: off.",
-        describe="k2 rejection: reject sequences whose max of k2 = (log r)^2 / 2 > {value:g}")
+    # verl's divergence rejection options <statistic>_<k2|k3> (core.rules._divergence)
+    seq_mean_k3_threshold: float | None = divergence_threshold("seq_mean_k3")
+    seq_max_k3_threshold: float | None = divergence_threshold("seq_max_k3")
+    token_k2_threshold: float | None = divergence_threshold("token_k2")
+    token_k3_threshold: float | None = divergence_threshold("token_k3")
+    seq_sum_k2_threshold: float | None = divergence_threshold("seq_sum_k2")
+    seq_sum_k3_threshold: float | None = divergence_threshold("seq_sum_k3")
+    seq_mean_k2_threshold: float | None = divergence_threshold("seq_mean_k2")
+    seq_max_k2_threshold: float | None = divergence_threshold("seq_max_k2")
     # the upper veto (SkyRL), the binary KL (KPop) and the sequence log-prob error (NeMo-RL)
     veto_upper_threshold: float | None = threshold(
         flag="--tis-veto-upper-threshold", valid="> 1", why="the upper side of the veto, r > V",
@@ -231,34 +135,30 @@ class TISConfig:
         describe="log-prob error rejection: reject sequences whose mean of exp(abs(l)) > {value:g}")
     batch_normalize: bool = option(
         False, flag="--tis-batch-normalize", kind="switch",
-        help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once "
-             "per step; algorithm 3: per micro-batch over DPxCP). Default: off.")
+        help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once per step; 3: per "
+             "micro-batch over DPxCP). Default: off.")
     rejected_denominator: str = option(
         "keep", flag="--tis-rejected-denominator", kind="choice", choices=DENOMINATORS,
-        help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). "
-             "Default: keep.")
+        help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). Default: keep.")
     loss_agg: str = option(
         "token-mean", flag="--tis-loss-agg", kind="choice", choices=LOSS_AGGS,
         help="Loss aggregation over the global batch (token-sum: the sum over the global batch's counted tokens, "
              "whatever the DP size). Default: token-mean.")
     eps_clip: float = option(
-        0.2, flag="--eps-clip", valid="in [0, 1)", error="must lie in [0, 1) so that 1 - eps_clip > 0",
+        0.2, flag="--eps-clip", valid="in [0, 1)", why="so that 1 - eps_clip > 0",
         help="PPO clip epsilon (low side). Default: 0.2.")
     eps_clip_high: float | None = option(
         None, flag="--eps-clip-high", valid=">= 0", help="PPO clip epsilon, high side. Default: = --eps-clip.")
     dual_clip_c: float | None = option(
-        None, flag="--eps-clip-c", valid="> 1", error="dual-clip constant must be > 1",
+        None, flag="--eps-clip-c", valid="> 1", why="the dual-clip constant",
         help="Dual-clip constant c > 1 for negative advantages. Default: off.")
     loss_mode: str | None = option(
         None, flag="--tis-loss-mode", kind="choice", choices=tuple(SURROGATES),
-        help="Policy-loss surrogate (verl's loss_mode names; ppo_clip is verl's vanilla): reinforce and on_policy "
-             "(ratio pi_theta/sg(pi_theta)) fit every algorithm, the others need a ratio anchor (algorithms 0-2); "
-             "dppo_tv / dppo_kl read --eps-clip / --eps-clip-high as the trust region delta on probabilities, "
-             "geo_mean as its clip of the log-ratio. Default: ppo_clip for algorithms 0-2, reinforce for algorithm 3.")
+        help="Policy-loss surrogate (verl's loss_mode names; docs/semantics.md): reinforce and on_policy fit every "
+             "algorithm, the others need a ratio anchor (algorithms 0-2). Default: ppo_clip; reinforce in algorithm 3.")
     kl_coef: float = option(
         0.0, flag="--tis-kl-coef", valid=">= 0",
-        help="Coefficient of the reference-KL term added to the loss per kept token (needs reference "
-             "log-probs). Default: 0 (off).")
+        help="Coefficient of the reference-KL term added per kept token (needs reference log-probs). Default: 0.")
     kl_estimator: str = option(
         "k3", flag="--tis-kl-estimator", kind="choice", choices=KL_ESTIMATORS,
         help="Reference-KL estimator of d = log pi_theta - log pi_ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d, "
@@ -269,9 +169,7 @@ class TISConfig:
     kl_gradient: str = option(
         "direct", flag="--tis-kl-gradient", kind="choice", choices=KL_GRADIENTS,
         help="Gradient of the KL term: direct = the estimator's own gradient beta [w] k'(d) (verl, slime); with_score "
-             "adds the score-function term beta [w] k(d) grad log pi_theta of a KL estimated on tokens sampled from "
-             "the policy (NeMo-RL); k1 and k3 with_score are unbiased gradients of KL(pi_theta || pi_ref). "
-             "Default: direct.")
+             "adds the score-function term beta [w] k(d) grad log pi_theta (NeMo-RL). Default: direct.")
     entropy_coef: float = option(
         0.0, flag="--tis-entropy-coef", valid=">= 0",
         help="Entropy bonus: subtract this times the policy's entropy per kept token. Default: 0 (off).")
@@ -292,8 +190,8 @@ class TISConfig:
              "Default: off.")
     clip_cov_ratio: float = surrogate_option(
         "clip_cov", 2e-4, flag="--tis-clip-cov-ratio", valid="in (0, 1)",
-        help="Clip-Cov: the fraction of the micro-batch's kept tokens (at least 1) taken out of the loss, at random "
-             "among those whose covariance lies in (lb, ub) (--tis-loss-mode clip_cov). Default: 0.0002.")
+        help="Clip-Cov: the fraction of the kept tokens (at least 1) taken out of the loss, at random among those "
+             "whose covariance lies in (lb, ub). Default: 0.0002.")
     clip_cov_lb: float = surrogate_option(
         "clip_cov", 1.0, flag="--tis-clip-cov-lb",
         help="Clip-Cov: lower bound of the candidates' covariance (A - mean A)(lp - mean lp). Default: 1.0.")
@@ -302,23 +200,19 @@ class TISConfig:
         help="Clip-Cov: upper bound of the candidates' covariance (> --tis-clip-cov-lb). Default: 5.0.")
     kl_cov_ratio: float = surrogate_option(
         "kl_cov", 2e-4, flag="--tis-kl-cov-ratio", valid="in (0, 1)",
-        help="KL-Cov: the fraction of the micro-batch's kept tokens (at least 1), those of largest covariance, given "
-             "the penalty coef abs(log rho) (--tis-loss-mode kl_cov). Default: 0.0002.")
+        help="KL-Cov: the fraction of the kept tokens (at least 1), those of largest covariance, given the penalty "
+             "coef abs(log rho). Default: 0.0002.")
     kl_cov_coef: float = surrogate_option(
         "kl_cov", 1.0, flag="--tis-kl-cov-coef", valid=">= 0",
         help="KL-Cov: the coefficient of abs(log rho) at the selected tokens (verl's ppo_kl_coef). Default: 1.0.")
     safety_bound: float = option(
         20.0, flag="--tis-safety-bound", valid=f"in (0, {MAX_SAFETY_BOUND:g}]",
-        error=f"must lie in (0, {MAX_SAFETY_BOUND:g}]: exp(B) must stay far below float32's largest value "
-              f"(exp(88.7)) so that clamped ratios, their products and sums stay finite",
-        help="Log-quantities are clamped to [-B, B] before exp; 0 < B <= 60 (float32 exp overflows at "
-             "88.7). Default: 20.")
+        why="exp(B) stays far below float32's largest value, exp(88.7)",
+        help="Log-quantities are clamped to [-B, B] before exp (0 < B <= 60). Default: 20.")
     kernels: str = option(
         DEFAULT_KERNELS, flag="--tis-kernels", kind="choice", choices=KERNELS,
-        help="Code for the log-probs (from logits, or fused from the hidden states) and the correction's "
-             "token pass: torch, or the Triton kernels (CUDA; where one cannot run, e.g. a compile "
-             "error, the torch code with one warning). Default: torch (the Triton kernels are opt-in "
-             "until measured on a GPU, docs/kernels.md).")
+        help="Code for the log-probs and the correction's token pass: torch, or the Triton kernels (CUDA; where one "
+             "cannot run, the torch code with one warning; docs/kernels.md). Default: torch.")
     # global searches (core.search): each a fixed-iteration bisection over the global batch
     target_ess: float | None = option(
         None, flag="--tis-target-ess", valid="in (0, 1)",
@@ -333,10 +227,9 @@ class TISConfig:
         describe="M2PO: reject the largest (log r)^2 until their global mean over kept tokens <= {value:g}")
     sampling_support: str | None = option(
         None, flag="--tis-sampling-support", kind="choice", choices=SAMPLING_SUPPORT_MODES,
-        help="The trainer's log-probs (pi_old and pi_theta) over the full vocabulary (full) or over the support "
-             "each token was sampled from with top-p / top-k, renormalised there (replay; the batch carries "
-             "the supports: TISBatch.support_ids / support_offsets, from SGLang's return_sampling_mask). "
-             "Default: replay when the batch carries a support, full otherwise.")
+        help="The trainer's log-probs over the full vocabulary (full) or renormalised over each token's top-p / top-k "
+             "sampling support (replay; docs/sampling_support.md). Default: replay when the batch carries a support, "
+             "full otherwise.")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -345,8 +238,7 @@ class TISConfig:
             if (problem := declared.problem(value, allow_none=DEFAULTS[field] is None)) is not None:
                 raise _bad(field, value, problem)
         # rules between fields
-        _check_upper("upper", self.upper_bound)
-        _check_bounds("lower", self.lower_bound, "upper", self.upper_bound)
+        _check_bounds(self, "")
         if self.rs_level is None and (self.rs_upper is not None or self.rs_lower is not None):
             raise _bad("rs_upper" if self.rs_upper is not None else "rs_lower",
                        self.rs_upper if self.rs_upper is not None else self.rs_lower,
@@ -355,8 +247,7 @@ class TISConfig:
             raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric level; "
                        "a prefix level is a weight level (--tis-level)")
         if self.rs_level is not None:
-            _check_upper("rs_upper", self.rs_upper_bound)
-            _check_bounds("rs_lower", self.rs_lower_bound, "rs_upper", self.rs_upper_bound)
+            _check_bounds(self, "rs_")
         self._check_algorithm_combinations()
         self._check_auto_upper()
 
@@ -372,16 +263,12 @@ class TISConfig:
         if not alg.weighted:
             raise _bad("upper", self.upper, f"algorithm {alg.number} applies no importance weights: there is no "
                        "weight to truncate; use --use-tis")
-        if self.mode != "truncate":
-            why = {"clip": "clip's lower bound moves the weights below 1 too, so the ESS of clipped weights need not "
-                           "fall as the upper bound rises (the search needs it monotone)",
-                   "mask": "mask mode rejects the units beyond the bound, so the bound changes the units the ESS "
-                           "counts (the search needs a fixed set of units)"}[self.mode]
-            raise _bad("upper", self.upper, f"auto needs --tis-mode truncate: {why}")
+        if self.mode != "truncate":  # the search needs an ESS monotone in the bound over a fixed set of units
+            raise _bad("upper", self.upper, f"auto needs --tis-mode truncate ({self.mode}: docs/semantics.md, "
+                       "\"Global searches\")")
         if self.staleness_decay is not None:
             raise _bad("staleness_decay", self.staleness_decay, "--tis-upper-bound auto searches one bound for the "
-                       "batch's ESS; tightening it per sequence with staleness would change the weights it was "
-                       "searched on: use one of the two")
+                       "batch's ESS, which tightening it per sequence would change: use one of the two")
 
     def _check_algorithm_combinations(self) -> None:
         alg = algorithm_of(self.algorithm)
@@ -397,13 +284,10 @@ class TISConfig:
                 raise _bad("mode", self.mode, why)
         sur = surrogate_of(self.surrogate)
         if sur.anchored and alg.anchor is None:
-            why = (f"{sur.name} reads a ratio against an anchor, and algorithm 3 has none: its weight "
-                   "w = sg(pi_theta) / pi_rollout is that ratio already")
-            if sur.name == "cispo":
-                why = ("CISPO anchored at the rollout policy clips the ratio pi_theta / pi_rollout that algorithm 3 "
-                       "already applies as its weight: the weight would count twice")
-            raise _bad("loss_mode", self.loss_mode, why + "; use algorithm 1 (--use-rollout-log-probs, anchor "
-                       "pi_rollout, no weight) or 2 (--use-tis, anchor pi_old, weight pi_old / pi_rollout)")
+            raise _bad("loss_mode", self.loss_mode, f"{sur.name} reads a ratio against an anchor, algorithm 3 has "
+                       "none: its weight sg(pi_theta) / pi_rollout is that ratio (the weight would count twice); use "
+                       "algorithm 1 (--use-rollout-log-probs, anchor pi_rollout, no weight) or 2 (--use-tis, anchor "
+                       "pi_old, weight pi_old / pi_rollout)")
         if self.staleness_decay is not None and not alg.weighted and not (alg.corrects and mode_of(self.mode).masks):
             raise _bad("staleness_decay", self.staleness_decay, f"algorithm {alg.number} applies no weights and "
                        "--tis-mode is not mask: no bound acts to be tightened; use --use-tis or --tis-mode mask")
@@ -419,7 +303,7 @@ class TISConfig:
     # ------------------------------------------------------------------ derived values
     @property
     def algorithm(self) -> int:
-        """0..3 from (use_rollout_log_probs, use_tis), see the module table."""
+        """``use_rollout_log_probs + 2 use_tis`` (``core.algorithms``)."""
         return int(self.use_rollout_log_probs) + 2 * int(self.use_tis)
 
     @property
@@ -472,25 +356,23 @@ class TISConfig:
 
     @property
     def algorithm_name(self) -> str:
-        return ALGORITHM_NAMES[self.algorithm]
+        return algorithm_of(self.algorithm).name
 
     @property
     def needs_old_log_probs(self) -> bool:
-        """Algorithms 0 and 2 need the Megatron recompute of pi_old; 1 and 3 skip it (``core.algorithms``)."""
+        """Algorithms 0 and 2 need the recompute of pi_old (``Algorithm.needs_pi_old``)."""
         return algorithm_of(self.algorithm).needs_pi_old
 
     @property
     def applies_weights(self) -> bool:
-        """Importance weights multiply the loss (algorithms 2 and 3; ``core.algorithms``)."""
+        """Algorithms 2 and 3 (``Algorithm.weighted``)."""
         return algorithm_of(self.algorithm).weighted
 
     @property
     def rejects(self) -> bool:
         """Whether any configured rule can reject tokens or sequences (besides non-finite data)."""
-        return algorithm_of(self.algorithm).corrects and (
-            mode_of(self.mode).masks or self.rs_level is not None
-            or any(getattr(self, field) is not None for field in THRESHOLDS)
-        )
+        plan = self.plan
+        return plan.mask or plan.rs_level is not None or bool(plan.thresholds)
 
     @property
     def plan(self) -> Plan:
@@ -547,7 +429,7 @@ class TISConfig:
     def describe(self) -> str:
         """One block of text with the algorithm and every resolved bound, printed at start-up."""
         lines = [f"slime_tis: algorithm {self.algorithm}: {self.algorithm_name}"]
-        if self.algorithm != 0 or self.use_tis:
+        if self.algorithm != 0:
             bounds = (f"lower={self.lower_bound:g} upper={self.upper_bound:g}" if mode_of(self.mode).has_lower
                       else f"upper={self.upper_bound:g} ({self.mode}: no lower bound)")
             if self.auto_upper:
@@ -574,18 +456,16 @@ class TISConfig:
             lines.append(f"  kl_coef={self.kl_coef:g} kl_estimator={self.kl_estimator} "
                          f"kl_importance_weighted={self.kl_importance_weighted} kl_gradient={self.kl_gradient} "
                          f"entropy_coef={self.entropy_coef:g}")
-        lines.append(f"  kernels={self.kernels}" + (" (Triton: not yet measured on a GPU; torch code where it "
-                                                     "cannot run, with a warning)" if self.kernels == "triton" else ""))
-        lines += [f"  warning: {line}" for line in self.inert_options()]
+        lines += [f"  kernels={self.kernels}", *(f"  warning: {line}" for line in self.inert_options())]
         return "\n".join(lines)
 
 
-#: ``{field: Option}``: every field's declaration, in field order (the source of flags, dests, validation).
-OPTIONS: dict[str, Option] = declared_options(TISConfig)
+#: ``{field: Option}``: every field's declaration, in field order.
+OPTIONS: dict[str, Option] = declared_fields(TISConfig, "option")
 #: ``{field: Option}``: the rejection thresholds (each drives the row of ``core.rules.RULES`` naming it).
-THRESHOLDS: dict[str, Option] = declared_thresholds(TISConfig)
+THRESHOLDS: dict[str, Option] = declared_fields(TISConfig, "threshold")
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TISConfig)}
-#: Options that are not fields: the preset, expanded before the fields' flags.
+#: The option that is not a field: the preset, expanded before the fields' flags.
 PRESET_OPTION = Option(
     flag="--tis-preset", kind="choice", choices=tuple(PRESETS), metavar="NAME",
     help="Expand a named preset; explicit flags override it. Presets: "
@@ -593,53 +473,36 @@ PRESET_OPTION = Option(
     readme="Expand a named preset (table below); explicit flags override it. Default: none.")
 #: Every flag of ``slime_tis.arguments.add_tis_arguments``, in order (the flag table of docs/reference.md).
 ALL_OPTIONS: list[Option] = [*OPTIONS.values(), PRESET_OPTION]
-#: Command-line flag of every field (used in error messages).
 FLAG_OF: dict[str, str] = {field: declared.flag for field, declared in OPTIONS.items()}
-#: TISConfig field -> argparse dests that may carry it (first = ours; others = host aliases such as slime's).
 DESTS_OF: dict[str, tuple[str, ...]] = {field: declared.dests for field, declared in OPTIONS.items()}
 #: ``{field: surrogate}``: the options of one surrogate each (``Plan.surrogate_params`` while it is chosen).
-SURROGATE_OPTIONS: dict[str, str] = declared_surrogate_options(TISConfig)
+SURROGATE_OPTIONS: dict[str, str] = declared_fields(TISConfig, "surrogate")
 SWITCHES = tuple(field for field, declared in OPTIONS.items() if declared.kind == "switch")
 
 
 @lru_cache(maxsize=64)
 def _resolve(config: TISConfig) -> Plan:
-    """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (hashable, frozen; cached)."""
+    """The :class:`~slime_tis.core.plan.Plan` of a validated configuration (cached)."""
     rejecting = algorithm_of(config.algorithm).corrects
     rs_level = level_of(config.rs_level) if rejecting and config.rs_level is not None else None
     mode = mode_of(config.mode)
     return Plan(
-        algorithm=config.algorithm,
-        weighted=config.applies_weights,
-        mode=mode,
-        level=level_of(config.level),
-        lower=config.lower_bound,
-        upper=config.upper_bound,
-        log_lower=math.log(config.lower_bound),
-        log_upper=math.log(config.upper_bound),
-        mask=mode.masks and rejecting,
-        rs_level=rs_level,
+        algorithm=config.algorithm, weighted=config.applies_weights, mode=mode, level=level_of(config.level),
+        lower=config.lower_bound, upper=config.upper_bound, log_lower=math.log(config.lower_bound),
+        log_upper=math.log(config.upper_bound), mask=mode.masks and rejecting, rs_level=rs_level,
         rs_log_lower=math.log(config.rs_lower_bound) if rs_level else 0.0,
         rs_log_upper=math.log(config.rs_upper_bound) if rs_level else 0.0,
-        batch_normalize=config.batch_normalize,
-        drop_rejected=config.rejected_denominator == "drop",
-        loss_agg=config.loss_agg,
-        eps_low=float(config.eps_clip),
-        eps_high=config.eps_high,
-        dual_clip_c=None if config.dual_clip_c is None else float(config.dual_clip_c),
-        bound=float(config.safety_bound),
+        batch_normalize=config.batch_normalize, drop_rejected=config.rejected_denominator == "drop",
+        loss_agg=config.loss_agg, eps_low=float(config.eps_clip), eps_high=config.eps_high,
+        dual_clip_c=None if config.dual_clip_c is None else float(config.dual_clip_c), bound=float(config.safety_bound),
         thresholds=tuple((name, float(getattr(config, name))) for name in THRESHOLDS
                          if rejecting and getattr(config, name) is not None),
-        token_pass=token_pass_for(config.kernels),
-        surrogate=config.surrogate,
+        token_pass=token_pass_for(config.kernels), surrogate=config.surrogate,
         surrogate_params=tuple((f, float(getattr(config, f))) for f, owner in SURROGATE_OPTIONS.items()
                                if owner == config.surrogate),
-        kl_coef=float(config.kl_coef),
-        kl_estimator=config.kl_estimator,
-        kl_gradient=config.kl_gradient,
-        kl_importance_weighted=config.kl_importance_weighted and algorithm_of(config.algorithm).weighted,
-        entropy_coef=float(config.entropy_coef),
-        target_ess=float(config.target_ess) if config.auto_upper else None,
+        kl_coef=float(config.kl_coef), kl_estimator=config.kl_estimator, kl_gradient=config.kl_gradient,
+        kl_importance_weighted=config.kl_importance_weighted and config.applies_weights,
+        entropy_coef=float(config.entropy_coef), target_ess=float(config.target_ess) if config.auto_upper else None,
         staleness_buckets=int(config.staleness_buckets or 0),
         staleness_decay=None if config.staleness_decay is None else float(config.staleness_decay),
     )

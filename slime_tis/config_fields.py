@@ -1,18 +1,7 @@
-"""Declarations of the ``TISConfig`` fields: one :class:`Option` per field, the single source of its flag.
-
-Each field of ``TISConfig`` (``slime_tis.config``) is declared with :func:`option` (or :func:`threshold`, an option
-for a rejection rule's threshold): its command-line flag and host aliases, its kind (a switch, a choice or a
-number), its choices or valid range, its help text (ending with the effective default) and, where it has one, its
-start-up line. Everything else is generated from these declarations:
-
-* the argparse flags (:func:`add_options`, used by ``slime_tis.arguments.add_tis_arguments``);
-* the argparse dests read back into fields (:func:`fields_from_args`, ``TISConfig.from_args``);
-* the per-field validation and its error messages (:meth:`Option.problem`, ``TISConfig.__post_init__``);
-  rules between fields (``lower < upper``, algorithm combinations) stay hand-written in ``config.py``;
-* the threshold lines of ``TISConfig.describe()``;
-* the flag table of docs/reference.md (:func:`flag_table`; ``python scripts/reference_tables.py --write`` rewrites it).
-
-Options that are not fields (``--tis-preset``) are declared here as :data:`EXTRA_OPTIONS`.
+"""Declarations of the ``TISConfig`` fields: one :class:`Option` per field (flag, host aliases, kind, choices or valid
+range, help, start-up line), the single source of its argparse flag (:func:`add_options`), its dests
+(:func:`fields_from_args`), its validation (:meth:`Option.problem`) and its row of docs/reference.md's flag table
+(:func:`flag_table`; ``python scripts/reference_tables.py --write``).
 """
 
 from __future__ import annotations
@@ -24,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Option", "option", "threshold", "surrogate_option", "declared_options", "declared_surrogate_options",
-           "RANGES", "SWITCH_WORDS", "parse_switch",
-           "add_options", "fields_from_args", "flag_table"]
+__all__ = ["Option", "option", "threshold", "divergence_threshold", "surrogate_option", "declared_fields", "RANGES",
+           "SWITCH_WORDS", "parse_switch", "add_options", "fields_from_args", "flag_table"]
 
 #: Spellings of a switch's value (case-insensitive strings; YAML quotes keep ``"false"`` a string).
 SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
@@ -52,22 +40,10 @@ KINDS = ("switch", "choice", "number")
 
 @dataclass(frozen=True)
 class Option:
-    """Declaration of one command-line option (the metadata of a ``TISConfig`` field, or an extra option).
-
-    Attributes:
-        flag: command-line flag; its argparse dest is the flag without ``--``, ``-`` -> ``_``.
-        help: argparse help, ending with the effective default ("Default: off.").
-        kind: ``"switch"`` (a bool turned on by the flag), ``"choice"`` (one of ``choices``) or ``"number"``.
-        choices: the allowed values of a choice.
-        valid: key of :data:`RANGES`, the valid range of a number (``None``: any finite number).
-        why: reason appended to the range's words in the error message, ``"words (why)"``.
-        error: the whole error text of an out-of-range value instead of ``"words (why)"``.
-        describe: the ``TISConfig.describe()`` line while the field is set, ``{value:g}`` is its value.
-        aliases: other flags for the same value (a host's spelling); their dests are read too.
-        readme: the reference table's text when it differs from ``help``.
-        metavar: shown after the flag in the reference table (e.g. ``NAME``).
-        words: strings a number also takes (``--tis-upper-bound auto``).
-    """
+    """One command-line option: ``flag`` (dest: without ``--``, ``-`` -> ``_``) and host ``aliases``; ``help`` ending
+    with the effective default; ``kind`` ``switch`` / ``choice`` (``choices``) / ``number`` (``valid``: a key of
+    :data:`RANGES`, ``why`` appended to its words; ``words``: strings it also takes);
+    ``describe``: the ``describe()`` line while set (``{value:g}``); ``readme`` / ``metavar``: the reference table's."""
 
     flag: str
     help: str
@@ -75,7 +51,6 @@ class Option:
     choices: tuple[str, ...] | None = None
     valid: str | None = None
     why: str = ""
-    error: str = ""
     describe: str = ""
     aliases: tuple[str, ...] = ()
     readme: str = ""
@@ -96,7 +71,7 @@ class Option:
 
     @property
     def dests(self) -> tuple[str, ...]:
-        """Every argparse dest that may carry the value: ours first, then the aliases' (a host's)."""
+        """Every argparse dest that may carry the value: ours first, then the aliases'."""
         return (self.dest, *(_dest(a) for a in self.aliases))
 
     def problem(self, value: Any, allow_none: bool) -> str | None:
@@ -118,10 +93,10 @@ class Option:
         ok, words = RANGES[self.valid]
         if ok(value):
             return None
-        return self.error or words + (f" ({self.why})" if self.why else "")
+        return words + (f" ({self.why})" if self.why else "")
 
     def argparse_kwargs(self) -> dict[str, Any]:
-        """``add_argument`` keyword arguments: every option defaults to None ("not given")."""
+        """``add_argument`` keyword arguments (default None: not given)."""
         if self.kind == "switch":
             return dict(action="store_true", default=None, help=self.help)
         if self.kind == "choice":
@@ -148,38 +123,43 @@ def option(default: Any, **declaration: Any) -> Any:
 
 
 def threshold(**declaration: Any) -> Any:
-    """A rejection rule's threshold: a number field ``float | None = None`` (None = rule off) whose declaration
-    states its valid range and start-up line (the rule's row in ``core.rules.RULES`` names the field)."""
-    return dataclasses.field(default=None, metadata={"option": Option(**declaration), "threshold": True})
+    """A rejection rule's threshold: a number field, ``None`` (the rule off) by default."""
+    declared = Option(**declaration)
+    return dataclasses.field(default=None, metadata={"option": declared, "threshold": declared})
+
+
+#: The per-token divergences of verl's rejection options (``core.rules.DIVERGENCES``), in words.
+DIVERGENCE_WORDS = {"k2": "k2 = (log r)^2 / 2", "k3": "k3 = r - 1 - log r"}
+
+
+def divergence_threshold(name: str) -> Any:
+    """The :func:`threshold` of verl's rejection option ``name`` = ``<statistic>_<k>``: field ``<name>_threshold``,
+    flag ``--tis-<name>-threshold``, valid ``> 0``."""
+    statistic, k = name.rsplit("_", 1)
+    words = DIVERGENCE_WORDS[k]
+    unit, of = ("token", "") if statistic == "token" else ("sequence", statistic.removeprefix("seq_"))
+    return threshold(
+        flag=f"--tis-{name.replace('_', '-')}-threshold", valid="> 0", why=f"{words} >= 0",
+        help=f"Reject a {unit} whose {of + ' over valid tokens of ' if of else ''}{words} exceeds this (> 0), as "
+             f"verl's {name}. Default: off.",
+        describe=f"{k} rejection: reject {unit}s whose {of + ' of ' if of else ''}{words} > {{value:g}}")
 
 
 def surrogate_option(surrogate: str, default: float, **declaration: Any) -> Any:
-    """An option of one surrogate (a row of ``core.surrogates.SURROGATES``): a number field that reaches the core
-    as ``(name, value)`` in ``Plan.surrogate_params`` while that surrogate is chosen (read with ``plan.param``)."""
+    """An option of one surrogate: in ``Plan.surrogate_params`` while that surrogate is chosen."""
     return dataclasses.field(default=default, metadata={"option": Option(**declaration), "surrogate": surrogate})
 
 
-def declared_surrogate_options(config: Any) -> dict[str, str]:
-    """``{field name: surrogate}`` of the surrogates' options, in field order."""
-    return {f.name: f.metadata["surrogate"] for f in dataclasses.fields(config) if "surrogate" in f.metadata}
-
-
-def declared_options(config: Any) -> dict[str, Option]:
-    """``{field name: Option}`` of a ``TISConfig`` class or instance, in field order."""
-    return {f.name: f.metadata["option"] for f in dataclasses.fields(config)}
-
-
-def declared_thresholds(config: Any) -> dict[str, Option]:
-    """The threshold fields' options, in field order."""
-    return {f.name: f.metadata["option"] for f in dataclasses.fields(config) if f.metadata.get("threshold")}
+def declared_fields(config: Any, key: str) -> dict[str, Any]:
+    """``{field name: metadata[key]}`` of the fields of a ``TISConfig`` class declaring ``key``, in field order:
+    ``"option"`` (every field's :class:`Option`), ``"threshold"`` (the thresholds'), ``"surrogate"`` (the name of
+    the surrogate an option belongs to)."""
+    return {f.name: f.metadata[key] for f in dataclasses.fields(config) if key in f.metadata}
 
 
 def parse_switch(name: str, value: Any) -> bool:
-    """A switch's value from a flag, a preset or a YAML key: a bool, 0 / 1, or one of :data:`SWITCH_WORDS`.
-
-    Anything else (``"flase"``, ``2``, ``[]``) raises ``ValueError`` naming ``name`` and the value, so that a
-    quoted ``"false"`` can never turn a switch on.
-    """
+    """A switch's value: a bool, 0 / 1, or one of :data:`SWITCH_WORDS`; anything else raises ``ValueError`` naming
+    ``name`` and the value (a quoted ``"false"`` never turns a switch on)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -191,8 +171,7 @@ def parse_switch(name: str, value: Any) -> bool:
 
 def add_options(parser: argparse.ArgumentParser, options: list[Option], title: str,
                 description: str | None = None) -> argparse.ArgumentParser:
-    """Add ``options`` to ``parser`` in one group (``title``, ``description`` in the help), reusing any flag the
-    parser already defines; returns it."""
+    """Add ``options`` to ``parser`` in one group, reusing any flag it already defines; returns it."""
     existing = parser._option_string_actions  # argparse keeps every registered option string here
     existing_dests = {a.dest for a in parser._actions}
     group = parser.add_argument_group(title, description)
@@ -206,11 +185,8 @@ def add_options(parser: argparse.ArgumentParser, options: list[Option], title: s
 
 
 def fields_from_args(options: dict[str, Option], args: Any, fields: dict[str, Any]) -> dict[str, Any]:
-    """``fields`` updated with every option given in namespace ``args`` (any of its dests).
-
-    A switch is on if any of its dests is (strictly parsed: a YAML ``"false"``, a string, must not turn it on),
-    else it keeps its value in ``fields`` (a preset's) or is off.
-    """
+    """``fields`` updated with every option given in ``args`` (any of its dests); a switch is on if any dest is
+    (:func:`parse_switch`), else keeps its value in ``fields`` (a preset's) or is off."""
     for field, declared in options.items():
         given = {d: getattr(args, d) for d in declared.dests if getattr(args, d, None) is not None}
         if declared.kind == "switch":

@@ -22,7 +22,7 @@ import torch
 from slime_tis import TISConfig, compute_tis
 from slime_tis.arguments import add_tis_arguments
 from slime_tis.core import LocalReducer
-from slime_tis.core.search import SEARCH_STEPS, precision
+from slime_tis.core.search import SEARCH_STEPS
 
 F64 = torch.float64
 
@@ -120,6 +120,11 @@ def test_auto_bound_ends_of_its_range():
     l = torch.tensor([-8.0, -6.0, -4.0, 0.0, 0.0])  # noqa: E741
     res = compute_tis(TISConfig(use_tis=True, upper="auto", target_ess=0.95), *_one_seq(l))
     assert float(res.stats.finalize()["tis/auto_upper_bound"]) == pytest.approx(1.0, abs=1e-6)
+
+
+def precision(lo: float, hi: float) -> float:
+    """``p``: ``SEARCH_STEPS`` bisection steps on ``[lo, hi]`` answer within ``[x exp(-p), x]`` of the boundary."""
+    return (math.log(hi) - math.log(lo)) / 2 ** SEARCH_STEPS
 
 
 def test_precision_of_the_fixed_steps():

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from slime_tis import TISConfig, padded_to_packed, policy_loss
-from slime_tis.core.token_select import first_k, hash_keys
+from slime_tis.core.surrogates import first_k, hash_keys
 
 SUM = dict(loss_agg="token-sum")
 

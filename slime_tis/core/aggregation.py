@@ -1,20 +1,12 @@
-"""Loss aggregations, one row each: how per-token losses become ``numerator / denominator``.
-
-Per token ``t`` of sequence ``i`` with loss ``loss_t`` (0 at tokens not counted), ``n_i`` the sequence's counted
-tokens (completed over context parallelism) and the denominator ``D`` summed over micro-batches and ranks::
+"""Loss aggregations (``--tis-loss-agg``), one row each; :func:`aggregate` is the only code of their formulas::
 
     name                  numerator                           this call's share of D
-    token-mean            sum_t loss_t                        N_tokens   (counted tokens; summed over DP x CP)
-    seq-mean-token-mean   sum_i (1 / n_i) sum_{t in i} loss_t N_seqs     (sequences with n_i > 0; over DP only)
-    seq-mean-token-sum    sum_i sum_{t in i} loss_t           N_seqs     (idem)
-    token-sum             sum_t loss_t                        0          (the loss divides by max(D, 1) = 1)
+    token-mean            sum_t loss_t                        counted tokens    (summed over DP x CP)
+    seq-mean-token-mean   sum_i (1 / n_i) sum_{t in i} loss_t sequences, n_i > 0 (summed over DP only)
+    seq-mean-token-sum    sum_i sum_{t in i} loss_t           idem
+    token-sum             sum_t loss_t                        0
 
-The loss is ``numerator / max(D, 1)`` with the global ``D``; the host's gradient scaling (Megatron's
-``LossForm``) makes the parameter gradient ``sum_{micro-batches, ranks} grad(numerator) / D``, so ``token-sum``'s
-gradient is the global batch's token sum whatever the DP size (a host that averages over DP ranks multiplies
-by their number, which ``LossForm`` already does). "Counted" is the loss mask (``rejected_denominator="keep"``)
-or the kept tokens (``"drop"``). :func:`aggregate` is the only code of these formulas: the loss and
-``core.losses.loss_denominator`` both call it.
+The loss is ``numerator / max(D, 1)`` with the global ``D`` (docs/semantics.md, "Loss aggregation").
 """
 
 from __future__ import annotations
@@ -31,13 +23,8 @@ __all__ = ["Aggregation", "AGGREGATIONS", "aggregation_of", "aggregate"]
 
 @dataclass(frozen=True)
 class Aggregation:
-    """One row of :data:`AGGREGATIONS`.
-
-    Attributes:
-        name: the ``--tis-loss-agg`` value (verl's ``loss_agg_mode`` names).
-        token_weight: ``"1"`` or ``"1/n_i"`` (each token's loss divided by its sequence's count).
-        denominator: ``"tokens"``, ``"sequences"`` or ``"one"``.
-    """
+    """One row of :data:`AGGREGATIONS`: ``token_weight`` ``"1"`` or ``"1/n_i"``, ``denominator`` ``"tokens"``,
+    ``"sequences"`` or ``"one"``."""
 
     name: str
     token_weight: str
@@ -71,20 +58,9 @@ def aggregation_of(name: str) -> Aggregation:
 
 def aggregate(name: str, per_token: Tensor | None, counted: Tensor, layout: Layout,
               counts: Tensor | None) -> tuple[Tensor | None, Tensor]:
-    """``(numerator, local denominator)`` of one micro-batch (module table).
-
-    Args:
-        name: the aggregation.
-        per_token: ``[T]`` losses, 0 at tokens not counted; ``None``: the denominator only.
-        counted: ``[T]`` bool, the tokens the denominator counts.
-        layout: the packed layout.
-        counts: ``[n_seq]`` counted tokens per sequence, complete over CP (needed where
-            :attr:`Aggregation.needs_counts`; otherwise ignored).
-
-    Returns:
-        ``numerator`` (0-d, dtype of ``per_token``; ``None`` without ``per_token``) and this call's share of the
-        denominator (0-d float32, to be summed over micro-batches and ranks).
-    """
+    """``(numerator, this call's share of D)`` (module table): ``per_token`` ``[T]`` losses, 0 where not counted
+    (``None``: the denominator only); ``counted`` ``[T]`` bool; ``counts`` ``[n_seq]`` counted tokens per sequence,
+    complete over CP (where :attr:`Aggregation.needs_counts`)."""
     row = aggregation_of(name)
     if row.needs_counts and counts is None:
         raise ValueError(f"loss_agg = {name!r} needs the per-sequence counts")

@@ -1,17 +1,6 @@
-"""``compute_tis``: importance weights, keep mask and diagnostics for one packed micro-batch.
-
-The pipeline (all detached; each step one formula, in its own module)::
-
-    l_t  = lp_train_t - lp_rollout_t            per valid token, sums per sequence  -- core.ratios
-    L_u  = l_t | sum_t l_t | mean_t l_t         token / sequence / geometric level   -- core.ratios
-    w_u  = truncate / clip / mask of exp(clamp(L_u, -B, B))                           -- core.weights
-    keep = valid and no rejection rule hits the token or its sequence                -- core.rules
-    w_u *= N_kept / sum_{kept u} w_u            (batch normalisation, if on)         -- core.weights
-    w_t  = w_{u(t)} on valid tokens of finite sequences, 0 elsewhere
-    stats: tis.* sums / minima / maxima                                              -- core.diagnostics
-
-One token pass, one ``reducer.sequence_sum`` per call (plus one ``batch_sum`` for batch
-normalisation computed in the call); no host sync.
+"""``compute_tis``: importance weights, keep mask and ``tis.*`` statistics of one packed micro-batch, all detached:
+``core.ratios`` -> ``core.rules`` -> ``core.weights`` -> ``core.diagnostics`` (docs/semantics.md). One token pass,
+one ``reducer.sequence_sum`` per call (plus a ``batch_sum`` for a batch normalisation in the call); no host sync.
 """
 
 from __future__ import annotations
@@ -33,37 +22,18 @@ from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.rules import Verdict, evaluate, late, rule_columns
 from slime_tis.core.search import Searched, search, searches
 from slime_tis.core.staleness import bound_scale, check_staleness
-from slime_tis.core.weights import normalisation_factor, normalisation_factor_over, unit_weights
+from slime_tis.core.weights import normalisation_factor_over, unit_weights
 
 #: The per-sequence column of ``loss_finite`` (``correct``).
 LOSS_NONFINITE = "loss_nonfinite"
 
-__all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "scalar_tensor",
-           "normalisation_factor"]
+__all__ = ["TISResult", "compute_tis", "correct", "plan_of", "as_valid_mask", "scalar_tensor"]
 
 
 @dataclass
 class TISResult:
-    """Output of :func:`compute_tis` (shapes ``[T]`` unless noted).
-
-    Attributes:
-        weights: float32 applied importance weights, detached; 0 at invalid tokens and at tokens of
-            non-finite sequences; unchanged by rejection.
-        keep_mask: bool, valid tokens that survived every rejection rule.
-        stats: ``tis.*`` statistics (see ``slime_tis.core.metrics``).
-        norm_sum, norm_count: 0-d float32, this call's (local) sum of unnormalised weights over kept
-            units and number of kept units; summed over micro-batches and ranks they give the global
-            batch-normalisation factor ``norm_count / norm_sum`` (sequence units: over DP only).
-        ratios: the per-token / per-sequence log-ratios (:class:`slime_tis.core.ratios.Ratios`).
-        verdict: what each rule of ``slime_tis.core.rules.RULES`` hit (:class:`~slime_tis.core.rules.Verdict`).
-        loss_keep: bool, the tokens the loss keeps: ``keep_mask``, or with ``loss_finite`` (a correction that only
-            diagnoses) the ``loss_ok`` tokens not in ``reject``.
-        loss_ok: bool, valid tokens of the sequences that count in the loss (finite inputs, ``core.algorithms``);
-            ``ratios.token_ok`` unless ``loss_finite`` was given.
-        seq_loss_nonfinite: ``[n_seq]`` bool, sequences with valid tokens that do not count for a non-finite
-            input (``ratios.seq_nonfinite`` unless ``loss_finite`` was given).
-        searched: the values of the plan's global searches this result applied (``core.search``), or ``None``.
-    """
+    """Output of :func:`compute_tis`: ``[T]`` float32 ``weights`` and bool masks, ``[n_seq]`` ``seq_loss_nonfinite``,
+    0-d ``norm_sum`` / ``norm_count`` (each field: docs/CORE_API.md)."""
 
     weights: Tensor
     keep_mask: Tensor
@@ -95,91 +65,38 @@ def scalar_tensor(value: Tensor | float, device: torch.device) -> Tensor:
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
-def compute_tis(
-    config: Any,
-    lp_train: Tensor,
-    lp_rollout: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    reducer: Reducer | None = None,
-    batch_norm_factor: Tensor | float | None = None,
-    extra_finite: tuple[Tensor, ...] = (),
-    reject: Tensor | None = None,
-    loss_finite: tuple[Tensor, ...] = (),
-    staleness: Tensor | None = None,
-    searched: Searched | None = None,
-    chunks: Chunks | None = None,
-) -> TISResult:
-    """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics.
+def compute_tis(config: Any, lp_train: Tensor, lp_rollout: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
+                reducer: Reducer | None = None, batch_norm_factor: Tensor | float | None = None,
+                extra_finite: tuple[Tensor, ...] = (), reject: Tensor | None = None,
+                loss_finite: tuple[Tensor, ...] = (), staleness: Tensor | None = None,
+                searched: Searched | None = None, chunks: Chunks | None = None) -> TISResult:
+    """Importance weights of ``pi_train / pi_rollout`` with rejection and diagnostics (arguments: docs/CORE_API.md).
 
-    Args:
-        config: a ``TISConfig`` (or its resolved ``Plan``).
-        lp_train: ``[T]`` training-side log-probs (pi_old in algorithms 0 and 2, sg(pi_theta) in 1
-            and 3); any float dtype, computed in float32, detached.
-        lp_rollout: ``[T]`` rollout-engine (SGLang) log-probs.
-        loss_mask: ``[T]`` bool or 0/1 mask of trainable tokens.
-        cu_seqlens: ``[n_seq + 1]`` integer offsets (on any device; see ``core.packing.offsets_on``).
-        reducer: distributed reductions (default: single process).
-        batch_norm_factor: a precomputed global factor (algorithm 2: once per step from
-            ``norm_count / norm_sum``); ``None`` with batch normalisation on normalises over this
-            call's data reduced over ``reducer`` (algorithm 3: per micro-batch over DP x CP).
-        extra_finite: more ``[T]`` tensors whose non-finite valid entries reject their sequence.
-        reject: optional ``[T]`` bool, tokens the host has already rejected (e.g. slime's OPSM, which zeroes
-            their loss before the correction): not kept, counted as rejected tokens, left out of the kept-unit
-            statistics like a token-level rule's rejections; the diagnostics still see them.
-        loss_finite: for a correction that only diagnoses (algorithm 0; no rule acts): ``[T]`` inputs of the loss
-            whose non-finite valid entries take their sequence out of ``loss_keep``, not out of the diagnostics
-            (one more per-sequence column of the same reduction; ``core.algorithms.correction_inputs``).
-        staleness: ``[n_seq]`` per-sequence staleness (policy versions behind the trainer), read by the metrics split
-            by staleness and the bounds tightened with it (``core.staleness``); required while either is on.
-        searched: the values of the plan's global searches (M2PO's cut, the auto bound: ``core.search.search`` over
-            the step's micro-batches, algorithm 2); ``None`` with a search on searches over this call's data reduced
-            over ``reducer`` (algorithms 1, 3: per micro-batch over DP x CP).
-        chunks: under context parallelism with a prefix level (``--tis-level prefix`` / ``prefix_min``):
-            ``(chunk [T] int, K)``, each token's chunk of its sequence in positional order (``core.prefix``).
-
-    Raises:
-        ValueError: on shape, length, device, dtype or offset errors (naming the tensors).
-    """
+    ``lp_train``, ``lp_rollout`` ``[T]`` float (computed in float32, detached), ``loss_mask`` ``[T]`` bool or 0/1,
+    ``cu_seqlens`` ``[n_seq + 1]`` integer on any device; ``ValueError`` naming the tensor on a shape, device, dtype
+    or offset error."""
     n_tokens = check_packed(
         {"lp_train": lp_train, "lp_rollout": lp_rollout, "loss_mask": loss_mask,
          **{f"extra_finite[{i}]": t for i, t in enumerate(extra_finite)},
          **{f"loss_finite[{i}]": t for i, t in enumerate(loss_finite)}, "reject": reject},
-        cu_seqlens,
-    )
-    for name, t in (("lp_train", lp_train), ("lp_rollout", lp_rollout)):
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point tensor of log-probs, got {t.dtype}")
+        cu_seqlens, floats=("lp_train", "lp_rollout"))
     layout = packed_layout(cu_seqlens, n_tokens, lp_train.device)
     return correct(plan_of(config), lp_train, lp_rollout, as_valid_mask(loss_mask), layout, reducer or LocalReducer(),
                    batch_norm_factor=batch_norm_factor, extra_finite=extra_finite,
                    reject=None if reject is None else as_valid_mask(reject), loss_finite=loss_finite,
-                   staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1,
-                                                                              lp_train.device),
-                   searched=searched, chunks=chunks)
+                   staleness=staleness, searched=searched, chunks=chunks)
 
 
-def correct(
-    plan: Plan,
-    lp_train: Tensor,
-    lp_rollout: Tensor,
-    valid: Tensor,
-    layout: Layout,
-    reducer: Reducer,
-    *,
-    batch_norm_factor: Tensor | float | None = None,
-    extra_finite: tuple[Tensor, ...] = (),
-    reject: Tensor | None = None,
-    loss_finite: tuple[Tensor, ...] = (),
-    staleness: Tensor | None = None,
-    searched: Searched | None = None,
-    chunks: Chunks | None = None,
-) -> TISResult:
+def correct(plan: Plan, lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, layout: Layout, reducer: Reducer, *,
+            batch_norm_factor: Tensor | float | None = None, extra_finite: tuple[Tensor, ...] = (),
+            reject: Tensor | None = None, loss_finite: tuple[Tensor, ...] = (), staleness: Tensor | None = None,
+            searched: Searched | None = None, chunks: Chunks | None = None) -> TISResult:
     """:func:`compute_tis` on validated inputs (``valid`` bool ``[T]``, ``layout`` of the batch)."""
     if (plan.staleness_buckets or plan.staleness_decay is not None) and staleness is None:
         raise ValueError("staleness: --tis-staleness-buckets / --tis-staleness-bound-decay is set but the host gave no "
                          "per-sequence staleness (compute_tis(..., staleness=[n_seq] tensor))")
+    if staleness is not None:
+        staleness = check_staleness(staleness, layout.n_seq, valid.device)
     with torch.no_grad():
         scale = None  # the mode's bounds tightened with staleness: factors per token and per sequence
         if plan.staleness_decay is not None:
@@ -199,34 +116,7 @@ def correct(
             ratios = dataclasses.replace(ratios, staleness=staleness.detach(), bound_scale=scale)
         if plan.level.prefix is not None:
             ratios = _with_prefix(plan, ratios, layout, reducer, chunks)
-    return _finish(plan, ratios, valid, layout, reducer, batch_norm_factor=batch_norm_factor, reject=reject,
-                   searched=searched)
-
-
-def _with_prefix(plan: Plan, ratios: Ratios, layout: Layout, reducer: Reducer, chunks: Chunks | None) -> Ratios:
-    """``ratios`` with the plan's prefix level's ``L_t`` (``core.prefix``; a carry over CP from ``chunks``)."""
-    if chunks is None and getattr(reducer, "cp_size", 1) > 1:
-        raise ValueError(f"--tis-level {plan.level.name} under context parallelism (CP = {reducer.cp_size}) needs each "
-                         "token's chunk index (chunks=(chunk [T], K)) for the prefix's carry across CP ranks; this "
-                         "host passes none: use CP = 1 or another level")
-    values = prefix_log_ratios(plan.level.prefix, ratios.log_ratio, ratios.token_ok, layout, reducer, chunks)
-    return dataclasses.replace(ratios, **{plan.level.log_ratio: values})
-
-
-def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
-    verdict = evaluate(plan, ratios)
-    return verdict if reject is None else verdict.with_rejected_tokens(reject & ratios.valid)
-
-
-def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: Reducer, *,
-            batch_norm_factor: Tensor | float | None, reject: Tensor | None,
-            searched: Searched | None = None) -> TISResult:
-    """The decision from the ratios: rules, weights, batch normalisation, statistics (no token pass over the
-    log-probs; one ``batch_sum`` where batch normalisation has no precomputed factor; with a global search
-    (``core.search``) its values, searched over this call's data where not given, and M2PO's sequences completed over
-    CP by one ``sequence_sum``)."""
-    loss_finite = LOSS_NONFINITE in ratios.columns
-    with torch.no_grad():
+        # the decision from the ratios: rules, weights, batch normalisation, statistics (no token pass)
         if searches(plan):
             if searched is None:
                 searched = search(plan, [(ratios, _verdict(plan, ratios, reject))], reducer)
@@ -238,8 +128,8 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
             verdict = _with_late_sequences(ratios, verdict, late_hits, layout, reducer)
         moments = ratio_moments(ratios.log_ratio, plan.bound)  # token (lc, e, k3): token weights and diagnostics
         clamped = moments[0] if plan.level.log_ratio == "log_ratio" else None  # the token level's lc
-        scale = None if ratios.bound_scale is None else ratios.bound_scale[1 if plan.per_sequence else 0]
-        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped, scale)  # [T] or [n_seq]
+        unit_scale = None if scale is None else scale[1 if plan.per_sequence else 0]
+        weights = unit_weights(plan, ratios.level_log_ratio(plan.level), clamped, unit_scale)  # [T] or [n_seq]
         kept_units = ratios.seq_ok & ~verdict.seq_rejected if plan.per_sequence else verdict.keep
         # weights are finite (clamped exponent, finite factor): a product with a mask is the selection
         kept_weights = weights * kept_units
@@ -271,11 +161,25 @@ def _finish(plan: Plan, ratios: Ratios, valid: Tensor, layout: Layout, reducer: 
                      seq_loss_nonfinite, searched)
 
 
+def _with_prefix(plan: Plan, ratios: Ratios, layout: Layout, reducer: Reducer, chunks: Chunks | None) -> Ratios:
+    """``ratios`` with the plan's prefix level's ``L_t`` (``core.prefix``; a carry over CP from ``chunks``)."""
+    if chunks is None and getattr(reducer, "cp_size", 1) > 1:
+        raise ValueError(f"--tis-level {plan.level.name} under context parallelism (CP = {reducer.cp_size}) needs each "
+                         "token's chunk index (chunks=(chunk [T], K)) for the prefix's carry across CP ranks; this "
+                         "host passes none: use CP = 1 or another level")
+    values = prefix_log_ratios(plan.level.prefix, ratios.log_ratio, ratios.token_ok, layout, reducer, chunks)
+    return dataclasses.replace(ratios, **{plan.level.log_ratio: values})
+
+
+def _verdict(plan: Plan, ratios: Ratios, reject: Tensor | None) -> Verdict:
+    verdict = evaluate(plan, ratios)
+    return verdict if reject is None else verdict.with_rejected_tokens(reject & ratios.valid)
+
+
 def _with_late_sequences(ratios: Ratios, verdict: Verdict, hits: list[Tensor], layout: Layout,
                          reducer: Reducer) -> Verdict:
-    """``verdict`` with the sequences holding a token rejected by a late row (``core.rules.late``: a searched cut, a
-    prefix level; no column in the token pass) in ``seq_masked``: their count per sequence completed over CP by one
-    ``sequence_sum``."""
+    """``verdict`` with the sequences holding a token a late row (``core.rules.late``) rejected in ``seq_masked``
+    (one ``sequence_sum``)."""
     hit = hits[0]
     for h in hits[1:]:
         hit = hit | h

@@ -1,16 +1,6 @@
-"""The ``tis.*`` statistics of one micro-batch (sums, minima, maxima) and its per-token values.
-
-Both are generated from the metric schema (``core.metric_schema.METRICS``): its rows' formulas read the contexts
-:class:`TisContext` (statistics) and :class:`TisTokens` (per-token values), which compute each shared quantity
-once. Keys depend only on the plan, never on the data. Token-domain sums (D = valid tokens of finite sequences on
-this rank; summed over DP x CP), with ``lc, e, k3`` of ``core.ratios.ratio_moments``
-(0 outside D, where ``l = 0``)::
-
-    kl_sum = -sum l,   k3_sum = sum (e - lc),   r2_sum = sum r^2 = sum e^2 + 2 sum e + n
-
-Sequence-domain sums (S = finite sequences; one value per sequence, replicated over CP, summed over
-DP) are sums of ``[n_seq]`` values. Level units are tokens or sequences (``plan.level``); each row
-of ``core.rules.RULES`` adds its count to the sums of its units' domain.
+"""The ``tis.*`` statistics of one micro-batch and its per-token values, from ``core.metric_schema``; keys follow the
+plan only. :class:`TisContext` / :class:`TisTokens` compute each quantity once; token sums are over ``D`` (valid
+tokens of finite sequences), sequence sums over the finite sequences.
 """
 
 from __future__ import annotations
@@ -22,7 +12,7 @@ import torch
 from torch import Tensor
 
 from slime_tis.core.levels import Level
-from slime_tis.core.metric_schema import statistics, token_values
+from slime_tis.core.metric_schema import statistics, token_values, total
 from slime_tis.core.metrics import MetricStats
 from slime_tis.core.plan import Plan
 from slime_tis.core.ratios import Ratios, ratio_moments
@@ -32,22 +22,12 @@ from slime_tis.core.staleness import staleness_statistics
 __all__ = ["tis_statistics", "token_metrics", "TisContext", "TisTokens"]
 
 F64 = torch.float64
-
-
-def _total(x: Tensor) -> Tensor:
-    """Sum of a bool (count) or float column, as float64 (float32 columns are summed pairwise in float32:
-    ~1e-7 relative, well inside the metrics' needs, without a float64 copy of the column)."""
-    return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum().to(F64)
-
-
 #: float32's largest value: a sum of squares below it is finite in float32.
 F32_MAX = torch.finfo(torch.float32).max
 
 
 def _sum_and_squares(e: Tensor, bound: float) -> tuple[Tensor, Tensor]:
-    """float64 ``(sum e, sum e^2)`` of ``e = expm1(clamp(l, -B, B))`` (``|e| <= e^B``). In float32 (pairwise sum, BLAS
-    dot: ~1e-7 relative, as the metrics need) where ``T e^(2B)`` fits float32 (``B = 20``: any ``T`` below 1e21);
-    in float64 where squares could overflow (``e^(2B)`` is 1.3e52 at ``B = 60``)."""
+    """float64 ``(sum e, sum e^2)``, summed in float32 where ``T e^(2B)`` fits it, else in float64."""
     if e.numel() * math.exp(2.0 * bound) < F32_MAX:
         return e.sum().to(F64), torch.dot(e, e).to(F64)
     e64 = e.to(F64)
@@ -55,14 +35,12 @@ def _sum_and_squares(e: Tensor, bound: float) -> tuple[Tensor, Tensor]:
 
 
 def _off_mask(mask: Tensor) -> Tensor:
-    """float32 ``0`` on ``mask``, ``+inf`` off it: ``min(x + off)`` / ``max(x - off)`` are the extremes of a finite
-    ``x`` over ``mask`` (one selection for both)."""
+    """``0`` on ``mask``, ``+inf`` off it: ``min(x + off)`` / ``max(x - off)`` are the extremes over ``mask``."""
     return torch.where(mask, 0.0, float("inf"))
 
 
 def _extremes(x: Tensor, off: Tensor) -> tuple[Tensor, Tensor]:
-    """float32 (min, max) of a finite ``x`` over the mask of ``off = _off_mask(mask)``; ``(+inf, -inf)`` when the mask
-    is empty."""
+    """float32 (min, max) of a finite ``x`` over ``mask`` (``off = _off_mask(mask)``); ``(+inf, -inf)`` if empty."""
     if x.numel() == 0:
         inf = torch.full((), float("inf"), device=x.device)
         return inf, -inf
@@ -71,9 +49,7 @@ def _extremes(x: Tensor, off: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _weight_extremes(weights: Tensor, kept_weights: Tensor, off_kept: Tensor, n_kept: Tensor) -> tuple[Tensor, Tensor]:
-    """float32 (min, max) of the weights over the kept units (``off_kept = _off_mask(kept_units)``); ``(+inf, -inf)``
-    when none is kept. The weights are ``>= 0`` and 0 off the kept units in ``kept_weights``: its maximum is the kept
-    units' maximum."""
+    """float32 (min, max) of the weights (``>= 0``) over the kept units; ``(+inf, -inf)`` when none is kept."""
     inf = torch.full((), float("inf"), device=weights.device)
     if weights.numel() == 0:
         return inf, -inf
@@ -81,21 +57,11 @@ def _weight_extremes(weights: Tensor, kept_weights: Tensor, off_kept: Tensor, n_
 
 
 class TisContext:
-    """The quantities the ``tis.*`` rows of the metric schema read, for one micro-batch (each computed once, at
-    construction: every row reads them).
-
-    Attributes: the arguments of :func:`tis_statistics` (``factor``: its ``batch_norm_factor``), ``bound`` and:
-        e, k3: ``[T]`` token moments (``core.ratios.ratio_moments``; 0 outside the token domain).
-        n_valid, n_tok, n_seq: float64 counts: valid tokens, tokens of ``D``, sequences of ``S`` (this rank).
-        e_sums: ``(sum e, sum e^2)``; r2_sum: ``sum r^2 = sum e^2 + 2 sum e + n`` over ``D``.
-        n_kept_tok: kept valid tokens (float64).
-        mean_diff: ``[n_seq]`` float64 ``mean_t lp_rollout - mean_t lp_train`` (0 unless ``seq_ok``).
-        logs: ``[4, n_seq]`` training log-ppl, rollout log-ppl, log_ppl_diff, ``sum_t l``; exps: ``exp(clamp(logs,
-            -B, B))`` (the last doubled: ``chi2_seq``), 0 unless ``seq_ok``.
-        level_log: ``L_u`` of the plan's level (0 off its domain); ratio_sums: ``(sum r_u, sum r_u^2)`` over its
-            units. w64: the kept weights in float64.
-        log_ratio_extremes, weight_extremes, log_ppl_diff_extremes: ``(min, max)`` pairs (``+-inf`` when empty).
-    """
+    """What the ``tis.*`` rows of the metric schema read, computed once per micro-batch: the arguments of
+    :func:`tis_statistics`; ``e``, ``k3`` (``[T]``, 0 off ``D``); float64 counts ``n_valid``, ``n_tok``, ``n_seq``,
+    ``n_kept_tok``; ``r2_sum = sum_D r^2 = sum e^2 + 2 sum e + n``; ``logs`` ``[4, n_seq]`` (training log-ppl,
+    rollout log-ppl, ``mean_diff``, ``sum_t l``) and ``exps = exp(clamp(logs, -B, B))`` (the last doubled);
+    ``ratio_sums`` ``(sum r_u, sum r_u^2)`` over the level's units; ``(min, max)`` pairs."""
 
     def __init__(self, plan: Plan, ratios: Ratios, verdict: Verdict, weights: Tensor, kept_units: Tensor,
                  kept_weights: Tensor, n_kept_units: Tensor, factor: Tensor | None,
@@ -108,7 +74,7 @@ class TisContext:
         _, self.e, self.k3 = ratio_moments(ratios.log_ratio, bound) if moments is None else moments
         self.n_valid = ratios.local_total("valid", torch.ones_like(seq_ok))
         self.n_tok = ratios.local_total("valid", seq_ok)
-        self.n_seq = _total(seq_ok)
+        self.n_seq = total(seq_ok)
         self.e_sums = e_sum, e2_sum = _sum_and_squares(self.e, bound)
         self.r2_sum = e2_sum + 2.0 * e_sum + self.n_tok
         if not plan.per_sequence:  # token units: the kept units are the kept tokens
@@ -116,7 +82,7 @@ class TisContext:
         elif verdict.token_rejected is None:  # valid tokens of the kept sequences
             self.n_kept_tok = ratios.local_total("valid", kept_units)
         else:
-            self.n_kept_tok = _total(verdict.keep)
+            self.n_kept_tok = total(verdict.keep)
 
         log_sum = ratios.column("l")  # float64, 0 unless seq_ok
         self.mean_diff = -log_sum / ratios.seq_count.to(F64).clamp(min=1.0)
@@ -145,35 +111,19 @@ class TisContext:
                                       torch.cat([torch.where(seq_ok, self.mean_diff, -inf), -inf]).max())
 
 
-def tis_statistics(
-    plan: Plan,
-    ratios: Ratios,
-    verdict: Verdict,
-    weights: Tensor,
-    kept_units: Tensor,
-    kept_weights: Tensor,
-    n_kept_units: Tensor,
-    batch_norm_factor: Tensor | None,
-    *,
-    moments: tuple[Tensor, Tensor, Tensor] | None = None,
-) -> MetricStats:
-    """Raw ``tis.*`` statistics: the ``tis.`` rows of the metric schema, plus each active rule's count.
-
-    Args:
-        weights: applied weights per unit (``[T]`` or ``[n_seq]``), after bounds and batch-norm.
-        kept_units: bool, units that survived rejection (same shape).
-        kept_weights: ``weights`` on ``kept_units``, 0 elsewhere.
-        n_kept_units: 0-d integer count of ``kept_units`` (exact beyond 2^24 units).
-        batch_norm_factor: the applied factor (0-d) or None when batch-norm is off.
-        moments: ``ratio_moments(ratios.log_ratio, plan.bound)`` where already computed.
-    """
+def tis_statistics(plan: Plan, ratios: Ratios, verdict: Verdict, weights: Tensor, kept_units: Tensor,
+                   kept_weights: Tensor, n_kept_units: Tensor, batch_norm_factor: Tensor | None, *,
+                   moments: tuple[Tensor, Tensor, Tensor] | None = None) -> MetricStats:
+    """The ``tis.*`` statistics: the schema's ``tis.`` rows plus each active rule's count. ``weights``,
+    ``kept_units``, ``kept_weights``: per unit (``[T]`` or ``[n_seq]``), after bounds and batch normalisation;
+    ``n_kept_units``: 0-d integer; ``moments``: ``ratio_moments(ratios.log_ratio, plan.bound)`` if computed."""
     batch = TisContext(plan, ratios, verdict, weights, kept_units, kept_weights, n_kept_units, batch_norm_factor,
                      moments)
     groups = statistics("tis.", batch, plan)
     if plan.staleness_buckets:
         staleness_statistics(batch, groups)
     for rule, level, hit in verdict.hits:
-        groups["seq_sums" if level.per_sequence else "token_sums"][rule.key] = _total(hit)
+        groups["seq_sums" if level.per_sequence else "token_sums"][rule.key] = total(hit)
     return MetricStats(**groups)
 
 
@@ -198,12 +148,9 @@ class TisTokens:
 
 
 def token_metrics(plan: Plan, result: Any, batch_norm_factor: Tensor | None = None) -> dict[str, Tensor]:
-    """Per-token ``tis/`` values (``[T]``, detached, finite) for hosts that average per token: the per-token
-    formulas of the metric schema (``tis/ratio``: the level ratio before bounds, ``tis/weight``: applied), and each
-    active rule's 0/1 hit (a unit indicator broadcast to its tokens). On valid tokens of finite sequences (0
-    elsewhere); ``tis/batch_norm_factor`` if given. ``result`` is a ``TISResult``. float32, except
-    ``tis/chi2_token``: float64, since ``r^2`` reaches ``e^(2B)`` (1.3e52 at ``B = 60``), beyond float32.
-    """
+    """Per-token ``tis/`` values (``[T]``, detached, finite; 0 off ``D``) of a ``TISResult`` for hosts that average
+    per token: the schema's per-token formulas and each active rule's 0/1 hit. float32, ``tis/chi2_token`` float64
+    (``r^2`` reaches ``e^(2B)``)."""
     tokens = TisTokens(plan, result, batch_norm_factor)
     out = token_values(tokens)
     for rule, level, hit in result.verdict.hits:

@@ -1,16 +1,9 @@
-"""The policy loss of one packed micro-batch: correction, surrogate, terms, aggregation.
+"""The policy loss of one packed micro-batch (docs/semantics.md)::
 
-Per kept token ``t`` (``A`` advantage, ``w`` the detached importance weight of the algorithm, ``f`` the
-surrogate of ``core.surrogates`` against the algorithm's anchor, ``core.algorithms``)::
+    loss_t = [w] f_t + beta [w] k(lp_theta_t - lp_ref_t) - h H_t,   loss = sum (aggregated) / max(D, 1)
 
-    loss_t = [w] * f_t  +  beta * [w] * k(lp_theta_t - lp_ref_t)  -  h * H_t        (terms: ``core.terms``;
-                                                                                 the KL's gradient: --tis-kl-gradient)
-
-``[w]``: algorithms 2 and 3 (the KL term's only with ``kl_importance_weighted``). Rejected tokens contribute zero
-loss and zero gradient (every input is selected with ``torch.where`` first, so a NaN at a rejected or masked
-position cannot reach loss or gradient). Aggregation: ``core.aggregation`` (``loss = numerator / max(D, 1)``; the
-denominator is global when supplied), counting valid tokens (``rejected_denominator="keep"``) or kept ones
-(``"drop"``).
+``[w]``: algorithms 2, 3 (the KL's only with ``kl_importance_weighted``); ``f``: ``core.surrogates``; terms:
+``core.terms``. Inputs are selected first: a token not kept has zero loss and zero gradient.
 """
 
 from __future__ import annotations
@@ -32,23 +25,18 @@ from slime_tis.core.plan import Plan
 from slime_tis.core.prefix import Chunks
 from slime_tis.core.reducer import LocalReducer, Reducer
 from slime_tis.core.search import Searched
-from slime_tis.core.staleness import check_staleness
-from slime_tis.core.surrogates import SurrogateInputs, ppo_clip_term, surrogate_of
+from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
 from slime_tis.core.terms import kl_estimate, term_loss
 
-__all__ = ["PolicyLossOutput", "policy_loss", "ppo_clip_term", "loss_denominator"]
+__all__ = ["PolicyLossOutput", "policy_loss", "loss_denominator"]
 
 F64 = torch.float64
 
 
 @dataclass
 class PolicyLossOutput:
-    """Result of :func:`policy_loss`.
-
-    ``loss``: 0-d (differentiable w.r.t. ``lp_theta``); ``stats``: ``policy.*`` and ``tis.*``
-    statistics; ``keep_mask`` ``[T]`` bool; ``weights`` ``[T]`` applied importance weights (ones for
-    algorithms 0 and 1); ``tis``: the :class:`TISResult` when rollout log-probs were given.
-    """
+    """Result of :func:`policy_loss`: ``loss`` 0-d (differentiable w.r.t. ``lp_theta``), ``policy.*`` and ``tis.*``
+    ``stats``, ``keep_mask`` ``[T]`` bool, ``weights`` ``[T]`` (ones in algorithms 0, 1), ``tis`` the correction."""
 
     loss: Tensor
     stats: MetricStats
@@ -62,21 +50,10 @@ def sequence_counts(mask: Tensor, layout: Layout, reducer: Reducer) -> Tensor:
     return reducer.sequence_sum(layout.sums(mask.to(F64)[:, None]))[:, 0]
 
 
-def loss_denominator(
-    config: Any,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    keep_mask: Tensor | None = None,
-    reducer: Reducer | None = None,
-) -> Tensor:
-    """This micro-batch's contribution to the loss denominator (0-d float32, this rank).
-
-    ``token-mean``: valid (``drop``: kept) tokens on this rank; sum over micro-batches and DP x CP.
-    ``seq-mean-*``: sequences with at least one valid (``drop``: kept) token, completed over CP with
-    ``reducer.sequence_sum``; sum over micro-batches and DP only. ``token-sum``: 0 (the loss divides by 1).
-    ``drop`` needs ``keep_mask``. The formulas are ``core.aggregation.aggregate``'s, shared with the loss.
-    """
+def loss_denominator(config: Any, loss_mask: Tensor, cu_seqlens: Tensor, *, keep_mask: Tensor | None = None,
+                     reducer: Reducer | None = None) -> Tensor:
+    """This micro-batch's share of the loss denominator (0-d float32, this rank; ``core.aggregation``), counting
+    the valid tokens, or with ``drop`` the ``keep_mask`` tokens; sum it over micro-batches and ranks."""
     plan = plan_of(config)
     if plan.drop_rejected and keep_mask is None:
         raise ValueError("rejected_denominator='drop' (--tis-rejected-denominator drop) needs keep_mask")
@@ -88,70 +65,24 @@ def loss_denominator(
     return aggregate(plan.loss_agg, None, mask, layout, counts)[1]
 
 
-def policy_loss(
-    config: Any,
-    lp_theta: Tensor,
-    lp_old: Tensor | None,
-    lp_rollout: Tensor | None,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    *,
-    reducer: Reducer | None = None,
-    denominator: Tensor | float | None = None,
-    batch_norm_factor: Tensor | float | None = None,
-    keep_override: Tensor | None = None,
-    lp_ref: Tensor | None = None,
-    entropy: Tensor | None = None,
-    correction: TISResult | None = None,
-    host_inputs: tuple[Tensor, ...] = (),
-    searched: Searched | None = None,
-    chunks: Chunks | None = None,
-    staleness: Tensor | None = None,
-) -> PolicyLossOutput:
-    """Aggregated policy loss of the configured algorithm on one packed micro-batch.
-
-    Args:
-        config: a ``TISConfig`` (or its resolved ``Plan``).
-        lp_theta: ``[T]`` current log-probs (differentiable; float32 or bfloat16, not float16: its gradient
-            has its dtype and reaches |A| exp(B) / D per token).
-        lp_old: ``[T]`` pi_old (required by algorithms 0 and 2, ignored by 1 and 3).
-        lp_rollout: ``[T]`` rollout log-probs (required by 1, 2, 3; optional in 0 = diagnostics; without
-            them algorithm 0 reports the same ``tis.*`` keys, zero-filled).
-        advantages: ``[T]`` per-token advantages.
-        loss_mask, cu_seqlens: packed layout (see ``slime_tis.core.packing``).
-        reducer: distributed reductions (default: single process).
-        denominator: the global denominator (see :func:`loss_denominator`), or ``None`` for this
-            call's own count reduced over ``reducer``.
-        batch_norm_factor: precomputed global factor (algorithm 2), see ``compute_tis``.
-        keep_override: optional ``[T]`` bool, rejection decided elsewhere (a host that counted the kept
-            tokens before the step, at the step's parameters): the loss keeps exactly these tokens of
-            finite sequences instead of the rules' keep mask; the statistics still report the rules.
-        lp_ref: ``[T]`` reference-policy log-probs (needed when ``kl_coef != 0``; ``core.terms``).
-        entropy: ``[T]`` entropy of the current policy at each token, differentiable (needed when
-            ``entropy_coef != 0``).
-        correction: the :class:`TISResult` of this very correction, already decided by the caller (a host
-            that needed its keep mask first): used as given instead of correcting again. It must come from
-            ``compute_tis`` on the inputs this function would pass (``core.algorithms.correction_inputs`` of
-            the same tensors, the same reducer and ``batch_norm_factor``).
-        host_inputs: ``[T]`` inputs of terms the host adds to this loss itself (slime's KL against its reference
-            log-probs): checked like the advantages, so a non-finite valid entry takes its sequence out of the loss
-            (counted in ``tis/nonfinite_seq_fraction``) instead of into a gradient.
-        searched: the step's searched values (``core.search``: M2PO's cut, the auto bound), see ``compute_tis``.
-        chunks: each token's context-parallel chunk for a prefix level (``core.prefix``), see ``compute_tis``.
-        staleness: ``[n_seq]`` per-sequence staleness (``core.staleness``), see ``compute_tis``.
-
-    Returns:
-        :class:`PolicyLossOutput`; ``loss = numerator / max(denominator, 1)``.
-    """
+def policy_loss(config: Any, lp_theta: Tensor, lp_old: Tensor | None, lp_rollout: Tensor | None, advantages: Tensor,
+                loss_mask: Tensor, cu_seqlens: Tensor, *, reducer: Reducer | None = None,
+                denominator: Tensor | float | None = None, batch_norm_factor: Tensor | float | None = None,
+                keep_override: Tensor | None = None, lp_ref: Tensor | None = None, entropy: Tensor | None = None,
+                correction: TISResult | None = None, host_inputs: tuple[Tensor, ...] = (),
+                searched: Searched | None = None, chunks: Chunks | None = None,
+                staleness: Tensor | None = None) -> PolicyLossOutput:
+    """Aggregated policy loss ``numerator / max(denominator, 1)`` of the configured algorithm on one packed
+    micro-batch (arguments: docs/CORE_API.md). ``[T]`` inputs; ``lp_theta`` float32 or bfloat16 (not float16: its
+    gradient reaches ``|A| exp(B) / D``)."""
     plan = plan_of(config)
     reducer = reducer or LocalReducer()
     row = algorithm_of(plan)
     sur = surrogate_of(plan.surrogate)
     if row.needs_pi_old and lp_old is None:
-        raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_old (the Megatron recompute)")
+        raise ValueError(f"algorithm {row.number} ({row.name}) needs lp_old (the Megatron recompute)")
     if row.reads_rollout and lp_rollout is None:
-        raise ValueError(f"algorithm {row.number} ({_name(config)}) needs lp_rollout (rollout log-probs)")
+        raise ValueError(f"algorithm {row.number} ({row.name}) needs lp_rollout (rollout log-probs)")
     if plan.kl_coef != 0.0 and lp_ref is None:
         raise ValueError(f"kl_coef = {plan.kl_coef:g} (--tis-kl-coef) needs lp_ref (reference-policy log-probs)")
     if plan.entropy_coef != 0.0 and entropy is None:
@@ -160,11 +91,8 @@ def policy_loss(
     tensors = {"lp_theta": lp_theta, "lp_old": lp_old if row.needs_pi_old else None, "lp_rollout": lp_rollout,
                "advantages": advantages, "loss_mask": loss_mask, "lp_ref": terms[0], "entropy": terms[1],
                **{f"host_inputs[{i}]": t for i, t in enumerate(host_inputs)}}
-    n_tokens = check_packed(tensors, cu_seqlens)
-    for name in ("lp_theta", "lp_old", "lp_rollout", "advantages", "lp_ref", "entropy"):
-        t = tensors[name]
-        if t is not None and not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    n_tokens = check_packed(tensors, cu_seqlens, floats=("lp_theta", "lp_old", "lp_rollout", "advantages", "lp_ref",
+                                                         "entropy"))
     if lp_theta.dtype == torch.float16:  # its gradient has its dtype: up to |A| exp(B) / D per token
         raise ValueError(f"lp_theta is float16: the gradient of the loss with respect to it reaches |A| * "
                          f"exp({plan.bound:g}) / D per token (the ratio's safety bound), beyond float16's largest "
@@ -184,7 +112,7 @@ def policy_loss(
     tis = correction if correction is not None else correct(
         plan, inputs.lp_train, inputs.lp_rollout, valid, layout, reducer, batch_norm_factor=batch_norm_factor,
         extra_finite=inputs.extra_finite, loss_finite=inputs.loss_finite, searched=searched, chunks=chunks,
-        staleness=None if staleness is None else check_staleness(staleness, cu_seqlens.numel() - 1, theta.device))
+        staleness=staleness)
     keep = tis.loss_keep
     if keep_override is not None:
         check_packed({"lp_theta": lp_theta, "keep_override": keep_override}, cu_seqlens)
@@ -219,15 +147,15 @@ def policy_loss(
     # the KL estimate per kept token for policy/kl (d = 0 where not kept: every estimator is 0 there)
     kl = None if terms[0] is None else kl_estimate(theta_k.detach(), torch.where(keep, terms[0].detach().float(), 0.0),
                                                    plan.kl_estimator)
-    batch = PolicyContext(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active, out.dual_active, kl, terms[1],
-                        out.selected)
+    batch = PolicyContext(plan, valid, keep, tis, anchor_k, theta_k, out.clip_active,
+                          out.dual_active if plan.dual_clip_c is not None else None, kl, terms[1], out.selected)
     return PolicyLossOutput(loss, tis_stats.merge(_policy_stats(batch)), keep, weights, tis)
 
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """What the ``policy.*`` rows of ``core.metric_schema.METRICS`` read: one micro-batch's loss inputs (``[T]``;
-    ``*_k`` selected on the kept tokens, 0 elsewhere), its correction, and the terms that are on (``None`` off)."""
+    """What the ``policy.*`` rows of the metric schema read (``[T]``; ``*_k``: 0 off the kept tokens; ``None``: off,
+    as the surrogate's clip / dual-clip / covariance-selection masks where it has none)."""
 
     plan: Plan
     valid: Tensor
@@ -239,36 +167,15 @@ class PolicyContext:
     dual_active: Tensor | None
     kl: Tensor | None = None  # the KL estimator k(lp_theta - lp_ref) per kept token (0 elsewhere), detached
     entropy: Tensor | None = None
-    selected: Tensor | None = None  # the tokens a covariance-selecting surrogate chose (``core.token_select``)
-
-    @property
-    def clips(self) -> bool:
-        """The surrogate clips (its clip mask is False at tokens not kept: all inputs 0 there)."""
-        return surrogate_of(self.plan.surrogate).clips
-
-    @property
-    def selects(self) -> bool:
-        """The surrogate selects tokens by covariance (``selected`` is then a ``[T]`` bool, False where not kept)."""
-        return surrogate_of(self.plan.surrogate).selects
-
-    @property
-    def dual_clips(self) -> bool:
-        return self.clips and self.plan.dual_clip_c is not None and surrogate_of(self.plan.surrogate).dual_clip
+    selected: Tensor | None = None
 
 
 def _policy_stats(batch: PolicyContext) -> MetricStats:
-    """``policy.*`` statistics (keys depend on the plan only): the ``policy.`` rows of the metric schema."""
+    """``policy.*`` statistics: the ``policy.`` rows of the metric schema."""
     return MetricStats(**statistics("policy.", batch, batch.plan))
 
 
 def _empty(stats: MetricStats) -> MetricStats:
     """The same keys on no token: sums 0, extremes of an empty domain (+inf minima, -inf maxima)."""
-    def fill(d: dict[str, Tensor], value: float) -> dict[str, Tensor]:
-        return {k: torch.full_like(v, value) for k, v in d.items()}
-
-    return MetricStats(fill(stats.token_sums, 0.0), fill(stats.seq_sums, 0.0), fill(stats.mins, math.inf),
-                       fill(stats.maxs, -math.inf))
-
-
-def _name(config: Any) -> str:
-    return getattr(config, "algorithm_name", "see TISConfig")
+    fills = (0.0, 0.0, math.inf, -math.inf)
+    return MetricStats(*({k: torch.full_like(v, fill) for k, v in d.items()} for d, fill in zip(stats.groups(), fills)))

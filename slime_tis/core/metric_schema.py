@@ -1,27 +1,7 @@
-"""Every metric declared once in :data:`METRICS`: name, numerator, denominator, reduction, per-token formula.
-
-A metric is a reduction of statistics (``core.metrics.MetricStats``: sums, minima, maxima, reduced over ranks
-before any division). Each row of the schema names its statistics and says how to compute them, so from the one
-table come:
-
-* the statistics of a micro-batch (:func:`statistics`): each row's ``total`` (its numerator statistic), plus the
-  shared counts of :data:`COUNTS`, written into the group (token sums, sequence sums, minima, maxima) its
-  ``group`` names; ``total`` returns ``None`` where the configuration has no such statistic (keys follow the
-  configuration only, never the data);
-* the per-token values of hosts that average per token (:func:`token_values`): each row's ``token`` formula;
-* the finalisation (:func:`finalize`): each row's ``reduction`` of its statistics (:data:`REDUCTIONS`);
-* the metric table of docs/reference.md (:func:`metric_table`): each row's ``doc``.
-
-The rejection rules' rows come from their own table (``core.rules.RULES``): a rule's count is the numerator of
-``tis/<metric> = count / denominator`` and its 0/1 hit its per-token value.
-
-The formulas read a context object: for ``tis.*`` rows the micro-batch's correction
-(``core.diagnostics.TisContext`` for statistics, ``core.diagnostics.TisTokens`` per token), for ``policy.*`` rows
-the loss (``core.policy_stats.PolicyContext``). A new diagnostic whose inputs those contexts hold is one row.
-
-Groups: ``token`` (summed over data x context parallel ranks), ``seq`` (one value per sequence, replicated over
-context parallelism: summed over data parallel ranks only), ``units`` / ``rs_units`` (``seq`` where the plan's
-level / rejection-sampling level is per sequence, else ``token``), ``min``, ``max``.
+"""Every metric declared once in :data:`METRICS` (the rules' rows from ``core.rules.RULES``): from the table come the
+statistics (:func:`statistics`), per-token values (:func:`token_values`), :func:`finalize` and docs/reference.md's
+metric table. Groups: ``token`` (summed over DP x CP), ``seq`` (over DP only), ``units`` / ``rs_units`` (``seq``
+where the plan's / RS level is per sequence, else ``token``), ``min``, ``max``.
 """
 
 from __future__ import annotations
@@ -58,23 +38,11 @@ class Statistic:
 
 @dataclass(frozen=True)
 class Metric:
-    """One metric (a row of :data:`METRICS`).
-
-    Attributes:
-        name: the logged name (``tis/kl``).
-        numerator: its numerator statistic's key (``tis.kl_sum``); for extremes, the minimum / maximum.
-        denominator: the count it is averaged over, or ``None``.
-        reduction: a key of :data:`REDUCTIONS`.
-        doc: the formula in words (the metric table of docs/reference.md).
-        group: where ``total`` writes the numerator (module docstring); ``None``: another row or :data:`COUNTS`
-            writes it.
-        total: ``context -> 0-d tensor | None``: the numerator of one micro-batch (``None``: absent in this
-            configuration).
-        extra: a third statistic the reduction reads (``std``: the plain sum; ``ess``: the sum of squares).
-        token: ``TisTokens -> [T] tensor | None``: the per-token value (``None``: absent), or ``None`` for none.
-        token_name: the per-token value's name where it differs from ``name`` (a per-unit value averaged over
-            tokens is not the unit mean).
-    """
+    """One metric: ``name`` logged, ``numerator`` / ``denominator`` statistic keys (extremes: the minimum / maximum,
+    no denominator), ``reduction`` a key of :data:`REDUCTIONS` (``extra``: its third statistic), ``doc`` the formula
+    in words (docs/reference.md). ``group`` / ``total``: where and how the numerator of one micro-batch is computed
+    (``total(context) -> 0-d tensor``, ``None``: absent in this configuration; no group: another row writes it).
+    ``token(TisTokens) -> [T]``: the per-token value, named ``token_name`` where it is not the unit mean."""
 
     name: str
     numerator: str
@@ -86,15 +54,6 @@ class Metric:
     extra: str | None = None
     token: Callable[[Any], Tensor | None] | None = None
     token_name: str | None = None
-
-
-def _exp_extreme(x: Tensor, _den: Tensor | None, _extra: Tensor | None) -> Tensor:
-    # ratio extremes unclamped up to e^+-700, where float64 stays finite; empty domains (+-inf) give 0
-    return torch.where(torch.isfinite(x), x.clamp(-700, 700).exp(), 0.0)
-
-
-def _extreme(x: Tensor, _den: Tensor | None, _extra: Tensor | None) -> Tensor:
-    return torch.where(torch.isfinite(x), x, 0.0)  # an empty domain (+-inf) gives 0
 
 
 def _std(squares: Tensor, count: Tensor, total: Tensor) -> Tensor:
@@ -109,16 +68,17 @@ REDUCTIONS: dict[str, Callable[[Tensor, Tensor | None, Tensor | None], Tensor]] 
     "mean_minus_one": lambda num, den, _extra: safe_ratio(num - den, den),
     "std": _std,  # numerator: sum of squares, extra: sum; sqrt(max(squares/n - (sum/n)^2, 0))
     "ess": lambda num, den, extra: safe_ratio(num ** 2, den * extra),  # (sum w)^2 / (n sum w^2)
-    "exp": _exp_extreme,
-    "extreme": _extreme,
+    # extremes: an empty domain (+-inf) gives 0; ratio extremes unclamped up to e^+-700 (float64 stays finite)
+    "exp": lambda x, _den, _extra: torch.where(torch.isfinite(x), x.clamp(-700, 700).exp(), 0.0),
+    "extreme": lambda x, _den, _extra: torch.where(torch.isfinite(x), x, 0.0),
     "value": lambda num, _den, _extra: num,
 }
 
 F64 = torch.float64
 
 
-def _total(x: Tensor) -> Tensor:
-    """Sum of a bool (count) or float column, as float64."""
+def total(x: Tensor) -> Tensor:
+    """Sum of a bool (count) or float column (summed in its dtype), as float64."""
     return torch.count_nonzero(x).to(F64) if x.dtype == torch.bool else x.sum().to(F64)
 
 
@@ -126,7 +86,7 @@ def _total(x: Tensor) -> Tensor:
 COUNTS: tuple[Statistic, ...] = (
     Statistic("tis.n_tok_valid", "token", lambda b: b.n_valid),
     Statistic("tis.n_tok", "token", lambda b: b.n_tok),
-    Statistic("tis.n_seq_valid", "seq", lambda b: _total(b.ratios.seq_has_tokens)),
+    Statistic("tis.n_seq_valid", "seq", lambda b: total(b.ratios.seq_has_tokens)),
     Statistic("tis.n_seq", "seq", lambda b: b.n_seq),
     Statistic("tis.n_units", "units", lambda b: b.n_seq if b.plan.per_sequence else b.n_tok),
     Statistic("tis.n_kept_units", "units", lambda b: b.n_kept_units.to(F64)),
@@ -157,7 +117,7 @@ METRICS: tuple[Metric, ...] = (
            "token", lambda b: -b.ratios.local_total("l", b.ratios.seq_ok), token=lambda t: -t.r.log_ratio),
     Metric("tis/k3_kl", "tis.k3_sum", "tis.n_tok", "mean",
            "`mean_{t in D} (r_t - 1 - log r_t)`, computed as `expm1(lc_t) - lc_t`",
-           "token", lambda b: _total(b.k3), token=lambda t: t.k3),
+           "token", lambda b: total(b.k3), token=lambda t: t.k3),
     Metric("tis/chi2_token", "tis.r2_sum", "tis.n_tok", "mean_minus_one", "`mean_{t in D} r_t^2 - 1`",
            "token", lambda b: b.r2_sum,
            token=lambda t: t.e.to(F64) * (t.e.to(F64) + 2.0)),  # float64: r^2 reaches e^(2B), beyond float32
@@ -197,11 +157,11 @@ METRICS: tuple[Metric, ...] = (
            token=lambda t: (t.r.valid & ~t.result.keep_mask).float()),
     Metric("tis/rejected_seq_fraction", "tis.n_seq_rejected", "tis.n_seq_valid", "mean",
            "sequences rejected as a whole (non-finite, veto, sequence-level rule) / sequences with a valid token",
-           "seq", lambda b: _total(b.verdict.seq_rejected & b.ratios.seq_has_tokens),
+           "seq", lambda b: total(b.verdict.seq_rejected & b.ratios.seq_has_tokens),
            token=lambda t: (t.verdict.seq_rejected & t.r.seq_has_tokens).index_select(0, t.sid).float()),
     Metric("tis/rs_seq_masked_fraction", "tis.n_seq_masked", "tis.n_seq_valid", "mean",
            "sequences with at least one token rejected by a rule (as a whole or by a token-level rule) / sequences "
-           "with a valid token", "seq", lambda b: _total(b.verdict.seq_masked & b.ratios.seq_has_tokens)),
+           "with a valid token", "seq", lambda b: total(b.verdict.seq_masked & b.ratios.seq_has_tokens)),
     Metric("tis/batch_norm_factor", "tis.bn_factor_sum", "tis.bn_calls", "mean",
            "mean of the applied batch-normalisation factors", "seq",
            lambda b: None if b.factor is None else b.factor.to(F64).reshape(()),
@@ -216,13 +176,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("policy/clipfrac", "policy.clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the clip is active / kept tokens (dppo_tv, dppo_kl: outside the trust region)",
            "token",
-           lambda p: p.clip_active.sum(dtype=F64) if p.clips else None),
+           lambda p: None if p.clip_active is None else p.clip_active.sum(dtype=F64)),
     Metric("policy/cov_selected_fraction", "policy.cov_selected_count", "policy.n_tok_kept", "mean",
            "clip_cov / kl_cov: kept tokens selected by covariance (taken out of the loss / given the penalty) / kept "
-           "tokens", "token", lambda p: p.selected.sum(dtype=F64) if p.selects else None),
+           "tokens", "token", lambda p: None if p.selected is None else p.selected.sum(dtype=F64)),
     Metric("policy/dual_clipfrac", "policy.dual_clip_count", "policy.n_tok_kept", "mean",
            "kept tokens where the dual clip is active / kept tokens", "token",
-           lambda p: p.dual_active.sum(dtype=F64) if p.dual_clips else None),
+           lambda p: None if p.dual_active is None else p.dual_active.sum(dtype=F64)),
     Metric("policy/ppo_kl", "policy.ppo_kl_sum", "policy.n_tok_kept", "mean",
            "`mean (lp_anchor - lp_theta)` over kept tokens, anchor = pi_old (alg 0, 2) or pi_rollout (1, 3)",
            "token", lambda p: (p.anchor_k - p.theta_k.detach()).sum(dtype=F64)),
@@ -269,7 +229,7 @@ METRICS: tuple[Metric, ...] = (
            "`mean_{t in D} r_t` (token ratios, whatever the level)", "token", lambda b: b.e_sums[0] + b.n_tok),
     Metric("tis/token_ratio_outside_10pct_fraction", "tis.n_tok_outside_10pct", "tis.n_tok", "mean",
            "fraction of tokens of `D` with `r_t` outside [0.9, 1.1]", "token",
-           lambda b: _total(b.e.abs() > 0.1), token=lambda t: (t.e.abs() > 0.1).float()),
+           lambda b: total(b.e.abs() > 0.1), token=lambda t: (t.e.abs() > 0.1).float()),
 )
 
 #: The rows of each staleness bucket (``core.staleness``; ``--tis-staleness-buckets N``): ``{b}`` is the bucket's label
@@ -339,11 +299,8 @@ def statistics(prefix: str, context: Any, plan: Plan) -> dict[str, dict[str, Ten
 
 def token_values(context: Any) -> dict[str, Tensor]:
     """``{name: [T] tensor}`` of every row with a per-token formula present for ``context`` (``TisTokens``)."""
-    out = {}
-    for m in METRICS:
-        if m.token is not None and (value := m.token(context)) is not None:
-            out[m.token_name or m.name] = value
-    return out
+    return {m.token_name or m.name: value for m in METRICS
+            if m.token is not None and (value := m.token(context)) is not None}
 
 
 def finalize(values: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -1,12 +1,5 @@
-"""``Plan``: the configuration resolved once into plain bounds and switches (what the hot path reads).
-
-``TISConfig`` (``slime_tis.config``) is the validated, user-facing object; ``TISConfig.plan`` resolves
-it to a :class:`Plan` once (cached per configuration). Every bound is stored in log space for the
-tests ``L < log lower`` / ``L > log upper`` and linearly for the weight clamps. Algorithm 0 never
-rejects (only non-finite data), so its rejection switches are resolved off, not tested later.
-
-The core knows nothing of flags: a rejection rule's threshold reaches it as ``(name, value)`` in
-``Plan.thresholds``, read by the rule's row in ``core.rules.RULES``.
+"""``Plan``: a ``TISConfig`` resolved once into plain bounds (linear and log) and switches, what the hot path reads;
+algorithm 0's rejection switches resolved off; thresholds as ``(field, value)``.
 """
 
 from __future__ import annotations
@@ -23,32 +16,15 @@ __all__ = ["Plan"]
 
 @dataclass(frozen=True)
 class Plan:
-    """Resolved correction settings (all plain Python values).
+    """Resolved correction settings (plain Python values; ``TISConfig`` fields resolved by ``TISConfig.plan``).
 
-    Attributes:
-        algorithm: 0..3. weighted: importance weights multiply the loss (algorithms 2, 3).
-        mode, level: weight mode and ratio level (``core.levels`` objects: formula, unit, default bounds) of the
-            weights and of mask-mode rejection.
-        lower, upper, log_lower, log_upper: the mode's bounds on r and their logs.
-        mask: mask-mode rejection is on (mode "mask" and algorithm != 0).
-        rs_level: rejection-sampling :class:`~slime_tis.core.levels.Level` or None; rs_log_lower, rs_log_upper:
-            its log bounds.
-        thresholds: ``(field, value)`` of every rejection threshold that is set (none in algorithm 0);
-            read with :meth:`threshold`.
-        batch_normalize, drop_rejected, loss_agg: loss switches.
-        eps_low, eps_high, dual_clip_c: PPO clip. bound: the safety bound B.
-        token_pass: the implementation of the correction's token pass (``core.ratios.TokenPass``), or ``None``:
-            the torch code. The core names no kernel: ``TISConfig`` resolves ``--tis-kernels`` to it.
-        surrogate: the policy-loss row of ``core.surrogates.SURROGATES``; surrogate_params: ``(field, value)`` of its
-            options (read with :meth:`param`).
-        kl_coef, kl_estimator, kl_importance_weighted, entropy_coef: the terms of ``core.terms``.
-        target_ess: the auto truncation bound's target ESS (``--tis-upper-bound auto``), or ``None``: ``upper`` is
-            given. While set, ``upper`` / ``log_upper`` are placeholders until ``core.search`` puts the searched bound
-            (a 0-d tensor) in their place.
-        sq_cut: M2PO's cut on ``(log r)^2`` (``core.search``): ``+inf`` (nothing rejected) until searched.
-        staleness_buckets: ``N`` of the metrics split by staleness (``core.staleness``), 0 = off.
-        staleness_decay: ``gamma`` of the mode's bounds tightened with staleness (``core.staleness``), or None.
-        kl_gradient: ``"direct"`` or ``"with_score"``: the KL term's gradient (``core.terms``).
+    ``mode``, ``level``, ``rs_level``: ``core.levels`` objects (``rs_level`` ``None``: off). ``mask``: mask-mode
+    rejection is on (mode mask, algorithm != 0). ``thresholds``, ``surrogate_params``: ``(field, value)`` of the set
+    rejection thresholds (none in algorithm 0) and the chosen surrogate's options. ``token_pass``: another
+    implementation of the token pass (``core.ratios.TokenPass``) or ``None``: the torch code. ``target_ess``: the
+    auto bound's target, or ``None``; while set, ``upper`` / ``log_upper`` are placeholders until ``core.search``
+    puts the searched 0-d tensor there, as ``sq_cut`` (M2PO's cut, ``+inf`` until searched). ``staleness_buckets``:
+    0 = off.
     """
 
     algorithm: int
@@ -85,7 +61,7 @@ class Plan:
     kl_gradient: str = "direct"
 
     def threshold(self, field: str) -> float | None:
-        """The value of the rejection threshold ``field`` (a ``TISConfig`` field name), or None when off."""
+        """The value of the rejection threshold ``field`` (a ``TISConfig`` field), or None when off."""
         return dict(self.thresholds).get(field)
 
     def param(self, field: str) -> float:
@@ -94,5 +70,5 @@ class Plan:
 
     @property
     def per_sequence(self) -> bool:
-        """Weights are per sequence (sequence or geometric level) rather than per token."""
+        """Weights are per sequence (sequence or geometric level)."""
         return self.level.per_sequence

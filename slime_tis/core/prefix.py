@@ -1,26 +1,7 @@
-"""Prefix-ratio levels: a token's log-ratio taken along its sequence's prefix (``core.levels``: ``prefix``,
-``prefix_min``).
-
-For valid token ``t`` of a finite sequence, over the valid tokens ``s <= t`` of the same sequence (``l_s`` the token
-log-ratios, 0 at invalid tokens)::
-
-    prefix      (CTPO, arXiv 2605.07331):  L_t = sum_{s <= t} l_s      the cumulative prefix product's log
-    prefix_min  (MinPRO, arXiv 2601.22718): L_t = min_{s <= t} l_s      the smallest token ratio of the prefix
-
-Context parallelism splits a sequence into chunks held by different ranks (Megatron's load balancing: ``2 CP`` chunks,
-rank ``r`` holding chunks ``r`` and ``2 CP - 1 - r``). The caller then gives each token's chunk index ``c_t`` in
-``[0, K)`` (``chunks = (c, K)``), in the sequence's positional order; each (sequence, chunk) lies whole on one rank, and
-a rank's tokens of a sequence are its chunks in ascending order. The carry into chunk ``k`` of sequence ``i`` is the
-sum / minimum over its chunks ``k' < k``: every rank fills its chunks' rows of one fixed ``[n_seq, 3K]`` float64 block
-(per chunk: the sum of ``l``, the minimum of ``l`` or 0, the valid-token count; 0 in the other ranks' rows) and
-``reducer.sequence_sum`` completes it: one collective of a shape set by ``n_seq`` and ``K``, whatever the data, and
-exact (each entry has one nonzero contributor). Without ``chunks`` (a rank holds whole sequences) there is no
-collective.
-
-Within a (sequence, chunk) segment: the prefix sum is a float64 ``cumsum`` less its value before the segment; the
-prefix minimum is exact: a ``cummin`` of the int64 key ``(n_segments - segment) 2^32 + order(l_t)`` (``order`` the
-order-preserving integer of a float32; earlier segments get larger keys, so they never win), whose argmin is read
-back from ``l``.
+"""Prefix levels (docs/semantics.md, "Prefix levels"): ``prefix`` ``L_t = sum_{s <= t} l_s``, ``prefix_min``
+``L_t = min_{s <= t} l_s`` over the sequence's valid tokens. Under CP, ``chunks = (c [T], K)`` gives each token's
+chunk in positional order; one ``reducer.sequence_sum`` of a ``[n_seq, 3K]`` block (per chunk: sum, minimum, count;
+one nonzero contributor per entry) carries the earlier chunks. ``prefix_min`` is exact (a ``cummin`` of int64 keys).
 """
 
 from __future__ import annotations
@@ -39,7 +20,7 @@ Chunks = tuple[Tensor, int]
 
 
 def _order(x: Tensor) -> Tensor:
-    """int64 in ``[0, 2^32)`` ordered as the float32 values ``x`` (no NaN): the IEEE bits, negative ones flipped."""
+    """int64 in ``[0, 2^32)`` ordered as the float32 values ``x`` (no NaN)."""
     bits = x.float().view(torch.int32).to(torch.int64)
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) + 2 ** 31
 
@@ -54,11 +35,8 @@ def _segments(layout: Layout, chunks: Chunks | None) -> tuple[Tensor, int, int]:
 
 def prefix_log_ratios(kind: str, log_ratio: Tensor, token_ok: Tensor, layout: Layout, reducer: Reducer,
                       chunks: Chunks | None = None) -> Tensor:
-    """``[T]`` float32 ``L_t`` of ``kind`` (``"sum"`` or ``"min"``, module docstring) on ``token_ok``, 0 elsewhere.
-
-    ``log_ratio``: ``[T]`` finite token log-ratios (``Ratios.log_ratio``, 0 off ``token_ok``). ``chunks``: see the
-    module docstring; one ``reducer.sequence_sum`` when given.
-    """
+    """``[T]`` float32 ``L_t`` of ``kind`` (``"sum"`` / ``"min"``) on ``token_ok``, 0 elsewhere, from the finite
+    ``log_ratio`` (``Ratios.log_ratio``); one ``reducer.sequence_sum`` with ``chunks``."""
     seg, n_seg, k = _segments(layout, chunks)
     n = log_ratio.shape[0]
     idx = torch.arange(n, device=log_ratio.device)
@@ -81,8 +59,7 @@ def prefix_log_ratios(kind: str, log_ratio: Tensor, token_ok: Tensor, layout: La
 
 def _carry(kind: str, l64: Tensor, token_ok: Tensor, seg: Tensor, n_seg: int, k: int, n_seq: int,
            reducer: Reducer) -> Tensor:
-    """``[n_seg]`` float64: per (sequence, chunk) the sum (``inf``-free minimum) over the sequence's earlier chunks,
-    completed over context parallelism by one ``sequence_sum`` of ``[n_seq, 3K]``."""
+    """``[n_seg]`` float64: per (sequence, chunk) the sum / minimum over the sequence's earlier chunks."""
     dev = l64.device
     ok = token_ok.to(F64)
     sums = torch.zeros(n_seg, dtype=F64, device=dev).index_add_(0, seg, l64)

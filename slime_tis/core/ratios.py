@@ -1,27 +1,8 @@
-"""Log-ratios per token and per sequence: one token pass, one per-sequence sum, one CP reduction.
+"""Log-ratios per token and per sequence: ``l_t = lp_train_t - lp_rollout_t``; ``L_i = sum_t l_t`` / ``mean_t l_t``.
 
-Notation: per valid token ``t`` (loss mask 1) of sequence ``i``, ``l_t = lp_train_t - lp_rollout_t``,
-``B`` the safety bound, ``lc_t = clamp(l_t, -B, B)``, ``e_t = expm1(lc_t) = r_t - 1`` and
-``k3_t = r_t - 1 - log r_t = e_t - lc_t`` (exact near ``r = 1``, never negative). Levels::
-
-    token:      L_t = l_t
-    sequence:   L_i = sum_{t in i} l_t
-    geometric:  L_i = (1 / n_i) sum_{t in i} l_t
-
-A sequence is *non-finite* if a valid token has a non-finite ``l_t`` (or a non-finite value in an
-``extra_finite`` tensor ``x``, e.g. the advantages: ``l_t + 0 x_t`` is ``l_t`` where ``x_t`` is finite and NaN
-elsewhere); it is excluded from every diagnostic and rejected. Invalid positions are dropped by selection
-(``torch.where`` / ``masked_fill``), so a NaN there changes nothing.
-
-Per-sequence sums ``[n_seq, k]`` float64 (the rows of one ``[k, T]`` float64 block, ``segment_reduce`` along the
-tokens: each sequence its own sum) of the token columns::
-
-    l, lp_rollout, valid                             (COLUMNS)
-    plus one column per active rule that needs one (e.g. veto: 1[l_t < log v]; a mean-of-k3 rule: k3_t)
-
-are completed over context parallelism by one ``reducer.sequence_sum`` call. A non-finite value makes its
-sequence's sum of ``l`` non-finite (and no other sequence's): that is the non-finite flag. Every
-per-sequence value is read only where the sequence is finite (``seq_ok``).
+One token pass; the per-sequence float64 sums of :data:`COLUMNS` and the rules' columns completed over CP by one
+``reducer.sequence_sum``. A non-finite valid value (of the log-probs or an ``extra_finite`` tensor) makes its
+sequence's sum of ``l`` non-finite: the sequence leaves the domain (``seq_ok``).
 """
 
 from __future__ import annotations
@@ -41,23 +22,19 @@ __all__ = ["Ratios", "packed_ratios", "COLUMNS", "TokenColumn", "TokenPass", "ra
 COLUMNS = ("l", "lp_rollout", "valid")
 F64 = torch.float64
 
-#: A rule's token column: ``f(l) -> [T]`` of the valid log-ratios (``l = 0`` at invalid tokens, so the column
-#: must be 0 there; it is read only for finite sequences), summed per sequence.
+#: A rule's token column ``f(l) -> [T]`` (0 where ``l = 0`` at invalid tokens), summed per sequence.
 TokenColumn = Callable[[Tensor], Tensor]
 
-#: Another implementation of the token pass's base columns, handed in by the configuration (``Plan.token_pass``;
-#: ``TISConfig`` resolves ``--tis-kernels`` to one, outside the core):
-#: ``f(lp_train, lp_rollout, valid, offsets, extra_finite) -> (l [T] float32, sums [n_seq, 3] float64)`` with the
-#: torch code's values (``l`` = the valid log-ratios, NaN where an ``extra_finite`` value is not finite, 0 at invalid
-#: tokens; ``sums`` = the per-sequence sums of ``COLUMNS``, this rank's tokens), or ``None`` where it cannot run
-#: this call: the torch code runs instead.
+#: Another implementation of the token pass (``Plan.token_pass``): ``f(lp_train, lp_rollout, valid, offsets,
+#: extra_finite) -> (l [T] float32, sums [n_seq, 3] float64)`` with the torch code's values (``l``: the valid
+#: log-ratios, NaN where an ``extra_finite`` value is not finite, 0 at invalid tokens; ``sums``: this rank's sums of
+#: ``COLUMNS``), or ``None`` where it cannot run this call (the torch code runs).
 TokenPass = Callable[[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]], "tuple[Tensor, Tensor] | None"]
 
 
 def _sequence_sums(layout: Layout, selected: list[Tensor], valid: Tensor, columns) -> Tensor:
-    """``[n_seq, k]`` float64 per-sequence sums of ``selected`` on valid tokens (0 elsewhere: selection, so a NaN there
-    changes nothing) and of ``columns``: the rows of one ``[k, T]`` float64 block (contiguous writes; the selection in
-    place) summed per sequence (``Layout.row_sums``)."""
+    """``[n_seq, k]`` float64 per-sequence sums of ``selected`` on valid tokens (selected: a NaN elsewhere changes
+    nothing) and of ``columns``, as the rows of one ``[k, T]`` block."""
     columns = list(columns)
     k = len(selected) + len(columns)
     block = torch.empty((k, valid.shape[0]), dtype=F64, device=valid.device)
@@ -69,8 +46,7 @@ def _sequence_sums(layout: Layout, selected: list[Tensor], valid: Tensor, column
 
 
 def ratio_moments(log_ratio: Tensor, bound: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(lc, e, k3)`` of unclamped log-ratios: ``lc = clamp(l, -B, B)``, ``e = expm1(lc) = r - 1``,
-    ``k3 = e - lc = r - 1 - log r`` (exact near ``r = 1``: no cancellation, never negative)."""
+    """``(lc, e, k3)``: ``lc = clamp(l, -B, B)``, ``e = expm1(lc) = r - 1``, ``k3 = e - lc = r - 1 - log r``."""
     lc = log_ratio.clamp(-bound, bound)
     e = torch.expm1(lc)
     return lc, e, e - lc
@@ -80,24 +56,11 @@ def ratio_moments(log_ratio: Tensor, bound: float) -> tuple[Tensor, Tensor, Tens
 class Ratios:
     """Log-ratio quantities of one packed micro-batch (``[T]`` per token, ``[n_seq]`` per sequence).
 
-    Per-sequence values are full-sequence values (identical on every CP rank) and 0 unless ``seq_ok``.
-
-    Attributes:
-        valid: bool loss mask. seq_id: int64 sequence of each token.
-        token_ok: bool, valid token of a finite sequence (the token diagnostic domain D).
-        log_ratio: float32 ``l_t`` on ``token_ok``, 0 elsewhere (always finite).
-        seq_has_tokens, seq_nonfinite, seq_ok: bool (has valid tokens; has a non-finite one; has, none).
-        seq_count: float32 valid tokens. seq_log_ratio_sum / seq_log_ratio_mean: float32 ``L_i``.
-        seq_mean_lp_train, seq_mean_lp_rollout: float64 means over valid tokens.
-        seq_sums: float64 ``[n_seq, k]`` full per-sequence sums (``columns`` names the columns).
-        local_sums: the same before the CP reduction (this rank's tokens).
-        token_columns: the rules' ``[T]`` token columns as computed from ``l`` (before the sums), by name, for a
-            rule that tests the same tokens (read them on ``token_ok``: ``l`` is not 0 in non-finite sequences).
-        lp_rollout: the ``[T]`` rollout log-probs as given (detached; read only on ``token_ok``, by a rule on
-            probabilities such as the binary KL of ``core.rules``).
-        staleness: ``[n_seq]`` per-sequence staleness given by the host (``core.staleness``), or None.
-        bound_scale: ``([T], [n_seq])`` float32 factors of the mode's log bounds per token and per sequence
-            (``core.staleness.bound_scale``), or None: the bounds as configured.
+    Per-sequence values are full-sequence values (identical on every CP rank) and 0 unless ``seq_ok``. ``token_ok``:
+    valid tokens of finite sequences (the token domain ``D``); ``log_ratio``: float32 ``l_t`` on ``D``, 0 elsewhere.
+    ``seq_sums`` / ``local_sums``: ``[n_seq, k]`` float64 sums of ``columns`` after / before the CP reduction.
+    ``token_columns``: the rules' ``[T]`` columns (read them on ``token_ok``). ``lp_rollout``: as given (detached).
+    ``staleness``: ``[n_seq]`` or None; ``bound_scale``: ``([T], [n_seq])`` factors of the mode's log bounds, or None.
     """
 
     valid: Tensor
@@ -135,40 +98,15 @@ class Ratios:
         return torch.where(over, self.local_sums[:, self.columns.index(name)], 0.0).sum()
 
     def level_log_ratio(self, level: Level | str) -> Tensor:
-        """Unclamped ``L`` per unit of ``level`` (``core.levels``; or its name): ``[T]`` at token level, ``[n_seq]``
-        float32 otherwise; 0 off the domain."""
+        """Unclamped ``L_u`` of ``level`` (or its name): ``[T]`` or ``[n_seq]`` float32, 0 off the domain."""
         return level_of(level).of(self)
 
-    def unit_ok(self, level: Level | str) -> Tensor:
-        """The diagnostic domain of ``level``'s units: ``token_ok`` or ``seq_ok``."""
-        return level_of(level).domain(self)
 
-    @property
-    def n_seq(self) -> int:
-        return self.seq_ok.shape[0]
-
-
-def packed_ratios(
-    lp_train: Tensor,
-    lp_rollout: Tensor,
-    valid: Tensor,
-    layout: Layout,
-    reducer: Reducer,
-    *,
-    extra_finite: tuple[Tensor, ...] = (),
-    rule_columns: Mapping[str, TokenColumn] | None = None,
-    token_pass: TokenPass | None = None,
-) -> Ratios:
-    """:class:`Ratios` of detached ``[T]`` log-probs (any float dtype, computed in float32).
-
-    Args:
-        valid: ``[T]`` bool loss mask. layout: the packed layout (``core.packing.Layout``).
-        reducer: completes the per-sequence sums over context parallelism (one call).
-        extra_finite: ``[T]`` tensors whose non-finite valid entries make their sequence non-finite.
-        rule_columns: extra token columns summed per sequence (see ``slime_tis.core.rules``).
-        token_pass: the base columns from another implementation (:data:`TokenPass`, e.g. a GPU kernel); ``None``
-            (default), or its ``None``: the torch code below, the reference.
-    """
+def packed_ratios(lp_train: Tensor, lp_rollout: Tensor, valid: Tensor, layout: Layout, reducer: Reducer, *,
+                  extra_finite: tuple[Tensor, ...] = (), rule_columns: Mapping[str, TokenColumn] | None = None,
+                  token_pass: TokenPass | None = None) -> Ratios:
+    """:class:`Ratios` of detached ``[T]`` log-probs (computed in float32); ``rule_columns``: token columns summed per
+    sequence (``core.rules``); ``token_pass``: the base columns from another implementation (:data:`TokenPass`)."""
     rules = rule_columns or {}
     passed = None if token_pass is None else token_pass(lp_train, lp_rollout, valid, layout.offsets, extra_finite)
     if passed is not None:  # the same base columns from one pass of the supplied implementation

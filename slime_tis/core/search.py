@@ -1,27 +1,6 @@
-"""Global searches: a bound found over the whole batch by a fixed-iteration bisection in log space.
-
-Two values of the plan are not given but searched for, each over the global batch (every micro-batch the search
-covers, every data-parallel x context-parallel rank):
-
-* ``--tis-m2po-threshold tau`` (M2PO, arXiv 2510.01161): the largest cut ``s`` on ``q_t = lc_t^2`` (``lc`` the
-  clamped token log-ratio) such that the tokens kept, ``q_t <= s``, have ``sum q / n <= tau``; tokens with
-  ``q_t > s`` are rejected (the ``tis/m2po_fraction`` row of ``core.rules``). Over the token domain ``D``.
-* ``--tis-upper-bound auto --tis-target-ess E`` (truncate mode): the largest bound ``c`` such that the truncated
-  weights ``w_u = min(r_u, c)`` of the kept units have ``ESS(c) = (sum w)^2 / (N sum w^2) >= E``.
-
-Both predicates hold below the answer and fail above it (``docs/semantics.md``, "Global searches": the kept mean of
-``q`` is non-decreasing in ``s``, ``ESS`` non-increasing in ``c``), so bisection finds the boundary::
-
-    a, b = log lo, log hi                       (a satisfies the predicate, or is the floor lo)
-    repeat SEARCH_STEPS times:
-        m = (a + b) / 2;  S = reducer.batch_sum(local sums at exp(m))     one all-reduce of 2-3 float64 scalars
-        a, b = (m, b) if predicate(S) else (a, m)
-    return exp(a)
-
-The answer is the lower end ``exp(a)``: its predicate holds (or it is ``lo``), and it lies within a factor
-``exp((log hi - log lo) / 2^SEARCH_STEPS)`` below the true boundary (:func:`precision`). Every rank issues
-``SEARCH_STEPS`` all-reduces per search (M2PO: ``[2]``, the kept sum of ``q`` and count; auto: ``[3]``, ``sum w``,
-``sum w^2`` and the kept count ``N``), whatever its data: no host sync, no data-dependent branch.
+"""Global searches (docs/semantics.md, "Global searches"): M2PO's cut and the auto truncation bound, each the largest
+value in ``[lo, hi]`` whose predicate holds over the global batch, by ``SEARCH_STEPS`` bisection steps in log space
+(one ``batch_sum`` of 2-3 float64 scalars each, whatever the data; no host sync).
 """
 
 from __future__ import annotations
@@ -37,23 +16,19 @@ from torch import Tensor
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import Reducer
 
-__all__ = ["SEARCH_STEPS", "Searched", "bisect_log", "m2po_cut", "auto_upper", "precision", "m2po_values",
-           "ess_values", "searches", "M2PO_FIELD", "PENDING", "search", "kept_units", "cut_hits"]
+__all__ = ["SEARCH_STEPS", "Searched", "bisect_log", "m2po_cut", "auto_upper", "searches", "M2PO_FIELD", "PENDING",
+           "search", "kept_units", "cut_hits"]
 
-#: Bisection iterations per search (one all-reduce each). The bracket shrinks by ``2^30``: the auto bound's
-#: (``[1, 2 e^B]``, ``B = 20``) relative precision is ``20.7 / 2^30 = 1.9e-8``, below float32's resolution.
+#: Bisection iterations per search (one all-reduce each): the bracket shrinks by ``2^30``.
 SEARCH_STEPS = 30
-#: The ``TISConfig`` field of M2PO's ``tau`` (a rejection threshold: the row of ``core.rules`` names it).
+#: The ``TISConfig`` field of M2PO's ``tau``.
 M2PO_FIELD = "m2po_threshold"
 F64 = torch.float64
 
 
 @dataclass(frozen=True)
 class Searched:
-    """The values of one search (0-d float32 tensors; ``None``: that search is off).
-
-    ``cut``: the cut ``s`` on ``q = lc^2`` (tokens with ``q > s`` rejected). ``upper``: the truncation bound.
-    """
+    """The searched values, 0-d tensors (``None``: off): ``cut`` on ``q = lc^2``, ``upper`` the truncation bound."""
 
     cut: Tensor | None = None
     upper: Tensor | None = None
@@ -68,8 +43,7 @@ class Searched:
         return dataclasses.replace(plan, **changes) if changes else plan
 
 
-#: The searched values of a decision taken before them (``engine.totals``: each micro-batch decided, then the step's
-#: searches, then each decision finished with their values): no search, the placeholders stay.
+#: No searched value: the plan's placeholders stay.
 PENDING = Searched()
 
 
@@ -78,20 +52,11 @@ def searches(plan: Plan) -> bool:
     return plan.target_ess is not None or plan.threshold(M2PO_FIELD) is not None
 
 
-def precision(lo: float, hi: float) -> float:
-    """The relative precision of a search on ``[lo, hi]``: the answer is within ``x exp(-p) <= answer <= x`` of the
-    true boundary ``x``, ``p = (log hi - log lo) / 2^SEARCH_STEPS``."""
-    return (math.log(hi) - math.log(lo)) / 2 ** SEARCH_STEPS
-
-
 def bisect_log(lo: float, hi: float, sums: Callable[[Tensor], Tensor], accept: Callable[[Tensor], Tensor],
                reducer: Reducer, *, per_sequence: bool, device: torch.device) -> Tensor:
-    """The largest ``x`` in ``[lo, hi]`` (to :func:`precision`) whose global sums pass ``accept``.
-
-    ``sums(x)``: this rank's ``[k]`` float64 sums at ``x`` (0-d float64); ``accept(total) -> 0-d bool`` on their
-    sum over ranks (``reducer.batch_sum``, over DP only where ``per_sequence``). ``accept`` must hold below the
-    boundary and fail above it. Returns a 0-d float64 tensor; ``lo`` where ``accept`` fails everywhere.
-    """
+    """0-d float64: the largest ``x`` in ``[lo, hi]`` with ``accept(batch_sum(sums(x)))``, to a relative
+    ``(log hi - log lo) / 2^SEARCH_STEPS``; ``accept`` holds below the boundary and fails above it (``lo`` where it
+    fails everywhere)."""
     a = torch.full((), math.log(lo), dtype=F64, device=device)
     b = torch.full((), math.log(hi), dtype=F64, device=device)
     for _ in range(SEARCH_STEPS):
@@ -101,18 +66,13 @@ def bisect_log(lo: float, hi: float, sums: Callable[[Tensor], Tensor], accept: C
     return a.exp()
 
 
-def m2po_values(plan: Plan, log_ratio: Tensor, token_ok: Tensor) -> Tensor:
-    """``[T]`` float64 ``q_t = clamp(l_t, -B, B)^2`` on the token domain, ``+inf`` off it (never kept by a cut)."""
-    q = log_ratio.to(F64).clamp(-plan.bound, plan.bound).square()
-    return torch.where(token_ok, q, math.inf)
+def _squared(plan: Plan, log_ratio: Tensor) -> Tensor:
+    return log_ratio.to(F64).clamp(-plan.bound, plan.bound).square()
 
 
 def m2po_cut(plan: Plan, q: Tensor, reducer: Reducer) -> Tensor:
-    """The M2PO cut (0-d float64, as ``q``: the rule compares in float64): the largest ``s`` in ``[tau, 2 B^2]``
-    with ``sum_{q <= s} q <= tau n_{q <= s}``
-    over every rank. ``q``: :func:`m2po_values` of the tokens the search covers (``[T]``, any micro-batches
-    concatenated). At ``s = tau`` the predicate holds (every kept ``q <= tau``); above ``2 B^2 >= max q`` every token
-    of ``D`` is kept."""
+    """0-d float64: the largest ``s`` in ``[tau, 2 B^2]`` with ``sum_{q <= s} q <= tau n_{q <= s}`` over every rank
+    (``q``: ``[T]`` float64 ``clamp(l_t, -B, B)^2`` of the covered micro-batches' token domain, ``+inf`` off it)."""
     tau = plan.threshold(M2PO_FIELD)
 
     def sums(s: Tensor) -> Tensor:
@@ -125,20 +85,9 @@ def m2po_cut(plan: Plan, q: Tensor, reducer: Reducer) -> Tensor:
     return bisect_log(tau, 2.0 * plan.bound ** 2, sums, accept, reducer, per_sequence=False, device=q.device)
 
 
-def ess_values(plan: Plan, level_log_ratio: Tensor, kept_units: Tensor) -> Tensor:
-    """``[U]`` float64 ratios ``r_u = exp(clamp(L_u, -B, B))`` of the kept units, 0 elsewhere (a 0 adds nothing to
-    ``sum w`` or ``sum w^2``; the count ``N`` is the kept units')."""
-    r = level_log_ratio.to(F64).clamp(-plan.bound, plan.bound).exp()
-    return torch.where(kept_units, r, 0.0)
-
-
 def auto_upper(plan: Plan, r: Tensor, n_kept: Tensor, reducer: Reducer) -> Tensor:
-    """The auto truncation bound (0-d float32): the largest ``c`` in ``[1, 2 e^B]`` with
-    ``(sum min(r, c))^2 >= E N sum min(r, c)^2`` over every rank (``E = plan.target_ess``), where ``r`` is
-    :func:`ess_values` (``[U]``, any micro-batches concatenated) and ``n_kept`` this rank's kept units (0-d). Units
-    are summed over DP x CP at token units, DP only at sequence units (replicated over CP). ``1`` where even
-    ``c = 1`` leaves ``ESS < E`` (a bound never excludes 1); ``2 e^B`` (no truncation) where the raw ratios reach
-    ``E``."""
+    """0-d float32: the largest ``c`` in ``[1, 2 e^B]`` with ``(sum min(r, c))^2 >= E N sum min(r, c)^2`` over every
+    rank (``r``: float64 ``exp(clamp(L_u, -B, B))`` of the covered kept units, 0 elsewhere; ``n_kept``: ``N``)."""
     target = plan.target_ess
     count = n_kept.to(F64).reshape(())
 
@@ -154,14 +103,12 @@ def auto_upper(plan: Plan, r: Tensor, n_kept: Tensor, reducer: Reducer) -> Tenso
 
 
 def cut_hits(plan: Plan, log_ratio: Tensor) -> Tensor:
-    """``[T]`` bool, tokens M2PO rejects: ``clamp(l, -B, B)^2 > cut`` in float64 (as :func:`m2po_values`, so the rule
-    rejects exactly the tokens the search left out); none while the cut is the placeholder ``+inf``."""
-    return log_ratio.to(F64).clamp(-plan.bound, plan.bound).square() > plan.sq_cut
+    """``[T]`` bool, tokens M2PO rejects: ``clamp(l, -B, B)^2 > cut`` in float64 (as the search)."""
+    return _squared(plan, log_ratio) > plan.sq_cut
 
 
 def kept_units(plan: Plan, ratios, verdict) -> Tensor:
-    """The units the weights cover (``[T]`` or ``[n_seq]`` bool): kept tokens at token units (M2PO's rejections
-    included at ``plan``'s cut), sequences of the domain not rejected as a whole at sequence units."""
+    """``[T]`` or ``[n_seq]`` bool: the kept units at ``plan``'s cut (sequences: finite, not rejected as a whole)."""
     if plan.per_sequence:
         return ratios.seq_ok & ~verdict.seq_rejected
     return verdict.keep & ~cut_hits(plan, ratios.log_ratio) if plan.threshold(M2PO_FIELD) is not None \
@@ -169,20 +116,19 @@ def kept_units(plan: Plan, ratios, verdict) -> Tensor:
 
 
 def search(plan: Plan, items, reducer: Reducer) -> Searched:
-    """The searched values of ``plan`` over ``items``: ``(Ratios, Verdict)`` of every micro-batch the search covers
-    on this rank (the verdict of ``core.rules.evaluate``, M2PO's cut at any value). M2PO first (over the token
-    domain), then the auto bound over the units kept by every rule, M2PO's cut included. Collectives:
-    ``SEARCH_STEPS`` per search that is on."""
+    """The searched values over ``items``, ``(Ratios, Verdict)`` of the covered micro-batches on this rank: M2PO's
+    cut first, then the auto bound over the units every rule (M2PO included) keeps."""
     device = items[0][0].log_ratio.device
     cut = None
     if plan.threshold(M2PO_FIELD) is not None:
-        q = torch.cat([m2po_values(plan, r.log_ratio, r.token_ok) for r, _ in items])
+        q = torch.cat([torch.where(r.token_ok, _squared(plan, r.log_ratio), math.inf) for r, _ in items])
         cut = m2po_cut(plan, q, reducer)
     upper = None
     if plan.target_ess is not None:
         p = Searched(cut=cut).apply(plan)
         units = [(plan.level.of(r), kept_units(p, r, v)) for r, v in items]
-        r64 = torch.cat([ess_values(plan, log_u, kept) for log_u, kept in units])
+        r64 = torch.cat([torch.where(kept, log_u.to(F64).clamp(-plan.bound, plan.bound).exp(), 0.0)
+                         for log_u, kept in units])
         n_kept = sum((torch.count_nonzero(kept) for _, kept in units), torch.zeros((), dtype=torch.int64,
                                                                                   device=device))
         upper = auto_upper(plan, r64, n_kept, reducer)

@@ -1,20 +1,6 @@
-"""Diagnostics split by staleness: the ``tis/staleness_<b>/*`` statistics (``--tis-staleness-buckets N``).
-
-The host gives each sequence ``i`` its staleness ``s_i >= 0``: how many policy versions the trainer is ahead of the
-policy that generated it (Megatron-LM: ``current_iteration - policy_epoch`` of the sequence's oldest token; slime: the
-trainer's weight version minus the sample's ``weight_version``). Its bucket is ``b_i = min(floor(s_i), N)``, labelled
-``0, 1, ..., N-1`` and ``<N>plus`` (:func:`bucket_labels`). A sequence whose staleness is negative or not finite is in
-no bucket: it is counted (``tis.staleness_invalid``) and is otherwise like any other (staleness is a diagnostic).
-
-Per bucket ``b``, with ``D_b`` the tokens of ``D`` (valid tokens of finite sequences) in sequences of bucket ``b``::
-
-    n_tok_valid, n_tok = valid tokens, tokens of D_b     kl_sum = -sum l_t     k3_sum = sum k3_t
-    n_tok_rejected = valid tokens not kept               n_tok_kept, w_sum = kept tokens, sum of their weights
-    n_seq = finite sequences
-
-Token sums come from one ``index_add`` of a ``[7, T]`` float64 block into ``[7, N + 2]`` (the last column collects
-the invalid), the sequence counts from one over ``[n_seq]``: no host sync, and the keys depend on ``N`` only (every
-bucket is present, zero-filled), so every rank reduces the same statistics.
+"""Staleness (docs/semantics.md, "Staleness"): the ``tis/staleness_<b>/*`` statistics per bucket
+``b = min(floor(s_i), N)`` (labels ``0 .. N-1``, ``<N>plus``; invalid ``s``: no bucket, counted) and the bounds'
+factor ``gamma^s``. Every bucket is present (zero-filled): the keys depend on ``N`` only.
 """
 
 from __future__ import annotations
@@ -27,7 +13,7 @@ from torch import Tensor
 __all__ = ["bucket_labels", "staleness_statistics", "check_staleness", "bound_scale"]
 
 F64 = torch.float64
-#: the token statistics of a bucket, in the rows of the block (``tis.staleness_<b>.<name>``)
+#: the token statistics of a bucket (``tis.staleness_<b>.<name>``), the rows of one ``[7, T]`` block
 TOKEN_STATISTICS = ("n_tok_valid", "n_tok", "kl_sum", "k3_sum", "n_tok_rejected", "n_tok_kept", "w_sum")
 
 
@@ -37,7 +23,7 @@ def bucket_labels(n: int) -> list[str]:
 
 
 def check_staleness(staleness: Any, n_seq: int, device: torch.device) -> Tensor:
-    """``staleness`` as a ``[n_seq]`` tensor on ``device``, or ``ValueError`` naming it (shape, device, dtype)."""
+    """``staleness`` checked as a ``[n_seq]`` real tensor on ``device`` (``ValueError`` naming it)."""
     if not isinstance(staleness, Tensor):
         raise ValueError(f"staleness must be a [n_seq] tensor, one value per sequence, got {type(staleness).__name__}")
     if tuple(staleness.shape) != (n_seq,):
@@ -49,23 +35,28 @@ def check_staleness(staleness: Any, n_seq: int, device: torch.device) -> Tensor:
     return staleness
 
 
-def bound_scale(plan: Any, staleness: Tensor) -> Tensor:
-    """``[n_seq]`` float32 ``gamma^s`` of each sequence (0 for an invalid staleness: negative or not finite)."""
+def _valid(staleness: Tensor) -> tuple[Tensor, Tensor]:
+    """``(ok, s)``: the valid staleness (finite, ``>= 0``) and the float64 values, 0 where not valid."""
     s = staleness.to(F64)
     ok = torch.isfinite(s) & (s >= 0)
-    return torch.where(ok, torch.pow(plan.staleness_decay, s.nan_to_num(0.0, 0.0, 0.0).clamp(min=0.0)), 0.0).float()
+    return ok, torch.where(ok, s, 0.0)
+
+
+def bound_scale(plan: Any, staleness: Tensor) -> Tensor:
+    """``[n_seq]`` float32 ``gamma^s`` of each sequence (0 for an invalid staleness)."""
+    ok, s = _valid(staleness)
+    return torch.where(ok, torch.pow(plan.staleness_decay, s), 0.0).float()
 
 
 def _buckets(staleness: Tensor, n: int) -> Tensor:
-    """``[n_seq]`` int64 bucket of each sequence, ``n + 1`` for an invalid staleness (negative or not finite)."""
-    s = staleness.to(F64)
-    ok = torch.isfinite(s) & (s >= 0)
-    return torch.where(ok, s.nan_to_num(0.0, 0.0, 0.0).clamp(0.0, float(n)).floor(), float(n + 1)).long()
+    """``[n_seq]`` int64 bucket ``min(floor(s), n)`` of each sequence, ``n + 1`` for an invalid staleness."""
+    ok, s = _valid(staleness)
+    return torch.where(ok, s.clamp(max=float(n)).floor(), float(n + 1)).long()
 
 
 def staleness_statistics(batch: Any, groups: dict[str, dict[str, Tensor]]) -> None:
-    """Add the per-bucket statistics of ``batch`` (a ``core.diagnostics.TisContext``) to ``groups`` (token sums and
-    sequence sums, by ``MetricStats`` field)."""
+    """Add the per-bucket statistics of a ``TisContext`` to ``groups`` (by ``MetricStats`` field): one
+    ``index_add`` of the token block and one of the sequence counts."""
     plan, r, verdict = batch.plan, batch.ratios, batch.verdict
     n = plan.staleness_buckets
     seq_bucket = _buckets(r.staleness, n)

@@ -1,19 +1,10 @@
-"""A step's metrics from its micro-batches' statistics: merge, check the ranks agree, reduce once, finalize.
-
-Both adapters flush a step with :func:`reduce_step_metrics` (Megatron: ``megatron.metrics.aggregate_metrics``;
-slime: ``slime.metrics.ExactMetricsCollector.flush``). Each statistic is reduced with its own operator (SUM for
-sums, MIN for minima, MAX for maxima) over DP x CP (or DP): one collective per operator, outside the loss path.
-
-The reduction stacks every statistic of a kind into one tensor, so every rank must hold the same statistic
-names (the core's schema, fixed by the configuration). Before reducing, a signature of the names (CRC32 per
-kind) and the caller's step number is compared across DP x CP with one MIN and one MAX (always issued, same
-shape everywhere): ranks whose names differ raise a ``ValueError`` naming their statistics instead of hanging
-or mixing unrelated values; ranks whose steps differ (a rank went on after its previous step raised, and its
-collectives were paired with another step's) raise a ``RuntimeError``.
+"""A step's metrics: merge the micro-batches' statistics, check the DP x CP ranks agree (a CRC32 of the names per kind
+and the step number, one MIN and one MAX: ``ValueError`` / ``RuntimeError``, never a hang), reduce once, finalize.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -25,14 +16,10 @@ from slime_tis.core.reducer import Reducer
 __all__ = ["check_schema_agrees", "merge_stats", "reduce_step_metrics"]
 
 
-def _kinds(stats: MetricStats) -> dict[str, dict[str, Tensor]]:
-    return {"token_sums": stats.token_sums, "seq_sums": stats.seq_sums, "mins": stats.mins, "maxs": stats.maxs}
-
-
 def check_schema_agrees(stats: MetricStats, reducer: Reducer, *, step: int | None = None) -> None:
-    """Raise ``ValueError`` if the statistic names differ across the DP x CP ranks, ``RuntimeError`` if their
-    ``step`` numbers do (two small collectives; ``step=None`` compares as -1)."""
-    kinds = _kinds(stats)
+    """Raise ``ValueError`` if the statistic names differ across DP x CP, ``RuntimeError`` if the ``step`` numbers do
+    (``None``: -1)."""
+    kinds = dict(zip(("token_sums", "seq_sums", "mins", "maxs"), stats.groups()))
     device = next((t.device for d in kinds.values() for t in d.values()), torch.device("cpu"))
     sig = torch.tensor([float(zlib.crc32(",".join(sorted(d)).encode())) for d in kinds.values()]
                        + [float(-1 if step is None else step)], dtype=torch.float64, device=device)
@@ -52,20 +39,12 @@ def check_schema_agrees(stats: MetricStats, reducer: Reducer, *, step: int | Non
 
 def merge_stats(stats: list[MetricStats]) -> MetricStats | None:
     """The micro-batches' statistics merged (sums add, extrema combine); ``None`` for none."""
-    if not stats:
-        return None
-    merged = stats[0]
-    for s in stats[1:]:
-        merged = merged.merge(s)
-    return merged
+    return functools.reduce(MetricStats.merge, stats) if stats else None
 
 
 def reduce_step_metrics(stats: MetricStats, reducer: Reducer, *, step: int | None = None
                         ) -> tuple[MetricStats, dict[str, Tensor]]:
-    """``(reduced statistics, finalized metrics)`` of one step's merged statistics over the ranks.
-
-    Every rank of the DP x CP group calls it with the same statistic names and ``step`` (module docstring).
-    """
+    """``(reduced statistics, finalized metrics)`` of one step's merged statistics over the DP x CP ranks."""
     check_schema_agrees(stats, reducer, step=step)
     reduced = stats.reduce(reducer)
     return reduced, reduced.finalize()

@@ -1,36 +1,7 @@
-"""Policy-loss surrogates, one function and one row each (``--tis-loss-mode``; verl's ``loss_mode`` names).
-
-Per kept token ``t`` of sequence ``i`` (``A`` advantage, ``lp`` = log pi_theta, ``a`` the anchor's log-probs, ``B`` the
-safety bound, ``sg`` stop-gradient, ``clip(x) = clamp(x, 1 - eps_low, 1 + eps_high)``)::
-
-    name       ratio     per-token loss
-    ppo_clip   token     rho = exp(clamp(lp - a, -B, B));  max(-A rho, -A clip(rho)); dual clip c: min(., -c A) if A < 0
-    reinforce  (none)    -A lp
-    gspo       sequence  s_t = exp(clamp(sg(S_i) + lp - sg(lp), -B, B)),  S_i = mean_{kept t in i} (lp - a);
-                         max(-A s_t, -A clip(s_t))
-    cispo      token     -sg(clip(exp(clamp(lp - a, -B, B)))) A lp
-    on_policy  (none)    -A exp(lp - sg(lp))          (the ratio forced to 1; its gradient is REINFORCE's)
-    sapo       token     -A (4 / tau) sigmoid(tau (rho - 1)),  rho = exp(clamp(lp - a, -B, B)),
-                         tau = tau_pos if A > 0 else tau_neg   (a soft gate instead of a clip)
-    dppo_tv    token     -A rho m_t,  m_t = 0 where the token left the trust region |p - q| <= delta on its harmful
-    dppo_kl    token     side (``core.token_select``; delta_low / delta_high = eps_low / eps_high; the KL row: the
-                         Bernoulli KL between q = pi_anchor and p = pi_theta of the token instead of |p - q|)
-    geo_mean   sequence  -Abar_i sg(g_i) (1 + c_t - sg(c_t)),  g_i = exp(clamp(mean_{kept t in i} c_t, -B, B)),
-                         c_t = min(lp - a, eps_high) if A > 0, max(lp - a, -eps_low) if A < 0, 0 if A = 0,
-                         Abar_i = mean_{kept t in i} A  (GMPO: -Abar_i g_i per sequence, its exact gradient)
-    clip_cov   token     ppo_clip's loss (no dual clip), 0 at k tokens (a hash's pick) with lb < cov_t < ub, not clipped
-    kl_cov     token     -A rho + coef |clamp(lp - a, -B, B)| at the k tokens of largest cov_t  (``core.token_select``:
-                         cov_t and k over the tokens this rank holds of the micro-batch)
-
-The algorithm (``core.algorithms``) supplies the anchor (pi_old in algorithms 0 and 2, pi_rollout in 1) and the
-rollout-correction weight ``w`` that multiplies every row's loss (algorithms 2 and 3); rows with a ratio need an
-anchor, so algorithm 3 (whose ``w = sg(pi_theta) / pi_rollout`` already is that ratio) takes only the rows without
-one. A surrogate is one function ``f(x: SurrogateInputs, plan) -> SurrogateTerms`` plus its row in
-:data:`SURROGATES`; its options are ``TISConfig`` fields declared with ``config_fields.surrogate_option`` and read
-with ``plan.param(name)``.
-
-Every input is selected with ``torch.where`` before any arithmetic (0 at tokens not kept), so tokens not kept give a
-zero loss and a zero gradient.
+"""Policy-loss surrogates (``--tis-loss-mode``; formulas: docs/semantics.md), one function
+``f(x: SurrogateInputs, plan) -> SurrogateTerms`` and one row of :data:`SURROGATES` each, options read with
+``plan.param(name)``; the token selections (DPPO's trust region, Clip-Cov / KL-Cov's covariance picks). Inputs are
+0 at tokens not kept: zero loss and zero gradient there, no selection.
 """
 
 from __future__ import annotations
@@ -44,22 +15,68 @@ from torch import Tensor
 from slime_tis.core.packing import Layout
 from slime_tis.core.plan import Plan
 from slime_tis.core.reducer import Reducer
-from slime_tis.core.token_select import covariance, dppo_masked, first_k, hash_keys, selection_size
 
-__all__ = ["Surrogate", "SurrogateInputs", "SurrogateTerms", "SURROGATES", "surrogate_of", "ppo_clip_term"]
+__all__ = ["Surrogate", "SurrogateInputs", "SurrogateTerms", "SURROGATES", "surrogate_of", "ppo_clip_term",
+           "dppo_masked", "covariance", "selection_size", "first_k", "hash_keys", "bernoulli_kl"]
 
 F64 = torch.float64
+#: the Bernoulli KL's guard against log(0) where p or q is 1 (verl and SkyRL use the same 1e-8)
+BERNOULLI_EPS = 1e-8
+
+
+def bernoulli_kl(p: Tensor, q: Tensor, eps: float) -> Tensor:
+    """``D(p||q) = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q))``, ``p``, ``q`` in ``[eps, 1 - eps]``."""
+    p, q = p.clamp(eps, 1.0 - eps), q.clamp(eps, 1.0 - eps)
+    return p * (p.log() - q.log()) + (1.0 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+def dppo_masked(lp: Tensor, anchor: Tensor, adv: Tensor, keep: Tensor, delta_low: float, delta_high: float,
+                divergence: str) -> Tensor:
+    """``[T]`` bool: kept tokens outside the trust region on their harmful side (float64; ``p = exp(min(lp, 0))``):
+    ``dppo_tv`` ``|p - q|``, ``dppo_kl`` ``KL_B(q, p)``."""
+    p, q = torch.exp(lp.to(F64).clamp(max=0.0)), torch.exp(anchor.to(F64).clamp(max=0.0))
+    div = (p - q).abs() if divergence == "dppo_tv" else bernoulli_kl(q, p, BERNOULLI_EPS)
+    up, down = (adv > 0) & (p > q) & (div > delta_high), (adv < 0) & (p < q) & (div > delta_low)
+    return keep & (up | down)
+
+
+def covariance(adv: Tensor, lp: Tensor, keep: Tensor) -> Tensor:
+    """``[T]`` ``(A_t - mean A)(lp_t - mean lp)`` with means over the kept tokens (0 at tokens not kept)."""
+    n = keep.sum().clamp(min=1)
+    a = torch.where(keep, adv, 0.0)
+    x = torch.where(keep, lp, 0.0)
+    return torch.where(keep, (a - a.sum() / n) * (x - x.sum() / n), 0.0)
+
+
+def selection_size(keep: Tensor, ratio: float) -> Tensor:
+    """0-d ``max(floor(ratio * N), 1)``, ``N`` the kept tokens (float64: ``int(ratio * N)`` as verl counts)."""
+    return torch.floor(keep.sum(dtype=F64) * ratio).clamp(min=1.0)
+
+
+def first_k(mask: Tensor, key: Tensor, k: Tensor) -> Tensor:
+    """``[T]`` bool: the (at most) ``k`` tokens of ``mask`` with the smallest ``key`` (ties: the earlier token)."""
+    order = torch.argsort(torch.where(mask, key.to(F64), torch.inf), stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return mask & (rank < k)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def hash_keys(lp: Tensor) -> Tensor:
+    """``[T]`` int64 in ``[0, 2^32)``: a 32-bit hash of each token's float32 log-prob bits and position."""
+    x = lp.float().view(torch.int32).to(torch.int64) & _MASK32
+    x = x ^ ((torch.arange(x.numel(), device=x.device) * 0x9E3779B1) & _MASK32)
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
 
 
 @dataclass(frozen=True)
 class SurrogateInputs:
-    """What a surrogate reads (``[T]`` float32, 0 at tokens not kept).
-
-    Attributes:
-        lp: current log-probs (differentiable). anchor: the anchor's log-probs (detached; ``None`` for rows without
-        a ratio). adv: advantages (detached). keep: bool tokens kept. layout, reducer: the packed layout and the
-        distributed reductions (a sequence-level ratio completes its sums over context parallelism).
-    """
+    """What a surrogate reads (``[T]`` float32, 0 at tokens not kept): ``lp`` differentiable, ``anchor`` detached
+    (``None`` for rows without a ratio), ``adv`` detached, ``keep`` bool; a sequence ratio reduces over CP."""
 
     lp: Tensor
     anchor: Tensor | None
@@ -71,8 +88,8 @@ class SurrogateInputs:
 
 @dataclass(frozen=True)
 class SurrogateTerms:
-    """``loss``: ``[T]`` per-token loss; ``clip_active`` / ``dual_active``: ``[T]`` bool (rows that clip / dual-clip),
-    ``selected``: ``[T]`` bool (rows that select tokens by covariance), False at tokens not kept."""
+    """``[T]`` per-token ``loss``; ``[T]`` bool ``clip_active`` / ``dual_active`` / ``selected`` (False where not
+    kept) of rows that clip, dual-clip, select by covariance."""
 
     loss: Tensor
     clip_active: Tensor | None = None
@@ -82,40 +99,24 @@ class SurrogateTerms:
 
 @dataclass(frozen=True)
 class Surrogate:
-    """One row of :data:`SURROGATES`.
-
-    Attributes:
-        name: the ``--tis-loss-mode`` value.
-        ratio: ``"token"`` or ``"sequence"``: the ratio pi_theta / pi_anchor it reads; ``None``: no anchor.
-        clips: it reads ``--eps-clip`` / ``--eps-clip-high`` (and reports ``policy/clipfrac``).
-        dual_clip: it reads ``--eps-clip-c`` (and reports ``policy/dual_clipfrac`` when set).
-        fn: the per-token loss.
-        formula: the per-token loss, in words.
-        selects: it selects tokens by covariance (and reports ``policy/cov_selected_fraction``).
-    """
+    """One row of :data:`SURROGATES`: ``anchored`` reads a ratio pi_theta / pi_anchor (per token or per sequence);
+    ``clips`` reads ``--eps-clip(-high)`` (``policy/clipfrac``); ``dual_clip`` reads ``--eps-clip-c``; ``fn`` the
+    per-token loss."""
 
     name: str
-    ratio: str | None
+    anchored: bool
     clips: bool
     dual_clip: bool
     fn: Callable[[SurrogateInputs, Plan], SurrogateTerms]
-    formula: str
-    selects: bool = False
-
-    @property
-    def anchored(self) -> bool:
-        return self.ratio is not None
 
 
 def ppo_clip_term(
     log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float, dual_clip_c: float | None,
     safety_bound: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Clipped PPO surrogate per token: ``(loss_t, clip_active, dual_clip_active)``.
-
-    ``rho = exp(clamp(log_ratio, -B, B))``, ``loss_t = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``
-    and, with ``c``, for ``A < 0``: ``loss_t = min(loss_t, -c A)``.
-    """
+    """``(loss_t, clip_active, dual_clip_active)``: ``rho = exp(clamp(log_ratio, -B, B))``,
+    ``loss_t = max(-A rho, -A clamp(rho, 1 - eps_low, 1 + eps_high))``; with ``c``, for ``A < 0``,
+    ``min(loss_t, -c A)``."""
     rho = torch.exp(log_ratio.clamp(-safety_bound, safety_bound))
     unclipped = -advantages * rho
     clipped = -advantages * rho.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -139,8 +140,7 @@ def reinforce(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
 
 
 def gspo(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
-    """Sequence ratio ``S_i`` = mean over the kept tokens (one CP reduction of two columns), then the clipped
-    surrogate of ``s_t = sg(S_i) * pi_theta_t / sg(pi_theta_t)`` (clipped per sequence: ``s_t`` is ``S_i`` in value)."""
+    """Clipped surrogate of ``s_t = exp(sg(S_i) + lp_t - sg(lp_t))``, ``S_i`` the kept tokens' mean log-ratio."""
     log_ratio = (x.lp - x.anchor).detach()
     sums = x.reducer.sequence_sum(x.layout.sums(torch.stack([log_ratio.to(F64), x.keep.to(F64)], dim=1)))
     seq_log_ratio = (sums[:, 0] / sums[:, 1].clamp(min=1.0)).float()
@@ -174,8 +174,7 @@ def _dppo(divergence: str) -> Callable[[SurrogateInputs, Plan], SurrogateTerms]:
 
 
 def geo_mean(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
-    """GMPO: per sequence ``-Abar_i g_i``, written per token so that its sequence mean is that value and its gradient
-    at token ``t`` is GMPO's ``-Abar_i g_i c_t' / n_i`` (one CP reduction of three columns, all detached)."""
+    """GMPO ``-Abar_i sg(g_i) (1 + c_t - sg(c_t))``: per sequence ``-Abar_i g_i`` and GMPO's gradient."""
     log_ratio = x.lp - x.anchor
     c = torch.where(x.adv > 0, log_ratio.clamp(max=plan.eps_high),
                     torch.where(x.adv < 0, log_ratio.clamp(min=-plan.eps_low), 0.0))
@@ -189,8 +188,7 @@ def geo_mean(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
 
 
 def _rank_local(x: SurrogateInputs, name: str) -> None:
-    """Covariance selections are over the tokens this rank holds; refused where a sequence is split over CP ranks
-    (a reducer over a CP group states its ``cp_size``, as ``MegatronReducer`` does)."""
+    """Refuse a covariance selection (over this rank's tokens) where sequences are split over CP ranks."""
     cp = getattr(x.reducer, "cp_size", 1)
     if cp > 1:
         raise ValueError(f"--tis-loss-mode {name} selects tokens by a covariance over the micro-batch's tokens on "
@@ -217,27 +215,17 @@ def kl_cov(x: SurrogateInputs, plan: Plan) -> SurrogateTerms:
 
 
 SURROGATES: dict[str, Surrogate] = {
-    "ppo_clip": Surrogate("ppo_clip", ratio="token", clips=True, dual_clip=True, fn=ppo_clip,
-                          formula="max(-A rho, -A clip(rho)), dual clip; rho = pi_theta / pi_anchor"),
-    "reinforce": Surrogate("reinforce", ratio=None, clips=False, dual_clip=False, fn=reinforce,
-                           formula="-A log pi_theta"),
-    "gspo": Surrogate("gspo", ratio="sequence", clips=True, dual_clip=False, fn=gspo,
-                      formula="max(-A s, -A clip(s)); s = sg(geometric-mean ratio) pi_theta / sg(pi_theta)"),
-    "cispo": Surrogate("cispo", ratio="token", clips=True, dual_clip=False, fn=cispo,
-                       formula="-sg(clip(rho)) A log pi_theta; rho = pi_theta / pi_anchor"),
-    "on_policy": Surrogate("on_policy", ratio=None, clips=False, dual_clip=False, fn=on_policy,
-                           formula="-A pi_theta / sg(pi_theta)"),
-    "sapo": Surrogate("sapo", ratio="token", clips=False, dual_clip=False, fn=sapo,
-                      formula="-A (4 / tau) sigmoid(tau (rho - 1)); tau = tau_pos (A > 0) or tau_neg"),
-    **{name: Surrogate(name, ratio="token", clips=True, dual_clip=False, fn=_dppo(name),
-                       formula=f"-A rho, 0 outside the trust region ({what} of the token's probability <= delta)")
-       for name, what in (("dppo_tv", "|pi_theta - pi_anchor|"), ("dppo_kl", "Bernoulli KL"))},
-    "geo_mean": Surrogate("geo_mean", ratio="sequence", clips=True, dual_clip=False, fn=geo_mean,
-                          formula="-mean(A) exp(mean of the log-ratio clipped at [-eps_low, eps_high]) per sequence"),
-    "clip_cov": Surrogate("clip_cov", ratio="token", clips=True, dual_clip=False, fn=clip_cov, selects=True,
-                          formula="ppo_clip's, 0 at pseudo-random tokens whose covariance of A and lp is in (lb, ub)"),
-    "kl_cov": Surrogate("kl_cov", ratio="token", clips=False, dual_clip=False, fn=kl_cov, selects=True,
-                        formula="-A rho, + coef abs(log rho) at the tokens of largest covariance of A and lp"),
+    "ppo_clip": Surrogate("ppo_clip", anchored=True, clips=True, dual_clip=True, fn=ppo_clip),
+    "reinforce": Surrogate("reinforce", anchored=False, clips=False, dual_clip=False, fn=reinforce),
+    "gspo": Surrogate("gspo", anchored=True, clips=True, dual_clip=False, fn=gspo),
+    "cispo": Surrogate("cispo", anchored=True, clips=True, dual_clip=False, fn=cispo),
+    "on_policy": Surrogate("on_policy", anchored=False, clips=False, dual_clip=False, fn=on_policy),
+    "sapo": Surrogate("sapo", anchored=True, clips=False, dual_clip=False, fn=sapo),
+    "dppo_tv": Surrogate("dppo_tv", anchored=True, clips=True, dual_clip=False, fn=_dppo("dppo_tv")),
+    "dppo_kl": Surrogate("dppo_kl", anchored=True, clips=True, dual_clip=False, fn=_dppo("dppo_kl")),
+    "geo_mean": Surrogate("geo_mean", anchored=True, clips=True, dual_clip=False, fn=geo_mean),
+    "clip_cov": Surrogate("clip_cov", anchored=True, clips=True, dual_clip=False, fn=clip_cov),
+    "kl_cov": Surrogate("kl_cov", anchored=True, clips=False, dual_clip=False, fn=kl_cov),
 }
 
 

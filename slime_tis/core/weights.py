@@ -1,15 +1,5 @@
-"""Importance weights from level log-ratios: truncate, clip, mask, and batch normalisation.
-
-For a unit (token or sequence) with unclamped level log-ratio ``L`` and bounds ``lower < upper`` on
-``r = pi_train / pi_rollout``::
-
-    r        = exp(clamp(L, -B, B))            # safety bound B before any exp
-    truncate: w = min(r, upper)                # no lower bound
-    clip:     w = clamp(r, lower, upper)
-    mask:     w = r                            # units outside [lower, upper] are rejected (core.rules)
-    batch-norm: w <- w * N_kept / sum_{kept u} w_u
-
-Algorithms 0 and 1 apply no weight: ``w = 1``.
+"""Importance weights from level log-ratios: ``w = mode.weight(exp(clamp(L, -B, B)))`` and batch normalisation
+``w <- w N_kept / sum_{kept u} w_u``; algorithms 0 and 1: ``w = 1``.
 """
 
 from __future__ import annotations
@@ -25,10 +15,8 @@ __all__ = ["unit_weights", "normalisation_factor", "normalisation_factor_over"]
 
 def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = None,
                  scale: Tensor | None = None) -> Tensor:
-    """Weights of ``plan.mode`` (``Mode.weight``, ``core.levels``) for unclamped level log-ratios (any shape,
-    float32 out); ``clamped``: their ``clamp(L, -B, B)`` where already computed (token level: ``lc`` of
-    ``core.ratios.ratio_moments``); ``scale``: per unit, the bounds tightened to ``exp(scale * log bound)``
-    (``core.staleness``)."""
+    """float32 weights of ``plan.mode`` for unclamped ``L`` (``clamped``: ``clamp(L, -B, B)`` if computed;
+    ``scale``: per unit, bounds tightened to ``exp(scale * log bound)``)."""
     if not plan.weighted:
         return torch.ones_like(level_log_ratio)
     r = torch.exp(level_log_ratio.clamp(-plan.bound, plan.bound) if clamped is None else clamped)
@@ -38,19 +26,14 @@ def unit_weights(plan: Plan, level_log_ratio: Tensor, clamped: Tensor | None = N
 
 
 def normalisation_factor(weight_sum: Tensor, unit_count: Tensor) -> Tensor:
-    """Batch-normalisation factor ``count / sum`` (1 when nothing is kept): the mean weight becomes 1."""
+    """Batch-normalisation factor ``count / sum`` (1 when nothing is kept)."""
     ok = weight_sum > 0
     return torch.where(ok, unit_count / torch.where(ok, weight_sum, torch.ones_like(weight_sum)),
                        torch.ones_like(weight_sum))
 
 
 def normalisation_factor_over(plan: Plan, norm_sum: Tensor, norm_count: Tensor, reducer: Reducer) -> Tensor:
-    """The batch-normalisation factor (the value every ``batch_norm_factor`` holds) over every rank:
-    ``f = sum norm_count / sum norm_sum``.
-
-    ``norm_sum``, ``norm_count``: 0-d, this rank's sum of unnormalised kept weights and its number of kept units
-    (``TISResult.norm_sum`` / ``norm_count``, summed over the micro-batches the factor covers). Token units are
-    summed over DP x CP, sequence units over DP only (every CP rank holds each sequence whole). One collective.
-    """
+    """``sum norm_count / sum norm_sum`` over the ranks (one ``batch_sum``; DP only at sequence units) of this rank's
+    ``TISResult.norm_sum`` / ``norm_count`` summed over the covered micro-batches."""
     total = reducer.batch_sum(torch.stack([norm_sum.float(), norm_count.float()]), per_sequence=plan.per_sequence)
     return normalisation_factor(total[0], total[1])
