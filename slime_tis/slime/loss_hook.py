@@ -37,17 +37,9 @@ from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.state import STATE
 
-__all__ = ["kl_penalty", "check_slime_terms", "reinforce_is_loss"]
+__all__ = ["check_slime_terms", "reinforce_is_loss"]
 
 logger = logging.getLogger("slime_tis.slime")
-
-
-def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
-    """slime's ``--kl-loss-type`` estimator of ``pi_theta`` from ``pi_ref``: the core's
-    (:func:`slime_tis.core.terms.kl_estimate`: k1, k2, k3, low_var_kl)."""
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"--kl-loss-type = {kind!r}: must be one of {', '.join(KL_ESTIMATORS)}")
-    return kl_estimate(lp, lp_ref, kind)
 
 
 def check_slime_terms(cfg: Any, *, own_loss: bool) -> None:
@@ -81,10 +73,8 @@ def reinforce_is_loss(
             "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
     check_drop_config(view)
-    if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
-        raise ValueError(
-            "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"
-        )
+    if batch.get("rollout_log_probs") is None:
+        raise ValueError("reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)")
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be slime's packed [1, T, V/TP], got shape {tuple(logits.shape)}")
     if not view.use_rollout_logprobs:
@@ -164,15 +154,17 @@ def reinforce_is_loss(
         metrics["entropy_loss"] = entropy_loss.detach().clone()
     if use_kl:
         kl_coef, kind = view.kl, view.kl_loss_type
+        if kind not in KL_ESTIMATORS:
+            raise ValueError(f"--kl-loss-type = {kind!r}: must be one of {', '.join(KL_ESTIMATORS)}")
         # inputs selected first: with the term in the loss the kept tokens' are finite (the correction rejected the
         # sequences of any non-finite reference log-prob), elsewhere every estimator reads d = 0, so no NaN reaches
         # the loss or a gradient; at --kl-loss-coef 0 (a metric only, detached) non-finite values stay out of it
         theta_k = torch.where(keep, lp_theta if kl_coef != 0.0 else lp_theta.detach(), zero)
         ref_k = torch.where(keep, ref.detach().float(), zero)
-        if use_unbiased and kind in KL_ESTIMATORS:
+        if use_unbiased:
             kl = unbiased_kl(theta_k, ref_k, torch.where(keep, anchor, zero), kind)
         else:
-            kl = kl_penalty(theta_k, ref_k, kind)
+            kl = kl_estimate(theta_k, ref_k, kind)
         kl_loss = sum_of_sample_mean(torch.where(keep & torch.isfinite(kl), kl, zero))
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl_loss
