@@ -166,18 +166,16 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
     fr = meta["finish_reason"]
     if fr is None:
         stream = response.get("stream")
-        if isinstance(stream, Mapping) and stream.get("chunks") == 0:
-            where = f"no stream chunk of request {response.get('index')!r} of the batch was received"
-        elif isinstance(stream, Mapping):
-            n_chunks = stream.get("chunks")
-            if stream.get("finish_reason_seen", True):
-                said = f"finish_reason null in the last of {n_chunks} stream chunk(s)"
-            else:
-                said = f"no finish_reason in any of {n_chunks} stream chunk(s)"
-            done = "then [DONE]" if stream.get("done") else "no [DONE] line"
-            where = f"{said}, {done}: the stream was cut off before its finishing chunk"
-        else:
+        if not isinstance(stream, Mapping):
             where = "finish_reason null: the response is not the request's final output"
+        elif stream.get("chunks") == 0:
+            where = f"no stream chunk of request {response.get('index')!r} of the batch was received"
+        else:
+            seen = stream.get("finish_reason_seen", True)
+            said = "finish_reason null in the last" if seen else "no finish_reason in any"
+            done = "then [DONE]" if stream.get("done") else "no [DONE] line"
+            where = (f"{said} of {stream.get('chunks')} stream chunk(s), {done}: the stream was cut off before its "
+                     "finishing chunk")
         return "unfinished", f"the request had not finished ({where}); its {n} received token(s) are not used"
     if not is_finish_reason(fr):
         return "unfinished", (f"finish_reason {fr!r} is not a finish reason (null while the request runs, "

@@ -20,8 +20,7 @@ from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
 from slime_tis.core.terms import kl_estimate
 from slime_tis.slime.batch import SlimePacked
 
-__all__ = ["opsm_mask", "per_token_pg_loss", "slime_anchor",
-           "slime_pg_loss_reducer", "unbiased_kl"]
+__all__ = ["opsm_mask", "per_token_pg_loss", "slime_anchor", "slime_pg_loss_reducer", "unbiased_kl"]
 
 
 def slime_anchor(view: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor) -> Tensor:
@@ -91,4 +90,5 @@ def slime_pg_loss_reducer(view: Any, batch: dict[str, Any], keep_masks: list[Ten
     module, _, attr = path.rpartition(".")  # slime's load_function convention
     if not module:
         raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: expected module.attr")
-    return getattr(importlib.import_module(module), attr)(batch["total_lengths"], batch["response_lengths"], keep_masks, bool(view.calculate_per_token_loss))
+    make = getattr(importlib.import_module(module), attr)
+    return make(batch["total_lengths"], batch["response_lengths"], keep_masks, bool(view.calculate_per_token_loss))

@@ -18,7 +18,10 @@ from torch import Tensor
 __all__ = ["cp_response_ranges", "local_response_index", "response_logit_rows"]
 
 
-def _check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
+def cp_response_ranges(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int,
+                       cp_size: int) -> Tensor:
+    """Response-index ranges of this CP rank: int64 ``[n, 2, 2]`` = ``(sample, chunk, (start, end))``; empty chunks
+    ``(0, 0)``; with ``cp_size == 1`` chunk 0 is the whole response."""
     if len(total_lengths) != len(response_lengths):
         raise ValueError(f"total_lengths has {len(total_lengths)} samples but response_lengths has "
                          f"{len(response_lengths)}")
@@ -26,19 +29,11 @@ def _check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int]
         if not 0 <= r < t:
             raise ValueError(f"sample {i}: response_length = {r} must satisfy 0 <= response_length < total_length = "
                              f"{t} (a prompt token precedes the response)")
-
-
-def cp_response_ranges(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int,
-                       cp_size: int) -> Tensor:
-    """Response-index ranges of this CP rank: int64 ``[n, 2, 2]`` = ``(sample, chunk, (start, end))``; empty chunks
-    ``(0, 0)``; with ``cp_size == 1`` chunk 0 is the whole response."""
-    _check_lengths(total_lengths, response_lengths)
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank = {cp_rank} must lie in [0, cp_size = {cp_size})")
     total = torch.as_tensor(list(total_lengths), dtype=torch.int64).reshape(-1)
     resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
-    n = total.numel()
-    out = torch.zeros((n, 2, 2), dtype=torch.int64)
+    out = torch.zeros((total.numel(), 2, 2), dtype=torch.int64)
     if cp_size == 1:
         out[:, 0, 1] = resp
         return out

@@ -23,7 +23,7 @@ from torch import Tensor
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
-from slime_tis.slime.batch import pack_slime_batch
+from slime_tis.slime.batch import mask_sums, pack_slime_batch
 from slime_tis.slime.config import slime_view
 from slime_tis.slime.custom_options import (
     opsm_mask,
@@ -32,7 +32,7 @@ from slime_tis.slime.custom_options import (
     slime_pg_loss_reducer,
     unbiased_kl,
 )
-from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
+from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.state import STATE
@@ -72,7 +72,7 @@ def reinforce_is_loss(
             "slime's policy loss with the TIS hook (--use-tis --custom-tis-function-path "
             "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
-    check_drop_config(view)
+    check_drop_config(view, checked=STATE.drop_checked)
     if batch.get("rollout_log_probs") is None:
         raise ValueError("reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)")
     if logits.dim() != 3 or logits.shape[0] != 1:
@@ -82,8 +82,6 @@ def reinforce_is_loss(
                         "--use-rollout-logprobs (in place of --use-tis, which slime does not accept with it) so that "
                         "slime skips the old-log-prob recompute", logger)
     drop = drop_applies(cfg)
-    if drop and not STATE.drop_checked:
-        raise ValueError(NEEDS_HOOK)
 
     ctx = parallel_context()
     allgather = ctx.cp_size > 1 and bool(view.allgather_cp)
@@ -127,8 +125,10 @@ def reinforce_is_loss(
             # coefficients are finite, so the advantages' finiteness it reads is the same after them)
             decided = engine.correct(batch_in, lp_theta)
             coef = 1.0 / packed.counts(packed.full_keep_masks(decided.loss_keep, ctx.reducer)).clamp(min=1.0)
-        else:
-            coef = 1.0 / packed.denominators(batch.get("rollout_mask_sums")).clamp(min=1.0)
+        else:  # N_g: slime's rollout_mask_sums (a whole rollout's valid tokens), else the sample's own count
+            sums = batch.get("rollout_mask_sums")
+            n_g = packed.counts() if sums is None else mask_sums(sums, len(resp), packed.full_mask.device)
+            coef = 1.0 / n_g.clamp(min=1.0)
         if reduce_pg is None:  # a custom pg-loss reducer chooses its own denominators
             advantages = advantages * coef[packed.local_sample_index()]
     use_opsm = bool(view.use_opsm)

@@ -73,29 +73,26 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
         return  # no pi_old: the dump gets the training log-probs the custom loss records
     if not _needs_log_probs(view, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
         return
+    packed = pack_slime_batch(list(rollout_data["loss_masks"]), rollout_data["total_lengths"],
+                              rollout_data["response_lengths"], ctx.cp_rank, ctx.cp_size)
     if want_norm:
-        packed, res = _pi_old_correction(view, rollout_data, ctx)
+        res = _pi_old_correction(view, rollout_data, packed, ctx)
         STATE.rollout_id, STATE.batch_norm_key = rollout_id, cfg
         STATE.batch_norm_factor = normalisation_factor_over(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
-    else:
-        packed = pack_slime_batch(rollout_data["loss_masks"], rollout_data["total_lengths"],
-                                  rollout_data["response_lengths"], ctx.cp_rank, ctx.cp_size)
     if dump_dir:
         _dump(packed, rollout_data, rollout_id, ctx, Path(dump_dir) / f"logprobs_dp{ctx.dp_rank}.jsonl",
               {"train_policy": "old", "algorithm": cfg.algorithm, "writer": "slime_tis.slime"})
 
 
-def _pi_old_correction(view: SlimeView, data: dict[str, Any], ctx: ParallelContext) -> tuple[SlimePacked, TISResult]:
+def _pi_old_correction(view: SlimeView, data: dict[str, Any], packed: SlimePacked, ctx: ParallelContext) -> TISResult:
     """The rollout's correction from pi_old (``data['log_probs']``) against the rollout log-probs, without batch
-    normalisation (non-finite advantages reject their sequence, as in the loss): ``(packed samples, result)``."""
-    packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
-                              ctx.cp_rank, ctx.cp_size)
+    normalisation (non-finite advantages reject their sequence, as in the loss)."""
     device = packed.full_mask.device
     adv = data.get("advantages")
     batch = packed.tis_batch(rollout_log_probs=packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(
         device), old_log_probs=packed.cat_local("log_probs", data["log_probs"]).to(device),
         advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
-    return packed, StepEngine(view.cfg.replace(batch_normalize=False), ctx.reducer).correct(batch, batch.old_log_probs)
+    return StepEngine(view.cfg.replace(batch_normalize=False), ctx.reducer).correct(batch, batch.old_log_probs)
 
 
 def _dump(packed: SlimePacked, data: dict[str, Any], rollout_id: Any, ctx: ParallelContext, path: Path,

@@ -31,12 +31,12 @@ class TrainLogProbRecorder:
 
     def clear(self) -> None:
         self._values: dict[int, tuple[Tensor, Tensor]] = {}  # id(loss mask) -> (mask, log-probs)
-        self._rollout: dict[str, Any] | None = None
+        self.rollout: dict[str, Any] | None = None  # what the dump of the current rollout needs
 
     def start_rollout(self, rollout_id: Any, rollout_data: dict[str, Any]) -> None:
         """Forget the previous rollout; keep references to what the dump of this one needs."""
         self.clear()
-        self._rollout = {
+        self.rollout = {
             "rollout_id": rollout_id,
             **{k: rollout_data.get(k) for k in
                ("loss_masks", "rollout_log_probs", "total_lengths", "response_lengths")},
@@ -47,7 +47,7 @@ class TrainLogProbRecorder:
         capture = _slime_capture()
         if capture is not None:
             capture(batch, list(per_sample))
-        if self._rollout is None:  # no rollout-data hook: nothing would ever write (or free) our copies
+        if self.rollout is None:  # no rollout-data hook: nothing would ever write (or free) our copies
             return
         for mask, lp in zip(batch["loss_masks"], per_sample):
             if id(mask) not in self._values:
@@ -56,7 +56,3 @@ class TrainLogProbRecorder:
     def recorded(self, mask: Tensor) -> Tensor | None:
         entry = self._values.get(id(mask))
         return entry[1] if entry is not None and entry[0] is mask else None
-
-    @property
-    def rollout(self) -> dict[str, Any] | None:
-        return self._rollout

@@ -24,7 +24,7 @@ from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.totals import step_batch_norm
 from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import slime_view
-from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
+from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
 from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
@@ -67,9 +67,7 @@ def compute_tis_for_slime(
             "slime_tis.slime.reinforce_is_loss (see docs/slime.md)"
         )
     check_slime_terms(cfg, own_loss=True)
-    check_drop_config(view)
-    if drop_applies(cfg) and not STATE.drop_checked:
-        raise ValueError(NEEDS_HOOK)
+    check_drop_config(view, checked=STATE.drop_checked)
     check_opsm(view)
     ctx = parallel_context()
     packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)

@@ -62,10 +62,9 @@ def _as_values(x: Any, where: str, name: str, *, integer: bool = False) -> list[
     if isinstance(x, Tensor):
         if x.dim() > 1:
             raise ValueError(f"{where}: field '{name}' must be 1-D, got shape {list(x.shape)}")
-        if integer and (x.dtype.is_floating_point or x.dtype.is_complex):
-            raise ValueError(f"{where}: field '{name}' must be an integer tensor, got dtype {x.dtype}")
-        if not integer and x.dtype.is_complex:
-            raise ValueError(f"{where}: field '{name}' must be a real tensor, got dtype {x.dtype}")
+        if x.dtype.is_complex or (integer and x.dtype.is_floating_point):
+            raise ValueError(f"{where}: field '{name}' must be {'an integer' if integer else 'a real'} tensor, got "
+                             f"dtype {x.dtype}")
         x = x.detach()
         return (x.reshape(-1) if integer else x.float().reshape(-1)).tolist()  # host-sync-ok (offline reader)
     if isinstance(x, (list, tuple)):
