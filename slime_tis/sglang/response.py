@@ -120,27 +120,21 @@ class _Unusable(str):
     """A placeholder log-prob that names why the token has none."""
 
 
-def _unusable(v: Any, tolerance: float) -> str | None:
-    """Why ``v`` is no usable log-prob, or ``None``."""
-    if isinstance(v, _Unusable):
-        return str(v)
-    if v is None:
-        return "None"
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return "non-numeric"
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "infinite"
-    return "positive" if v > tolerance else None
-
-
 def _value_errors(values: list[Any], tolerance: float) -> tuple[list[float], list[str]]:
     """The values as floats (NaN where unusable) and one reason per kind of unusable value."""
     out: list[float] = []
     bad: dict[str, list[int]] = {}
     for t, v in enumerate(values):
-        kind = _unusable(v, tolerance)
+        if isinstance(v, _Unusable):
+            kind = str(v)
+        elif v is None:
+            kind = "None"
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            kind = "non-numeric"
+        elif not math.isfinite(v):
+            kind = "NaN" if math.isnan(v) else "infinite"
+        else:
+            kind = "positive" if v > tolerance else None
         if kind is not None:
             bad.setdefault(kind, []).append(t)
         out.append(math.nan if kind is not None else float(v))

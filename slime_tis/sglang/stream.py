@@ -77,11 +77,8 @@ def _same(a: Any, b: Any) -> bool:
 def _extends(new: list[Any], old: list[Any]) -> bool:
     """``new`` starts with every entry of ``old`` (NaN equals NaN). Linear in ``len(old)``, which a
     cumulative chunk repeats anyway; list equality runs in C, the NaN-aware walk only on a mismatch."""
-    n = len(old)
-    if len(new) < n:
-        return False
-    head = new[:n] if len(new) > n else new
-    return head == old or _same(head, old)
+    head = new[:len(old)]
+    return len(head) == len(old) and (head == old or _same(head, old))
 
 
 def _length_field(meta: Mapping[str, Any]) -> int | None:

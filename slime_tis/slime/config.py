@@ -88,13 +88,6 @@ class SlimeView:
         """The patched slime skips its pi_old pass (:func:`slime_tis.slime.bypass.skips_pi_old_recompute`)."""
         return skips_pi_old_recompute(self)
 
-    @property
-    def pi_old_pass_flags(self) -> str:
-        """The flags that make slime run its pi_old pass (``--get-mismatch-metrics`` needs a TIS function)."""
-        if self.custom_tis_function_path:
-            return "--get-mismatch-metrics"
-        return f"--get-mismatch-metrics --custom-tis-function-path {TIS_FUNCTION}"
-
 
 def slime_view(args: Any, *, algorithm: int | str | None = "loss") -> SlimeView:
     """The :class:`SlimeView` of slime's ``args``, built once per distinct set of values. ``algorithm``: ``"loss"``

@@ -177,8 +177,8 @@ def reinforce_is_loss(
 
     assert out.tis is not None  # algorithm 3 always has rollout log-probs
     tm = token_metrics(cfg, out.tis, None)
-    valid_ok = out.tis.ratios.token_ok
     tm["ppo_kl"] = tm["tis/kl"]  # lp_rollout - sg(lp_theta): the anchor is pi_rollout in algorithm 3
+    valid_ok = out.tis.ratios.token_ok
     tm["train_rollout_logprob_abs_diff"] = torch.where(valid_ok, (lp_theta.detach() - lp_rollout).abs(), zero)
     for name, value in tm.items():
         metrics[name] = sum_of_sample_mean(value).detach()

@@ -14,15 +14,6 @@ from torch import Tensor
 __all__ = ["TrainLogProbRecorder"]
 
 
-def _slime_capture() -> Any:
-    """slime's capture function, or None outside slime (or in a slime without it)."""
-    try:
-        from slime.backends.megatron_utils import loss as slime_loss
-    except Exception:  # noqa: BLE001 - slime absent or not importable here: nothing to forward to
-        return None
-    return getattr(slime_loss, "_maybe_capture_log_probs", None)
-
-
 class TrainLogProbRecorder:
     """First-seen detached CP-local training log-probs per sample of the current rollout."""
 
@@ -44,7 +35,11 @@ class TrainLogProbRecorder:
 
     def record(self, batch: dict[str, Any], per_sample: Sequence[Tensor]) -> None:
         """Keep ``per_sample[i]`` (CP-local ``[T_i]``) for ``batch['loss_masks'][i]`` unless already kept."""
-        capture = _slime_capture()
+        try:
+            from slime.backends.megatron_utils import loss as slime_loss
+        except Exception:  # noqa: BLE001 - slime absent or not importable here: nothing to forward to
+            slime_loss = None
+        capture = getattr(slime_loss, "_maybe_capture_log_probs", None)  # slime's own capture, if it has one
         if capture is not None:
             capture(batch, list(per_sample))
         if self.rollout is None:  # no rollout-data hook: nothing would ever write (or free) our copies

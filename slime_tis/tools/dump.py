@@ -93,10 +93,7 @@ class LogprobDump:
         """The sub-dump of the sequences where ``seq_keep [n]`` (bool) is true."""
         seq_keep = seq_keep.to(torch.bool)
         keep = {"token": torch.repeat_interleave(seq_keep, self.lengths), "seq": seq_keep}
-        cols = {}
-        for key, (per, _) in FIELDS.items():
-            value = getattr(self, key)
-            cols[key] = None if value is None else value[keep[per]]
+        cols = {key: None if (v := getattr(self, key)) is None else v[keep[per]] for key, (per, _) in FIELDS.items()}
         return LogprobDump(**cols, cu_seqlens=_cu(self.lengths[seq_keep]), meta=dict(self.meta),
                            notes=list(self.notes))
 
