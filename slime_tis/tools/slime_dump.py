@@ -135,13 +135,9 @@ def _samples(kind: str, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     lengths = data.get("response_lengths")
     n = len(lengths) if isinstance(lengths, (list, tuple)) else 0
     columns = {k: v for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
-    out = []
-    for i in range(n):
-        s = {k: v[i] for k, v in columns.items()}
-        if "sample_indices" in columns:
-            s["sample_index"] = columns["sample_indices"][i]
-        out.append(s)
-    return out
+    if "sample_indices" in columns:
+        columns["sample_index"] = columns["sample_indices"]
+    return [{k: v[i] for k, v in columns.items()} for i in range(n)]
 
 
 def _same(a: list[float], b: list[float]) -> bool:
