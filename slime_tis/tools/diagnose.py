@@ -56,17 +56,14 @@ class Recommendation:
     def yaml(self) -> str:
         """As slime takes it: its ``--use-tis`` flag, then the keys of the ``--custom-config-path`` file (each
         flag's argparse dest)."""
-        if not self.fields:
-            return _NOTHING
         keys = [f"    {flag.lstrip('-').replace('-', '_')}: {value or 'true'}" for flag, value in self._settings()]
-        return "\n  ".join(["slime flag: --use-tis", "slime --custom-config-path YAML:", *keys])
+        head = ["slime flag: --use-tis", "slime --custom-config-path YAML:"]
+        return "\n  ".join([*head, *keys]) if self.fields else _NOTHING
 
     @property
     def flags(self) -> str:
-        if not self.fields:
-            return _NOTHING
         parts = [flag if value is None else f"{flag} {value}" for flag, value in self._settings()]
-        return " ".join(["--use-tis", *parts])
+        return " ".join(["--use-tis", *parts]) if self.fields else _NOTHING
 
 
 _NOTHING = "(none: nothing to base a recommendation on)"
