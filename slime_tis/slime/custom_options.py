@@ -51,10 +51,7 @@ def opsm_mask(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: T
         "loss_masks": list(batch["loss_masks"]),
     }
     local_adv = list(advantages.split(packed.local_lengths.tolist()))  # host-sync-ok (CPU lengths)
-    if "advantages" in params:
-        kwargs["advantages"] = local_adv
-    if "local_advantages" in params:
-        kwargs["local_advantages"] = local_adv
+    kwargs.update({name: local_adv for name in ("advantages", "local_advantages") if name in params})
     if "full_advantages" in params:
         kwargs["full_advantages"] = packed.gather_full(advantages, reducer)
     mask, clipfrac = compute_opsm_mask(**kwargs)
