@@ -120,27 +120,21 @@ class _Unusable(str):
     """A placeholder log-prob that names why the token has none."""
 
 
-def _unusable(v: Any, tolerance: float) -> str | None:
-    """Why ``v`` is no usable log-prob, or ``None``."""
-    if isinstance(v, _Unusable):
-        return str(v)
-    if v is None:
-        return "None"
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return "non-numeric"
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "infinite"
-    return "positive" if v > tolerance else None
-
-
 def _value_errors(values: list[Any], tolerance: float) -> tuple[list[float], list[str]]:
     """The values as floats (NaN where unusable) and one reason per kind of unusable value."""
     out: list[float] = []
     bad: dict[str, list[int]] = {}
     for t, v in enumerate(values):
-        kind = _unusable(v, tolerance)
+        if isinstance(v, _Unusable):
+            kind = str(v)
+        elif v is None:
+            kind = "None"
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            kind = "non-numeric"
+        elif not math.isfinite(v):
+            kind = "NaN" if math.isnan(v) else "infinite"
+        else:
+            kind = "positive" if v > tolerance else None
         if kind is not None:
             bad.setdefault(kind, []).append(t)
         out.append(math.nan if kind is not None else float(v))
@@ -166,18 +160,16 @@ def _finish_error(meta: Mapping[str, Any], response: Mapping[str, Any], n: int) 
     fr = meta["finish_reason"]
     if fr is None:
         stream = response.get("stream")
-        if isinstance(stream, Mapping) and stream.get("chunks") == 0:
-            where = f"no stream chunk of request {response.get('index')!r} of the batch was received"
-        elif isinstance(stream, Mapping):
-            n_chunks = stream.get("chunks")
-            if stream.get("finish_reason_seen", True):
-                said = f"finish_reason null in the last of {n_chunks} stream chunk(s)"
-            else:
-                said = f"no finish_reason in any of {n_chunks} stream chunk(s)"
-            done = "then [DONE]" if stream.get("done") else "no [DONE] line"
-            where = f"{said}, {done}: the stream was cut off before its finishing chunk"
-        else:
+        if not isinstance(stream, Mapping):
             where = "finish_reason null: the response is not the request's final output"
+        elif stream.get("chunks") == 0:
+            where = f"no stream chunk of request {response.get('index')!r} of the batch was received"
+        else:
+            seen = stream.get("finish_reason_seen", True)
+            said = "finish_reason null in the last" if seen else "no finish_reason in any"
+            done = "then [DONE]" if stream.get("done") else "no [DONE] line"
+            where = (f"{said} of {stream.get('chunks')} stream chunk(s), {done}: the stream was cut off before its "
+                     "finishing chunk")
         return "unfinished", f"the request had not finished ({where}); its {n} received token(s) are not used"
     if not is_finish_reason(fr):
         return "unfinished", (f"finish_reason {fr!r} is not a finish reason (null while the request runs, "

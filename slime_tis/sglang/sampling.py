@@ -79,11 +79,9 @@ def check_sampling_params(sampling_params: Mapping[str, Any] | None, *,
     custom = params.get("custom_params")  # slime's replay of the kept ids (only with --rollout-top-p < 1)
     replayed = top_p < 1.0 and isinstance(custom, Mapping) and custom.get(REPLAY_PARAM) is True
     biased = truncated and not renormalized_logprobs and not replayed
-    warned = False
-    key = (top_p, top_k, min_p)
-    if biased and key not in _WARNED:
-        _WARNED.add(key)
-        warned = True
+    warned = biased and (top_p, top_k, min_p) not in _WARNED
+    if warned:
+        _WARNED.add((top_p, top_k, min_p))
         flags = ((f"top_p={top_p}", top_p < 1), (f"top_k={top_k}", top_k_on), (f"min_p={min_p}", min_p > 0))
         active = ", ".join(s for s, on in flags if on)
         msg = (

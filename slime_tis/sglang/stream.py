@@ -77,15 +77,8 @@ def _same(a: Any, b: Any) -> bool:
 def _extends(new: list[Any], old: list[Any]) -> bool:
     """``new`` starts with every entry of ``old`` (NaN equals NaN). Linear in ``len(old)``, which a
     cumulative chunk repeats anyway; list equality runs in C, the NaN-aware walk only on a mismatch."""
-    n = len(old)
-    if len(new) < n:
-        return False
-    head = new[:n] if len(new) > n else new
-    return head == old or _same(head, old)
-
-
-def _is_abort(value: Any) -> bool:
-    return isinstance(value, Mapping) and value.get("type") == "abort" or value == "abort"
+    head = new[:len(old)]
+    return len(head) == len(old) and (head == old or _same(head, old))
 
 
 def _length_field(meta: Mapping[str, Any]) -> int | None:
@@ -118,9 +111,8 @@ class _Accumulator:
     def _where(self) -> str:
         return f"stream chunk {self.n_chunks}" + (f" of index {self.index}" if self.index else "")
 
-    def _is_incremental(self, lps: list[Any], meta: Mapping[str, Any]) -> bool:
-        """As forced; else by the length field; else inferred once (a first chunk reads either way)."""
-        total = _length_field(meta)
+    def _is_incremental(self, lps: list[Any], total: int | None) -> bool:
+        """As forced; else by the length field ``total``; else inferred once (a first chunk reads either way)."""
         if self.forced is None and total is not None:
             return len(lps) < total
         if self.mode is None and self.entries:
@@ -139,21 +131,22 @@ class _Accumulator:
         lists = {k: list(meta[k]) for k in TOKEN_LISTS if isinstance(meta.get(k), (list, tuple))}
         ids = list(chunk["output_ids"]) if isinstance(chunk.get("output_ids"), (list, tuple)) else None
         text = chunk.get("text") if isinstance(chunk.get("text"), str) else None
-        finishing = is_finish_reason(meta.get("finish_reason"))
-        if finishing and self._is_state_dump(lists, ids, _length_field(meta)):  # it replaces what was received
+        fr, total = meta.get("finish_reason"), _length_field(meta)
+        finishing = is_finish_reason(fr)
+        if finishing and self._is_state_dump(lists, ids, total):  # it replaces what was received
             self.lists.update(lists)
             self.output_ids = [e[1] for e in lists[_PRIMARY]]
             if text is not None:
                 self.text_parts, self.last_text = [], text
-        elif _is_abort(meta.get("finish_reason")):
+        elif fr == "abort" or isinstance(fr, Mapping) and fr.get("type") == "abort":
             try:
-                self._merge(lists, ids, text, meta)
+                self._merge(lists, ids, text, total)
             except SGLangLogprobError as e:
                 # the request ends aborted (rejected and counted as such whatever its tokens); a chunk whose
                 # token lists do not fit what was received does not take the other requests down with it
                 self.abort_note = str(e)
         else:
-            self._merge(lists, ids, text, meta)
+            self._merge(lists, ids, text, total)
         self.saw_finish_key = self.saw_finish_key or "finish_reason" in meta
         self.meta = dict(meta)
         self.n_chunks += 1
@@ -169,11 +162,10 @@ class _Accumulator:
                 and ids == [e[1] for e in lps[-1:]]
                 and all(_extends(values, self.lists.get(key, [])) for key, values in lists.items()))
 
-    def _merge(self, lists: dict[str, list[Any]], ids: list[Any] | None, text: str | None,
-               meta: Mapping[str, Any]) -> None:
+    def _merge(self, lists: dict[str, list[Any]], ids: list[Any] | None, text: str | None, total: int | None) -> None:
         """Merge one chunk's tokens (an incremental delta, or a cumulative chunk extending what was received)."""
-        lps, total = lists[_PRIMARY], _length_field(meta)
-        if self._is_incremental(lps, meta):
+        lps = lists[_PRIMARY]
+        if self._is_incremental(lps, total):
             if total is not None and len(self.entries) + len(lps) != total:
                 raise SGLangLogprobError(
                     f"{self._where()}: {len(lps)} log-prob entries with {len(self.entries)} "

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SUPPORT_INVALID_METRIC", "SamplingSupport", "read_support", "validate_support", "concat_supports"]
+__all__ = ["SUPPORT_INVALID_METRIC", "SamplingSupport", "read_support", "validate_support"]
 
 #: the collate metric counting sequences rejected for an invalid support
 SUPPORT_INVALID_METRIC = "sglang/support_invalid_seq_fraction"
@@ -44,12 +44,6 @@ class SamplingSupport:
     def empty_rows(cls, n: int) -> SamplingSupport:
         """``n`` rows without ids (tool / environment tokens, not trained on)."""
         return cls.from_lengths(torch.zeros(0, dtype=torch.int32), torch.zeros(n, dtype=torch.int64))
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[Sequence[int]]) -> SamplingSupport:
-        ids = _int32([t for r in rows for t in r], "output_token_sampling_mask")
-        return cls.from_lengths(ids, torch.tensor([len(r) for r in rows], dtype=torch.int64))
-
 
 def _int32(values: Sequence[int], name: str) -> Tensor:
     for v in values:
@@ -86,7 +80,8 @@ def read_support(meta: Mapping[str, Any], n_tokens: int) -> tuple[SamplingSuppor
         if len(rows) != n_tokens:
             return SamplingSupport.empty_rows(n_tokens), [
                 f"len({_MASK_KEY}) = {len(rows)} but len(output_token_logprobs) = {n_tokens}"]
-        return SamplingSupport.from_rows(rows), []
+        ids = _int32([t for r in rows for t in r], _MASK_KEY)
+        return SamplingSupport.from_lengths(ids, torch.tensor([len(r) for r in rows], dtype=torch.int64)), []
     ids_entry = next(((k, meta[k]) for k in _SLIME_IDS if meta.get(k) is not None), None)
     off_entry = next(((k, meta[k]) for k in _SLIME_OFFSETS if meta.get(k) is not None), None)
     if ids_entry is None and off_entry is None:
@@ -149,8 +144,3 @@ def validate_support(support: SamplingSupport, token_ids: Tensor,
         return support, bad, reasons
     emptied = SamplingSupport.from_lengths(support.ids[~bad[row]], torch.where(bad, torch.zeros_like(lengths), lengths))
     return emptied, bad, reasons
-
-
-def concat_supports(parts: Sequence[SamplingSupport]) -> SamplingSupport:
-    """The rows of ``parts`` (at least one) one after the other."""
-    return SamplingSupport.from_lengths(torch.cat([p.ids for p in parts]), torch.cat([p.offsets.diff() for p in parts]))

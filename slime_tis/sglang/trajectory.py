@@ -22,7 +22,7 @@ from .response import (
     SGLangLogprobError,
     parse_generate_response,
 )
-from .support import SUPPORT_INVALID_METRIC, SamplingSupport, concat_supports
+from .support import SUPPORT_INVALID_METRIC, SamplingSupport
 
 __all__ = ["READER_METRICS", "PackedRollouts", "TrajectoryBuilder", "collate"]
 
@@ -93,7 +93,8 @@ def _concat(parts: Sequence[RolloutTokens]) -> RolloutTokens:
         misaligned=any(p.misaligned for p in parts), nonfinite=any(p.nonfinite for p in parts),
         finish_error=next((p.finish_error for p in parts if p.finish_error), None),
         reasons=[r for p in parts for r in p.reasons], support_invalid=any(p.support_invalid for p in parts),
-        support=None if any(x is None for x in supports) else concat_supports(supports),
+        support=None if any(x is None for x in supports) else SamplingSupport.from_lengths(
+            torch.cat([x.ids for x in supports]), torch.cat([x.offsets.diff() for x in supports])),
         rollout_log_mass=cat("rollout_log_mass"))
 
 

@@ -64,13 +64,6 @@ class SlimePacked:
         return torch.zeros(n, device=flat.device).index_add_(0, sample.to(flat.device, non_blocking=True),
                                                              (flat != 0).float())
 
-    def denominators(self, rollout_mask_sums: Any) -> Tensor:
-        """``[n]`` float32 ``N_i``: slime's ``rollout_mask_sums`` (the valid tokens of sample ``i``'s whole rollout),
-        else the sample's own valid count (slime's per-sample mean)."""
-        if rollout_mask_sums is None:
-            return self.counts()
-        return mask_sums(rollout_mask_sums, len(self.response_lengths), self.full_mask.device)
-
     def local_sample_index(self) -> Tensor:
         """``[T_local]`` int64 sample number of each CP-local token (on the masks' device)."""
         idx = torch.repeat_interleave(torch.arange(len(self.response_lengths)), self.local_lengths)

@@ -27,26 +27,22 @@ PATCH_MARKER = "skips_pi_old_recompute"  # what patches/slime_alg1_skip_recomput
 @functools.cache
 def slime_source(module: str) -> str | None:
     """The source text of slime's ``module`` (``None`` when slime, or the module, is not installed)."""
-    loaded = sys.modules.get(module)
     try:
+        loaded = sys.modules.get(module)
         if loaded is not None:
             return inspect.getsource(loaded)
         spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError, OSError, TypeError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    try:
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return None
         return Path(spec.origin).read_text(encoding="utf-8")
-    except OSError:
+    except (ImportError, ValueError, OSError, TypeError):
         return None
 
 
 @functools.cache
 def slime_function_params(module: str, name: str) -> tuple[str, ...] | None:
     """The parameter names of slime's top-level function ``module.name`` (``None`` when not found)."""
-    loaded = sys.modules.get(module)
-    fn = getattr(loaded, name, None) if loaded is not None else None
+    fn = getattr(sys.modules.get(module), name, None)
     if fn is not None:
         try:
             return tuple(inspect.signature(fn).parameters)

@@ -88,27 +88,6 @@ class SlimeView:
         """The patched slime skips its pi_old pass (:func:`slime_tis.slime.bypass.skips_pi_old_recompute`)."""
         return skips_pi_old_recompute(self)
 
-    @property
-    def pi_old_pass_flags(self) -> str:
-        """The flags that make slime run its pi_old pass (``--get-mismatch-metrics`` needs a TIS function)."""
-        if self.custom_tis_function_path:
-            return "--get-mismatch-metrics"
-        return f"--get-mismatch-metrics --custom-tis-function-path {TIS_FUNCTION}"
-
-
-def _mis_translation(args: Any, fields: dict[str, Any]) -> None:
-    use_rs = getattr(args, "use_rs", None)  # a YAML key: strictly parsed ("false" is off)
-    rs_level = getattr(args, "rs_level", None)
-    if use_rs is None or not parse_switch("use_rs", use_rs) or fields.get("rs_level") is not None or rs_level is None:
-        return
-    lower, upper = getattr(args, "rs_lower_bound", None), getattr(args, "rs_upper_bound", None)
-    fields["rs_level"] = rs_level
-    fields["rs_upper"] = upper if upper is not None else fields.get("upper")  # mis.py: default to the IS bounds
-    fields["rs_lower"] = lower if lower is not None else fields.get("lower")
-    veto = getattr(args, "rs_veto_threshold", None)
-    if veto is not None and fields.get("veto_threshold") is None:
-        fields["veto_threshold"] = veto
-
 
 def slime_view(args: Any, *, algorithm: int | str | None = "loss") -> SlimeView:
     """The :class:`SlimeView` of slime's ``args``, built once per distinct set of values. ``algorithm``: ``"loss"``
@@ -124,7 +103,14 @@ def slime_view(args: Any, *, algorithm: int | str | None = "loss") -> SlimeView:
             "reinforce_is_loss")
         return slime_view(args, algorithm=3 if custom else None)
     fields = config_fields_from_args(args)
-    _mis_translation(args, fields)
+    mis = {k: getattr(args, k, None) for k in _MIS}  # slime's mis.yaml keys, used when the plugin's are absent
+    use_rs = mis["use_rs"] is not None and parse_switch("use_rs", mis["use_rs"])  # strictly: "false" is off
+    if use_rs and fields.get("rs_level") is None and mis["rs_level"] is not None:
+        fields["rs_level"] = mis["rs_level"]
+        for ours, theirs, bound in (("rs_upper", "rs_upper_bound", "upper"), ("rs_lower", "rs_lower_bound", "lower")):
+            fields[ours] = mis[theirs] if mis[theirs] is not None else fields.get(bound)  # mis.py: the IS bounds
+        if mis["rs_veto_threshold"] is not None and fields.get("veto_threshold") is None:
+            fields["veto_threshold"] = mis["rs_veto_threshold"]
     agg = "token-mean" if flags["calculate_per_token_loss"] else "seq-mean-token-mean"
     given = fields.get("loss_agg")
     if given is not None and given != agg:

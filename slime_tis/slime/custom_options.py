@@ -20,15 +20,7 @@ from slime_tis.core.surrogates import SurrogateInputs, surrogate_of
 from slime_tis.core.terms import kl_estimate
 from slime_tis.slime.batch import SlimePacked
 
-__all__ = ["load_slime_function", "opsm_mask", "per_token_pg_loss", "slime_anchor",
-           "slime_pg_loss_reducer", "unbiased_kl"]
-
-def load_slime_function(path: str) -> Callable[..., Any]:
-    """``module.attr`` -> the function (slime's ``load_function`` convention)."""
-    module, _, attr = path.rpartition(".")
-    if not module:
-        raise ValueError(f"function path {path!r}: expected module.attr")
-    return getattr(importlib.import_module(module), attr)
+__all__ = ["opsm_mask", "per_token_pg_loss", "slime_anchor", "slime_pg_loss_reducer", "unbiased_kl"]
 
 
 def slime_anchor(view: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: Tensor) -> Tensor:
@@ -59,10 +51,7 @@ def opsm_mask(args: Any, batch: dict[str, Any], packed: SlimePacked, lp_theta: T
         "loss_masks": list(batch["loss_masks"]),
     }
     local_adv = list(advantages.split(packed.local_lengths.tolist()))  # host-sync-ok (CPU lengths)
-    if "advantages" in params:
-        kwargs["advantages"] = local_adv
-    if "local_advantages" in params:
-        kwargs["local_advantages"] = local_adv
+    kwargs.update({name: local_adv for name in ("advantages", "local_advantages") if name in params})
     if "full_advantages" in params:
         kwargs["full_advantages"] = packed.gather_full(advantages, reducer)
     mask, clipfrac = compute_opsm_mask(**kwargs)
@@ -94,5 +83,9 @@ def per_token_pg_loss(cfg: Any, lp_theta: Tensor, advantages: Tensor, weights: T
 
 def slime_pg_loss_reducer(view: Any, batch: dict[str, Any], keep_masks: list[Tensor]) -> Callable[[Tensor], Tensor]:
     """The user's reducer built with slime's contract (module docstring)."""
-    make = load_slime_function(view.custom_pg_loss_reducer_function_path)
+    path = view.custom_pg_loss_reducer_function_path
+    module, _, attr = path.rpartition(".")  # slime's load_function convention
+    if not module:
+        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: expected module.attr")
+    make = getattr(importlib.import_module(module), attr)
     return make(batch["total_lengths"], batch["response_lengths"], keep_masks, bool(view.calculate_per_token_loss))

@@ -32,8 +32,9 @@ def drop_applies(cfg: Any) -> bool:
     return cfg.rejected_denominator == "drop" and algorithm_of(cfg).corrects and cfg.loss_agg == "seq-mean-token-mean"
 
 
-def check_drop_config(view: Any) -> None:
-    """Configuration-level refusals of ``drop`` (``view``: the :class:`~slime_tis.slime.config.SlimeView`)."""
+def check_drop_config(view: Any, *, checked: bool = True) -> None:
+    """Configuration-level refusals of ``drop`` (``view``: the :class:`~slime_tis.slime.config.SlimeView`);
+    ``checked``: the rollout-data hook checked this rollout (:data:`NEEDS_HOOK` otherwise)."""
     cfg = view.cfg
     if cfg.rejected_denominator != "drop" or not algorithm_of(cfg).corrects:
         return
@@ -48,6 +49,8 @@ def check_drop_config(view: Any) -> None:
         raise ValueError("tis_rejected_denominator = 'drop' with --use-opsm: drop divides each rollout by its tokens "
                          "kept by the rejection rules, counted before OPSM decides, so OPSM's zeroed tokens would "
                          "count as kept; use tis_rejected_denominator: keep")
+    if not checked:  # here drop_applies(cfg): --calculate-per-token-loss was refused above
+        raise ValueError(NEEDS_HOOK)
 
 
 def check_one_sample_rollouts(rollout_data: dict[str, Any], reducer: Any) -> None:

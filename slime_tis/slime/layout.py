@@ -18,7 +18,10 @@ from torch import Tensor
 __all__ = ["cp_response_ranges", "local_response_index", "response_logit_rows"]
 
 
-def _check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
+def cp_response_ranges(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int,
+                       cp_size: int) -> Tensor:
+    """Response-index ranges of this CP rank: int64 ``[n, 2, 2]`` = ``(sample, chunk, (start, end))``; empty chunks
+    ``(0, 0)``; with ``cp_size == 1`` chunk 0 is the whole response."""
     if len(total_lengths) != len(response_lengths):
         raise ValueError(f"total_lengths has {len(total_lengths)} samples but response_lengths has "
                          f"{len(response_lengths)}")
@@ -26,19 +29,11 @@ def _check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int]
         if not 0 <= r < t:
             raise ValueError(f"sample {i}: response_length = {r} must satisfy 0 <= response_length < total_length = "
                              f"{t} (a prompt token precedes the response)")
-
-
-def cp_response_ranges(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int,
-                       cp_size: int) -> Tensor:
-    """Response-index ranges of this CP rank: int64 ``[n, 2, 2]`` = ``(sample, chunk, (start, end))``; empty chunks
-    ``(0, 0)``; with ``cp_size == 1`` chunk 0 is the whole response."""
-    _check_lengths(total_lengths, response_lengths)
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank = {cp_rank} must lie in [0, cp_size = {cp_size})")
     total = torch.as_tensor(list(total_lengths), dtype=torch.int64).reshape(-1)
     resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
-    n = total.numel()
-    out = torch.zeros((n, 2, 2), dtype=torch.int64)
+    out = torch.zeros((total.numel(), 2, 2), dtype=torch.int64)
     if cp_size == 1:
         out[:, 0, 1] = resp
         return out
@@ -53,14 +48,15 @@ def cp_response_ranges(total_lengths: Sequence[int], response_lengths: Sequence[
     return out
 
 
-def _segment_positions(seg_len: Tensor, device: torch.device | str | None) -> tuple[Tensor, Tensor]:
-    """For segments of lengths ``seg_len`` (CPU int64), ``(segment id [N], offset in segment [N])`` on
-    ``device``, with ``N = seg_len.sum()`` known on the host (no device synchronisation)."""
+def _positions(ranges: Tensor, device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+    """``(segment [N], j [N])`` on ``device`` for every response index ``j`` of the ``[n, 2, 2]`` ``ranges``
+    (segment ``2 i + k``: chunk ``k`` of sample ``i``), with ``N`` known on the host (no device synchronisation)."""
+    start = ranges[:, :, 0].reshape(-1)
+    seg_len = ranges[:, :, 1].reshape(-1) - start
     total = int(seg_len.sum())
-    first = torch.cumsum(seg_len, 0) - seg_len
-    dev_len = _h2d(seg_len, device)
-    seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=device), dev_len, output_size=total)
-    return seg, torch.arange(total, device=device) - _h2d(first, device)[seg]
+    seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=device), _h2d(seg_len, device),
+                                  output_size=total)
+    return seg, torch.arange(total, device=device) - _h2d(torch.cumsum(seg_len, 0) - seg_len - start, device)[seg]
 
 
 def _h2d(t: Tensor, device: torch.device | str | None) -> Tensor:
@@ -75,10 +71,8 @@ def local_response_index(total_lengths: Sequence[int], response_lengths: Sequenc
     ranges = cp_response_ranges(total_lengths, response_lengths, cp_rank, cp_size)
     resp = torch.as_tensor(list(response_lengths), dtype=torch.int64).reshape(-1)
     offsets = torch.cumsum(resp, 0) - resp  # start of each sample in the concatenation
-    seg_start = (ranges[:, :, 0] + offsets[:, None]).reshape(-1)  # [2n] segment starts, in order
-    seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)
-    seg, j = _segment_positions(seg_len, device)
-    return _h2d(seg_start, device)[seg] + j, seg_len.reshape(-1, 2).sum(dim=1)
+    seg, j = _positions(ranges, device)
+    return _h2d(offsets, device)[seg // 2] + j, (ranges[:, :, 1] - ranges[:, :, 0]).sum(dim=1)
 
 
 def response_logit_rows(total_lengths: Sequence[int], response_lengths: Sequence[int], cp_rank: int, cp_size: int,
@@ -100,9 +94,5 @@ def response_logit_rows(total_lengths: Sequence[int], response_lengths: Sequence
         chunk_start = torch.stack([cp_rank * chunk, (2 * cp_size - cp_rank - 1) * chunk], dim=1)
         row_base = local_offset[:, None] + torch.stack([torch.zeros_like(chunk), chunk], dim=1) + first_logit[:, None] \
             - chunk_start
-    tok_base = (token_offset + first_logit + 1)[:, None].expand(-1, 2)
-    seg_j0 = ranges[:, :, 0].reshape(-1)
-    seg_len = (ranges[:, :, 1] - ranges[:, :, 0]).reshape(-1)
-    seg, off = _segment_positions(seg_len, device)
-    j = _h2d(seg_j0, device)[seg] + off
-    return _h2d(row_base.reshape(-1), device)[seg] + j, _h2d(tok_base.reshape(-1), device)[seg] + j
+    seg, j = _positions(ranges, device)
+    return _h2d(row_base.reshape(-1), device)[seg] + j, _h2d(token_offset + first_logit + 1, device)[seg // 2] + j

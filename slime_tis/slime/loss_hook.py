@@ -23,7 +23,7 @@ from torch import Tensor
 from slime_tis.core.terms import KL_ESTIMATORS, kl_estimate
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.slime.allgather_cp import allgather_response_rows, to_zigzag
-from slime_tis.slime.batch import pack_slime_batch
+from slime_tis.slime.batch import mask_sums, pack_slime_batch
 from slime_tis.slime.config import slime_view
 from slime_tis.slime.custom_options import (
     opsm_mask,
@@ -32,22 +32,14 @@ from slime_tis.slime.custom_options import (
     slime_pg_loss_reducer,
     unbiased_kl,
 )
-from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
+from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.layout import response_logit_rows
 from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.state import STATE
 
-__all__ = ["kl_penalty", "check_slime_terms", "reinforce_is_loss"]
+__all__ = ["check_slime_terms", "reinforce_is_loss"]
 
 logger = logging.getLogger("slime_tis.slime")
-
-
-def kl_penalty(lp: Tensor, lp_ref: Tensor, kind: str) -> Tensor:
-    """slime's ``--kl-loss-type`` estimator of ``pi_theta`` from ``pi_ref``: the core's
-    (:func:`slime_tis.core.terms.kl_estimate`: k1, k2, k3, low_var_kl)."""
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"--kl-loss-type = {kind!r}: must be one of {', '.join(KL_ESTIMATORS)}")
-    return kl_estimate(lp, lp_ref, kind)
 
 
 def check_slime_terms(cfg: Any, *, own_loss: bool) -> None:
@@ -80,11 +72,9 @@ def reinforce_is_loss(
             "slime's policy loss with the TIS hook (--use-tis --custom-tis-function-path "
             "slime_tis.slime.compute_tis_for_slime), which supports it, or sample with --rollout-top-p 1"
         )
-    check_drop_config(view)
-    if "rollout_log_probs" not in batch or batch["rollout_log_probs"] is None:
-        raise ValueError(
-            "reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)"
-        )
+    check_drop_config(view, checked=STATE.drop_checked)
+    if batch.get("rollout_log_probs") is None:
+        raise ValueError("reinforce_is_loss needs batch['rollout_log_probs'] (SGLang log-probs of the responses)")
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be slime's packed [1, T, V/TP], got shape {tuple(logits.shape)}")
     if not view.use_rollout_logprobs:
@@ -92,8 +82,6 @@ def reinforce_is_loss(
                         "--use-rollout-logprobs (in place of --use-tis, which slime does not accept with it) so that "
                         "slime skips the old-log-prob recompute", logger)
     drop = drop_applies(cfg)
-    if drop and not STATE.drop_checked:
-        raise ValueError(NEEDS_HOOK)
 
     ctx = parallel_context()
     allgather = ctx.cp_size > 1 and bool(view.allgather_cp)
@@ -137,8 +125,10 @@ def reinforce_is_loss(
             # coefficients are finite, so the advantages' finiteness it reads is the same after them)
             decided = engine.correct(batch_in, lp_theta)
             coef = 1.0 / packed.counts(packed.full_keep_masks(decided.loss_keep, ctx.reducer)).clamp(min=1.0)
-        else:
-            coef = 1.0 / packed.denominators(batch.get("rollout_mask_sums")).clamp(min=1.0)
+        else:  # N_g: slime's rollout_mask_sums (a whole rollout's valid tokens), else the sample's own count
+            sums = batch.get("rollout_mask_sums")
+            n_g = packed.counts() if sums is None else mask_sums(sums, len(resp), packed.full_mask.device)
+            coef = 1.0 / n_g.clamp(min=1.0)
         if reduce_pg is None:  # a custom pg-loss reducer chooses its own denominators
             advantages = advantages * coef[packed.local_sample_index()]
     use_opsm = bool(view.use_opsm)
@@ -164,15 +154,17 @@ def reinforce_is_loss(
         metrics["entropy_loss"] = entropy_loss.detach().clone()
     if use_kl:
         kl_coef, kind = view.kl, view.kl_loss_type
+        if kind not in KL_ESTIMATORS:
+            raise ValueError(f"--kl-loss-type = {kind!r}: must be one of {', '.join(KL_ESTIMATORS)}")
         # inputs selected first: with the term in the loss the kept tokens' are finite (the correction rejected the
         # sequences of any non-finite reference log-prob), elsewhere every estimator reads d = 0, so no NaN reaches
         # the loss or a gradient; at --kl-loss-coef 0 (a metric only, detached) non-finite values stay out of it
         theta_k = torch.where(keep, lp_theta if kl_coef != 0.0 else lp_theta.detach(), zero)
         ref_k = torch.where(keep, ref.detach().float(), zero)
-        if use_unbiased and kind in KL_ESTIMATORS:
+        if use_unbiased:
             kl = unbiased_kl(theta_k, ref_k, torch.where(keep, anchor, zero), kind)
         else:
-            kl = kl_penalty(theta_k, ref_k, kind)
+            kl = kl_estimate(theta_k, ref_k, kind)
         kl_loss = sum_of_sample_mean(torch.where(keep & torch.isfinite(kl), kl, zero))
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl_loss
@@ -185,8 +177,8 @@ def reinforce_is_loss(
 
     assert out.tis is not None  # algorithm 3 always has rollout log-probs
     tm = token_metrics(cfg, out.tis, None)
-    valid_ok = out.tis.ratios.token_ok
     tm["ppo_kl"] = tm["tis/kl"]  # lp_rollout - sg(lp_theta): the anchor is pi_rollout in algorithm 3
+    valid_ok = out.tis.ratios.token_ok
     tm["train_rollout_logprob_abs_diff"] = torch.where(valid_ok, (lp_theta.detach() - lp_rollout).abs(), zero)
     for name, value in tm.items():
         metrics[name] = sum_of_sample_mean(value).detach()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 __all__ = ["check_opsm", "opsm_rejected"]
@@ -46,4 +45,4 @@ def registered_advantages(registered: dict, loss_masks: Any, cat_local: Any) -> 
     entries = [registered.get(id(m)) for m in loss_masks]
     if any(e is None or e[0] is not m for e, m in zip(entries, loss_masks)):
         raise ValueError(NEEDS_ADVANTAGES)
-    return cat_local("advantages", [e[1] for e in entries]) if entries else torch.zeros(0)
+    return cat_local("advantages", [e[1] for e in entries])

@@ -21,25 +21,13 @@ from slime_tis.engine.parallel import ParallelContext, parallel_context
 from slime_tis.engine.step import StepEngine
 from slime_tis.engine.totals import step_batch_norm
 from slime_tis.slime.batch import SlimePacked, pack_slime_batch
-from slime_tis.slime.config import SlimeView, slime_view
+from slime_tis.slime.config import TIS_FUNCTION, SlimeView, slime_view
 from slime_tis.slime.kept import check_drop_config, check_one_sample_rollouts, drop_applies
 from slime_tis.slime.opsm import check_opsm
 from slime_tis.slime.state import STATE
 from slime_tis.tools.dump import records_from_samples, write_logprob_dump
 
 __all__ = ["flush_recorded_train_log_probs", "postprocess_rollout_data"]
-
-
-def _needs_log_probs(view: SlimeView, rollout_data: dict[str, Any], ctx: ParallelContext, what: str) -> bool:
-    if rollout_data.get("log_probs"):
-        return True
-    if not ctx.last_pp_stage:
-        return False
-    raise ValueError(
-        f"{what} needs rollout_data['log_probs'] (the pi_old recompute), which slime skipped "
-        f"(fast path: one step per rollout without KL, or --use-rollout-logprobs); add {view.pi_old_pass_flags} "
-        "to force the recompute, or, with the algorithm-3 custom loss, tis_record_train_log_probs: true"
-    )
 
 
 def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str, Any]) -> None:
@@ -69,33 +57,37 @@ def postprocess_rollout_data(args: Any, rollout_id: Any, rollout_data: dict[str,
     dump_dir = view.tis_dump_dir
     if not want_norm and not dump_dir:
         return
-    if not want_norm and view.recording and not rollout_data.get("log_probs"):
-        return  # no pi_old: the dump gets the training log-probs the custom loss records
-    if not _needs_log_probs(view, rollout_data, ctx, "tis_batch_normalize" if want_norm else "tis_dump_dir"):
-        return
+    if not rollout_data.get("log_probs"):  # no pi_old
+        if not ctx.last_pp_stage or (not want_norm and view.recording):
+            return  # a stage without log-probs; or the dump gets the training log-probs the custom loss records
+        # --get-mismatch-metrics makes slime run its pi_old pass; it needs a TIS function
+        flags = "--get-mismatch-metrics" + ("" if view.custom_tis_function_path else
+                                            f" --custom-tis-function-path {TIS_FUNCTION}")
+        raise ValueError(
+            f"{'tis_batch_normalize' if want_norm else 'tis_dump_dir'} needs rollout_data['log_probs'] (the pi_old "
+            "recompute), which slime skipped (fast path: one step per rollout without KL, or --use-rollout-logprobs); "
+            f"add {flags} to force the recompute, or, with the algorithm-3 custom loss, "
+            "tis_record_train_log_probs: true")
+    packed = pack_slime_batch(list(rollout_data["loss_masks"]), rollout_data["total_lengths"],
+                              rollout_data["response_lengths"], ctx.cp_rank, ctx.cp_size)
     if want_norm:
-        packed, res = _pi_old_correction(view, rollout_data, ctx)
+        res = _pi_old_correction(view, rollout_data, packed, ctx)
         STATE.rollout_id, STATE.batch_norm_key = rollout_id, cfg
         STATE.batch_norm_factor = normalisation_factor_over(cfg.plan, res.norm_sum, res.norm_count, ctx.reducer)
-    else:
-        packed = pack_slime_batch(rollout_data["loss_masks"], rollout_data["total_lengths"],
-                                  rollout_data["response_lengths"], ctx.cp_rank, ctx.cp_size)
     if dump_dir:
         _dump(packed, rollout_data, rollout_id, ctx, Path(dump_dir) / f"logprobs_dp{ctx.dp_rank}.jsonl",
               {"train_policy": "old", "algorithm": cfg.algorithm, "writer": "slime_tis.slime"})
 
 
-def _pi_old_correction(view: SlimeView, data: dict[str, Any], ctx: ParallelContext) -> tuple[SlimePacked, TISResult]:
+def _pi_old_correction(view: SlimeView, data: dict[str, Any], packed: SlimePacked, ctx: ParallelContext) -> TISResult:
     """The rollout's correction from pi_old (``data['log_probs']``) against the rollout log-probs, without batch
-    normalisation (non-finite advantages reject their sequence, as in the loss): ``(packed samples, result)``."""
-    packed = pack_slime_batch(list(data["loss_masks"]), data["total_lengths"], data["response_lengths"],
-                              ctx.cp_rank, ctx.cp_size)
+    normalisation (non-finite advantages reject their sequence, as in the loss)."""
     device = packed.full_mask.device
     adv = data.get("advantages")
     batch = packed.tis_batch(rollout_log_probs=packed.cat_local("rollout_log_probs", data["rollout_log_probs"]).to(
         device), old_log_probs=packed.cat_local("log_probs", data["log_probs"]).to(device),
         advantages=None if adv is None else packed.cat_local("advantages", adv).to(device))
-    return packed, StepEngine(view.cfg.replace(batch_normalize=False), ctx.reducer).correct(batch, batch.old_log_probs)
+    return StepEngine(view.cfg.replace(batch_normalize=False), ctx.reducer).correct(batch, batch.old_log_probs)
 
 
 def _dump(packed: SlimePacked, data: dict[str, Any], rollout_id: Any, ctx: ParallelContext, path: Path,

@@ -14,15 +14,6 @@ from torch import Tensor
 __all__ = ["TrainLogProbRecorder"]
 
 
-def _slime_capture() -> Any:
-    """slime's capture function, or None outside slime (or in a slime without it)."""
-    try:
-        from slime.backends.megatron_utils import loss as slime_loss
-    except Exception:  # noqa: BLE001 - slime absent or not importable here: nothing to forward to
-        return None
-    return getattr(slime_loss, "_maybe_capture_log_probs", None)
-
-
 class TrainLogProbRecorder:
     """First-seen detached CP-local training log-probs per sample of the current rollout."""
 
@@ -31,12 +22,12 @@ class TrainLogProbRecorder:
 
     def clear(self) -> None:
         self._values: dict[int, tuple[Tensor, Tensor]] = {}  # id(loss mask) -> (mask, log-probs)
-        self._rollout: dict[str, Any] | None = None
+        self.rollout: dict[str, Any] | None = None  # what the dump of the current rollout needs
 
     def start_rollout(self, rollout_id: Any, rollout_data: dict[str, Any]) -> None:
         """Forget the previous rollout; keep references to what the dump of this one needs."""
         self.clear()
-        self._rollout = {
+        self.rollout = {
             "rollout_id": rollout_id,
             **{k: rollout_data.get(k) for k in
                ("loss_masks", "rollout_log_probs", "total_lengths", "response_lengths")},
@@ -44,10 +35,14 @@ class TrainLogProbRecorder:
 
     def record(self, batch: dict[str, Any], per_sample: Sequence[Tensor]) -> None:
         """Keep ``per_sample[i]`` (CP-local ``[T_i]``) for ``batch['loss_masks'][i]`` unless already kept."""
-        capture = _slime_capture()
+        try:
+            from slime.backends.megatron_utils import loss as slime_loss
+        except Exception:  # noqa: BLE001 - slime absent or not importable here: nothing to forward to
+            slime_loss = None
+        capture = getattr(slime_loss, "_maybe_capture_log_probs", None)  # slime's own capture, if it has one
         if capture is not None:
             capture(batch, list(per_sample))
-        if self._rollout is None:  # no rollout-data hook: nothing would ever write (or free) our copies
+        if self.rollout is None:  # no rollout-data hook: nothing would ever write (or free) our copies
             return
         for mask, lp in zip(batch["loss_masks"], per_sample):
             if id(mask) not in self._values:
@@ -56,7 +51,3 @@ class TrainLogProbRecorder:
     def recorded(self, mask: Tensor) -> Tensor | None:
         entry = self._values.get(id(mask))
         return entry[1] if entry is not None and entry[0] is mask else None
-
-    @property
-    def rollout(self) -> dict[str, Any] | None:
-        return self._rollout

@@ -4,6 +4,7 @@ needs from an earlier one (slime calls them by path and drops unknown ``rollout_
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +59,6 @@ class SlimeState:
     def warn_once(self, key: str, msg: str, logger: Any) -> None:
         """Log and warn ``msg`` once per process (per ``key``)."""
         if key not in self.warned:
-            import warnings
-
             self.warned.add(key)
             logger.warning(msg)
             warnings.warn(msg, stacklevel=4)

@@ -18,31 +18,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_tis.config import TISConfig
 from slime_tis.core.algorithms import algorithm_of
 from slime_tis.engine.parallel import parallel_context
 from slime_tis.engine.totals import step_batch_norm
 from slime_tis.slime.batch import pack_slime_batch
 from slime_tis.slime.config import slime_view
-from slime_tis.slime.kept import NEEDS_HOOK, check_drop_config, drop_applies
+from slime_tis.slime.kept import check_drop_config, drop_applies
 from slime_tis.slime.loss_hook import check_slime_terms
 from slime_tis.slime.metrics import token_metrics
 from slime_tis.slime.opsm import check_opsm, opsm_rejected, registered_advantages
 from slime_tis.slime.state import STATE
 
 __all__ = ["compute_tis_for_slime"]
-
-
-def _batch_norm_factor(cfg: TISConfig) -> Tensor | None:
-    if not step_batch_norm(cfg):
-        return None
-    if STATE.batch_norm_factor is None or STATE.batch_norm_key != cfg:
-        raise RuntimeError(
-            "tis_batch_normalize with --use-tis (algorithm 2) normalises over the whole global batch, "
-            "which the per-micro-batch TIS hook cannot see: add "
-            "--rollout-data-postprocess-path slime_tis.slime.postprocess_rollout_data"
-        )
-    return STATE.batch_norm_factor
 
 
 def compute_tis_for_slime(
@@ -67,9 +54,7 @@ def compute_tis_for_slime(
             "slime_tis.slime.reinforce_is_loss (see docs/slime.md)"
         )
     check_slime_terms(cfg, own_loss=True)
-    check_drop_config(view)
-    if drop_applies(cfg) and not STATE.drop_checked:
-        raise ValueError(NEEDS_HOOK)
+    check_drop_config(view, checked=STATE.drop_checked)
     check_opsm(view)
     ctx = parallel_context()
     packed = pack_slime_batch(loss_masks, total_lengths, response_lengths, ctx.cp_rank, ctx.cp_size)
@@ -80,7 +65,11 @@ def compute_tis_for_slime(
             f"pg_loss has shape {tuple(pg_loss.shape)} but the CP-local log-probs have {lp_train.shape[0]} "
             "tokens; slime passes a flat CP-local per-token loss"
         )
-    factor = _batch_norm_factor(cfg)
+    factor = STATE.batch_norm_factor if step_batch_norm(cfg) else None
+    if step_batch_norm(cfg) and (factor is None or STATE.batch_norm_key != cfg):
+        raise RuntimeError("tis_batch_normalize with --use-tis (algorithm 2) normalises over the whole global batch, "
+                           "which the per-micro-batch TIS hook cannot see: add --rollout-data-postprocess-path "
+                           "slime_tis.slime.postprocess_rollout_data")
     opsm = None
     if view.use_opsm:  # tokens slime's OPSM zeroed are not kept
         adv = registered_advantages(STATE.advantages, loss_masks, packed.cat_local)

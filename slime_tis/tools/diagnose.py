@@ -56,17 +56,14 @@ class Recommendation:
     def yaml(self) -> str:
         """As slime takes it: its ``--use-tis`` flag, then the keys of the ``--custom-config-path`` file (each
         flag's argparse dest)."""
-        if not self.fields:
-            return _NOTHING
         keys = [f"    {flag.lstrip('-').replace('-', '_')}: {value or 'true'}" for flag, value in self._settings()]
-        return "\n  ".join(["slime flag: --use-tis", "slime --custom-config-path YAML:", *keys])
+        head = ["slime flag: --use-tis", "slime --custom-config-path YAML:"]
+        return "\n  ".join([*head, *keys]) if self.fields else _NOTHING
 
     @property
     def flags(self) -> str:
-        if not self.fields:
-            return _NOTHING
         parts = [flag if value is None else f"{flag} {value}" for flag, value in self._settings()]
-        return " ".join(["--use-tis", *parts])
+        return " ".join(["--use-tis", *parts]) if self.fields else _NOTHING
 
 
 _NOTHING = "(none: nothing to base a recommendation on)"
@@ -172,10 +169,11 @@ def _buckets(dump: LogprobDump, edges: list[int] | None) -> list[dict[str, float
 
 def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Tensor],
                buckets: list[dict[str, float]]) -> Recommendation:
+    """Called with a usable token: every distribution and the buckets are non-empty."""
     reasons: list[str] = []
     out_tok = _outside_fraction(dump, "token")
     out_seq = _outside_fraction(dump, "sequence")
-    long_out_seq = buckets[-1]["out_sequence"] if buckets else 0.0
+    long_out_seq = buckets[-1]["out_sequence"]
     k3 = overall.get("tis/k3_kl", 0.0)
     fields: dict[str, Any]
     if k3 < 1e-4 and out_tok < 1e-3:
@@ -184,12 +182,11 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
                        "ratio outside [0.5, 2]; token-level truncation at 2 is harmless (it rarely acts)")
     elif out_seq > 0.2 or long_out_seq > 0.5:
         geo = dists["geometric log-ratio"].abs()
-        upper = max(1.001, math.exp(quantiles(geo, [0.9])[0])) if geo.numel() else 1.001
-        upper = math.ceil(upper * 1e4) / 1e4
+        upper = math.ceil(max(1.001, math.exp(quantiles(geo, [0.9])[0])) * 1e4) / 1e4
         fields = dict(mode="mask", level="geometric", upper=upper, lower=round(1.0 / upper, 6))
         reasons.append(
             f"sequence-level weights saturate: {100 * out_seq:.1f}% of sequences (and {100 * long_out_seq:.1f}% "
-            f"of the longest bucket, {buckets[-1]['len_lo'] if buckets else 0}+ tokens) have exp(sum_t l_t) outside "
+            f"of the longest bucket, {buckets[-1]['len_lo']}+ tokens) have exp(sum_t l_t) outside "
             "[0.5, 2]; the sequence ratio explodes or vanishes with length (T x KL), so sequence-level truncation "
             "would clip almost every long sequence")
         reasons.append(f"geometric-level masking with upper = {upper:g} (the 90th percentile of exp(|mean_t l_t|)) "
@@ -201,17 +198,17 @@ def _recommend(dump: LogprobDump, overall: dict[str, float], dists: dict[str, Te
             reasons.append(f"sequence ratios are mostly in range ({100 * out_seq:.1f}% outside [0.5, 2]): "
                            "sequence-level truncated IS is the less biased estimator and does not saturate here")
         else:
-            q99 = quantiles(r, [0.99])[0] if r.numel() else 2.0
+            q99 = quantiles(r, [0.99])[0]
             upper = round(min(5.0, max(1.5, q99)), 3)
             fields = dict(mode="truncate", level="token", upper=upper)
             reasons.append(f"{100 * out_seq:.1f}% of sequence ratios fall outside [0.5, 2] (too many to truncate at "
                            f"sequence level, too few to call it a length trap): token-level truncation at the 99th "
                            f"percentile of r_t ({q99:.3g}, clamped to [1.5, 5])")
     seq_min = dists["min token log-ratio"]
-    n_cat = int((seq_min < math.log(CATASTROPHIC)).sum()) if seq_min.numel() else 0
+    n_cat = int((seq_min < math.log(CATASTROPHIC)).sum())
     if n_cat:
         fields["veto_threshold"] = CATASTROPHIC
-        reasons.append(f"{n_cat} sequence(s) ({100 * n_cat / max(seq_min.numel(), 1):.2f}%) contain a catastrophic "
+        reasons.append(f"{n_cat} sequence(s) ({100 * n_cat / seq_min.numel():.2f}%) contain a catastrophic "
                        f"token with r_t < {CATASTROPHIC:g}: veto them (--tis-veto-threshold {CATASTROPHIC:g})")
     if overall.get("tis/nonfinite_seq_fraction", 0.0) > 0:
         reasons.append(f"{100 * overall['tis/nonfinite_seq_fraction']:.2f}% of sequences have non-finite "

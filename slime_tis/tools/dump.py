@@ -93,10 +93,7 @@ class LogprobDump:
         """The sub-dump of the sequences where ``seq_keep [n]`` (bool) is true."""
         seq_keep = seq_keep.to(torch.bool)
         keep = {"token": torch.repeat_interleave(seq_keep, self.lengths), "seq": seq_keep}
-        cols = {}
-        for key, (per, _) in FIELDS.items():
-            value = getattr(self, key)
-            cols[key] = None if value is None else value[keep[per]]
+        cols = {key: None if (v := getattr(self, key)) is None else v[keep[per]] for key, (per, _) in FIELDS.items()}
         return LogprobDump(**cols, cu_seqlens=_cu(self.lengths[seq_keep]), meta=dict(self.meta),
                            notes=list(self.notes))
 
@@ -214,10 +211,8 @@ def _token_values(x: Any, i: int, name: str, kind: str) -> list:
         return [_number(v, i, name, t) for t, v in enumerate(values)]
     if kind == "int":
         return [_integer(v, i, name, t) for t, v in enumerate(values)]
-    if all(v is True or v is False or (type(v) is int and 0 <= v <= 1) for v in values):  # fast path
-        return [int(v) for v in values]
     for t, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in (0, 1):
+        if not (isinstance(v, (int, float)) and v in (0, 1)):  # bools are ints
             raise DumpFormatError(f"record {i}: {name}[{t}] must be 0 or 1, got {type(v).__name__} {_short(v)}")
     return [int(v) for v in values]
 

@@ -52,9 +52,7 @@ def read_jsonl(path: str | os.PathLike) -> JSONLRead:
     """Every JSON value of ``path`` (one per non-blank line), a torn final line dropped (module docstring)."""
     out = JSONLRead()
     with open(path, "rb") as f:
-        lineno = 0
-        for raw in f:
-            lineno += 1
+        for lineno, raw in enumerate(f, 1):
             body = raw.strip()
             if not body:
                 continue
@@ -72,30 +70,17 @@ def read_jsonl(path: str | os.PathLike) -> JSONLRead:
 def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
     """``(size to keep, description)`` when the last line of ``path`` lacks its newline: the file size when that
     line is valid JSON (the caller completes it), else where the line starts; ``None`` when the file ends with a
-    newline or is empty. Reads only the last line."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return None
+    newline or is empty. One pass over the file in 1 MiB blocks."""
+    start, lineno, size = 0, 1, 0  # where the last line starts, its number, bytes read
     with open(path, "rb") as f:
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
+        while block := f.read(1 << 20):
+            if (nl := block.rfind(b"\n")) >= 0:
+                start, lineno = size + nl + 1, lineno + block.count(b"\n")
+            size += len(block)
+        if start == size:  # empty, or ends with a newline
             return None
-        start, block = size, 1 << 16
-        while start > 0:  # find the start of the last line, reading backwards in blocks
-            lo = max(0, start - block)
-            f.seek(lo)
-            chunk = f.read(start - lo)
-            nl = chunk.rfind(b"\n")
-            if nl >= 0:
-                start = lo + nl + 1
-                break
-            start = lo
         f.seek(start)
-        raw = f.read(size - start)
-        f.seek(0)
-        lineno = 1
-        while f.tell() < start:  # the last line's number
-            lineno += f.read(min(1 << 20, start - f.tell())).count(b"\n")
+        raw = f.read()
     if not raw.strip():
         return start, f"{os.fspath(path)}:{lineno}: trailing blank bytes without a newline"
     try:
@@ -103,4 +88,3 @@ def torn_tail(path: str | os.PathLike) -> tuple[int, str] | None:
     except ValueError as e:
         return start, _torn_message(path, lineno, raw, str(e))
     return size, f"{os.fspath(path)}:{lineno}: the last line lacks its newline"
-

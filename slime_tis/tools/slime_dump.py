@@ -62,10 +62,9 @@ def _as_values(x: Any, where: str, name: str, *, integer: bool = False) -> list[
     if isinstance(x, Tensor):
         if x.dim() > 1:
             raise ValueError(f"{where}: field '{name}' must be 1-D, got shape {list(x.shape)}")
-        if integer and (x.dtype.is_floating_point or x.dtype.is_complex):
-            raise ValueError(f"{where}: field '{name}' must be an integer tensor, got dtype {x.dtype}")
-        if not integer and x.dtype.is_complex:
-            raise ValueError(f"{where}: field '{name}' must be a real tensor, got dtype {x.dtype}")
+        if x.dtype.is_complex or (integer and x.dtype.is_floating_point):
+            raise ValueError(f"{where}: field '{name}' must be {'an integer' if integer else 'a real'} tensor, got "
+                             f"dtype {x.dtype}")
         x = x.detach()
         return (x.reshape(-1) if integer else x.float().reshape(-1)).tolist()  # host-sync-ok (offline reader)
     if isinstance(x, (list, tuple)):
@@ -136,13 +135,9 @@ def _samples(kind: str, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     lengths = data.get("response_lengths")
     n = len(lengths) if isinstance(lengths, (list, tuple)) else 0
     columns = {k: v for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
-    out = []
-    for i in range(n):
-        s = {k: v[i] for k, v in columns.items()}
-        if "sample_indices" in columns:
-            s["sample_index"] = columns["sample_indices"][i]
-        out.append(s)
-    return out
+    if "sample_indices" in columns:
+        columns["sample_index"] = columns["sample_indices"]
+    return [{k: v[i] for k, v in columns.items()} for i in range(n)]
 
 
 def _same(a: list[float], b: list[float]) -> bool:
