@@ -243,10 +243,10 @@ class TISConfig:
             raise _bad("rs_upper" if self.rs_upper is not None else "rs_lower",
                        self.rs_upper if self.rs_upper is not None else self.rs_lower,
                        "rejection-sampling bounds given but --tis-rs-level is not set")
-        if self.rs_level is not None and level_of(self.rs_level).prefix is not None:
-            raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric level; "
-                       "a prefix level is a weight level (--tis-level)")
         if self.rs_level is not None:
+            if level_of(self.rs_level).prefix is not None:
+                raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric "
+                           "level; a prefix level is a weight level (--tis-level)")
             _check_bounds(self, "rs_")
         self._check_algorithm_combinations()
         self._check_auto_upper()
@@ -355,10 +355,6 @@ class TISConfig:
             logger.warning("slime_tis: %s", line)
 
     @property
-    def algorithm_name(self) -> str:
-        return algorithm_of(self.algorithm).name
-
-    @property
     def needs_old_log_probs(self) -> bool:
         """Algorithms 0 and 2 need the recompute of pi_old (``Algorithm.needs_pi_old``)."""
         return algorithm_of(self.algorithm).needs_pi_old
@@ -428,7 +424,7 @@ class TISConfig:
 
     def describe(self) -> str:
         """One block of text with the algorithm and every resolved bound, printed at start-up."""
-        lines = [f"slime_tis: algorithm {self.algorithm}: {self.algorithm_name}"]
+        lines = [f"slime_tis: algorithm {self.algorithm}: {algorithm_of(self.algorithm).name}"]
         if self.algorithm != 0:
             bounds = (f"lower={self.lower_bound:g} upper={self.upper_bound:g}" if mode_of(self.mode).has_lower
                       else f"upper={self.upper_bound:g} ({self.mode}: no lower bound)")

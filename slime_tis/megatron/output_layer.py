@@ -18,24 +18,17 @@ from torch import Tensor
 
 from slime_tis.engine.settings import OUTPUT_LAYER_MODES
 from slime_tis.kernels import dispatch
-from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
+from slime_tis.kernels.output_layer import CHUNK_COLUMNS, HALF, fused_log_probs_and_entropy
 from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy
-from slime_tis.megatron.fp32_logits import _HALF, fp32_logits
+from slime_tis.megatron.fp32_logits import fp32_logits
+from slime_tis.megatron.schedule import innermost
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
-           "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "output_layer_mode_during",
-           "model_output_mode", "returns_hidden_states", "float16_modules", "model_dtype_output_during",
-           "warn_if_upcast_logits"]
+           "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "model_output_mode", "returns_hidden_states",
+           "float16_modules", "model_dtype_output_during", "warn_if_upcast_logits"]
 
 _MODE_ATTR = "_tis_output_mode"
 _warned = False
-
-
-def _unwrap(model):
-    """The ``GPTModel`` inside DDP / Float16Module wrappers (their ``.module`` chain)."""
-    while hasattr(model, "module") and not hasattr(model, "output_layer"):
-        model = model.module
-    return model
 
 
 def _chunks(model) -> list:
@@ -45,7 +38,7 @@ def _chunks(model) -> list:
 def _last_stage_layers(model) -> list:
     layers = []
     for chunk in _chunks(model):
-        gpt = _unwrap(chunk)
+        gpt = innermost(chunk)
         if getattr(gpt, "post_process", False) and getattr(gpt, "output_layer", None) is not None:
             if getattr(gpt, "mtp_process", False):
                 raise ValueError("the fused output layer / float32 LM head do not support multi-token prediction "
@@ -141,33 +134,27 @@ def output_layer_mode(model) -> str | None:
 
 
 @contextlib.contextmanager
-def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
-    """The last-stage output layers of ``model`` in ``mode`` inside the block (``None``: untouched). A model already
-    in ``mode`` stays so on exit; one in the other mode is an error."""
-    if mode not in OUTPUT_LAYER_MODES:
-        raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {mode!r}")
-    switch = mode is not None and output_layer_mode(model) != mode
+def model_output_mode(model, output_layer: str | None) -> Iterator[None]:
+    """The mode of one pass of the hook: the last-stage output layers of ``model`` in ``output_layer`` (``None``:
+    untouched; a model already in that mode stays so on exit, one in the other mode is an error) and
+    ``Float16Module`` wrappers returning the model's dtype."""
+    if output_layer not in OUTPUT_LAYER_MODES:
+        raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {output_layer!r}")
+    switch = output_layer is not None and output_layer_mode(model) != output_layer
     if switch:
-        (use_fused_output_layer if mode == "fused" else use_fp32_lm_head)(model)
+        (use_fused_output_layer if output_layer == "fused" else use_fp32_lm_head)(model)
     try:
-        yield
+        with model_dtype_output_during(model):
+            yield
     finally:
         if switch:
             restore_output_layer(model)
 
 
-@contextlib.contextmanager
-def model_output_mode(model, output_layer: str | None) -> Iterator[None]:
-    """The mode of one pass of the hook: the output layer in ``output_layer`` and ``Float16Module`` wrappers
-    returning the model's dtype."""
-    with output_layer_mode_during(model, output_layer), model_dtype_output_during(model):
-        yield
-
-
 def returns_hidden_states(model) -> bool:
     """Whether a chunk of ``model`` has its output layer in fused mode (reads the marker only; never raises)."""
     for chunk in _chunks(model):
-        layer = getattr(_unwrap(chunk), "output_layer", None)
+        layer = getattr(innermost(chunk), "output_layer", None)
         if layer is not None and getattr(layer, _MODE_ATTR, None) == "fused":
             return True
     return False
@@ -175,20 +162,20 @@ def returns_hidden_states(model) -> bool:
 
 def output_weight(model) -> Tensor:
     """The weight ``GPTModel`` hands its output layer: the embedding weight when tied, else its own."""
-    gpt = _unwrap(model)
+    gpt = innermost(model)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight
 
 
 def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float = 1.0,
-                    loss_mask: Tensor | None = None, kernels: str = "torch",
-                    chunk_size: int = 8192, support: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                    loss_mask: Tensor | None = None, kernels: str = "torch", chunk_size: int = CHUNK_COLUMNS,
+                    support: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``(log_probs, entropy)`` float32 shaped like ``labels`` (``[B, S]`` or flat ``[B*S]``) from the hidden states
     ``[B, S, H]`` (CP-local) of a fused-mode model: the vocabulary split over the output layer's TP group, the
     hidden gradient's TP sum left to the model's input region; ``hidden`` cast to the weight's dtype. ``support``:
     the sampling-support replay (torch code only)."""
-    gpt = _unwrap(model)
+    gpt = innermost(model)
     if getattr(gpt.output_layer, _MODE_ATTR, None) != "fused":
         raise ValueError("fused_log_probs needs a model switched with use_fused_output_layer(model) "
                          "(its forward must return hidden states)")
@@ -255,7 +242,7 @@ def warn_if_upcast_logits(logits: Tensor, model_chunk) -> None:
     if _warned or model_chunk is None or logits.dtype != torch.float32:
         return
     dtype = next((p.dtype for p in model_chunk.parameters()), None)
-    if dtype not in _HALF:
+    if dtype not in HALF:
         return
     _warned = True
     warnings.warn(
