@@ -125,13 +125,6 @@ def _merge_splits(parts: Tensor) -> Tensor:
     return torch.stack([big_m, (scale * s).sum(0), (scale * (t + (m - big_m) * s)).sum(0), xy.sum(0)], dim=1)
 
 
-def _combine(local: Tensor, active: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
-    """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)``, zero on inactive rows (their statistics are zeros)."""
-    m, s, t, xy = local.unbind(1)
-    out = combine_partials(m, s, xy, t, group)
-    return tuple(torch.where(active, v, torch.zeros_like(v)) for v in out)
-
-
 class _FusedOutputLayer(torch.autograd.Function):
     """``(hidden [T, H], weight [Vp, H]) -> (log_probs [T], entropy [T])`` float32."""
 
@@ -150,7 +143,8 @@ class _FusedOutputLayer(torch.autograd.Function):
                 tk = rows = n_active = None
         if local is None:
             local = _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk)
-        lp, ent, log_z = _combine(local, active, group)
+        m, s, t, xy = local.unbind(1)  # global (lp, H, logZ), zero on inactive rows (their statistics are zeros)
+        lp, ent, log_z = (torch.where(active, v, torch.zeros_like(v)) for v in combine_partials(m, s, xy, t, group))
         ctx.save_for_backward(hidden, weight, targets, active, log_z, ent, rows, n_active)
         ctx.cfg = (temperature, group, vocab_start, tk, chunk, reduce_hidden_grad)
         ctx.set_materialize_grads(False)

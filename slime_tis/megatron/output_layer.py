@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.engine.settings import OUTPUT_LAYER_MODES
@@ -47,11 +46,6 @@ def _last_stage_layers(model) -> list:
     return layers
 
 
-def _tp_size(layer) -> int:
-    group = getattr(layer, "tp_group", None)
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous: megatron's ``copy_to_tensor_model_parallel_region``
     all-reduces ``grad.contiguous()`` in place, which loses the sum of a non-contiguous gradient."""
@@ -73,7 +67,7 @@ def _input_region(layer, x: Tensor) -> Tensor:
     )
     if layer.sequence_parallel:
         x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=layer.tp_group)
-    elif _tp_size(layer) > 1:
+    elif dispatch.group_size(layer.tp_group) > 1:
         x = copy_to_tensor_model_parallel_region(x, group=layer.tp_group)
     else:
         return x
@@ -180,7 +174,7 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
         raise ValueError("fused_log_probs needs a model switched with use_fused_output_layer(model) "
                          "(its forward must return hidden states)")
     layer = gpt.output_layer
-    group = layer.tp_group if _tp_size(layer) > 1 else None
+    group = layer.tp_group if dispatch.group_size(layer.tp_group) > 1 else None
     weight = output_weight(gpt)
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not end with the hidden size {weight.shape[1]}: "

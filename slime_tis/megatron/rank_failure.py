@@ -54,12 +54,6 @@ def _store() -> tuple[Any, int] | None:
         return None
 
 
-def _broken_connection(e: BaseException) -> bool:
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _BROKEN)
-
-
 def withdraw() -> None:
     """At the start of a training call: remove this process's record, if it wrote one (nothing otherwise)."""
     found = _store() if _recorded else None
@@ -80,7 +74,8 @@ def explain(e: BaseException, where: str) -> RankFailedError | None:
         return None
     store, rank = found
     try:
-        if _broken_connection(e):
+        if isinstance(e, getattr(dist, "DistError", ())) or (
+                isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _BROKEN)):
             if not store.check([KEY]):
                 with contextlib.suppress(Exception):
                     store.wait([KEY], timedelta(seconds=WAIT_S))
