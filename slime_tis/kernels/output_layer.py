@@ -45,11 +45,6 @@ def mm_f32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mm(a.float(), b.float(), out=out)
 
 
-def _torch_logits(hidden: Tensor, weight: Tensor, c0: int, c1: int, temperature: float) -> Tensor:
-    """``x = (h W[c0:c1]^T) / tau`` in float32, ``[T, c1 - c0]`` (exact products, float32 sums: ``mm_f32``)."""
-    return mm_f32(hidden, weight[c0:c1].t()).div_(temperature)
-
-
 def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk) -> Tensor:
     """``[T, 4]`` float32 ``(m, s, t, x_y)`` of this shard, vocabulary chunk by chunk (online LSE)."""
     n_tok, vp = hidden.shape[0], weight.shape[0]
@@ -59,7 +54,7 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
     xy = torch.zeros_like(s)
     for c0 in range(0, vp, chunk):
         c1 = min(c0 + chunk, vp)
-        x = _torch_logits(hidden, weight, c0, c1, temperature)
+        x = mm_f32(hidden, weight[c0:c1].t()).div_(temperature)  # x = h W[c0:c1]^T / tau, float32 [T, c1 - c0]
         m_new = torch.maximum(m, x.amax(dim=1))
         alpha = torch.exp(m - m_new)
         d = x - m_new[:, None]
@@ -76,7 +71,7 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
 def _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, out, c0, vocab_start, temperature):
     """``out [T, C] = dL/dz`` for shard columns ``[c0, c0 + C)`` (exact zeros on rows that are not ``live``)."""
     c1 = c0 + out.shape[1]
-    log_p = _torch_logits(hidden, weight, c0, c1, temperature).sub_(log_z[:, None]).clamp_(max=0.0)
+    log_p = mm_f32(hidden, weight[c0:c1].t()).div_(temperature).sub_(log_z[:, None]).clamp_(max=0.0)
     g = -torch.exp(log_p) * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
     idx, in_chunk = target_column(targets, vocab_start + c0, c1 - c0)
     g.scatter_add_(1, idx[:, None], torch.where(in_chunk, g_lp, torch.zeros_like(g_lp))[:, None])

@@ -21,11 +21,9 @@ def split_bf16(g: Tensor, dtype: torch.dtype) -> list[Tensor]:
         return [g]
     parts = []
     rest = g.float()
-    for k in range(3):
-        part = rest.to(dtype)
-        parts.append(part)
-        if k < 2:
-            rest = rest - part.float()  # exact: part is rest rounded to fewer bits
+    for _ in range(3):
+        parts.append(rest.to(dtype))
+        rest = rest - parts[-1].float()  # exact: the part is rest rounded to fewer bits
     return parts
 
 

@@ -207,9 +207,8 @@ class TISForwardBackward:
                 for b, lp in zip(batches, lps)]
 
 
-def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, **options: Any) -> TISForwardBackward:
-    """``TISForwardBackward(forward_backward_func, cfg, **options)``: megatron's schedule with the correction."""
-    return TISForwardBackward(forward_backward_func, cfg, **options)
+#: ``tis_forward_backward_func(forward_backward_func, cfg, **options)``: megatron's schedule with the correction.
+tis_forward_backward_func = TISForwardBackward
 
 
 _ATTR = "get_forward_backward_func"

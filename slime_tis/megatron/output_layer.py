@@ -184,16 +184,13 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
             raise ValueError(f"hidden {tuple(hidden.shape)} has {hidden.numel() // hidden.shape[-1]} positions "
                              f"but labels has {labels.numel()}")
         hidden = hidden.reshape(-1, hidden.shape[-1])
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
+    hidden = hidden.to(weight.dtype)
+    common = dict(temperature=temperature, loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
     with torch.autocast(hidden.device.type, enabled=False):
         if support is None:
-            return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
-                                               tp_group=group, reduce_hidden_grad=False, kernels=kernels,
-                                               chunk_size=chunk_size)
+            return fused_log_probs_and_entropy(hidden, weight, labels, kernels=kernels, chunk_size=chunk_size, **common)
         dispatch.torch_only("output_layer", kernels, "the sampling-support replay has no Triton kernel yet")
-        return fused_support_log_probs_and_entropy(hidden, weight, labels, support, temperature=temperature,
-                                                   loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
+        return fused_support_log_probs_and_entropy(hidden, weight, labels, support, **common)
 
 
 def float16_modules(model) -> list[torch.nn.Module]:

@@ -35,9 +35,6 @@ class Phase:
     call: str
     name: str = "its start"
 
-    def where(self) -> str:
-        return f"{self.name} of {self.call}"
-
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or "(no message)"
@@ -101,7 +98,7 @@ def reporting(phase: Phase) -> Iterator[Phase]:
     try:
         yield phase
     except Exception as e:
-        other = explain(e, phase.where())
+        other = explain(e, f"{phase.name} of {phase.call}")
         if other is None:
             raise
         raise other from e

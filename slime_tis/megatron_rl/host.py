@@ -228,11 +228,10 @@ class RLHost:
     def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
         """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
         refuse_interleaved_pipeline(args)
-        refuse_context_parallel(getattr(args, "context_parallel_size", 1),
-                                packed=bool(getattr(args, "rl_use_sequence_packing", False)))
+        packed = bool(getattr(args, "rl_use_sequence_packing", False))
+        refuse_context_parallel(getattr(args, "context_parallel_size", 1), packed=packed)
         flags = resolve_megatron_rl_flags(args)
-        return cls(flags.cfg, num_microbatches,
-                   packed=bool(getattr(args, "rl_use_sequence_packing", False)),
+        return cls(flags.cfg, num_microbatches, packed=packed,
                    temperature=float(getattr(args, "rl_default_temperature", 1.0) or 1.0),
                    per_token=bool(getattr(args, "calculate_per_token_loss", False)),
                    sampled_entropy=flags.sampled_entropy, **kw)
