@@ -228,14 +228,15 @@ def _run_timed(torch, fn, dev: str, repeats: int) -> tuple[float, float]:
 def check_fp32_head(torch, t: int, h: int, v: int, dev: str, repeats: int) -> dict:
     import torch.nn.functional as F
 
-    from slime_tis.megatron.fp32_logits import _has_mm_out_dtype, fp32_logits
+    from slime_tis.kernels.output_layer import has_mm_out_dtype
+    from slime_tis.megatron.fp32_logits import fp32_logits
 
     g = torch.Generator(device=dev).manual_seed(3)
     x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
     w = (torch.randn(v, h, device=dev, generator=g) / h ** 0.5).to(torch.bfloat16)
     up = torch.randn(t, v, device=dev, generator=g)
     eps = 2.0 ** -24
-    res: dict = {"shape": [t, h, v], "mm_out_dtype_kernel": _has_mm_out_dtype(torch.device(dev).type)}
+    res: dict = {"shape": [t, h, v], "mm_out_dtype_kernel": has_mm_out_dtype(torch.device(dev).type)}
     grads = {}
     for name, fn in (("new", lambda a, b: fp32_logits(a, b)), ("upcast", lambda a, b: F.linear(a.float(), b.float()))):
         a, b = x.clone().requires_grad_(True), w.clone().requires_grad_(True)

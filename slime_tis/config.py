@@ -25,9 +25,7 @@ from slime_tis.config_fields import (
 )
 from slime_tis.core.aggregation import AGGREGATIONS
 from slime_tis.core.algorithms import algorithm_of
-from slime_tis.core.levels import DEFAULT_UPPER, level_of, mode_of
-from slime_tis.core.levels import LEVELS as LEVEL_TABLE
-from slime_tis.core.levels import MODES as MODE_TABLE
+from slime_tis.core.levels import DEFAULT_UPPER, LEVELS, MODES, level_of, mode_of
 from slime_tis.core.plan import Plan
 from slime_tis.core.surrogates import SURROGATES, surrogate_of
 from slime_tis.core.terms import KL_ESTIMATORS, KL_GRADIENTS
@@ -36,13 +34,7 @@ from slime_tis.kernels.dispatch import DEFAULT_KERNELS, KERNELS
 from slime_tis.kernels.token_pass import token_pass_for
 from slime_tis.presets import PRESETS, preset_fields
 
-__all__ = ["TISConfig", "MODES", "LEVELS", "LOSS_AGGS", "DENOMINATORS", "FLAG_OF", "THRESHOLDS", "OPTIONS",
-           "ALL_OPTIONS", "config_fields_from_args", "parse_switch"]
-
-MODES = tuple(MODE_TABLE)  # the flag's choices: the names of core.levels.MODES
-LEVELS = tuple(LEVEL_TABLE)  # the names of core.levels.LEVELS
-LOSS_AGGS = tuple(AGGREGATIONS)
-DENOMINATORS = ("keep", "drop")
+__all__ = ["TISConfig", "FLAG_OF", "THRESHOLDS", "OPTIONS", "ALL_OPTIONS", "config_fields_from_args", "parse_switch"]
 
 logger = logging.getLogger("slime_tis")
 _WARNED: set = set()  # configurations whose inert options were logged
@@ -82,11 +74,11 @@ class TISConfig:
         help="Apply importance weights against the rollout policy (algorithm 2; with --use-rollout-log-probs 3). "
              "Default: off.")
     mode: str = option(
-        "truncate", flag="--tis-mode", kind="choice", choices=MODES,
+        "truncate", flag="--tis-mode", kind="choice", choices=tuple(MODES),
         help="How the ratio r becomes a weight: truncate w=min(r,upper); clip w=clamp(r,lower,upper); "
              "mask w=r and reject units outside [lower,upper]. Default: truncate.")
     level: str = option(
-        "token", flag="--tis-level", kind="choice", choices=LEVELS,
+        "token", flag="--tis-level", kind="choice", choices=tuple(LEVELS),
         help="Ratio level: token, sequence (product over the sequence), geometric (its geometric mean), prefix (CTPO: "
              "product over the token's prefix), prefix_min (MinPRO: the prefix's smallest ratio). Default: token.")
     upper: float | str | None = option(
@@ -96,7 +88,7 @@ class TISConfig:
     lower: float | None = option(
         None, flag="--tis-lower-bound", help="Lower bound on r (clip and mask modes). Default: 1/upper.")
     rs_level: str | None = option(
-        None, flag="--tis-rs-level", kind="choice", choices=LEVELS,
+        None, flag="--tis-rs-level", kind="choice", choices=tuple(LEVELS),
         help="Rejection sampling at this level, independent of --tis-mode. Default: off.")
     rs_upper: float | None = option(
         None, flag="--tis-rs-upper-bound",
@@ -138,10 +130,10 @@ class TISConfig:
         help="Rescale weights to mean 1 over the kept units of the global batch (algorithm 2: once per step; 3: per "
              "micro-batch over DPxCP). Default: off.")
     rejected_denominator: str = option(
-        "keep", flag="--tis-rejected-denominator", kind="choice", choices=DENOMINATORS,
+        "keep", flag="--tis-rejected-denominator", kind="choice", choices=("keep", "drop"),
         help="Rejected tokens stay in the loss denominator (keep) or are removed from it (drop). Default: keep.")
     loss_agg: str = option(
-        "token-mean", flag="--tis-loss-agg", kind="choice", choices=LOSS_AGGS,
+        "token-mean", flag="--tis-loss-agg", kind="choice", choices=tuple(AGGREGATIONS),
         help="Loss aggregation over the global batch (token-sum: the sum over the global batch's counted tokens, "
              "whatever the DP size). Default: token-mean.")
     eps_clip: float = option(
@@ -243,10 +235,10 @@ class TISConfig:
             raise _bad("rs_upper" if self.rs_upper is not None else "rs_lower",
                        self.rs_upper if self.rs_upper is not None else self.rs_lower,
                        "rejection-sampling bounds given but --tis-rs-level is not set")
-        if self.rs_level is not None and level_of(self.rs_level).prefix is not None:
-            raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric level; "
-                       "a prefix level is a weight level (--tis-level)")
         if self.rs_level is not None:
+            if level_of(self.rs_level).prefix is not None:
+                raise _bad("rs_level", self.rs_level, "rejection sampling takes the token, sequence or geometric "
+                           "level; a prefix level is a weight level (--tis-level)")
             _check_bounds(self, "rs_")
         self._check_algorithm_combinations()
         self._check_auto_upper()
@@ -355,10 +347,6 @@ class TISConfig:
             logger.warning("slime_tis: %s", line)
 
     @property
-    def algorithm_name(self) -> str:
-        return algorithm_of(self.algorithm).name
-
-    @property
     def needs_old_log_probs(self) -> bool:
         """Algorithms 0 and 2 need the recompute of pi_old (``Algorithm.needs_pi_old``)."""
         return algorithm_of(self.algorithm).needs_pi_old
@@ -428,7 +416,7 @@ class TISConfig:
 
     def describe(self) -> str:
         """One block of text with the algorithm and every resolved bound, printed at start-up."""
-        lines = [f"slime_tis: algorithm {self.algorithm}: {self.algorithm_name}"]
+        lines = [f"slime_tis: algorithm {self.algorithm}: {algorithm_of(self.algorithm).name}"]
         if self.algorithm != 0:
             bounds = (f"lower={self.lower_bound:g} upper={self.upper_bound:g}" if mode_of(self.mode).has_lower
                       else f"upper={self.upper_bound:g} ({self.mode}: no lower bound)")

@@ -95,14 +95,6 @@ class Option:
             return None
         return words + (f" ({self.why})" if self.why else "")
 
-    def argparse_kwargs(self) -> dict[str, Any]:
-        """``add_argument`` keyword arguments (default None: not given)."""
-        if self.kind == "switch":
-            return dict(action="store_true", default=None, help=self.help)
-        if self.kind == "choice":
-            return dict(choices=list(self.choices), default=None, help=self.help)
-        return dict(type=_number_or(self.words) if self.words else float, default=None, help=self.help)
-
 
 def _number_or(words: tuple[str, ...]) -> Callable[[str], float | str]:
     """argparse ``type`` of a number that also takes ``words``."""
@@ -180,7 +172,13 @@ def add_options(parser: argparse.ArgumentParser, options: list[Option], title: s
         free = [s for s in strings if s not in existing]
         if not free or (declared.dest in existing_dests and len(free) < len(strings)):
             continue  # the host already defines this option: reuse it
-        group.add_argument(*free, dest=declared.dest, **declared.argparse_kwargs())
+        if declared.kind == "switch":
+            kind = dict(action="store_true")
+        elif declared.kind == "choice":
+            kind = dict(choices=list(declared.choices))
+        else:
+            kind = dict(type=_number_or(declared.words) if declared.words else float)
+        group.add_argument(*free, dest=declared.dest, default=None, help=declared.help, **kind)  # None: not given
     return parser
 
 

@@ -56,3 +56,11 @@ def gpu_max_semantics(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         InterpreterBuilder.create_maxnumf, InterpreterBuilder.create_minnumf = saved
+
+
+def reset_dispatch() -> None:
+    """Forget every kernel fallback and warning of this process (``slime_tis.kernels.dispatch``)."""
+    from slime_tis.kernels import dispatch
+
+    dispatch._disabled.clear()
+    dispatch._warned.clear()

@@ -11,6 +11,7 @@ import json
 import sys
 
 import torch
+from _interpret import reset_dispatch
 from torch import Tensor
 
 from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
@@ -214,14 +215,14 @@ def fallback() -> dict:
     for name in ("_stats_kernel", "_dhidden_kernel"):
         real = getattr(tk, name)
         setattr(tk, name, Failing())
-        dispatch.reset()
+        reset_dispatch()
         try:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 res = run("bf16_tau09_masked", "triton")
         finally:
             setattr(tk, name, real)
-            dispatch.reset()
+            reset_dispatch()
         msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.KernelFallbackWarning)]
         out[name] = {"warnings": msgs, "result": res, "same_as_torch": res == ref}
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _interpret import INTERPRETED, assert_module_passes_under_interpreter, gpu_max_semantics
+from _interpret import INTERPRETED, assert_module_passes_under_interpreter, gpu_max_semantics, reset_dispatch
 
 from slime_tis.core.packing import packed_layout
 from slime_tis.core.ratios import packed_ratios
@@ -134,7 +134,7 @@ def test_a_failing_kernel_falls_back_to_torch_with_one_warning(monkeypatch):
     lt, lr, valid, cu, adv = _batch(4, [30, 5, 60])
     layout = packed_layout(cu, lt.numel(), lt.device)
     ref = packed_ratios(lt, lr, valid, layout, LocalReducer(), extra_finite=(adv,))
-    dispatch.reset()
+    reset_dispatch()
     try:
         for expected in (1, 0):
             with warnings.catch_warnings(record=True) as seen:
@@ -146,7 +146,7 @@ def test_a_failing_kernel_falls_back_to_torch_with_one_warning(monkeypatch):
             assert torch.equal(got.seq_sums.nan_to_num(7.0), ref.seq_sums.nan_to_num(7.0))
         assert len(calls) == 1
     finally:
-        dispatch.reset()
+        reset_dispatch()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run itself")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _interpret import INTERPRETED, assert_module_passes_under_interpreter, gpu_max_semantics
+from _interpret import INTERPRETED, assert_module_passes_under_interpreter, gpu_max_semantics, reset_dispatch
 
 from slime_tis.kernels import dispatch
 from slime_tis.megatron import vocab_parallel_log_probs_and_entropy as lp_and_entropy
@@ -247,9 +247,9 @@ class _FailingLaunch:
 
 @pytest.fixture
 def fresh_dispatch():
-    dispatch.reset()
+    reset_dispatch()
     yield
-    dispatch.reset()
+    reset_dispatch()
 
 
 def _fallback_warnings(fn):
@@ -440,7 +440,7 @@ def test_triton_on_cpu_without_interpreter_warns_once_and_runs_torch():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    dispatch.reset()
+    reset_dispatch()
     z, y = torch.randn(2, 4), torch.zeros(2, dtype=torch.long)
     with pytest.warns(dispatch.KernelFallbackWarning, match="logprobs kernel cannot run .*need CUDA tensors"):
         lp, ent = lp_and_entropy(z, y, tp_group=None, kernels="triton")
@@ -449,7 +449,7 @@ def test_triton_on_cpu_without_interpreter_warns_once_and_runs_torch():
         lp2, ent2 = lp_and_entropy(z, y, tp_group=None, kernels="triton")
     ref = lp_and_entropy(z, y, tp_group=None, kernels="torch")
     assert torch.equal(lp, ref[0]) and torch.equal(ent, ref[1]) and torch.equal(lp2, lp) and torch.equal(ent2, ent)
-    dispatch.reset()
+    reset_dispatch()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="runs once, in the parent process")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _interpret import reset_dispatch
 from _output_layer_cases import CASES, accumulation, accuracy, non_finite, reference_log_probs_and_entropy, run
 
 from slime_tis.kernels import dispatch
@@ -186,13 +187,13 @@ def test_bad_tensors_raise_naming_them():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
 def test_triton_on_cpu_without_interpreter_warns_once_and_runs_torch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    dispatch.reset()
+    reset_dispatch()
     h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
     with pytest.warns(dispatch.KernelFallbackWarning, match="output_layer kernel cannot run .*TRITON_INTERPRET"):
         lp, ent = fused_log_probs_and_entropy(h, w, y, kernels="triton")
     ref = fused_log_probs_and_entropy(h, w, y, kernels="torch")
     assert torch.equal(lp, ref[0]) and torch.equal(ent, ref[1])
-    dispatch.reset()
+    reset_dispatch()
 
 
 def test_a_failing_kernel_falls_back_to_torch_triton_interpreter(interpreter_results):

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from _interpret import reset_dispatch
 from _megatron_lm import train_step_loss_reduced
 from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 
@@ -226,7 +227,7 @@ def test_tis_kernels_reaches_both_kernels_of_the_loss(monkeypatch):
         cfg = CFGS["alg2_tok_trunc_bn"].replace(kernels=kernels)
         batches = _microbatches(labels, mask, adv, rollout, lp, 1)
         leaf = logits.clone().requires_grad_(True)
-        dispatch.reset()
+        reset_dispatch()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             plan = step_totals(cfg, batches, LocalReducer())
@@ -236,7 +237,7 @@ def test_tis_kernels_reaches_both_kernels_of_the_loss(monkeypatch):
             loss.backward()
         msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.KernelFallbackWarning)]
         out[kernels] = (loss.detach(), leaf.grad, msgs)
-    dispatch.reset()
+    reset_dispatch()
     assert out["torch"][2] == []
     assert sorted(m.split(" kernel cannot")[0].split("the ")[-1] for m in out["triton"][2]) == ["correction",
                                                                                               "logprobs"]

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from _interpret import reset_dispatch
 
 from slime_tis.engine.logprobs import vocab_parallel_log_probs_and_entropy
 from slime_tis.kernels import dispatch
@@ -138,7 +139,7 @@ def test_triton_request_on_cpu_warns_once_and_runs_the_torch_replay():
     the kernels themselves: tests/test_kernels_support.py."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter would run the kernels")
-    dispatch.reset()
+    reset_dispatch()
     logits, targets, ids, offsets, _ = make_case(5)
     w = torch.ones(T)
     ref = run(logits, targets, ids, offsets, w, w)
@@ -149,4 +150,4 @@ def test_triton_request_on_cpu_warns_once_and_runs_the_torch_replay():
         run(logits, targets, ids, offsets, w, w, kernels="triton")       # once per process
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
-    dispatch.reset()
+    reset_dispatch()

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["KERNELS", "DEFAULT_KERNELS", "KernelFallbackWarning", "KernelLaunchError", "check_kernels",
-           "triton_module", "launching", "fall_back", "torch_only", "reset",
-           "check_args", "group_size"]
+           "triton_module", "launching", "fall_back", "torch_only", "check_args", "group_size"]
 
 KERNELS = ("torch", "triton")
 DEFAULT_KERNELS = "torch"  # until the Triton kernels pass on a GPU (docs/kernels.md)
@@ -107,9 +106,3 @@ def launching(kernel: str) -> Iterator[None]:
         raise
     except Exception as err:  # noqa: BLE001 -- any compiler / driver error: the caller falls back to torch
         raise KernelLaunchError(kernel, err) from err
-
-
-def reset() -> None:
-    """Forget every fallback and warning of this process (tests)."""
-    _disabled.clear()
-    _warned.clear()

@@ -252,15 +252,15 @@ class _LogProbEntropy(torch.autograd.Function):
         out = [torch.empty(n_tok, dtype=torch.float32, device=logits.device)
                for _ in range(3 if tp_size == 1 else 5 if support else 4)]
         mask = row_mask if row_mask is not None else targets  # a placeholder, never read without HAS_MASK
+        slots = out + [out[-1]] * (5 - len(out))  # the kernels' output slots, unused ones aliasing (never written)
         flags = dict(HAS_MASK=row_mask is not None, WITH_ENTROPY=with_entropy, FINAL=tp_size == 1)
         if n_tok:
             with launching("logprobs"):  # a failure here leaves the caller to run the torch code instead
                 if support:
-                    out5 = out + [out[-1]] * (5 - len(out))  # unused output slots at TP = 1 (never written)
-                    _support_fwd_kernel[(n_tok,)](logits, logits.stride(0), targets, ids, offsets, mask, *out5,
+                    _support_fwd_kernel[(n_tok,)](logits, logits.stride(0), targets, ids, offsets, mask, *slots,
                                                   vocab_start, 1.0 / temperature, vp, BLOCK_S=block, **flags)
                 else:
-                    _lp_fwd_kernel[(n_tok,)](logits, logits.stride(0), targets, mask, *out[:3], out[-1], vocab_start,
+                    _lp_fwd_kernel[(n_tok,)](logits, logits.stride(0), targets, mask, *slots[:4], vocab_start,
                                              1.0 / temperature, n_cols=vp, BLOCK_V=block, num_warps=num_warps,
                                              **flags)
         lp, ent, log_z = out if tp_size == 1 else ref.combine_partials(

@@ -7,6 +7,8 @@ non-finite rows: docs/output_layer.md; the backward's traffic: docs/kernels.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -14,46 +16,33 @@ from torch import Tensor
 from slime_tis.kernels import dispatch
 from slime_tis.kernels.logprobs_torch import combine_partials, target_column
 
-__all__ = ["fused_log_probs_and_entropy", "check_inputs"]
+__all__ = ["fused_log_probs_and_entropy", "check_inputs", "mm_f32", "has_mm_out_dtype", "HALF", "CHUNK_COLUMNS"]
 
 _NEG = -1.0e30  # finite "minus infinity" (see _output_layer_triton)
 _TRITON = "slime_tis.kernels._output_layer_triton"
+HALF = (torch.bfloat16, torch.float16)
+#: vocabulary columns (rows of the output weight) per chunk: the one default of the output-layer paths
+CHUNK_COLUMNS = 8192
 
 
 # ------------------------------------------------------------------------------------------------ torch backend
-_NO_OUT_DTYPE: set[str] = set()  # device types whose torch.mm has no float32 out_dtype for half inputs
-
-
-def _native(a: Tensor) -> bool:
-    """bf16 / fp16 on CUDA: one tensor-core GEMM with float32 output (exact products, no float32 copies, no TF32)."""
-    return a.dtype in (torch.bfloat16, torch.float16) and a.device.type == "cuda" and "cuda" not in _NO_OUT_DTYPE
+@functools.cache
+def has_mm_out_dtype(device_type: str) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 operands on this device type."""
+    try:
+        a = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
 
 
 def mm_f32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-    """``a [M, K] @ b [K, N]`` as float32 ``[M, N]`` (into ``out`` when given); ``a``, ``b`` of one dtype."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    if _native(a):
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32, out=out)
-        except (TypeError, NotImplementedError):  # torch without out_dtype (TypeError) or without the kernel
-            _NO_OUT_DTYPE.add(a.device.type)
+    """``a [M, K] @ b [K, N]`` as float32 ``[M, N]`` (into ``out`` when given): bf16 / fp16 operands of one dtype in
+    one GEMM with float32 output where the device has it (exact products, no float32 copies, no TF32), else the
+    float32 GEMM of the (exactly) upcast operands."""
+    if a.dtype == b.dtype and a.dtype in HALF and has_mm_out_dtype(a.device.type):
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
     return torch.mm(a.float(), b.float(), out=out)
-
-
-def addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``acc += a @ b`` in float32 (``acc`` float32 ``[M, N]``; torch's ``addmm`` cannot add a half-precision product
-    to it); returns ``acc``."""
-    if _native(a):
-        return acc.add_(mm_f32(a, b))
-    if a.dtype != torch.float32:
-        a, b = a.float(), b.float()
-    return acc.addmm_(a, b)
-
-
-def _torch_logits(hidden: Tensor, weight: Tensor, c0: int, c1: int, temperature: float) -> Tensor:
-    """``x = (h W[c0:c1]^T) / tau`` in float32, ``[T, c1 - c0]`` (exact products, float32 sums: ``mm_f32``)."""
-    return mm_f32(hidden, weight[c0:c1].t()).div_(temperature)
 
 
 def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk) -> Tensor:
@@ -65,7 +54,7 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
     xy = torch.zeros_like(s)
     for c0 in range(0, vp, chunk):
         c1 = min(c0 + chunk, vp)
-        x = _torch_logits(hidden, weight, c0, c1, temperature)
+        x = mm_f32(hidden, weight[c0:c1].t()).div_(temperature)  # x = h W[c0:c1]^T / tau, float32 [T, c1 - c0]
         m_new = torch.maximum(m, x.amax(dim=1))
         alpha = torch.exp(m - m_new)
         d = x - m_new[:, None]
@@ -82,7 +71,7 @@ def _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chun
 def _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, out, c0, vocab_start, temperature):
     """``out [T, C] = dL/dz`` for shard columns ``[c0, c0 + C)`` (exact zeros on rows that are not ``live``)."""
     c1 = c0 + out.shape[1]
-    log_p = _torch_logits(hidden, weight, c0, c1, temperature).sub_(log_z[:, None]).clamp_(max=0.0)
+    log_p = mm_f32(hidden, weight[c0:c1].t()).div_(temperature).sub_(log_z[:, None]).clamp_(max=0.0)
     g = -torch.exp(log_p) * (g_lp[:, None] + g_h[:, None] * (log_p + ent[:, None]))
     idx, in_chunk = target_column(targets, vocab_start + c0, c1 - c0)
     g.scatter_add_(1, idx[:, None], torch.where(in_chunk, g_lp, torch.zeros_like(g_lp))[:, None])
@@ -94,8 +83,6 @@ def _torch_dlogits(hidden, weight, targets, live, log_z, ent, g_lp, g_h, out, c0
 def _torch_dhidden(d: Tensor, w_chunk: Tensor, acc: Tensor, out: Tensor, *, accumulate: bool) -> Tensor:
     """``out = (acc if accumulate else 0) + d @ w_chunk``, float32 products and sums (``mm_f32``: no rounding
     between chunks); ``out`` is ``acc``, or the last chunk's result in the hidden dtype (one rounding)."""
-    if out is acc:
-        return addmm_f32_(acc, d, w_chunk) if accumulate else mm_f32(d, w_chunk, out=acc)
     product = mm_f32(d, w_chunk)
     return torch.add(acc, product, out=out) if accumulate else out.copy_(product)
 
@@ -133,13 +120,6 @@ def _merge_splits(parts: Tensor) -> Tensor:
     return torch.stack([big_m, (scale * s).sum(0), (scale * (t + (m - big_m) * s)).sum(0), xy.sum(0)], dim=1)
 
 
-def _combine(local: Tensor, active: Tensor, group) -> tuple[Tensor, Tensor, Tensor]:
-    """Shard statistics ``[T, 4]`` -> global ``(lp, H, logZ)``, zero on inactive rows (their statistics are zeros)."""
-    m, s, t, xy = local.unbind(1)
-    out = combine_partials(m, s, xy, t, group)
-    return tuple(torch.where(active, v, torch.zeros_like(v)) for v in out)
-
-
 class _FusedOutputLayer(torch.autograd.Function):
     """``(hidden [T, H], weight [Vp, H]) -> (log_probs [T], entropy [T])`` float32."""
 
@@ -158,7 +138,8 @@ class _FusedOutputLayer(torch.autograd.Function):
                 tk = rows = n_active = None
         if local is None:
             local = _torch_stats(hidden, weight, targets, active, vocab_start, temperature, chunk)
-        lp, ent, log_z = _combine(local, active, group)
+        m, s, t, xy = local.unbind(1)  # global (lp, H, logZ), zero on inactive rows (their statistics are zeros)
+        lp, ent, log_z = (torch.where(active, v, torch.zeros_like(v)) for v in combine_partials(m, s, xy, t, group))
         ctx.save_for_backward(hidden, weight, targets, active, log_z, ent, rows, n_active)
         ctx.cfg = (temperature, group, vocab_start, tk, chunk, reduce_hidden_grad)
         ctx.set_materialize_grads(False)
@@ -226,7 +207,7 @@ def fused_log_probs_and_entropy(
     tp_group=None,
     reduce_hidden_grad: bool = True,
     kernels: str = dispatch.DEFAULT_KERNELS,
-    chunk_size: int = 8192,
+    chunk_size: int = CHUNK_COLUMNS,
 ) -> tuple[Tensor, Tensor]:
     """``(log_probs [...], entropy [...])`` float32 of ``softmax(hidden @ weight^T / temperature)``, differentiable
     w.r.t. ``hidden [..., H]`` and ``weight [V/TP, H]`` (this TP rank's shard, same dtype: float32 / bf16 / fp16;

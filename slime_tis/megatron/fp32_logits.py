@@ -6,36 +6,12 @@ is exact (derivation: docs/output_layer.md, "Float32 LM head for the unfused pat
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-__all__ = ["fp32_logits", "mm_float32", "split_bf16"]
+from slime_tis.kernels.output_layer import CHUNK_COLUMNS, HALF, has_mm_out_dtype, mm_f32
 
-_HALF = (torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def _has_mm_out_dtype(device_type: str) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 operands on this device type."""
-    try:
-        a = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (NotImplementedError, RuntimeError, TypeError):
-        return False
-
-
-def _native(a: Tensor, b: Tensor) -> bool:
-    return a.dtype == b.dtype and a.dtype in _HALF and _has_mm_out_dtype(a.device.type)
-
-
-def mm_float32(a: Tensor, b: Tensor) -> Tensor:
-    """``a [M, K] @ b [K, N]`` float32: one half-precision GEMM with float32 output where the device has it, else
-    the float32 GEMM of the (exactly) upcast operands."""
-    if _native(a, b):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+__all__ = ["fp32_logits", "split_bf16"]
 
 
 def split_bf16(g: Tensor, dtype: torch.dtype) -> list[Tensor]:
@@ -45,11 +21,9 @@ def split_bf16(g: Tensor, dtype: torch.dtype) -> list[Tensor]:
         return [g]
     parts = []
     rest = g.float()
-    for k in range(3):
-        part = rest.to(dtype)
-        parts.append(part)
-        if k < 2:
-            rest = rest - part.float()  # exact: part is rest rounded to fewer bits
+    for _ in range(3):
+        parts.append(rest.to(dtype))
+        rest = rest - parts[-1].float()  # exact: the part is rest rounded to fewer bits
     return parts
 
 
@@ -61,8 +35,8 @@ class _Fp32Logits(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, chunk_size: int) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.chunk_size = chunk_size
-        if _native(x, weight):
-            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        if x.dtype == weight.dtype and x.dtype in HALF and has_mm_out_dtype(x.device.type):
+            return mm_f32(x, weight.t())
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         xf = x.float()
         for lo in range(0, weight.shape[0], chunk_size):
@@ -82,17 +56,17 @@ class _Fp32Logits(torch.autograd.Function):
             parts = split_bf16(grad[:, lo:hi], weight.dtype)
             if need_x:
                 for part in parts:
-                    grad_x.add_(mm_float32(part, weight[lo:hi]))
+                    grad_x.add_(mm_f32(part, weight[lo:hi]))
             if need_w:
-                acc = mm_float32(parts[0].t(), x)
+                acc = mm_f32(parts[0].t(), x)
                 for part in parts[1:]:
-                    acc.add_(mm_float32(part.t(), x))
+                    acc.add_(mm_f32(part.t(), x))
                 grad_w[lo:hi].copy_(acc)
             del parts
         return (grad_x.to(x.dtype) if need_x else None), grad_w, None
 
 
-def fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, chunk_size: int = 4096) -> Tensor:
+def fp32_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, chunk_size: int = CHUNK_COLUMNS) -> Tensor:
     """``F.linear(x, weight, bias)`` as float32: ``x [..., H]``, ``weight [V, H]``, ``bias [V]`` (added in float32)
     -> ``[..., V]`` float32, gradients in the inputs' dtypes. ``chunk_size``: rows of ``weight`` per step."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

@@ -207,9 +207,8 @@ class TISForwardBackward:
                 for b, lp in zip(batches, lps)]
 
 
-def tis_forward_backward_func(forward_backward_func: Callable, cfg: TISConfig, **options: Any) -> TISForwardBackward:
-    """``TISForwardBackward(forward_backward_func, cfg, **options)``: megatron's schedule with the correction."""
-    return TISForwardBackward(forward_backward_func, cfg, **options)
+#: ``tis_forward_backward_func(forward_backward_func, cfg, **options)``: megatron's schedule with the correction.
+tis_forward_backward_func = TISForwardBackward
 
 
 _ATTR = "get_forward_backward_func"
@@ -232,20 +231,20 @@ def tis_patch(cfg: TISConfig | None = None, *, temperature: float | None = None,
     original = schedules.get_forward_backward_func
 
     def hooked_get_forward_backward_func(*args: Any, **kwargs: Any):
-        the_cfg = cfg
-        defaults = {"temperature": 1.0, "fused_output_layer": False, "fp32_lm_head": False, "routing_replay": False}
+        parsed = None  # without Megatron-LM's arguments megatron_hook_kwargs gives the keywords' defaults
         if cfg is None:
             try:
                 from megatron.training import get_args
             except ImportError as err:
                 raise ValueError("tis_patch(cfg=None) reads Megatron-LM's arguments (megatron.training.get_args), "
                                  "which is not importable here; pass cfg=TISConfig(...) and temperature=...") from err
-            the_cfg, defaults = TISConfig.from_args(get_args()), megatron_hook_kwargs(get_args())
+            parsed = get_args()
+        defaults = megatron_hook_kwargs(parsed)
         given = {"temperature": temperature, "fused_output_layer": fused_output_layer, "fp32_lm_head": fp32_lm_head,
                  "routing_replay": routing_replay}
         resolved = {k: defaults[k] if v is None else v for k, v in given.items()}
-        return tis_forward_backward_func(original(*args, **kwargs), the_cfg, chunk_size=chunk_size, **resolved,
-                                         **hook_kwargs)
+        return tis_forward_backward_func(original(*args, **kwargs), TISConfig.from_args(parsed) if cfg is None else cfg,
+                                         chunk_size=chunk_size, **resolved, **hook_kwargs)
 
     targets = [schedules, pp_pkg, *modules]
     for mod in targets:  # validate everything before changing anything

@@ -13,29 +13,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from slime_tis.engine.settings import OUTPUT_LAYER_MODES
 from slime_tis.kernels import dispatch
-from slime_tis.kernels.output_layer import fused_log_probs_and_entropy
+from slime_tis.kernels.output_layer import CHUNK_COLUMNS, HALF, fused_log_probs_and_entropy
 from slime_tis.kernels.output_layer_support import fused_support_log_probs_and_entropy
-from slime_tis.megatron.fp32_logits import _HALF, fp32_logits
+from slime_tis.megatron.fp32_logits import fp32_logits
+from slime_tis.megatron.schedule import innermost
 
 __all__ = ["use_fused_output_layer", "use_fp32_lm_head", "restore_output_layer", "output_layer_mode",
-           "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "output_layer_mode_during",
-           "model_output_mode", "returns_hidden_states", "float16_modules", "model_dtype_output_during",
-           "warn_if_upcast_logits"]
+           "output_weight", "fused_log_probs", "OUTPUT_LAYER_MODES", "model_output_mode", "returns_hidden_states",
+           "float16_modules", "model_dtype_output_during", "warn_if_upcast_logits"]
 
 _MODE_ATTR = "_tis_output_mode"
 _warned = False
-
-
-def _unwrap(model):
-    """The ``GPTModel`` inside DDP / Float16Module wrappers (their ``.module`` chain)."""
-    while hasattr(model, "module") and not hasattr(model, "output_layer"):
-        model = model.module
-    return model
 
 
 def _chunks(model) -> list:
@@ -45,18 +37,13 @@ def _chunks(model) -> list:
 def _last_stage_layers(model) -> list:
     layers = []
     for chunk in _chunks(model):
-        gpt = _unwrap(chunk)
+        gpt = innermost(chunk)
         if getattr(gpt, "post_process", False) and getattr(gpt, "output_layer", None) is not None:
             if getattr(gpt, "mtp_process", False):
                 raise ValueError("the fused output layer / float32 LM head do not support multi-token prediction "
                                  "(mtp_num_layers is set on this model)")
             layers.append(gpt.output_layer)
     return layers
-
-
-def _tp_size(layer) -> int:
-    group = getattr(layer, "tp_group", None)
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -80,7 +67,7 @@ def _input_region(layer, x: Tensor) -> Tensor:
     )
     if layer.sequence_parallel:
         x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=layer.tp_group)
-    elif _tp_size(layer) > 1:
+    elif dispatch.group_size(layer.tp_group) > 1:
         x = copy_to_tensor_model_parallel_region(x, group=layer.tp_group)
     else:
         return x
@@ -141,33 +128,27 @@ def output_layer_mode(model) -> str | None:
 
 
 @contextlib.contextmanager
-def output_layer_mode_during(model, mode: str | None) -> Iterator[None]:
-    """The last-stage output layers of ``model`` in ``mode`` inside the block (``None``: untouched). A model already
-    in ``mode`` stays so on exit; one in the other mode is an error."""
-    if mode not in OUTPUT_LAYER_MODES:
-        raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {mode!r}")
-    switch = mode is not None and output_layer_mode(model) != mode
+def model_output_mode(model, output_layer: str | None) -> Iterator[None]:
+    """The mode of one pass of the hook: the last-stage output layers of ``model`` in ``output_layer`` (``None``:
+    untouched; a model already in that mode stays so on exit, one in the other mode is an error) and
+    ``Float16Module`` wrappers returning the model's dtype."""
+    if output_layer not in OUTPUT_LAYER_MODES:
+        raise ValueError(f"output layer mode must be one of {OUTPUT_LAYER_MODES}, got {output_layer!r}")
+    switch = output_layer is not None and output_layer_mode(model) != output_layer
     if switch:
-        (use_fused_output_layer if mode == "fused" else use_fp32_lm_head)(model)
+        (use_fused_output_layer if output_layer == "fused" else use_fp32_lm_head)(model)
     try:
-        yield
+        with model_dtype_output_during(model):
+            yield
     finally:
         if switch:
             restore_output_layer(model)
 
 
-@contextlib.contextmanager
-def model_output_mode(model, output_layer: str | None) -> Iterator[None]:
-    """The mode of one pass of the hook: the output layer in ``output_layer`` and ``Float16Module`` wrappers
-    returning the model's dtype."""
-    with output_layer_mode_during(model, output_layer), model_dtype_output_during(model):
-        yield
-
-
 def returns_hidden_states(model) -> bool:
     """Whether a chunk of ``model`` has its output layer in fused mode (reads the marker only; never raises)."""
     for chunk in _chunks(model):
-        layer = getattr(_unwrap(chunk), "output_layer", None)
+        layer = getattr(innermost(chunk), "output_layer", None)
         if layer is not None and getattr(layer, _MODE_ATTR, None) == "fused":
             return True
     return False
@@ -175,25 +156,25 @@ def returns_hidden_states(model) -> bool:
 
 def output_weight(model) -> Tensor:
     """The weight ``GPTModel`` hands its output layer: the embedding weight when tied, else its own."""
-    gpt = _unwrap(model)
+    gpt = innermost(model)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight
 
 
 def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float = 1.0,
-                    loss_mask: Tensor | None = None, kernels: str = "torch",
-                    chunk_size: int = 8192, support: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                    loss_mask: Tensor | None = None, kernels: str = "torch", chunk_size: int = CHUNK_COLUMNS,
+                    support: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``(log_probs, entropy)`` float32 shaped like ``labels`` (``[B, S]`` or flat ``[B*S]``) from the hidden states
     ``[B, S, H]`` (CP-local) of a fused-mode model: the vocabulary split over the output layer's TP group, the
     hidden gradient's TP sum left to the model's input region; ``hidden`` cast to the weight's dtype. ``support``:
     the sampling-support replay (torch code only)."""
-    gpt = _unwrap(model)
+    gpt = innermost(model)
     if getattr(gpt.output_layer, _MODE_ATTR, None) != "fused":
         raise ValueError("fused_log_probs needs a model switched with use_fused_output_layer(model) "
                          "(its forward must return hidden states)")
     layer = gpt.output_layer
-    group = layer.tp_group if _tp_size(layer) > 1 else None
+    group = layer.tp_group if dispatch.group_size(layer.tp_group) > 1 else None
     weight = output_weight(gpt)
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not end with the hidden size {weight.shape[1]}: "
@@ -203,16 +184,13 @@ def fused_log_probs(model, hidden: Tensor, labels: Tensor, *, temperature: float
             raise ValueError(f"hidden {tuple(hidden.shape)} has {hidden.numel() // hidden.shape[-1]} positions "
                              f"but labels has {labels.numel()}")
         hidden = hidden.reshape(-1, hidden.shape[-1])
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
+    hidden = hidden.to(weight.dtype)
+    common = dict(temperature=temperature, loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
     with torch.autocast(hidden.device.type, enabled=False):
         if support is None:
-            return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, loss_mask=loss_mask,
-                                               tp_group=group, reduce_hidden_grad=False, kernels=kernels,
-                                               chunk_size=chunk_size)
+            return fused_log_probs_and_entropy(hidden, weight, labels, kernels=kernels, chunk_size=chunk_size, **common)
         dispatch.torch_only("output_layer", kernels, "the sampling-support replay has no Triton kernel yet")
-        return fused_support_log_probs_and_entropy(hidden, weight, labels, support, temperature=temperature,
-                                                   loss_mask=loss_mask, tp_group=group, reduce_hidden_grad=False)
+        return fused_support_log_probs_and_entropy(hidden, weight, labels, support, **common)
 
 
 def float16_modules(model) -> list[torch.nn.Module]:
@@ -255,7 +233,7 @@ def warn_if_upcast_logits(logits: Tensor, model_chunk) -> None:
     if _warned or model_chunk is None or logits.dtype != torch.float32:
         return
     dtype = next((p.dtype for p in model_chunk.parameters()), None)
-    if dtype not in _HALF:
+    if dtype not in HALF:
         return
     _warned = True
     warnings.warn(

@@ -35,9 +35,6 @@ class Phase:
     call: str
     name: str = "its start"
 
-    def where(self) -> str:
-        return f"{self.name} of {self.call}"
-
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or "(no message)"
@@ -52,12 +49,6 @@ def _store() -> tuple[Any, int] | None:
         return distributed_c10d._get_default_store(), dist.get_rank()  # noqa: SLF001 - the job's rendezvous store
     except Exception:  # noqa: BLE001 - no store: errors pass unchanged
         return None
-
-
-def _broken_connection(e: BaseException) -> bool:
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _BROKEN)
 
 
 def withdraw() -> None:
@@ -80,7 +71,8 @@ def explain(e: BaseException, where: str) -> RankFailedError | None:
         return None
     store, rank = found
     try:
-        if _broken_connection(e):
+        if isinstance(e, getattr(dist, "DistError", ())) or (
+                isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _BROKEN)):
             if not store.check([KEY]):
                 with contextlib.suppress(Exception):
                     store.wait([KEY], timedelta(seconds=WAIT_S))
@@ -106,7 +98,7 @@ def reporting(phase: Phase) -> Iterator[Phase]:
     try:
         yield phase
     except Exception as e:
-        other = explain(e, phase.where())
+        other = explain(e, f"{phase.name} of {phase.call}")
         if other is None:
             raise
         raise other from e

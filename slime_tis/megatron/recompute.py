@@ -127,12 +127,7 @@ def forward_only_log_probs(forward_backward_func: Callable, forward_step_func: C
 def rollout_step_iterator(items: Any, step: int, num_microbatches: int) -> Any:
     """An iterator over optimizer step ``step``'s items of a rollout's items (from :func:`compute_old_log_probs`;
     one per virtual stage for a list of lists; ``None`` stays ``None``)."""
-    chunk = step_items(items, step, num_microbatches)
-    if chunk is None:
-        return None
-    if chunk and isinstance(items[0], list):
-        return [iter(c) if c is not None else None for c in chunk]
-    return iter(chunk)
+    return replay(step_items(items, step, num_microbatches), vpp=bool(items) and isinstance(items[0], list))
 
 
 def compute_old_log_probs(forward_backward_func: Callable, forward_step_func: Callable, data_iterator: Any,

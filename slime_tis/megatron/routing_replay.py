@@ -142,10 +142,16 @@ class RoutingReplay:
     def active(self, forward_step_func: Callable, *, training: bool) -> Iterator[Callable]:
         """For one schedule pass: the launcher's ``forward_step`` setting each item's routing on its chunk's MoE
         layers (``training``: the pass counts the metrics). Targets and actions are cleared on entry and exit."""
+        def forward_step(data_iterator: Any, model_chunk: Any, *args: Any, **kwargs: Any) -> Any:
+            slots = self._slots(model_chunk)
+            if slots and data_iterator is not None:
+                data_iterator = _begin_on_next(data_iterator, lambda item: self._begin(slots, item))
+            return forward_step_func(data_iterator, model_chunk, *args, **kwargs)
+
         self._clear_all()
         self._active, self._counting = True, training and self.count
         try:
-            yield self._wrap(forward_step_func)
+            yield forward_step
         finally:
             self._active = self._counting = False
             self._clear_all()
@@ -157,16 +163,6 @@ class RoutingReplay:
             if slot.router.router_replay is not None:
                 slot.router.router_replay.clear_indices()
                 slot.router.router_replay.clear_router_replay_action()
-
-    def _wrap(self, forward_step_func: Callable) -> Callable:
-
-        def forward_step(data_iterator: Any, model_chunk: Any, *args: Any, **kwargs: Any) -> Any:
-            slots = self._slots(model_chunk)
-            if slots and data_iterator is not None:
-                data_iterator = _begin_on_next(data_iterator, lambda item: self._begin(slots, item))
-            return forward_step_func(data_iterator, model_chunk, *args, **kwargs)
-
-        return forward_step
 
     def _begin(self, slots: list[_Slot], item: Any) -> None:
         from megatron.core import parallel_state as ps
@@ -207,8 +203,7 @@ class RoutingReplay:
             engine = experts[:, slot.moe_index]
             slot.engine, slot.valid, slot.fresh = engine, mask & routed[:, slot.moe_index], True
             if self.replay:
-                rr = slot.router.router_replay
-                rr.set_target_indices(torch.where(engine >= 0, engine, fill).long())
+                slot.router.router_replay.set_target_indices(torch.where(engine >= 0, engine, fill).long())
 
     def _pre_hook(self, slot: _Slot) -> Callable:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction

@@ -7,6 +7,7 @@ replaces ``train_rl.forward_step``) and ``rl_utils``' update preparation (``roll
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import runpy
@@ -33,12 +34,9 @@ def _with_tis_args(call: Callable) -> Callable:
     return with_tis_args
 
 
-def megatron_rl_reader(args, rl_utils=None):
+def megatron_rl_reader(args, rl_utils):
     """The iterator's element -> the item, as ``train_rl.forward_step`` reads it: a packed bin index through
     ``rl_utils.load_packed_data_by_index``, an unpacked element as it is."""
-    if rl_utils is None:
-        from megatron.rl import rl_utils
-
     def read(element):
         if not args.rl_use_sequence_packing:
             return element
@@ -91,11 +89,9 @@ def install(training_module, session: Session | None = None) -> None:
     takes one, megatron-core <= 0.17) and ``parse_and_validate_args`` (there and in its ``arguments`` module) in
     place."""
     original = pretrain = training_module.pretrain
-    try:
+    with contextlib.suppress(TypeError, ValueError):  # no signature to read (a C function)
         if "extra_args_provider" in inspect.signature(pretrain).parameters:
             pretrain = _with_tis_args(pretrain)
-    except (TypeError, ValueError):  # no signature to read (a C function)
-        pass
 
     @functools.wraps(original)
     def pretrain_with_tis(*args, **kwargs):

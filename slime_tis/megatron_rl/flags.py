@@ -150,20 +150,14 @@ def resolve_megatron_rl_flags(args: Any) -> MegatronRLFlags:
                          "inference engine records them under --moe-enable-routing-replay, but rl_utils does not carry "
                          "them into the training data), so there is none to replay; remove the flag "
                          "(docs/megatron.md, routing replay)")
-    _warn_truncated_sampling(args)
-    sampled = bool(f.get("entropy_coef")) and not t.ours("entropy_coef")
-    return MegatronRLFlags(TISConfig(**f), sampled_entropy=sampled)
-
-
-def _warn_truncated_sampling(args: Any) -> None:
-    """Warn where Megatron-LM samples from a truncated distribution (top-p in (0, 1) or top-k > 0): every ratio then
-    carries the log of the kept mass (docs/sampling_support.md)."""
     top_p, top_k = getattr(args, "rl_default_top_p", 0) or 0, getattr(args, "rl_default_top_k", -1) or -1
-    if 0 < top_p < 1 or top_k > 0:
+    if 0 < top_p < 1 or top_k > 0:  # a truncated distribution: every ratio carries the log of the kept mass
         warnings.warn(f"--rl-default-top-p {top_p:g} / --rl-default-top-k {top_k}: the engine samples from a "
                       "truncated distribution and returns no support to replay, so every importance ratio carries "
                       "the log of the kept mass (a bias no bound removes); sample with --rl-default-top-p 0 "
-                      "--rl-default-top-k -1 for unbiased ratios (docs/sampling_support.md)", stacklevel=3)
+                      "--rl-default-top-k -1 for unbiased ratios (docs/sampling_support.md)", stacklevel=2)
+    sampled = bool(f.get("entropy_coef")) and not t.ours("entropy_coef")
+    return MegatronRLFlags(TISConfig(**f), sampled_entropy=sampled)
 
 
 def config_from_megatron_rl_args(args: Any) -> TISConfig:

@@ -105,11 +105,16 @@ def item_to_batch(item: tuple, cfg: TISConfig, *, packed: bool, cp: tuple[int, i
         cu = torch.arange(rows + 1, dtype=torch.int64, device=mask.device) * t_row
         adv_tok = adv.reshape(-1, 1).to(torch.float32).expand(rows, t_row).reshape(-1)
         b = None
-    batch = TISBatch(labels=tokens[:, 1:].reshape(-1).to(torch.int64), loss_mask=mask, advantages=adv_tok,
-                     cu_seqlens=cu, rollout_log_probs=_f32(inf) if cfg.algorithm != 0 else None,
-                     old_log_probs=_f32(old) if cfg.needs_old_log_probs else None,
-                     ref_log_probs=_f32(ref) if cfg.kl_coef else None)
-    return batch, tokens, pos, b
+    return _batch(cfg, tokens[:, 1:], mask, adv_tok, cu, old, ref, inf, _f32), tokens, pos, b
+
+
+def _batch(cfg: TISConfig, labels: Tensor, mask: Tensor, adv: Tensor, cu: Tensor, old: Tensor | None,
+           ref: Tensor | None, inf: Tensor | None, log_probs: Callable) -> TISBatch:
+    """The ``TISBatch``, with ``log_probs`` of the inference / old / reference log-probs the configuration reads."""
+    return TISBatch(labels=labels.reshape(-1).to(torch.int64), loss_mask=mask, advantages=adv, cu_seqlens=cu,
+                    rollout_log_probs=log_probs(inf) if cfg.algorithm != 0 else None,
+                    old_log_probs=log_probs(old) if cfg.needs_old_log_probs else None,
+                    ref_log_probs=log_probs(ref) if cfg.kl_coef else None)
 
 
 def _cp_rows_to_batch(item: tuple, cfg: TISConfig, cp_size: int, cp_rank: int
@@ -125,14 +130,9 @@ def _cp_rows_to_batch(item: tuple, cfg: TISConfig, cp_size: int, cp_rank: int
         return None if x is None else _f32(part(row_grid(x.reshape(rows, -1).to(torch.float32))))
 
     labels = part(row_grid(tokens[:, 1:]))
-    local = labels.shape[1]
-    batch = TISBatch(labels=labels.reshape(-1).to(torch.int64), loss_mask=grid(mask[:, 1:]),
-                     advantages=part(adv.reshape(-1, 1).to(torch.float32).expand(tokens.shape)).reshape(-1),
-                     cu_seqlens=torch.arange(rows + 1, dtype=torch.int64, device=tokens.device) * local,
-                     rollout_log_probs=grid(inf) if cfg.algorithm != 0 else None,
-                     old_log_probs=grid(old) if cfg.needs_old_log_probs else None,
-                     ref_log_probs=grid(ref) if cfg.kl_coef else None)
-    return batch, part(tokens), part(pos), None
+    cu = torch.arange(rows + 1, dtype=torch.int64, device=tokens.device) * labels.shape[1]
+    adv_tok = part(adv.reshape(-1, 1).to(torch.float32).expand(tokens.shape)).reshape(-1)
+    return _batch(cfg, labels, grid(mask[:, 1:]), adv_tok, cu, old, ref, inf, grid), part(tokens), part(pos), None
 
 
 @dataclass(frozen=True)
@@ -228,11 +228,10 @@ class RLHost:
     def from_args(cls, args: Any, num_microbatches: int | Callable[[], int], **kw) -> RLHost:
         """From Megatron-LM's parsed arguments (``megatron.training.get_args()``)."""
         refuse_interleaved_pipeline(args)
-        refuse_context_parallel(getattr(args, "context_parallel_size", 1),
-                                packed=bool(getattr(args, "rl_use_sequence_packing", False)))
+        packed = bool(getattr(args, "rl_use_sequence_packing", False))
+        refuse_context_parallel(getattr(args, "context_parallel_size", 1), packed=packed)
         flags = resolve_megatron_rl_flags(args)
-        return cls(flags.cfg, num_microbatches,
-                   packed=bool(getattr(args, "rl_use_sequence_packing", False)),
+        return cls(flags.cfg, num_microbatches, packed=packed,
                    temperature=float(getattr(args, "rl_default_temperature", 1.0) or 1.0),
                    per_token=bool(getattr(args, "calculate_per_token_loss", False)),
                    sampled_entropy=flags.sampled_entropy, **kw)

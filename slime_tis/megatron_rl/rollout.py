@@ -49,14 +49,6 @@ class RolloutHooks:
         self._appended: int | None = None  # the current collection's (None: not checked, algorithm 0)
         self._calls: int | None = None  # compute_logprobs_batch calls inside prepare_data_for_update
 
-    def install(self) -> None:
-        rl = self.rl_utils
-        if not callable(getattr(rl, "prepare_trajectories", None)):
-            raise RuntimeError("slime_tis.megatron_rl: rl_utils has no prepare_trajectories; this Megatron-LM "
-                               "version is not supported")
-        rl.prepare_data_for_update = self._wrap_prepare(rl.prepare_data_for_update)
-        rl.compute_logprobs_batch = self._wrap_compute(rl.compute_logprobs_batch)
-
     def _wrap_prepare(self, prepare: Callable) -> Callable:
         signature = inspect.signature(prepare)
         if "is_correction" not in signature.parameters:
@@ -237,6 +229,10 @@ def check_inference_log_probs(generation_masks: Tensor, inference: list, cfg: An
 def install_rollout(rl_utils: Any, host: Callable[[], RLHost], read_item: Callable[[Any], Any],
                     args: Callable[[], Any]) -> RolloutHooks:
     """Wrap ``rl_utils``' ``prepare_data_for_update`` and ``compute_logprobs_batch``; returns the hooks."""
+    if not callable(getattr(rl_utils, "prepare_trajectories", None)):
+        raise RuntimeError("slime_tis.megatron_rl: rl_utils has no prepare_trajectories; this Megatron-LM "
+                           "version is not supported")
     hooks = RolloutHooks(rl_utils, host, read_item, args)
-    hooks.install()
+    rl_utils.prepare_data_for_update = hooks._wrap_prepare(rl_utils.prepare_data_for_update)
+    rl_utils.compute_logprobs_batch = hooks._wrap_compute(rl_utils.compute_logprobs_batch)
     return hooks
