@@ -119,6 +119,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
     drop = cfg.plan.drop_rejected
     bn = step_batch_norm(cfg)
     search_step = step_searches(cfg)
+    corrects = step_corrects(cfg)
     corrections: list[tuple[Tensor, Tensor | None, TISResult | None]] = []  # (lp_train, lp_theta, result) per batch
     for k, b in enumerate(batches):
         if row.needs_pi_old and b.old_log_probs is None and not pi_old_from_theta:
@@ -128,7 +129,7 @@ def step_totals(cfg: TISConfig, batches: list[TISBatch], reducer: Reducer, *,
             raise ValueError(f"micro-batch {k}: algorithm {row.number} needs rollout_log_probs in its TISBatch")
         lp_theta = pre_log_probs[k] if pre_log_probs else None
         res = lp_train = None
-        if step_corrects(cfg):
+        if corrects:
             lp_train = b.old_log_probs if row.needs_pi_old else lp_theta
             if lp_train is None:  # 1/3 without a rejecting rule: only non-finite data can reject
                 lp_train = b.rollout_log_probs

@@ -18,6 +18,7 @@ and in turn, skipping any port something is bound to. A launch whose agent still
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -211,3 +212,8 @@ def _run_tagged(cmd: list[str], *, timeout: float, env: dict | None, what: str) 
     finally:
         kill_tagged(tag)  # whatever outlived the launch (a daemon that closed its output)
     return proc.returncode, log
+
+
+def rank_outputs(out: Path, nproc: int) -> list[dict]:
+    """The JSON each rank of a launch wrote to ``out / rank{r}.json``, in rank order."""
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from uneven_worker import LoggingReducer
+from uneven_worker import LoggingReducer, pack
 
 from slime_tis import TISConfig, policy_loss
 from slime_tis.core import LocalReducer
@@ -103,13 +103,6 @@ def zigzag(mb: dict[str, list[torch.Tensor]], cp: int) -> dict[str, list[torch.T
             out[k].append(torch.cat([mb[k][i][bounds[j]:bounds[j + 1]] for j in mine]))
         out["chunk"].append(torch.cat([torch.full((bounds[j + 1] - bounds[j],), j) for j in mine]))
     return out
-
-
-def pack(mb: dict[str, list[torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    lengths = torch.tensor([len(v) for v in mb["old"]])
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return {k: torch.cat(v) for k, v in mb.items()}, cu
 
 
 def merge(mbs: list[dict[str, list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:

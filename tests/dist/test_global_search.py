@@ -11,12 +11,11 @@ test_uneven_ranks.py).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
-from _launch import torchrun
+from _launch import rank_outputs, torchrun
 
 from slime_tis.core.search import SEARCH_STEPS
 
@@ -31,7 +30,7 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("search")
     torchrun(HERE / "search_worker.py", ["--out", str(out)], nproc=4, timeout=240,
              env={"PYTHONPATH": str(ROOT)}, what="global search")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return rank_outputs(out, 4)
 
 
 @pytest.mark.dist

@@ -17,11 +17,10 @@ relative (max-abs) on gradients (float32 rounding of O(H) and O(V) sums, summed 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _launch import torchrun
+from _launch import rank_outputs, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -34,7 +33,7 @@ def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("kernels_ol_tp")
     torchrun(HERE / "kernels_output_layer_worker.py", ["--out", str(out)], timeout=TIMEOUT_S,
              env={"TRITON_INTERPRET": "1"})
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return rank_outputs(out, 2)
 
 
 def _of(results, name):

@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-from _launch import torchrun  # noqa: E402
+from _launch import rank_outputs, torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -32,7 +31,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("agreement")
     torchrun(HERE / "agreement_worker.py", ["--out", str(out)], nproc=2, timeout=LAUNCH_TIMEOUT_S,
              what="rank agreement")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return rank_outputs(out, 2)
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

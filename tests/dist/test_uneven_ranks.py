@@ -11,12 +11,11 @@ losses) to ~1e-6 relative: rel 1e-5, abs 1e-6.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
-from _launch import torchrun
+from _launch import rank_outputs, torchrun
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -31,7 +30,7 @@ def ranks(tmp_path_factory):
     # a data-dependent collective hangs: the launcher's timeout turns that into a failure
     torchrun(HERE / "uneven_worker.py", ["--out", str(out)], nproc=4, timeout=400,
              env={"PYTHONPATH": str(ROOT)}, what="uneven ranks")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return rank_outputs(out, 4)
 
 
 @pytest.mark.dist
